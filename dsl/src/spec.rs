@@ -1,0 +1,691 @@
+//! The checked specification: what a `.moe` file means.
+//!
+//! A [`Spec`] is produced only by the checker (`check.rs`), so every value in
+//! it has passed the range and consistency checks listed in `DESIGN.md`: a
+//! consumer never re-validates. Blocks refer to each other through typed
+//! handles ([`ModelId`], [`ClusterId`], [`TilesId`]); spans live in a side
+//! table ([`crate::SpanTable`]), so two specs that differ only in layout or
+//! comments compare equal and hash alike.
+//!
+//! Units are resolved: sizes are bytes, times seconds, bandwidths bytes/s,
+//! compute rates FLOP/s, arrival rates requests/s.
+//!
+//! ```text
+//! model NAME {                       → Model
+//!   layers hidden vocab [tie_embeddings rope_theta rms_eps]
+//!   dense { layers ffn }             → Model::dense (leading dense layers)
+//!   attention gqa { heads kv_heads head_dim [qk_norm rope_dim sinks] }
+//!   attention mla { heads [q_lora] kv_lora qk_nope qk_rope v_head }
+//!   sliding_window { size pattern = [sliding, full, …] }
+//!   moe { experts top_k expert_ffn [shared_experts shared_ffn activation]
+//!         routing softmax_topk { [norm_topk] }
+//!         routing sigmoid_grouped { groups top_groups scaling [norm_topk bias] } }
+//!   dtype { weights [experts activations block_scale] }
+//! }
+//! cluster NAME { nodes gpus_per_node gpu NAME { … } scale_up NAME { … } [scale_out NAME { … }] }
+//! tiles NAME { prefill { layout gate_up { … } down { … } } decode { … } }
+//! deploy NAME { model cluster tiles slo { } workload { } [strategy switch { } placement { } memory_fraction] }
+//! ```
+
+use serde::{Deserialize, Serialize};
+
+macro_rules! handle {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+        #[serde(transparent)]
+        pub struct $name(pub u32);
+        impl $name {
+            pub fn index(self) -> usize { self.0 as usize }
+        }
+    };
+}
+handle!(
+    /// Index of a [`Model`] in [`Spec::models`].
+    ModelId
+);
+handle!(
+    /// Index of a [`Cluster`] in [`Spec::clusters`].
+    ClusterId
+);
+handle!(
+    /// Index of a [`Tiles`] in [`Spec::tiles`].
+    TilesId
+);
+handle!(
+    /// Index of a [`Deploy`] in [`Spec::deploys`].
+    DeployId
+);
+
+/// Every block of a checked file and the files it `use`s, in declaration order.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Spec {
+    pub models: Vec<Model>,
+    pub clusters: Vec<Cluster>,
+    pub tiles: Vec<Tiles>,
+    pub deploys: Vec<Deploy>,
+}
+
+impl Spec {
+    pub fn model(&self, id: ModelId) -> &Model {
+        &self.models[id.index()]
+    }
+    pub fn cluster(&self, id: ClusterId) -> &Cluster {
+        &self.clusters[id.index()]
+    }
+    pub fn tile_set(&self, id: TilesId) -> &Tiles {
+        &self.tiles[id.index()]
+    }
+    pub fn deploy(&self, id: DeployId) -> &Deploy {
+        &self.deploys[id.index()]
+    }
+    pub fn deploy_ids(&self) -> impl Iterator<Item = DeployId> {
+        (0..self.deploys.len() as u32).map(DeployId)
+    }
+    pub fn find_deploy(&self, name: &str) -> Option<DeployId> {
+        self.deploys
+            .iter()
+            .position(|d| d.name == name)
+            .map(|i| DeployId(i as u32))
+    }
+    /// The blocks one deployment uses, as a self-contained spec (handles
+    /// renumbered to 0). Its canonical JSON is what bundles hash.
+    pub fn deployment(&self, id: DeployId) -> Spec {
+        let d = self.deploy(id);
+        let mut d2 = d.clone();
+        d2.model = ModelId(0);
+        d2.cluster = ClusterId(0);
+        d2.tiles = TilesId(0);
+        Spec {
+            models: vec![self.model(d.model).clone()],
+            clusters: vec![self.cluster(d.cluster).clone()],
+            tiles: vec![self.tile_set(d.tiles).clone()],
+            deploys: vec![d2],
+        }
+    }
+}
+
+// ───────────────────────────── model ─────────────────────────────
+
+/// `model NAME { … }`: a decoder-only MoE transformer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Model {
+    pub name: String,
+    /// Total transformer layers, dense and MoE.
+    pub layers: u32,
+    /// Hidden size H.
+    pub hidden: u32,
+    pub vocab: u32,
+    /// Whether the LM head shares the embedding matrix.
+    pub tie_embeddings: bool,
+    pub rope_theta: f64,
+    pub rms_eps: f64,
+    /// Leading dense layers (`dense { layers ffn }`), DeepSeek-style.
+    pub dense: Option<DenseLayers>,
+    pub attention: Attention,
+    pub sliding_window: Option<SlidingWindow>,
+    pub moe: Moe,
+    pub dtype: Dtypes,
+}
+
+/// The first `layers` layers use a dense SwiGLU FFN of size `ffn` instead of MoE.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DenseLayers {
+    pub layers: u32,
+    pub ffn: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Attention {
+    /// Grouped-query attention (`attention gqa { … }`).
+    Gqa {
+        heads: u32,
+        kv_heads: u32,
+        head_dim: u32,
+        /// RMSNorm on q and k per head (Qwen3, MiniMax-M2).
+        qk_norm: bool,
+        /// Rotary dimensions per head; `head_dim` unless partial RoPE.
+        rope_dim: u32,
+        /// Learned per-head attention sinks (GPT-OSS).
+        sinks: bool,
+    },
+    /// Multi-head latent attention (`attention mla { … }`), DeepSeek-V3 style.
+    Mla {
+        heads: u32,
+        /// Rank of the query down-projection; `None` projects q directly.
+        q_lora: Option<u32>,
+        kv_lora: u32,
+        qk_nope: u32,
+        qk_rope: u32,
+        v_head: u32,
+    },
+}
+
+impl Attention {
+    pub fn heads(&self) -> u32 {
+        match *self {
+            Attention::Gqa { heads, .. } | Attention::Mla { heads, .. } => heads,
+        }
+    }
+}
+
+/// `sliding_window { size pattern }`: layer i uses `pattern[i % len]`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SlidingWindow {
+    pub size: u32,
+    pub pattern: Vec<LayerAttn>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LayerAttn {
+    Sliding,
+    Full,
+}
+
+/// `moe { … }`: the routed and shared experts of every non-dense layer.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Moe {
+    /// Routed experts per layer E.
+    pub experts: u32,
+    /// Experts each token is routed to.
+    pub top_k: u32,
+    /// Intermediate size I of one routed expert.
+    pub expert_ffn: u32,
+    pub shared_experts: u32,
+    /// Intermediate size of one shared expert (defaults to `expert_ffn`).
+    pub shared_ffn: u32,
+    pub activation: Activation,
+    pub routing: Routing,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Activation {
+    /// SwiGLU: `silu(gate) * up`.
+    Silu,
+    /// GPT-OSS's clamped SwiGLU variant.
+    SwigluOai,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Routing {
+    /// Softmax over all router logits, top-k, optionally renormalized over the k.
+    SoftmaxTopk { norm_topk: bool },
+    /// DeepSeek-V3: sigmoid scores (+ a learned correction bias for selection
+    /// only), experts split into `groups`; keep the `top_groups` groups with
+    /// the best top-2 sums, top-k inside them, optionally renormalize, then
+    /// multiply by `scaling`.
+    SigmoidGrouped {
+        groups: u32,
+        top_groups: u32,
+        scaling: f64,
+        norm_topk: bool,
+        bias: bool,
+    },
+}
+
+/// Storage types.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Dtypes {
+    /// Non-expert weights.
+    pub weights: DType,
+    /// Routed and shared expert weights.
+    pub experts: DType,
+    /// Activations exchanged between attention and experts.
+    pub activations: DType,
+    /// Block-scale shape `[rows, cols]` for fp8 weights.
+    pub block_scale: Option<[u32; 2]>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DType {
+    Bf16,
+    Fp8E4m3,
+    /// OCP microscaling fp4 with an e8m0 scale per 32 values.
+    Mxfp4,
+}
+
+impl DType {
+    /// Storage bits per element, including amortized scales where
+    /// `block` is the fp8 block-scale shape.
+    pub fn bits_per_element(self, block: Option<[u32; 2]>) -> f64 {
+        match self {
+            DType::Bf16 => 16.0,
+            DType::Fp8E4m3 => {
+                let scale = block.map_or(0.0, |[r, c]| 32.0 / f64::from(r.max(1) * c.max(1)));
+                8.0 + scale
+            }
+            DType::Mxfp4 => 4.0 + 8.0 / 32.0,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::Bf16 => "bf16",
+            DType::Fp8E4m3 => "fp8_e4m3",
+            DType::Mxfp4 => "mxfp4",
+        }
+    }
+}
+
+/// Parameter counts of a [`Model`], by component.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParamCount {
+    pub embedding: u64,
+    pub lm_head: u64,
+    pub attention: u64,
+    pub norms: u64,
+    pub dense_ffn: u64,
+    pub router: u64,
+    pub routed_experts: u64,
+    pub shared_experts: u64,
+}
+
+impl ParamCount {
+    pub fn total(&self) -> u64 {
+        self.embedding
+            + self.lm_head
+            + self.attention
+            + self.norms
+            + self.dense_ffn
+            + self.router
+            + self.routed_experts
+            + self.shared_experts
+    }
+}
+
+impl Model {
+    pub fn moe_layers(&self) -> u32 {
+        self.layers - self.dense.map_or(0, |d| d.layers)
+    }
+
+    /// Attention projection parameters of one layer (including q/k norms).
+    pub fn attention_params_per_layer(&self) -> u64 {
+        let h = u64::from(self.hidden);
+        match self.attention {
+            Attention::Gqa {
+                heads,
+                kv_heads,
+                head_dim,
+                qk_norm,
+                sinks,
+                ..
+            } => {
+                let (q, kv, d) = (u64::from(heads), u64::from(kv_heads), u64::from(head_dim));
+                h * q * d
+                    + 2 * h * kv * d
+                    + q * d * h
+                    + if qk_norm { 2 * d } else { 0 }
+                    + if sinks { q } else { 0 }
+            }
+            Attention::Mla {
+                heads,
+                q_lora,
+                kv_lora,
+                qk_nope,
+                qk_rope,
+                v_head,
+            } => {
+                let (n, kv, nope, rope, v) = (
+                    u64::from(heads),
+                    u64::from(kv_lora),
+                    u64::from(qk_nope),
+                    u64::from(qk_rope),
+                    u64::from(v_head),
+                );
+                let q = match q_lora {
+                    Some(r) => h * u64::from(r) + u64::from(r) + u64::from(r) * n * (nope + rope),
+                    None => h * n * (nope + rope),
+                };
+                q + h * (kv + rope) + kv + kv * n * (nope + v) + n * v * h
+            }
+        }
+    }
+
+    /// Parameters of one routed expert (gate, up, down).
+    pub fn expert_params(&self) -> u64 {
+        3 * u64::from(self.hidden) * u64::from(self.moe.expert_ffn)
+    }
+
+    pub fn params(&self) -> ParamCount {
+        let h = u64::from(self.hidden);
+        let layers = u64::from(self.layers);
+        let moe_layers = u64::from(self.moe_layers());
+        let dense = self
+            .dense
+            .map_or(0, |d| u64::from(d.layers) * 3 * h * u64::from(d.ffn));
+        ParamCount {
+            embedding: u64::from(self.vocab) * h,
+            lm_head: if self.tie_embeddings {
+                0
+            } else {
+                u64::from(self.vocab) * h
+            },
+            attention: layers * self.attention_params_per_layer(),
+            norms: layers * 2 * h + h,
+            dense_ffn: dense,
+            router: moe_layers * u64::from(self.moe.experts) * h,
+            routed_experts: moe_layers * u64::from(self.moe.experts) * self.expert_params(),
+            shared_experts: moe_layers
+                * u64::from(self.moe.shared_experts)
+                * 3
+                * h
+                * u64::from(self.moe.shared_ffn),
+        }
+    }
+
+    /// Parameters touched per token (shared, dense and top-k routed experts).
+    pub fn active_params(&self) -> u64 {
+        let p = self.params();
+        let routed_active =
+            u64::from(self.moe_layers()) * u64::from(self.moe.top_k) * self.expert_params();
+        p.total() - p.routed_experts + routed_active
+    }
+
+    /// Bytes of all weights as stored: experts in `dtype.experts`, the rest in
+    /// `dtype.weights` (embeddings, norms and the router stay bf16).
+    pub fn weight_bytes(&self) -> u64 {
+        let p = self.params();
+        let bits = |dt: DType| dt.bits_per_element(self.dtype.block_scale);
+        let expert_bits = (p.routed_experts + p.shared_experts) as f64 * bits(self.dtype.experts);
+        let linear_bits = (p.attention + p.dense_ffn) as f64 * bits(self.dtype.weights);
+        let bf16_bits = (p.embedding + p.lm_head + p.norms + p.router) as f64 * 16.0;
+        ((expert_bits + linear_bits + bf16_bits) / 8.0).ceil() as u64
+    }
+
+    /// Bytes of one routed expert's weights.
+    pub fn expert_bytes(&self) -> u64 {
+        (self.expert_params() as f64 * self.dtype.experts.bits_per_element(self.dtype.block_scale)
+            / 8.0)
+            .ceil() as u64
+    }
+
+    /// KV-cache bytes per token per layer (bf16 cache).
+    pub fn kv_bytes_per_token_layer(&self) -> u64 {
+        match self.attention {
+            Attention::Gqa {
+                kv_heads, head_dim, ..
+            } => 2 * u64::from(kv_heads) * u64::from(head_dim) * 2,
+            Attention::Mla {
+                kv_lora, qk_rope, ..
+            } => (u64::from(kv_lora) + u64::from(qk_rope)) * 2,
+        }
+    }
+}
+
+// ───────────────────────────── cluster ─────────────────────────────
+
+/// `cluster NAME { … }`: identical nodes of identical GPUs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Cluster {
+    pub name: String,
+    pub nodes: u32,
+    pub gpus_per_node: u32,
+    pub gpu: Gpu,
+    /// Intra-node fabric (NVLink), per GPU per direction.
+    pub scale_up: Link,
+    /// Inter-node fabric; required when `nodes > 1`.
+    pub scale_out: Option<ScaleOut>,
+}
+
+impl Cluster {
+    pub fn world_size(&self) -> u32 {
+        self.nodes * self.gpus_per_node
+    }
+}
+
+/// `gpu NAME { … }`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Gpu {
+    pub name: String,
+    pub arch: Arch,
+    pub sms: u32,
+    pub hbm: u64,
+    pub hbm_bandwidth: f64,
+    pub bf16_flops: f64,
+    pub fp8_flops: Option<f64>,
+    pub smem_per_sm: u64,
+    /// Largest dynamic shared memory one block may use.
+    pub smem_per_block: u64,
+    pub l2: u64,
+}
+
+/// The compute capability kernels are generated for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Arch {
+    /// Ampere (A100): `mma.sync`, `cp.async`.
+    Sm80,
+    /// Hopper with arch-specific features (H100/H800/H200): wgmma, TMA, clusters.
+    Sm90a,
+}
+
+impl Arch {
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Sm80 => "sm_80",
+            Arch::Sm90a => "sm_90a",
+        }
+    }
+    /// The MMA instruction shape `[m, n, k]` for 16-bit inputs; k doubles for fp8.
+    pub fn mma_shape(self, dtype: DType) -> [u32; 3] {
+        let k = if dtype == DType::Bf16 { 16 } else { 32 };
+        match self {
+            Arch::Sm80 => [16, 8, k],
+            // One warpgroup's wgmma covers 64 rows.
+            Arch::Sm90a => [64, 8, k],
+        }
+    }
+    /// Whether thread-block clusters exist on this architecture.
+    pub fn has_clusters(self) -> bool {
+        self == Arch::Sm90a
+    }
+}
+
+/// `scale_up NAME { bandwidth latency }`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Link {
+    pub name: String,
+    pub bandwidth: f64,
+    pub latency: f64,
+}
+
+/// `scale_out NAME { nics_per_node bandwidth latency virtual_lanes }`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ScaleOut {
+    pub name: String,
+    pub nics_per_node: u32,
+    /// Per NIC, per direction.
+    pub bandwidth: f64,
+    pub latency: f64,
+    pub virtual_lanes: u32,
+}
+
+// ───────────────────────────── tiles ─────────────────────────────
+
+/// `tiles NAME { prefill { … } decode { … } }`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Tiles {
+    pub name: String,
+    pub prefill: PhaseTiles,
+    pub decode: PhaseTiles,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    Prefill,
+    Decode,
+}
+
+impl Tiles {
+    pub fn phase(&self, phase: Phase) -> &PhaseTiles {
+        match phase {
+            Phase::Prefill => &self.prefill,
+            Phase::Decode => &self.decode,
+        }
+    }
+}
+
+/// The grouped-GEMM tiles of one phase.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PhaseTiles {
+    pub layout: Layout,
+    pub gate_up: Tile,
+    pub down: Tile,
+}
+
+/// How routed rows are arranged for the grouped GEMM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Layout {
+    /// Rows of all experts packed back to back, each expert padded to `block_m`.
+    Contiguous,
+    /// A fixed `[experts, max_rows]` buffer with a per-expert row count.
+    Masked,
+}
+
+/// One GEMM's tile: block sizes, CTA-cluster shape and pipeline depth.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Tile {
+    pub block_m: u32,
+    pub block_n: u32,
+    pub block_k: u32,
+    /// CTA-cluster shape `[x, y]`.
+    pub cluster: [u32; 2],
+    pub stages: u32,
+}
+
+impl Tile {
+    /// Shared memory of the pipeline plus the epilogue staging tile.
+    pub fn smem_bytes(&self, input: DType) -> u64 {
+        let elt = if input == DType::Bf16 { 2 } else { 1 };
+        let stage =
+            (u64::from(self.block_m) + u64::from(self.block_n)) * u64::from(self.block_k) * elt;
+        let epilogue = u64::from(self.block_m) * u64::from(self.block_n) * 2;
+        u64::from(self.stages) * stage + epilogue
+    }
+}
+
+// ───────────────────────────── deploy ─────────────────────────────
+
+/// `deploy NAME { … }`: a model on a cluster with tiles and goals.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Deploy {
+    pub name: String,
+    pub model: ModelId,
+    pub cluster: ClusterId,
+    pub tiles: TilesId,
+    pub slo: Slo,
+    pub workload: Workload,
+    pub strategy: Strategy,
+    pub switch: SwitchPolicy,
+    pub placement: Placement,
+    /// Fraction of each GPU's HBM the serving stack may use.
+    pub memory_fraction: f64,
+}
+
+/// Latency targets in seconds.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Slo {
+    pub ttft: f64,
+    pub tpot: f64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Workload {
+    pub input: LengthDist,
+    pub output: LengthDist,
+    pub arrival: Arrival,
+}
+
+/// A distribution of token counts.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum LengthDist {
+    Fixed {
+        value: u32,
+    },
+    Uniform {
+        min: u32,
+        max: u32,
+    },
+    /// Log-normal with the given mean and log-space sigma, truncated at `max`.
+    Lognormal {
+        mean: f64,
+        sigma: f64,
+        max: u32,
+    },
+    /// ShareGPT-like chat lengths.
+    Sharegpt,
+    /// LooGLE-like long documents.
+    Loogle,
+    /// RL rollout: 2048-token prompts, heavy-tailed outputs up to a cap.
+    Rollout,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Arrival {
+    pub process: ArrivalProcess,
+    /// Mean requests per second.
+    pub rate: f64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum ArrivalProcess {
+    Poisson,
+    /// Gamma inter-arrivals with shape `burstiness` (1 = Poisson, < 1 burstier).
+    Gamma {
+        burstiness: f64,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Strategy {
+    /// Shared MoE servers with per-phase attention servers (ExpertPlex).
+    Expertplex,
+    /// Instance-level prefill/decode disaggregation.
+    PdDisagg,
+    /// DP attention + EP experts, both phases on every GPU.
+    Colocated,
+    /// Let the planner choose.
+    Auto,
+}
+
+/// The TP↔EP switch policy (Moebius §4.5).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SwitchPolicy {
+    pub enabled: bool,
+    /// In TP, switch to EP when in-flight requests exceed T_h; `None` = calibrate.
+    pub t_high: Option<u32>,
+    /// In EP, switch to TP when the mean over the window is below T_ℓ;
+    /// `None` = 0.8·T_h.
+    pub t_low: Option<u32>,
+    /// Window W in iterations.
+    pub window: u32,
+    /// Cooldown C in seconds.
+    pub cooldown: f64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Placement {
+    pub policy: PlacementPolicy,
+    /// Extra expert replicas across the cluster, per MoE layer.
+    pub redundant_experts: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PlacementPolicy {
+    /// Experts striped contiguously over ranks, one copy each.
+    None,
+    /// DeepSeek's expert-parallel load balancer.
+    Eplb,
+    /// Zepp: locality-preferred replica placement and routing.
+    Zepp,
+}

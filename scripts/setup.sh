@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs the real-toolchain tier's tools into a project-local, git-ignored folder.
+# Idempotent: every step is skipped when what it installs is already there.
+#
+#   .toolchain/venv          Python venv holding NVIDIA's nvcc/ptxas wheels (no GPU needed)
+#
+# Prints the path of nvcc on its last line, for `export MOEFORGE_NVCC=...`.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+venv="$root/.toolchain/venv"
+wheels=(nvidia-cuda-nvcc nvidia-cuda-crt nvidia-nvvm nvidia-cuda-runtime nvidia-cuda-cccl)
+
+find_nvcc() {
+  local f
+  for f in "$venv"/lib/python3*/site-packages/nvidia/cu*/bin/nvcc; do
+    [ -x "$f" ] && { echo "$f"; return 0; }
+  done
+  return 1
+}
+
+if ! nvcc=$(find_nvcc); then
+  echo "setup: installing nvcc wheels into $venv" >&2
+  [ -x "$venv/bin/pip" ] || python3 -m venv "$venv"
+  "$venv/bin/pip" install --quiet --disable-pip-version-check "${wheels[@]}" >&2
+  nvcc=$(find_nvcc) || { echo "setup: nvcc not found after install" >&2; exit 1; }
+fi
+"$nvcc" --version >/dev/null || { echo "setup: $nvcc does not run" >&2; exit 1; }
+echo "$nvcc"
