@@ -1,1 +1,195 @@
+//! `moeforge-codegen`: from a checked spec to a bundle.
+//!
+//! Takes a [`moeforge_dsl::Checked`] spec and one of its deployments; gives a
+//! validated [`Plan`] ([`plan_deployment`]) and the [`Bundle`] of files
+//! ([`emit`]): `manifest.json`, `spec.json`, `plan.json`, `kernels/*.cu`
+//! (plus cubins when nvcc is available) and `report.md`. The pipeline is
+//! spelled out in [`plan_deployment`]; each pass lives in `passes/`. The
+//! emitter only accepts a [`ValidPlan`].
+//!
+//! Consumed by the `moeforge` CLI and by `moeforge-runtime` (which reads the
+//! plan and manifest types).
 
+pub mod emit;
+pub mod nvcc;
+pub mod passes;
+pub mod plan;
+mod text;
+pub mod validate;
+
+pub use emit::bundle::{Bundle, Manifest};
+pub use nvcc::NvccMode;
+pub use plan::Plan;
+pub use validate::{ValidPlan, Violation};
+
+use moeforge_dsl::spec::DeployId;
+use moeforge_dsl::{Checked, Code, Diagnostic, Diagnostics};
+use plan::{ClusterFacts, ModelFacts, FORMAT_VERSION};
+use std::collections::BTreeMap;
+
+/// The tool string recorded in manifests.
+pub const TOOL: &str = concat!("moeforge ", env!("CARGO_PKG_VERSION"));
+
+/// The canonical JSON of one deployment's spec; its SHA-256 is the spec hash.
+pub fn canonical_spec(checked: &Checked, id: DeployId) -> Vec<u8> {
+    let mut v = serde_json::to_vec_pretty(&checked.spec.deployment(id)).unwrap_or_default();
+    v.push(b'\n');
+    v
+}
+
+/// Runs the planning pipeline for one deployment:
+/// support gate → layout → memory budget → kernel instances → validation.
+/// Invariants are checked after every pass in debug builds.
+pub fn plan_deployment(checked: &Checked, id: DeployId) -> Result<ValidPlan, Diagnostics> {
+    let unsupported = passes::support::check(checked, id);
+    if !unsupported.is_empty() {
+        return Err(unsupported);
+    }
+    let spec = &checked.spec;
+    let d = spec.deploy(id);
+    let m = spec.model(d.model);
+    let c = spec.cluster(d.cluster);
+    let (layout, ranks) = passes::layout::run(spec, d);
+    let mut plan = Plan {
+        format_version: FORMAT_VERSION,
+        deploy: d.name.clone(),
+        spec_hash: emit::bundle::sha256_hex(&canonical_spec(checked, id)),
+        model: ModelFacts {
+            name: m.name.clone(),
+            layers: m.layers,
+            moe_layers: m.moe_layers(),
+            hidden: m.hidden,
+            experts: m.moe.experts,
+            top_k: m.moe.top_k,
+            expert_ffn: m.moe.expert_ffn,
+            params_total: m.params().total(),
+            params_active: m.active_params(),
+            weight_bytes: m.weight_bytes(),
+            expert_bytes: m.expert_bytes(),
+            expert_dtype: m.dtype.experts,
+            activation_dtype: m.dtype.activations,
+            kv_bytes_per_token: u64::from(m.layers) * m.kv_bytes_per_token_layer(),
+        },
+        cluster: ClusterFacts {
+            name: c.name.clone(),
+            nodes: c.nodes,
+            gpus_per_node: c.gpus_per_node,
+            world: c.world_size(),
+            gpu: c.gpu.name.clone(),
+            arch: c.gpu.arch,
+            sms: c.gpu.sms,
+            hbm_bytes: c.gpu.hbm,
+        },
+        layout,
+        ranks,
+        memory: plan::MemoryBudget {
+            hbm: c.gpu.hbm,
+            memory_fraction: d.memory_fraction,
+            usable: 0,
+            replicated_weights: 0,
+            expert_weights: 0,
+            workspace: 0,
+            kv_cache: 0,
+            kv_tokens: 0,
+        },
+        kernels: vec![],
+    };
+    debug_check(&plan, "layout");
+    plan.memory = passes::memory::run(spec, d, &plan.layout).map_err(|msg| {
+        let ds = &checked.spans.deploys[id.index()];
+        let mut diag = Diagnostic::new(Code::WeightsDoNotFit, format!("deployment `{}` does not fit: {msg}", d.name))
+            .help("raise `memory_fraction`, use a cluster with more GPUs, or a lower-precision checkpoint");
+        if let Some(s) = ds.get("memory_fraction").or(ds.get("cluster")) {
+            diag = diag.at(s, "per-GPU budget too small");
+        }
+        Diagnostics(vec![diag])
+    })?;
+    debug_check(&plan, "memory");
+    plan.kernels = passes::kernels::run(spec, d, plan.layout.max_experts_per_rank);
+    debug_check(&plan, "kernels");
+    validate::validate(plan).map_err(|v| internal(&v))
+}
+
+fn debug_check(plan: &Plan, pass: &str) {
+    if cfg!(debug_assertions) {
+        let v = validate::check(plan);
+        debug_assert!(v.is_empty(), "after pass `{pass}`: {v:?}");
+    }
+}
+
+fn internal(v: &[Violation]) -> Diagnostics {
+    Diagnostics(
+        v.iter()
+            .map(|x| {
+                Diagnostic::new(Code::Unsupported, format!("internal error: {x}"))
+                    .help("this is a moeforge bug; please report it with the spec")
+            })
+            .collect(),
+    )
+}
+
+/// What emission did besides writing sources.
+#[derive(Clone, Debug)]
+pub struct EmitSummary {
+    /// `Some(nvcc version)` when kernels were compiled.
+    pub compiled_with: Option<String>,
+    pub skipped_reason: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EmitError {
+    #[error(transparent)]
+    Template(#[from] emit::cuda::TemplateError),
+    #[error(transparent)]
+    Nvcc(#[from] nvcc::NvccError),
+}
+
+/// Emits the bundle of a validated plan.
+pub fn emit(
+    checked: &Checked,
+    id: DeployId,
+    plan: &ValidPlan,
+    nvcc: &NvccMode,
+) -> Result<(Bundle, EmitSummary), EmitError> {
+    let p = plan.plan();
+    let mut bundle = Bundle::default();
+    bundle.add("spec.json", canonical_spec(checked, id));
+    let mut plan_json = serde_json::to_vec_pretty(p).unwrap_or_default();
+    plan_json.push(b'\n');
+    bundle.add("plan.json", plan_json);
+    let arch = p.cluster.arch.name();
+    let nvcc_path = nvcc.resolve();
+    let mut stats = BTreeMap::new();
+    let mut version = None;
+    for k in &p.kernels {
+        let src = emit::cuda::render(plan, k)?;
+        if let Some(path) = &nvcc_path {
+            let out = nvcc::compile(path, &k.name, &src, arch)?;
+            bundle.add(&format!("kernels/{}.cubin", k.name), out.cubin);
+            stats.insert(k.name.clone(), out.stats);
+            version = Some(out.nvcc_version);
+        }
+        bundle.add(&format!("kernels/{}.cu", k.name), src);
+    }
+    let skipped = match nvcc {
+        NvccMode::Off => "compilation disabled (`--nvcc off`)",
+        _ => "no nvcc found (run `scripts/setup.sh` and set MOEFORGE_NVCC, or pass `--nvcc PATH`)",
+    };
+    let toolchain = match &version {
+        Some(v) => emit::report::Toolchain::Compiled { nvcc_version: v, stats: &stats },
+        None => emit::report::Toolchain::Skipped(skipped),
+    };
+    bundle.add("report.md", emit::report::render(p, &toolchain));
+    bundle.seal(Manifest {
+        format_version: FORMAT_VERSION,
+        tool: TOOL.to_string(),
+        deploy: p.deploy.clone(),
+        spec_hash: p.spec_hash.clone(),
+        targets: vec![arch.to_string()],
+        cubins: version.is_some(),
+        files: BTreeMap::new(),
+    });
+    let summary =
+        EmitSummary { skipped_reason: version.is_none().then(|| skipped.to_string()), compiled_with: version };
+    Ok((bundle, summary))
+}

@@ -31,11 +31,7 @@ pub struct BlockSpans {
 impl BlockSpans {
     /// The span of a field, falling back to the block's name.
     pub fn get(&self, path: &str) -> Option<Span> {
-        self.fields
-            .get(&format!(".{path}"))
-            .or(self.fields.get(path))
-            .copied()
-            .or(self.name)
+        self.fields.get(&format!(".{path}")).or(self.fields.get(path)).copied().or(self.name)
     }
 }
 
@@ -83,24 +79,12 @@ pub fn check_paths(roots: &[PathBuf], loader: &dyn Loader) -> Result<Checked, Fa
     for root in roots {
         cx.load(&normalize(root), None);
     }
-    let Loading {
-        sources,
-        mut diags,
-        files,
-        ..
-    } = cx;
+    let Loading { sources, mut diags, files, .. } = cx;
     let (spec, spans) = build(&files, &mut diags);
     if diags.is_empty() {
-        Ok(Checked {
-            spec,
-            sources,
-            spans,
-        })
+        Ok(Checked { spec, sources, spans })
     } else {
-        Err(Failed {
-            sources,
-            diagnostics: diags,
-        })
+        Err(Failed { sources, diagnostics: diags })
     }
 }
 
@@ -124,21 +108,13 @@ struct Loading<'l> {
 impl Loading<'_> {
     fn load(&mut self, path: &Path, used_at: Option<Span>) {
         if self.stack.iter().any(|p| p == path) {
-            let chain: Vec<String> = self
-                .stack
-                .iter()
-                .chain([&path.to_path_buf()])
-                .map(|p| p.display().to_string())
-                .collect();
-            let mut d = Diagnostic::new(
-                Code::CircularUse,
-                format!("circular `use`: {}", chain.join(" → ")),
-            );
+            let chain: Vec<String> =
+                self.stack.iter().chain([&path.to_path_buf()]).map(|p| p.display().to_string()).collect();
+            let mut d = Diagnostic::new(Code::CircularUse, format!("circular `use`: {}", chain.join(" → ")));
             if let Some(s) = used_at {
                 d = d.at(s, "this `use` closes the cycle");
             }
-            self.diags
-                .push(d.help("move the shared blocks into a file that both can `use`"));
+            self.diags.push(d.help("move the shared blocks into a file that both can `use`"));
             return;
         }
         if self.loaded.contains_key(path) {
@@ -147,15 +123,11 @@ impl Loading<'_> {
         let text = match self.loader.load(path) {
             Ok(t) => t,
             Err(e) => {
-                let mut d = Diagnostic::new(
-                    Code::UseNotFound,
-                    format!("cannot read `{}`: {e}", path.display()),
-                );
+                let mut d = Diagnostic::new(Code::UseNotFound, format!("cannot read `{}`: {e}", path.display()));
                 if let Some(s) = used_at {
                     d = d.at(s, "used here");
                 }
-                self.diags
-                    .push(d.help("`use` paths are relative to the file that contains them"));
+                self.diags.push(d.help("`use` paths are relative to the file that contains them"));
                 return;
             }
         };
@@ -231,15 +203,10 @@ fn lower_top(
     const KINDS: &[&str] = &["model", "cluster", "tiles", "deploy"];
     let kind = b.kind.text.as_str();
     if !KINDS.contains(&kind) {
-        let mut d = Diagnostic::new(
-            Code::UnknownBlockKind,
-            format!("unknown block kind `{kind}`"),
-        )
-        .at(b.kind.span, "not a block kind");
+        let mut d = Diagnostic::new(Code::UnknownBlockKind, format!("unknown block kind `{kind}`"))
+            .at(b.kind.span, "not a block kind");
         d = match crate::fields::suggest(kind, KINDS) {
-            Some(s) => d.help(format!(
-                "did you mean `{s}`? (a file holds model, cluster, tiles and deploy blocks)"
-            )),
+            Some(s) => d.help(format!("did you mean `{s}`? (a file holds model, cluster, tiles and deploy blocks)")),
             None => d.help("a file holds model, cluster, tiles and deploy blocks"),
         };
         diags.push(d);
@@ -261,22 +228,14 @@ fn lower_top(
     };
     if let Some((_, first)) = table.get(&name.text) {
         diags.push(
-            Diagnostic::new(
-                Code::DuplicateName,
-                format!("{kind} `{}` is declared twice", name.text),
-            )
-            .at(name.span, "second declaration")
-            .also(*first, "first declared here")
-            .help(format!(
-                "rename one of them; every {kind} needs its own name"
-            )),
+            Diagnostic::new(Code::DuplicateName, format!("{kind} `{}` is declared twice", name.text))
+                .at(name.span, "second declaration")
+                .also(*first, "first declared here")
+                .help(format!("rename one of them; every {kind} needs its own name")),
         );
         return;
     }
-    let mut bs = BlockSpans {
-        name: Some(name.span),
-        fields: SpanMap::new(),
-    };
+    let mut bs = BlockSpans { name: Some(name.span), fields: SpanMap::new() };
     let index = match kind {
         "model" => lower::model(b, &name.text, diags, &mut bs.fields).map(|m| {
             spec.models.push(m);
@@ -332,10 +291,9 @@ fn resolve(
                 .at(r.span, format!("unknown {kind}"));
             d = match crate::fields::suggest(&r.text, &known) {
                 Some(s) => d.help(format!("did you mean `{s}`?")),
-                None if known.is_empty() => d.help(format!(
-                    "declare `{kind} {} {{ … }}` or `use` the file that does",
-                    r.text
-                )),
+                None if known.is_empty() => {
+                    d.help(format!("declare `{kind} {} {{ … }}` or `use` the file that does", r.text))
+                }
                 None => d.help(format!("known {kind} names: {}", known.join(", "))),
             };
             diags.push(d);
@@ -354,34 +312,28 @@ fn check_model(m: &Model, spans: &BlockSpans, diags: &mut Diagnostics) {
         diags.push(
             Diagnostic::new(
                 Code::TopKExceedsExperts,
-                format!(
-                    "top_k = {} exceeds the {} routed experts",
-                    moe.top_k, moe.experts
-                ),
+                format!("top_k = {} exceeds the {} routed experts", moe.top_k, moe.experts),
             )
             .at(at(spans, "moe.top_k"), "larger than `experts`")
             .also(at(spans, "moe.experts"), "experts declared here")
             .help("a token is routed to top_k distinct experts, so top_k ≤ experts"),
         );
     }
-    if let Routing::SigmoidGrouped {
-        groups, top_groups, ..
-    } = moe.routing
-    {
+    if let Routing::SigmoidGrouped { groups, top_groups, .. } = moe.routing {
         if moe.experts % groups != 0 {
-            diags.push(
-                Diagnostic::new(Code::Inconsistent, format!("{} experts do not split into {groups} equal groups", moe.experts))
-                    .at(at(spans, "moe.routing.groups"), "must divide `experts`")
-                    .help("grouped routing needs experts divisible by groups (DeepSeek-V3: 256 experts, 8 groups)"),
-            );
-        } else if top_groups > groups {
             diags.push(
                 Diagnostic::new(
                     Code::Inconsistent,
-                    format!("top_groups = {top_groups} exceeds groups = {groups}"),
+                    format!("{} experts do not split into {groups} equal groups", moe.experts),
                 )
-                .at(at(spans, "moe.routing.top_groups"), "larger than `groups`")
-                .help("top_groups selects among the groups, so top_groups ≤ groups"),
+                .at(at(spans, "moe.routing.groups"), "must divide `experts`")
+                .help("grouped routing needs experts divisible by groups (DeepSeek-V3: 256 experts, 8 groups)"),
+            );
+        } else if top_groups > groups {
+            diags.push(
+                Diagnostic::new(Code::Inconsistent, format!("top_groups = {top_groups} exceeds groups = {groups}"))
+                    .at(at(spans, "moe.routing.top_groups"), "larger than `groups`")
+                    .help("top_groups selects among the groups, so top_groups ≤ groups"),
             );
         } else if moe.top_k > top_groups * (moe.experts / groups) {
             diags.push(
@@ -399,13 +351,7 @@ fn check_model(m: &Model, spans: &BlockSpans, diags: &mut Diagnostics) {
         }
     }
     match m.attention {
-        Attention::Gqa {
-            heads,
-            kv_heads,
-            head_dim,
-            rope_dim,
-            ..
-        } => {
+        Attention::Gqa { heads, kv_heads, head_dim, rope_dim, .. } => {
             if heads % kv_heads != 0 {
                 diags.push(
                     Diagnostic::new(
@@ -421,9 +367,7 @@ fn check_model(m: &Model, spans: &BlockSpans, diags: &mut Diagnostics) {
                 diags.push(
                     Diagnostic::new(
                         Code::Inconsistent,
-                        format!(
-                            "rope_dim = {rope_dim} must be even and at most head_dim = {head_dim}"
-                        ),
+                        format!("rope_dim = {rope_dim} must be even and at most head_dim = {head_dim}"),
                     )
                     .at(at(spans, "attention.rope_dim"), "invalid rotary width")
                     .help("RoPE rotates pairs of dimensions inside one head"),
@@ -433,12 +377,9 @@ fn check_model(m: &Model, spans: &BlockSpans, diags: &mut Diagnostics) {
         Attention::Mla { qk_rope, .. } => {
             if qk_rope % 2 != 0 {
                 diags.push(
-                    Diagnostic::new(
-                        Code::Inconsistent,
-                        format!("qk_rope = {qk_rope} must be even"),
-                    )
-                    .at(at(spans, "attention.qk_rope"), "odd rotary width")
-                    .help("RoPE rotates pairs of dimensions"),
+                    Diagnostic::new(Code::Inconsistent, format!("qk_rope = {qk_rope} must be even"))
+                        .at(at(spans, "attention.qk_rope"), "odd rotary width")
+                        .help("RoPE rotates pairs of dimensions"),
                 );
             }
         }
@@ -448,10 +389,7 @@ fn check_model(m: &Model, spans: &BlockSpans, diags: &mut Diagnostics) {
             diags.push(
                 Diagnostic::new(
                     Code::Inconsistent,
-                    format!(
-                        "{} dense layers leave no MoE layer among {}",
-                        d.layers, m.layers
-                    ),
+                    format!("{} dense layers leave no MoE layer among {}", d.layers, m.layers),
                 )
                 .at(at(spans, "dense"), "too many dense layers")
                 .help("dense.layers counts the leading dense layers and must be below `layers`"),
@@ -460,23 +398,13 @@ fn check_model(m: &Model, spans: &BlockSpans, diags: &mut Diagnostics) {
     }
 }
 
-fn check_deploy(
-    spec: &Spec,
-    d: &Deploy,
-    spans: &SpanTable,
-    ds: &BlockSpans,
-    diags: &mut Diagnostics,
-) {
+fn check_deploy(spec: &Spec, d: &Deploy, spans: &SpanTable, ds: &BlockSpans, diags: &mut Diagnostics) {
     let model = spec.model(d.model);
     let cluster = spec.cluster(d.cluster);
     let tiles = spec.tile_set(d.tiles);
     let ts = &spans.tiles[d.tiles.index()];
     let gpu = &cluster.gpu;
-    let input = if model.dtype.experts == DType::Fp8E4m3 {
-        DType::Fp8E4m3
-    } else {
-        DType::Bf16
-    };
+    let input = if model.dtype.experts == DType::Fp8E4m3 { DType::Fp8E4m3 } else { DType::Bf16 };
     let mma = gpu.arch.mma_shape(input);
     for (phase, pt) in [("prefill", &tiles.prefill), ("decode", &tiles.decode)] {
         for (op, t) in [("gate_up", &pt.gate_up), ("down", &pt.down)] {
@@ -498,16 +426,19 @@ fn check_deploy(
                     .help("lower `stages` or the block sizes: smem = stages × (block_m + block_n) × block_k × bytes + block_m × block_n × 2"),
                 );
             }
-            for (dim, v, want) in [
-                ("block_m", t.block_m, mma[0]),
-                ("block_n", t.block_n, mma[1]),
-                ("block_k", t.block_k, mma[2]),
-            ] {
+            for (dim, v, want) in
+                [("block_m", t.block_m, mma[0]), ("block_n", t.block_n, mma[1]), ("block_k", t.block_k, mma[2])]
+            {
                 if v % want != 0 {
                     diags.push(
                         Diagnostic::new(
                             Code::TileNotMmaMultiple,
-                            format!("`{path}.{dim}` = {v} is not a multiple of {want}, the {} MMA {} for {}", gpu.arch.name(), &dim[6..], input.name()),
+                            format!(
+                                "`{path}.{dim}` = {v} is not a multiple of {want}, the {} MMA {} for {}",
+                                gpu.arch.name(),
+                                &dim[6..],
+                                input.name()
+                            ),
                         )
                         .at(at(ts, &format!("{path}.{dim}")), format!("not a multiple of {want}"))
                         .also(at(ds, "tiles"), "used by this deployment")
@@ -519,10 +450,7 @@ fn check_deploy(
             let bad = if !gpu.arch.has_clusters() && (cx, cy) != (1, 1) {
                 Some(format!("{} has no thread-block clusters", gpu.arch.name()))
             } else if cx * cy > 8 {
-                Some(format!(
-                    "{} CTAs per cluster exceed the portable limit of 8",
-                    cx * cy
-                ))
+                Some(format!("{} CTAs per cluster exceed the portable limit of 8", cx * cy))
             } else if !(cx * cy).is_power_of_two() {
                 Some("TMA multicast needs a power-of-two cluster size".to_string())
             } else {
@@ -530,15 +458,9 @@ fn check_deploy(
             };
             if let Some(why) = bad {
                 diags.push(
-                    Diagnostic::new(
-                        Code::TileCluster,
-                        format!("tile `{path}` has cluster [{cx}, {cy}]: {why}"),
-                    )
-                    .at(
-                        at(ts, &format!("{path}.cluster")),
-                        "unsupported cluster shape",
-                    )
-                    .help("use [1, 1] on sm_80; on sm_90a a power of two up to 8 CTAs"),
+                    Diagnostic::new(Code::TileCluster, format!("tile `{path}` has cluster [{cx}, {cy}]: {why}"))
+                        .at(at(ts, &format!("{path}.cluster")), "unsupported cluster shape")
+                        .help("use [1, 1] on sm_80; on sm_90a a power of two up to 8 CTAs"),
                 );
             }
         }

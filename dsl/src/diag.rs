@@ -105,26 +105,14 @@ pub struct Diagnostic {
 
 impl Diagnostic {
     pub fn new(code: Code, message: impl Into<String>) -> Self {
-        Diagnostic {
-            code,
-            message: message.into(),
-            primary: None,
-            secondary: vec![],
-            help: None,
-        }
+        Diagnostic { code, message: message.into(), primary: None, secondary: vec![], help: None }
     }
     pub fn at(mut self, span: Span, text: impl Into<String>) -> Self {
-        self.primary = Some(Label {
-            span,
-            text: text.into(),
-        });
+        self.primary = Some(Label { span, text: text.into() });
         self
     }
     pub fn also(mut self, span: Span, text: impl Into<String>) -> Self {
-        self.secondary.push(Label {
-            span,
-            text: text.into(),
-        });
+        self.secondary.push(Label { span, text: text.into() });
         self
     }
     pub fn help(mut self, help: impl Into<String>) -> Self {
@@ -158,11 +146,7 @@ impl Diagnostics {
     /// Renders for a terminal (`color` adds ANSI styling). Each diagnostic
     /// names its file:line:col, underlines the span and prints the help line.
     pub fn render(&self, sources: &SourceMap, color: bool) -> String {
-        let theme = if color {
-            miette::GraphicalTheme::unicode()
-        } else {
-            miette::GraphicalTheme::unicode_nocolor()
-        };
+        let theme = if color { miette::GraphicalTheme::unicode() } else { miette::GraphicalTheme::unicode_nocolor() };
         let handler = miette::GraphicalReportHandler::new_themed(theme).with_width(100);
         let mut out = String::new();
         for d in &self.0 {
@@ -174,10 +158,7 @@ impl Diagnostics {
             out.push('\n');
         }
         let n = self.0.len();
-        out.push_str(&format!(
-            "error: {n} error{} found\n",
-            if n == 1 { "" } else { "s" }
-        ));
+        out.push_str(&format!("error: {n} error{} found\n", if n == 1 { "" } else { "s" }));
         out
     }
 
@@ -192,12 +173,7 @@ fn plain(d: &Diagnostic, sources: &SourceMap) -> String {
     match &d.primary {
         Some(l) => {
             let (line, col) = sources.line_col(l.span.file, l.span.start);
-            format!(
-                "error[{}]: {} at {}:{line}:{col}\n",
-                d.code,
-                d.message,
-                sources.name(l.span.file)
-            )
+            format!("error[{}]: {} at {}:{line}:{col}\n", d.code, d.message, sources.name(l.span.file))
         }
         None => format!("error[{}]: {}\n", d.code, d.message),
     }
@@ -268,40 +244,24 @@ impl MietteDiag {
         let mut labels = Vec::new();
         let mut related = Vec::new();
         let src = d.primary.as_ref().map(|p| {
-            labels.push(miette::LabeledSpan::new_primary_with_span(
-                Some(p.text.clone()),
-                p.span.range(),
-            ));
+            labels.push(miette::LabeledSpan::new_primary_with_span(Some(p.text.clone()), p.span.range()));
             for s in &d.secondary {
                 if s.span.file == p.span.file {
-                    labels.push(miette::LabeledSpan::new_with_span(
-                        Some(s.text.clone()),
-                        s.span.range(),
-                    ));
+                    labels.push(miette::LabeledSpan::new_with_span(Some(s.text.clone()), s.span.range()));
                 } else {
                     related.push(MietteDiag {
                         code: "note",
                         message: s.text.clone(),
                         help: None,
                         src: Some(named(sources, s.span)),
-                        labels: vec![miette::LabeledSpan::new_primary_with_span(
-                            Some(s.text.clone()),
-                            s.span.range(),
-                        )],
+                        labels: vec![miette::LabeledSpan::new_primary_with_span(Some(s.text.clone()), s.span.range())],
                         related: vec![],
                     });
                 }
             }
             named(sources, p.span)
         });
-        MietteDiag {
-            code: d.code.as_str(),
-            message: d.message.clone(),
-            help: d.help.clone(),
-            src,
-            labels,
-            related,
-        }
+        MietteDiag { code: d.code.as_str(), message: d.message.clone(), help: d.help.clone(), src, labels, related }
     }
 }
 
@@ -322,9 +282,7 @@ impl miette::Diagnostic for MietteDiag {
         Some(Box::new(self.code))
     }
     fn help<'a>(&'a self) -> Option<Box<dyn fmt::Display + 'a>> {
-        self.help
-            .as_ref()
-            .map(|h| Box::new(h) as Box<dyn fmt::Display>)
+        self.help.as_ref().map(|h| Box::new(h) as Box<dyn fmt::Display>)
     }
     fn source_code(&self) -> Option<&dyn miette::SourceCode> {
         self.src.as_ref().map(|s| s as &dyn miette::SourceCode)
@@ -340,9 +298,7 @@ impl miette::Diagnostic for MietteDiag {
         if self.related.is_empty() {
             None
         } else {
-            Some(Box::new(
-                self.related.iter().map(|r| r as &dyn miette::Diagnostic),
-            ))
+            Some(Box::new(self.related.iter().map(|r| r as &dyn miette::Diagnostic)))
         }
     }
 }

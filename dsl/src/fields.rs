@@ -26,47 +26,29 @@ pub struct Fields<'a, 'd> {
 
 impl<'a, 'd> Fields<'a, 'd> {
     /// Starts reading `block`; reports duplicated keys right away.
-    pub fn new(
-        block: &'a Block,
-        path: &str,
-        diags: &'d mut Diagnostics,
-        spans: &'d mut SpanMap,
-    ) -> Self {
+    pub fn new(block: &'a Block, path: &str, diags: &'d mut Diagnostics, spans: &'d mut SpanMap) -> Self {
         let mut first: BTreeMap<&str, &Ident> = BTreeMap::new();
         for item in &block.items {
             let key = item.key();
             if let Some(prev) = first.get(key.text.as_str()) {
                 diags.push(
-                    Diagnostic::new(
-                        Code::DuplicateField,
-                        format!("`{}` is given twice", key.text),
-                    )
-                    .at(key.span, "second definition")
-                    .also(prev.span, "first defined here")
-                    .help("remove one of them"),
+                    Diagnostic::new(Code::DuplicateField, format!("`{}` is given twice", key.text))
+                        .at(key.span, "second definition")
+                        .also(prev.span, "first defined here")
+                        .help("remove one of them"),
                 );
             } else {
                 first.insert(&key.text, key);
             }
         }
-        Fields {
-            block,
-            path: path.to_string(),
-            used: vec![false; block.items.len()],
-            known: vec![],
-            diags,
-            spans,
-        }
+        Fields { block, path: path.to_string(), used: vec![false; block.items.len()], known: vec![], diags, spans }
     }
 
     /// The span used for "missing field" errors: the block's head.
     pub fn head(&self) -> Span {
         let b = self.block;
         match &b.name {
-            Some(n) => Span {
-                end: n.span.end,
-                ..b.kind.span
-            },
+            Some(n) => Span { end: n.span.end, ..b.kind.span },
             None => b.kind.span,
         }
     }
@@ -85,18 +67,14 @@ impl<'a, 'd> Fields<'a, 'd> {
         let idx = self.block.items.iter().position(|i| i.key().text == key)?;
         self.used[idx] = true;
         let item = &self.block.items[idx];
-        self.spans
-            .insert(format!("{}.{key}", self.path), item.key().span);
+        self.spans.insert(format!("{}.{key}", self.path), item.key().span);
         Some(item)
     }
 
     fn missing(&mut self, key: &str, example: &str) {
-        let d = Diagnostic::new(
-            Code::MissingField,
-            format!("{} is missing `{key}`", self.what()),
-        )
-        .at(self.head(), format!("needs `{key}`"))
-        .help(format!("add `{example}` inside the block"));
+        let d = Diagnostic::new(Code::MissingField, format!("{} is missing `{key}`", self.what()))
+            .at(self.head(), format!("needs `{key}`"))
+            .help(format!("add `{example}` inside the block"));
         self.diags.push(d);
     }
 
@@ -154,19 +132,9 @@ impl<'a, 'd> Fields<'a, 'd> {
     pub fn variant(&mut self, key: &'static str) -> Option<(Ident, Option<&'a Block>)> {
         match self.item(key)? {
             Item::Field(f) => match &f.value.kind {
-                ValueKind::Ident(s) => Some((
-                    Ident {
-                        text: s.clone(),
-                        span: f.value.span,
-                    },
-                    None,
-                )),
+                ValueKind::Ident(s) => Some((Ident { text: s.clone(), span: f.value.span }, None)),
                 other => {
-                    self.diags.push(wrong_type(
-                        &f.value,
-                        &format!("a name (e.g. `{key} = NAME`)"),
-                        other,
-                    ));
+                    self.diags.push(wrong_type(&f.value, &format!("a name (e.g. `{key} = NAME`)"), other));
                     None
                 }
             },
@@ -184,11 +152,7 @@ impl<'a, 'd> Fields<'a, 'd> {
         }
     }
 
-    pub fn req_variant(
-        &mut self,
-        key: &'static str,
-        example: &str,
-    ) -> Option<(Ident, Option<&'a Block>)> {
+    pub fn req_variant(&mut self, key: &'static str, example: &str) -> Option<(Ident, Option<&'a Block>)> {
         let known = self.block.items.iter().any(|i| i.key().text == key);
         let v = self.variant(key);
         if !known {
@@ -221,26 +185,12 @@ impl<'a, 'd> Fields<'a, 'd> {
         }
     }
 
-    pub fn req_qty(
-        &mut self,
-        key: &'static str,
-        dim: Dim,
-        lo: f64,
-        hi: f64,
-        example: &str,
-    ) -> Option<f64> {
+    pub fn req_qty(&mut self, key: &'static str, dim: Dim, lo: f64, hi: f64, example: &str) -> Option<f64> {
         let v = self.req_value(key, &format!("{key} = {example}"))?;
         quantity(self.diags, key, v, dim, lo, hi)
     }
 
-    pub fn opt_qty(
-        &mut self,
-        key: &'static str,
-        dim: Dim,
-        lo: f64,
-        hi: f64,
-        default: f64,
-    ) -> Option<f64> {
+    pub fn opt_qty(&mut self, key: &'static str, dim: Dim, lo: f64, hi: f64, default: f64) -> Option<f64> {
         match self.value(key) {
             Some(v) => quantity(self.diags, key, v, dim, lo, hi),
             None if self.has_invalid(key) => None,
@@ -248,17 +198,9 @@ impl<'a, 'd> Fields<'a, 'd> {
         }
     }
 
-    pub fn maybe_qty(
-        &mut self,
-        key: &'static str,
-        dim: Dim,
-        lo: f64,
-        hi: f64,
-    ) -> Result<Option<f64>, ()> {
+    pub fn maybe_qty(&mut self, key: &'static str, dim: Dim, lo: f64, hi: f64) -> Result<Option<f64>, ()> {
         match self.value(key) {
-            Some(v) => quantity(self.diags, key, v, dim, lo, hi)
-                .map(Some)
-                .ok_or(()),
+            Some(v) => quantity(self.diags, key, v, dim, lo, hi).map(Some).ok_or(()),
             None if self.has_invalid(key) => Err(()),
             None => Ok(None),
         }
@@ -278,12 +220,7 @@ impl<'a, 'd> Fields<'a, 'd> {
         choice(self.diags, key, v, choices)
     }
 
-    pub fn opt_choice<T: Copy>(
-        &mut self,
-        key: &'static str,
-        choices: &[(&str, T)],
-        default: T,
-    ) -> Option<T> {
+    pub fn opt_choice<T: Copy>(&mut self, key: &'static str, choices: &[(&str, T)], default: T) -> Option<T> {
         match self.value(key) {
             Some(v) => choice(self.diags, key, v, choices),
             None if self.has_invalid(key) => None,
@@ -295,10 +232,7 @@ impl<'a, 'd> Fields<'a, 'd> {
     pub fn req_name(&mut self, key: &'static str, example: &str) -> Option<Ident> {
         let v = self.req_value(key, &format!("{key} = {example}"))?;
         match &v.kind {
-            ValueKind::Ident(s) => Some(Ident {
-                text: s.clone(),
-                span: v.span,
-            }),
+            ValueKind::Ident(s) => Some(Ident { text: s.clone(), span: v.span }),
             other => {
                 self.diags.push(wrong_type(v, "a name", other));
                 None
@@ -307,32 +241,19 @@ impl<'a, 'd> Fields<'a, 'd> {
     }
 
     /// A list of exactly `N` counts, e.g. `cluster = [2, 1]`.
-    pub fn count_list<const N: usize>(
-        &mut self,
-        key: &'static str,
-        lo: u64,
-        hi: u64,
-    ) -> Result<Option<[u32; N]>, ()> {
+    pub fn count_list<const N: usize>(&mut self, key: &'static str, lo: u64, hi: u64) -> Result<Option<[u32; N]>, ()> {
         let Some(v) = self.value(key) else {
-            return if self.has_invalid(key) {
-                Err(())
-            } else {
-                Ok(None)
-            };
+            return if self.has_invalid(key) { Err(()) } else { Ok(None) };
         };
         let ValueKind::List(items) = &v.kind else {
-            self.diags
-                .push(wrong_type(v, &format!("a list of {N} numbers"), &v.kind));
+            self.diags.push(wrong_type(v, &format!("a list of {N} numbers"), &v.kind));
             return Err(());
         };
         if items.len() != N {
             self.diags.push(
-                Diagnostic::new(
-                    Code::WrongType,
-                    format!("`{key}` needs {N} numbers, found {}", items.len()),
-                )
-                .at(v.span, format!("{} element(s)", items.len()))
-                .help(format!("write `{key} = [{}]`", vec!["1"; N].join(", "))),
+                Diagnostic::new(Code::WrongType, format!("`{key}` needs {N} numbers, found {}", items.len()))
+                    .at(v.span, format!("{} element(s)", items.len()))
+                    .help(format!("write `{key} = [{}]`", vec!["1"; N].join(", "))),
             );
             return Err(());
         }
@@ -352,15 +273,8 @@ impl<'a, 'd> Fields<'a, 'd> {
     }
 
     /// A list of names, each one of `choices`.
-    pub fn choice_list<T: Copy>(
-        &mut self,
-        key: &'static str,
-        choices: &[(&str, T)],
-    ) -> Option<Vec<T>> {
-        let example = format!(
-            "{key} = [{}]",
-            choices.iter().map(|c| c.0).collect::<Vec<_>>().join(", ")
-        );
+    pub fn choice_list<T: Copy>(&mut self, key: &'static str, choices: &[(&str, T)]) -> Option<Vec<T>> {
+        let example = format!("{key} = [{}]", choices.iter().map(|c| c.0).collect::<Vec<_>>().join(", "));
         let v = self.req_value(key, &example)?;
         let ValueKind::List(items) = &v.kind else {
             self.diags.push(wrong_type(v, "a list of names", &v.kind));
@@ -374,19 +288,13 @@ impl<'a, 'd> Fields<'a, 'd> {
             );
             return None;
         }
-        let out: Vec<Option<T>> = items
-            .iter()
-            .map(|i| choice(self.diags, key, i, choices))
-            .collect();
+        let out: Vec<Option<T>> = items.iter().map(|i| choice(self.diags, key, i, choices)).collect();
         out.into_iter().collect()
     }
 
     /// Whether `key` is present but not a plain value (already reported).
     fn has_invalid(&self, key: &str) -> bool {
-        self.block
-            .items
-            .iter()
-            .any(|i| matches!(i, Item::Block(b) if b.kind.text == key))
+        self.block.items.iter().any(|i| matches!(i, Item::Block(b) if b.kind.text == key))
     }
 
     /// Reports every item no getter asked for.
@@ -399,18 +307,11 @@ impl<'a, 'd> Fields<'a, 'd> {
             if self.known.contains(&key.text.as_str()) {
                 continue; // a duplicate, already reported
             }
-            let mut d = Diagnostic::new(
-                Code::UnknownField,
-                format!("{} has no field `{}`", self.what(), key.text),
-            )
-            .at(key.span, "unknown field");
+            let mut d = Diagnostic::new(Code::UnknownField, format!("{} has no field `{}`", self.what(), key.text))
+                .at(key.span, "unknown field");
             d = match suggest(&key.text, &self.known) {
                 Some(s) => d.help(format!("did you mean `{s}`?")),
-                None => d.help(format!(
-                    "the fields of {} are: {}",
-                    self.what(),
-                    self.known.join(", ")
-                )),
+                None => d.help(format!("the fields of {} are: {}", self.what(), self.known.join(", "))),
             };
             self.diags.push(d);
         }
@@ -418,12 +319,9 @@ impl<'a, 'd> Fields<'a, 'd> {
 }
 
 pub fn wrong_type(v: &Value, expected: &str, found: &ValueKind) -> Diagnostic {
-    Diagnostic::new(
-        Code::WrongType,
-        format!("expected {expected}, found {}", found.describe()),
-    )
-    .at(v.span, format!("expected {expected}"))
-    .help(format!("replace this with {expected}"))
+    Diagnostic::new(Code::WrongType, format!("expected {expected}, found {}", found.describe()))
+        .at(v.span, format!("expected {expected}"))
+        .help(format!("replace this with {expected}"))
 }
 
 /// A positive integer without unit, in `lo..=hi`.
@@ -434,24 +332,18 @@ pub fn count(diags: &mut Diagnostics, key: &str, v: &Value, lo: u64, hi: u64) ->
     };
     if !unit.is_empty() {
         diags.push(
-            Diagnostic::new(
-                Code::UnitMismatch,
-                format!("`{key}` is a plain count, but has unit `{unit}`"),
-            )
-            .at(v.span, "unexpected unit")
-            .help(format!("write `{key} = {text}`")),
+            Diagnostic::new(Code::UnitMismatch, format!("`{key}` is a plain count, but has unit `{unit}`"))
+                .at(v.span, "unexpected unit")
+                .help(format!("write `{key} = {text}`")),
         );
         return None;
     }
     let is_int = !text.contains(['.', 'e', 'E']) && value.fract() == 0.0;
     if !is_int || !value.is_finite() || *value < lo as f64 || *value > hi as f64 {
         diags.push(
-            Diagnostic::new(
-                Code::OutOfRange,
-                format!("`{key}` must be a whole number in {lo}..={hi}, found {text}"),
-            )
-            .at(v.span, "out of range")
-            .help(format!("use a whole number between {lo} and {hi}")),
+            Diagnostic::new(Code::OutOfRange, format!("`{key}` must be a whole number in {lo}..={hi}, found {text}"))
+                .at(v.span, "out of range")
+                .help(format!("use a whole number between {lo} and {hi}")),
         );
         return None;
     }
@@ -459,55 +351,34 @@ pub fn count(diags: &mut Diagnostics, key: &str, v: &Value, lo: u64, hi: u64) ->
 }
 
 /// A number whose unit has dimension `dim`, converted to base units, in `lo..=hi`.
-pub fn quantity(
-    diags: &mut Diagnostics,
-    key: &str,
-    v: &Value,
-    dim: Dim,
-    lo: f64,
-    hi: f64,
-) -> Option<f64> {
+pub fn quantity(diags: &mut Diagnostics, key: &str, v: &Value, dim: Dim, lo: f64, hi: f64) -> Option<f64> {
     let ValueKind::Number { value, text, unit } = &v.kind else {
         diags.push(wrong_type(v, &format!("{dim}"), &v.kind));
         return None;
     };
     let Some((got, factor)) = units::parse_unit(unit) else {
         diags.push(
-            Diagnostic::new(Code::UnknownUnit, format!("unknown unit `{unit}`"))
-                .at(v.span, "unknown unit")
-                .help("units: B KB MB GB TB KiB MiB GiB (and b Kb Mb Gb for bits), ns us ms s, GB/s Gb/s, TFLOP/s, req/s, %"),
+            Diagnostic::new(Code::UnknownUnit, format!("unknown unit `{unit}`")).at(v.span, "unknown unit").help(
+                "units: B KB MB GB TB KiB MiB GiB (and b Kb Mb Gb for bits), ns us ms s, GB/s Gb/s, TFLOP/s, req/s, %",
+            ),
         );
         return None;
     };
     if got != dim {
-        let found = if unit.is_empty() {
-            "no unit".to_string()
-        } else {
-            format!("`{unit}`, {got}")
-        };
+        let found = if unit.is_empty() { "no unit".to_string() } else { format!("`{unit}`, {got}") };
         diags.push(
-            Diagnostic::new(
-                Code::UnitMismatch,
-                format!("`{key}` needs {dim}, found {found}"),
-            )
-            .at(v.span, "wrong unit")
-            .help(format!("give `{key}` {dim}")),
+            Diagnostic::new(Code::UnitMismatch, format!("`{key}` needs {dim}, found {found}"))
+                .at(v.span, "wrong unit")
+                .help(format!("give `{key}` {dim}")),
         );
         return None;
     }
     let base = value * factor;
     if !base.is_finite() || base < lo || base > hi {
         diags.push(
-            Diagnostic::new(
-                Code::OutOfRange,
-                format!("`{key}` = {text}{unit} is out of range"),
-            )
-            .at(v.span, "out of range")
-            .help(format!(
-                "use a value between {} and {}",
-                units::human(lo, dim),
-                units::human(hi, dim)
-            )),
+            Diagnostic::new(Code::OutOfRange, format!("`{key}` = {text}{unit} is out of range"))
+                .at(v.span, "out of range")
+                .help(format!("use a value between {} and {}", units::human(lo, dim), units::human(hi, dim))),
         );
         return None;
     }
@@ -515,34 +386,19 @@ pub fn quantity(
 }
 
 /// A name that must be one of `choices`.
-pub fn choice<T: Copy>(
-    diags: &mut Diagnostics,
-    key: &str,
-    v: &Value,
-    choices: &[(&str, T)],
-) -> Option<T> {
+pub fn choice<T: Copy>(diags: &mut Diagnostics, key: &str, v: &Value, choices: &[(&str, T)]) -> Option<T> {
     let names: Vec<&str> = choices.iter().map(|c| c.0).collect();
     let ValueKind::Ident(s) = &v.kind else {
-        diags.push(wrong_type(
-            v,
-            &format!("one of {}", names.join(", ")),
-            &v.kind,
-        ));
+        diags.push(wrong_type(v, &format!("one of {}", names.join(", ")), &v.kind));
         return None;
     };
     if let Some((_, t)) = choices.iter().find(|c| c.0 == s) {
         return Some(*t);
     }
-    let mut d = Diagnostic::new(
-        Code::UnknownVariant,
-        format!("`{s}` is not a valid `{key}`"),
-    )
-    .at(v.span, "unknown choice");
+    let mut d =
+        Diagnostic::new(Code::UnknownVariant, format!("`{s}` is not a valid `{key}`")).at(v.span, "unknown choice");
     d = match suggest(s, &names) {
-        Some(g) => d.help(format!(
-            "did you mean `{g}`? (choices: {})",
-            names.join(", ")
-        )),
+        Some(g) => d.help(format!("did you mean `{g}`? (choices: {})", names.join(", "))),
         None => d.help(format!("choose one of: {}", names.join(", "))),
     };
     diags.push(d);

@@ -12,6 +12,7 @@
 
 pub mod check;
 pub mod diag;
+mod display;
 mod fields;
 mod lower;
 pub mod source;

@@ -35,19 +35,13 @@ pub fn model(b: &Block, name: &str, diags: &mut Diagnostics, spans: &mut SpanMap
         }
         None => Ok(None),
     };
-    let attention = f.req_variant(
-        "attention",
-        "attention gqa { heads = 32 kv_heads = 4 head_dim = 128 }",
-    );
+    let attention = f.req_variant("attention", "attention gqa { heads = 32 kv_heads = 4 head_dim = 128 }");
     let attention = attention.and_then(|(kind, blk)| attention_block(&kind, blk, f.diags, f.spans));
     let sliding = match f.sub_block("sliding_window") {
         Some(sb) => {
             let mut g = Fields::new(sb, "sliding_window", f.diags, f.spans);
             let size = g.req_count("size", 1, BIG);
-            let pattern = g.choice_list(
-                "pattern",
-                &[("sliding", LayerAttn::Sliding), ("full", LayerAttn::Full)],
-            );
+            let pattern = g.choice_list("pattern", &[("sliding", LayerAttn::Sliding), ("full", LayerAttn::Full)]);
             g.finish();
             match (size, pattern) {
                 (Some(size), Some(pattern)) => Ok(Some(SlidingWindow { size, pattern })),
@@ -61,12 +55,9 @@ pub fn model(b: &Block, name: &str, diags: &mut Diagnostics, spans: &mut SpanMap
         .and_then(|mb| moe_block(mb, f.diags, f.spans));
     let dtype = match f.sub_block("dtype") {
         Some(db) => dtype_block(db, f.diags, f.spans),
-        None => Some(Dtypes {
-            weights: DType::Bf16,
-            experts: DType::Bf16,
-            activations: DType::Bf16,
-            block_scale: None,
-        }),
+        None => {
+            Some(Dtypes { weights: DType::Bf16, experts: DType::Bf16, activations: DType::Bf16, block_scale: None })
+        }
     };
     f.finish();
     Some(Model {
@@ -86,16 +77,10 @@ pub fn model(b: &Block, name: &str, diags: &mut Diagnostics, spans: &mut SpanMap
 }
 
 fn unknown_variant(diags: &mut Diagnostics, what: &str, kind: &Ident, choices: &[&str]) {
-    let mut d = Diagnostic::new(
-        Code::UnknownVariant,
-        format!("unknown {what} `{}`", kind.text),
-    )
-    .at(kind.span, "unknown kind");
+    let mut d =
+        Diagnostic::new(Code::UnknownVariant, format!("unknown {what} `{}`", kind.text)).at(kind.span, "unknown kind");
     d = match crate::fields::suggest(&kind.text, choices) {
-        Some(s) => d.help(format!(
-            "did you mean `{s}`? (choices: {})",
-            choices.join(", ")
-        )),
+        Some(s) => d.help(format!("did you mean `{s}`? (choices: {})", choices.join(", "))),
         None => d.help(format!("choose one of: {}", choices.join(", "))),
     };
     diags.push(d);
@@ -104,12 +89,9 @@ fn unknown_variant(diags: &mut Diagnostics, what: &str, kind: &Ident, choices: &
 /// A variant that needs parameters was given as a bare name.
 fn needs_params(diags: &mut Diagnostics, key: &str, kind: &Ident, example: &str) {
     diags.push(
-        Diagnostic::new(
-            Code::MissingField,
-            format!("`{key} = {}` needs parameters", kind.text),
-        )
-        .at(kind.span, "parameters missing")
-        .help(format!("write `{example}`")),
+        Diagnostic::new(Code::MissingField, format!("`{key} = {}` needs parameters", kind.text))
+            .at(kind.span, "parameters missing")
+            .help(format!("write `{example}`")),
     );
 }
 
@@ -121,12 +103,9 @@ fn attention_block(
 ) -> Option<Attention> {
     let Some(blk) = blk else {
         match kind.text.as_str() {
-            "gqa" | "mla" => needs_params(
-                diags,
-                "attention",
-                kind,
-                &format!("attention {} {{ heads = … }}", kind.text),
-            ),
+            "gqa" | "mla" => {
+                needs_params(diags, "attention", kind, &format!("attention {} {{ heads = … }}", kind.text))
+            }
             _ => unknown_variant(diags, "attention", kind, &["gqa", "mla"]),
         }
         return None;
@@ -185,10 +164,7 @@ fn moe_block(b: &Block, diags: &mut Diagnostics, spans: &mut SpanMap) -> Option<
     let shared_ffn = f.maybe_count("shared_ffn", 1, 1 << 20);
     let activation = f.opt_choice(
         "activation",
-        &[
-            ("silu", Activation::Silu),
-            ("swiglu_oai", Activation::SwigluOai),
-        ],
+        &[("silu", Activation::Silu), ("swiglu_oai", Activation::SwigluOai)],
         Activation::Silu,
     );
     let routing = f.req_variant("routing", "routing softmax_topk { norm_topk = true }");
@@ -206,12 +182,7 @@ fn moe_block(b: &Block, diags: &mut Diagnostics, spans: &mut SpanMap) -> Option<
     })
 }
 
-fn routing_block(
-    kind: &Ident,
-    blk: Option<&Block>,
-    diags: &mut Diagnostics,
-    spans: &mut SpanMap,
-) -> Option<Routing> {
+fn routing_block(kind: &Ident, blk: Option<&Block>, diags: &mut Diagnostics, spans: &mut SpanMap) -> Option<Routing> {
     match (kind.text.as_str(), blk) {
         ("softmax_topk", None) => Some(Routing::SoftmaxTopk { norm_topk: false }),
         ("softmax_topk", Some(b)) => {
@@ -237,12 +208,7 @@ fn routing_block(
             })
         }
         ("sigmoid_grouped", None) => {
-            needs_params(
-                diags,
-                "routing",
-                kind,
-                "routing sigmoid_grouped { groups = 8 top_groups = 4 scaling = 2.5 }",
-            );
+            needs_params(diags, "routing", kind, "routing sigmoid_grouped { groups = 8 top_groups = 4 scaling = 2.5 }");
             None
         }
         _ => {
@@ -252,11 +218,7 @@ fn routing_block(
     }
 }
 
-const DTYPES: &[(&str, DType)] = &[
-    ("bf16", DType::Bf16),
-    ("fp8_e4m3", DType::Fp8E4m3),
-    ("mxfp4", DType::Mxfp4),
-];
+const DTYPES: &[(&str, DType)] = &[("bf16", DType::Bf16), ("fp8_e4m3", DType::Fp8E4m3), ("mxfp4", DType::Mxfp4)];
 
 fn dtype_block(b: &Block, diags: &mut Diagnostics, spans: &mut SpanMap) -> Option<Dtypes> {
     let mut f = Fields::new(b, "dtype", diags, spans);
@@ -265,11 +227,7 @@ fn dtype_block(b: &Block, diags: &mut Diagnostics, spans: &mut SpanMap) -> Optio
         Some(v) => crate::fields::choice(f.diags, "experts", v, DTYPES).map(Some),
         None => Some(None),
     };
-    let activations = f.opt_choice(
-        "activations",
-        &[("bf16", DType::Bf16), ("fp8_e4m3", DType::Fp8E4m3)],
-        DType::Bf16,
-    );
+    let activations = f.opt_choice("activations", &[("bf16", DType::Bf16), ("fp8_e4m3", DType::Fp8E4m3)], DType::Bf16);
     let block_scale = f.count_list::<2>("block_scale", 1, 4096);
     let head = f.head();
     f.finish();
@@ -284,31 +242,16 @@ fn dtype_block(b: &Block, diags: &mut Diagnostics, spans: &mut SpanMap) -> Optio
         );
         return None;
     }
-    Some(Dtypes {
-        weights,
-        experts,
-        activations: activations?,
-        block_scale,
-    })
+    Some(Dtypes { weights, experts, activations: activations?, block_scale })
 }
 
-pub fn cluster(
-    b: &Block,
-    name: &str,
-    diags: &mut Diagnostics,
-    spans: &mut SpanMap,
-) -> Option<Cluster> {
+pub fn cluster(b: &Block, name: &str, diags: &mut Diagnostics, spans: &mut SpanMap) -> Option<Cluster> {
     let mut f = Fields::new(b, "", diags, spans);
     let nodes = f.req_count("nodes", 1, 65536);
     let gpn = f.req_count("gpus_per_node", 1, 72);
-    let gpu = f
-        .req_block("gpu", "gpu h100 { arch = sm_90a sms = 132 … }")
-        .and_then(|g| gpu_block(g, f.diags, f.spans));
+    let gpu = f.req_block("gpu", "gpu h100 { arch = sm_90a sms = 132 … }").and_then(|g| gpu_block(g, f.diags, f.spans));
     let scale_up = f
-        .req_block(
-            "scale_up",
-            "scale_up nvlink { bandwidth = 450GB/s latency = 2us }",
-        )
+        .req_block("scale_up", "scale_up nvlink { bandwidth = 450GB/s latency = 2us }")
         .and_then(|l| link_block(l, "scale_up", f.diags, f.spans));
     let scale_out = match f.sub_block("scale_out") {
         Some(l) => scale_out_block(l, f.diags, f.spans).map(Some).ok_or(()),
@@ -325,14 +268,7 @@ pub fn cluster(
         );
         return None;
     }
-    Some(Cluster {
-        name: name.to_string(),
-        nodes,
-        gpus_per_node: gpn?,
-        gpu: gpu?,
-        scale_up: scale_up?,
-        scale_out,
-    })
+    Some(Cluster { name: name.to_string(), nodes, gpus_per_node: gpn?, gpu: gpu?, scale_up: scale_up?, scale_out })
 }
 
 fn block_name(b: &Block, key: &str, diags: &mut Diagnostics, example: &str) -> Option<String> {
@@ -392,11 +328,7 @@ fn link_block(b: &Block, key: &str, diags: &mut Diagnostics, spans: &mut SpanMap
     let bw = f.req_qty("bandwidth", Dim::Bandwidth, 1e6, 1e15, "450GB/s");
     let lat = f.req_qty("latency", Dim::Time, 0.0, 1.0, "2us");
     f.finish();
-    Some(Link {
-        name: name?,
-        bandwidth: bw?,
-        latency: lat?,
-    })
+    Some(Link { name: name?, bandwidth: bw?, latency: lat? })
 }
 
 fn scale_out_block(b: &Block, diags: &mut Diagnostics, spans: &mut SpanMap) -> Option<ScaleOut> {
@@ -407,35 +339,19 @@ fn scale_out_block(b: &Block, diags: &mut Diagnostics, spans: &mut SpanMap) -> O
     let lat = f.req_qty("latency", Dim::Time, 0.0, 1.0, "5us");
     let lanes = f.opt_count("virtual_lanes", 1, 16, 1);
     f.finish();
-    Some(ScaleOut {
-        name: name?,
-        nics_per_node: nics?,
-        bandwidth: bw?,
-        latency: lat?,
-        virtual_lanes: lanes?,
-    })
+    Some(ScaleOut { name: name?, nics_per_node: nics?, bandwidth: bw?, latency: lat?, virtual_lanes: lanes? })
 }
 
 pub fn tiles(b: &Block, name: &str, diags: &mut Diagnostics, spans: &mut SpanMap) -> Option<Tiles> {
     let mut f = Fields::new(b, "", diags, spans);
     let prefill = f
-        .req_block(
-            "prefill",
-            "prefill { layout = contiguous gate_up { … } down { … } }",
-        )
+        .req_block("prefill", "prefill { layout = contiguous gate_up { … } down { … } }")
         .and_then(|p| phase_block(p, "prefill", Layout::Contiguous, f.diags, f.spans));
     let decode = f
-        .req_block(
-            "decode",
-            "decode { layout = masked gate_up { … } down { … } }",
-        )
+        .req_block("decode", "decode { layout = masked gate_up { … } down { … } }")
         .and_then(|p| phase_block(p, "decode", Layout::Masked, f.diags, f.spans));
     f.finish();
-    Some(Tiles {
-        name: name.to_string(),
-        prefill: prefill?,
-        decode: decode?,
-    })
+    Some(Tiles { name: name.to_string(), prefill: prefill?, decode: decode? })
 }
 
 fn phase_block(
@@ -446,27 +362,29 @@ fn phase_block(
     spans: &mut SpanMap,
 ) -> Option<PhaseTiles> {
     let mut f = Fields::new(b, path, diags, spans);
-    let layout = f.opt_choice(
-        "layout",
-        &[
-            ("contiguous", Layout::Contiguous),
-            ("masked", Layout::Masked),
-        ],
-        default,
-    );
+    let layout = f.opt_choice("layout", &[("contiguous", Layout::Contiguous), ("masked", Layout::Masked)], default);
     let example = "gate_up { block_m = 128 block_n = 128 block_k = 64 stages = 4 }";
-    let gate_up = f
-        .req_block("gate_up", example)
-        .and_then(|t| tile_block(t, &format!("{path}.gate_up"), f.diags, f.spans));
-    let down = f
-        .req_block("down", example)
-        .and_then(|t| tile_block(t, &format!("{path}.down"), f.diags, f.spans));
+    let gate_up =
+        f.req_block("gate_up", example).and_then(|t| tile_block(t, &format!("{path}.gate_up"), f.diags, f.spans));
+    let down = f.req_block("down", example).and_then(|t| tile_block(t, &format!("{path}.down"), f.diags, f.spans));
+    let head = f.head();
     f.finish();
-    Some(PhaseTiles {
-        layout: layout?,
-        gate_up: gate_up?,
-        down: down?,
-    })
+    let (layout, gate_up, down) = (layout?, gate_up?, down?);
+    if layout == Layout::Contiguous && gate_up.block_m != down.block_m {
+        diags.push(
+            Diagnostic::new(
+                Code::Inconsistent,
+                format!(
+                    "contiguous layout needs one row padding, but gate_up.block_m = {} and down.block_m = {}",
+                    gate_up.block_m, down.block_m
+                ),
+            )
+            .at(head, "in this phase")
+            .help("Down reads GateUp's output rows in place, so both GEMMs must use the same block_m (the padding height M_t)"),
+        );
+        return None;
+    }
+    Some(PhaseTiles { layout, gate_up, down })
 }
 
 fn tile_block(b: &Block, path: &str, diags: &mut Diagnostics, spans: &mut SpanMap) -> Option<Tile> {
@@ -477,13 +395,7 @@ fn tile_block(b: &Block, path: &str, diags: &mut Diagnostics, spans: &mut SpanMa
     let cluster = f.count_list::<2>("cluster", 1, 16);
     let stages = f.req_count("stages", 1, 32);
     f.finish();
-    Some(Tile {
-        block_m: m?,
-        block_n: n?,
-        block_k: k?,
-        cluster: cluster.ok()?.unwrap_or([1, 1]),
-        stages: stages?,
-    })
+    Some(Tile { block_m: m?, block_n: n?, block_k: k?, cluster: cluster.ok()?.unwrap_or([1, 1]), stages: stages? })
 }
 
 /// A deploy before name resolution: references are still names.
@@ -500,23 +412,15 @@ pub fn deploy(b: &Block, name: &str, diags: &mut Diagnostics, spans: &mut SpanMa
     let model = f.req_name("model", "MODEL_NAME");
     let cluster = f.req_name("cluster", "CLUSTER_NAME");
     let tiles = f.req_name("tiles", "TILES_NAME");
-    let slo = f
-        .req_block("slo", "slo { ttft = 1s tpot = 50ms }")
-        .and_then(|s| {
-            let mut g = Fields::new(s, "slo", f.diags, f.spans);
-            let ttft = g.req_qty("ttft", Dim::Time, 1e-6, 3600.0, "1s");
-            let tpot = g.req_qty("tpot", Dim::Time, 1e-6, 60.0, "50ms");
-            g.finish();
-            Some(Slo {
-                ttft: ttft?,
-                tpot: tpot?,
-            })
-        });
+    let slo = f.req_block("slo", "slo { ttft = 1s tpot = 50ms }").and_then(|s| {
+        let mut g = Fields::new(s, "slo", f.diags, f.spans);
+        let ttft = g.req_qty("ttft", Dim::Time, 1e-6, 3600.0, "1s");
+        let tpot = g.req_qty("tpot", Dim::Time, 1e-6, 60.0, "50ms");
+        g.finish();
+        Some(Slo { ttft: ttft?, tpot: tpot? })
+    });
     let workload = f
-        .req_block(
-            "workload",
-            "workload { input = sharegpt output = sharegpt arrival poisson { rate = 4req/s } }",
-        )
+        .req_block("workload", "workload { input = sharegpt output = sharegpt arrival poisson { rate = 4req/s } }")
         .and_then(|w| workload_block(w, f.diags, f.spans));
     let strategy = f.opt_choice(
         "strategy",
@@ -530,39 +434,21 @@ pub fn deploy(b: &Block, name: &str, diags: &mut Diagnostics, spans: &mut SpanMa
     );
     let switch = match f.sub_block("switch") {
         Some(s) => switch_block(s, f.diags, f.spans),
-        None => Some(SwitchPolicy {
-            enabled: false,
-            t_high: None,
-            t_low: None,
-            window: 8,
-            cooldown: 5.0,
-        }),
+        None => Some(SwitchPolicy { enabled: false, t_high: None, t_low: None, window: 8, cooldown: 5.0 }),
     };
     let placement = match f.sub_block("placement") {
         Some(p) => {
             let mut g = Fields::new(p, "placement", f.diags, f.spans);
             let policy = g.opt_choice(
                 "policy",
-                &[
-                    ("none", PlacementPolicy::None),
-                    ("eplb", PlacementPolicy::Eplb),
-                    ("zepp", PlacementPolicy::Zepp),
-                ],
+                &[("none", PlacementPolicy::None), ("eplb", PlacementPolicy::Eplb), ("zepp", PlacementPolicy::Zepp)],
                 PlacementPolicy::None,
             );
             let redundant = g.opt_count("redundant_experts", 0, 65536, 0);
             g.finish();
-            policy
-                .zip(redundant)
-                .map(|(policy, redundant_experts)| Placement {
-                    policy,
-                    redundant_experts,
-                })
+            policy.zip(redundant).map(|(policy, redundant_experts)| Placement { policy, redundant_experts })
         }
-        None => Some(Placement {
-            policy: PlacementPolicy::None,
-            redundant_experts: 0,
-        }),
+        None => Some(Placement { policy: PlacementPolicy::None, redundant_experts: 0 }),
     };
     let fraction = f.opt_qty("memory_fraction", Dim::None, 0.05, 1.0, 0.9);
     f.finish();
@@ -580,12 +466,7 @@ pub fn deploy(b: &Block, name: &str, diags: &mut Diagnostics, spans: &mut SpanMa
             memory_fraction: fraction?,
         })
     })();
-    DeployAst {
-        model,
-        cluster,
-        tiles,
-        rest,
-    }
+    DeployAst { model, cluster, tiles, rest }
 }
 
 fn switch_block(b: &Block, diags: &mut Diagnostics, spans: &mut SpanMap) -> Option<SwitchPolicy> {
@@ -617,52 +498,28 @@ fn switch_block(b: &Block, diags: &mut Diagnostics, spans: &mut SpanMap) -> Opti
 }
 
 /// `key = N` or `key = auto` (→ `None`).
-fn auto_count(
-    f: &mut Fields<'_, '_>,
-    key: &'static str,
-) -> Result<Option<(u32, crate::source::Span)>, ()> {
+fn auto_count(f: &mut Fields<'_, '_>, key: &'static str) -> Result<Option<(u32, crate::source::Span)>, ()> {
     match f.value(key) {
         None => Ok(None),
         Some(v) if matches!(&v.kind, crate::syntax::ValueKind::Ident(s) if s == "auto") => Ok(None),
-        Some(v) => crate::fields::count(f.diags, key, v, 1, 1 << 24)
-            .map(|c| Some((c, v.span)))
-            .ok_or(()),
+        Some(v) => crate::fields::count(f.diags, key, v, 1, 1 << 24).map(|c| Some((c, v.span))).ok_or(()),
     }
 }
 
 fn workload_block(b: &Block, diags: &mut Diagnostics, spans: &mut SpanMap) -> Option<Workload> {
     let mut f = Fields::new(b, "workload", diags, spans);
-    let input = f
-        .req_variant("input", "input = sharegpt")
-        .and_then(|(k, blk)| length_dist(&k, blk, f.diags, f.spans));
-    let output = f
-        .req_variant("output", "output = sharegpt")
-        .and_then(|(k, blk)| length_dist(&k, blk, f.diags, f.spans));
+    let input = f.req_variant("input", "input = sharegpt").and_then(|(k, blk)| length_dist(&k, blk, f.diags, f.spans));
+    let output =
+        f.req_variant("output", "output = sharegpt").and_then(|(k, blk)| length_dist(&k, blk, f.diags, f.spans));
     let arrival = f
         .req_variant("arrival", "arrival poisson { rate = 4req/s }")
         .and_then(|(k, blk)| arrival_block(&k, blk, f.diags, f.spans));
     f.finish();
-    Some(Workload {
-        input: input?,
-        output: output?,
-        arrival: arrival?,
-    })
+    Some(Workload { input: input?, output: output?, arrival: arrival? })
 }
 
-fn length_dist(
-    kind: &Ident,
-    blk: Option<&Block>,
-    diags: &mut Diagnostics,
-    spans: &mut SpanMap,
-) -> Option<LengthDist> {
-    const KINDS: &[&str] = &[
-        "fixed",
-        "uniform",
-        "lognormal",
-        "sharegpt",
-        "loogle",
-        "rollout",
-    ];
+fn length_dist(kind: &Ident, blk: Option<&Block>, diags: &mut Diagnostics, spans: &mut SpanMap) -> Option<LengthDist> {
+    const KINDS: &[&str] = &["fixed", "uniform", "lognormal", "sharegpt", "loogle", "rollout"];
     let preset = match kind.text.as_str() {
         "sharegpt" => Some(LengthDist::Sharegpt),
         "loogle" => Some(LengthDist::Loogle),
@@ -701,12 +558,9 @@ fn length_dist(
             let (min, max) = (min?, max?);
             if min > max {
                 diags.push(
-                    Diagnostic::new(
-                        Code::InconsistentDeploy,
-                        format!("uniform lengths with min {min} > max {max}"),
-                    )
-                    .at(head, "empty range")
-                    .help("swap `min` and `max`"),
+                    Diagnostic::new(Code::InconsistentDeploy, format!("uniform lengths with min {min} > max {max}"))
+                        .at(head, "empty range")
+                        .help("swap `min` and `max`"),
                 );
                 return None;
             }
@@ -717,11 +571,7 @@ fn length_dist(
             let sigma = f.req_qty("sigma", Dim::None, 0.0, 10.0, "1.0");
             let max = f.req_count("max", 1, BIG);
             f.finish();
-            LengthDist::Lognormal {
-                mean: mean?,
-                sigma: sigma?,
-                max: max?,
-            }
+            LengthDist::Lognormal { mean: mean?, sigma: sigma?, max: max? }
         }
         _ => {
             f.finish();
@@ -732,20 +582,12 @@ fn length_dist(
     Some(out)
 }
 
-fn arrival_block(
-    kind: &Ident,
-    blk: Option<&Block>,
-    diags: &mut Diagnostics,
-    spans: &mut SpanMap,
-) -> Option<Arrival> {
+fn arrival_block(kind: &Ident, blk: Option<&Block>, diags: &mut Diagnostics, spans: &mut SpanMap) -> Option<Arrival> {
     let Some(b) = blk else {
         match kind.text.as_str() {
-            "poisson" | "gamma" => needs_params(
-                diags,
-                "arrival",
-                kind,
-                &format!("arrival {} {{ rate = 4req/s }}", kind.text),
-            ),
+            "poisson" | "gamma" => {
+                needs_params(diags, "arrival", kind, &format!("arrival {} {{ rate = 4req/s }}", kind.text))
+            }
             _ => unknown_variant(diags, "arrival process", kind, &["poisson", "gamma"]),
         }
         return None;
@@ -754,17 +596,14 @@ fn arrival_block(
     let rate = f.req_qty("rate", Dim::Rate, 1e-6, 1e7, "4req/s");
     let process = match kind.text.as_str() {
         "poisson" => Some(ArrivalProcess::Poisson),
-        "gamma" => f
-            .req_qty("burstiness", Dim::None, 1e-3, 1e3, "0.5")
-            .map(|b| ArrivalProcess::Gamma { burstiness: b }),
+        "gamma" => {
+            f.req_qty("burstiness", Dim::None, 1e-3, 1e3, "0.5").map(|b| ArrivalProcess::Gamma { burstiness: b })
+        }
         _ => {
             unknown_variant(f.diags, "arrival process", kind, &["poisson", "gamma"]);
             None
         }
     };
     f.finish();
-    Some(Arrival {
-        process: process?,
-        rate: rate?,
-    })
+    Some(Arrival { process: process?, rate: rate? })
 }

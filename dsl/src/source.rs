@@ -23,11 +23,7 @@ pub struct Span {
 impl Span {
     pub fn new(file: FileId, start: usize, end: usize) -> Self {
         let clamp = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
-        Span {
-            file,
-            start: clamp(start),
-            end: clamp(end.max(start)),
-        }
+        Span { file, start: clamp(start), end: clamp(end.max(start)) }
     }
     pub fn range(&self) -> std::ops::Range<usize> {
         self.start as usize..self.end as usize
@@ -64,10 +60,7 @@ impl SourceMap {
         self.get(id).map_or("", |f| f.text.as_str())
     }
     pub fn files(&self) -> impl Iterator<Item = (FileId, &SourceFile)> {
-        self.files
-            .iter()
-            .enumerate()
-            .map(|(i, f)| (FileId(i as u32), f))
+        self.files.iter().enumerate().map(|(i, f)| (FileId(i as u32), f))
     }
     /// 1-based line and column (in characters) of a byte offset.
     pub fn line_col(&self, file: FileId, offset: u32) -> (usize, usize) {
@@ -107,25 +100,16 @@ pub struct MemLoader {
 
 impl MemLoader {
     pub fn new<'a>(files: impl IntoIterator<Item = (&'a str, &'a str)>) -> Self {
-        MemLoader {
-            files: files
-                .into_iter()
-                .map(|(p, t)| (normalize(Path::new(p)), t.to_string()))
-                .collect(),
-        }
+        MemLoader { files: files.into_iter().map(|(p, t)| (normalize(Path::new(p)), t.to_string())).collect() }
     }
     pub fn insert(&mut self, path: &str, text: &str) {
-        self.files
-            .insert(normalize(Path::new(path)), text.to_string());
+        self.files.insert(normalize(Path::new(path)), text.to_string());
     }
 }
 
 impl Loader for MemLoader {
     fn load(&self, path: &Path) -> Result<String, String> {
-        self.files
-            .get(&normalize(path))
-            .cloned()
-            .ok_or_else(|| "no such file".to_string())
+        self.files.get(&normalize(path)).cloned().ok_or_else(|| "no such file".to_string())
     }
 }
 

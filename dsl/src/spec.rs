@@ -83,10 +83,7 @@ impl Spec {
         (0..self.deploys.len() as u32).map(DeployId)
     }
     pub fn find_deploy(&self, name: &str) -> Option<DeployId> {
-        self.deploys
-            .iter()
-            .position(|d| d.name == name)
-            .map(|i| DeployId(i as u32))
+        self.deploys.iter().position(|d| d.name == name).map(|i| DeployId(i as u32))
     }
     /// The blocks one deployment uses, as a self-contained spec (handles
     /// renumbered to 0). Its canonical JSON is what bundles hash.
@@ -218,13 +215,7 @@ pub enum Routing {
     /// only), experts split into `groups`; keep the `top_groups` groups with
     /// the best top-2 sums, top-k inside them, optionally renormalize, then
     /// multiply by `scaling`.
-    SigmoidGrouped {
-        groups: u32,
-        top_groups: u32,
-        scaling: f64,
-        norm_topk: bool,
-        bias: bool,
-    },
+    SigmoidGrouped { groups: u32, top_groups: u32, scaling: f64, norm_topk: bool, bias: bool },
 }
 
 /// Storage types.
@@ -306,36 +297,13 @@ impl Model {
     pub fn attention_params_per_layer(&self) -> u64 {
         let h = u64::from(self.hidden);
         match self.attention {
-            Attention::Gqa {
-                heads,
-                kv_heads,
-                head_dim,
-                qk_norm,
-                sinks,
-                ..
-            } => {
+            Attention::Gqa { heads, kv_heads, head_dim, qk_norm, sinks, .. } => {
                 let (q, kv, d) = (u64::from(heads), u64::from(kv_heads), u64::from(head_dim));
-                h * q * d
-                    + 2 * h * kv * d
-                    + q * d * h
-                    + if qk_norm { 2 * d } else { 0 }
-                    + if sinks { q } else { 0 }
+                h * q * d + 2 * h * kv * d + q * d * h + if qk_norm { 2 * d } else { 0 } + if sinks { q } else { 0 }
             }
-            Attention::Mla {
-                heads,
-                q_lora,
-                kv_lora,
-                qk_nope,
-                qk_rope,
-                v_head,
-            } => {
-                let (n, kv, nope, rope, v) = (
-                    u64::from(heads),
-                    u64::from(kv_lora),
-                    u64::from(qk_nope),
-                    u64::from(qk_rope),
-                    u64::from(v_head),
-                );
+            Attention::Mla { heads, q_lora, kv_lora, qk_nope, qk_rope, v_head } => {
+                let (n, kv, nope, rope, v) =
+                    (u64::from(heads), u64::from(kv_lora), u64::from(qk_nope), u64::from(qk_rope), u64::from(v_head));
                 let q = match q_lora {
                     Some(r) => h * u64::from(r) + u64::from(r) + u64::from(r) * n * (nope + rope),
                     None => h * n * (nope + rope),
@@ -354,34 +322,23 @@ impl Model {
         let h = u64::from(self.hidden);
         let layers = u64::from(self.layers);
         let moe_layers = u64::from(self.moe_layers());
-        let dense = self
-            .dense
-            .map_or(0, |d| u64::from(d.layers) * 3 * h * u64::from(d.ffn));
+        let dense = self.dense.map_or(0, |d| u64::from(d.layers) * 3 * h * u64::from(d.ffn));
         ParamCount {
             embedding: u64::from(self.vocab) * h,
-            lm_head: if self.tie_embeddings {
-                0
-            } else {
-                u64::from(self.vocab) * h
-            },
+            lm_head: if self.tie_embeddings { 0 } else { u64::from(self.vocab) * h },
             attention: layers * self.attention_params_per_layer(),
             norms: layers * 2 * h + h,
             dense_ffn: dense,
             router: moe_layers * u64::from(self.moe.experts) * h,
             routed_experts: moe_layers * u64::from(self.moe.experts) * self.expert_params(),
-            shared_experts: moe_layers
-                * u64::from(self.moe.shared_experts)
-                * 3
-                * h
-                * u64::from(self.moe.shared_ffn),
+            shared_experts: moe_layers * u64::from(self.moe.shared_experts) * 3 * h * u64::from(self.moe.shared_ffn),
         }
     }
 
     /// Parameters touched per token (shared, dense and top-k routed experts).
     pub fn active_params(&self) -> u64 {
         let p = self.params();
-        let routed_active =
-            u64::from(self.moe_layers()) * u64::from(self.moe.top_k) * self.expert_params();
+        let routed_active = u64::from(self.moe_layers()) * u64::from(self.moe.top_k) * self.expert_params();
         p.total() - p.routed_experts + routed_active
     }
 
@@ -398,20 +355,14 @@ impl Model {
 
     /// Bytes of one routed expert's weights.
     pub fn expert_bytes(&self) -> u64 {
-        (self.expert_params() as f64 * self.dtype.experts.bits_per_element(self.dtype.block_scale)
-            / 8.0)
-            .ceil() as u64
+        (self.expert_params() as f64 * self.dtype.experts.bits_per_element(self.dtype.block_scale) / 8.0).ceil() as u64
     }
 
     /// KV-cache bytes per token per layer (bf16 cache).
     pub fn kv_bytes_per_token_layer(&self) -> u64 {
         match self.attention {
-            Attention::Gqa {
-                kv_heads, head_dim, ..
-            } => 2 * u64::from(kv_heads) * u64::from(head_dim) * 2,
-            Attention::Mla {
-                kv_lora, qk_rope, ..
-            } => (u64::from(kv_lora) + u64::from(qk_rope)) * 2,
+            Attention::Gqa { kv_heads, head_dim, .. } => 2 * u64::from(kv_heads) * u64::from(head_dim) * 2,
+            Attention::Mla { kv_lora, qk_rope, .. } => (u64::from(kv_lora) + u64::from(qk_rope)) * 2,
         }
     }
 }
@@ -563,8 +514,7 @@ impl Tile {
     /// Shared memory of the pipeline plus the epilogue staging tile.
     pub fn smem_bytes(&self, input: DType) -> u64 {
         let elt = if input == DType::Bf16 { 2 } else { 1 };
-        let stage =
-            (u64::from(self.block_m) + u64::from(self.block_n)) * u64::from(self.block_k) * elt;
+        let stage = (u64::from(self.block_m) + u64::from(self.block_n)) * u64::from(self.block_k) * elt;
         let epilogue = u64::from(self.block_m) * u64::from(self.block_n) * 2;
         u64::from(self.stages) * stage + epilogue
     }

@@ -115,11 +115,7 @@ pub fn parse(file: FileId, text: &str) -> Result<File, Diagnostic> {
         match p.as_rule() {
             Rule::use_stmt => {
                 let span = span(file, &p);
-                let path = p
-                    .into_inner()
-                    .next()
-                    .map(|s| s.into_inner().as_str().to_string())
-                    .unwrap_or_default();
+                let path = p.into_inner().next().map(|s| s.into_inner().as_str().to_string()).unwrap_or_default();
                 out.uses.push(Use { path, span });
             }
             Rule::block => out.blocks.push(block(file, p)),
@@ -135,10 +131,7 @@ fn span(file: FileId, p: &Pair<'_>) -> Span {
 }
 
 fn ident(file: FileId, p: Pair<'_>) -> Ident {
-    Ident {
-        text: p.as_str().to_string(),
-        span: span(file, &p),
-    }
+    Ident { text: p.as_str().to_string(), span: span(file, &p) }
 }
 
 fn block(file: FileId, p: Pair<'_>) -> Block {
@@ -155,29 +148,15 @@ fn block(file: FileId, p: Pair<'_>) -> Block {
             _ => {}
         }
     }
-    let kind = kind.unwrap_or(Ident {
-        text: String::new(),
-        span: whole,
-    });
-    Block {
-        kind,
-        name,
-        items,
-        span: whole,
-    }
+    let kind = kind.unwrap_or(Ident { text: String::new(), span: whole });
+    Block { kind, name, items, span: whole }
 }
 
 fn field(file: FileId, p: Pair<'_>) -> Field {
     let whole = span(file, &p);
     let mut inner = p.into_inner();
-    let key = inner.next().map(|k| ident(file, k)).unwrap_or(Ident {
-        text: String::new(),
-        span: whole,
-    });
-    let value = inner.next().map(|v| value(file, v)).unwrap_or(Value {
-        kind: ValueKind::List(vec![]),
-        span: whole,
-    });
+    let key = inner.next().map(|k| ident(file, k)).unwrap_or(Ident { text: String::new(), span: whole });
+    let value = inner.next().map(|v| value(file, v)).unwrap_or(Value { kind: ValueKind::List(vec![]), span: whole });
     Field { key, value }
 }
 
@@ -200,12 +179,7 @@ fn value(file: FileId, p: Pair<'_>) -> Value {
             let value = text.parse::<f64>().unwrap_or(f64::NAN);
             ValueKind::Number { value, text, unit }
         }
-        Rule::string => ValueKind::Str(
-            p.into_inner()
-                .next()
-                .map(|s| s.as_str().to_string())
-                .unwrap_or_default(),
-        ),
+        Rule::string => ValueKind::Str(p.into_inner().next().map(|s| s.as_str().to_string()).unwrap_or_default()),
         _ => ValueKind::Ident(p.as_str().to_string()),
     };
     Value { kind, span: sp }
@@ -235,7 +209,9 @@ fn check_nesting(file: FileId, text: &str) -> Result<(), Diagnostic> {
                     if depth > MAX_NESTING {
                         return Err(Diagnostic::new(Code::Syntax, "blocks and lists are nested too deeply")
                             .at(Span::new(file, i, i + 1), format!("nesting level {depth}"))
-                            .help(format!("a spec needs far less than {MAX_NESTING} levels; check for an unclosed `{{` or `[`")));
+                            .help(format!(
+                                "a spec needs far less than {MAX_NESTING} levels; check for an unclosed `{{` or `[`"
+                            )));
                     }
                 }
                 '}' | ']' => depth = depth.saturating_sub(1),
@@ -272,9 +248,7 @@ fn syntax_error(file: FileId, text: &str, e: pest::error::Error<Rule>) -> Diagno
     let found = text[start.min(text.len())..]
         .chars()
         .next()
-        .map_or("end of file".to_string(), |c| {
-            format!("`{}`", c.escape_default())
-        });
+        .map_or("end of file".to_string(), |c| format!("`{}`", c.escape_default()));
     let expected = match &e.variant {
         pest::error::ErrorVariant::ParsingError { positives, .. } => {
             let mut names: Vec<&str> = positives.iter().map(rule_name).collect();
@@ -292,10 +266,7 @@ fn syntax_error(file: FileId, text: &str, e: pest::error::Error<Rule>) -> Diagno
     let (msg, label) = if expected.is_empty() {
         (format!("unexpected {found}"), "unexpected here".to_string())
     } else {
-        (
-            format!("expected {}, found {found}", expected.join(" or ")),
-            format!("expected {}", expected.join(" or ")),
-        )
+        (format!("expected {}, found {found}", expected.join(" or ")), format!("expected {}", expected.join(" or ")))
     };
     Diagnostic::new(Code::Syntax, msg)
         .at(Span::new(file, start, end), label)
@@ -303,7 +274,5 @@ fn syntax_error(file: FileId, text: &str, e: pest::error::Error<Rule>) -> Diagno
 }
 
 fn next_char_end(text: &str, p: usize) -> usize {
-    text.get(p..)
-        .and_then(|s| s.chars().next())
-        .map_or(p, |c| p + c.len_utf8())
+    text.get(p..).and_then(|s| s.chars().next()).map_or(p, |c| p + c.len_utf8())
 }

@@ -124,33 +124,10 @@ pub fn human(value: f64, dim: Dim) -> String {
     }
     match dim {
         Dim::None => trim(value),
-        Dim::Bytes => scaled(
-            value,
-            &[
-                (1e12, "TB"),
-                (1e9, "GB"),
-                (1e6, "MB"),
-                (1e3, "KB"),
-                (1.0, "B"),
-            ],
-        ),
-        Dim::Time => scaled(
-            value,
-            &[(1.0, "s"), (1e-3, "ms"), (1e-6, "us"), (1e-9, "ns")],
-        ),
-        Dim::Bandwidth => scaled(
-            value,
-            &[(1e12, "TB/s"), (1e9, "GB/s"), (1e6, "MB/s"), (1.0, "B/s")],
-        ),
-        Dim::FlopRate => scaled(
-            value,
-            &[
-                (1e15, "PFLOP/s"),
-                (1e12, "TFLOP/s"),
-                (1e9, "GFLOP/s"),
-                (1.0, "FLOP/s"),
-            ],
-        ),
+        Dim::Bytes => scaled(value, &[(1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "KB"), (1.0, "B")]),
+        Dim::Time => scaled(value, &[(1.0, "s"), (1e-3, "ms"), (1e-6, "us"), (1e-9, "ns")]),
+        Dim::Bandwidth => scaled(value, &[(1e12, "TB/s"), (1e9, "GB/s"), (1e6, "MB/s"), (1.0, "B/s")]),
+        Dim::FlopRate => scaled(value, &[(1e15, "PFLOP/s"), (1e12, "TFLOP/s"), (1e9, "GFLOP/s"), (1.0, "FLOP/s")]),
         Dim::Rate => format!("{}req/s", trim(value)),
     }
 }

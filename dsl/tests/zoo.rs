@@ -11,10 +11,7 @@ fn root() -> PathBuf {
 fn moe_files(dir: &str) -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(root().join(dir))
         .map(|rd| {
-            rd.filter_map(|e| e.ok())
-                .map(|e| e.path())
-                .filter(|p| p.extension().is_some_and(|x| x == "moe"))
-                .collect()
+            rd.filter_map(|e| e.ok()).map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "moe")).collect()
         })
         .unwrap_or_default();
     v.sort();
@@ -23,10 +20,7 @@ fn moe_files(dir: &str) -> Vec<PathBuf> {
 
 #[test]
 fn every_model_and_example_checks() {
-    let files: Vec<PathBuf> = moe_files("models")
-        .into_iter()
-        .chain(moe_files("examples"))
-        .collect();
+    let files: Vec<PathBuf> = moe_files("models").into_iter().chain(moe_files("examples")).collect();
     assert!(files.len() >= 14, "zoo incomplete: {files:?}");
     for f in files {
         if let Err(e) = check_paths(&[f.clone()], &FsLoader) {
@@ -52,27 +46,19 @@ fn parameter_counts_match_published_sizes() {
     ];
     for (name, total_b, active_b) in expect {
         let path = root().join("models").join(format!("{name}.moe"));
-        let checked =
-            check_paths(&[path], &FsLoader).unwrap_or_else(|e| panic!("{}", e.render(false)));
+        let checked = check_paths(&[path], &FsLoader).unwrap_or_else(|e| panic!("{}", e.render(false)));
         let m = &checked.spec.models[0];
         let total = m.params().total() as f64 / 1e9;
         let active = m.active_params() as f64 / 1e9;
-        assert!(
-            (total / total_b - 1.0).abs() < 0.04,
-            "{name}: total {total:.1}B vs published {total_b}B"
-        );
-        assert!(
-            (active / active_b - 1.0).abs() < 0.12,
-            "{name}: active {active:.2}B vs published {active_b}B"
-        );
+        assert!((total / total_b - 1.0).abs() < 0.04, "{name}: total {total:.1}B vs published {total_b}B");
+        assert!((active / active_b - 1.0).abs() < 0.12, "{name}: active {active:.2}B vs published {active_b}B");
     }
 }
 
 #[test]
 fn checked_specs_are_pinned() {
     for f in moe_files("examples") {
-        let checked =
-            check_paths(&[f.clone()], &FsLoader).unwrap_or_else(|e| panic!("{}", e.render(false)));
+        let checked = check_paths(&[f.clone()], &FsLoader).unwrap_or_else(|e| panic!("{}", e.render(false)));
         for id in checked.spec.deploy_ids() {
             let d = checked.spec.deployment(id);
             let m = &d.models[0];
@@ -82,11 +68,21 @@ fn checked_specs_are_pinned() {
                 "params_active": m.active_params(),
                 "weight_bytes": m.weight_bytes(),
             });
-            let name = f
-                .file_stem()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_default();
+            let name = f.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
             insta::assert_json_snapshot!(name, summary);
         }
+    }
+}
+
+/// The textual form of a checked spec is valid `.moe` that checks back to an
+/// equal spec (the form `moeforge explain` prints).
+#[test]
+fn display_form_round_trips() {
+    for f in moe_files("examples").into_iter().chain(moe_files("models")) {
+        let checked = check_paths(&[f.clone()], &FsLoader).unwrap_or_else(|e| panic!("{}", e.render(false)));
+        let text = checked.spec.to_string();
+        let again = moeforge_dsl::check_str("printed.moe", &text)
+            .unwrap_or_else(|e| panic!("{} printed as invalid .moe:\n{}\n{text}", f.display(), e.render(false)));
+        assert_eq!(again.spec, checked.spec, "{} does not round-trip:\n{text}", f.display());
     }
 }

@@ -1,0 +1,104 @@
+//! The bundle: the directory `moeforge compile` writes.
+//!
+//! ```text
+//! DIR/manifest.json   format version, tool, spec hash, targets, SHA-256 of every other file
+//! DIR/spec.json       the deployment's checked spec (canonical JSON; its hash is the spec hash)
+//! DIR/plan.json       the validated plan
+//! DIR/kernels/*.cu    emitted CUDA (and *.cubin when nvcc ran)
+//! DIR/report.md       the human report
+//! ```
+//!
+//! Writing is atomic: files go to a temporary sibling directory which is
+//! renamed over DIR only when complete; on any error DIR is untouched.
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+pub const MANIFEST: &str = "manifest.json";
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format_version: u32,
+    pub tool: String,
+    pub deploy: String,
+    pub spec_hash: String,
+    /// GPU architectures the kernels target.
+    pub targets: Vec<String>,
+    /// Whether `kernels/*.cubin` are present.
+    pub cubins: bool,
+    /// SHA-256 of every file but the manifest, by bundle-relative path.
+    pub files: BTreeMap<String, String>,
+}
+
+/// The files of a bundle, by bundle-relative path, in memory.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Bundle {
+    pub files: BTreeMap<String, Vec<u8>>,
+}
+
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    let digest = Sha256::digest(bytes);
+    digest.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl Bundle {
+    pub fn add(&mut self, path: &str, bytes: impl Into<Vec<u8>>) {
+        self.files.insert(path.to_string(), bytes.into());
+    }
+
+    /// Adds the manifest covering every file added so far.
+    pub fn seal(&mut self, mut manifest: Manifest) {
+        manifest.files = self.files.iter().map(|(p, b)| (p.clone(), sha256_hex(b))).collect();
+        let mut json = serde_json::to_vec_pretty(&manifest).unwrap_or_default();
+        json.push(b'\n');
+        self.files.insert(MANIFEST.to_string(), json);
+    }
+
+    /// Writes the bundle to `dir` atomically, replacing a previous bundle there.
+    pub fn write(&self, dir: &Path) -> std::io::Result<()> {
+        let parent = match dir.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        std::fs::create_dir_all(&parent)?;
+        if dir.exists() && !dir.is_dir() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                format!("{} exists and is not a directory", dir.display()),
+            ));
+        }
+        let stem = dir.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "bundle".into());
+        let tmp = tempfile::Builder::new().prefix(&format!(".{stem}.tmp")).tempdir_in(&parent)?;
+        for (path, bytes) in &self.files {
+            let target = tmp.path().join(path);
+            if let Some(p) = target.parent() {
+                std::fs::create_dir_all(p)?;
+            }
+            std::fs::write(&target, bytes)?;
+        }
+        let tmp_path = tmp.keep();
+        let result = replace_dir(&tmp_path, dir, &parent, &stem);
+        if result.is_err() {
+            let _ = std::fs::remove_dir_all(&tmp_path);
+        }
+        result
+    }
+}
+
+/// Moves `new` to `dir`. An existing `dir` is first moved aside and removed
+/// only after the rename succeeded, so a failure leaves it as it was.
+fn replace_dir(new: &Path, dir: &Path, parent: &Path, stem: &str) -> std::io::Result<()> {
+    if !dir.exists() {
+        return std::fs::rename(new, dir);
+    }
+    let old = tempfile::Builder::new().prefix(&format!(".{stem}.old")).tempdir_in(parent)?.keep();
+    std::fs::remove_dir(&old)?;
+    std::fs::rename(dir, &old)?;
+    if let Err(e) = std::fs::rename(new, dir) {
+        let _ = std::fs::rename(&old, dir);
+        return Err(e);
+    }
+    std::fs::remove_dir_all(&old)
+}

@@ -1,0 +1,69 @@
+//! CUDA source from tera templates.
+//!
+//! The templates (`templates/*.cu.tera`, embedded at build time) only print
+//! the kernel's parameter struct; every decision is made in the kernels pass.
+
+use crate::plan::{KernelInstance, KernelParams};
+use crate::validate::ValidPlan;
+
+const ROUTER: &str = include_str!("../../../templates/router.cu.tera");
+const PERMUTE: &str = include_str!("../../../templates/permute.cu.tera");
+
+#[derive(Debug, thiserror::Error)]
+#[error("template `{template}` failed: {message}")]
+pub struct TemplateError {
+    pub template: String,
+    pub message: String,
+}
+
+/// A float as a C++ `float` literal that round-trips (`2.5f`, `1.0f`).
+fn float_literal(v: f64) -> String {
+    let s = format!("{:?}", v as f32);
+    let s = if s.contains(['.', 'e', 'E']) { s } else { format!("{s}.0") };
+    format!("{s}f")
+}
+
+/// Renders one kernel's source.
+pub fn render(plan: &ValidPlan, k: &KernelInstance) -> Result<String, TemplateError> {
+    let mut ctx = tera::Context::new();
+    ctx.insert("version", env!("CARGO_PKG_VERSION"));
+    ctx.insert("deploy", &plan.plan().deploy);
+    ctx.insert("purpose", &k.purpose);
+    let (name, template) = match &k.params {
+        KernelParams::Router(p) => {
+            ctx.insert("p", p);
+            ctx.insert("sigmoid", &(p.scoring == "sigmoid"));
+            ctx.insert("scaling", &float_literal(p.scaling));
+            ("router.cu", ROUTER)
+        }
+        KernelParams::Permute(p) => {
+            ctx.insert("p", p);
+            ("permute.cu", PERMUTE)
+        }
+    };
+    let err = |e: tera::Error| {
+        let mut message = e.to_string();
+        let mut src = std::error::Error::source(&e);
+        while let Some(s) = src {
+            message.push_str(&format!(": {s}"));
+            src = s.source();
+        }
+        TemplateError { template: name.to_string(), message }
+    };
+    let mut tera = tera::Tera::default();
+    tera.autoescape_on(vec![]);
+    tera.add_raw_template(name, template).map_err(err)?;
+    tera.render(name, &ctx).map_err(err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::float_literal;
+
+    #[test]
+    fn float_literals_round_trip() {
+        assert_eq!(float_literal(2.5), "2.5f");
+        assert_eq!(float_literal(1.0), "1.0f");
+        assert_eq!(float_literal(2.827), "2.827f");
+    }
+}

@@ -1,0 +1,9 @@
+//! Emission: a validated plan to the files of a bundle.
+//!
+//! Everything here is deterministic: ordered maps, no timestamps, no paths of
+//! the machine that compiled. `cuda` renders kernels from the tera templates,
+//! `report` writes `report.md`, `bundle` assembles and writes the directory.
+
+pub mod bundle;
+pub mod cuda;
+pub mod report;

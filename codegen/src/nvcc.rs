@@ -1,0 +1,201 @@
+//! The real-toolchain tier: compiling emitted CUDA with nvcc.
+//!
+//! nvcc comes from NVIDIA's PyPI wheels (`scripts/setup.sh`), which run on a
+//! machine without a GPU. Each kernel is compiled to a cubin for its target
+//! with every warning an error, and ptxas's per-function report (registers,
+//! spills, stack, shared memory) is parsed into [`PtxasStats`]. A spill or a
+//! local-memory stack frame is an error: the kernels are sized to avoid both.
+
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// How `compile` finds nvcc.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum NvccMode {
+    /// `$MOEFORGE_NVCC`, else `nvcc` on `PATH`; skip compilation if neither exists.
+    #[default]
+    Auto,
+    /// Do not compile.
+    Off,
+    /// This nvcc; failing to run it is an error.
+    Path(PathBuf),
+}
+
+impl NvccMode {
+    /// The nvcc to use, if any. `Path` is returned even if missing, so that
+    /// running it reports the problem.
+    pub fn resolve(&self) -> Option<PathBuf> {
+        match self {
+            NvccMode::Off => None,
+            NvccMode::Path(p) => Some(p.clone()),
+            NvccMode::Auto => {
+                if let Some(p) = std::env::var_os("MOEFORGE_NVCC").filter(|p| !p.is_empty()) {
+                    return Some(PathBuf::from(p));
+                }
+                let path = std::env::var_os("PATH")?;
+                std::env::split_paths(&path).map(|d| d.join("nvcc")).find(|p| p.is_file())
+            }
+        }
+    }
+}
+
+/// ptxas's report for one kernel function.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PtxasStats {
+    pub function: String,
+    pub registers: u32,
+    pub spill_stores: u32,
+    pub spill_loads: u32,
+    pub stack_frame: u32,
+    pub static_smem: u32,
+    pub barriers: u32,
+}
+
+#[derive(Clone, Debug)]
+pub struct Compiled {
+    pub cubin: Vec<u8>,
+    pub stats: Vec<PtxasStats>,
+    pub nvcc_version: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum NvccError {
+    #[error("cannot run nvcc at {path}: {err}")]
+    Spawn { path: String, err: String },
+    #[error("nvcc rejected kernels/{name}.cu for {arch}:\n{stderr}")]
+    Failed { name: String, arch: String, stderr: String },
+    #[error("kernels/{name}.cu: `{function}` spills ({stores} bytes stored, {loads} loaded) or uses a {stack}-byte stack frame")]
+    Spills { name: String, function: String, stores: u32, loads: u32, stack: u32 },
+    #[error("cannot use a temporary directory for nvcc: {0}")]
+    Io(String),
+}
+
+/// The flags every kernel is compiled with.
+pub fn flags(arch: &str) -> Vec<String> {
+    [
+        &format!("-arch={arch}"),
+        "--cubin",
+        "-O3",
+        "-std=c++17",
+        "-Werror",
+        "all-warnings",
+        "-Xptxas",
+        "-v,-warn-spills,-warn-lmem-usage",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// Compiles one kernel source. `name` is the kernel's name (the file stem).
+pub fn compile(nvcc: &Path, name: &str, source: &str, arch: &str) -> Result<Compiled, NvccError> {
+    let dir = tempfile::tempdir().map_err(|e| NvccError::Io(e.to_string()))?;
+    let src = dir.path().join(format!("{name}.cu"));
+    let out = dir.path().join(format!("{name}.cubin"));
+    std::fs::write(&src, source).map_err(|e| NvccError::Io(e.to_string()))?;
+    let output = Command::new(nvcc)
+        .args(flags(arch))
+        .arg("-o")
+        .arg(&out)
+        .arg(&src)
+        .current_dir(dir.path())
+        .output()
+        .map_err(|e| NvccError::Spawn { path: nvcc.display().to_string(), err: e.to_string() })?;
+    let stderr = String::from_utf8_lossy(&output.stderr).replace(&dir.path().display().to_string(), "");
+    if !output.status.success() {
+        return Err(NvccError::Failed { name: name.to_string(), arch: arch.to_string(), stderr });
+    }
+    let stats = parse_ptxas(&stderr);
+    if let Some(s) = stats.iter().find(|s| s.spill_stores > 0 || s.spill_loads > 0 || s.stack_frame > 0) {
+        return Err(NvccError::Spills {
+            name: name.to_string(),
+            function: s.function.clone(),
+            stores: s.spill_stores,
+            loads: s.spill_loads,
+            stack: s.stack_frame,
+        });
+    }
+    let cubin = std::fs::read(&out).map_err(|e| NvccError::Io(e.to_string()))?;
+    Ok(Compiled { cubin, stats, nvcc_version: version(nvcc) })
+}
+
+/// `release X.Y, VX.Y.Z` from `nvcc --version`.
+pub fn version(nvcc: &Path) -> String {
+    Command::new(nvcc)
+        .arg("--version")
+        .output()
+        .ok()
+        .and_then(|o| {
+            String::from_utf8_lossy(&o.stdout).lines().find(|l| l.contains("release")).map(|l| l.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".to_string())
+}
+
+/// Parses `ptxas info` lines. Shape (per function):
+/// ```text
+/// ptxas info    : Compiling entry function 'moe_router' for 'sm_90a'
+/// ptxas info    : Function properties for moe_router
+///     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+/// ptxas info    : Used 30 registers, used 0 barriers, 512 bytes smem
+/// ```
+pub fn parse_ptxas(stderr: &str) -> Vec<PtxasStats> {
+    let mut out: Vec<PtxasStats> = Vec::new();
+    let mut current: Option<PtxasStats> = None;
+    for line in stderr.lines() {
+        let line = line.trim();
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            if let Some(s) = current.take() {
+                out.push(s);
+            }
+            let function = rest.split('\'').next().unwrap_or_default().to_string();
+            current = Some(PtxasStats { function, ..Default::default() });
+        } else if let Some(s) = current.as_mut() {
+            if line.contains("bytes stack frame") {
+                s.stack_frame = number_before(line, "bytes stack frame");
+                s.spill_stores = number_before(line, "bytes spill stores");
+                s.spill_loads = number_before(line, "bytes spill loads");
+            } else if line.contains("Used") && line.contains("registers") {
+                s.registers = number_before(line, "registers");
+                s.barriers = number_before(line, "barriers");
+                s.static_smem = number_before(line, "bytes smem");
+            }
+        }
+    }
+    out.extend(current);
+    out
+}
+
+fn number_before(line: &str, marker: &str) -> u32 {
+    line.split(marker)
+        .next()
+        .and_then(|head| head.split(|c: char| !c.is_ascii_digit()).filter(|t| !t.is_empty()).last())
+        .and_then(|n| n.parse().ok())
+        .filter(|_| line.contains(marker))
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_ptxas_report() {
+        let text = "ptxas info    : 0 bytes gmem\nptxas info    : Compiling entry function 'k' for 'sm_90a'\n\
+ptxas info    : Function properties for k\n    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads\n\
+ptxas info    : Used 10 registers, used 1 barriers, 64 bytes smem\n";
+        let s = parse_ptxas(text);
+        assert_eq!(
+            s,
+            vec![PtxasStats {
+                function: "k".into(),
+                registers: 10,
+                spill_stores: 4,
+                spill_loads: 4,
+                stack_frame: 8,
+                static_smem: 64,
+                barriers: 1
+            }]
+        );
+    }
+}

@@ -1,0 +1,46 @@
+//! Layout pass: which GPU holds what.
+//!
+//! v1 implements one layout for every strategy: data-parallel attention on
+//! every GPU and expert parallelism over all of them, experts striped
+//! contiguously in balanced blocks (the first `E mod P` ranks hold one more). The layout
+//! search of ExpertPlex Algorithm 1 and Zepp placement replace this pass in
+//! later versions; when the spec asks for something else, the plan says so in
+//! `DeployLayout::note` rather than pretending.
+
+use crate::plan::{DeployLayout, RankPlan};
+use moeforge_dsl::spec::{Deploy, Spec, Strategy};
+
+pub fn run(spec: &Spec, d: &Deploy) -> (DeployLayout, Vec<RankPlan>) {
+    let m = spec.model(d.model);
+    let c = spec.cluster(d.cluster);
+    let world = c.world_size();
+    let (base, extra) = (m.moe.experts / world, m.moe.experts % world);
+    let ranks = (0..world)
+        .map(|r| {
+            let begin = r * base + r.min(extra);
+            let count = base + u32::from(r < extra);
+            RankPlan {
+                rank: r,
+                node: r / c.gpus_per_node,
+                local_rank: r % c.gpus_per_node,
+                experts: [begin, begin + count],
+            }
+        })
+        .collect();
+    let note = match d.strategy {
+        Strategy::Colocated => None,
+        other => Some(format!(
+            "strategy `{}` requested; this version plans the colocated DP-attention + EP layout (the layout search is not implemented yet)",
+            serde_json::to_value(other).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default()
+        )),
+    };
+    let layout = DeployLayout {
+        requested: d.strategy,
+        attention: format!("dp{world}"),
+        moe: format!("ep{world}"),
+        ep_size: world,
+        max_experts_per_rank: base + u32::from(extra > 0),
+        note,
+    };
+    (layout, ranks)
+}

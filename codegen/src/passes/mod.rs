@@ -1,0 +1,7 @@
+//! Planning passes. Each is a plain function over the checked spec and the
+//! plan built so far; `crate::plan_deployment` runs them in order.
+
+pub mod kernels;
+pub mod layout;
+pub mod memory;
+pub mod support;

@@ -1,0 +1,15 @@
+//! `moeforge`: a compiler from a short MoE model/cluster/tile spec to a
+//! specialized MoE serving stack.
+//!
+//! This crate is the facade: it re-exports the stage crates and holds the
+//! embedded default spec. The CLI lives in `main.rs`.
+//!
+//! - [`dsl`]: the `.moe` language (parse, check, [`dsl::Spec`]).
+//! - [`codegen`]: planning passes and emission ([`codegen::Plan`], bundles).
+//! - [`runtime`]: loading and verifying bundles.
+
+pub use moeforge_codegen as codegen;
+pub use moeforge_dsl as dsl;
+pub use moeforge_runtime as runtime;
+
+pub mod embedded;
