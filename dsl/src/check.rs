@@ -302,6 +302,15 @@ fn resolve(
     }
 }
 
+fn kib(bytes: u64) -> String {
+    let k = bytes as f64 / 1024.0;
+    if k.fract() == 0.0 {
+        format!("{k}KiB")
+    } else {
+        format!("{k:.1}KiB")
+    }
+}
+
 fn at(spans: &BlockSpans, path: &str) -> Span {
     spans.get(path).unwrap_or(Span::new(FileId(0), 0, 0))
 }
@@ -416,12 +425,12 @@ fn check_deploy(spec: &Spec, d: &Deploy, spans: &SpanTable, ds: &BlockSpans, dia
                         Code::TileSmemExceeded,
                         format!(
                             "tile `{path}` needs {} of shared memory; `{}` allows {} per block",
-                            human(smem as f64, Dim::Bytes),
+                            kib(smem),
                             gpu.name,
-                            human(gpu.smem_per_block as f64, Dim::Bytes)
+                            kib(gpu.smem_per_block)
                         ),
                     )
-                    .at(at(ts, &format!("{path}.stages")), format!("{} stages × {} + epilogue", t.stages, human(((t.block_m + t.block_n) * t.block_k) as f64 * if input == DType::Bf16 { 2.0 } else { 1.0 }, Dim::Bytes)))
+                    .at(at(ts, &format!("{path}.stages")), format!("{} stages × {} + epilogue", t.stages, kib(u64::from((t.block_m + t.block_n) * t.block_k) * if input == DType::Bf16 { 2 } else { 1 })))
                     .also(at(ds, "tiles"), "used by this deployment")
                     .help("lower `stages` or the block sizes: smem = stages × (block_m + block_n) × block_k × bytes + block_m × block_n × 2"),
                 );

@@ -231,7 +231,8 @@ impl JsonDiag {
 /// label is shown against its own source.
 #[derive(Debug)]
 struct MietteDiag {
-    code: &'static str,
+    /// `None` for a note attached to another diagnostic.
+    code: Option<&'static str>,
     message: String,
     help: Option<String>,
     src: Option<miette::NamedSource<String>>,
@@ -250,7 +251,7 @@ impl MietteDiag {
                     labels.push(miette::LabeledSpan::new_with_span(Some(s.text.clone()), s.span.range()));
                 } else {
                     related.push(MietteDiag {
-                        code: "note",
+                        code: None,
                         message: s.text.clone(),
                         help: None,
                         src: Some(named(sources, s.span)),
@@ -261,7 +262,14 @@ impl MietteDiag {
             }
             named(sources, p.span)
         });
-        MietteDiag { code: d.code.as_str(), message: d.message.clone(), help: d.help.clone(), src, labels, related }
+        MietteDiag {
+            code: Some(d.code.as_str()),
+            message: d.message.clone(),
+            help: d.help.clone(),
+            src,
+            labels,
+            related,
+        }
     }
 }
 
@@ -279,7 +287,10 @@ impl std::error::Error for MietteDiag {}
 
 impl miette::Diagnostic for MietteDiag {
     fn code<'a>(&'a self) -> Option<Box<dyn fmt::Display + 'a>> {
-        Some(Box::new(self.code))
+        self.code.map(|c| Box::new(c) as Box<dyn fmt::Display>)
+    }
+    fn severity(&self) -> Option<miette::Severity> {
+        Some(if self.code.is_some() { miette::Severity::Error } else { miette::Severity::Advice })
     }
     fn help<'a>(&'a self) -> Option<Box<dyn fmt::Display + 'a>> {
         self.help.as_ref().map(|h| Box::new(h) as Box<dyn fmt::Display>)

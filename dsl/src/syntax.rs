@@ -105,8 +105,8 @@ type Pair<'i> = pest::iterators::Pair<'i, Rule>;
 /// Parses one file. On a syntax error returns the single located diagnostic
 /// (a syntax error leaves nothing sensible to check further in that file).
 pub fn parse(file: FileId, text: &str) -> Result<File, Diagnostic> {
-    check_nesting(file, text)?;
-    let mut pairs = MoeParser::parse(Rule::file, text).map_err(|e| syntax_error(file, text, e))?;
+    let unclosed = check_nesting(file, text)?;
+    let mut pairs = MoeParser::parse(Rule::file, text).map_err(|e| syntax_error(file, text, e, unclosed))?;
     let mut out = File::default();
     let Some(root) = pairs.next() else {
         return Ok(out);
@@ -185,9 +185,11 @@ fn value(file: FileId, p: Pair<'_>) -> Value {
     Value { kind, span: sp }
 }
 
-/// Rejects nesting deeper than [`MAX_NESTING`] before the recursive parser runs.
-fn check_nesting(file: FileId, text: &str) -> Result<(), Diagnostic> {
-    let mut depth = 0usize;
+/// Rejects nesting deeper than [`MAX_NESTING`] before the recursive parser
+/// runs. Returns the offset of the innermost `{` or `[` left unclosed, if any,
+/// so that an "unexpected end of file" can point at it.
+fn check_nesting(file: FileId, text: &str) -> Result<Option<usize>, Diagnostic> {
+    let mut open: Vec<usize> = Vec::new();
     let mut in_str = false;
     let mut in_comment = false;
     let mut prev = '\0';
@@ -205,22 +207,24 @@ fn check_nesting(file: FileId, text: &str) -> Result<(), Diagnostic> {
                 '"' => in_str = true,
                 '/' if prev == '/' => in_comment = true,
                 '{' | '[' => {
-                    depth += 1;
-                    if depth > MAX_NESTING {
+                    open.push(i);
+                    if open.len() > MAX_NESTING {
                         return Err(Diagnostic::new(Code::Syntax, "blocks and lists are nested too deeply")
-                            .at(Span::new(file, i, i + 1), format!("nesting level {depth}"))
+                            .at(Span::new(file, i, i + 1), format!("nesting level {}", open.len()))
                             .help(format!(
                                 "a spec needs far less than {MAX_NESTING} levels; check for an unclosed `{{` or `[`"
                             )));
                     }
                 }
-                '}' | ']' => depth = depth.saturating_sub(1),
+                '}' | ']' => {
+                    open.pop();
+                }
                 _ => {}
             }
         }
         prev = if in_comment { '\0' } else { ch };
     }
-    Ok(())
+    Ok(open.last().copied())
 }
 
 fn rule_name(r: &Rule) -> &'static str {
@@ -240,7 +244,7 @@ fn rule_name(r: &Rule) -> &'static str {
     }
 }
 
-fn syntax_error(file: FileId, text: &str, e: pest::error::Error<Rule>) -> Diagnostic {
+fn syntax_error(file: FileId, text: &str, e: pest::error::Error<Rule>, unclosed: Option<usize>) -> Diagnostic {
     let (start, end) = match e.location {
         pest::error::InputLocation::Pos(p) => (p, next_char_end(text, p)),
         pest::error::InputLocation::Span((s, e)) => (s, e.max(s)),
@@ -251,7 +255,13 @@ fn syntax_error(file: FileId, text: &str, e: pest::error::Error<Rule>) -> Diagno
         .map_or("end of file".to_string(), |c| format!("`{}`", c.escape_default()));
     let expected = match &e.variant {
         pest::error::ErrorVariant::ParsingError { positives, .. } => {
-            let mut names: Vec<&str> = positives.iter().map(rule_name).collect();
+            let is_value =
+                |r: &Rule| matches!(r, Rule::value | Rule::list | Rule::number | Rule::string | Rule::numeral);
+            let any_value = positives.iter().any(is_value);
+            let mut names: Vec<&str> = positives
+                .iter()
+                .map(|r| if any_value && (is_value(r) || *r == Rule::ident) { "a value" } else { rule_name(r) })
+                .collect();
             names.dedup();
             let mut seen = Vec::new();
             for n in names {
@@ -268,6 +278,15 @@ fn syntax_error(file: FileId, text: &str, e: pest::error::Error<Rule>) -> Diagno
     } else {
         (format!("expected {}, found {found}", expected.join(" or ")), format!("expected {}", expected.join(" or ")))
     };
+    if start >= text.len() {
+        if let Some(open) = unclosed {
+            let ch = &text[open..open + 1];
+            let close = if ch == "{" { "}" } else { "]" };
+            return Diagnostic::new(Code::Syntax, format!("unexpected end of file: this `{ch}` is never closed"))
+                .at(Span::new(file, open, open + 1), "opened here")
+                .help(format!("add the missing `{close}`"));
+        }
+    }
     Diagnostic::new(Code::Syntax, msg)
         .at(Span::new(file, start, end), label)
         .help("a file holds `use \"path.moe\"` lines and blocks like `model NAME { key = value … }`; fields are `name = value`, values are numbers with optional units, names, strings or `[lists]`")

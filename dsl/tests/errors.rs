@@ -1,0 +1,339 @@
+//! Bad specs: every kind of error the checker promises gives a located
+//! diagnostic with its stable code and a help line. Each case mutates a
+//! valid spec; the rendered diagnostics are pinned as snapshots.
+
+use moeforge_dsl::{check_paths, check_str, Code, MemLoader};
+use std::path::PathBuf;
+
+const BASE: &str = r#"model m {
+  layers = 4
+  hidden = 256
+  vocab = 1000
+  attention gqa { heads = 8  kv_heads = 2  head_dim = 32 }
+  moe {
+    experts = 16
+    top_k = 4
+    expert_ffn = 128
+    routing softmax_topk { norm_topk = true }
+  }
+}
+
+cluster c {
+  nodes = 1
+  gpus_per_node = 8
+  gpu h100 {
+    arch = sm_90a
+    sms = 132
+    hbm = 80GB
+    hbm_bandwidth = 3.35TB/s
+    bf16 = 989TFLOP/s
+    smem_per_sm = 228KiB
+    smem_per_block = 227KiB
+    l2 = 50MB
+  }
+  scale_up nvlink { bandwidth = 450GB/s  latency = 2us }
+}
+
+tiles t {
+  prefill {
+    gate_up { block_m = 128  block_n = 128  block_k = 64  cluster = [2, 1]  stages = 4 }
+    down    { block_m = 128  block_n = 128  block_k = 64  stages = 4 }
+  }
+  decode {
+    gate_up { block_m = 64  block_n = 128  block_k = 64  stages = 4 }
+    down    { block_m = 64  block_n = 128  block_k = 64  stages = 4 }
+  }
+}
+
+deploy d {
+  model = m
+  cluster = c
+  tiles = t
+  slo { ttft = 1s  tpot = 50ms }
+  workload {
+    input = sharegpt
+    output = sharegpt
+    arrival poisson { rate = 4req/s }
+  }
+}
+"#;
+
+/// Checks `BASE` with `from` replaced by `to`; expects exactly the codes
+/// listed, each with a primary span and a help line; pins the rendering.
+fn check(name: &str, from: &str, to: &str, expect: &[Code]) {
+    assert!(BASE.contains(from), "{name}: `{from}` not in BASE");
+    let text = BASE.replacen(from, to, 1);
+    let failed = match check_str("spec.moe", &text) {
+        Ok(_) => panic!("{name}: expected {expect:?}, but the spec checked"),
+        Err(f) => f,
+    };
+    let codes: Vec<Code> = failed.diagnostics.iter().map(|d| d.code).collect();
+    assert_eq!(codes, expect, "{name}:\n{}", failed.render(false));
+    for d in failed.diagnostics.iter() {
+        assert!(d.primary.is_some(), "{name}: {:?} has no location", d.code);
+        assert!(d.help.is_some(), "{name}: {:?} has no help", d.code);
+    }
+    insta::assert_snapshot!(name, failed.render(false));
+}
+
+#[test]
+fn base_spec_is_valid() {
+    if let Err(f) = check_str("spec.moe", BASE) {
+        panic!("{}", f.render(false));
+    }
+}
+
+#[test]
+fn syntax_error() {
+    check("syntax", "layers = 4", "layers = = 4", &[Code::Syntax]);
+}
+
+#[test]
+fn unterminated_block() {
+    check(
+        "unterminated",
+        "  scale_up nvlink { bandwidth = 450GB/s  latency = 2us }\n}",
+        "  scale_up nvlink {",
+        &[Code::Syntax],
+    );
+}
+
+#[test]
+fn unknown_reference() {
+    check("unknown_name", "cluster = c", "cluster = c2", &[Code::UnknownName]);
+}
+
+#[test]
+fn duplicate_block() {
+    check(
+        "duplicate_name",
+        "tiles t {",
+        "tiles t {}\ntiles t {",
+        &[Code::MissingField, Code::MissingField, Code::DuplicateName],
+    );
+}
+
+#[test]
+fn duplicate_field() {
+    check("duplicate_field", "hidden = 256", "hidden = 256\n  hidden = 512", &[Code::DuplicateField]);
+}
+
+#[test]
+fn missing_field() {
+    check("missing_field", "  vocab = 1000\n", "", &[Code::MissingField]);
+}
+
+#[test]
+fn unknown_field_with_suggestion() {
+    check("unknown_field", "top_k = 4", "top_k = 4\n    topk = 4", &[Code::UnknownField]);
+}
+
+#[test]
+fn unit_mismatch() {
+    check("unit_mismatch", "hbm = 80GB", "hbm = 80GB/s", &[Code::UnitMismatch]);
+}
+
+#[test]
+fn missing_unit() {
+    check("missing_unit", "latency = 2us", "latency = 2", &[Code::UnitMismatch]);
+}
+
+#[test]
+fn unit_on_a_count() {
+    check("unit_on_count", "layers = 4", "layers = 4GB", &[Code::UnitMismatch]);
+}
+
+#[test]
+fn unknown_unit() {
+    check("unknown_unit", "ttft = 1s", "ttft = 1fortnight", &[Code::UnknownUnit]);
+}
+
+#[test]
+fn number_out_of_range() {
+    check("out_of_range", "layers = 4", "layers = 0", &[Code::OutOfRange]);
+}
+
+#[test]
+fn fractional_count() {
+    check("fractional_count", "layers = 4", "layers = 4.5", &[Code::OutOfRange]);
+}
+
+#[test]
+fn huge_number() {
+    check("huge_number", "vocab = 1000", "vocab = 1e400", &[Code::OutOfRange]);
+}
+
+#[test]
+fn wrong_value_type() {
+    check("wrong_type", "hidden = 256", "hidden = big", &[Code::WrongType]);
+}
+
+#[test]
+fn unknown_choice() {
+    check("unknown_variant", "arch = sm_90a", "arch = sm_90", &[Code::UnknownVariant]);
+}
+
+#[test]
+fn top_k_exceeds_experts() {
+    check("top_k", "top_k = 4", "top_k = 17", &[Code::TopKExceedsExperts]);
+}
+
+#[test]
+fn heads_not_divisible() {
+    check("heads", "kv_heads = 2", "kv_heads = 3", &[Code::HeadsNotDivisible]);
+}
+
+#[test]
+fn tile_smem_too_large() {
+    check(
+        "tile_smem",
+        "gate_up { block_m = 128  block_n = 128  block_k = 64  cluster = [2, 1]  stages = 4 }",
+        "gate_up { block_m = 128  block_n = 128  block_k = 64  cluster = [2, 1]  stages = 8 }",
+        &[Code::TileSmemExceeded],
+    );
+}
+
+#[test]
+fn tile_not_mma_multiple() {
+    check(
+        "tile_mma",
+        "gate_up { block_m = 64  block_n = 128  block_k = 64  stages = 4 }",
+        "gate_up { block_m = 48  block_n = 128  block_k = 64  stages = 4 }",
+        &[Code::TileNotMmaMultiple],
+    );
+}
+
+#[test]
+fn tile_cluster_shape() {
+    check("tile_cluster", "cluster = [2, 1]", "cluster = [3, 1]", &[Code::TileCluster]);
+}
+
+#[test]
+fn contiguous_layout_needs_one_block_m() {
+    check(
+        "contiguous_block_m",
+        "down    { block_m = 128  block_n = 128  block_k = 64  stages = 4 }",
+        "down    { block_m = 64  block_n = 128  block_k = 64  stages = 4 }",
+        &[Code::Inconsistent],
+    );
+}
+
+#[test]
+fn weights_do_not_fit() {
+    check(
+        "weights_fit",
+        "experts = 16\n    top_k = 4\n    expert_ffn = 128",
+        "experts = 60000\n    top_k = 4\n    expert_ffn = 100000",
+        &[Code::WeightsDoNotFit],
+    );
+}
+
+#[test]
+fn switch_thresholds() {
+    check(
+        "switch",
+        "  tiles = t\n",
+        "  tiles = t\n  switch { t_high = 100  t_low = 200 }\n",
+        &[Code::InconsistentDeploy],
+    );
+}
+
+#[test]
+fn unknown_block_kind() {
+    check("block_kind", "tiles t {", "tile t {", &[Code::UnknownBlockKind, Code::UnknownName]);
+}
+
+#[test]
+fn multi_node_needs_scale_out() {
+    check("scale_out", "nodes = 1", "nodes = 2", &[Code::MissingField]);
+}
+
+#[test]
+fn grouped_routing_limits() {
+    check(
+        "grouped",
+        "routing softmax_topk { norm_topk = true }",
+        "routing sigmoid_grouped { groups = 8  top_groups = 1  scaling = 2.5 }",
+        &[Code::TopKExceedsExperts],
+    );
+}
+
+#[test]
+fn errors_are_all_collected() {
+    let text = BASE.replacen("top_k = 4", "top_k = 99", 1).replacen("hbm = 80GB", "hbm = 80", 1).replacen(
+        "rate = 4req/s",
+        "rate = 4ms",
+        1,
+    );
+    let failed = check_str("spec.moe", &text).err().unwrap_or_else(|| panic!("should fail"));
+    let codes: Vec<Code> = failed.diagnostics.iter().map(|d| d.code).collect();
+    assert_eq!(codes, vec![Code::UnitMismatch, Code::UnitMismatch, Code::TopKExceedsExperts]);
+}
+
+#[test]
+fn json_diagnostics_carry_locations() {
+    let text = BASE.replacen("top_k = 4", "top_k = 99", 1);
+    let failed = check_str("spec.moe", &text).err().unwrap_or_else(|| panic!("should fail"));
+    let json = failed.diagnostics.to_json(&failed.sources);
+    let first = &json[0];
+    assert_eq!(first["code"], "E0120");
+    assert_eq!(first["primary"]["file"], "spec.moe");
+    assert_eq!(first["primary"]["line"], 8);
+    assert_eq!(first["primary"]["col"], 5);
+    assert!(first["help"].as_str().is_some_and(|h| !h.is_empty()));
+}
+
+fn mem(files: &[(&str, &str)], root: &str) -> Result<moeforge_dsl::Checked, moeforge_dsl::Failed> {
+    check_paths(&[PathBuf::from(root)], &MemLoader::new(files.iter().copied()))
+}
+
+#[test]
+fn circular_use() {
+    let failed = mem(&[("a.moe", "use \"b.moe\"\n"), ("b.moe", "use \"sub/../a.moe\"\n")], "a.moe")
+        .err()
+        .unwrap_or_else(|| panic!("cycle accepted"));
+    let codes: Vec<Code> = failed.diagnostics.iter().map(|d| d.code).collect();
+    assert_eq!(codes, vec![Code::CircularUse]);
+    insta::assert_snapshot!("circular_use", failed.render(false));
+}
+
+#[test]
+fn missing_use() {
+    let failed =
+        mem(&[("a.moe", "use \"nope.moe\"\n")], "a.moe").err().unwrap_or_else(|| panic!("missing file accepted"));
+    let codes: Vec<Code> = failed.diagnostics.iter().map(|d| d.code).collect();
+    assert_eq!(codes, vec![Code::UseNotFound]);
+}
+
+#[test]
+fn diamond_use_loads_once() {
+    let model = BASE.split("cluster c").next().unwrap_or_default();
+    let files = [
+        ("root.moe", "use \"x.moe\"\nuse \"y.moe\"\n"),
+        ("x.moe", "use \"m.moe\"\n"),
+        ("y.moe", "use \"m.moe\"\n"),
+        ("m.moe", model),
+    ];
+    let checked = mem(&files, "root.moe").unwrap_or_else(|f| panic!("{}", f.render(false)));
+    assert_eq!(checked.spec.models.len(), 1);
+}
+
+#[test]
+fn duplicate_across_files_points_at_both() {
+    let model = BASE.split("cluster c").next().unwrap_or_default();
+    let files = [("root.moe", "use \"m.moe\"\nmodel m { }\n"), ("m.moe", model)];
+    let failed = mem(&files, "root.moe").err().unwrap_or_else(|| panic!("duplicate accepted"));
+    let d = failed.diagnostics.iter().find(|d| d.code == Code::DuplicateName).unwrap_or_else(|| panic!("no E0102"));
+    assert_eq!(d.secondary.len(), 1);
+    assert_ne!(d.secondary[0].span.file, d.primary.as_ref().map(|p| p.span.file).unwrap_or(d.secondary[0].span.file));
+    insta::assert_snapshot!("duplicate_across_files", failed.render(false));
+}
+
+#[test]
+fn every_code_is_distinct_and_stable() {
+    let mut seen = std::collections::BTreeSet::new();
+    for c in Code::ALL {
+        assert!(c.as_str().starts_with('E') && c.as_str().len() == 5, "{c}");
+        assert!(seen.insert(c.as_str()), "{c} reused");
+    }
+}

@@ -1,0 +1,234 @@
+//! The CLI as a user runs it: check, compile (atomic, deterministic bundles),
+//! explain, JSON diagnostics, and bad input of every kind.
+
+mod common;
+use common::*;
+use moeforge::runtime::{load_bundle, BundleError};
+
+#[test]
+fn compile_embedded_default_writes_a_verified_bundle() {
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let out = tmp.path().join("b");
+    let o = moeforge(&["compile", "-o", out.to_str().unwrap_or_default(), "--nvcc", "off"], None);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let stdout = text(&o.stdout);
+    assert!(stdout.contains("qwen3-30b-a3b") && stdout.contains("ep8"), "{stdout}");
+    let b = load_bundle(&out).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(b.plan.model.name, "qwen3-30b-a3b");
+    assert_eq!(b.plan.cluster.world, 8);
+    assert!(b.kernels.contains_key("router") && b.kernels.contains_key("permute"));
+    for f in ["manifest.json", "spec.json", "plan.json", "report.md", "kernels/router.cu", "kernels/permute.cu"] {
+        assert!(out.join(f).is_file(), "{f} missing");
+    }
+}
+
+#[test]
+fn same_spec_compiles_to_identical_bytes() {
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    for ex in examples() {
+        let a = tmp.path().join(format!("{}-a", stem(&ex)));
+        let b = tmp.path().join(format!("{}-b", stem(&ex)));
+        for d in [&a, &b] {
+            let o = moeforge(
+                &["compile", ex.to_str().unwrap_or_default(), "-o", d.to_str().unwrap_or_default(), "--nvcc", "off"],
+                None,
+            );
+            assert!(o.status.success(), "{}: {}", ex.display(), text(&o.stderr));
+        }
+        let (ta, tb) = (read_tree(&a), read_tree(&b));
+        assert!(ta.len() >= 6);
+        assert_eq!(ta, tb, "{} compiled twice differs", ex.display());
+    }
+}
+
+#[test]
+fn a_failed_compile_leaves_nothing_and_keeps_the_old_bundle() {
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let bad = tmp.path().join("bad.moe");
+    let good = std::fs::read_to_string(root().join("examples/qwen3-30b-a3b-h200.moe")).unwrap_or_default();
+    let abs = good.replace("\"../models/", &format!("\"{}/models/", root().display()));
+    std::fs::write(
+        &bad,
+        abs.replace("top_k = 8", "top_k = 8").replace("memory_fraction = 0.85", "memory_fraction = 0.01"),
+    )
+    .ok();
+    // A fresh output directory is not created on error.
+    let fresh = tmp.path().join("fresh");
+    let o = moeforge(&["compile", bad.to_str().unwrap_or_default(), "-o", fresh.to_str().unwrap_or_default()], None);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(text(&o.stderr).contains("E0107"), "{}", text(&o.stderr));
+    assert!(!fresh.exists());
+    // An existing bundle survives a failing compile byte for byte.
+    let kept = tmp.path().join("kept");
+    let o = moeforge(&["compile", "-o", kept.to_str().unwrap_or_default(), "--nvcc", "off"], None);
+    assert!(o.status.success());
+    let before = read_tree(&kept);
+    let o = moeforge(&["compile", bad.to_str().unwrap_or_default(), "-o", kept.to_str().unwrap_or_default()], None);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(read_tree(&kept), before);
+    // No temporary directories are left behind.
+    let leftovers: Vec<String> = std::fs::read_dir(tmp.path())
+        .map(|rd| {
+            rd.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with('.'))
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+#[test]
+fn recompiling_replaces_the_bundle() {
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let out = tmp.path().join("b");
+    std::fs::create_dir_all(out.join("kernels")).ok();
+    std::fs::write(out.join("stale.txt"), "old").ok();
+    let o = moeforge(&["compile", "-o", out.to_str().unwrap_or_default(), "--nvcc", "off"], None);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert!(!out.join("stale.txt").exists());
+    assert!(load_bundle(&out).is_ok());
+}
+
+#[test]
+fn check_reports_located_errors_and_fails() {
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let f = tmp.path().join("x.moe");
+    std::fs::write(&f, "model m {\n  layers = 4\n}\n").ok();
+    let o = moeforge(&["check", f.to_str().unwrap_or_default()], None);
+    assert_eq!(o.status.code(), Some(1));
+    let err = text(&o.stderr);
+    assert!(err.contains("E0104") && err.contains("x.moe:1:1") && err.contains("help:"), "{err}");
+    let o = moeforge(&["check", "--format", "json", f.to_str().unwrap_or_default()], None);
+    assert_eq!(o.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&o.stdout)));
+    assert!(v.as_array().is_some_and(|a| a.len() >= 4), "{v}");
+    assert_eq!(v[0]["code"], "E0104");
+    assert_eq!(v[0]["primary"]["line"], 1);
+}
+
+#[test]
+fn check_accepts_the_whole_zoo() {
+    let mut args = vec!["check".to_string()];
+    for dir in ["models", "examples"] {
+        for e in std::fs::read_dir(root().join(dir)).into_iter().flatten().flatten() {
+            args.push(e.path().display().to_string());
+        }
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let o = moeforge(&args, None);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+}
+
+#[test]
+fn unreadable_input_is_an_error_not_a_panic() {
+    let o = moeforge(&["check", "/nonexistent/spec.moe"], None);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(text(&o.stderr).contains("E0002"), "{}", text(&o.stderr));
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let bin = tmp.path().join("bin.moe");
+    std::fs::write(&bin, [0xffu8, 0xfe, 0x00, 0x7b]).ok();
+    let o = moeforge(&["check", bin.to_str().unwrap_or_default()], None);
+    assert_eq!(o.status.code(), Some(1));
+}
+
+#[test]
+fn compile_picks_a_deployment_or_says_which() {
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let two = tmp.path().join("two.moe");
+    let r = root();
+    std::fs::write(
+        &two,
+        format!(
+            "use \"{0}/examples/qwen3-30b-a3b-h200.moe\"\nuse \"{0}/examples/glm-4.5-air-h200.moe\"\n",
+            r.display()
+        ),
+    )
+    .ok();
+    let out = tmp.path().join("o");
+    let o = moeforge(&["compile", two.to_str().unwrap_or_default(), "-o", out.to_str().unwrap_or_default()], None);
+    assert_eq!(o.status.code(), Some(1));
+    let err = text(&o.stderr);
+    assert!(err.contains("E0201") && err.contains("--deploy") && err.contains("glm-4.5-air-h200"), "{err}");
+    let o = moeforge(
+        &[
+            "compile",
+            two.to_str().unwrap_or_default(),
+            "-o",
+            out.to_str().unwrap_or_default(),
+            "--deploy",
+            "glm-4.5-air-h200",
+            "--nvcc",
+            "off",
+        ],
+        None,
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let model = load_bundle(&out).map(|b| b.plan.model.name).unwrap_or_default();
+    assert_eq!(model, "glm-4.5-air");
+}
+
+#[test]
+fn mxfp4_is_declared_but_rejected_by_compile() {
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let f = tmp.path().join("oss.moe");
+    let r = root();
+    std::fs::write(
+        &f,
+        format!(
+            "use \"{0}/models/gpt-oss-120b.moe\"\nuse \"{0}/models/clusters.moe\"\nuse \"{0}/models/tiles.moe\"\n\
+             deploy oss {{ model = gpt-oss-120b cluster = h200x8 tiles = hopper-bf16 slo {{ ttft = 1s tpot = 50ms }}\n\
+             workload {{ input = sharegpt output = sharegpt arrival poisson {{ rate = 1req/s }} }} }}\n",
+            r.display()
+        ),
+    )
+    .ok();
+    assert!(moeforge(&["check", f.to_str().unwrap_or_default()], None).status.success());
+    let out = tmp.path().join("o");
+    let o = moeforge(&["compile", f.to_str().unwrap_or_default(), "-o", out.to_str().unwrap_or_default()], None);
+    assert_eq!(o.status.code(), Some(1));
+    let err = text(&o.stderr);
+    assert!(err.contains("E0200") && err.contains("mxfp4") && err.contains("gpt-oss-120b.moe:"), "{err}");
+    assert!(!out.exists());
+}
+
+#[test]
+fn explain_prints_spec_and_plan() {
+    let o = moeforge(&["explain", "examples/glm-5-h800x24.moe"], None);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let s = text(&o.stdout);
+    assert!(s.contains("model glm-5 {") && s.contains("attention mla") && s.contains("plan glm-5-h800x24 {"), "{s}");
+    assert!(s.contains("rank 23 (node 2, gpu 7)"), "{s}");
+    let o = moeforge(&["explain", "--format", "json"], None);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_default();
+    assert_eq!(v["plan"]["model"]["name"], "qwen3-30b-a3b");
+}
+
+#[test]
+fn every_command_has_help() {
+    for args in [vec!["--help"], vec!["check", "--help"], vec!["compile", "--help"], vec!["explain", "--help"]] {
+        let o = moeforge(&args, None);
+        assert!(o.status.success());
+        assert!(text(&o.stdout).contains("Usage"), "{args:?}");
+    }
+}
+
+#[test]
+fn tampered_bundles_are_refused() {
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let out = tmp.path().join("b");
+    assert!(moeforge(&["compile", "-o", out.to_str().unwrap_or_default(), "--nvcc", "off"], None).status.success());
+    let cu = out.join("kernels/router.cu");
+    let src = std::fs::read_to_string(&cu).unwrap_or_default();
+    std::fs::write(&cu, src.replace("kTopK = 8", "kTopK = 7")).ok();
+    assert!(matches!(load_bundle(&out), Err(BundleError::Hash { .. })));
+    std::fs::write(&cu, src).ok();
+    assert!(load_bundle(&out).is_ok());
+    let manifest = out.join("manifest.json");
+    let m = std::fs::read_to_string(&manifest).unwrap_or_default();
+    std::fs::write(&manifest, m.replace("\"format_version\": 1", "\"format_version\": 99")).ok();
+    let e = load_bundle(&out).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("format 99") && e.contains("recompile"), "{e}");
+    std::fs::write(&manifest, "{ not json").ok();
+    assert!(matches!(load_bundle(&out), Err(BundleError::Parse { .. })));
+}

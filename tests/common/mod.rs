@@ -1,0 +1,79 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Every example deployment, sorted.
+pub fn examples() -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(root().join("examples"))
+        .map(|rd| {
+            rd.filter_map(|e| e.ok()).map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "moe")).collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+pub fn stem(p: &Path) -> String {
+    p.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
+}
+
+/// Runs the CLI with `MOEFORGE_NVCC` cleared unless `nvcc` is given.
+pub fn moeforge(args: &[&str], nvcc: Option<&Path>) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_moeforge"));
+    cmd.args(args).current_dir(root()).env_remove("MOEFORGE_NVCC").env("PATH", "/usr/bin:/bin");
+    if let Some(n) = nvcc {
+        cmd.env("MOEFORGE_NVCC", n);
+    }
+    cmd.output().unwrap_or_else(|e| panic!("cannot run moeforge: {e}"))
+}
+
+pub fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// All files under `dir`, relative path → bytes.
+pub fn read_tree(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    fn walk(base: &Path, dir: &Path, out: &mut std::collections::BTreeMap<String, Vec<u8>>) {
+        let Ok(rd) = std::fs::read_dir(dir) else { return };
+        for e in rd.filter_map(|e| e.ok()) {
+            let p = e.path();
+            if p.is_dir() {
+                walk(base, &p, out);
+            } else {
+                let rel = p.strip_prefix(base).map(|r| r.display().to_string()).unwrap_or_default();
+                out.insert(rel, std::fs::read(&p).unwrap_or_default());
+            }
+        }
+    }
+    let mut out = std::collections::BTreeMap::new();
+    walk(dir, dir, &mut out);
+    out
+}
+
+/// The nvcc for the real-toolchain tier: `$MOEFORGE_NVCC`, or the one
+/// `scripts/setup.sh` installs. `None` means the tier cannot run here; with
+/// `MOEFORGE_REQUIRE_NVCC=1` (set by scripts/test.sh and CI) that is a failure.
+pub fn nvcc() -> Option<PathBuf> {
+    let from_env = std::env::var_os("MOEFORGE_NVCC").map(PathBuf::from).filter(|p| p.is_file());
+    let found = from_env.or_else(|| {
+        let venv = root().join(".toolchain/venv/lib");
+        std::fs::read_dir(&venv).ok()?.filter_map(|e| e.ok()).find_map(|py| {
+            let nvidia = py.path().join("site-packages/nvidia");
+            std::fs::read_dir(nvidia)
+                .ok()?
+                .filter_map(|e| e.ok())
+                .map(|cu| cu.path().join("bin/nvcc"))
+                .find(|p| p.is_file())
+        })
+    });
+    if found.is_none() && std::env::var("MOEFORGE_REQUIRE_NVCC").is_ok_and(|v| v == "1") {
+        panic!("MOEFORGE_REQUIRE_NVCC=1 but no nvcc: run scripts/setup.sh or set MOEFORGE_NVCC");
+    }
+    found
+}

@@ -1,0 +1,46 @@
+//! Emitted code as text: every example deployment's kernels and plan are
+//! pinned by insta snapshots, so any change to generated code is reviewed.
+
+mod common;
+use common::*;
+use moeforge::codegen::{self, NvccMode};
+use moeforge::dsl::{check_paths, FsLoader};
+
+#[test]
+fn emitted_kernels_and_plans_are_pinned() {
+    for ex in examples() {
+        let checked =
+            check_paths(std::slice::from_ref(&ex), &FsLoader).unwrap_or_else(|f| panic!("{}", f.render(false)));
+        for id in checked.spec.deploy_ids() {
+            let plan = codegen::plan_deployment(&checked, id)
+                .unwrap_or_else(|d| panic!("{}", d.render(&checked.sources, false)));
+            let (bundle, _) = codegen::emit(&checked, id, &plan, &NvccMode::Off).unwrap_or_else(|e| panic!("{e}"));
+            let name = stem(&ex);
+            for (path, bytes) in &bundle.files {
+                let Some(kernel) = path.strip_prefix("kernels/").and_then(|p| p.strip_suffix(".cu")) else { continue };
+                insta::assert_snapshot!(format!("{name}__{kernel}"), String::from_utf8_lossy(bytes));
+            }
+            insta::assert_snapshot!(format!("{name}__plan"), plan.plan().to_string());
+        }
+    }
+}
+
+#[test]
+fn plan_memory_budget_is_rejected_when_it_cannot_fit() {
+    let text = std::fs::read_to_string(root().join("examples/qwen3-235b-a22b-h200.moe")).unwrap_or_default();
+    let text = text
+        .replace("\"../models/", &format!("\"{}/models/", root().display()))
+        .replace("memory_fraction = 0.85", "memory_fraction = 0.4");
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let path = tmp.path().join("tight.moe");
+    std::fs::write(&path, text).ok();
+    let checked = check_paths(&[path], &FsLoader).unwrap_or_else(|f| panic!("{}", f.render(false)));
+    let diags = codegen::plan_deployment(&checked, moeforge::dsl::spec::DeployId(0))
+        .err()
+        .unwrap_or_else(|| panic!("should not fit"));
+    let rendered = diags.render(&checked.sources, false);
+    assert!(
+        rendered.contains("E0140") && rendered.contains("tight.moe:") && rendered.contains("does not fit"),
+        "{rendered}"
+    );
+}
