@@ -1,6 +1,8 @@
 //! Emitted code as text: every example deployment's kernels and plan are
 //! pinned by insta snapshots, so any change to generated code is reviewed.
 
+#![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 use common::*;
 use moeforge::codegen::{self, NvccMode};

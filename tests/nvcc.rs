@@ -4,6 +4,8 @@
 //! reach report.md. Skipped (with a message) when no nvcc is installed,
 //! unless MOEFORGE_REQUIRE_NVCC=1, as in scripts/test.sh and CI.
 
+#![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 use common::*;
 use moeforge::runtime::load_bundle;

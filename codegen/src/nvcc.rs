@@ -169,7 +169,7 @@ pub fn parse_ptxas(stderr: &str) -> Vec<PtxasStats> {
 fn number_before(line: &str, marker: &str) -> u32 {
     line.split(marker)
         .next()
-        .and_then(|head| head.split(|c: char| !c.is_ascii_digit()).filter(|t| !t.is_empty()).last())
+        .and_then(|head| head.split(|c: char| !c.is_ascii_digit()).rfind(|t| !t.is_empty()))
         .and_then(|n| n.parse().ok())
         .filter(|_| line.contains(marker))
         .unwrap_or(0)

@@ -2,6 +2,8 @@
 //! diagnostic with its stable code and a help line. Each case mutates a
 //! valid spec; the rendered diagnostics are pinned as snapshots.
 
+#![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
+
 use moeforge_dsl::{check_paths, check_str, Code, MemLoader};
 use std::path::PathBuf;
 

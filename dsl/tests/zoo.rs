@@ -1,6 +1,8 @@
 //! The model zoo and example deployments: every file checks, and each checked
 //! spec is pinned by a snapshot (serde JSON plus parameter counts).
 
+#![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
+
 use moeforge_dsl::{check_paths, FsLoader};
 use std::path::{Path, PathBuf};
 
@@ -23,7 +25,7 @@ fn every_model_and_example_checks() {
     let files: Vec<PathBuf> = moe_files("models").into_iter().chain(moe_files("examples")).collect();
     assert!(files.len() >= 14, "zoo incomplete: {files:?}");
     for f in files {
-        if let Err(e) = check_paths(&[f.clone()], &FsLoader) {
+        if let Err(e) = check_paths(std::slice::from_ref(&f), &FsLoader) {
             panic!("{}:\n{}", f.display(), e.render(false));
         }
     }
@@ -58,7 +60,8 @@ fn parameter_counts_match_published_sizes() {
 #[test]
 fn checked_specs_are_pinned() {
     for f in moe_files("examples") {
-        let checked = check_paths(&[f.clone()], &FsLoader).unwrap_or_else(|e| panic!("{}", e.render(false)));
+        let checked =
+            check_paths(std::slice::from_ref(&f), &FsLoader).unwrap_or_else(|e| panic!("{}", e.render(false)));
         for id in checked.spec.deploy_ids() {
             let d = checked.spec.deployment(id);
             let m = &d.models[0];
@@ -79,7 +82,8 @@ fn checked_specs_are_pinned() {
 #[test]
 fn display_form_round_trips() {
     for f in moe_files("examples").into_iter().chain(moe_files("models")) {
-        let checked = check_paths(&[f.clone()], &FsLoader).unwrap_or_else(|e| panic!("{}", e.render(false)));
+        let checked =
+            check_paths(std::slice::from_ref(&f), &FsLoader).unwrap_or_else(|e| panic!("{}", e.render(false)));
         let text = checked.spec.to_string();
         let again = moeforge_dsl::check_str("printed.moe", &text)
             .unwrap_or_else(|e| panic!("{} printed as invalid .moe:\n{}\n{text}", f.display(), e.render(false)));

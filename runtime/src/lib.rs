@@ -5,6 +5,8 @@
 //! manifest, and the spec hash matches both `spec.json` and `plan.json`.
 //! The execution backends (cpu twin, cuda, sim) build on this.
 
+pub mod reference;
+
 use moeforge_codegen::emit::bundle::{sha256_hex, Manifest, MANIFEST};
 use moeforge_codegen::plan::{Plan, FORMAT_VERSION};
 use std::collections::BTreeMap;

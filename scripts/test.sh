@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it. Installs what is missing (idempotent),
+# then: rustfmt check, clippy -D warnings, every test (snapshots must match:
+# INSTA_UPDATE=no), and the real-toolchain tier (nvcc required).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+
+step() { printf '\n== %s\n' "$*"; }
+
+step "toolchain"
+command -v cargo >/dev/null || { echo "cargo is required (https://rustup.rs)"; exit 1; }
+for comp in rustfmt clippy; do
+  if ! cargo "${comp/rustfmt/fmt}" --version >/dev/null 2>&1; then
+    rustup component add "$comp"
+  fi
+done
+if ! command -v g++ >/dev/null 2>&1; then
+  apt-get update -qq && apt-get install -y -qq g++
+fi
+nvcc=$(bash scripts/setup.sh)
+export MOEFORGE_NVCC="$nvcc"
+export MOEFORGE_REQUIRE_NVCC=1
+echo "nvcc: $MOEFORGE_NVCC"
+
+step "rustfmt"
+cargo fmt --all -- --check
+
+step "clippy"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+step "tests (snapshots must match, nvcc tier required)"
+INSTA_UPDATE=no cargo test --workspace --locked
+
+echo
+echo "scripts/test.sh: all checks passed"
