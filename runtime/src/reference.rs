@@ -212,7 +212,7 @@ mod tests {
     #[test]
     fn bf16_rounds_to_nearest_even() {
         assert_eq!(f32_to_bf16(1.0), 0x3f80);
-        assert_eq!(bf16_to_f32(f32_to_bf16(1.00390625)), 1.0); // halfway → even
-        assert_eq!(bf16_to_f32(f32_to_bf16(1.01171875)), 1.015625); // halfway → even (up)
+        assert_eq!(bf16_to_f32(f32_to_bf16(f32::from_bits(0x3f80_8000))), 1.0); // 1 + 2^-8: halfway, down to even
+        assert_eq!(f32_to_bf16(f32::from_bits(0x3f81_8000)), 0x3f82); // 1 + 3·2^-8: halfway, up to even
     }
 }
