@@ -7,9 +7,11 @@
 //! - [`dsl`]: the `.moe` language (parse, check, [`dsl::Spec`]).
 //! - [`codegen`]: planning passes and emission ([`codegen::Plan`], bundles).
 //! - [`runtime`]: loading and verifying bundles.
+//! - [`spec!`]: check a `.moe` file at Rust compile time.
 
 pub use moeforge_codegen as codegen;
 pub use moeforge_dsl as dsl;
+pub use moeforge_macros::spec;
 pub use moeforge_runtime as runtime;
 
 pub mod embedded;

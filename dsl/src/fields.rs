@@ -352,7 +352,7 @@ pub fn count(diags: &mut Diagnostics, key: &str, v: &Value, lo: u64, hi: u64) ->
 
 /// A number whose unit has dimension `dim`, converted to base units, in `lo..=hi`.
 pub fn quantity(diags: &mut Diagnostics, key: &str, v: &Value, dim: Dim, lo: f64, hi: f64) -> Option<f64> {
-    let ValueKind::Number { value, text, unit } = &v.kind else {
+    let ValueKind::Number { text, unit, .. } = &v.kind else {
         diags.push(wrong_type(v, &format!("{dim}"), &v.kind));
         return None;
     };
@@ -373,7 +373,7 @@ pub fn quantity(diags: &mut Diagnostics, key: &str, v: &Value, dim: Dim, lo: f64
         );
         return None;
     }
-    let base = value * factor;
+    let base = units::to_base(text, factor);
     if !base.is_finite() || base < lo || base > hi {
         diags.push(
             Diagnostic::new(Code::OutOfRange, format!("`{key}` = {text}{unit} is out of range"))

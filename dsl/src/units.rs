@@ -40,75 +40,101 @@ impl fmt::Display for Dim {
     }
 }
 
-fn size_factor(s: &str) -> Option<f64> {
+/// A unit's conversion to its base unit: `10^dec · mult`. The decimal part
+/// is applied to the written numeral's exponent, so `5us` is exactly the f64
+/// nearest 5e-6 (not 5 × 1e-6, which is not).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Factor {
+    pub dec: i32,
+    pub mult: f64,
+}
+
+const fn f(dec: i32, mult: f64) -> Factor {
+    Factor { dec, mult }
+}
+
+fn size_factor(s: &str) -> Option<Factor> {
+    const KI: f64 = 1024.0;
     Some(match s {
-        "B" => 1.0,
-        "KB" | "kB" => 1e3,
-        "MB" => 1e6,
-        "GB" => 1e9,
-        "TB" => 1e12,
-        "KiB" => 1024.0,
-        "MiB" => 1024.0 * 1024.0,
-        "GiB" => 1024.0 * 1024.0 * 1024.0,
-        "TiB" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
-        "b" => 1.0 / 8.0,
-        "Kb" | "kb" => 1e3 / 8.0,
-        "Mb" => 1e6 / 8.0,
-        "Gb" => 1e9 / 8.0,
-        "Tb" => 1e12 / 8.0,
+        "B" => f(0, 1.0),
+        "KB" | "kB" => f(3, 1.0),
+        "MB" => f(6, 1.0),
+        "GB" => f(9, 1.0),
+        "TB" => f(12, 1.0),
+        "KiB" => f(0, KI),
+        "MiB" => f(0, KI * KI),
+        "GiB" => f(0, KI * KI * KI),
+        "TiB" => f(0, KI * KI * KI * KI),
+        "b" => f(0, 0.125),
+        "Kb" | "kb" => f(3, 0.125),
+        "Mb" => f(6, 0.125),
+        "Gb" => f(9, 0.125),
+        "Tb" => f(12, 0.125),
         _ => return None,
     })
 }
 
-fn time_factor(s: &str) -> Option<f64> {
+fn time_factor(s: &str) -> Option<Factor> {
     Some(match s {
-        "ns" => 1e-9,
-        "us" | "µs" => 1e-6,
-        "ms" => 1e-3,
-        "s" => 1.0,
-        "min" => 60.0,
+        "ns" => f(-9, 1.0),
+        "us" | "µs" => f(-6, 1.0),
+        "ms" => f(-3, 1.0),
+        "s" => f(0, 1.0),
+        "min" => f(0, 60.0),
         _ => return None,
     })
 }
 
-fn flop_factor(s: &str) -> Option<f64> {
+fn flop_factor(s: &str) -> Option<Factor> {
     Some(match s {
-        "FLOP" => 1.0,
-        "GFLOP" => 1e9,
-        "TFLOP" => 1e12,
-        "PFLOP" => 1e15,
+        "FLOP" => f(0, 1.0),
+        "GFLOP" => f(9, 1.0),
+        "TFLOP" => f(12, 1.0),
+        "PFLOP" => f(15, 1.0),
         _ => return None,
     })
 }
 
-/// Parses a unit suffix into its dimension and factor to the base unit.
-pub fn parse_unit(unit: &str) -> Option<(Dim, f64)> {
+/// Parses a unit suffix into its dimension and conversion to the base unit.
+pub fn parse_unit(unit: &str) -> Option<(Dim, Factor)> {
     if unit.is_empty() {
-        return Some((Dim::None, 1.0));
+        return Some((Dim::None, f(0, 1.0)));
     }
     if unit == "%" {
-        return Some((Dim::None, 0.01));
+        return Some((Dim::None, f(-2, 1.0)));
     }
     if let Some((num, den)) = unit.split_once('/') {
         let per = time_factor(den)?;
+        let over = |x: Factor| f(x.dec - per.dec, x.mult / per.mult);
         if num.is_empty() || num == "req" {
-            return Some((Dim::Rate, 1.0 / per));
+            return Some((Dim::Rate, over(f(0, 1.0))));
         }
-        if let Some(f) = size_factor(num) {
-            return Some((Dim::Bandwidth, f / per));
+        if let Some(x) = size_factor(num) {
+            return Some((Dim::Bandwidth, over(x)));
         }
-        if let Some(f) = flop_factor(num) {
-            return Some((Dim::FlopRate, f / per));
+        if let Some(x) = flop_factor(num) {
+            return Some((Dim::FlopRate, over(x)));
         }
         return None;
     }
-    if let Some(f) = size_factor(unit) {
-        return Some((Dim::Bytes, f));
+    if let Some(x) = size_factor(unit) {
+        return Some((Dim::Bytes, x));
     }
-    if let Some(f) = time_factor(unit) {
-        return Some((Dim::Time, f));
+    if let Some(x) = time_factor(unit) {
+        return Some((Dim::Time, x));
     }
     None
+}
+
+/// The value of numeral `text` in `factor`'s base unit. Infinite on overflow.
+pub fn to_base(text: &str, factor: Factor) -> f64 {
+    let (mantissa, exp) = match text.find(['e', 'E']) {
+        Some(i) => (&text[..i], text[i + 1..].parse::<i64>().unwrap_or(i64::MAX / 2)),
+        None => (text, 0),
+    };
+    let total = exp.saturating_add(i64::from(factor.dec)).clamp(-100_000, 100_000);
+    let v: f64 = format!("{mantissa}e{total}").parse().unwrap_or(f64::NAN);
+    v * factor.mult
 }
 
 /// Formats a value in base units with a readable suffix (for reports).
@@ -149,10 +175,11 @@ mod tests {
 
     #[test]
     fn units_parse_to_base() {
-        let check = |u: &str, d: Dim, f: f64| {
-            let (dim, fac) = parse_unit(u).unwrap_or((Dim::None, f64::NAN));
+        let check = |u: &str, d: Dim, want: f64| {
+            let (dim, fac) = parse_unit(u).unwrap_or((Dim::None, f(0, f64::NAN)));
             assert_eq!(dim, d, "{u}");
-            assert!((fac - f).abs() <= f.abs() * 1e-12, "{u}: {fac} vs {f}");
+            let got = to_base("1", fac);
+            assert!((got - want).abs() <= want.abs() * 1e-12, "{u}: {got} vs {want}");
         };
         check("GiB", Dim::Bytes, 1073741824.0);
         check("GB", Dim::Bytes, 1e9);
@@ -165,6 +192,15 @@ mod tests {
         check("%", Dim::None, 0.01);
         assert!(parse_unit("parsecs").is_none());
         assert!(parse_unit("GB/parsec").is_none());
+    }
+
+    #[test]
+    fn decimal_units_are_exact() {
+        assert_eq!(to_base("5", parse_unit("us").map(|x| x.1).unwrap_or(f(0, 0.0))), 5e-6);
+        assert_eq!(to_base("4.8", parse_unit("TB/s").map(|x| x.1).unwrap_or(f(0, 0.0))), 4.8e12);
+        assert_eq!(to_base("1.5e3", parse_unit("ms").map(|x| x.1).unwrap_or(f(0, 0.0))), 1.5);
+        assert_eq!(to_base("200", parse_unit("Gb/s").map(|x| x.1).unwrap_or(f(0, 0.0))), 25e9);
+        assert!(to_base("1e400", f(0, 1.0)).is_infinite());
     }
 
     #[test]
