@@ -222,12 +222,28 @@ fn summary_text(
         "  layout   attention {}, experts {} ({} per GPU)\n",
         p.layout.attention, p.layout.moe, p.layout.max_experts_per_rank
     ));
+    let weights: u64 = mem
+        .regions
+        .iter()
+        .filter(|r| !matches!(r.name.as_str(), "comm" | "scratch" | "requests" | "kv_pool"))
+        .map(|r| r.bytes)
+        .sum();
+    let modes: Vec<&str> = mem.modes.iter().map(|m| m.name()).collect();
     t.push_str(&format!(
-        "  memory   per GPU: {:.1} GB weights, {:.1} GB KV cache ({} tokens)\n",
-        (mem.replicated_weights + mem.expert_weights) as f64 / 1e9,
-        mem.kv_cache as f64 / 1e9,
-        mem.kv_tokens
+        "  memory   per GPU: {:.1} GB buffer, {:.1} GB weights, KV for {} tokens (EP); modes [{}]",
+        mem.buffer_bytes as f64 / 1e9,
+        weights as f64 / 1e9,
+        mem.kv.ep.capacity_tokens,
+        modes.join(", ")
     ));
+    if let Some(tp) = &mem.kv.tp {
+        t.push_str(&format!(
+            ", TP KV {} tokens, dual-mode overhead {:.2}%",
+            tp.capacity_tokens,
+            mem.overhead.overhead_fraction * 100.0
+        ));
+    }
+    t.push('\n');
     let kernels: Vec<&str> = p.kernels.iter().map(|k| k.name.as_str()).collect();
     t.push_str(&format!("  kernels  {} for {}", kernels.join(", "), c.arch.name()));
     match (&s.compiled_with, &s.skipped_reason) {

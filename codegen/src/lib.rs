@@ -11,6 +11,7 @@
 //! plan and manifest types).
 
 pub mod emit;
+pub mod memory_plan;
 pub mod nvcc;
 pub mod passes;
 pub mod plan;
@@ -38,7 +39,8 @@ pub fn canonical_spec(checked: &Checked, id: DeployId) -> Vec<u8> {
 }
 
 /// Runs the planning pipeline for one deployment:
-/// support gate → layout → memory budget → kernel instances → validation.
+/// support gate → layout → memory plan (unified buffer, TP/EP views, reshard
+/// descriptors) → kernel instances → validation.
 /// Invariants are checked after every pass in debug builds.
 pub fn plan_deployment(checked: &Checked, id: DeployId) -> Result<ValidPlan, Diagnostics> {
     let unsupported = passes::support::check(checked, id);
@@ -79,32 +81,23 @@ pub fn plan_deployment(checked: &Checked, id: DeployId) -> Result<ValidPlan, Dia
             arch: c.gpu.arch,
             sms: c.gpu.sms,
             hbm_bytes: c.gpu.hbm,
+            scale_up_bandwidth: c.scale_up.bandwidth,
         },
         layout,
         ranks,
-        memory: plan::MemoryBudget {
-            hbm: c.gpu.hbm,
-            memory_fraction: d.memory_fraction,
-            usable: 0,
-            replicated_weights: 0,
-            expert_weights: 0,
-            workspace: 0,
-            kv_cache: 0,
-            kv_tokens: 0,
-        },
+        memory: passes::unified::run(spec, d).map_err(|msg| {
+            let ds = &checked.spans.deploys[id.index()];
+            let mut diag =
+                Diagnostic::new(Code::WeightsDoNotFit, format!("deployment `{}` does not fit: {msg}", d.name))
+                    .help("raise `memory_fraction`, use a cluster with more GPUs, or a lower-precision checkpoint");
+            if let Some(s) = ds.get("memory_fraction").or(ds.get("cluster")) {
+                diag = diag.at(s, "per-GPU budget too small");
+            }
+            Diagnostics(vec![diag])
+        })?,
         kernels: vec![],
     };
-    debug_check(&plan, "layout");
-    plan.memory = passes::memory::run(spec, d, &plan.layout).map_err(|msg| {
-        let ds = &checked.spans.deploys[id.index()];
-        let mut diag = Diagnostic::new(Code::WeightsDoNotFit, format!("deployment `{}` does not fit: {msg}", d.name))
-            .help("raise `memory_fraction`, use a cluster with more GPUs, or a lower-precision checkpoint");
-        if let Some(s) = ds.get("memory_fraction").or(ds.get("cluster")) {
-            diag = diag.at(s, "per-GPU budget too small");
-        }
-        Diagnostics(vec![diag])
-    })?;
-    debug_check(&plan, "memory");
+    debug_check(&plan, "layout and memory plan");
     plan.kernels = passes::kernels::run(spec, d, plan.layout.max_experts_per_rank);
     debug_check(&plan, "kernels");
     validate::validate(plan).map_err(|v| internal(&v))

@@ -5,15 +5,16 @@
 //! It is serialized as `plan.json` in the bundle and is the runtime's input:
 //! nothing in it is implicit, every size is in bytes, every time in seconds.
 //!
-//! v1 holds the baseline layout (data-parallel attention, expert parallelism
-//! over all GPUs with experts striped contiguously), the per-GPU memory
-//! budget, and the kernel instances with their specialization constants.
+//! It holds the layout (data-parallel attention, expert parallelism over the
+//! GPUs with experts striped contiguously), the memory plan (one unified
+//! buffer per rank with TP and EP views and the reshard descriptors between
+//! them), and the kernel instances with their specialization constants.
 
 use moeforge_dsl::spec::{Arch, DType, Strategy};
 use serde::{Deserialize, Serialize};
 
 /// Bumped whenever `plan.json` or the bundle layout changes incompatibly.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
@@ -25,7 +26,8 @@ pub struct Plan {
     pub cluster: ClusterFacts,
     pub layout: DeployLayout,
     pub ranks: Vec<RankPlan>,
-    pub memory: MemoryBudget,
+    /// The unified buffer of every rank: regions, TP/EP views, reshard descriptors.
+    pub memory: crate::memory_plan::MemoryPlan,
     pub kernels: Vec<KernelInstance>,
 }
 
@@ -60,6 +62,8 @@ pub struct ClusterFacts {
     pub arch: Arch,
     pub sms: u32,
     pub hbm_bytes: u64,
+    /// Scale-up (NVLink) bandwidth per GPU per direction, bytes/s.
+    pub scale_up_bandwidth: f64,
 }
 
 /// How the deployment maps onto GPUs.
@@ -86,26 +90,6 @@ pub struct RankPlan {
     pub local_rank: u32,
     /// Global ids of the routed experts this rank holds, `[begin, end)`.
     pub experts: [u32; 2],
-}
-
-/// Per-GPU memory budget of the layout, in bytes.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct MemoryBudget {
-    pub hbm: u64,
-    pub memory_fraction: f64,
-    /// `hbm × memory_fraction`.
-    pub usable: u64,
-    /// Replicated per GPU: embeddings, LM head, attention, norms, router,
-    /// dense layers and shared experts.
-    pub replicated_weights: u64,
-    /// This GPU's routed experts over all MoE layers.
-    pub expert_weights: u64,
-    /// Activation and communication workspace reserved per GPU.
-    pub workspace: u64,
-    /// What remains for the KV cache.
-    pub kv_cache: u64,
-    /// Tokens of KV the remainder holds on one GPU.
-    pub kv_tokens: u64,
 }
 
 /// One emitted kernel source and how to launch its entry points.

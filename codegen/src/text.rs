@@ -48,15 +48,66 @@ impl Display for Plan {
             )?;
         }
         let mem = &self.memory;
+        let modes: Vec<&str> = mem.modes.iter().map(|m| m.name()).collect();
         writeln!(
             f,
-            "  memory/gpu: usable {} = replicated {} + experts {} + workspace {} + kv {} ({} tokens)",
-            gb(mem.usable),
-            gb(mem.replicated_weights),
-            gb(mem.expert_weights),
-            gb(mem.workspace),
-            gb(mem.kv_cache),
-            mem.kv_tokens
+            "  memory/rank: buffer {} ({}), modes [{}], group {}",
+            gb(mem.buffer_bytes),
+            mem.memory_fraction,
+            modes.join(", "),
+            mem.group
+        )?;
+        if let Some(r) = &mem.single_mode_reason {
+            writeln!(f, "    single mode: {r}")?;
+        }
+        for r in &mem.regions {
+            let modes: Vec<&str> = r.modes.iter().map(|m| m.name()).collect();
+            writeln!(f, "    region {:<13} @{:>14} {:>14} B [{}]", r.name, r.offset, r.bytes, modes.join(", "))?;
+        }
+        let s = &mem.slots;
+        writeln!(
+            f,
+            "    expert slots: {} × {} B (w13 {} + w2 {}), tp layer i → slot i+{}, ep layer i → slot i+{}",
+            u64::from(s.moe_layers) + u64::from(s.ep_shift),
+            s.slot_bytes,
+            s.w13_bytes,
+            s.w2_bytes,
+            s.tp_shift,
+            s.ep_shift
+        )?;
+        let kv = &mem.kv;
+        writeln!(
+            f,
+            "    kv ep: {} heads/rank, {} pages of {} B, {} tokens",
+            kv.ep.heads_per_rank, kv.ep.pages, kv.ep.page_bytes, kv.ep.capacity_tokens
+        )?;
+        if let Some(tp) = &kv.tp {
+            writeln!(
+                f,
+                "    kv tp: {} heads/rank (×{} replicated), {} pages of {} B, {} tokens",
+                tp.heads_per_rank, kv.replication, tp.pages, tp.page_bytes, tp.capacity_tokens
+            )?;
+        }
+        if let Some(rs) = &mem.reshard {
+            for w in [&rs.ep_to_tp, &rs.tp_to_ep] {
+                writeln!(
+                    f,
+                    "    reshard {}→{} ({:?}): {} copies/layer, {} B/layer over links (lower bound {}), {} B/layer local",
+                    w.from.name(),
+                    w.to.name(),
+                    w.order,
+                    w.per_layer.len(),
+                    w.interconnect_bytes_per_layer,
+                    w.owner_changed_bytes_per_layer,
+                    w.local_bytes_per_layer
+                )?;
+            }
+        }
+        writeln!(
+            f,
+            "    dual-mode overhead: {} B ({:.2}% of the buffer)",
+            mem.overhead.overhead_bytes,
+            mem.overhead.overhead_fraction * 100.0
         )?;
         for k in &self.kernels {
             let consts = match &k.params {

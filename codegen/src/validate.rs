@@ -57,12 +57,8 @@ pub fn check(plan: &Plan) -> Vec<Violation> {
             bad(format!("expert {x} is held by {} ranks", owner[x]));
         }
     }
-    if plan.memory.usable > 0 {
-        let m = &plan.memory;
-        let sum = m.replicated_weights + m.expert_weights + m.workspace + m.kv_cache;
-        if sum != m.usable || m.usable > m.hbm {
-            bad(format!("memory budget does not add up: {sum} of {} usable, {} HBM", m.usable, m.hbm));
-        }
+    for v in memory_violations(&plan.memory) {
+        bad(v);
     }
     for k in &plan.kernels {
         match &k.params {
@@ -101,4 +97,51 @@ pub fn validate(plan: Plan) -> Result<ValidPlan, Vec<Violation>> {
     } else {
         Err(v)
     }
+}
+
+/// **Invariants** of the memory plan: regions tile the buffer in order,
+/// aligned, without gaps or overlap; every view lies inside its region; the
+/// views of one mode never overlap each other at any layer (aliasing happens
+/// only across modes).
+pub fn memory_violations(m: &crate::memory_plan::MemoryPlan) -> Vec<String> {
+    use crate::memory_plan::ALIGN;
+    let mut out = Vec::new();
+    let mut at = 0;
+    for r in &m.regions {
+        if r.offset != at || r.offset % ALIGN != 0 {
+            out.push(format!("region `{}` at {} (expected {at}, aligned to {ALIGN})", r.name, r.offset));
+        }
+        at = r.offset + r.bytes;
+    }
+    if at != m.buffer_bytes {
+        out.push(format!("regions end at {at}, buffer is {}", m.buffer_bytes));
+    }
+    let mut spans: Vec<(crate::memory_plan::Mode, u64, u64, String)> = Vec::new();
+    for v in &m.views {
+        let Some(r) = m.regions.iter().find(|r| r.name == v.region) else {
+            out.push(format!("view `{}` names unknown region `{}`", v.tensor, v.region));
+            continue;
+        };
+        if v.offset % ALIGN != 0 {
+            out.push(format!("view `{}` ({:?}) is not aligned", v.tensor, v.mode));
+        }
+        for l in v.layers[0]..v.layers[1] {
+            let (a, b) = (v.offset_of(l), v.offset_of(l) + v.bytes());
+            if a < r.offset || b > r.offset + r.bytes {
+                out.push(format!("view `{}` layer {l} ({:?}) leaves region `{}`", v.tensor, v.mode, r.name));
+            }
+            spans.push((v.mode, a, b, format!("{}@{l}", v.tensor)));
+        }
+    }
+    spans.sort();
+    for w in spans.windows(2) {
+        let (x, y) = (&w[0], &w[1]);
+        // Identical ranges of the same mode are one tensor seen twice only for
+        // the TP aliases of full attention tensors, which live in another mode.
+        if x.0 == y.0 && y.1 < x.2 {
+            out.push(format!("{:?} views overlap: {} and {}", x.0, x.3, y.3));
+            break;
+        }
+    }
+    out
 }

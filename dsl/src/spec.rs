@@ -238,6 +238,8 @@ pub enum DType {
     Fp8E4m3,
     /// OCP microscaling fp4 with an e8m0 scale per 32 values.
     Mxfp4,
+    /// Scales and selection biases in memory plans; not a model storage type.
+    F32,
 }
 
 impl DType {
@@ -251,6 +253,7 @@ impl DType {
                 8.0 + scale
             }
             DType::Mxfp4 => 4.0 + 8.0 / 32.0,
+            DType::F32 => 32.0,
         }
     }
     pub fn name(self) -> &'static str {
@@ -258,6 +261,7 @@ impl DType {
             DType::Bf16 => "bf16",
             DType::Fp8E4m3 => "fp8_e4m3",
             DType::Mxfp4 => "mxfp4",
+            DType::F32 => "f32",
         }
     }
 }

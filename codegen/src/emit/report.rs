@@ -20,7 +20,6 @@ pub fn render(plan: &Plan, toolchain: &Toolchain<'_>) -> String {
     let m = &plan.model;
     let c = &plan.cluster;
     let l = &plan.layout;
-    let mem = &plan.memory;
     let _ = writeln!(s, "# moeforge report: `{}`\n", plan.deploy);
     let _ = writeln!(s, "Bundle format {} · spec hash `{}`\n", plan.format_version, plan.spec_hash);
     let _ = writeln!(s, "## Model `{}`\n", m.name);
@@ -63,14 +62,7 @@ pub fn render(plan: &Plan, toolchain: &Toolchain<'_>) -> String {
     if let Some(n) = &l.note {
         let _ = writeln!(s, "> {n}\n");
     }
-    let _ = writeln!(s, "## Memory per GPU\n");
-    let _ = writeln!(s, "| region | bytes |\n|---|---|");
-    let _ = writeln!(s, "| HBM | {} |", gb(mem.hbm));
-    let _ = writeln!(s, "| usable ({:.0}%) | {} |", mem.memory_fraction * 100.0, gb(mem.usable));
-    let _ = writeln!(s, "| replicated weights | {} |", gb(mem.replicated_weights));
-    let _ = writeln!(s, "| routed experts | {} |", gb(mem.expert_weights));
-    let _ = writeln!(s, "| workspace | {} |", gb(mem.workspace));
-    let _ = writeln!(s, "| KV cache | {} ({} tokens) |", gb(mem.kv_cache), mem.kv_tokens);
+    memory(&mut s, plan);
     let _ = writeln!(s, "\n## Kernels\n");
     match toolchain {
         Toolchain::Compiled { nvcc_version, .. } => {
@@ -118,4 +110,90 @@ pub fn render(plan: &Plan, toolchain: &Toolchain<'_>) -> String {
         let _ = writeln!(s);
     }
     s
+}
+
+/// The memory plan section: the per-rank buffer by region (the shape of
+/// Moebius's Figure 13), KV capacity per mode, the dual-mode overhead and the
+/// reshard volumes with a modeled switch time.
+fn memory(s: &mut String, plan: &Plan) {
+    let mem = &plan.memory;
+    let modes: Vec<&str> = mem.modes.iter().map(|m| m.name()).collect();
+    let _ = writeln!(s, "## Memory plan (per rank)\n");
+    let _ = writeln!(
+        s,
+        "One unified buffer of {} per rank ({:.0}% of {} HBM), modes [{}] over a group of {} ranks.\n",
+        gb(mem.buffer_bytes),
+        mem.memory_fraction * 100.0,
+        gb(mem.hbm),
+        modes.join(", "),
+        mem.group
+    );
+    if let Some(r) = &mem.single_mode_reason {
+        let _ = writeln!(s, "> Single-layout plan: {r}.\n");
+    }
+    let _ = writeln!(s, "| region | offset | bytes | modes |\n|---|---|---|---|");
+    for r in &mem.regions {
+        let m: Vec<&str> = r.modes.iter().map(|m| m.name()).collect();
+        let _ = writeln!(s, "| {} | {} | {} | {} |", r.name, r.offset, gb(r.bytes), m.join(", "));
+    }
+    let kv = &mem.kv;
+    let _ = writeln!(s, "\nKV cache: pages of {} tokens.\n", kv.page_tokens);
+    let _ = writeln!(
+        s,
+        "| mode | KV heads per rank | page bytes | pages per rank | tokens (group) |\n|---|---|---|---|---|"
+    );
+    let _ = writeln!(
+        s,
+        "| ep | {} | {} | {} | {} |",
+        kv.ep.heads_per_rank, kv.ep.page_bytes, kv.ep.pages, kv.ep.capacity_tokens
+    );
+    if let Some(tp) = &kv.tp {
+        let rep = if kv.replication > 1 { format!(" (each head on {} ranks)", kv.replication) } else { String::new() };
+        let _ = writeln!(
+            s,
+            "| tp | {}{rep} | {} | {} | {} |",
+            tp.heads_per_rank, tp.page_bytes, tp.pages, tp.capacity_tokens
+        );
+    }
+    let o = &mem.overhead;
+    let _ = writeln!(
+        s,
+        "\nDual-mode overhead: {} ({:.2}% of the buffer) against the better single-layout plan (EP {} fixed, TP {} fixed, this plan {}).",
+        gb(o.overhead_bytes),
+        o.overhead_fraction * 100.0,
+        gb(o.single_ep_fixed_bytes),
+        gb(o.single_tp_fixed_bytes),
+        gb(o.fixed_bytes)
+    );
+    if let Some(rs) = &mem.reshard {
+        let layers = u64::from(mem.slots.moe_layers);
+        let _ = writeln!(s, "\n| reshard | layer order | copies per layer | over links (all ranks) | lower bound | local | modeled time |\n|---|---|---|---|---|---|---|");
+        for w in [&rs.ep_to_tp, &rs.tp_to_ep] {
+            // Every rank sends its share at once over its own link.
+            let per_rank = w.interconnect_bytes_per_layer as f64 * layers as f64 / f64::from(mem.group);
+            let t = per_rank / plan.cluster.scale_up_bandwidth;
+            let _ = writeln!(
+                s,
+                "| {}→{} | {:?} | {} | {} | {} | {} | {:.0} ms |",
+                w.from.name(),
+                w.to.name(),
+                w.order,
+                w.per_layer.len(),
+                gb(w.interconnect_bytes_per_layer * layers),
+                gb(w.owner_changed_bytes_per_layer * layers),
+                gb(w.local_bytes_per_layer * layers),
+                t * 1e3
+            );
+        }
+        let _ = writeln!(
+            s,
+            "\nModeled time = bytes each rank sends / scale-up bandwidth per direction ({}); attention switches by view swap, KV moves per live page table.",
+            crate::emit::report::gbs(plan.cluster.scale_up_bandwidth)
+        );
+    }
+    let _ = writeln!(s);
+}
+
+pub fn gbs(b: f64) -> String {
+    format!("{:.0} GB/s", b / 1e9)
 }

@@ -3,5 +3,6 @@
 
 pub mod kernels;
 pub mod layout;
-pub mod memory;
+pub mod reshard;
 pub mod support;
+pub mod unified;

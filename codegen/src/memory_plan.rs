@@ -1,0 +1,275 @@
+//! The memory plan IR: one unified buffer per rank, its regions, and the
+//! tensor views of each parallelism mode (Moebius §4.2).
+//!
+//! Every rank allocates one buffer of `buffer_bytes` once and never frees or
+//! moves it. Every long-lived tensor is a [`View`] into it: an offset, a
+//! shape, element strides and a dtype. A view belongs to one [`Mode`]; where
+//! both modes use the same bytes (replicated weights, the KV pool, the
+//! expert slots) their views alias one region. Expert weights use N+1 layer
+//! slots: TP maps MoE layer i to slot i, EP maps it to slot i+1, so a reshard
+//! can run in place layer by layer (EP→TP ascending, TP→EP descending).
+//!
+//! Offsets are identical on every rank; what differs per rank is *which*
+//! slice of the model a view holds, given by the ownership tables
+//! ([`KvPlan::tp_heads`], the plan's `ranks[].experts`, [`head_block`]).
+
+use moeforge_dsl::spec::DType;
+use serde::{Deserialize, Serialize};
+
+/// Byte alignment of every region and view.
+pub const ALIGN: u64 = 256;
+
+/// Tokens per KV-cache page.
+pub const PAGE_TOKENS: u32 = 16;
+
+/// A parallelism mode (Moebius §2.1): TP = tensor-parallel attention and
+/// experts; EP = data-parallel attention and expert-parallel experts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    Tp,
+    Ep,
+}
+
+impl Mode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Tp => "tp",
+            Mode::Ep => "ep",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MemoryPlan {
+    pub hbm: u64,
+    pub memory_fraction: f64,
+    /// Size of each rank's unified buffer: `hbm × memory_fraction`, aligned down.
+    pub buffer_bytes: u64,
+    /// The modes this plan holds views for: `[ep]`, or `[tp, ep]` when the
+    /// deployment switches.
+    pub modes: Vec<Mode>,
+    /// Ranks in the switching group (TP size = EP size).
+    pub group: u32,
+    /// Why the plan holds a single mode, when it does.
+    pub single_mode_reason: Option<String>,
+    /// Largest batch (tokens per rank per step) the communication and scratch
+    /// regions are sized for, and the most requests tracked at once.
+    pub max_batch_tokens: u64,
+    pub max_requests: u64,
+    pub regions: Vec<Region>,
+    pub views: Vec<View>,
+    pub slots: ExpertSlots,
+    pub kv: KvPlan,
+    pub reshard: Option<ReshardPlans>,
+    pub overhead: DualModeOverhead,
+}
+
+/// A contiguous byte range of the unified buffer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Region {
+    pub name: String,
+    pub offset: u64,
+    pub bytes: u64,
+    /// Modes whose views point into this region.
+    pub modes: Vec<Mode>,
+}
+
+/// A tensor as one mode sees it. For per-layer tensors, layer `l` of
+/// `layers` is at `offset + (l - layers[0]) × layer_stride`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct View {
+    /// Hugging Face-style name with `{l}` for the layer (and `{e}` when one
+    /// view covers all local experts, stacked on the first dimension).
+    pub tensor: String,
+    pub mode: Mode,
+    pub region: String,
+    pub offset: u64,
+    /// `[first, end)` of the layers this view covers; `[0, 1)` for global tensors.
+    pub layers: [u32; 2],
+    pub layer_stride: u64,
+    pub shape: Vec<u64>,
+    /// Element strides, row-major unless a view says otherwise.
+    pub strides: Vec<u64>,
+    pub dtype: DType,
+    /// What slice of the global tensor this rank's view holds.
+    pub shard: Shard,
+}
+
+impl View {
+    pub fn bytes(&self) -> u64 {
+        self.shape.iter().product::<u64>() * elt_bytes(self.dtype)
+    }
+    /// Byte offset of layer `l` (a model layer index).
+    pub fn offset_of(&self, l: u32) -> u64 {
+        self.offset + u64::from(l.saturating_sub(self.layers[0])) * self.layer_stride
+    }
+}
+
+/// The slice of a global tensor a view holds on rank r of the group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Shard {
+    /// The whole tensor, identical on every rank.
+    Full,
+    /// Rows `[r·n, (r+1)·n)` of dimension `dim` in blocks of `block` rows
+    /// (`block` = head size for projections), where the block index comes from
+    /// the rank's head ownership (`heads`: query heads; `kv`: KV heads).
+    Heads { dim: u32, heads: HeadSet },
+    /// The experts this rank owns in EP, stacked on dimension 0.
+    LocalExperts,
+    /// Every expert, each cut to this rank's `1/P` of the intermediate
+    /// dimension `dim` (for W13 both the gate and the up half are cut).
+    ExpertShard { dim: u32 },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HeadSet {
+    Query,
+    Kv,
+}
+
+/// The N+1 expert slots (Moebius Figure 7).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExpertSlots {
+    pub region: String,
+    pub base: u64,
+    /// MoE layers N; the region holds N+1 slots (N when single-mode).
+    pub moe_layers: u32,
+    /// Model layer of MoE layer 0 (the leading dense layers come first).
+    pub first_moe_layer: u32,
+    pub slot_bytes: u64,
+    /// Within a slot: the gate-up block `W13` then the down block `W2`.
+    pub w13_bytes: u64,
+    pub w2_bytes: u64,
+    /// Slot of MoE layer i = i + shift: TP 0, EP 1.
+    pub tp_shift: u32,
+    pub ep_shift: u32,
+}
+
+/// The paged KV cache: one pool, two page formats.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvPlan {
+    pub region: String,
+    pub page_tokens: u32,
+    /// Bytes of one token of one KV head in one layer (K and V together).
+    pub head_token_bytes: u64,
+    /// KV heads stored per rank per mode, and the resulting page size and count.
+    pub ep: KvMode,
+    pub tp: Option<KvMode>,
+    /// TP: the KV heads `[begin, end)` held by each rank. With fewer KV heads
+    /// than ranks each head is replicated on `replication` consecutive ranks.
+    pub tp_heads: Vec<[u32; 2]>,
+    pub replication: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvMode {
+    pub heads_per_rank: u32,
+    /// A page holds `page_tokens` tokens of every layer for `heads_per_rank` heads.
+    pub page_bytes: u64,
+    pub pages: u64,
+    /// Tokens the whole group can hold: EP `P × pages × page_tokens` (each
+    /// rank its own requests), TP `pages × page_tokens` (every rank every request).
+    pub capacity_tokens: u64,
+}
+
+/// Both directions of the weight reshard, as direct-transfer descriptors.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReshardPlans {
+    pub ep_to_tp: WeightReshard,
+    pub tp_to_ep: WeightReshard,
+}
+
+/// A weight reshard. For each MoE layer i in `order`, every descriptor runs
+/// with source offsets relative to slot `i + src_shift` on `src_rank` and
+/// destination offsets relative to slot `i + dst_shift` on `dst_rank`;
+/// all ranks finish layer i before any starts the next.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WeightReshard {
+    pub from: Mode,
+    pub to: Mode,
+    pub order: LayerOrder,
+    pub src_shift: u32,
+    pub dst_shift: u32,
+    pub per_layer: Vec<Copy>,
+    /// Bytes crossing between ranks per layer and in total, and the lower
+    /// bound: expert bytes whose owning rank changes.
+    pub interconnect_bytes_per_layer: u64,
+    pub local_bytes_per_layer: u64,
+    pub owner_changed_bytes_per_layer: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LayerOrder {
+    Ascending,
+    Descending,
+}
+
+/// A strided copy: `counts[0] × counts[1]` runs of `run_bytes`; run (a, b)
+/// starts at `src_offset + a·src_strides[0] + b·src_strides[1]` and goes to
+/// `dst_offset + a·dst_strides[0] + b·dst_strides[1]`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Copy {
+    pub src_rank: u32,
+    pub dst_rank: u32,
+    pub src_offset: u64,
+    pub dst_offset: u64,
+    pub run_bytes: u64,
+    pub counts: [u64; 2],
+    pub src_strides: [u64; 2],
+    pub dst_strides: [u64; 2],
+}
+
+impl Copy {
+    pub fn bytes(&self) -> u64 {
+        self.run_bytes * self.counts[0] * self.counts[1]
+    }
+    /// `(src, dst)` byte offsets of every run, in order.
+    pub fn runs(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        (0..self.counts[0]).flat_map(move |a| {
+            (0..self.counts[1]).map(move |b| {
+                (
+                    self.src_offset + a * self.src_strides[0] + b * self.src_strides[1],
+                    self.dst_offset + a * self.dst_strides[0] + b * self.dst_strides[1],
+                )
+            })
+        })
+    }
+}
+
+/// What holding both modes costs against the better single-layout plan.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DualModeOverhead {
+    /// Bytes of everything but the KV pool in this plan.
+    pub fixed_bytes: u64,
+    /// The same for a single-layout EP plan (N slots, full attention only).
+    pub single_ep_fixed_bytes: u64,
+    /// The same for a single-layout TP plan (N slots, head shards only).
+    pub single_tp_fixed_bytes: u64,
+    /// `fixed_bytes - min(single plans)`: the KV cache given up.
+    pub overhead_bytes: u64,
+    /// `overhead_bytes / buffer_bytes`.
+    pub overhead_fraction: f64,
+}
+
+/// Bytes per element of a storage dtype (fp8 scales are separate tensors).
+pub fn elt_bytes(dt: DType) -> u64 {
+    match dt {
+        DType::Bf16 => 2,
+        DType::Fp8E4m3 | DType::Mxfp4 => 1,
+        DType::F32 => 4,
+    }
+}
+
+/// Query heads `[begin, end)` of rank `r` under TP with `p` ranks.
+pub fn head_block(heads: u32, p: u32, r: u32) -> [u32; 2] {
+    let n = heads / p.max(1);
+    [r * n, (r + 1) * n]
+}
+
+pub fn align(x: u64) -> u64 {
+    x.div_ceil(ALIGN) * ALIGN
+}

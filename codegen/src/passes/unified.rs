@@ -1,0 +1,423 @@
+//! Memory plan pass: the unified buffer of every rank, its regions and the
+//! TP and EP views (Moebius §4.2), and the direct-transfer reshard
+//! descriptors (§3.1, §4.3) when the deployment switches.
+//!
+//! Dual mode is planned when the deploy enables `switch` on a single node and
+//! the shapes shard evenly (experts and expert FFN by P, query heads by P, KV
+//! heads by P or P by KV heads) with bf16 experts; otherwise the plan holds
+//! the EP views alone and says why. It does not decide when to switch (the
+//! runtime's coordinator does) nor build KV transfer descriptors (they depend
+//! on live page tables; the plan gives the head ownership they are built from).
+
+use crate::memory_plan::*;
+use moeforge_dsl::spec::{Attention, DType, Deploy, Model, Routing, Spec};
+
+/// Communication and scratch regions are sized for this many tokens per rank per step.
+pub const MAX_BATCH_TOKENS: u64 = 8192;
+/// Requests tracked at once (the request-metadata region).
+pub const MAX_REQUESTS: u64 = 2048;
+/// Longest sequence the page tables cover.
+pub const MAX_SEQ: u64 = 32768;
+
+struct Tensor {
+    name: String,
+    shape: Vec<u64>,
+    dtype: DType,
+    shard: Shard,
+}
+
+fn t(name: impl Into<String>, shape: &[u64], dtype: DType, shard: Shard) -> Tensor {
+    Tensor { name: name.into(), shape: shape.to_vec(), dtype, shard }
+}
+
+/// A 2-D weight and, when it is fp8, its 128×128 block scales.
+fn weight(out: &mut Vec<Tensor>, name: &str, rows: u64, cols: u64, m: &Model, dtype: DType, shard: Shard) {
+    out.push(t(format!("{name}.weight"), &[rows, cols], dtype, shard));
+    if dtype == DType::Fp8E4m3 {
+        let [br, bc] = m.dtype.block_scale.unwrap_or([128, 128]);
+        out.push(t(
+            format!("{name}.weight_scale_inv"),
+            &[rows.div_ceil(u64::from(br)), cols.div_ceil(u64::from(bc))],
+            DType::F32,
+            shard,
+        ));
+    }
+}
+
+/// Lays out regions and views front to back.
+struct Builder {
+    at: u64,
+    regions: Vec<Region>,
+    views: Vec<View>,
+}
+
+impl Builder {
+    fn region(&mut self, name: &str, bytes: u64, modes: &[Mode]) -> u64 {
+        let offset = self.at;
+        let bytes = align(bytes);
+        self.regions.push(Region { name: name.into(), offset, bytes, modes: modes.to_vec() });
+        self.at += bytes;
+        offset
+    }
+
+    /// A region of per-layer tensor groups: for each group, layers `[a, b)`
+    /// each hold the tensors back to back.
+    fn layered(&mut self, name: &str, mode_views: &[Mode], groups: Vec<([u32; 2], Vec<Tensor>)>) {
+        let start = self.at;
+        let mut off = start;
+        for ([a, b], tensors) in groups {
+            let stride: u64 = tensors.iter().map(|x| align(x.shape.iter().product::<u64>() * elt_bytes(x.dtype))).sum();
+            let mut inner = 0;
+            for x in tensors {
+                let bytes = align(x.shape.iter().product::<u64>() * elt_bytes(x.dtype));
+                for &mode in mode_views {
+                    self.views.push(view(&x, mode, name, off + inner, [a, b], stride));
+                }
+                inner += bytes;
+            }
+            off += stride * u64::from(b - a);
+        }
+        self.at = start;
+        self.region(name, off - start, mode_views);
+    }
+}
+
+fn view(x: &Tensor, mode: Mode, region: &str, offset: u64, layers: [u32; 2], layer_stride: u64) -> View {
+    let mut strides = vec![1u64; x.shape.len()];
+    for i in (0..x.shape.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1] * x.shape[i + 1];
+    }
+    View {
+        tensor: x.name.clone(),
+        mode,
+        region: region.into(),
+        offset,
+        layers,
+        layer_stride,
+        shape: x.shape.clone(),
+        strides,
+        dtype: x.dtype,
+        shard: x.shard,
+    }
+}
+
+/// Why dual mode is not possible, if it is not.
+fn single_mode_reason(spec: &Spec, d: &Deploy) -> Option<String> {
+    let m = spec.model(d.model);
+    let c = spec.cluster(d.cluster);
+    let p = c.gpus_per_node;
+    if !d.switch.enabled {
+        return Some("the deployment does not enable `switch`".into());
+    }
+    if c.nodes > 1 {
+        return Some("TP↔EP switching is planned within one NVLink node; this cluster has several".into());
+    }
+    if m.dtype.experts != DType::Bf16 {
+        return Some(format!("dual-mode expert slots need bf16 experts, not {}", m.dtype.experts.name()));
+    }
+    if m.moe.experts % p != 0 || m.moe.expert_ffn % p != 0 {
+        return Some(format!(
+            "{} experts of FFN size {} do not shard evenly over {p} ranks",
+            m.moe.experts, m.moe.expert_ffn
+        ));
+    }
+    let heads_ok = match m.attention {
+        Attention::Gqa { heads, kv_heads, .. } => heads % p == 0 && (kv_heads % p == 0 || p % kv_heads == 0),
+        Attention::Mla { heads, .. } => heads % p == 0,
+    };
+    if !heads_ok {
+        return Some(format!("the attention heads do not shard over {p} ranks"));
+    }
+    None
+}
+
+pub fn run(spec: &Spec, d: &Deploy) -> Result<MemoryPlan, String> {
+    let m = spec.model(d.model);
+    let c = spec.cluster(d.cluster);
+    let reason = single_mode_reason(spec, d);
+    let dual = reason.is_none();
+    let p = if dual { c.gpus_per_node } else { c.world_size() };
+    let modes: Vec<Mode> = if dual { vec![Mode::Tp, Mode::Ep] } else { vec![Mode::Ep] };
+    let buffer_bytes = ((c.gpu.hbm as f64 * d.memory_fraction).floor() as u64) / ALIGN * ALIGN;
+    let (h, v) = (u64::from(m.hidden), u64::from(m.vocab));
+    let (e, i, k) = (u64::from(m.moe.experts), u64::from(m.moe.expert_ffn), u64::from(m.moe.top_k));
+    let pp = u64::from(p);
+    let wdt = m.dtype.weights;
+    let dense_layers = m.dense.map_or(0, |x| x.layers);
+    let n = m.moe_layers();
+    let all_layers = [0, m.layers];
+    let moe_layers = [dense_layers, m.layers];
+
+    let mut b = Builder { at: 0, regions: vec![], views: vec![] };
+
+    // Replicated weights: identical bytes in both modes.
+    let mut global = vec![t("model.embed_tokens.weight", &[v, h], DType::Bf16, Shard::Full)];
+    if !m.tie_embeddings {
+        global.push(t("lm_head.weight", &[v, h], DType::Bf16, Shard::Full));
+    }
+    global.push(t("model.norm.weight", &[h], DType::Bf16, Shard::Full));
+    let norms = vec![
+        t("model.layers.{l}.input_layernorm.weight", &[h], DType::Bf16, Shard::Full),
+        t("model.layers.{l}.post_attention_layernorm.weight", &[h], DType::Bf16, Shard::Full),
+    ];
+    let mut moe_rep = vec![t("model.layers.{l}.mlp.gate.weight", &[e, h], DType::Bf16, Shard::Full)];
+    if let Routing::SigmoidGrouped { bias: true, .. } = m.moe.routing {
+        moe_rep.push(t("model.layers.{l}.mlp.gate.e_score_correction_bias", &[e], DType::F32, Shard::Full));
+    }
+    if m.moe.shared_experts > 0 {
+        let is = u64::from(m.moe.shared_experts) * u64::from(m.moe.shared_ffn);
+        let sdt = m.dtype.experts;
+        weight(&mut moe_rep, "model.layers.{l}.mlp.shared_experts.gate_proj", is, h, m, sdt, Shard::Full);
+        weight(&mut moe_rep, "model.layers.{l}.mlp.shared_experts.up_proj", is, h, m, sdt, Shard::Full);
+        weight(&mut moe_rep, "model.layers.{l}.mlp.shared_experts.down_proj", h, is, m, sdt, Shard::Full);
+    }
+    let mut groups = vec![([0, 1], global), (all_layers, norms), (moe_layers, moe_rep)];
+    if let Some(dl) = m.dense {
+        let f = u64::from(dl.ffn);
+        let mut dense = vec![];
+        weight(&mut dense, "model.layers.{l}.mlp.gate_proj", f, h, m, wdt, Shard::Full);
+        weight(&mut dense, "model.layers.{l}.mlp.up_proj", f, h, m, wdt, Shard::Full);
+        weight(&mut dense, "model.layers.{l}.mlp.down_proj", h, f, m, wdt, Shard::Full);
+        groups.push(([0, dl.layers], dense));
+    }
+    b.layered("replicated", &modes, groups);
+
+    // Attention: the full copy (EP, data-parallel) and, in dual mode, this
+    // rank's head shard (TP). Tensors whose TP view is the full tensor alias
+    // the EP copy.
+    let (full, shard) = attention_tensors(m, p);
+    b.layered("attention_ep", &[Mode::Ep], vec![(all_layers, full)]);
+    if dual {
+        b.layered("attention_tp", &[Mode::Tp], vec![(all_layers, shard)]);
+        let ep_region = b.regions.iter().find(|r| r.name == "attention_ep").map(|r| r.name.clone()).unwrap_or_default();
+        let aliases: Vec<View> = b
+            .views
+            .iter()
+            .filter(|x| x.region == ep_region && x.shard == Shard::Full)
+            .map(|x| View { mode: Mode::Tp, ..x.clone() })
+            .collect();
+        b.views.extend(aliases);
+    }
+
+    // Expert slots: N+1 in dual mode, N otherwise.
+    let elt = elt_bytes(m.dtype.experts);
+    let w13_bytes = align(e / pp * 2 * i * h * elt);
+    let w2_bytes = align(e / pp * h * i * elt);
+    // fp8 experts carry f32 block scales after the weights (single-mode only).
+    let [br, bc] = m.dtype.block_scale.unwrap_or([128, 128]).map(u64::from);
+    let (s13, s2) = if m.dtype.experts == DType::Fp8E4m3 {
+        (vec![e / pp, (2 * i).div_ceil(br), h.div_ceil(bc)], vec![e / pp, h.div_ceil(br), i.div_ceil(bc)])
+    } else {
+        (vec![], vec![])
+    };
+    let scale_bytes = |s: &Vec<u64>| if s.is_empty() { 0 } else { align(s.iter().product::<u64>() * 4) };
+    let slot_bytes = w13_bytes + w2_bytes + scale_bytes(&s13) + scale_bytes(&s2);
+    let slot_count = u64::from(n) + u64::from(dual);
+    let base = b.region("experts", slot_bytes * slot_count, &modes);
+    let slots = ExpertSlots {
+        region: "experts".into(),
+        base,
+        moe_layers: n,
+        first_moe_layer: dense_layers,
+        slot_bytes,
+        w13_bytes,
+        w2_bytes,
+        tp_shift: 0,
+        ep_shift: u32::from(dual),
+    };
+    let edt = m.dtype.experts;
+    for &mode in &modes {
+        let shift = if mode == Mode::Tp { slots.tp_shift } else { slots.ep_shift };
+        let off = base + u64::from(shift) * slot_bytes;
+        let (w13, w2, sh13, sh2) = match mode {
+            Mode::Ep => (vec![e / pp, 2 * i, h], vec![e / pp, h, i], Shard::LocalExperts, Shard::LocalExperts),
+            Mode::Tp => (
+                vec![e, 2 * i / pp, h],
+                vec![e, h, i / pp],
+                Shard::ExpertShard { dim: 1 },
+                Shard::ExpertShard { dim: 2 },
+            ),
+        };
+        let name = "model.layers.{l}.mlp.experts";
+        let x13 = t(format!("{name}.w13"), &w13, edt, sh13);
+        let x2 = t(format!("{name}.w2"), &w2, edt, sh2);
+        b.views.push(view(&x13, mode, "experts", off, moe_layers, slot_bytes));
+        b.views.push(view(&x2, mode, "experts", off + w13_bytes, moe_layers, slot_bytes));
+        if !s13.is_empty() {
+            let at = off + w13_bytes + w2_bytes;
+            let x = t(format!("{name}.w13_weight_scale_inv"), &s13, DType::F32, Shard::LocalExperts);
+            b.views.push(view(&x, mode, "experts", at, moe_layers, slot_bytes));
+            let x = t(format!("{name}.w2_weight_scale_inv"), &s2, DType::F32, Shard::LocalExperts);
+            b.views.push(view(&x, mode, "experts", at + scale_bytes(&s13), moe_layers, slot_bytes));
+        }
+    }
+
+    // Communication: EP dispatch + combine rows; TP all-reduce in and out.
+    let tokens = MAX_BATCH_TOKENS;
+    let ep_comm = 2 * tokens * k * h * 2;
+    let tp_comm = if dual { 2 * tokens * h * 4 } else { 0 };
+    b.region("comm", ep_comm.max(tp_comm), &modes);
+    // Scratch: GateUp output rows and f32 activations (residual, normed, attention).
+    b.region("scratch", tokens * (k * 2 * i * 2 + 3 * h * 4), &modes);
+    // Request metadata: token id, position, length and page table per request.
+    let pages_per_request = MAX_SEQ.div_ceil(u64::from(PAGE_TOKENS));
+    b.region("requests", MAX_REQUESTS * (16 + 4 * pages_per_request), &modes);
+
+    let fixed = b.at;
+    if fixed > buffer_bytes {
+        return Err(format!(
+            "each GPU needs {:.2} GB of weights and buffers but the unified buffer is {:.2} GB ({:.0}% of {:.1} GB)",
+            fixed as f64 / 1e9,
+            buffer_bytes as f64 / 1e9,
+            d.memory_fraction * 100.0,
+            c.gpu.hbm as f64 / 1e9
+        ));
+    }
+    let pool = buffer_bytes - fixed;
+    let kv = kv_plan(m, p, dual, pool);
+    if kv.ep.pages == 0 {
+        return Err("no room is left for a single KV-cache page".into());
+    }
+    b.region("kv_pool", pool, &modes);
+    // The pool region was aligned up; keep the buffer exact.
+    if let Some(r) = b.regions.last_mut() {
+        r.bytes = pool;
+    }
+
+    let attn_ep = b.regions.iter().find(|r| r.name == "attention_ep").map_or(0, |r| r.bytes);
+    let attn_tp = b.regions.iter().find(|r| r.name == "attention_tp").map_or(0, |r| r.bytes);
+    let single_ep = fixed - attn_tp - if dual { slot_bytes } else { 0 };
+    let single_tp = if dual { fixed - attn_ep + aliased_bytes(&b.views) - slot_bytes } else { single_ep };
+    let overhead_bytes = fixed - single_ep.min(single_tp);
+    let overhead = DualModeOverhead {
+        fixed_bytes: fixed,
+        single_ep_fixed_bytes: single_ep,
+        single_tp_fixed_bytes: single_tp,
+        overhead_bytes,
+        overhead_fraction: overhead_bytes as f64 / buffer_bytes as f64,
+    };
+    let reshard = dual.then(|| crate::passes::reshard::weights(&slots, e, i, h, elt, p));
+    Ok(MemoryPlan {
+        hbm: c.gpu.hbm,
+        memory_fraction: d.memory_fraction,
+        buffer_bytes,
+        modes,
+        group: p,
+        single_mode_reason: reason,
+        max_batch_tokens: MAX_BATCH_TOKENS,
+        max_requests: MAX_REQUESTS,
+        regions: b.regions,
+        views: b.views,
+        slots,
+        kv,
+        reshard,
+        overhead,
+    })
+}
+
+/// Bytes of the TP views that alias the EP attention copy (a single TP plan
+/// would need its own copy of them).
+fn aliased_bytes(views: &[View]) -> u64 {
+    views
+        .iter()
+        .filter(|x| x.mode == Mode::Tp && x.region == "attention_ep")
+        .map(|x| align(x.bytes()) * u64::from(x.layers[1] - x.layers[0]))
+        .sum()
+}
+
+/// (EP full copy, TP shard) of one layer's attention tensors.
+fn attention_tensors(m: &Model, p: u32) -> (Vec<Tensor>, Vec<Tensor>) {
+    let h = u64::from(m.hidden);
+    let pp = u64::from(p);
+    let wdt = m.dtype.weights;
+    let pre = "model.layers.{l}.self_attn";
+    let q = Shard::Heads { dim: 0, heads: HeadSet::Query };
+    let kvs = Shard::Heads { dim: 0, heads: HeadSet::Kv };
+    let cols = Shard::Heads { dim: 1, heads: HeadSet::Query };
+    let (mut full, mut shard) = (vec![], vec![]);
+    match m.attention {
+        Attention::Gqa { heads, kv_heads, head_dim, qk_norm, sinks, .. } => {
+            let (nh, nkv, d) = (u64::from(heads), u64::from(kv_heads), u64::from(head_dim));
+            let kv_local = (nkv / pp).max(1);
+            weight(&mut full, &format!("{pre}.q_proj"), nh * d, h, m, wdt, Shard::Full);
+            weight(&mut full, &format!("{pre}.k_proj"), nkv * d, h, m, wdt, Shard::Full);
+            weight(&mut full, &format!("{pre}.v_proj"), nkv * d, h, m, wdt, Shard::Full);
+            weight(&mut full, &format!("{pre}.o_proj"), h, nh * d, m, wdt, Shard::Full);
+            weight(&mut shard, &format!("{pre}.q_proj"), nh / pp * d, h, m, wdt, q);
+            weight(&mut shard, &format!("{pre}.k_proj"), kv_local * d, h, m, wdt, kvs);
+            weight(&mut shard, &format!("{pre}.v_proj"), kv_local * d, h, m, wdt, kvs);
+            weight(&mut shard, &format!("{pre}.o_proj"), h, nh / pp * d, m, wdt, cols);
+            if qk_norm {
+                full.push(t(format!("{pre}.q_norm.weight"), &[d], DType::Bf16, Shard::Full));
+                full.push(t(format!("{pre}.k_norm.weight"), &[d], DType::Bf16, Shard::Full));
+            }
+            if sinks {
+                full.push(t(format!("{pre}.sinks"), &[nh], DType::Bf16, Shard::Full));
+                shard.push(t(format!("{pre}.sinks"), &[nh / pp], DType::Bf16, q));
+            }
+        }
+        Attention::Mla { heads, q_lora, kv_lora, qk_nope, qk_rope, v_head } => {
+            let (nh, kl, nope, rope, vh) =
+                (u64::from(heads), u64::from(kv_lora), u64::from(qk_nope), u64::from(qk_rope), u64::from(v_head));
+            match q_lora {
+                Some(ql) => {
+                    let ql = u64::from(ql);
+                    weight(&mut full, &format!("{pre}.q_a_proj"), ql, h, m, wdt, Shard::Full);
+                    full.push(t(format!("{pre}.q_a_layernorm.weight"), &[ql], DType::Bf16, Shard::Full));
+                    weight(&mut full, &format!("{pre}.q_b_proj"), nh * (nope + rope), ql, m, wdt, Shard::Full);
+                    weight(&mut shard, &format!("{pre}.q_b_proj"), nh / pp * (nope + rope), ql, m, wdt, q);
+                }
+                None => {
+                    weight(&mut full, &format!("{pre}.q_proj"), nh * (nope + rope), h, m, wdt, Shard::Full);
+                    weight(&mut shard, &format!("{pre}.q_proj"), nh / pp * (nope + rope), h, m, wdt, q);
+                }
+            }
+            weight(&mut full, &format!("{pre}.kv_a_proj_with_mqa"), kl + rope, h, m, wdt, Shard::Full);
+            full.push(t(format!("{pre}.kv_a_layernorm.weight"), &[kl], DType::Bf16, Shard::Full));
+            weight(&mut full, &format!("{pre}.kv_b_proj"), nh * (nope + vh), kl, m, wdt, Shard::Full);
+            weight(&mut full, &format!("{pre}.o_proj"), h, nh * vh, m, wdt, Shard::Full);
+            weight(&mut shard, &format!("{pre}.kv_b_proj"), nh / pp * (nope + vh), kl, m, wdt, q);
+            weight(&mut shard, &format!("{pre}.o_proj"), h, nh / pp * vh, m, wdt, cols);
+        }
+    }
+    (full, shard)
+}
+
+fn kv_plan(m: &Model, p: u32, dual: bool, pool: u64) -> KvPlan {
+    let layers = u64::from(m.layers);
+    let page = u64::from(PAGE_TOKENS);
+    let (kv_heads, head_token_bytes) = match m.attention {
+        Attention::Gqa { kv_heads, head_dim, .. } => (kv_heads, 2 * u64::from(head_dim) * 2),
+        // MLA caches one latent (kv_lora + rope) per token; it cannot be split by head.
+        Attention::Mla { kv_lora, qk_rope, .. } => (1, (u64::from(kv_lora) + u64::from(qk_rope)) * 2),
+    };
+    let mode = |heads: u32, ranks_holding_own: u64| {
+        let page_bytes = layers * u64::from(heads) * page * head_token_bytes;
+        let pages = pool / page_bytes.max(1);
+        KvMode { heads_per_rank: heads, page_bytes, pages, capacity_tokens: ranks_holding_own * pages * page }
+    };
+    let ep = mode(kv_heads, u64::from(p));
+    let (tp_local, replication) = if kv_heads >= p { (kv_heads / p, 1) } else { (1, p / kv_heads) };
+    let tp_heads = if dual {
+        (0..p)
+            .map(|r| {
+                if kv_heads >= p {
+                    [r * tp_local, (r + 1) * tp_local]
+                } else {
+                    [r / replication, r / replication + 1]
+                }
+            })
+            .collect()
+    } else {
+        vec![]
+    };
+    KvPlan {
+        region: "kv_pool".into(),
+        page_tokens: PAGE_TOKENS,
+        head_token_bytes,
+        ep,
+        tp: dual.then(|| mode(tp_local, 1)),
+        tp_heads,
+        replication: if dual { replication } else { 1 },
+    }
+}
