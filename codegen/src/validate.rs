@@ -117,7 +117,11 @@ pub fn memory_violations(m: &crate::memory_plan::MemoryPlan) -> Vec<String> {
         out.push(format!("regions end at {at}, buffer is {}", m.buffer_bytes));
     }
     let mut spans: Vec<(crate::memory_plan::Mode, u64, u64, String)> = Vec::new();
+    let mut names = std::collections::BTreeSet::new();
     for v in &m.views {
+        if !names.insert((v.mode, v.tensor.clone())) {
+            out.push(format!("two {:?} views of `{}`", v.mode, v.tensor));
+        }
         let Some(r) = m.regions.iter().find(|r| r.name == v.region) else {
             out.push(format!("view `{}` names unknown region `{}`", v.tensor, v.region));
             continue;

@@ -290,7 +290,7 @@ fn gpu_block(b: &Block, diags: &mut Diagnostics, spans: &mut SpanMap) -> Option<
     let mut f = Fields::new(b, "gpu", diags, spans);
     let arch = f.req_choice("arch", &[("sm_90a", Arch::Sm90a), ("sm_80", Arch::Sm80)]);
     let sms = f.req_count("sms", 1, 1024);
-    let hbm = f.req_qty("hbm", Dim::Bytes, 1e9, 1e14, "80GB");
+    let hbm = f.req_qty("hbm", Dim::Bytes, 1e6, 1e14, "80GB");
     let hbm_bw = f.req_qty("hbm_bandwidth", Dim::Bandwidth, 1e9, 1e15, "3.35TB/s");
     let bf16 = f.req_qty("bf16", Dim::FlopRate, 1e12, 1e18, "989TFLOP/s");
     let fp8 = f.maybe_qty("fp8", Dim::FlopRate, 1e12, 1e18);

@@ -1,11 +1,14 @@
-//! `moeforge-runtime`: loads bundles.
+//! `moeforge-runtime`: loads bundles and runs them.
 //!
-//! v1 provides [`load_bundle`], which reads a bundle directory and refuses it
-//! unless its format version matches, every file's SHA-256 matches the
-//! manifest, and the spec hash matches both `spec.json` and `plan.json`.
-//! The execution backends (cpu twin, cuda, sim) build on this.
+//! [`load_bundle`] reads a bundle directory and refuses it unless its format
+//! version matches, every file's SHA-256 matches the manifest, and the spec
+//! hash matches both `spec.json` and `plan.json`. [`twin`] is the `cpu`
+//! backend: a real MoE decoder on simulated ranks over the bundle's memory
+//! plan, switching TP↔EP live. [`reference`] holds scalar references of the
+//! emitted kernels.
 
 pub mod reference;
+pub mod twin;
 
 use moeforge_codegen::emit::bundle::{sha256_hex, Manifest, MANIFEST};
 use moeforge_codegen::plan::{Plan, FORMAT_VERSION};
@@ -18,6 +21,8 @@ pub struct LoadedBundle {
     pub dir: PathBuf,
     pub manifest: Manifest,
     pub plan: Plan,
+    /// The deployment's checked spec (`spec.json`).
+    pub spec: moeforge_dsl::Spec,
     /// Kernel sources by name.
     pub kernels: BTreeMap<String, String>,
 }
@@ -79,7 +84,8 @@ pub fn load_bundle(dir: &Path) -> Result<LoadedBundle, BundleError> {
             return Err(BundleError::Missing { path: required.into() });
         }
     }
-    let spec_hash = sha256_hex(&read(dir, "spec.json")?);
+    let spec_bytes = read(dir, "spec.json")?;
+    let spec_hash = sha256_hex(&spec_bytes);
     if spec_hash != manifest.spec_hash {
         return Err(BundleError::SpecHash {
             manifest: manifest.spec_hash.clone(),
@@ -99,5 +105,10 @@ pub fn load_bundle(dir: &Path) -> Result<LoadedBundle, BundleError> {
             found: plan.spec_hash,
         });
     }
-    Ok(LoadedBundle { dir: dir.to_path_buf(), manifest, plan, kernels })
+    let spec: moeforge_dsl::Spec = serde_json::from_slice(&spec_bytes).map_err(|e| BundleError::Parse {
+        path: "spec.json".into(),
+        what: "spec",
+        err: e.to_string(),
+    })?;
+    Ok(LoadedBundle { dir: dir.to_path_buf(), manifest, plan, spec, kernels })
 }

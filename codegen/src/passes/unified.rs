@@ -189,11 +189,13 @@ pub fn run(spec: &Spec, d: &Deploy) -> Result<MemoryPlan, String> {
     b.layered("attention_ep", &[Mode::Ep], vec![(all_layers, full)]);
     if dual {
         b.layered("attention_tp", &[Mode::Tp], vec![(all_layers, shard)]);
-        let ep_region = b.regions.iter().find(|r| r.name == "attention_ep").map(|r| r.name.clone()).unwrap_or_default();
+        // Tensors with no TP shard (norms, MLA's low-rank projections) are
+        // the same in both modes: the TP view aliases the EP copy.
+        let sharded: Vec<String> = b.views.iter().filter(|x| x.mode == Mode::Tp).map(|x| x.tensor.clone()).collect();
         let aliases: Vec<View> = b
             .views
             .iter()
-            .filter(|x| x.region == ep_region && x.shard == Shard::Full)
+            .filter(|x| x.region == "attention_ep" && !sharded.contains(&x.tensor))
             .map(|x| View { mode: Mode::Tp, ..x.clone() })
             .collect();
         b.views.extend(aliases);

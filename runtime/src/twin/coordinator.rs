@@ -1,0 +1,143 @@
+//! The switch coordinator (Moebius §4.5), run once per iteration.
+//!
+//! In TP it switches to EP as soon as the in-flight request count exceeds
+//! T_h; in EP it switches back when the mean count over the last W
+//! iterations (all spent in EP) is below T_ℓ ≤ T_h. After every switch, or
+//! a switch cancelled by the KV capacity check, nothing happens for the
+//! cooldown C. T_h = auto is calibrated at the TP/EP crossover from measured
+//! step costs ([`calibrate`]); T_ℓ = auto is 0.8·T_h.
+
+use moeforge_codegen::memory_plan::Mode;
+use moeforge_dsl::spec::SwitchPolicy;
+use std::collections::VecDeque;
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Policy {
+    pub t_high: u32,
+    pub t_low: u32,
+    pub window: usize,
+    pub cooldown: f64,
+    /// Whether T_h still has to be calibrated (`t_high = auto` in the spec).
+    pub calibrate: bool,
+}
+
+/// T_h before calibration: the paper's measured crossover on 8×H200.
+pub const DEFAULT_T_HIGH: u32 = 256;
+
+impl Policy {
+    pub fn from_spec(s: &SwitchPolicy) -> Policy {
+        let t_high = s.t_high.unwrap_or(DEFAULT_T_HIGH);
+        Policy {
+            t_high,
+            t_low: s.t_low.unwrap_or(t_high * 4 / 5).min(t_high),
+            window: s.window.max(1) as usize,
+            cooldown: s.cooldown,
+            calibrate: s.t_high.is_none(),
+        }
+    }
+
+    /// Sets T_h (and an automatic T_ℓ = 0.8·T_h, kept below T_h).
+    pub fn with_t_high(mut self, t_high: u32, spec_t_low: Option<u32>) -> Policy {
+        self.t_high = t_high.max(1);
+        self.t_low = spec_t_low.unwrap_or(self.t_high * 4 / 5).min(self.t_high);
+        self.calibrate = false;
+        self
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Coordinator {
+    pub policy: Policy,
+    history: VecDeque<usize>,
+    last: Option<f64>,
+}
+
+impl Coordinator {
+    pub fn new(policy: Policy) -> Coordinator {
+        Coordinator { policy, history: VecDeque::new(), last: None }
+    }
+
+    /// The mode to switch to, if any, given this iteration's in-flight count.
+    pub fn decide(&mut self, mode: Mode, inflight: usize, now: f64) -> Option<Mode> {
+        self.history.push_back(inflight);
+        while self.history.len() > self.policy.window {
+            self.history.pop_front();
+        }
+        if self.last.is_some_and(|t| now - t < self.policy.cooldown) {
+            return None;
+        }
+        match mode {
+            Mode::Tp => (inflight > self.policy.t_high as usize).then_some(Mode::Ep),
+            Mode::Ep => {
+                let full = self.history.len() == self.policy.window;
+                let mean = self.history.iter().sum::<usize>() as f64 / self.history.len().max(1) as f64;
+                (full && mean < f64::from(self.policy.t_low)).then_some(Mode::Tp)
+            }
+        }
+    }
+
+    /// A switch happened at `now`: start the cooldown and a fresh window.
+    pub fn switched(&mut self, now: f64) {
+        self.last = Some(now);
+        self.history.clear();
+    }
+
+    /// A switch was cancelled by the capacity check: retry after the cooldown.
+    pub fn cancelled(&mut self, now: f64) {
+        self.last = Some(now);
+    }
+}
+
+/// T_h at the TP/EP crossover: the smallest batch whose measured EP step
+/// cost is at most TP's. `costs` holds (batch, tp seconds, ep seconds).
+pub fn crossover(costs: &[(usize, f64, f64)]) -> u32 {
+    costs.iter().find(|(_, tp, ep)| ep <= tp).or(costs.last()).map_or(DEFAULT_T_HIGH, |(b, _, _)| *b as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(t_high: u32, t_low: u32, window: usize, cooldown: f64) -> Policy {
+        Policy { t_high, t_low, window, cooldown, calibrate: false }
+    }
+
+    #[test]
+    fn tp_switches_to_ep_as_soon_as_the_count_exceeds_t_high() {
+        let mut c = Coordinator::new(policy(10, 8, 4, 0.0));
+        assert_eq!(c.decide(Mode::Tp, 10, 0.0), None);
+        assert_eq!(c.decide(Mode::Tp, 11, 1.0), Some(Mode::Ep));
+    }
+
+    #[test]
+    fn ep_waits_for_a_full_window_below_t_low() {
+        let mut c = Coordinator::new(policy(10, 8, 3, 0.0));
+        c.switched(0.0);
+        assert_eq!(c.decide(Mode::Ep, 2, 1.0), None); // window not full
+        assert_eq!(c.decide(Mode::Ep, 2, 2.0), None);
+        assert_eq!(c.decide(Mode::Ep, 30, 3.0), None); // mean 11.3 ≥ 8
+        assert_eq!(c.decide(Mode::Ep, 2, 4.0), None); // mean 11.3
+        assert_eq!(c.decide(Mode::Ep, 2, 5.0), None); // mean 11.3 (30, 2, 2)
+        assert_eq!(c.decide(Mode::Ep, 2, 6.0), Some(Mode::Tp)); // mean 2
+    }
+
+    #[test]
+    fn cooldown_blocks_switches() {
+        let mut c = Coordinator::new(policy(10, 8, 1, 5.0));
+        c.switched(0.0);
+        assert_eq!(c.decide(Mode::Tp, 100, 4.9), None);
+        assert_eq!(c.decide(Mode::Tp, 100, 5.0), Some(Mode::Ep));
+        c.cancelled(5.0);
+        assert_eq!(c.decide(Mode::Tp, 100, 6.0), None);
+    }
+
+    #[test]
+    fn auto_thresholds_follow_the_paper() {
+        let p = Policy::from_spec(&SwitchPolicy { enabled: true, t_high: None, t_low: None, window: 8, cooldown: 5.0 });
+        assert_eq!((p.t_high, p.t_low, p.calibrate), (256, 204, true));
+        let p = p.with_t_high(32, None);
+        assert_eq!((p.t_high, p.t_low, p.calibrate), (32, 25, false));
+        assert_eq!(crossover(&[(1, 1.0, 2.0), (4, 2.0, 2.5), (16, 4.0, 3.0), (64, 9.0, 5.0)]), 16);
+        assert_eq!(crossover(&[(1, 1.0, 2.0), (4, 2.0, 2.5)]), 4);
+    }
+}

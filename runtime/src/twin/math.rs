@@ -1,0 +1,99 @@
+//! The arithmetic of one decoder layer, shared by the dense reference and
+//! the ranks of the twin: bf16 storage, f32 compute, fixed summation order.
+
+use crate::reference::{bf16_to_f32, f32_to_bf16};
+
+/// Reads `n` bf16 values at byte offset `at`.
+pub fn bf16s(buf: &[u8], at: usize, n: usize) -> impl Iterator<Item = f32> + '_ {
+    buf[at..at + 2 * n].chunks_exact(2).map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]])))
+}
+
+/// Writes `v` as bf16 at byte offset `at`.
+pub fn put_bf16s(buf: &mut [u8], at: usize, v: &[f32]) {
+    for (c, x) in buf[at..at + 2 * v.len()].chunks_exact_mut(2).zip(v) {
+        c.copy_from_slice(&f32_to_bf16(*x).to_le_bytes());
+    }
+}
+
+/// Rounds through bf16, as storing to a bf16 buffer does.
+pub fn round_bf16(v: f32) -> f32 {
+    bf16_to_f32(f32_to_bf16(v))
+}
+
+/// A row-major bf16 matrix `[rows, cols]` stored at `at` in `buf`, with
+/// `row_stride` elements between rows (≥ cols for column slices).
+#[derive(Clone, Copy)]
+pub struct Mat<'a> {
+    pub buf: &'a [u8],
+    pub at: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub row_stride: usize,
+}
+
+impl Mat<'_> {
+    /// `y[r] = Σ_c W[r, c]·x[c]` for every row r, summed in column order.
+    pub fn matvec(&self, x: &[f32]) -> Vec<f32> {
+        (0..self.rows)
+            .map(|r| {
+                let base = self.at + 2 * r * self.row_stride;
+                let mut acc = 0f32;
+                for (w, xi) in bf16s(self.buf, base, self.cols).zip(x) {
+                    acc += w * xi;
+                }
+                acc
+            })
+            .collect()
+    }
+}
+
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
+    let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let inv = 1.0 / (ms + eps).sqrt();
+    x.iter().zip(weight).map(|(v, w)| v * inv * w).collect()
+}
+
+/// Rotary embedding (rotate-half convention) on the first `rope_dim` dims of one head.
+pub fn rope(head: &mut [f32], pos: usize, rope_dim: usize, theta: f64) {
+    let half = rope_dim / 2;
+    for i in 0..half {
+        let freq = 1.0 / theta.powf(2.0 * i as f64 / rope_dim as f64);
+        let angle = pos as f64 * freq;
+        let (s, c) = (angle.sin() as f32, angle.cos() as f32);
+        let (a, b) = (head[i], head[i + half]);
+        head[i] = a * c - b * s;
+        head[i + half] = b * c + a * s;
+    }
+}
+
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// Softmax-weighted sum of values for one query head over `n` cached
+/// positions; `key(j)`/`value(j)` give the j-th cached vectors.
+pub fn attend(q: &[f32], n: usize, key: impl Fn(usize) -> Vec<f32>, value: impl Fn(usize) -> Vec<f32>) -> Vec<f32> {
+    let scale = 1.0 / (q.len() as f32).sqrt();
+    let scores: Vec<f32> = (0..n).map(|j| key(j).iter().zip(q).map(|(k, q)| k * q).sum::<f32>() * scale).collect();
+    let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let exps: Vec<f32> = scores.iter().map(|s| (s - m).exp()).collect();
+    let sum: f32 = exps.iter().sum();
+    let mut out = vec![0f32; q.len()];
+    for (j, e) in exps.iter().enumerate() {
+        let p = e / sum;
+        for (o, v) in out.iter_mut().zip(value(j)) {
+            *o += p * v;
+        }
+    }
+    out
+}
+
+pub fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, x) in v.iter().enumerate() {
+        if *x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}

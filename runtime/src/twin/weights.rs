@@ -1,0 +1,189 @@
+//! Checkpoints in safetensors with Hugging Face tensor names.
+//!
+//! Reads every `*.safetensors` file of a directory (sharded checkpoints
+//! included) and normalizes the names of the two supported families to one
+//! canonical set (Qwen3-MoE's): Mixtral's `block_sparse_moe.gate` becomes
+//! `mlp.gate`, its experts' `w1`/`w3`/`w2` become `gate_proj`/`up_proj`/
+//! `down_proj`. `write_random` produces a small checkpoint in either
+//! family's naming, for tests and demos.
+
+use super::TwinModel;
+use crate::reference::f32_to_bf16;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// Tensor naming of a checkpoint family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    Qwen3Moe,
+    Mixtral,
+}
+
+impl Family {
+    pub fn parse(s: &str) -> Option<Family> {
+        match s {
+            "qwen3-moe" | "qwen3_moe" => Some(Family::Qwen3Moe),
+            "mixtral" => Some(Family::Mixtral),
+            _ => None,
+        }
+    }
+}
+
+/// A tensor: shape, whether it is f32 (else bf16), little-endian bytes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tensor {
+    pub shape: Vec<usize>,
+    pub f32: bool,
+    pub data: Vec<u8>,
+}
+
+/// All tensors of a model under canonical names.
+#[derive(Clone, Debug, Default)]
+pub struct Checkpoint {
+    pub tensors: BTreeMap<String, Tensor>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WeightsError {
+    #[error("{path}: {err}")]
+    Io { path: String, err: String },
+    #[error("{path}: not a safetensors file: {err}")]
+    Format { path: String, err: String },
+    #[error("{name}: dtype {dtype}, but the CPU twin loads bf16 (and f32 bias) checkpoints")]
+    Dtype { name: String, dtype: String },
+    #[error("no *.safetensors file in {0}")]
+    Empty(String),
+    #[error("tensor `{name}` is missing from the checkpoint (expected shape {shape:?})")]
+    Missing { name: String, shape: Vec<usize> },
+    #[error("tensor `{name}` has shape {found:?}, the spec implies {expected:?}")]
+    Shape { name: String, found: Vec<usize>, expected: Vec<usize> },
+}
+
+/// Canonical name of a checkpoint tensor name.
+pub fn canonical(name: &str) -> String {
+    let n =
+        name.replace(".block_sparse_moe.gate.", ".mlp.gate.").replace(".block_sparse_moe.experts.", ".mlp.experts.");
+    if n.contains(".mlp.experts.") {
+        return n
+            .replace(".w1.weight", ".gate_proj.weight")
+            .replace(".w3.weight", ".up_proj.weight")
+            .replace(".w2.weight", ".down_proj.weight");
+    }
+    n
+}
+
+fn family_name(canonical: &str, family: Family) -> String {
+    match family {
+        Family::Qwen3Moe => canonical.to_string(),
+        Family::Mixtral => canonical
+            .replace(".mlp.gate.", ".block_sparse_moe.gate.")
+            .replace(".mlp.experts.", ".block_sparse_moe.experts.")
+            .replace(".gate_proj.weight", ".w1.weight")
+            .replace(".up_proj.weight", ".w3.weight")
+            .replace(".down_proj.weight", ".w2.weight"),
+    }
+}
+
+impl Checkpoint {
+    /// Loads every `*.safetensors` file in `dir`.
+    pub fn load(dir: &Path) -> Result<Checkpoint, WeightsError> {
+        let io = |e: std::io::Error| WeightsError::Io { path: dir.display().to_string(), err: e.to_string() };
+        let mut files: Vec<_> = std::fs::read_dir(dir)
+            .map_err(io)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            return Err(WeightsError::Empty(dir.display().to_string()));
+        }
+        let mut out = Checkpoint::default();
+        for f in files {
+            let path = f.display().to_string();
+            let bytes = std::fs::read(&f).map_err(|e| WeightsError::Io { path: path.clone(), err: e.to_string() })?;
+            let st = safetensors::SafeTensors::deserialize(&bytes)
+                .map_err(|e| WeightsError::Format { path: path.clone(), err: e.to_string() })?;
+            for (name, view) in st.tensors() {
+                let f32 = match view.dtype() {
+                    safetensors::Dtype::BF16 => false,
+                    safetensors::Dtype::F32 => true,
+                    other => return Err(WeightsError::Dtype { name, dtype: format!("{other:?}") }),
+                };
+                out.tensors
+                    .insert(canonical(&name), Tensor { shape: view.shape().to_vec(), f32, data: view.data().to_vec() });
+            }
+        }
+        Ok(out)
+    }
+
+    /// The tensor `name` with the expected shape.
+    pub fn get(&self, name: &str, shape: &[usize]) -> Result<&Tensor, WeightsError> {
+        let t = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| WeightsError::Missing { name: name.to_string(), shape: shape.to_vec() })?;
+        if t.shape != shape {
+            return Err(WeightsError::Shape {
+                name: name.to_string(),
+                found: t.shape.clone(),
+                expected: shape.to_vec(),
+            });
+        }
+        Ok(t)
+    }
+
+    /// Checks that every tensor the model needs is present with its shape.
+    pub fn validate(&self, m: &TwinModel) -> Result<(), WeightsError> {
+        for (name, shape) in m.tensor_shapes() {
+            self.get(&name, &shape)?;
+        }
+        Ok(())
+    }
+}
+
+/// Writes a random bf16 checkpoint for `m` to `dir/model.safetensors`
+/// (scaled like a trained model: 1/√fan_in weights, unit norms).
+pub fn write_random(m: &TwinModel, seed: u64, family: Family, dir: &Path) -> Result<(), WeightsError> {
+    let io = |e: std::io::Error| WeightsError::Io { path: dir.display().to_string(), err: e.to_string() };
+    std::fs::create_dir_all(dir).map_err(io)?;
+    let mut state = seed ^ 0x6d6f_6566_6f72_6765;
+    let mut next = move || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    };
+    let mut tensors: Vec<(String, Vec<usize>, bool, Vec<u8>)> = Vec::new();
+    for (name, shape) in m.tensor_shapes() {
+        let n: usize = shape.iter().product();
+        let values: Vec<f32> = if name.ends_with("norm.weight") {
+            (0..n).map(|_| 1.0 + 0.1 * next()).collect()
+        } else if name.contains("embed_tokens") {
+            (0..n).map(|_| next()).collect()
+        } else {
+            let fan_in = *shape.last().unwrap_or(&1) as f32;
+            let scale = 1.0 / fan_in.sqrt();
+            (0..n).map(|_| next() * scale).collect()
+        };
+        let f32 = name.ends_with("e_score_correction_bias");
+        let data: Vec<u8> = if f32 {
+            values.iter().flat_map(|v| (v * 0.1).to_le_bytes()).collect()
+        } else {
+            values.iter().flat_map(|v| f32_to_bf16(*v).to_le_bytes()).collect()
+        };
+        tensors.push((family_name(&name, family), shape, f32, data));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, s, f, d)| {
+            let dtype = if *f { safetensors::Dtype::F32 } else { safetensors::Dtype::BF16 };
+            safetensors::tensor::TensorView::new(dtype, s.clone(), d)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| WeightsError::Format { path: n.clone(), err: e.to_string() })
+        })
+        .collect::<Result<_, _>>()?;
+    let path = dir.join("model.safetensors");
+    safetensors::serialize_to_file(views, &None, &path)
+        .map_err(|e| WeightsError::Io { path: path.display().to_string(), err: e.to_string() })
+}

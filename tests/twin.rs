@@ -1,0 +1,215 @@
+//! The CPU twin against the dense single-rank reference: TP mode, EP mode and
+//! runs that switch TP↔EP several times mid-decode, with requests arriving and
+//! finishing, all give the same greedy tokens and logits within 1e-4
+//! (relative to the largest logit). The tolerance covers f32 summation order:
+//! TP all-reduces partial sums over head and FFN shards, which reorders
+//! additions; EP and the reference sum in the same order. Weights and KV are
+//! bf16 in every run, so the only differences are f32 rounding (~1e-6).
+
+#![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+use common::Rng;
+use moeforge::codegen::memory_plan::Mode;
+use moeforge::codegen::{self, NvccMode};
+use moeforge::runtime::twin::dense::Dense;
+use moeforge::runtime::twin::weights::{write_random, Checkpoint, Family};
+use moeforge::runtime::twin::{Request, Twin, TwinModel};
+use moeforge::runtime::{load_bundle, LoadedBundle};
+use proptest::prelude::*;
+
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    p: u32,
+    layers: u32,
+    dense: u32,
+    experts: u32,
+    top_k: u32,
+    kv_heads: u32,
+    shared: bool,
+    grouped: bool,
+    qk_norm: bool,
+}
+
+fn spec(s: Shape, fraction: f64) -> String {
+    let dense = if s.dense > 0 { format!("dense {{ layers = {} ffn = 96 }}", s.dense) } else { String::new() };
+    let shared = if s.shared { "shared_experts = 1 shared_ffn = 48" } else { "" };
+    let routing = if s.grouped {
+        "routing sigmoid_grouped { groups = 2 top_groups = 1 scaling = 2.5 norm_topk = true bias = true }"
+    } else {
+        "routing softmax_topk { norm_topk = true }"
+    };
+    format!(
+        r#"model tiny {{ layers = {layers} hidden = 64 vocab = 128 rope_theta = 10000 rms_eps = 1e-6 {dense}
+  attention gqa {{ heads = 8 kv_heads = {kv} head_dim = 16 qk_norm = {qk} }}
+  moe {{ experts = {e} top_k = {k} expert_ffn = 32 {shared} {routing} }} }}
+cluster cpu {{ nodes = 1 gpus_per_node = {p}
+  gpu cpu {{ arch = sm_90a sms = 4 hbm = 256MB hbm_bandwidth = 1TB/s bf16 = 100TFLOP/s smem_per_sm = 228KiB smem_per_block = 227KiB l2 = 50MB }}
+  scale_up shm {{ bandwidth = 10GB/s latency = 1us }} }}
+tiles t {{ prefill {{ gate_up {{ block_m = 64 block_n = 64 block_k = 64 stages = 2 }} down {{ block_m = 64 block_n = 64 block_k = 64 stages = 2 }} }}
+  decode {{ gate_up {{ block_m = 64 block_n = 64 block_k = 64 stages = 2 }} down {{ block_m = 64 block_n = 64 block_k = 64 stages = 2 }} }} }}
+deploy tiny {{ model = tiny cluster = cpu tiles = t slo {{ ttft = 1s tpot = 50ms }}
+  workload {{ input = sharegpt output = sharegpt arrival poisson {{ rate = 1req/s }} }}
+  switch {{ t_high = 4 t_low = 2 window = 2 cooldown = 0s }} memory_fraction = {fraction} }}
+"#,
+        layers = s.layers,
+        kv = s.kv_heads,
+        qk = s.qk_norm,
+        e = s.experts,
+        k = s.top_k,
+        p = s.p,
+    )
+}
+
+fn bundle(text: &str, dir: &std::path::Path) -> LoadedBundle {
+    let checked = moeforge::dsl::check_str("tiny.moe", text).unwrap_or_else(|f| panic!("{}", f.render(false)));
+    let id = moeforge::dsl::spec::DeployId(0);
+    let plan =
+        codegen::plan_deployment(&checked, id).unwrap_or_else(|d| panic!("{}", d.render(&checked.sources, false)));
+    let (b, _) = codegen::emit(&checked, id, &plan, &NvccMode::Off).unwrap();
+    b.write(dir).unwrap();
+    load_bundle(dir).unwrap()
+}
+
+struct Setup {
+    _tmp: tempfile::TempDir,
+    bundle: LoadedBundle,
+    ck: Checkpoint,
+    model: TwinModel,
+}
+
+fn setup(s: Shape, family: Family, seed: u64, fraction: f64) -> Setup {
+    let tmp = tempfile::tempdir().unwrap();
+    let b = bundle(&spec(s, fraction), &tmp.path().join("bundle"));
+    let model = TwinModel::from_spec(&b.spec.models[0]).unwrap();
+    write_random(&model, seed, family, &tmp.path().join("weights")).unwrap();
+    let ck = Checkpoint::load(&tmp.path().join("weights")).unwrap();
+    Setup { _tmp: tmp, bundle: b, ck, model }
+}
+
+/// Requests: (arrival step, id, prompt, max_new).
+fn workload(rng: &mut Rng, n: usize, vocab: usize) -> Vec<(usize, Request)> {
+    (0..n)
+        .map(|i| {
+            let arrive = if i < 2 { 0 } else { rng.below(8) };
+            let len = 1 + rng.below(9);
+            let prompt: Vec<u32> = (0..len).map(|_| rng.below(vocab) as u32).collect();
+            (arrive, Request::new(i as u64, prompt, 2 + rng.below(8)))
+        })
+        .collect()
+}
+
+/// Runs the twin with arrivals and forced switches at the given steps;
+/// returns how many switches happened while requests were in flight.
+fn run(t: &mut Twin, reqs: &[(usize, Request)], switch_at: &[usize]) -> usize {
+    let mut switched = 0;
+    t.keep_logits = true;
+    t.set_policy(None);
+    for step in 0..200 {
+        for (at, r) in reqs {
+            if *at == step {
+                t.submit(r.clone()).unwrap();
+            }
+        }
+        if step > reqs.iter().map(|r| r.0).max().unwrap_or(0) && t.idle() {
+            return switched;
+        }
+        if switch_at.contains(&step) {
+            let target = if t.mode() == Mode::Ep { Mode::Tp } else { Mode::Ep };
+            if t.switch_to(target).unwrap() && t.inflight() > 0 {
+                switched += 1;
+            }
+        }
+        t.step().unwrap();
+    }
+    panic!("requests did not finish in 200 steps");
+}
+
+fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+/// Compares a twin run with the dense reference; returns the worst relative logit error.
+fn compare(label: &str, t: &Twin, dense: &Dense, reqs: &[(usize, Request)]) -> f32 {
+    let mut worst = 0f32;
+    for (_, r) in reqs {
+        let want = dense.generate(&r.prompt, r.max_new);
+        let got = t.request(r.id).unwrap();
+        assert_eq!(got.generated, want.tokens, "{label}: request {} tokens differ", r.id);
+        let logits = &t.logits[&r.id];
+        assert_eq!(logits.len(), want.logits.len());
+        for (a, b) in logits.iter().zip(&want.logits) {
+            let e = max_rel(a, b);
+            assert!(e <= 1e-4, "{label}: request {} logits differ by {e:e}", r.id);
+            worst = worst.max(e);
+        }
+    }
+    worst
+}
+
+fn equivalence(s: Shape, family: Family, seed: u64) {
+    let su = setup(s, family, seed, 0.25);
+    let dense = Dense::new(&su.model, &su.ck).unwrap();
+    let mut rng = Rng(seed);
+    let reqs = workload(&mut rng, 6, su.model.vocab);
+    let label = format!("{family:?} {s:?}");
+    for (start, switches) in
+        [(Mode::Ep, vec![]), (Mode::Tp, vec![]), (Mode::Ep, vec![2, 4, 5, 8, 11]), (Mode::Tp, vec![1, 3, 6, 9])]
+    {
+        let mut t = Twin::new(&su.bundle, &su.ck, start).unwrap();
+        let live = run(&mut t, &reqs, &switches);
+        assert!(t.events.iter().all(|e| e.cancelled.is_none()), "{label}: {:?}", t.events);
+        assert!(switches.is_empty() || live >= 3, "{label}: only {live} switches happened mid-decode");
+        assert!(t.events.iter().all(|e| e.weight_bytes_moved
+            == t.plan().reshard.as_ref().unwrap().ep_to_tp.interconnect_bytes_per_layer
+                * u64::from(t.plan().slots.moe_layers)));
+        let e = compare(&format!("{label} start {start:?} switches {switches:?}"), &t, &dense, &reqs);
+        eprintln!("{label} start {start:?} switches {switches:?}: worst logit error {e:.2e}");
+    }
+}
+
+const QWEN: Shape = Shape {
+    p: 4,
+    layers: 3,
+    dense: 0,
+    experts: 8,
+    top_k: 2,
+    kv_heads: 2,
+    shared: false,
+    grouped: false,
+    qk_norm: true,
+};
+
+#[test]
+fn qwen3_shape_on_4_ranks() {
+    equivalence(QWEN, Family::Qwen3Moe, 1);
+}
+
+#[test]
+fn mixtral_shape_on_2_ranks() {
+    let s = Shape { p: 2, layers: 2, experts: 8, top_k: 2, kv_heads: 8, qk_norm: false, ..QWEN };
+    equivalence(s, Family::Mixtral, 2);
+}
+
+#[test]
+fn qwen3_shape_on_8_ranks_replicates_kv_heads() {
+    let s = Shape { p: 8, layers: 2, experts: 16, top_k: 4, kv_heads: 2, ..QWEN };
+    equivalence(s, Family::Qwen3Moe, 3);
+}
+
+#[test]
+fn shared_experts_dense_layers_and_grouped_routing() {
+    let s = Shape {
+        p: 4,
+        layers: 4,
+        dense: 1,
+        experts: 16,
+        top_k: 4,
+        kv_heads: 4,
+        shared: true,
+        grouped: true,
+        qk_norm: true,
+    };
+    equivalence(s, Family::Qwen3Moe, 4);
+}
