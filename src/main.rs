@@ -4,6 +4,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use moeforge::codegen::{self, NvccMode};
 use moeforge::dsl::{self, Checked, Code, Diagnostic, Diagnostics, Failed, FsLoader, Loader, SourceMap};
 use moeforge::embedded;
+use moeforge::runtime::twin;
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -54,6 +55,51 @@ enum Command {
         nvcc: String,
         #[arg(long, value_enum, default_value_t)]
         format: Format,
+    },
+    /// Write random bf16 weights for a spec's model in Hugging Face safetensors names.
+    InitWeights {
+        /// A `.moe` file holding the model (through a deployment or alone).
+        spec: PathBuf,
+        /// Which deployment's model, when the file has several.
+        #[arg(long)]
+        deploy: Option<String>,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Output directory (model.safetensors).
+        #[arg(short, long)]
+        output: PathBuf,
+        /// Tensor naming: `qwen3-moe` or `mixtral`.
+        #[arg(long, default_value = "qwen3-moe")]
+        family: String,
+    },
+    /// Serve prompts from a bundle: prints tokens, switch events and per-step timings.
+    Run {
+        /// A bundle directory written by `moeforge compile`.
+        bundle: PathBuf,
+        /// Execution backend; `cpu` is the twin (simulated ranks on the host).
+        #[arg(long, default_value = "cpu")]
+        backend: String,
+        /// Checkpoint directory (*.safetensors).
+        #[arg(long)]
+        weights: PathBuf,
+        /// A prompt as token ids (`"1 2 3"`); repeatable.
+        #[arg(long)]
+        prompt: Vec<String>,
+        /// A file of prompts, one per line as token ids; `#` starts a comment.
+        #[arg(long)]
+        prompts: Option<PathBuf>,
+        /// Tokens to generate per request.
+        #[arg(long, default_value_t = 16)]
+        max_new: usize,
+        /// Request i arrives at step i × this (0: all at once).
+        #[arg(long, default_value_t = 0)]
+        arrive_every: usize,
+        /// Starting mode: `ep` or `tp` (when the plan holds it).
+        #[arg(long, default_value = "ep")]
+        start: String,
+        /// Force a switch before these steps (comma-separated), instead of the policy.
+        #[arg(long, value_delimiter = ',')]
+        switch_at: Vec<usize>,
     },
     /// Print the checked spec (as canonical .moe) and the plan, without writing anything.
     Explain {
@@ -122,6 +168,43 @@ fn pick(checked: &Checked, name: Option<&str>) -> Result<dsl::spec::DeployId, Di
 
 fn run(cmd: Command) -> Result<(), ExitCode> {
     match cmd {
+        Command::InitWeights { spec, deploy, seed, output, family } => {
+            let checked = load(&Some(spec)).0.map_err(|f| fail(&f.sources, &f.diagnostics, Format::Human))?;
+            let model = match deploy {
+                Some(d) => {
+                    let id = pick(&checked, Some(&d)).map_err(|x| fail(&checked.sources, &x, Format::Human))?;
+                    checked.spec.model(checked.spec.deploy(id).model).clone()
+                }
+                None if checked.spec.models.len() == 1 => checked.spec.models[0].clone(),
+                None => match pick(&checked, None) {
+                    Ok(id) => checked.spec.model(checked.spec.deploy(id).model).clone(),
+                    Err(x) => return Err(fail(&checked.sources, &x, Format::Human)),
+                },
+            };
+            let family = twin::weights::Family::parse(&family).ok_or_else(|| {
+                eprintln!("error: unknown --family `{family}`\n  help: use `qwen3-moe` or `mixtral`");
+                ExitCode::from(2)
+            })?;
+            let tm = twin::TwinModel::from_spec(&model).map_err(|e| {
+                eprintln!("error: {e}");
+                ExitCode::from(1)
+            })?;
+            twin::weights::write_random(&tm, seed, family, &output).map_err(|e| {
+                eprintln!("error: {e}");
+                ExitCode::from(1)
+            })?;
+            let params: usize = tm.tensor_shapes().iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+            out(&format!(
+                "wrote {} ({} parameters, seed {seed}) to {}",
+                model.name,
+                params,
+                output.join("model.safetensors").display()
+            ));
+            Ok(())
+        }
+        Command::Run { bundle, backend, weights, prompt, prompts, max_new, arrive_every, start, switch_at } => {
+            run_twin(RunArgs { bundle, backend, weights, prompt, prompts, max_new, arrive_every, start, switch_at })
+        }
         Command::Check { files, format } => match dsl::check_paths(&files, &FsLoader) {
             Ok(c) => {
                 let s = &c.spec;
@@ -254,4 +337,155 @@ fn summary_text(
     t.push_str(&format!("  files    {}\n", bundle.files.keys().cloned().collect::<Vec<_>>().join(" ")));
     t.push_str(&format!("  spec     sha256 {}", p.spec_hash));
     t
+}
+
+struct RunArgs {
+    bundle: PathBuf,
+    backend: String,
+    weights: PathBuf,
+    prompt: Vec<String>,
+    prompts: Option<PathBuf>,
+    max_new: usize,
+    arrive_every: usize,
+    start: String,
+    switch_at: Vec<usize>,
+}
+
+fn error(msg: impl std::fmt::Display, help: &str) -> ExitCode {
+    eprintln!("error: {msg}");
+    if !help.is_empty() {
+        eprintln!("  help: {help}");
+    }
+    ExitCode::from(1)
+}
+
+/// Parses `"1 2 3"` / `"1,2,3"`; `where_` names the source in errors.
+fn parse_prompt(text: &str, where_: &str) -> Result<Vec<u32>, ExitCode> {
+    text.split(|c: char| c == ',' || c.is_whitespace())
+        .filter(|t| !t.is_empty())
+        .map(|t| {
+            t.parse::<u32>().map_err(|_| {
+                error(
+                    format!("{where_}: `{t}` is not a token id"),
+                    "prompts are token ids separated by spaces or commas",
+                )
+            })
+        })
+        .collect()
+}
+
+fn run_twin(a: RunArgs) -> Result<(), ExitCode> {
+    use moeforge::codegen::memory_plan::Mode;
+    if a.backend != "cpu" {
+        return Err(error(
+            format!("backend `{}` is not available in this build", a.backend),
+            "use `--backend cpu` (the CPU twin)",
+        ));
+    }
+    let start = match a.start.as_str() {
+        "ep" => Mode::Ep,
+        "tp" => Mode::Tp,
+        other => return Err(error(format!("unknown --start `{other}`"), "use `ep` or `tp`")),
+    };
+    let bundle = moeforge::runtime::load_bundle(&a.bundle)
+        .map_err(|e| error(e, "compile the spec again with `moeforge compile`"))?;
+    let ck = twin::weights::Checkpoint::load(&a.weights)
+        .map_err(|e| error(e, "write weights with `moeforge init-weights SPEC -o DIR`"))?;
+    let mut prompts: Vec<Vec<u32>> = Vec::new();
+    for (i, p) in a.prompt.iter().enumerate() {
+        prompts.push(parse_prompt(p, &format!("--prompt #{}", i + 1))?);
+    }
+    if let Some(f) = &a.prompts {
+        let text = std::fs::read_to_string(f).map_err(|e| error(format!("{}: {e}", f.display()), ""))?;
+        for (n, line) in text.lines().enumerate() {
+            let line = line.split('#').next().unwrap_or("").trim();
+            if !line.is_empty() {
+                prompts.push(parse_prompt(line, &format!("{}:{}", f.display(), n + 1))?);
+            }
+        }
+    }
+    if prompts.is_empty() || prompts.iter().any(Vec::is_empty) {
+        return Err(error("no prompts (or an empty one)", "give --prompt \"1 2 3\" or --prompts FILE"));
+    }
+    let mut t = twin::Twin::new(&bundle, &ck, start).map_err(|e| error(e, ""))?;
+    let mut calibration = None;
+    if !a.switch_at.is_empty() {
+        t.set_policy(None);
+    } else if let Some(p) = t.policy().cloned() {
+        if p.calibrate {
+            let batches: Vec<usize> = [1usize, 2, 4, 8, 16, 32].into_iter().collect();
+            let costs = twin::calibrate(&bundle, &ck, &batches, 3).map_err(|e| error(e, ""))?;
+            let t_high = twin::coordinator::crossover(&costs);
+            let spec_low = bundle.spec.deploys.first().and_then(|d| d.switch.t_low);
+            t.set_policy(Some(p.with_t_high(t_high, spec_low)));
+            calibration = Some(costs);
+        }
+    }
+    let n = prompts.len();
+    let mut arrivals: Vec<(usize, twin::Request)> = prompts
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| (i * a.arrive_every, twin::Request::new(i as u64, p, a.max_new)))
+        .collect();
+    arrivals.reverse();
+    let t0 = std::time::Instant::now();
+    for step in 0..100_000 {
+        while arrivals.last().is_some_and(|(at, _)| *at <= step) {
+            if let Some((_, r)) = arrivals.pop() {
+                t.submit(r).map_err(|e| error(e, ""))?;
+            }
+        }
+        if arrivals.is_empty() && t.idle() {
+            break;
+        }
+        if a.switch_at.contains(&step) {
+            let target = if t.mode() == Mode::Ep { Mode::Tp } else { Mode::Ep };
+            t.switch_to(target).map_err(|e| error(e, ""))?;
+        }
+        t.step().map_err(|e| error(e, ""))?;
+    }
+    let total = t0.elapsed().as_secs_f64();
+    let plan = t.plan();
+    out(&format!(
+        "cpu twin: {} on {} ranks, modes [{}], started in {}",
+        bundle.plan.model.name,
+        plan.group,
+        plan.modes.iter().map(|m| m.name()).collect::<Vec<_>>().join(", "),
+        start.name()
+    ));
+    if let Some(costs) = &calibration {
+        let rows: Vec<String> =
+            costs.iter().map(|(b, tp, ep)| format!("B={b}: tp {:.2} ms, ep {:.2} ms", tp * 1e3, ep * 1e3)).collect();
+        out(&format!("calibration: {}", rows.join("; ")));
+    }
+    if let Some(p) = t.policy() {
+        out(&format!("policy: T_h = {}, T_l = {}, W = {}, C = {}s", p.t_high, p.t_low, p.window, p.cooldown));
+    }
+    for id in 0..n as u64 {
+        if let Some(r) = t.request(id) {
+            let toks: Vec<String> = r.generated.iter().map(u32::to_string).collect();
+            out(&format!("request {id}: {}", toks.join(" ")));
+        }
+    }
+    for e in &t.events {
+        match &e.cancelled {
+            None => out(&format!(
+                "switch before step {}: {} → {} with {} in flight, {} weight bytes and {} KV bytes moved in {:.2} ms",
+                e.step,
+                e.from.name(),
+                e.to.name(),
+                e.inflight,
+                e.weight_bytes_moved,
+                e.kv_bytes_moved,
+                e.seconds * 1e3
+            )),
+            Some(why) => out(&format!("switch before step {} to {} cancelled: {why}", e.step, e.to.name())),
+        }
+    }
+    out("step  mode  running  tokens  ms");
+    for s in &t.steps {
+        out(&format!("{:>4}  {:<4}  {:>7}  {:>6}  {:.2}", s.step, s.mode.name(), s.running, s.tokens, s.seconds * 1e3));
+    }
+    out(&format!("{} requests, {} steps, {:.3} s", n, t.steps.len(), total));
+    Ok(())
 }

@@ -232,3 +232,71 @@ fn tampered_bundles_are_refused() {
     std::fs::write(&manifest, "{ not json").ok();
     assert!(matches!(load_bundle(&out), Err(BundleError::Parse { .. })));
 }
+
+#[test]
+fn init_weights_compile_and_run_on_the_cpu_twin() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (w, b) = (tmp.path().join("w"), tmp.path().join("b"));
+    let spec = "examples/tiny-qwen3-cpu4.moe";
+    let o = moeforge(&["init-weights", spec, "--seed", "7", "-o", w.to_str().unwrap()], None);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert!(w.join("model.safetensors").is_file());
+    let o = moeforge(&["compile", spec, "-o", b.to_str().unwrap(), "--nvcc", "off"], None);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let args = |extra: &[&str]| {
+        let mut v = vec![
+            "run",
+            b.to_str().unwrap(),
+            "--backend",
+            "cpu",
+            "--weights",
+            w.to_str().unwrap(),
+            "--prompt",
+            "1 2 3",
+            "--prompt",
+            "5,6",
+            "--max-new",
+            "5",
+        ];
+        v.extend_from_slice(extra);
+        v.into_iter().map(String::from).collect::<Vec<_>>()
+    };
+    let forced = args(&["--switch-at", "1,3", "--arrive-every", "1"]);
+    let o = moeforge(&forced.iter().map(String::as_str).collect::<Vec<_>>(), None);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let s = text(&o.stdout);
+    assert!(s.contains("switch before step 1: ep → tp") && s.contains("switch before step 3: tp → ep"), "{s}");
+    let tokens = |s: &str| s.lines().filter(|l| l.starts_with("request ")).map(String::from).collect::<Vec<_>>();
+    // The same prompts without switching give the same tokens.
+    let plain = args(&["--arrive-every", "1", "--start", "tp", "--switch-at", "100"]);
+    let o2 = moeforge(&plain.iter().map(String::as_str).collect::<Vec<_>>(), None);
+    assert!(o2.status.success(), "{}", text(&o2.stderr));
+    assert_eq!(tokens(&s), tokens(&text(&o2.stdout)));
+    assert_eq!(tokens(&s).len(), 2);
+    // Bad requests are errors with a hint, not panics.
+    let bad = args(&["--prompt", "1 x"]);
+    let o = moeforge(&bad.iter().map(String::as_str).collect::<Vec<_>>(), None);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(text(&o.stderr).contains("`x` is not a token id"), "{}", text(&o.stderr));
+    let oob = args(&["--prompt", "99999"]);
+    let o = moeforge(&oob.iter().map(String::as_str).collect::<Vec<_>>(), None);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(text(&o.stderr).contains("outside the vocabulary"), "{}", text(&o.stderr));
+    let o = moeforge(&["run", b.to_str().unwrap(), "--weights", tmp.path().to_str().unwrap(), "--prompt", "1"], None);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(text(&o.stderr).contains("no *.safetensors"), "{}", text(&o.stderr));
+}
+
+#[test]
+fn the_twin_refuses_bundles_too_large_for_the_host() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (w, b) = (tmp.path().join("w"), tmp.path().join("b"));
+    assert!(moeforge(&["init-weights", "examples/tiny-qwen3-cpu4.moe", "-o", w.to_str().unwrap()], None)
+        .status
+        .success());
+    assert!(moeforge(&["compile", "-o", b.to_str().unwrap(), "--nvcc", "off"], None).status.success());
+    let o = moeforge(&["run", b.to_str().unwrap(), "--weights", w.to_str().unwrap(), "--prompt", "1"], None);
+    assert_eq!(o.status.code(), Some(1));
+    let e = text(&o.stderr);
+    assert!(e.contains("would allocate") && e.contains("small `hbm`"), "{e}");
+}

@@ -213,3 +213,98 @@ fn shared_experts_dense_layers_and_grouped_routing() {
     };
     equivalence(s, Family::Qwen3Moe, 4);
 }
+
+/// The in-flight count drives the switches (T_h = 4, T_ℓ = 2, W = 2, no
+/// cooldown): a burst takes TP into EP, the drain brings it back to TP.
+#[test]
+fn policy_switches_on_load_and_tokens_still_match() {
+    let su = setup(QWEN, Family::Qwen3Moe, 5, 0.25);
+    let dense = Dense::new(&su.model, &su.ck).unwrap();
+    let mut rng = Rng(5);
+    // A burst of 8 at step 0 and one straggler later, all with short outputs
+    // except two long ones, so the batch decays through the thresholds.
+    let mut reqs = workload(&mut rng, 9, su.model.vocab);
+    for (i, r) in reqs.iter_mut().enumerate() {
+        r.0 = if i < 8 { 0 } else { 6 };
+        r.1.max_new = if i < 1 { 14 } else { 3 };
+    }
+    let mut t = Twin::new(&su.bundle, &su.ck, Mode::Tp).unwrap();
+    t.keep_logits = true;
+    t.set_clock(moeforge::runtime::twin::Clock::Logical { step_seconds: 1.0 });
+    assert_eq!(t.policy().map(|p| (p.t_high, p.t_low, p.window)), Some((4, 2, 2)));
+    for step in 0..100 {
+        for (at, r) in &reqs {
+            if *at == step {
+                t.submit(r.clone()).unwrap();
+            }
+        }
+        if step > 6 && t.idle() {
+            break;
+        }
+        t.step().unwrap();
+    }
+    let path: Vec<(Mode, Mode)> = t.events.iter().filter(|e| e.cancelled.is_none()).map(|e| (e.from, e.to)).collect();
+    assert!(path.len() >= 2 && path[0] == (Mode::Tp, Mode::Ep) && path[1] == (Mode::Ep, Mode::Tp), "{:?}", t.events);
+    let first = &t.events[0];
+    assert!(first.inflight > 4, "switched to EP at {} in flight", first.inflight);
+    compare("policy", &t, &dense, &reqs);
+}
+
+/// A switch to TP that cannot hold the live KV cache is cancelled, and
+/// decoding continues in EP with the same tokens. Qwen3-shaped, 2 KV heads on
+/// 4 ranks: an EP page holds 2 heads, a TP page 1, so TP has twice the pages
+/// per rank but every rank must hold every request; with 6 EP pages per rank,
+/// 7 requests of 2 pages fit EP (at most 4 pages on a rank) but not TP (14 > 12).
+#[test]
+fn switch_is_cancelled_when_the_target_cannot_hold_the_kv_cache() {
+    let probe = setup(QWEN, Family::Qwen3Moe, 6, 0.25);
+    let plan = probe.bundle.plan.memory.clone();
+    let fraction = (plan.overhead.fixed_bytes + 6 * plan.kv.ep.page_bytes + 64) as f64 / plan.hbm as f64;
+    let su = setup(QWEN, Family::Qwen3Moe, 6, (fraction * 1e9).ceil() / 1e9);
+    let kv = &su.bundle.plan.memory.kv;
+    assert_eq!((kv.ep.pages, kv.tp.as_ref().unwrap().pages), (6, 12));
+    let dense = Dense::new(&su.model, &su.ck).unwrap();
+    let reqs: Vec<(usize, Request)> =
+        (0..7).map(|i| (0, Request::new(i, vec![(i as u32 * 7) % 128; 12], 12))).collect();
+    let mut t = Twin::new(&su.bundle, &su.ck, Mode::Ep).unwrap();
+    t.keep_logits = true;
+    t.set_policy(None);
+    for (_, r) in &reqs {
+        t.submit(r.clone()).unwrap();
+    }
+    t.step().unwrap();
+    t.step().unwrap();
+    assert!(!t.switch_to(Mode::Tp).unwrap());
+    let e = t.events.last().unwrap();
+    assert!(e.cancelled.as_deref().is_some_and(|r| r.contains("TP needs 14 KV pages")), "{e:?}");
+    assert_eq!(t.mode(), Mode::Ep);
+    t.run_to_completion(100).unwrap();
+    assert_eq!(t.finished().len(), 7);
+    compare("cancelled", &t, &dense, &reqs);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 12, .. ProptestConfig::default() })]
+
+    /// Random arrival patterns and switch points never lose, duplicate or
+    /// reorder a request's tokens: each request's stream equals its dense
+    /// reference stream exactly.
+    #[test]
+    fn random_arrivals_and_switches_keep_every_token(seed in 0u64..1000, p_log in 1u32..3, start_tp in any::<bool>(), switches in proptest::collection::btree_set(0usize..14, 0..5)) {
+        let s = Shape { p: 1 << p_log, layers: 2, experts: 8, top_k: 2, kv_heads: 2, ..QWEN };
+        let su = setup(s, Family::Qwen3Moe, seed, 0.25);
+        let dense = Dense::new(&su.model, &su.ck).unwrap();
+        let mut rng = Rng(seed ^ 0xabc);
+        let n = 2 + rng.below(6);
+        let reqs = workload(&mut rng, n, su.model.vocab);
+        let start = if start_tp { Mode::Tp } else { Mode::Ep };
+        let mut t = Twin::new(&su.bundle, &su.ck, start).unwrap();
+        let switch_at: Vec<usize> = switches.into_iter().collect();
+        run(&mut t, &reqs, &switch_at);
+        prop_assert_eq!(t.finished().len(), reqs.len());
+        for (_, r) in &reqs {
+            let want = dense.generate(&r.prompt, r.max_new);
+            prop_assert_eq!(&t.request(r.id).unwrap().generated, &want.tokens, "request {}", r.id);
+        }
+    }
+}

@@ -240,16 +240,20 @@ impl Copy {
     }
 }
 
-/// What holding both modes costs against the better single-layout plan.
+/// What holding both modes costs. The reference is the single-layout EP
+/// plan (DP attention, N slots): the dual plan is that plan plus the TP head
+/// shards and one extra expert slot, paid for out of the KV pool (Moebius
+/// §6.6 reports 2.4%, 2.8 GB per GPU, for Qwen3-235B on 8×H200 at 0.85).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct DualModeOverhead {
     /// Bytes of everything but the KV pool in this plan.
     pub fixed_bytes: u64,
     /// The same for a single-layout EP plan (N slots, full attention only).
     pub single_ep_fixed_bytes: u64,
-    /// The same for a single-layout TP plan (N slots, head shards only).
+    /// The same for a single-layout TP plan (N slots, head shards only; its
+    /// KV capacity is lower when KV heads are replicated).
     pub single_tp_fixed_bytes: u64,
-    /// `fixed_bytes - min(single plans)`: the KV cache given up.
+    /// `fixed_bytes - single_ep_fixed_bytes`: the KV cache given up.
     pub overhead_bytes: u64,
     /// `overhead_bytes / buffer_bytes`.
     pub overhead_fraction: f64,

@@ -158,7 +158,7 @@ fn memory(s: &mut String, plan: &Plan) {
     let o = &mem.overhead;
     let _ = writeln!(
         s,
-        "\nDual-mode overhead: {} ({:.2}% of the buffer) against the better single-layout plan (EP {} fixed, TP {} fixed, this plan {}).",
+        "\nDual-mode overhead: {} ({:.2}% of the buffer) of KV cache given up against the single-layout EP plan (fixed bytes: EP-only {}, TP-only {}, this plan {}).",
         gb(o.overhead_bytes),
         o.overhead_fraction * 100.0,
         gb(o.single_ep_fixed_bytes),

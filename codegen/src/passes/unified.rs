@@ -290,7 +290,7 @@ pub fn run(spec: &Spec, d: &Deploy) -> Result<MemoryPlan, String> {
     let attn_tp = b.regions.iter().find(|r| r.name == "attention_tp").map_or(0, |r| r.bytes);
     let single_ep = fixed - attn_tp - if dual { slot_bytes } else { 0 };
     let single_tp = if dual { fixed - attn_ep + aliased_bytes(&b.views) - slot_bytes } else { single_ep };
-    let overhead_bytes = fixed - single_ep.min(single_tp);
+    let overhead_bytes = fixed - single_ep;
     let overhead = DualModeOverhead {
         fixed_bytes: fixed,
         single_ep_fixed_bytes: single_ep,

@@ -15,6 +15,13 @@ pub struct Generation {
     pub logits: Vec<Vec<f32>>,
 }
 
+/// One KV head's cache: bf16-rounded keys and values per position.
+#[derive(Clone, Debug, Default)]
+struct HeadCache {
+    keys: Vec<Vec<f32>>,
+    values: Vec<Vec<f32>>,
+}
+
 pub struct Dense<'a> {
     m: &'a TwinModel,
     ck: &'a Checkpoint,
@@ -53,8 +60,8 @@ impl<'a> Dense<'a> {
         let (hd, nh, nkv) = (m.head_dim, m.heads, m.kv_heads);
         let group = nh / nkv;
         let eps = m.rms_eps as f32;
-        // kv[layer][kv head] = (keys, values), one Vec per position
-        let mut kv: Vec<Vec<(Vec<Vec<f32>>, Vec<Vec<f32>>)>> = vec![vec![(vec![], vec![]); nkv]; m.layers];
+        // kv[layer][kv head] = keys and values, one Vec per position
+        let mut kv: Vec<Vec<HeadCache>> = vec![vec![HeadCache::default(); nkv]; m.layers];
         let mut out = Generation::default();
         let mut tokens: Vec<u32> = prompt.to_vec();
         let mut pos = 0;
@@ -62,7 +69,7 @@ impl<'a> Dense<'a> {
             let tok = tokens[pos];
             let embed = &self.ck.tensors["model.embed_tokens.weight"];
             let mut x: Vec<f32> = bf16s(&embed.data, 2 * tok as usize * m.hidden, m.hidden).collect();
-            for l in 0..m.layers {
+            for (l, cache) in kv.iter_mut().enumerate() {
                 let p = format!("model.layers.{l}");
                 let h = rms_norm(&x, &self.vec(&format!("{p}.input_layernorm.weight")), eps);
                 let q = self.mat(&format!("{p}.self_attn.q_proj.weight")).matvec(&h);
@@ -82,8 +89,8 @@ impl<'a> Dense<'a> {
                         kh = rms_norm(&kh, w, eps);
                     }
                     rope(&mut kh, pos, m.rope_dim, m.rope_theta);
-                    kv[l][g].0.push(kh.iter().map(|x| round_bf16(*x)).collect());
-                    kv[l][g].1.push(v[g * hd..(g + 1) * hd].iter().map(|x| round_bf16(*x)).collect());
+                    cache[g].keys.push(kh.iter().map(|x| round_bf16(*x)).collect());
+                    cache[g].values.push(v[g * hd..(g + 1) * hd].iter().map(|x| round_bf16(*x)).collect());
                 }
                 let mut heads = Vec::with_capacity(nh * hd);
                 for hq in 0..nh {
@@ -92,8 +99,8 @@ impl<'a> Dense<'a> {
                         qh = rms_norm(&qh, w, eps);
                     }
                     rope(&mut qh, pos, m.rope_dim, m.rope_theta);
-                    let (ks, vs) = &kv[l][hq / group];
-                    heads.extend(attend(&qh, pos + 1, |j| ks[j].clone(), |j| vs[j].clone()));
+                    let c = &cache[hq / group];
+                    heads.extend(attend(&qh, pos + 1, |j| c.keys[j].clone(), |j| c.values[j].clone()));
                 }
                 let o = self.mat(&format!("{p}.self_attn.o_proj.weight")).matvec(&heads);
                 x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);

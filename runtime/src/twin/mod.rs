@@ -295,7 +295,6 @@ impl Twin {
         let spec = &bundle.spec;
         let m = spec.models.first().ok_or_else(|| TwinError::Unsupported("the bundle's spec has no model".into()))?;
         let model = TwinModel::from_spec(m).map_err(TwinError::Unsupported)?;
-        ck.validate(&model)?;
         let plan = bundle.plan.memory.clone();
         if !plan.modes.contains(&start) {
             return Err(TwinError::NoMode(start));
@@ -304,6 +303,7 @@ impl Twin {
         if need > MAX_TWIN_BYTES {
             return Err(TwinError::TooLarge { need, ranks: plan.group, limit: MAX_TWIN_BYTES });
         }
+        ck.validate(&model)?;
         let views = plan.views.iter().map(|v| ((v.mode, v.tensor.clone()), v.clone())).collect();
         let pages = kv_pages(&plan, start);
         let ranks = (0..plan.group as usize)
@@ -945,7 +945,7 @@ impl Twin {
         running: &[u64],
         owners: &BTreeMap<u64, usize>,
         target: Mode,
-    ) -> Result<BTreeMap<u64, Vec<Vec<Vec<u8>>>>, TwinError> {
+    ) -> Result<BTreeMap<u64, StagedKv>, TwinError> {
         let m = &self.model;
         let page = self.plan.kv.page_tokens as usize;
         let tb = self.plan.kv.head_token_bytes as usize;
@@ -984,7 +984,7 @@ impl Twin {
     }
 
     /// Writes staged K/V into freshly allocated pages of the current mode.
-    fn scatter_kv(&mut self, running: &[u64], staged: BTreeMap<u64, Vec<Vec<Vec<u8>>>>) -> Result<u64, TwinError> {
+    fn scatter_kv(&mut self, running: &[u64], staged: BTreeMap<u64, StagedKv>) -> Result<u64, TwinError> {
         let page = self.plan.kv.page_tokens as usize;
         let tb = self.plan.kv.head_token_bytes as usize;
         let mut moved = 0u64;
@@ -1001,10 +1001,10 @@ impl Twin {
                 }
                 let (a, b) = self.kv_heads_of(self.mode, r);
                 for (layer, heads) in layers.iter().enumerate() {
-                    for h in a..b {
+                    for (h, head) in heads.iter().enumerate().take(b).skip(a) {
                         for pos in 0..n {
                             let at = self.kv_slot(self.mode, table[pos / page], layer, h - a, pos % page);
-                            self.ranks[r].buf[at..at + tb].copy_from_slice(&heads[h][pos * tb..(pos + 1) * tb]);
+                            self.ranks[r].buf[at..at + tb].copy_from_slice(&head[pos * tb..(pos + 1) * tb]);
                             moved += tb as u64;
                         }
                     }
@@ -1015,6 +1015,9 @@ impl Twin {
         Ok(moved)
     }
 }
+
+/// One request's staged KV: `[layer][kv head]` → bytes of every cached position.
+type StagedKv = Vec<Vec<Vec<u8>>>;
 
 /// Pages per rank of `mode`'s KV format.
 fn kv_pages(plan: &MemoryPlan, mode: Mode) -> u64 {
@@ -1297,4 +1300,37 @@ impl Ctx {
             })
             .collect()
     }
+}
+
+/// Measures decode step cost in TP and EP for each batch size (median of
+/// `steps` decode steps after the prefill step), for T_h calibration at the
+/// crossover (Moebius §4.5). Returns `(batch, tp seconds, ep seconds)`.
+pub fn calibrate(
+    bundle: &LoadedBundle,
+    ck: &Checkpoint,
+    batches: &[usize],
+    steps: usize,
+) -> Result<Vec<(usize, f64, f64)>, TwinError> {
+    let mut out = Vec::new();
+    for &b in batches {
+        let mut cost = [0f64; 2];
+        for (i, mode) in [Mode::Tp, Mode::Ep].into_iter().enumerate() {
+            let mut t = Twin::new(bundle, ck, mode)?;
+            t.set_policy(None);
+            for id in 0..b {
+                t.submit(Request::new(id as u64, vec![(id % t.model.vocab) as u32], steps + 1))?;
+            }
+            t.step()?; // prefill
+            let mut times = Vec::new();
+            for _ in 0..steps {
+                let s = Instant::now();
+                t.step()?;
+                times.push(s.elapsed().as_secs_f64());
+            }
+            times.sort_by(f64::total_cmp);
+            cost[i] = times[times.len() / 2];
+        }
+        out.push((b, cost[0], cost[1]));
+    }
+    Ok(out)
 }
