@@ -204,7 +204,14 @@ fn explain_prints_spec_and_plan() {
 
 #[test]
 fn every_command_has_help() {
-    for args in [vec!["--help"], vec!["check", "--help"], vec!["compile", "--help"], vec!["explain", "--help"]] {
+    for args in [
+        vec!["--help"],
+        vec!["check", "--help"],
+        vec!["compile", "--help"],
+        vec!["explain", "--help"],
+        vec!["init-weights", "--help"],
+        vec!["run", "--help"],
+    ] {
         let o = moeforge(&args, None);
         assert!(o.status.success());
         assert!(text(&o.stdout).contains("Usage"), "{args:?}");

@@ -308,3 +308,70 @@ proptest! {
         }
     }
 }
+
+/// Every byte of every attention and expert tensor sits where its view says,
+/// in both modes: TP head shards are the matching rows (q, k, v) or columns
+/// (o) of the checkpoint; after a switch the expert slots hold exactly the
+/// target layout's slices of the checkpoint.
+#[test]
+fn views_hold_the_checkpoint_bytes_in_both_modes() {
+    let s = Shape { p: 4, layers: 2, experts: 8, top_k: 2, kv_heads: 2, ..QWEN };
+    let su = setup(s, Family::Qwen3Moe, 9, 0.25);
+    let mut t = Twin::new(&su.bundle, &su.ck, Mode::Ep).unwrap();
+    let (hd, h, i) = (su.model.head_dim, su.model.hidden, su.model.expert_ffn);
+    let ck = |name: &str| su.ck.tensors[name].data.clone();
+    let rows = |data: &[u8], cols: usize, a: usize, b: usize| data[2 * a * cols..2 * b * cols].to_vec();
+    let p = s.p as usize;
+    for l in 0..s.layers {
+        let pre = format!("model.layers.{l}.self_attn");
+        for r in 0..p {
+            let q = t.view_bytes(r, Mode::Tp, "model.layers.{l}.self_attn.q_proj.weight", l).unwrap();
+            let per = su.model.heads / p;
+            assert_eq!(q, rows(&ck(&format!("{pre}.q_proj.weight")), h, r * per * hd, (r + 1) * per * hd));
+            let [ka, kb] = su.bundle.plan.memory.kv.tp_heads[r];
+            let k = t.view_bytes(r, Mode::Tp, "model.layers.{l}.self_attn.k_proj.weight", l).unwrap();
+            assert_eq!(k, rows(&ck(&format!("{pre}.k_proj.weight")), h, ka as usize * hd, kb as usize * hd));
+            let o = t.view_bytes(r, Mode::Tp, "model.layers.{l}.self_attn.o_proj.weight", l).unwrap();
+            let full = ck(&format!("{pre}.o_proj.weight"));
+            let cols = su.model.heads * hd;
+            let want: Vec<u8> = (0..h)
+                .flat_map(|row| full[2 * (row * cols + r * per * hd)..2 * (row * cols + (r + 1) * per * hd)].to_vec())
+                .collect();
+            assert_eq!(o, want);
+            let e = t.view_bytes(r, Mode::Ep, "model.layers.{l}.self_attn.q_proj.weight", l).unwrap();
+            assert_eq!(e, ck(&format!("{pre}.q_proj.weight")));
+        }
+    }
+    let expect_experts = |t: &Twin, mode: Mode| {
+        for l in 0..s.layers {
+            for r in 0..p {
+                let w13 = t.view_bytes(r, mode, "model.layers.{l}.mlp.experts.w13", l).unwrap();
+                let w2 = t.view_bytes(r, mode, "model.layers.{l}.mlp.experts.w2", l).unwrap();
+                let (mut want13, mut want2) = (Vec::new(), Vec::new());
+                let experts: Vec<usize> = match mode {
+                    Mode::Ep => (r * 8 / p..(r + 1) * 8 / p).collect(),
+                    Mode::Tp => (0..8).collect(),
+                };
+                let (a, b) = match mode {
+                    Mode::Ep => (0, i),
+                    Mode::Tp => (r * i / p, (r + 1) * i / p),
+                };
+                for g in experts {
+                    let pre = format!("model.layers.{l}.mlp.experts.{g}");
+                    want13.extend(rows(&ck(&format!("{pre}.gate_proj.weight")), h, a, b));
+                    want13.extend(rows(&ck(&format!("{pre}.up_proj.weight")), h, a, b));
+                    let down = ck(&format!("{pre}.down_proj.weight"));
+                    want2.extend((0..h).flat_map(|row| down[2 * (row * i + a)..2 * (row * i + b)].to_vec()));
+                }
+                assert_eq!(w13, &want13[..], "{mode:?} rank {r} layer {l} w13");
+                assert_eq!(w2, &want2[..], "{mode:?} rank {r} layer {l} w2");
+            }
+        }
+    };
+    expect_experts(&t, Mode::Ep);
+    t.set_policy(None);
+    assert!(t.switch_to(Mode::Tp).unwrap());
+    expect_experts(&t, Mode::Tp);
+    assert!(t.switch_to(Mode::Ep).unwrap());
+    expect_experts(&t, Mode::Ep);
+}

@@ -370,6 +370,14 @@ impl Twin {
         self.inflight() == 0
     }
 
+    /// The bytes of `tensor` (a view name with `{l}`) at layer `layer` as
+    /// rank `rank` holds them in `mode`'s view, for inspection and tests.
+    pub fn view_bytes(&self, rank: usize, mode: Mode, tensor: &str, layer: u32) -> Option<&[u8]> {
+        let v = self.views.get(&(mode, tensor.to_string()))?;
+        let at = v.offset_of(layer) as usize;
+        self.ranks.get(rank)?.buf.get(at..at + v.bytes() as usize)
+    }
+
     fn view(&self, mode: Mode, name: &str) -> Result<&View, TwinError> {
         self.views.get(&(mode, name.to_string())).ok_or_else(|| TwinError::MissingView(mode.name(), name.to_string()))
     }
