@@ -53,6 +53,9 @@ enum Command {
         /// `auto` ($MOEFORGE_NVCC, then PATH), `off`, or a path to nvcc.
         #[arg(long, default_value = "auto")]
         nvcc: String,
+        /// A measured latency profile (JSON samples) that overrides the roofline cost model.
+        #[arg(long)]
+        profile: Option<PathBuf>,
         #[arg(long, value_enum, default_value_t)]
         format: Format,
     },
@@ -240,11 +243,25 @@ fn run(cmd: Command) -> Result<(), ExitCode> {
             }
             Ok(())
         }
-        Command::Compile { file, output, deploy, nvcc, format } => {
+        Command::Compile { file, output, deploy, nvcc, profile, format } => {
             let (checked, embedded) = load(&file);
             let checked = checked.map_err(|f| fail(&f.sources, &f.diagnostics, format))?;
             let id = pick(&checked, deploy.as_deref()).map_err(|d| fail(&checked.sources, &d, format))?;
-            let plan = codegen::plan_deployment(&checked, id).map_err(|d| fail(&checked.sources, &d, format))?;
+            let opts = match &profile {
+                None => codegen::PlanOptions::default(),
+                Some(p) => {
+                    let bytes = std::fs::read(p).map_err(|e| error(format!("{}: {e}", p.display()), ""))?;
+                    let parsed: codegen::cost::Profile = serde_json::from_slice(&bytes).map_err(|e| {
+                        error(
+                            format!("{}: not a latency profile: {e}", p.display()),
+                            "a profile is {\"samples\": [{\"component\": \"moe\", \"x\": 12, \"s\": 1, \"t\": 3.1e-5}, …]}",
+                        )
+                    })?;
+                    codegen::PlanOptions { profile: Some((parsed, codegen::emit::bundle::sha256_hex(&bytes))) }
+                }
+            };
+            let plan =
+                codegen::plan_deployment_with(&checked, id, &opts).map_err(|d| fail(&checked.sources, &d, format))?;
             let mode = match nvcc.as_str() {
                 "auto" => NvccMode::Auto,
                 "off" => NvccMode::Off,

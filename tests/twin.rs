@@ -284,7 +284,10 @@ fn switch_is_cancelled_when_the_target_cannot_hold_the_kv_cache() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 12, .. ProptestConfig::default() })]
+    // A fixed seed: TP sums in another order than the reference, so a random
+    // model could, rarely, put two logits within f32 noise of each other and
+    // flip a greedy token; fixed cases keep CI deterministic.
+    #![proptest_config(ProptestConfig { cases: 12, rng_seed: proptest::test_runner::RngSeed::Fixed(0x6d6f65), .. ProptestConfig::default() })]
 
     /// Random arrival patterns and switch points never lose, duplicate or
     /// reorder a request's tokens: each request's stream equals its dense
@@ -374,4 +377,17 @@ fn views_hold_the_checkpoint_bytes_in_both_modes() {
     expect_experts(&t, Mode::Tp);
     assert!(t.switch_to(Mode::Ep).unwrap());
     expect_experts(&t, Mode::Ep);
+}
+
+#[test]
+fn bad_requests_are_refused() {
+    let su = setup(QWEN, Family::Qwen3Moe, 10, 0.25);
+    let mut t = Twin::new(&su.bundle, &su.ck, Mode::Ep).unwrap();
+    t.submit(Request::new(1, vec![1, 2], 3)).unwrap();
+    assert!(t.submit(Request::new(1, vec![3], 3)).unwrap_err().to_string().contains("already in use"));
+    assert!(t.submit(Request::new(2, vec![3], 0)).unwrap_err().to_string().contains("max_new = 0"));
+    assert!(t.submit(Request::new(3, vec![], 3)).is_err());
+    assert!(t.submit(Request::new(4, vec![9999], 3)).unwrap_err().to_string().contains("vocabulary"));
+    t.run_to_completion(50).unwrap();
+    assert_eq!(t.finished(), &[1]);
 }

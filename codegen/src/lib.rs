@@ -10,6 +10,7 @@
 //! Consumed by the `moeforge` CLI and by `moeforge-runtime` (which reads the
 //! plan and manifest types).
 
+pub mod cost;
 pub mod emit;
 pub mod memory_plan;
 pub mod nvcc;
@@ -17,6 +18,7 @@ pub mod passes;
 pub mod plan;
 mod text;
 pub mod validate;
+pub mod workload;
 
 pub use emit::bundle::{Bundle, Manifest};
 pub use nvcc::NvccMode;
@@ -40,9 +42,22 @@ pub fn canonical_spec(checked: &Checked, id: DeployId) -> Vec<u8> {
 
 /// Runs the planning pipeline for one deployment:
 /// support gate → layout → memory plan (unified buffer, TP/EP views, reshard
-/// descriptors) → kernel instances → validation.
+/// descriptors) → kernel instances → cost model (roofline, or a fitted
+/// profile) → layout search (ExpertPlex Algorithm 1) → validation.
 /// Invariants are checked after every pass in debug builds.
 pub fn plan_deployment(checked: &Checked, id: DeployId) -> Result<ValidPlan, Diagnostics> {
+    plan_deployment_with(checked, id, &PlanOptions::default())
+}
+
+/// Inputs to planning besides the spec.
+#[derive(Clone, Debug, Default)]
+pub struct PlanOptions {
+    /// A measured latency profile and its SHA-256 (it overrides the roofline).
+    pub profile: Option<(cost::Profile, String)>,
+}
+
+/// [`plan_deployment`] with a measured profile.
+pub fn plan_deployment_with(checked: &Checked, id: DeployId, opts: &PlanOptions) -> Result<ValidPlan, Diagnostics> {
     let unsupported = passes::support::check(checked, id);
     if !unsupported.is_empty() {
         return Err(unsupported);
@@ -96,10 +111,21 @@ pub fn plan_deployment(checked: &Checked, id: DeployId) -> Result<ValidPlan, Dia
             Diagnostics(vec![diag])
         })?,
         kernels: vec![],
+        cost: cost::CostModel::roofline(m, c, spec.tile_set(d.tiles)),
+        search: None,
     };
     debug_check(&plan, "layout and memory plan");
     plan.kernels = passes::kernels::run(spec, d, plan.layout.max_experts_per_rank);
     debug_check(&plan, "kernels");
+    if let Some((profile, digest)) = &opts.profile {
+        plan.cost = plan.cost.clone().with_profile(profile, digest).map_err(|e| {
+            Diagnostics(vec![Diagnostic::new(Code::Unsupported, format!("the latency profile cannot be used: {e}"))
+                .help("a profile is {\"samples\": [{\"component\": \"moe\", \"x\": …, \"s\": …, \"t\": seconds}, …]}")])
+        })?;
+    }
+    if matches!(d.strategy, moeforge_dsl::spec::Strategy::Expertplex | moeforge_dsl::spec::Strategy::Auto) {
+        plan.search = Some(passes::search::run(spec, d, &plan.cost));
+    }
     validate::validate(plan).map_err(|v| internal(&v))
 }
 

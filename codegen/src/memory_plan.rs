@@ -100,9 +100,13 @@ impl View {
     pub fn bytes(&self) -> u64 {
         self.shape.iter().product::<u64>() * elt_bytes(self.dtype)
     }
-    /// Byte offset of layer `l` (a model layer index).
+    /// Byte offset of layer `l` (a model layer index inside `layers`).
     pub fn offset_of(&self, l: u32) -> u64 {
         self.offset + u64::from(l.saturating_sub(self.layers[0])) * self.layer_stride
+    }
+    /// Whether the view covers model layer `l`.
+    pub fn covers(&self, l: u32) -> bool {
+        (self.layers[0]..self.layers[1]).contains(&l)
     }
 }
 
@@ -259,7 +263,8 @@ pub struct DualModeOverhead {
     pub overhead_fraction: f64,
 }
 
-/// Bytes per element of a storage dtype (fp8 scales are separate tensors).
+/// Bytes per element of a storage dtype (fp8 scales are separate tensors;
+/// mxfp4 never reaches the memory plan: the support gate rejects it).
 pub fn elt_bytes(dt: DType) -> u64 {
     match dt {
         DType::Bf16 => 2,

@@ -29,6 +29,11 @@ pub struct Plan {
     /// The unified buffer of every rank: regions, TP/EP views, reshard descriptors.
     pub memory: crate::memory_plan::MemoryPlan,
     pub kernels: Vec<KernelInstance>,
+    /// The latency model the search used (roofline defaults or a fitted profile).
+    pub cost: crate::cost::CostModel,
+    /// ExpertPlex Algorithm 1 over the cost model, for `expertplex` and `auto`
+    /// strategies (advisory: the layout above is what the bundle implements).
+    pub search: Option<crate::passes::search::SearchResult>,
 }
 
 /// Derived model sizes the rest of the plan uses.

@@ -109,6 +109,24 @@ impl Display for Plan {
             mem.overhead.overhead_bytes,
             mem.overhead.overhead_fraction * 100.0
         )?;
+        if let Some(r) = &self.search {
+            match r.ranked.first() {
+                Some(c) => writeln!(
+                    f,
+                    "  search: best {}P{}D{}E q={} B_p={} B_d={} G={:.2} req/s ({} layouts, {} feasible candidates)",
+                    c.prefill_gpus,
+                    c.decode_gpus,
+                    c.moe_gpus,
+                    c.q,
+                    c.prefill_tokens,
+                    c.decode_batch,
+                    c.goodput,
+                    r.layouts_considered,
+                    r.feasible
+                )?,
+                None => writeln!(f, "  search: no layout meets both SLOs ({} layouts)", r.layouts_considered)?,
+            }
+        }
         for k in &self.kernels {
             let consts = match &k.params {
                 KernelParams::Router(p) => serde_json::to_string(p),

@@ -63,6 +63,7 @@ pub fn render(plan: &Plan, toolchain: &Toolchain<'_>) -> String {
         let _ = writeln!(s, "> {n}\n");
     }
     memory(&mut s, plan);
+    search(&mut s, plan);
     let _ = writeln!(s, "\n## Kernels\n");
     match toolchain {
         Toolchain::Compiled { nvcc_version, .. } => {
@@ -196,4 +197,58 @@ fn memory(s: &mut String, plan: &Plan) {
 
 pub fn gbs(b: f64) -> String {
     format!("{:.0} GB/s", b / 1e9)
+}
+
+/// The cost model and the layout search (ExpertPlex Algorithm 1).
+fn search(s: &mut String, plan: &Plan) {
+    let cm = &plan.cost;
+    let _ = writeln!(s, "## Cost model\n");
+    let _ = writeln!(s, "Source: {}. Per layer, t(x, s) = α + β·x + γ·x·s + δ·x·s² (seconds):\n", cm.source);
+    let _ = writeln!(s, "| component | x, s | α | β | γ | δ |\n|---|---|---|---|---|---|");
+    for (name, xs, f) in [
+        ("attention, prefill", "requests, input length", &cm.attn_prefill),
+        ("attention, decode", "requests, context", &cm.attn_decode),
+        ("MoE GateUp+Down (all SMs)", "x_moe tiles, 1", &cm.moe),
+        ("dense / shared FFN", "tokens, –", &cm.ffn),
+        ("LM head", "tokens, –", &cm.head),
+    ] {
+        let _ = writeln!(s, "| {name} | {xs} | {:.3e} | {:.3e} | {:.3e} | {:.3e} |", f.alpha, f.beta, f.gamma, f.delta);
+    }
+    let _ = writeln!(s);
+    let Some(r) = &plan.search else {
+        let _ = writeln!(s, "Layout search: not run for strategy `{:?}`.\n", plan.layout.requested);
+        return;
+    };
+    let _ = writeln!(s, "## Layout search (ExpertPlex Algorithm 1)\n");
+    let _ = writeln!(
+        s,
+        "Mean input {:.0} and output {:.0} tokens; {} layouts enumerated, {} fit memory, {} (layout, q) candidates meet both SLOs.\n",
+        r.mean_input, r.mean_output, r.layouts_considered, r.layouts_fitting, r.feasible
+    );
+    if r.ranked.is_empty() {
+        let _ = writeln!(s, "> No layout meets both SLOs under the model.\n");
+        return;
+    }
+    let _ = writeln!(s, "| rank | MoE / prefill / decode GPUs | per node [moe, p, d] | q (SMs) | B_p tokens (T_p) | B_d (T_d) | prefill req/s | decode req/s | G req/s |\n|---|---|---|---|---|---|---|---|---|");
+    for (i, c) in r.ranked.iter().enumerate() {
+        let nodes: Vec<String> = c.per_node.iter().map(|n| format!("[{}, {}, {}]", n[0], n[1], n[2])).collect();
+        let _ = writeln!(
+            s,
+            "| {} | {} / {} / {} | {} | {} | {} ({:.0} ms) | {} ({:.1} ms) | {:.2} | {:.2} | {:.2} |",
+            i + 1,
+            c.moe_gpus,
+            c.prefill_gpus,
+            c.decode_gpus,
+            nodes.join(" "),
+            c.q,
+            c.prefill_tokens,
+            c.t_prefill * 1e3,
+            c.decode_batch,
+            c.t_decode * 1e3,
+            c.prefill_rate,
+            c.decode_rate,
+            c.goodput
+        );
+    }
+    let _ = writeln!(s, "\nAdvisory in this version: the memory plan and kernels above follow the colocated layout.\n");
 }

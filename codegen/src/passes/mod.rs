@@ -4,5 +4,6 @@
 pub mod kernels;
 pub mod layout;
 pub mod reshard;
+pub mod search;
 pub mod support;
 pub mod unified;

@@ -8,8 +8,8 @@
 //! permute") is the same set of copies with source and destination swapped:
 //! rank q's slice of every expert goes to the expert's EP owner, which
 //! interleaves the received slices into complete experts. EP→TP runs layers
-//! in ascending order (EP layer i+1 sits in slot i+1, read before TP layer
-//! i+1 is written there), TP→EP in descending order.
+//! in ascending order (slot i+1 holds EP layer i, read before TP layer i+1
+//! is written there), TP→EP in descending order.
 //!
 //! Attention weights need no transfer: both layouts stay resident and a
 //! switch swaps views. KV transfers depend on live page tables and are built

@@ -203,12 +203,15 @@ pub fn run(spec: &Spec, d: &Deploy) -> Result<MemoryPlan, String> {
 
     // Expert slots: N+1 in dual mode, N otherwise.
     let elt = elt_bytes(m.dtype.experts);
-    let w13_bytes = align(e / pp * 2 * i * h * elt);
-    let w2_bytes = align(e / pp * h * i * elt);
+    // The most experts any rank holds (the layout gives the first E mod P ranks one more).
+    let el = e.div_ceil(pp);
+    let w13_bytes = align(el * 2 * i * h * elt);
+    let w2_bytes = align(el * h * i * elt);
     // fp8 experts carry f32 block scales after the weights (single-mode only).
     let [br, bc] = m.dtype.block_scale.unwrap_or([128, 128]).map(u64::from);
     let (s13, s2) = if m.dtype.experts == DType::Fp8E4m3 {
-        (vec![e / pp, (2 * i).div_ceil(br), h.div_ceil(bc)], vec![e / pp, h.div_ceil(br), i.div_ceil(bc)])
+        // Gate and up are scaled separately: 2·⌈I/br⌉ scale rows.
+        (vec![el, 2 * i.div_ceil(br), h.div_ceil(bc)], vec![el, h.div_ceil(br), i.div_ceil(bc)])
     } else {
         (vec![], vec![])
     };
@@ -232,7 +235,7 @@ pub fn run(spec: &Spec, d: &Deploy) -> Result<MemoryPlan, String> {
         let shift = if mode == Mode::Tp { slots.tp_shift } else { slots.ep_shift };
         let off = base + u64::from(shift) * slot_bytes;
         let (w13, w2, sh13, sh2) = match mode {
-            Mode::Ep => (vec![e / pp, 2 * i, h], vec![e / pp, h, i], Shard::LocalExperts, Shard::LocalExperts),
+            Mode::Ep => (vec![el, 2 * i, h], vec![el, h, i], Shard::LocalExperts, Shard::LocalExperts),
             Mode::Tp => (
                 vec![e, 2 * i / pp, h],
                 vec![e, h, i / pp],
@@ -315,6 +318,12 @@ pub fn run(spec: &Spec, d: &Deploy) -> Result<MemoryPlan, String> {
         reshard,
         overhead,
     })
+}
+
+/// Bytes of every weight but the routed experts (what an attention server holds).
+pub fn nonrouted_bytes(m: &Model) -> u64 {
+    let routed = u64::from(m.moe_layers()) * u64::from(m.moe.experts) * m.expert_bytes();
+    m.weight_bytes().saturating_sub(routed)
 }
 
 /// Bytes of the TP views that alias the EP attention copy (a single TP plan

@@ -17,7 +17,8 @@ pub struct Policy {
     pub t_low: u32,
     pub window: usize,
     pub cooldown: f64,
-    /// Whether T_h still has to be calibrated (`t_high = auto` in the spec).
+    /// Whether T_h still has to be calibrated (`t_high = auto` in the spec);
+    /// until [`Policy::with_t_high`] sets it, T_h is [`DEFAULT_T_HIGH`].
     pub calibrate: bool,
 }
 
@@ -39,7 +40,7 @@ impl Policy {
     /// Sets T_h (and an automatic T_ℓ = 0.8·T_h, kept below T_h).
     pub fn with_t_high(mut self, t_high: u32, spec_t_low: Option<u32>) -> Policy {
         self.t_high = t_high.max(1);
-        self.t_low = spec_t_low.unwrap_or(self.t_high * 4 / 5).min(self.t_high);
+        self.t_low = spec_t_low.unwrap_or((u64::from(self.t_high) * 4 / 5) as u32).min(self.t_high);
         self.calibrate = false;
         self
     }
@@ -90,8 +91,9 @@ impl Coordinator {
 
 /// T_h at the TP/EP crossover: the smallest batch whose measured EP step
 /// cost is at most TP's. `costs` holds (batch, tp seconds, ep seconds).
+/// When EP never wins in the probed range, TP stays: `u32::MAX`.
 pub fn crossover(costs: &[(usize, f64, f64)]) -> u32 {
-    costs.iter().find(|(_, tp, ep)| ep <= tp).or(costs.last()).map_or(DEFAULT_T_HIGH, |(b, _, _)| *b as u32)
+    costs.iter().find(|(_, tp, ep)| ep <= tp).map_or(u32::MAX, |(b, _, _)| *b as u32)
 }
 
 #[cfg(test)]
@@ -138,6 +140,6 @@ mod tests {
         let p = p.with_t_high(32, None);
         assert_eq!((p.t_high, p.t_low, p.calibrate), (32, 25, false));
         assert_eq!(crossover(&[(1, 1.0, 2.0), (4, 2.0, 2.5), (16, 4.0, 3.0), (64, 9.0, 5.0)]), 16);
-        assert_eq!(crossover(&[(1, 1.0, 2.0), (4, 2.0, 2.5)]), 4);
+        assert_eq!(crossover(&[(1, 1.0, 2.0), (4, 2.0, 2.5)]), u32::MAX);
     }
 }

@@ -19,8 +19,14 @@
 //! the N+1 slots; attention switches by view; requests move as §3.2 says
 //! (metadata all-gather on EP→TP, longest-first to least-loaded on TP→EP,
 //! waiting requests carry nothing); KV moves head by head from live page
-//! tables through a staging copy (gather, exchange, scatter) into pages
-//! allocated in the target format. Activations are process memory, not views.
+//! tables through a staging copy (gather, exchange, scatter: the three-stage
+//! path of §3.2) into pages allocated in the target format. The staging is
+//! host memory outside the unified buffers; a device implementation would
+//! instead allocate target pages outside the live source pages and write
+//! them directly (§4.3), which this twin does not model. The capacity check
+//! uses the requests' full reservations (prompt + max_new), which is
+//! conservative against §4.5's live-token check. Activations are process
+//! memory, not views.
 //!
 //! MLA attention, sliding windows, sinks and non-bf16 weights are rejected.
 
@@ -204,6 +210,8 @@ pub enum TwinError {
     Token { token: u32, vocab: usize },
     #[error("request {0} needs more KV cache than one rank has")]
     TooLong(u64),
+    #[error("{0}")]
+    Request(String),
 }
 
 /// A page allocator over one rank's KV pool in one page format.
@@ -303,8 +311,23 @@ impl Twin {
         if need > MAX_TWIN_BYTES {
             return Err(TwinError::TooLarge { need, ranks: plan.group, limit: MAX_TWIN_BYTES });
         }
+        if model.experts % plan.group as usize != 0 {
+            return Err(TwinError::Unsupported(format!(
+                "{} experts do not split evenly over {} ranks; the CPU twin needs E mod P = 0",
+                model.experts, plan.group
+            )));
+        }
         ck.validate(&model)?;
-        let views = plan.views.iter().map(|v| ((v.mode, v.tensor.clone()), v.clone())).collect();
+        let views: BTreeMap<(Mode, String), View> =
+            plan.views.iter().map(|v| ((v.mode, v.tensor.clone()), v.clone())).collect();
+        // Every tensor the forward pass reads must have a view in every mode.
+        for mode in &plan.modes {
+            for name in required_views(&model) {
+                if !views.contains_key(&(*mode, name.clone())) {
+                    return Err(TwinError::MissingView(mode.name(), name));
+                }
+            }
+        }
         let pages = kv_pages(&plan, start);
         let ranks = (0..plan.group as usize)
             .map(|id| Rank {
@@ -373,7 +396,7 @@ impl Twin {
     /// The bytes of `tensor` (a view name with `{l}`) at layer `layer` as
     /// rank `rank` holds them in `mode`'s view, for inspection and tests.
     pub fn view_bytes(&self, rank: usize, mode: Mode, tensor: &str, layer: u32) -> Option<&[u8]> {
-        let v = self.views.get(&(mode, tensor.to_string()))?;
+        let v = self.views.get(&(mode, tensor.to_string())).filter(|v| v.covers(layer))?;
         let at = v.offset_of(layer) as usize;
         self.ranks.get(rank)?.buf.get(at..at + v.bytes() as usize)
     }
@@ -402,6 +425,14 @@ impl Twin {
                 let name = v.tensor.replace("{l}", &l.to_string());
                 for r in 0..p {
                     let bytes = self.slice_for(ck, &m, v, &name, l as usize, r)?;
+                    if bytes.len() as u64 != v.bytes() {
+                        return Err(TwinError::Unsupported(format!(
+                            "`{name}` is {} bytes in the checkpoint's layout but its {} view holds {}",
+                            bytes.len(),
+                            v.mode.name(),
+                            v.bytes()
+                        )));
+                    }
                     let at = v.offset_of(l) as usize;
                     self.ranks[r].buf[at..at + bytes.len()].copy_from_slice(&bytes);
                 }
@@ -483,6 +514,12 @@ impl Twin {
 
     /// Queues a request; it is admitted when KV pages are free.
     pub fn submit(&mut self, req: Request) -> Result<(), TwinError> {
+        if self.requests.contains_key(&req.id) {
+            return Err(TwinError::Request(format!("request id {} is already in use", req.id)));
+        }
+        if req.max_new == 0 {
+            return Err(TwinError::Request(format!("request {} asks for no tokens (max_new = 0)", req.id)));
+        }
         if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= self.model.vocab) {
             return Err(TwinError::Token { token: t, vocab: self.model.vocab });
         }
@@ -664,7 +701,7 @@ impl Twin {
                         s.spawn(move || cx.attention(rank, l, batch, xs))
                     })
                     .collect();
-                handles.into_iter().map(|h| h.join().unwrap_or_default()).collect()
+                handles.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
             });
             let outs = if mode == Mode::Tp { all_reduce(outs) } else { outs };
             add_outputs(&mut x, outs);
@@ -1024,6 +1061,38 @@ impl Twin {
     }
 }
 
+/// View names the forward pass reads (with `{l}` for the layer).
+fn required_views(m: &TwinModel) -> Vec<String> {
+    let mut v = vec!["model.embed_tokens.weight".to_string(), "model.norm.weight".to_string()];
+    if !m.tie_embeddings {
+        v.push("lm_head.weight".into());
+    }
+    let l = "model.layers.{l}";
+    for t in ["input_layernorm.weight", "post_attention_layernorm.weight"] {
+        v.push(format!("{l}.{t}"));
+    }
+    for t in ["q_proj", "k_proj", "v_proj", "o_proj"] {
+        v.push(format!("{l}.self_attn.{t}.weight"));
+    }
+    if m.qk_norm {
+        v.push(format!("{l}.self_attn.q_norm.weight"));
+        v.push(format!("{l}.self_attn.k_norm.weight"));
+    }
+    v.push(format!("{l}.mlp.gate.weight"));
+    v.push(format!("{l}.mlp.experts.w13"));
+    v.push(format!("{l}.mlp.experts.w2"));
+    if m.selection_bias() {
+        v.push(format!("{l}.mlp.gate.e_score_correction_bias"));
+    }
+    if m.shared_ffn > 0 || m.dense_layers > 0 {
+        let pre = if m.shared_ffn > 0 { "mlp.shared_experts" } else { "mlp" };
+        for t in ["gate_proj", "up_proj", "down_proj"] {
+            v.push(format!("{l}.{pre}.{t}.weight"));
+        }
+    }
+    v
+}
+
 /// One request's staged KV: `[layer][kv head]` → bytes of every cached position.
 type StagedKv = Vec<Vec<Vec<u8>>>;
 
@@ -1104,7 +1173,7 @@ fn all_reduce(partial: Vec<Vec<Vec<f32>>>) -> Vec<Vec<Vec<f32>>> {
 fn par_ranks<T: Send>(ranks: &[Rank], f: impl Fn(&Rank) -> T + Sync) -> Vec<T> {
     std::thread::scope(|s| {
         let handles: Vec<_> = ranks.iter().map(|r| s.spawn(|| f(r))).collect();
-        handles.into_iter().map(|h| h.join().ok()).collect::<Option<Vec<T>>>().unwrap_or_default()
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
     })
 }
 
@@ -1171,7 +1240,7 @@ impl Ctx {
         if let Some(rest) = name.strip_prefix("model.layers.") {
             let (num, tail) = rest.split_once('.')?;
             let l: u32 = num.parse().ok()?;
-            let v = self.view(&format!("model.layers.{{l}}.{tail}"))?;
+            let v = self.view(&format!("model.layers.{{l}}.{tail}")).filter(|v| v.covers(l))?;
             return Some((v, v.offset_of(l) as usize));
         }
         self.view(name).map(|v| (v, v.offset as usize))

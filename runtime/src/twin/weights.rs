@@ -132,10 +132,16 @@ impl Checkpoint {
         Ok(t)
     }
 
-    /// Checks that every tensor the model needs is present with its shape.
+    /// Checks that every tensor the model needs is present with its shape and
+    /// dtype (bf16; the selection bias f32).
     pub fn validate(&self, m: &TwinModel) -> Result<(), WeightsError> {
         for (name, shape) in m.tensor_shapes() {
-            self.get(&name, &shape)?;
+            let t = self.get(&name, &shape)?;
+            let want_f32 = name.ends_with("e_score_correction_bias");
+            if t.f32 != want_f32 {
+                let dtype = if t.f32 { "F32" } else { "BF16" };
+                return Err(WeightsError::Dtype { name, dtype: dtype.into() });
+            }
         }
         Ok(())
     }

@@ -1,0 +1,399 @@
+//! The tile-aware latency model (ExpertPlex §6.2).
+//!
+//! Every profiled component `c` is a fitted form
+//! `t̂_c(x, s) = α_c + β_c·x + γ_c·x·s + δ_c·x·s²` (Eq. 2): attention with
+//! x = local batch and s = sequence length, MoE grouped GEMMs with
+//! x = x_moe = Σ_{e: m_e>0} ⌈m_e / M_t⌉ (Eq. 3) and s = 1. Defaults come from
+//! a roofline of the spec's GPU; a measured profile (JSON samples) is fitted
+//! by least squares and overrides them component by component. Network time
+//! needs no profile: it follows from routed bytes, link bandwidths and
+//! latencies, with the hierarchical prefill path (one scale-out crossing per
+//! destination node, then NVLink fan-out) and direct decode transfers.
+
+use moeforge_dsl::spec::{Cluster, DType, Model, Tiles};
+use serde::{Deserialize, Serialize};
+
+/// `t(x, s) = α + β·x + γ·x·s + δ·x·s²`, in seconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Fit {
+    pub alpha: f64,
+    pub beta: f64,
+    pub gamma: f64,
+    pub delta: f64,
+}
+
+/// One measured latency.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Sample {
+    pub x: f64,
+    pub s: f64,
+    pub t: f64,
+}
+
+impl Fit {
+    pub fn eval(&self, x: f64, s: f64) -> f64 {
+        self.alpha + self.beta * x + self.gamma * x * s + self.delta * x * s * s
+    }
+
+    /// Least-squares fit of the four coefficients. Terms whose column is zero
+    /// in every sample (e.g. γ, δ when s is always 0) are fixed at 0.
+    pub fn least_squares(samples: &[Sample]) -> Result<Fit, String> {
+        let feats = |p: &Sample| [1.0, p.x, p.x * p.s, p.x * p.s * p.s];
+        let used: Vec<usize> = (0..4).filter(|&j| samples.iter().any(|p| feats(p)[j] != 0.0)).collect();
+        let n = used.len();
+        if samples.len() < n || n == 0 {
+            return Err(format!("{} samples cannot determine {n} coefficients", samples.len()));
+        }
+        // Normal equations AᵀA c = Aᵀt, scaled per column for conditioning.
+        let scale: Vec<f64> =
+            used.iter().map(|&j| samples.iter().map(|p| feats(p)[j].abs()).fold(0.0, f64::max).max(1e-300)).collect();
+        let mut m = vec![vec![0.0; n + 1]; n];
+        for p in samples {
+            let f = feats(p);
+            for (a, &ja) in used.iter().enumerate() {
+                for (b, &jb) in used.iter().enumerate() {
+                    m[a][b] += f[ja] / scale[a] * f[jb] / scale[b];
+                }
+                m[a][n] += f[ja] / scale[a] * p.t;
+            }
+        }
+        for col in 0..n {
+            let piv = (col..n).max_by(|&a, &b| m[a][col].abs().total_cmp(&m[b][col].abs())).unwrap_or(col);
+            if m[piv][col].abs() < 1e-12 {
+                return Err("the samples do not determine the fit (collinear inputs)".into());
+            }
+            m.swap(col, piv);
+            for r in 0..n {
+                if r != col {
+                    let k = m[r][col] / m[col][col];
+                    let pivot_row = m[col].clone();
+                    for (x, p) in m[r].iter_mut().zip(&pivot_row).skip(col) {
+                        *x -= k * p;
+                    }
+                }
+            }
+        }
+        let mut c = [0.0; 4];
+        for (a, &j) in used.iter().enumerate() {
+            c[j] = m[a][n] / m[a][a] / scale[a];
+        }
+        Ok(Fit { alpha: c[0], beta: c[1], gamma: c[2], delta: c[3] })
+    }
+}
+
+/// ExpertPlex Eq. 3: tiles executed for the routed rows `m_e` of each expert.
+pub fn x_moe(rows: &[u64], m_t: u64) -> u64 {
+    rows.iter().filter(|&&m| m > 0).map(|&m| m.div_ceil(m_t.max(1))).sum()
+}
+
+/// Expected x_moe of `experts` local experts when `routed` rows are spread
+/// uniformly over `total_experts` experts: each expert's rows m are Poisson
+/// with mean λ = routed / total_experts and E⌈m / M_t⌉ = Σ_j P(m > j·M_t)
+/// (a normal approximation with continuity correction once λ > 200).
+pub fn expected_x_moe(routed: f64, total_experts: f64, experts: f64, m_t: f64) -> f64 {
+    let lambda = routed / total_experts.max(1.0);
+    if lambda <= 0.0 {
+        return 0.0;
+    }
+    let mt = m_t.max(1.0);
+    let tail = |k: f64| -> f64 {
+        if lambda > 200.0 {
+            0.5 * erfc((k + 0.5 - lambda) / (2.0 * lambda).sqrt())
+        } else {
+            // 1 - P(m ≤ k), summed term by term.
+            let mut p = (-lambda).exp();
+            let mut cdf = p;
+            for j in 1..=(k as u64) {
+                p *= lambda / j as f64;
+                cdf += p;
+            }
+            (1.0 - cdf).max(0.0)
+        }
+    };
+    let mut tiles = 0.0;
+    let mut k = 0.0;
+    loop {
+        let t = tail(k);
+        tiles += t;
+        if t < 1e-9 || k > lambda + 40.0 * lambda.sqrt() + 40.0 {
+            break;
+        }
+        k += mt;
+    }
+    experts * tiles
+}
+
+/// Complementary error function (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7).
+fn erfc(x: f64) -> f64 {
+    let z = x.abs();
+    let t = 1.0 / (1.0 + 0.327_591_1 * z);
+    let poly =
+        t * (0.254_829_592 + t * (-0.284_496_736 + t * (1.421_413_741 + t * (-1.453_152_027 + t * 1.061_405_429))));
+    let r = poly * (-z * z).exp();
+    if x >= 0.0 {
+        r
+    } else {
+        2.0 - r
+    }
+}
+
+/// Link figures the communication model uses (bytes/s, seconds).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Links {
+    pub scale_up_bw: f64,
+    pub scale_up_latency: f64,
+    /// Per GPU: the node's NIC bandwidth divided over its GPUs.
+    pub scale_out_bw: f64,
+    pub scale_out_latency: f64,
+    pub nodes: u32,
+    pub gpus_per_node: u32,
+}
+
+/// The fitted components of one deployment, per layer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CostModel {
+    /// `roofline`, or `profile sha256:…` when a measured profile was fitted.
+    pub source: String,
+    /// Prefill attention of one layer on one GPU: x requests, s input length.
+    pub attn_prefill: Fit,
+    /// Decode attention of one layer on one GPU: x requests, s context length.
+    pub attn_decode: Fit,
+    /// GateUp + Down grouped GEMMs of one MoE layer on one GPU with all SMs: x = x_moe.
+    pub moe: Fit,
+    /// Dense FFN and shared experts of one layer: x tokens.
+    pub ffn: Fit,
+    /// Final norm and LM head: x tokens.
+    pub head: Fit,
+    pub links: Links,
+    pub sms: u32,
+    /// Tile height M_t of each phase's grouped GEMM.
+    pub m_t_prefill: u32,
+    pub m_t_decode: u32,
+}
+
+/// Achieved fractions of peak the roofline assumes (DeepGEMM-class kernels
+/// reach ~70% of dense peak; copies reach ~85% of HBM bandwidth: the
+/// measured H200 here moves 4.3 of 4.8 TB/s, model-zoo.md).
+pub const COMPUTE_EFFICIENCY: f64 = 0.7;
+pub const MEMORY_EFFICIENCY: f64 = 0.85;
+/// Fixed cost of one kernel (launch under CUDA graphs, sync, tail).
+pub const OP_OVERHEAD: f64 = 5e-6;
+/// Kernels per component: attention (norm, QKV, RoPE, attention, output),
+/// MoE (router, permute, GateUp, Down, combine), FFN (norm, GateUp, Down), head.
+pub const ATTN_KERNELS: f64 = 5.0;
+pub const MOE_KERNELS: f64 = 5.0;
+pub const FFN_KERNELS: f64 = 3.0;
+/// Fixed cost of one dispatch or combine (kernel, signalling) and the
+/// fraction of link bandwidth small routed messages achieve. With these, 128
+/// decode tokens of a 7168-wide top-8 model dispatch (fp8) over H800 NVLink in
+/// ~73 µs and combine (bf16) in ~119 µs, next to DeepEP's measured 77 and
+/// 114 µs (model-zoo.md).
+pub const COMM_OVERHEAD: f64 = 25e-6;
+pub const LINK_EFFICIENCY: f64 = 0.7;
+
+impl CostModel {
+    /// Defaults from a roofline of the spec's GPU and links.
+    pub fn roofline(m: &Model, c: &Cluster, t: &Tiles) -> CostModel {
+        let g = &c.gpu;
+        let fp8 = m.dtype.experts == DType::Fp8E4m3;
+        let flops = if fp8 { g.fp8_flops.unwrap_or(g.bf16_flops) } else { g.bf16_flops } * COMPUTE_EFFICIENCY;
+        let bw = g.hbm_bandwidth * MEMORY_EFFICIENCY;
+        let (h, i) = (f64::from(m.hidden), f64::from(m.moe.expert_ffn));
+        let elt = m.dtype.experts.bits_per_element(m.dtype.block_scale) / 8.0;
+        let welt = m.dtype.weights.bits_per_element(m.dtype.block_scale) / 8.0;
+        let layers = f64::from(m.layers);
+        let attn_params = m.attention_params_per_layer() as f64;
+        let kv_layer = m.kv_bytes_per_token_layer() as f64;
+        // Attention: weights read once per call (α), projections per token (β),
+        // KV read per cached token (γ), scores per token pair (δ).
+        let heads = f64::from(m.attention.heads());
+        let qk = match m.attention {
+            moeforge_dsl::spec::Attention::Gqa { head_dim, .. } => f64::from(head_dim),
+            moeforge_dsl::spec::Attention::Mla { kv_lora, qk_rope, .. } => f64::from(kv_lora + qk_rope),
+        };
+        let attn_weights = attn_params * welt / bw;
+        let attn_decode = Fit {
+            alpha: ATTN_KERNELS * OP_OVERHEAD + attn_weights,
+            beta: 2.0 * attn_params / flops,
+            gamma: kv_layer / bw,
+            delta: 0.0,
+        };
+        // Prefill: x requests of s tokens; projections per token (γ·x·s),
+        // causal scores per token pair (δ·x·s², 4·heads·d·s²/2 FLOPs).
+        let attn_prefill = Fit {
+            alpha: ATTN_KERNELS * OP_OVERHEAD + attn_weights,
+            beta: 0.0,
+            gamma: 2.0 * attn_params / flops + kv_layer / bw,
+            delta: 2.0 * heads * qk / flops,
+        };
+        // One M_t-row tile of one expert: 6·M_t·H·I FLOPs against streaming the
+        // expert's weights (3·H·I·elt bytes); whichever bounds it.
+        let m_t = f64::from(t.prefill.gate_up.block_m);
+        let tile = (6.0 * m_t * h * i / flops).max(3.0 * h * i * elt / bw);
+        let moe = Fit { alpha: MOE_KERNELS * OP_OVERHEAD, beta: tile, gamma: 0.0, delta: 0.0 };
+        let ffn_size =
+            f64::from(m.moe.shared_experts * m.moe.shared_ffn) + m.dense.map_or(0.0, |d| f64::from(d.ffn) / layers);
+        let ffn = Fit {
+            alpha: FFN_KERNELS * OP_OVERHEAD + 3.0 * h * ffn_size * welt / bw,
+            beta: 6.0 * h * ffn_size / flops,
+            gamma: 0.0,
+            delta: 0.0,
+        };
+        let vocab = f64::from(m.vocab);
+        let head =
+            Fit { alpha: OP_OVERHEAD + vocab * h * 2.0 / bw, beta: 2.0 * vocab * h / flops, gamma: 0.0, delta: 0.0 };
+        let (out_bw, out_lat) = c
+            .scale_out
+            .as_ref()
+            .map_or((0.0, 0.0), |o| (o.bandwidth * f64::from(o.nics_per_node) / f64::from(c.gpus_per_node), o.latency));
+        CostModel {
+            source: "roofline".into(),
+            attn_prefill,
+            attn_decode,
+            moe,
+            ffn,
+            head,
+            links: Links {
+                scale_up_bw: c.scale_up.bandwidth,
+                scale_up_latency: c.scale_up.latency,
+                scale_out_bw: out_bw,
+                scale_out_latency: out_lat,
+                nodes: c.nodes,
+                gpus_per_node: c.gpus_per_node,
+            },
+            sms: g.sms,
+            m_t_prefill: t.prefill.gate_up.block_m,
+            m_t_decode: t.decode.gate_up.block_m,
+        }
+    }
+
+    /// MoE time of one layer on one GPU for `x_moe` tiles with `q` of its SMs.
+    pub fn moe_time(&self, x_moe: f64, q: u32) -> f64 {
+        let share = f64::from(self.sms) / f64::from(q.max(1));
+        self.moe.alpha + (self.moe.eval(x_moe, 1.0) - self.moe.alpha) * share
+    }
+
+    /// Applies measured samples: every component with samples is refitted.
+    pub fn with_profile(mut self, profile: &Profile, digest: &str) -> Result<CostModel, String> {
+        for (name, fit) in [
+            ("attn_prefill", &mut self.attn_prefill),
+            ("attn_decode", &mut self.attn_decode),
+            ("moe", &mut self.moe),
+            ("ffn", &mut self.ffn),
+            ("head", &mut self.head),
+        ] {
+            let samples: Vec<Sample> =
+                profile.samples.iter().filter(|s| s.component == name).map(|s| s.sample).collect();
+            if !samples.is_empty() {
+                *fit = Fit::least_squares(&samples).map_err(|e| format!("component `{name}`: {e}"))?;
+            }
+        }
+        if let Some(s) = profile.samples.iter().find(|s| !COMPONENTS.contains(&s.component.as_str())) {
+            return Err(format!("unknown component `{}` (known: {})", s.component, COMPONENTS.join(", ")));
+        }
+        self.source = format!("profile sha256:{digest}");
+        Ok(self)
+    }
+
+    /// Time to move `bytes` of routed rows from one GPU over the scale-up link.
+    pub fn nvlink(&self, bytes: f64) -> f64 {
+        if bytes <= 0.0 {
+            0.0
+        } else {
+            COMM_OVERHEAD + self.links.scale_up_latency + bytes / (self.links.scale_up_bw * LINK_EFFICIENCY)
+        }
+    }
+
+    /// Time to move `bytes` from one GPU over its share of the node's NICs.
+    pub fn rdma(&self, bytes: f64) -> f64 {
+        if bytes <= 0.0 || self.links.scale_out_bw <= 0.0 {
+            0.0
+        } else {
+            COMM_OVERHEAD + self.links.scale_out_latency + bytes / (self.links.scale_out_bw * LINK_EFFICIENCY)
+        }
+    }
+}
+
+pub const COMPONENTS: &[&str] = &["attn_prefill", "attn_decode", "moe", "ffn", "head"];
+
+/// A measured profile: `{"samples": [{"component": "moe", "x": 12, "s": 1, "t": 3.1e-5}, …]}`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Profile {
+    pub samples: Vec<ProfileSample>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ProfileSample {
+    pub component: String,
+    #[serde(flatten)]
+    pub sample: Sample,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn least_squares_recovers_exact_coefficients() {
+        let truth = Fit { alpha: 2e-5, beta: 3e-7, gamma: 4e-10, delta: 5e-14 };
+        let mut samples = Vec::new();
+        for x in [1.0, 2.0, 8.0, 32.0, 64.0] {
+            for s in [128.0, 1024.0, 4096.0] {
+                samples.push(Sample { x, s, t: truth.eval(x, s) });
+            }
+        }
+        let fit = Fit::least_squares(&samples).unwrap_or_default();
+        for (a, b) in
+            [(fit.alpha, truth.alpha), (fit.beta, truth.beta), (fit.gamma, truth.gamma), (fit.delta, truth.delta)]
+        {
+            assert!((a - b).abs() <= 1e-6 * b.abs(), "{fit:?} vs {truth:?}");
+        }
+    }
+
+    #[test]
+    fn least_squares_drops_absent_terms_and_rejects_underdetermined_input() {
+        let samples: Vec<Sample> =
+            (1..6).map(|x| Sample { x: f64::from(x), s: 1.0, t: 1e-5 + 2e-6 * f64::from(x) }).collect();
+        // s = 1 makes x, x·s and x·s² collinear: only α and one slope are identifiable.
+        assert!(Fit::least_squares(&samples).is_err());
+        let samples: Vec<Sample> =
+            (1..6).map(|x| Sample { x: f64::from(x), s: 0.0, t: 1e-5 + 2e-6 * f64::from(x) }).collect();
+        let fit = Fit::least_squares(&samples).unwrap_or_default();
+        assert!((fit.beta - 2e-6).abs() < 1e-12 && fit.gamma == 0.0 && fit.delta == 0.0);
+        assert!(Fit::least_squares(&samples[..1]).is_err());
+    }
+
+    #[test]
+    fn low_latency_dispatch_is_near_deepep() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/minimax-m2-h800.moe");
+        let checked = moeforge_dsl::check_paths(&[path], &moeforge_dsl::FsLoader)
+            .unwrap_or_else(|f| panic!("{}", f.render(false)));
+        let s = &checked.spec;
+        let d = &s.deploys[0];
+        let cm = CostModel::roofline(s.model(d.model), s.cluster(d.cluster), s.tile_set(d.tiles));
+        // DeepEP low-latency EP8 on H800, 128 tokens of DeepSeek-V3 (7168 wide,
+        // top-8; 7/8 of rows leave the GPU): dispatch in fp8 77 µs, combine in bf16 114 µs.
+        let rows = 128.0 * 8.0 * 7.0 / 8.0;
+        let dispatch = cm.nvlink(rows * 7168.0 * (1.0 + 4.0 / 128.0));
+        let combine = cm.nvlink(rows * 7168.0 * 2.0);
+        assert!((dispatch / 77e-6 - 1.0).abs() < 0.3, "dispatch {dispatch}");
+        assert!((combine / 114e-6 - 1.0).abs() < 0.3, "combine {combine}");
+    }
+
+    #[test]
+    fn x_moe_counts_tiles_not_tokens() {
+        // Same 256 rows: on 2 experts 2 tiles; on 64 experts 64 tiles (ExpertPlex Fig. 6).
+        assert_eq!(x_moe(&[128, 128], 128), 2);
+        assert_eq!(x_moe(&[4; 64], 128), 64);
+        assert_eq!(x_moe(&[0, 129, 1], 128), 3);
+    }
+
+    #[test]
+    fn expected_x_moe_matches_limits() {
+        // Few rows: about one tile per active expert; many rows: rows / M_t.
+        let sparse = expected_x_moe(8.0, 256.0, 256.0, 128.0);
+        assert!((sparse - 256.0 * (1.0 - (-8.0f64 / 256.0).exp())).abs() < 1e-6, "{sparse}");
+        let dense = expected_x_moe(256.0 * 1280.0, 256.0, 256.0, 128.0);
+        assert!((dense / (256.0 * 10.0) - 1.0).abs() < 0.06, "{dense}");
+    }
+}
