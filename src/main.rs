@@ -56,6 +56,9 @@ enum Command {
         /// A measured latency profile (JSON samples) that overrides the roofline cost model.
         #[arg(long)]
         profile: Option<PathBuf>,
+        /// Measured expert loads (SGLang expert statistics JSON) for the placement pass.
+        #[arg(long)]
+        loads: Option<PathBuf>,
         #[arg(long, value_enum, default_value_t)]
         format: Format,
     },
@@ -243,23 +246,31 @@ fn run(cmd: Command) -> Result<(), ExitCode> {
             }
             Ok(())
         }
-        Command::Compile { file, output, deploy, nvcc, profile, format } => {
+        Command::Compile { file, output, deploy, nvcc, profile, loads, format } => {
             let (checked, embedded) = load(&file);
             let checked = checked.map_err(|f| fail(&f.sources, &f.diagnostics, format))?;
             let id = pick(&checked, deploy.as_deref()).map_err(|d| fail(&checked.sources, &d, format))?;
-            let opts = match &profile {
-                None => codegen::PlanOptions::default(),
-                Some(p) => {
-                    let bytes = std::fs::read(p).map_err(|e| error(format!("{}: {e}", p.display()), ""))?;
-                    let parsed: codegen::cost::Profile = serde_json::from_slice(&bytes).map_err(|e| {
-                        error(
-                            format!("{}: not a latency profile: {e}", p.display()),
-                            "a profile is {\"samples\": [{\"component\": \"moe\", \"x\": 12, \"s\": 1, \"t\": 3.1e-5}, …]}",
-                        )
-                    })?;
-                    codegen::PlanOptions { profile: Some((parsed, codegen::emit::bundle::sha256_hex(&bytes))) }
-                }
-            };
+            let mut opts = codegen::PlanOptions::default();
+            if let Some(p) = &profile {
+                let bytes = std::fs::read(p).map_err(|e| error(format!("{}: {e}", p.display()), ""))?;
+                let parsed: codegen::cost::Profile = serde_json::from_slice(&bytes).map_err(|e| {
+                    error(
+                        format!("{}: not a latency profile: {e}", p.display()),
+                        "a profile is {\"samples\": [{\"component\": \"moe\", \"x\": 12, \"s\": 1, \"t\": 3.1e-5}, …]}",
+                    )
+                })?;
+                opts.profile = Some((parsed, codegen::emit::bundle::sha256_hex(&bytes)));
+            }
+            if let Some(p) = &loads {
+                let text = std::fs::read_to_string(p).map_err(|e| error(format!("{}: {e}", p.display()), ""))?;
+                let parsed = codegen::placement::load_sglang(&text).map_err(|e| {
+                    error(
+                        format!("{}: {e}", p.display()),
+                        "expected {\"logical_count\": [[count per expert] per MoE layer]}",
+                    )
+                })?;
+                opts.loads = Some((parsed, codegen::emit::bundle::sha256_hex(text.as_bytes())));
+            }
             let plan =
                 codegen::plan_deployment_with(&checked, id, &opts).map_err(|d| fail(&checked.sources, &d, format))?;
             let mode = match nvcc.as_str() {

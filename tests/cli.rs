@@ -307,3 +307,53 @@ fn the_twin_refuses_bundles_too_large_for_the_host() {
     let e = text(&o.stderr);
     assert!(e.contains("would allocate") && e.contains("small `hbm`"), "{e}");
 }
+
+#[test]
+fn compile_takes_measured_expert_loads() {
+    let tmp = tempfile::tempdir().unwrap();
+    // MiniMax-M2: 62 MoE layers of 256 experts.
+    let layers: Vec<Vec<u32>> = (0..62).map(|l| (0..256).map(|e| (e * 7 + l) % 97 + 1).collect()).collect();
+    let good = tmp.path().join("loads.json");
+    std::fs::write(&good, serde_json::json!({ "logical_count": layers }).to_string()).unwrap();
+    let out = tmp.path().join("b");
+    let o = moeforge(
+        &[
+            "compile",
+            "examples/minimax-m2-h800.moe",
+            "--nvcc",
+            "off",
+            "--loads",
+            good.to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let plan = load_bundle(&out).unwrap().plan;
+    let p = plan.placement.unwrap();
+    assert!(p.loads.starts_with("sglang sha256:"), "{}", p.loads);
+    assert_eq!(p.replicas.len(), 62);
+    assert!(p.replicas[0].iter().all(|g| g.len() == 36));
+    // Wrong shape: a located error, nothing written.
+    let bad = tmp.path().join("bad.json");
+    std::fs::write(&bad, r#"{"logical_count": [[1, 2, 3]]}"#).unwrap();
+    let out2 = tmp.path().join("b2");
+    let o = moeforge(
+        &[
+            "compile",
+            "examples/minimax-m2-h800.moe",
+            "--nvcc",
+            "off",
+            "--loads",
+            bad.to_str().unwrap(),
+            "-o",
+            out2.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert_eq!(o.status.code(), Some(1));
+    let e = text(&o.stderr);
+    assert!(e.contains("1 layers of 3 experts") && e.contains("minimax-m2-h800.moe:"), "{e}");
+    assert!(!out2.exists());
+}

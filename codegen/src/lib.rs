@@ -15,6 +15,7 @@ pub mod emit;
 pub mod memory_plan;
 pub mod nvcc;
 pub mod passes;
+pub mod placement;
 pub mod plan;
 mod text;
 pub mod validate;
@@ -43,7 +44,8 @@ pub fn canonical_spec(checked: &Checked, id: DeployId) -> Vec<u8> {
 /// Runs the planning pipeline for one deployment:
 /// support gate → layout → memory plan (unified buffer, TP/EP views, reshard
 /// descriptors) → kernel instances → cost model (roofline, or a fitted
-/// profile) → layout search (ExpertPlex Algorithm 1) → validation.
+/// profile) → layout search (ExpertPlex Algorithm 1) → expert placement
+/// (Zepp or EPLB) → validation.
 /// Invariants are checked after every pass in debug builds.
 pub fn plan_deployment(checked: &Checked, id: DeployId) -> Result<ValidPlan, Diagnostics> {
     plan_deployment_with(checked, id, &PlanOptions::default())
@@ -54,6 +56,8 @@ pub fn plan_deployment(checked: &Checked, id: DeployId) -> Result<ValidPlan, Dia
 pub struct PlanOptions {
     /// A measured latency profile and its SHA-256 (it overrides the roofline).
     pub profile: Option<(cost::Profile, String)>,
+    /// Measured expert loads `[moe layer][expert]` and their SHA-256.
+    pub loads: Option<(Vec<Vec<f64>>, String)>,
 }
 
 /// [`plan_deployment`] with a measured profile.
@@ -113,6 +117,7 @@ pub fn plan_deployment_with(checked: &Checked, id: DeployId, opts: &PlanOptions)
         kernels: vec![],
         cost: cost::CostModel::roofline(m, c, spec.tile_set(d.tiles)),
         search: None,
+        placement: None,
     };
     debug_check(&plan, "layout and memory plan");
     plan.kernels = passes::kernels::run(spec, d, plan.layout.max_experts_per_rank);
@@ -126,6 +131,17 @@ pub fn plan_deployment_with(checked: &Checked, id: DeployId, opts: &PlanOptions)
     if matches!(d.strategy, moeforge_dsl::spec::Strategy::Expertplex | moeforge_dsl::spec::Strategy::Auto) {
         plan.search = Some(passes::search::run(spec, d, &plan.cost));
     }
+    let loads = opts.loads.as_ref().map(|(l, digest)| (l.as_slice(), digest.as_str()));
+    plan.placement = passes::place::run(spec, d, &plan.cost, loads).map_err(|e| {
+        let ds = &checked.spans.deploys[id.index()];
+        let mut diag = Diagnostic::new(Code::Unsupported, format!("expert placement failed: {e}")).help(
+            "(experts + redundant_experts) must be a multiple of the GPU count; measured loads must match the model",
+        );
+        if let Some(s) = ds.get("placement.redundant_experts").or(ds.get("placement")) {
+            diag = diag.at(s, "placement policy");
+        }
+        Diagnostics(vec![diag])
+    })?;
     validate::validate(plan).map_err(|v| internal(&v))
 }
 

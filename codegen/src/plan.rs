@@ -34,6 +34,9 @@ pub struct Plan {
     /// ExpertPlex Algorithm 1 over the cost model, for `expertplex` and `auto`
     /// strategies (advisory: the layout above is what the bundle implements).
     pub search: Option<crate::passes::search::SearchResult>,
+    /// Replicas per layer and GPU for `placement { policy = zepp | eplb }`
+    /// (advisory: the memory plan holds one replica per expert).
+    pub placement: Option<crate::passes::place::PlacementPlan>,
 }
 
 /// Derived model sizes the rest of the plan uses.

@@ -127,6 +127,18 @@ impl Display for Plan {
                 None => writeln!(f, "  search: no layout meets both SLOs ({} layouts)", r.layouts_considered)?,
             }
         }
+        if let Some(p) = &self.placement {
+            writeln!(
+                f,
+                "  placement: {:?}, {} redundant, loads {}; layer 0 modeled: none {}, eplb {:.1}us, zepp {:.1}us",
+                p.policy,
+                p.redundant_experts,
+                p.loads,
+                p.latency_none.map_or("n/a".to_string(), |t| format!("{:.1}us", t * 1e6)),
+                p.latency_eplb * 1e6,
+                p.latency_zepp * 1e6
+            )?;
+        }
         for k in &self.kernels {
             let consts = match &k.params {
                 KernelParams::Router(p) => serde_json::to_string(p),

@@ -74,7 +74,7 @@ fn a_measured_profile_overrides_the_roofline() {
             sample: Sample { x: f64::from(x * 8), s: 0.0, t: truth.eval(f64::from(x * 8), 0.0) },
         })
         .collect();
-    let opts = PlanOptions { profile: Some((Profile { samples }, "abc123".into())) };
+    let opts = PlanOptions { profile: Some((Profile { samples }, "abc123".into())), ..PlanOptions::default() };
     let plan = plan_deployment_with(&checked, DeployId(0), &opts).unwrap();
     let cm = &plan.plan().cost;
     assert_eq!(cm.source, "profile sha256:abc123");
@@ -89,6 +89,7 @@ fn a_measured_profile_overrides_the_roofline() {
             },
             "x".into(),
         )),
+        ..PlanOptions::default()
     };
     let e = plan_deployment_with(&checked, DeployId(0), &bad).err().unwrap();
     assert!(e.0[0].message.contains("unknown component `attn`"), "{:?}", e);

@@ -64,6 +64,7 @@ pub fn render(plan: &Plan, toolchain: &Toolchain<'_>) -> String {
     }
     memory(&mut s, plan);
     search(&mut s, plan);
+    placement(&mut s, plan);
     let _ = writeln!(s, "\n## Kernels\n");
     match toolchain {
         Toolchain::Compiled { nvcc_version, .. } => {
@@ -251,4 +252,32 @@ fn search(s: &mut String, plan: &Plan) {
         );
     }
     let _ = writeln!(s, "\nAdvisory in this version: the memory plan and kernels above follow the colocated layout.\n");
+}
+
+fn placement(s: &mut String, plan: &Plan) {
+    let Some(p) = &plan.placement else { return };
+    let _ = writeln!(s, "## Expert placement\n");
+    let per_gpu = p.replicas.first().and_then(|l| l.first()).map_or(0, Vec::len);
+    let _ = writeln!(
+        s,
+        "Policy `{:?}`, {} redundant replicas ({} slots per GPU), loads: {}.\n",
+        p.policy, p.redundant_experts, per_gpu, p.loads
+    );
+    let us = |t: f64| format!("{:.1} us", t * 1e6);
+    let _ = writeln!(
+        s,
+        "Modeled MoE layer 0 at {} tokens per GPU: no replication {}, EPLB {}, Zepp {}.\n",
+        crate::passes::place::TOKENS_PER_GPU,
+        p.latency_none.map_or("n/a (experts do not stripe evenly)".into(), us),
+        us(p.latency_eplb),
+        us(p.latency_zepp)
+    );
+    if let Some(l0) = p.replicas.first() {
+        let _ = writeln!(s, "Layer 0 replicas per GPU:\n");
+        for (g, es) in l0.iter().enumerate() {
+            let list: Vec<String> = es.iter().map(u32::to_string).collect();
+            let _ = writeln!(s, "- GPU {g}: {}", list.join(" "));
+        }
+        let _ = writeln!(s);
+    }
 }

@@ -3,6 +3,7 @@
 
 pub mod kernels;
 pub mod layout;
+pub mod place;
 pub mod reshard;
 pub mod search;
 pub mod support;

@@ -1,0 +1,97 @@
+//! Placement pass: expert replicas and routing for `placement { policy = zepp | eplb }`.
+//!
+//! Loads come from a measured histogram (`compile --loads`, SGLang's expert
+//! statistics) or, without one, a seeded Zipf(1.1) histogram per layer. The
+//! pass places replicas per layer with the chosen policy, and records the
+//! modeled MoE-layer latency of the chosen placement next to the baselines
+//! (no replication, EPLB, Zepp) on the same loads. Advisory in this version:
+//! the memory plan and kernels hold one replica per expert.
+
+use crate::cost::CostModel;
+use crate::placement::{
+    eplb, layer_cost, none, route_local, route_uniform, zepp, zipf_loads, Flows, LayerShape, Topology,
+};
+use moeforge_dsl::spec::{Deploy, PlacementPolicy, Routing, Spec};
+use serde::{Deserialize, Serialize};
+
+/// Tokens per GPU the latency comparison assumes (a mid-sized prefill batch).
+pub const TOKENS_PER_GPU: f64 = 256.0;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlacementPlan {
+    pub policy: PlacementPolicy,
+    /// Where the loads came from.
+    pub loads: String,
+    pub redundant_experts: u32,
+    /// `replicas[moe layer][gpu]` = experts of that GPU's slots.
+    pub replicas: Vec<Vec<Vec<u32>>>,
+    /// Modeled latency of MoE layer 0 under each policy (seconds); `none`
+    /// is absent when experts do not stripe evenly.
+    pub latency_none: Option<f64>,
+    pub latency_eplb: f64,
+    pub latency_zepp: f64,
+}
+
+pub fn run(
+    spec: &Spec,
+    d: &Deploy,
+    cm: &CostModel,
+    measured: Option<(&[Vec<f64>], &str)>,
+) -> Result<Option<PlacementPlan>, String> {
+    if d.placement.policy == PlacementPolicy::None {
+        return Ok(None);
+    }
+    let m = spec.model(d.model);
+    let c = spec.cluster(d.cluster);
+    let t = Topology { nodes: c.nodes as usize, gpus_per_node: c.gpus_per_node as usize };
+    let experts = m.moe.experts as usize;
+    let layers = m.moe_layers() as usize;
+    let redundant = d.placement.redundant_experts as usize;
+    let rows = TOKENS_PER_GPU * f64::from(m.moe.top_k) * t.world() as f64;
+    let (loads, source) = match measured {
+        Some((l, digest)) => {
+            if l.len() != layers || l.iter().any(|x| x.len() != experts) {
+                return Err(format!(
+                    "the expert statistics have {} layers of {} experts; `{}` has {layers} MoE layers of {experts}",
+                    l.len(),
+                    l.first().map_or(0, Vec::len),
+                    m.name
+                ));
+            }
+            (l.to_vec(), format!("sglang sha256:{digest}"))
+        }
+        None => (zipf_loads(layers, experts, rows, 1.1, 0x6d6f65), "synthetic zipf(1.1), seed 0x6d6f65".to_string()),
+    };
+    let groups = match m.moe.routing {
+        Routing::SigmoidGrouped { groups, .. } => groups as usize,
+        Routing::SoftmaxTopk { .. } => 1,
+    };
+    let place = |l: &[f64]| match d.placement.policy {
+        PlacementPolicy::Eplb => eplb(l, redundant, groups, t),
+        _ => zepp(l, redundant, t),
+    };
+    let replicas = loads.iter().map(|l| place(l).map(|p| p.gpus)).collect::<Result<Vec<_>, _>>()?;
+    // Compare the policies on layer 0's loads, scaled to the reference volume.
+    let l0: Vec<f64> = {
+        let total: f64 = loads[0].iter().sum();
+        loads[0].iter().map(|x| x * rows / total.max(1e-9)).collect()
+    };
+    let shape = LayerShape { experts, top_k: f64::from(m.moe.top_k), hidden: f64::from(m.hidden) };
+    let plain = Flows { merge: false, split: false };
+    let latency_none =
+        none(experts, t).ok().map(|p| layer_cost(&route_uniform(&p, &l0, t), t, shape, cm, plain).latency);
+    let pe = eplb(&l0, redundant, groups, t)?;
+    let latency_eplb = layer_cost(&route_uniform(&pe, &l0, t), t, shape, cm, plain).latency;
+    let pz = zepp(&l0, redundant, t)?;
+    let latency_zepp =
+        layer_cost(&route_local(&pz, &l0, t, 0.1), t, shape, cm, Flows { merge: true, split: true }).latency;
+    Ok(Some(PlacementPlan {
+        policy: d.placement.policy,
+        loads: source,
+        redundant_experts: d.placement.redundant_experts,
+        replicas,
+        latency_none,
+        latency_eplb,
+        latency_zepp,
+    }))
+}

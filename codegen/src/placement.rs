@@ -1,0 +1,461 @@
+//! Expert replica placement and token routing (Zepp), with the baselines it
+//! is measured against: one replica per expert ("none") and DeepSeek's EPLB.
+//!
+//! Inputs are per-layer expert load histograms (routed rows per expert):
+//! seeded synthetic Zipf or drifting ones, or SGLang's expert statistics
+//! (`{"logical_count": [[…per expert…] per layer]}`). Every GPU holds the same
+//! number of replica slots, `(E + redundant) / W`.
+//!
+//! - **none**: experts striped contiguously, one replica each.
+//! - **EPLB**: hierarchical when expert groups divide the nodes (pack groups to
+//!   nodes by load, replicate inside each node the expert with the highest
+//!   load per replica, pack replicas to GPUs heaviest first), global
+//!   otherwise (replicate over all slots, then pack).
+//! - **Zepp**: replicas for hot experts as EPLB counts them, but every replica
+//!   of an expert on a different node (so tokens find a local one), packed to
+//!   the least-loaded node then GPU; locality-preferred routing by greedy
+//!   water-filling within per-replica load bounds (own GPU, then own node,
+//!   then remote); merged inter-node transfers (one copy per token per
+//!   destination node, node-local pre-reduction on combine) split evenly
+//!   over the node's NICs.
+//!
+//! The modeled MoE-layer latency of a placement is the slowest GPU's
+//! dispatch + expert computation + combine under the cost model.
+
+use crate::cost::{x_moe, CostModel};
+use serde::{Deserialize, Serialize};
+
+/// A placement: for each GPU, the experts of its replica slots.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Placement {
+    pub gpus: Vec<Vec<u32>>,
+}
+
+impl Placement {
+    /// Replicas of each expert: `(gpu)` list.
+    pub fn replicas(&self, experts: usize) -> Vec<Vec<usize>> {
+        let mut r = vec![Vec::new(); experts];
+        for (g, es) in self.gpus.iter().enumerate() {
+            for &e in es {
+                r[e as usize].push(g);
+            }
+        }
+        r
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Topology {
+    pub nodes: usize,
+    pub gpus_per_node: usize,
+}
+
+impl Topology {
+    pub fn world(&self) -> usize {
+        self.nodes * self.gpus_per_node
+    }
+    pub fn node(&self, gpu: usize) -> usize {
+        gpu / self.gpus_per_node
+    }
+}
+
+/// Seeded Zipf loads: `rows` routed rows over `experts`, popularity rank
+/// permuted per layer, exponent `s`.
+pub fn zipf_loads(layers: usize, experts: usize, rows: f64, s: f64, seed: u64) -> Vec<Vec<f64>> {
+    let mut state = seed ^ 0x5a17_7e9d;
+    let mut next = move || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let weights: Vec<f64> = (1..=experts).map(|r| 1.0 / (r as f64).powf(s)).collect();
+    let total: f64 = weights.iter().sum();
+    (0..layers)
+        .map(|_| {
+            let mut perm: Vec<usize> = (0..experts).collect();
+            for i in (1..experts).rev() {
+                perm.swap(i, (next() % (i as u64 + 1)) as usize);
+            }
+            let mut l = vec![0.0; experts];
+            for (rank, &e) in perm.iter().enumerate() {
+                l[e] = rows * weights[rank] / total;
+            }
+            l
+        })
+        .collect()
+}
+
+/// A drifted histogram: each expert takes the load of the expert `shift` places on.
+pub fn drift(loads: &[f64], shift: usize) -> Vec<f64> {
+    let n = loads.len();
+    (0..n).map(|e| loads[(e + shift) % n]).collect()
+}
+
+/// SGLang's expert statistics: `{"logical_count": [[count per expert] per layer]}`.
+#[derive(Clone, Debug, Deserialize)]
+pub struct SglangStats {
+    pub logical_count: Vec<Vec<f64>>,
+}
+
+pub fn load_sglang(json: &str) -> Result<Vec<Vec<f64>>, String> {
+    let s: SglangStats = serde_json::from_str(json).map_err(|e| format!("not SGLang expert statistics: {e}"))?;
+    let n = s.logical_count.first().map_or(0, Vec::len);
+    if n == 0 || s.logical_count.iter().any(|l| l.len() != n) {
+        return Err("`logical_count` must hold one equally long list of counts per layer".into());
+    }
+    if s.logical_count.iter().flatten().any(|c| !c.is_finite() || *c < 0.0) {
+        return Err("counts must be finite and non-negative".into());
+    }
+    Ok(s.logical_count)
+}
+
+fn slots_per_gpu(experts: usize, redundant: usize, t: Topology) -> Result<usize, String> {
+    let total = experts + redundant;
+    if total % t.world() != 0 {
+        return Err(format!(
+            "{experts} experts + {redundant} redundant replicas do not fill {} GPUs evenly",
+            t.world()
+        ));
+    }
+    Ok(total / t.world())
+}
+
+/// One replica per expert, striped contiguously (needs E divisible by W).
+pub fn none(experts: usize, t: Topology) -> Result<Placement, String> {
+    let per = slots_per_gpu(experts, 0, t)?;
+    Ok(Placement { gpus: (0..t.world()).map(|g| ((g * per) as u32..((g + 1) * per) as u32).collect()).collect() })
+}
+
+/// Replica counts: start at one, then repeatedly give one more replica to the
+/// expert with the highest load per replica (EPLB's rule).
+fn replica_counts(loads: &[f64], slots: usize) -> Vec<usize> {
+    let mut count = vec![1usize; loads.len()];
+    for _ in loads.len()..slots {
+        let e = (0..loads.len())
+            .max_by(|&a, &b| (loads[a] / count[a] as f64).total_cmp(&(loads[b] / count[b] as f64)).then(b.cmp(&a)))
+            .unwrap_or(0);
+        count[e] += 1;
+    }
+    count
+}
+
+/// Packs weighted items into `bins` of `cap` items each, heaviest first to
+/// the lightest bin with room. Returns the bin of each item.
+fn pack(weights: &[f64], bins: usize, cap: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..weights.len()).collect();
+    order.sort_by(|&a, &b| weights[b].total_cmp(&weights[a]).then(a.cmp(&b)));
+    let mut load = vec![0.0f64; bins];
+    let mut used = vec![0usize; bins];
+    let mut out = vec![0; weights.len()];
+    for i in order {
+        let b = (0..bins)
+            .filter(|&b| used[b] < cap)
+            .min_by(|&a, &b| load[a].total_cmp(&load[b]).then(a.cmp(&b)))
+            .unwrap_or(0);
+        out[i] = b;
+        load[b] += weights[i];
+        used[b] += 1;
+    }
+    out
+}
+
+/// DeepSeek's EPLB for one layer.
+pub fn eplb(loads: &[f64], redundant: usize, groups: usize, t: Topology) -> Result<Placement, String> {
+    let e = loads.len();
+    let per_gpu = slots_per_gpu(e, redundant, t)?;
+    let mut gpus: Vec<Vec<u32>> = vec![Vec::new(); t.world()];
+    let hierarchical = groups > 1 && groups % t.nodes == 0 && e % groups == 0 && redundant % t.nodes == 0;
+    if hierarchical {
+        // 1. groups to nodes, balancing group load.
+        let gsize = e / groups;
+        let gload: Vec<f64> = (0..groups).map(|g| loads[g * gsize..(g + 1) * gsize].iter().sum()).collect();
+        let node_of_group = pack(&gload, t.nodes, groups / t.nodes);
+        for n in 0..t.nodes {
+            let experts: Vec<usize> = (0..e).filter(|x| node_of_group[x / gsize] == n).collect();
+            let local: Vec<f64> = experts.iter().map(|&x| loads[x]).collect();
+            // 2. replicate inside the node, 3. pack replicas to its GPUs.
+            let counts = replica_counts(&local, per_gpu * t.gpus_per_node);
+            let (items, weights) = expand(&experts, &local, &counts);
+            for (i, b) in pack(&weights, t.gpus_per_node, per_gpu).into_iter().enumerate() {
+                gpus[n * t.gpus_per_node + b].push(items[i] as u32);
+            }
+        }
+    } else {
+        let all: Vec<usize> = (0..e).collect();
+        let counts = replica_counts(loads, e + redundant);
+        let (items, weights) = expand(&all, loads, &counts);
+        for (i, b) in pack(&weights, t.world(), per_gpu).into_iter().enumerate() {
+            gpus[b].push(items[i] as u32);
+        }
+    }
+    gpus.iter_mut().for_each(|g| g.sort_unstable());
+    Ok(Placement { gpus })
+}
+
+/// (expert of each replica, load of each replica).
+fn expand(experts: &[usize], loads: &[f64], counts: &[usize]) -> (Vec<usize>, Vec<f64>) {
+    let mut items = Vec::new();
+    let mut weights = Vec::new();
+    for (i, &x) in experts.iter().enumerate() {
+        for _ in 0..counts[i] {
+            items.push(x);
+            weights.push(loads[i] / counts[i] as f64);
+        }
+    }
+    (items, weights)
+}
+
+/// Zepp's placement for one layer: EPLB's replica counts, each expert's
+/// replicas on distinct nodes where possible, heaviest replica first to the
+/// least-loaded node, then to that node's least-loaded GPU with a free slot.
+pub fn zepp(loads: &[f64], redundant: usize, t: Topology) -> Result<Placement, String> {
+    let e = loads.len();
+    let per_gpu = slots_per_gpu(e, redundant, t)?;
+    let counts = replica_counts(loads, e + redundant);
+    let (items, weights) = expand(&(0..e).collect::<Vec<_>>(), loads, &counts);
+    let mut order: Vec<usize> = (0..items.len()).collect();
+    order.sort_by(|&a, &b| weights[b].total_cmp(&weights[a]).then(items[a].cmp(&items[b])));
+    let mut gpu_load = vec![0.0; t.world()];
+    let mut gpus: Vec<Vec<u32>> = vec![Vec::new(); t.world()];
+    for i in order {
+        let x = items[i] as u32;
+        let node_load = |n: usize| (0..t.gpus_per_node).map(|g| gpu_load[n * t.gpus_per_node + g]).sum::<f64>();
+        let free = |n: usize| (0..t.gpus_per_node).any(|g| gpus[n * t.gpus_per_node + g].len() < per_gpu);
+        let holds = |n: usize| (0..t.gpus_per_node).any(|g| gpus[n * t.gpus_per_node + g].contains(&x));
+        let node = (0..t.nodes)
+            .filter(|&n| free(n))
+            .min_by(|&a, &b| holds(a).cmp(&holds(b)).then(node_load(a).total_cmp(&node_load(b))).then(a.cmp(&b)))
+            .ok_or("no free replica slot")?;
+        let g = (0..t.gpus_per_node)
+            .map(|g| node * t.gpus_per_node + g)
+            .filter(|&g| gpus[g].len() < per_gpu && !gpus[g].contains(&x))
+            .min_by(|&a, &b| gpu_load[a].total_cmp(&gpu_load[b]).then(a.cmp(&b)))
+            .or_else(|| (0..t.gpus_per_node).map(|g| node * t.gpus_per_node + g).find(|&g| gpus[g].len() < per_gpu))
+            .ok_or("no free replica slot")?;
+        gpus[g].push(x);
+        gpu_load[g] += weights[i];
+    }
+    gpus.iter_mut().for_each(|g| g.sort_unstable());
+    Ok(Placement { gpus })
+}
+
+/// Which replica serves each (source GPU, expert) demand: `route[src][e]` = list of (gpu, rows).
+pub type Routing = Vec<Vec<Vec<(usize, f64)>>>;
+
+/// Splits each expert's rows evenly over its replicas (what EPLB and the
+/// single-replica baseline do: no locality preference).
+pub fn route_uniform(p: &Placement, loads: &[f64], t: Topology) -> Routing {
+    let reps = p.replicas(loads.len());
+    let w = t.world() as f64;
+    (0..t.world())
+        .map(|_| {
+            (0..loads.len())
+                .map(|e| {
+                    let share = loads[e] / w / reps[e].len().max(1) as f64;
+                    reps[e].iter().map(|&g| (g, share)).collect()
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Zepp's locality-preferred routing: every source GPU holds `1/W` of each
+/// expert's rows; demands fill replicas on the same GPU, then the same node,
+/// then remote ones (least loaded first), each replica up to its bound
+/// `(1 + slack) · rows_e / replicas_e` (water-filling). Rows no bound admits
+/// go to the least-loaded replica.
+pub fn route_local(p: &Placement, loads: &[f64], t: Topology, slack: f64) -> Routing {
+    let reps = p.replicas(loads.len());
+    let w = t.world();
+    let mut used = vec![vec![0.0f64; w]; loads.len()]; // used[e][gpu]
+    let mut out: Routing = vec![vec![Vec::new(); loads.len()]; w];
+    for e in 0..loads.len() {
+        if reps[e].is_empty() {
+            continue;
+        }
+        let bound = (1.0 + slack) * loads[e] / reps[e].len() as f64;
+        for (src, row) in out.iter_mut().enumerate() {
+            let mut need = loads[e] / w as f64;
+            let mut pref: Vec<usize> = reps[e].clone();
+            pref.sort_by(|&a, &b| {
+                let tier = |g: usize| {
+                    if g == src {
+                        0
+                    } else if t.node(g) == t.node(src) {
+                        1
+                    } else {
+                        2
+                    }
+                };
+                tier(a).cmp(&tier(b)).then(used[e][a].total_cmp(&used[e][b])).then(a.cmp(&b))
+            });
+            for &g in &pref {
+                if need <= 0.0 {
+                    break;
+                }
+                let take = need.min((bound - used[e][g]).max(0.0));
+                if take > 0.0 {
+                    row[e].push((g, take));
+                    used[e][g] += take;
+                    need -= take;
+                }
+            }
+            if need > 1e-12 {
+                let g = *pref.iter().min_by(|&&a, &&b| used[e][a].total_cmp(&used[e][b])).unwrap_or(&pref[0]);
+                row[e].push((g, need));
+                used[e][g] += need;
+            }
+        }
+    }
+    out
+}
+
+/// Modeled latency of one MoE layer and its parts (seconds).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LayerCost {
+    pub latency: f64,
+    pub compute: f64,
+    pub nvlink: f64,
+    pub network: f64,
+    /// Inter-node bytes over all NICs (one direction).
+    pub inter_node_bytes: f64,
+    /// Largest routed rows on one GPU over the mean.
+    pub gpu_imbalance: f64,
+}
+
+/// What a layer moves: routed experts, top-k, hidden size.
+#[derive(Clone, Copy, Debug)]
+pub struct LayerShape {
+    pub experts: usize,
+    pub top_k: f64,
+    pub hidden: f64,
+}
+
+/// How inter-node flows are shaped.
+#[derive(Clone, Copy, Debug)]
+pub struct Flows {
+    /// One copy of a token per destination node (pre-reduced on combine),
+    /// fanned out over that node's NVLink.
+    pub merge: bool,
+    /// A node's inter-node bytes spread over all its NICs (else each GPU uses its own).
+    pub split: bool,
+}
+
+/// The slowest GPU's dispatch + expert computation + combine.
+pub fn layer_cost(r: &Routing, t: Topology, shape: LayerShape, cm: &CostModel, flows: Flows) -> LayerCost {
+    let w = t.world();
+    let row_bytes = shape.hidden * 2.0;
+    // Rows computed per GPU per expert.
+    let mut rows = vec![vec![0.0; shape.experts]; w];
+    // Bytes each GPU sends over NVLink and over the network.
+    let mut nv = vec![0.0; w];
+    let mut net = vec![0.0; w];
+    for (src, per_e) in r.iter().enumerate() {
+        let routed: f64 = per_e.iter().flatten().map(|(_, x)| x).sum();
+        let tokens = routed / shape.top_k.max(1.0);
+        let mut to_node = vec![0.0; t.nodes];
+        for (e, reps) in per_e.iter().enumerate() {
+            for &(g, x) in reps {
+                rows[g][e] += x;
+                if g == src {
+                    continue;
+                }
+                if t.node(g) == t.node(src) {
+                    nv[src] += x * row_bytes;
+                } else {
+                    to_node[t.node(g)] += x;
+                }
+            }
+        }
+        for (n, &x) in to_node.iter().enumerate() {
+            if x <= 0.0 {
+                continue;
+            }
+            if flows.merge {
+                // A token needs node n with probability 1-(1-f)^k, f = its rows' share there;
+                // the received copy fans out over node n's NVLink.
+                let f = (x / routed.max(1e-9)).min(1.0);
+                net[src] += tokens * (1.0 - (1.0 - f).powf(shape.top_k)) * row_bytes;
+                for i in 0..t.gpus_per_node {
+                    nv[n * t.gpus_per_node + i] += x * row_bytes / t.gpus_per_node as f64;
+                }
+            } else {
+                net[src] += x * row_bytes;
+            }
+        }
+    }
+    let m_t = u64::from(cm.m_t_prefill);
+    let compute: Vec<f64> = rows
+        .iter()
+        .map(|per| {
+            let ints: Vec<u64> = per.iter().map(|x| x.ceil() as u64).collect();
+            cm.moe_time(x_moe(&ints, m_t) as f64, cm.sms)
+        })
+        .collect();
+    let nic_time: Vec<f64> = if flows.split {
+        (0..w)
+            .map(|g| {
+                let n = t.node(g);
+                let node_total: f64 = (0..t.gpus_per_node).map(|i| net[n * t.gpus_per_node + i]).sum();
+                cm.rdma(node_total / t.gpus_per_node as f64)
+            })
+            .collect()
+    } else {
+        net.iter().map(|&b| cm.rdma(b)).collect()
+    };
+    let nv_time: Vec<f64> = nv.iter().map(|&b| cm.nvlink(b)).collect();
+    // dispatch and combine each cost the link time; compute in between.
+    let per_gpu: Vec<f64> = (0..w).map(|g| 2.0 * nv_time[g].max(nic_time[g]) + compute[g]).collect();
+    let slowest = (0..w).max_by(|&a, &b| per_gpu[a].total_cmp(&per_gpu[b])).unwrap_or(0);
+    let total_rows: Vec<f64> = rows.iter().map(|r| r.iter().sum()).collect();
+    let mean = total_rows.iter().sum::<f64>() / w as f64;
+    LayerCost {
+        latency: per_gpu[slowest],
+        compute: compute[slowest],
+        nvlink: nv_time[slowest],
+        network: nic_time[slowest],
+        inter_node_bytes: net.iter().sum(),
+        gpu_imbalance: total_rows.iter().copied().fold(0.0, f64::max) / mean.max(1e-9),
+    }
+}
+
+/// Greedy intra-node swaps for a drifted histogram: exchange two replicas
+/// between the heaviest and the lightest GPU of a node while that lowers the
+/// pair's maximum load. Node-level expert coverage is unchanged.
+pub fn intra_node_swaps(p: &Placement, loads: &[f64], t: Topology) -> (Placement, usize) {
+    let reps = p.replicas(loads.len());
+    let rep_load = |e: u32| loads[e as usize] / reps[e as usize].len().max(1) as f64;
+    let mut gpus = p.gpus.clone();
+    let mut swaps = 0;
+    for n in 0..t.nodes {
+        let ids: Vec<usize> = (0..t.gpus_per_node).map(|i| n * t.gpus_per_node + i).collect();
+        for _ in 0..64 {
+            let load = |g: usize, gpus: &Vec<Vec<u32>>| gpus[g].iter().map(|&e| rep_load(e)).sum::<f64>();
+            let hi = *ids.iter().max_by(|&&a, &&b| load(a, &gpus).total_cmp(&load(b, &gpus))).unwrap_or(&ids[0]);
+            let lo = *ids.iter().min_by(|&&a, &&b| load(a, &gpus).total_cmp(&load(b, &gpus))).unwrap_or(&ids[0]);
+            let (lh, ll) = (load(hi, &gpus), load(lo, &gpus));
+            let mut best: Option<(usize, usize, f64)> = None;
+            for (i, &a) in gpus[hi].iter().enumerate() {
+                for (j, &b) in gpus[lo].iter().enumerate() {
+                    if gpus[lo].contains(&a) || gpus[hi].contains(&b) {
+                        continue;
+                    }
+                    let d = rep_load(a) - rep_load(b);
+                    let new_max = (lh - d).max(ll + d);
+                    if new_max < lh - 1e-12 && best.is_none_or(|x| new_max < x.2) {
+                        best = Some((i, j, new_max));
+                    }
+                }
+            }
+            let Some((i, j, _)) = best else { break };
+            let (a, b) = (gpus[hi][i], gpus[lo][j]);
+            gpus[hi][i] = b;
+            gpus[lo][j] = a;
+            swaps += 1;
+        }
+    }
+    gpus.iter_mut().for_each(|g| g.sort_unstable());
+    (Placement { gpus }, swaps)
+}
