@@ -161,3 +161,29 @@ fn zepp_beats_the_best_baseline_on_modeled_layer_latency() {
     eprintln!("geometric mean speedup over the best baseline: {geo:.2}x (Zepp paper: 1.86x)");
     assert!(geo > 1.0, "{ratios:?}");
 }
+
+/// Which Zepp mechanism buys what (16 nodes, Kimi-K2's 384 experts, 1024
+/// tokens per GPU): each step adds one mechanism; none may make it slower,
+/// and locality routing must cut inter-node bytes.
+#[test]
+fn zepp_mechanisms_each_help() {
+    let cm = cost_model();
+    let t = Topology { nodes: 16, gpus_per_node: 8 };
+    let (experts, top_k) = (384usize, 8.0);
+    let loads = zipf_loads(1, experts, 1024.0 * top_k * 128.0, 1.1, 16).remove(0);
+    let shape = LayerShape { experts, top_k, hidden: 7168.0 };
+    let pz = zepp(&loads, 128, t).unwrap();
+    let plain = Flows { merge: false, split: false };
+    let spread_only = layer_cost(&route_uniform(&pz, &loads, t), t, shape, &cm, plain);
+    let local = layer_cost(&route_local(&pz, &loads, t, 0.1), t, shape, &cm, plain);
+    let merged = layer_cost(&route_local(&pz, &loads, t, 0.1), t, shape, &cm, Flows { merge: true, split: false });
+    let split = layer_cost(&route_local(&pz, &loads, t, 0.1), t, shape, &cm, Flows { merge: true, split: true });
+    for (name, c) in
+        [("placement only", spread_only), ("+ locality routing", local), ("+ merge", merged), ("+ NIC split", split)]
+    {
+        eprintln!("{name:<20} {:>8.1} us, inter-node {:>7.1} MB", c.latency * 1e6, c.inter_node_bytes / 1e6);
+    }
+    assert!(local.inter_node_bytes < spread_only.inter_node_bytes);
+    assert!(merged.inter_node_bytes <= local.inter_node_bytes);
+    assert!(local.latency <= spread_only.latency && merged.latency <= local.latency && split.latency <= merged.latency);
+}
