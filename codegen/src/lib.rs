@@ -17,6 +17,7 @@ pub mod nvcc;
 pub mod passes;
 pub mod placement;
 pub mod plan;
+pub mod rng;
 mod text;
 pub mod validate;
 pub mod workload;

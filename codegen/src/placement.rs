@@ -62,14 +62,8 @@ impl Topology {
 /// Seeded Zipf loads: `rows` routed rows over `experts`, popularity rank
 /// permuted per layer, exponent `s`.
 pub fn zipf_loads(layers: usize, experts: usize, rows: f64, s: f64, seed: u64) -> Vec<Vec<f64>> {
-    let mut state = seed ^ 0x5a17_7e9d;
-    let mut next = move || {
-        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    };
+    let mut rng = crate::rng::SplitMix64(seed ^ 0x5a17_7e9d);
+    let mut next = move || rng.next_u64();
     let weights: Vec<f64> = (1..=experts).map(|r| 1.0 / (r as f64).powf(s)).collect();
     let total: f64 = weights.iter().sum();
     (0..layers)

@@ -152,14 +152,8 @@ impl Checkpoint {
 pub fn write_random(m: &TwinModel, seed: u64, family: Family, dir: &Path) -> Result<(), WeightsError> {
     let io = |e: std::io::Error| WeightsError::Io { path: dir.display().to_string(), err: e.to_string() };
     std::fs::create_dir_all(dir).map_err(io)?;
-    let mut state = seed ^ 0x6d6f_6566_6f72_6765;
-    let mut next = move || {
-        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    };
+    let mut rng = moeforge_codegen::rng::SplitMix64(seed ^ 0x6d6f_6566_6f72_6765);
+    let mut next = move || rng.signed_unit();
     let mut tensors: Vec<(String, Vec<usize>, bool, Vec<u8>)> = Vec::new();
     for (name, shape) in m.tensor_shapes() {
         let n: usize = shape.iter().product();
