@@ -96,29 +96,36 @@ pub fn expected_x_moe(routed: f64, total_experts: f64, experts: f64, m_t: f64) -
         return 0.0;
     }
     let mt = m_t.max(1.0);
-    let tail = |k: f64| -> f64 {
-        if lambda > 200.0 {
-            0.5 * erfc((k + 0.5 - lambda) / (2.0 * lambda).sqrt())
-        } else {
-            // 1 - P(m ≤ k), summed term by term.
-            let mut p = (-lambda).exp();
-            let mut cdf = p;
-            for j in 1..=(k as u64) {
-                p *= lambda / j as f64;
-                cdf += p;
-            }
-            (1.0 - cdf).max(0.0)
-        }
-    };
+    let cap = lambda + 40.0 * lambda.sqrt() + 40.0;
     let mut tiles = 0.0;
-    let mut k = 0.0;
-    loop {
-        let t = tail(k);
-        tiles += t;
-        if t < 1e-9 || k > lambda + 40.0 * lambda.sqrt() + 40.0 {
-            break;
+    if lambda > 200.0 {
+        let mut k = 0.0;
+        while k <= cap {
+            let t = 0.5 * erfc((k + 0.5 - lambda) / (2.0 * lambda).sqrt());
+            tiles += t;
+            if t < 1e-9 {
+                break;
+            }
+            k += mt;
         }
-        k += mt;
+    } else {
+        // One pass: P(m ≤ k) accumulated term by term, P(m > k) added at multiples of M_t.
+        let step = mt as u64;
+        let mut p = (-lambda).exp();
+        let mut cdf = p;
+        let mut k = 0u64;
+        loop {
+            if k % step == 0 {
+                let t = (1.0 - cdf).max(0.0);
+                tiles += t;
+                if t < 1e-9 || k as f64 > cap {
+                    break;
+                }
+            }
+            k += 1;
+            p *= lambda / k as f64;
+            cdf += p;
+        }
     }
     experts * tiles
 }
