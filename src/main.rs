@@ -487,7 +487,12 @@ fn run_twin(a: RunArgs) -> Result<(), ExitCode> {
         out(&format!("calibration: {}", rows.join("; ")));
     }
     if let Some(p) = t.policy() {
-        out(&format!("policy: T_h = {}, T_l = {}, W = {}, C = {}s", p.t_high, p.t_low, p.window, p.cooldown));
+        let th = if p.t_high == u32::MAX {
+            "never (EP was not faster at any probed batch)".to_string()
+        } else {
+            p.t_high.to_string()
+        };
+        out(&format!("policy: T_h = {th}, T_l = {}, W = {}, C = {}s", p.t_low, p.window, p.cooldown));
     }
     for id in 0..n as u64 {
         if let Some(r) = t.request(id) {

@@ -145,13 +145,11 @@ fn view_elems(m: &MemoryPlan, mode: Mode, layer: u32) -> Vec<u64> {
 /// Runs a reshard on the buffers, checking that no copy overwrites an element
 /// that is still to be read and that every target element is written once.
 fn execute(m: &MemoryPlan, w: &WeightReshard, bufs: &mut [Vec<u64>]) -> Result<(), String> {
-    let p = bufs.len();
     let n = m.slots.moe_layers;
     // Elements of the source mode not yet read, per rank.
     let mut pending: Vec<Vec<bool>> = bufs.iter().map(|b| vec![false; b.len()]).collect();
     for l in 0..n {
-        for (r, pend) in pending.iter_mut().enumerate() {
-            let _ = r;
+        for pend in pending.iter_mut() {
             for e in view_elems(m, w.from, m.slots.first_moe_layer + l) {
                 pend[e as usize] = true;
             }
@@ -204,7 +202,6 @@ fn execute(m: &MemoryPlan, w: &WeightReshard, bufs: &mut [Vec<u64>]) -> Result<(
             return Err(format!("rank {r}: element {at} written {} times, expected {}", wr[at], expected[at]));
         }
     }
-    let _ = p;
     Ok(())
 }
 
