@@ -78,24 +78,23 @@ pub fn nvcc() -> Option<PathBuf> {
     found
 }
 
-/// SplitMix64: a small deterministic generator for test inputs.
+/// Test-input helpers over the project's SplitMix64.
 pub struct Rng(pub u64);
 
 impl Rng {
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+    fn inner(&mut self) -> u64 {
+        let mut g = moeforge::codegen::rng::SplitMix64(self.0);
+        let v = g.next_u64();
+        self.0 = g.0;
+        v
     }
     /// Uniform in `[0, n)`.
     pub fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
+        (self.inner() % n as u64) as usize
     }
     /// Uniform in `[-1, 1)`.
     pub fn unit(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        (self.inner() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
     }
     /// A random permutation of `0..n`.
     pub fn permutation(&mut self, n: usize) -> Vec<usize> {
