@@ -315,20 +315,21 @@ fn compile_takes_measured_expert_loads() {
     let layers: Vec<Vec<u32>> = (0..62).map(|l| (0..256).map(|e| (e * 7 + l) % 97 + 1).collect()).collect();
     let good = tmp.path().join("loads.json");
     std::fs::write(&good, serde_json::json!({ "logical_count": layers }).to_string()).unwrap();
-    let out = tmp.path().join("b");
-    let o = moeforge(
-        &[
+    let compile = |loads: &std::path::Path, out: &std::path::Path| {
+        let args = [
             "compile",
             "examples/minimax-m2-h800.moe",
             "--nvcc",
             "off",
             "--loads",
-            good.to_str().unwrap(),
+            loads.to_str().unwrap(),
             "-o",
             out.to_str().unwrap(),
-        ],
-        None,
-    );
+        ];
+        moeforge(&args, None)
+    };
+    let out = tmp.path().join("b");
+    let o = compile(&good, &out);
     assert!(o.status.success(), "{}", text(&o.stderr));
     let plan = load_bundle(&out).unwrap().plan;
     let p = plan.placement.unwrap();
@@ -339,19 +340,7 @@ fn compile_takes_measured_expert_loads() {
     let bad = tmp.path().join("bad.json");
     std::fs::write(&bad, r#"{"logical_count": [[1, 2, 3]]}"#).unwrap();
     let out2 = tmp.path().join("b2");
-    let o = moeforge(
-        &[
-            "compile",
-            "examples/minimax-m2-h800.moe",
-            "--nvcc",
-            "off",
-            "--loads",
-            bad.to_str().unwrap(),
-            "-o",
-            out2.to_str().unwrap(),
-        ],
-        None,
-    );
+    let o = compile(&bad, &out2);
     assert_eq!(o.status.code(), Some(1));
     let e = text(&o.stderr);
     assert!(e.contains("1 layers of 3 experts") && e.contains("minimax-m2-h800.moe:"), "{e}");
