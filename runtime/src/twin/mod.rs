@@ -543,36 +543,35 @@ impl Twin {
         r.requests.iter().map(|id| self.pages_needed(*id)).sum()
     }
 
-    /// Admits waiting requests in arrival order while their full KV
-    /// reservation fits (EP: on the least-loaded rank; TP: on every rank).
+    /// Admits waiting requests by the shared rule ([`crate::batching`]):
+    /// in arrival order while their full KV reservation fits.
     fn admit(&mut self) {
-        while let Some(&id) = self.waiting.front() {
-            let need = self.pages_needed(id);
-            let target = match self.mode {
-                Mode::Tp => {
-                    let ok = self.ranks.iter().all(|r| self.reserved(r) + need <= r.pages.total as usize);
-                    if ok {
-                        None
-                    } else {
-                        break;
-                    }
+        let mut waiting = std::mem::take(&mut self.waiting);
+        crate::batching::admit_fifo(&mut waiting, |id| self.place(id));
+        self.waiting = waiting;
+    }
+
+    /// Places one request if its reservation fits: EP on the least-loaded
+    /// rank with room, TP on every rank.
+    fn place(&mut self, id: u64) -> bool {
+        let need = self.pages_needed(id);
+        let room = |r: &Rank| self.reserved(r) + need <= r.pages.total as usize;
+        match self.mode {
+            Mode::Tp => {
+                if !self.ranks.iter().all(room) {
+                    return false;
                 }
-                Mode::Ep => {
-                    let best = (0..self.ranks.len())
-                        .filter(|&r| self.reserved(&self.ranks[r]) + need <= self.ranks[r].pages.total as usize)
-                        .min_by_key(|&r| (self.load_tokens(r), self.ranks[r].requests.len(), r));
-                    match best {
-                        Some(r) => Some(r),
-                        None => break,
-                    }
-                }
-            };
-            self.waiting.pop_front();
-            match target {
-                None => self.ranks.iter_mut().for_each(|r| r.requests.push(id)),
-                Some(r) => self.ranks[r].requests.push(id),
+                self.ranks.iter_mut().for_each(|r| r.requests.push(id));
+            }
+            Mode::Ep => {
+                let best = (0..self.ranks.len())
+                    .filter(|&r| room(&self.ranks[r]))
+                    .min_by_key(|&r| (self.load_tokens(r), self.ranks[r].requests.len(), r));
+                let Some(r) = best else { return false };
+                self.ranks[r].requests.push(id);
             }
         }
+        true
     }
 
     fn load_tokens(&self, r: usize) -> usize {
