@@ -311,6 +311,44 @@ impl CostModel {
         }
     }
 
+    /// One-way MoE dispatch (or combine) of `tokens` rows of `row_bytes`
+    /// from one GPU to top-k experts spread evenly over `gpus` GPUs on
+    /// `nodes` nodes, a fraction `local` of them on the sender's node.
+    /// Decode sends every (token, expert) pair directly, as DeepEP's
+    /// low-latency kernels do: the local share over NVLink and the rest over
+    /// RDMA, concurrently. Prefill sends a token once per distinct
+    /// destination GPU (E = G(1 − (1 − 1/G)^k)) and, across nodes, takes the
+    /// hierarchical path (ExpertPlex §5, DeepEP's normal kernels): one RDMA
+    /// crossing per remote node holding one of the token's experts, then
+    /// NVLink fan-out there.
+    #[allow(clippy::too_many_arguments)]
+    pub fn dispatch(
+        &self,
+        tokens: f64,
+        row_bytes: f64,
+        top_k: f64,
+        gpus: f64,
+        nodes: f64,
+        local: f64,
+        hierarchical: bool,
+    ) -> f64 {
+        if tokens <= 0.0 {
+            return 0.0;
+        }
+        let distinct = |n: f64| n * (1.0 - (1.0 - 1.0 / n.max(1.0)).powf(top_k));
+        if !hierarchical {
+            let bytes = tokens * top_k * row_bytes;
+            return self.nvlink(bytes * local).max(self.rdma(bytes * (1.0 - local)));
+        }
+        let per_gpu = tokens * row_bytes * distinct(gpus);
+        if nodes > 1.0 {
+            let remote_nodes = (distinct(nodes) - local).max(0.0);
+            self.rdma(tokens * row_bytes * remote_nodes) + self.nvlink(per_gpu / nodes)
+        } else {
+            self.nvlink(per_gpu)
+        }
+    }
+
     /// Time to move `bytes` from one GPU over its share of the node's NICs.
     pub fn rdma(&self, bytes: f64) -> f64 {
         if bytes <= 0.0 || self.links.scale_out_bw <= 0.0 {
@@ -385,6 +423,29 @@ mod tests {
         let combine = cm.nvlink(rows * 7168.0 * 2.0);
         assert!((dispatch / 77e-6 - 1.0).abs() < 0.3, "dispatch {dispatch}");
         assert!((combine / 114e-6 - 1.0).abs() < 0.3, "combine {combine}");
+    }
+
+    #[test]
+    fn prefill_dispatch_deduplicates_per_gpu_and_per_node() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/glm-5-h800x24.moe");
+        let checked = moeforge_dsl::check_paths(&[path], &moeforge_dsl::FsLoader)
+            .unwrap_or_else(|f| panic!("{}", f.render(false)));
+        let s = &checked.spec;
+        let d = &s.deploys[0];
+        let cm = CostModel::roofline(s.model(d.model), s.cluster(d.cluster), s.tile_set(d.tiles));
+        let (row, k) = (6144.0 * 2.0, 8.0);
+        // One node, 8 GPUs: a top-8 token reaches 8(1 − (7/8)^8) ≈ 5.25 GPUs, not 8.
+        let direct = cm.dispatch(4096.0, row, k, 8.0, 1.0, 1.0, false);
+        let dedup = cm.dispatch(4096.0, row, k, 8.0, 1.0, 1.0, true);
+        let distinct = 8.0 * (1.0 - (7.0f64 / 8.0).powi(8));
+        let bw = cm.links.scale_up_bw * LINK_EFFICIENCY;
+        assert!(((direct - COMM_OVERHEAD - 2e-6) * bw / (4096.0 * row * k) - 1.0).abs() < 1e-9);
+        assert!(((dedup - COMM_OVERHEAD - 2e-6) * bw / (4096.0 * row * distinct) - 1.0).abs() < 1e-9);
+        // Three nodes, a third local: RDMA carries one copy per remote node
+        // (3(1 − (2/3)^8) − 1/3 ≈ 2.54 nodes), far less than the direct path's 2/3 of 8 copies.
+        let hier = cm.dispatch(4096.0, row, k, 24.0, 3.0, 1.0 / 3.0, true);
+        let flat = cm.dispatch(4096.0, row, k, 24.0, 3.0, 1.0 / 3.0, false);
+        assert!(hier < flat, "hierarchical {hier} vs direct {flat}");
     }
 
     #[test]

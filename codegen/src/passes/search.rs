@@ -85,8 +85,7 @@ impl Ctx<'_> {
         let s = self.input + self.output / 2.0;
         let attn = cm.attn_decode.eval(per, s);
         let ffn = cm.ffn.eval(per, 0.0);
-        let bytes = per * self.top_k * self.hidden * 2.0;
-        let comm = 2.0 * self.transfer(bytes, c.local_moe_fraction);
+        let comm = 2.0 * self.dispatch(c, per, false);
         let x = expected_x_moe(b * self.top_k, self.experts, self.experts / f64::from(c.moe), f64::from(cm.m_t_decode));
         let moe = cm.moe_time(x, q);
         let moe_layer = attn + ffn.max(comm + moe);
@@ -100,15 +99,7 @@ impl Ctx<'_> {
         let per_tokens = tokens / f64::from(c.prefill);
         let reqs = per_tokens / self.input;
         let attn = cm.attn_prefill.eval(reqs, self.input) + cm.ffn.eval(per_tokens, 0.0);
-        // Hierarchical path: each token crosses to every other MoE node holding
-        // one of its experts once, then fans out over NVLink.
-        let moe_nodes = f64::from(c.moe_nodes.max(1));
-        let distinct = moe_nodes * (1.0 - (1.0 - 1.0 / moe_nodes).powf(self.top_k));
-        let remote = (distinct - c.local_moe_fraction.min(1.0)).max(0.0);
-        let row = self.hidden * 2.0;
-        let rdma = cm.rdma(per_tokens * row * remote);
-        let nv = cm.nvlink(per_tokens * self.top_k * row / f64::from(self.gpus_per_node.max(1)));
-        let comm = 2.0 * (rdma + nv);
+        let comm = 2.0 * self.dispatch(c, per_tokens, true);
         let x = expected_x_moe(
             tokens * self.top_k,
             self.experts,
@@ -120,10 +111,10 @@ impl Ctx<'_> {
         self.moe_layers * moe_layer + self.dense_layers * attn + cm.head.eval(reqs, 0.0)
     }
 
-    /// Direct transfer of `bytes` from one attention GPU: the local share
-    /// over NVLink and the rest over RDMA, concurrently.
-    fn transfer(&self, bytes: f64, local: f64) -> f64 {
-        self.cm.nvlink(bytes * local).max(self.cm.rdma(bytes * (1.0 - local)))
+    /// One-way dispatch of `tokens` rows from one attention GPU to the MoE servers.
+    fn dispatch(&self, c: &Shape, tokens: f64, prefill: bool) -> f64 {
+        let (gpus, nodes) = (f64::from(c.moe), f64::from(c.moe_nodes.max(1)));
+        self.cm.dispatch(tokens, self.hidden * 2.0, self.top_k, gpus, nodes, c.local_moe_fraction, prefill)
     }
 }
 
