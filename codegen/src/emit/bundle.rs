@@ -58,33 +58,40 @@ impl Bundle {
 
     /// Writes the bundle to `dir` atomically, replacing a previous bundle there.
     pub fn write(&self, dir: &Path) -> std::io::Result<()> {
-        let parent = match dir.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-            _ => PathBuf::from("."),
-        };
-        std::fs::create_dir_all(&parent)?;
-        if dir.exists() && !dir.is_dir() {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::AlreadyExists,
-                format!("{} exists and is not a directory", dir.display()),
-            ));
-        }
-        let stem = dir.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "bundle".into());
-        let tmp = tempfile::Builder::new().prefix(&format!(".{stem}.tmp")).tempdir_in(&parent)?;
-        for (path, bytes) in &self.files {
-            let target = tmp.path().join(path);
-            if let Some(p) = target.parent() {
-                std::fs::create_dir_all(p)?;
-            }
-            std::fs::write(&target, bytes)?;
-        }
-        let tmp_path = tmp.keep();
-        let result = replace_dir(&tmp_path, dir, &parent, &stem);
-        if result.is_err() {
-            let _ = std::fs::remove_dir_all(&tmp_path);
-        }
-        result
+        write_dir(dir, self.files.iter().map(|(p, b)| (p.as_str(), b.as_slice())))
     }
+}
+
+/// Writes `files` (relative path, bytes) into `dir` atomically: into a
+/// sibling temp directory first, then moved into place; on any error the
+/// previous `dir` survives and nothing half-written is left.
+pub fn write_dir<'a>(dir: &Path, files: impl Iterator<Item = (&'a str, &'a [u8])>) -> std::io::Result<()> {
+    let parent = match dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    std::fs::create_dir_all(&parent)?;
+    if dir.exists() && !dir.is_dir() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::AlreadyExists,
+            format!("{} exists and is not a directory", dir.display()),
+        ));
+    }
+    let stem = dir.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "bundle".into());
+    let tmp = tempfile::Builder::new().prefix(&format!(".{stem}.tmp")).tempdir_in(&parent)?;
+    for (path, bytes) in files {
+        let target = tmp.path().join(path);
+        if let Some(p) = target.parent() {
+            std::fs::create_dir_all(p)?;
+        }
+        std::fs::write(&target, bytes)?;
+    }
+    let tmp_path = tmp.keep();
+    let result = replace_dir(&tmp_path, dir, &parent, &stem);
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp_path);
+    }
+    result
 }
 
 /// Moves `new` to `dir`. An existing `dir` is first moved aside and removed
