@@ -1,4 +1,7 @@
-//! The `moeforge` command line: check, compile and explain `.moe` specs.
+//! The `moeforge` command line: check, compile, explain and simulate `.moe`
+//! specs; run bundles on the CPU twin.
+
+mod simulate;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use moeforge::codegen::{self, NvccMode};
@@ -106,6 +109,36 @@ enum Command {
         /// Force a switch before these steps (comma-separated), instead of the policy.
         #[arg(long, value_delimiter = ',')]
         switch_at: Vec<usize>,
+    },
+    /// Simulate serving a deployment under its workload: every system on the
+    /// same cost model; writes goodput.csv, attainment.csv and attainment.svg.
+    Simulate {
+        /// A `.moe` file holding a `deploy` block; omitted: the embedded default.
+        file: Option<PathBuf>,
+        /// Output directory; replaced atomically if it exists.
+        #[arg(short, long, default_value = "sim")]
+        output: PathBuf,
+        #[arg(long)]
+        deploy: Option<String>,
+        /// Systems to compare (comma-separated; the first is the reference
+        /// of the ratios). Default: all of expertplex, pd-disagg,
+        /// green-context, colocated, chunked-prefill, static-tp, static-ep, moebius.
+        #[arg(long, value_delimiter = ',')]
+        systems: Vec<String>,
+        /// Seconds of arrivals each probe simulates.
+        #[arg(long, default_value_t = 60.0)]
+        seconds: f64,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Points of the attainment-vs-rate curves.
+        #[arg(long, default_value_t = 12)]
+        rates: usize,
+        /// Also run one RL rollout step of this many prompts (static TP, static EP, Moebius).
+        #[arg(long)]
+        rollout: Option<usize>,
+        /// A measured latency profile (JSON samples) that overrides the roofline cost model.
+        #[arg(long)]
+        profile: Option<PathBuf>,
     },
     /// Print the checked spec (as canonical .moe) and the plan, without writing anything.
     Explain {
@@ -246,21 +279,40 @@ fn run(cmd: Command) -> Result<(), ExitCode> {
             }
             Ok(())
         }
+        Command::Simulate { file, output, deploy, systems, seconds, seed, rates, rollout, profile } => {
+            let (checked, embedded) = load(&file);
+            let checked = checked.map_err(|f| fail(&f.sources, &f.diagnostics, Format::Human))?;
+            let id = pick(&checked, deploy.as_deref()).map_err(|d| fail(&checked.sources, &d, Format::Human))?;
+            let systems = simulate::systems(&systems).map_err(|e| error(e, "see `moeforge simulate --help`"))?;
+            if !(seconds.is_finite() && seconds > 0.0) || rates == 0 || rollout == Some(0) {
+                return Err(error(
+                    "--seconds must be a positive number, --rates and --rollout at least 1",
+                    "e.g. --seconds 60 --rates 12 --rollout 2048",
+                ));
+            }
+            let opts = codegen::PlanOptions { profile: read_profile(&profile)?, ..Default::default() };
+            let plan = codegen::plan_deployment_with(&checked, id, &opts)
+                .map_err(|d| fail(&checked.sources, &d, Format::Human))?;
+            if embedded {
+                eprintln!("note: no spec given; simulating the embedded default {}", embedded::DEFAULT_SPEC);
+            }
+            let spec = checked.spec.deployment(id);
+            let bench = moeforge::runtime::sim::Bench::new(&spec, plan.plan());
+            let args = simulate::Args { seconds, seed, rates, rollout };
+            let (text, files) = simulate::run(&bench, &systems, &args);
+            codegen::emit::bundle::write_dir(&output, files.iter().map(|(n, b)| (*n, b.as_bytes()))).map_err(|e| {
+                eprintln!("error: cannot write {}: {e}", output.display());
+                ExitCode::from(1)
+            })?;
+            out(&text);
+            out(&format!("wrote goodput.csv, attainment.csv, attainment.svg to {}", output.display()));
+            Ok(())
+        }
         Command::Compile { file, output, deploy, nvcc, profile, loads, format } => {
             let (checked, embedded) = load(&file);
             let checked = checked.map_err(|f| fail(&f.sources, &f.diagnostics, format))?;
             let id = pick(&checked, deploy.as_deref()).map_err(|d| fail(&checked.sources, &d, format))?;
-            let mut opts = codegen::PlanOptions::default();
-            if let Some(p) = &profile {
-                let bytes = std::fs::read(p).map_err(|e| error(format!("{}: {e}", p.display()), ""))?;
-                let parsed: codegen::cost::Profile = serde_json::from_slice(&bytes).map_err(|e| {
-                    error(
-                        format!("{}: not a latency profile: {e}", p.display()),
-                        "a profile is {\"samples\": [{\"component\": \"moe\", \"x\": 12, \"s\": 1, \"t\": 3.1e-5}, …]}",
-                    )
-                })?;
-                opts.profile = Some((parsed, codegen::emit::bundle::sha256_hex(&bytes)));
-            }
+            let mut opts = codegen::PlanOptions { profile: read_profile(&profile)?, ..Default::default() };
             if let Some(p) = &loads {
                 let text = std::fs::read_to_string(p).map_err(|e| error(format!("{}: {e}", p.display()), ""))?;
                 let parsed = codegen::placement::load_sglang(&text).map_err(|e| {
@@ -377,6 +429,19 @@ struct RunArgs {
     arrive_every: usize,
     start: String,
     switch_at: Vec<usize>,
+}
+
+/// Reads a measured latency profile (`--profile`) and its digest.
+fn read_profile(path: &Option<PathBuf>) -> Result<Option<(codegen::cost::Profile, String)>, ExitCode> {
+    let Some(p) = path else { return Ok(None) };
+    let bytes = std::fs::read(p).map_err(|e| error(format!("{}: {e}", p.display()), ""))?;
+    let parsed: codegen::cost::Profile = serde_json::from_slice(&bytes).map_err(|e| {
+        error(
+            format!("{}: not a latency profile: {e}", p.display()),
+            "a profile is {\"samples\": [{\"component\": \"moe\", \"x\": 12, \"s\": 1, \"t\": 3.1e-5}, …]}",
+        )
+    })?;
+    Ok(Some((parsed, codegen::emit::bundle::sha256_hex(&bytes))))
 }
 
 fn error(msg: impl std::fmt::Display, help: &str) -> ExitCode {

@@ -211,6 +211,7 @@ fn every_command_has_help() {
         vec!["explain", "--help"],
         vec!["init-weights", "--help"],
         vec!["run", "--help"],
+        vec!["simulate", "--help"],
     ] {
         let o = moeforge(&args, None);
         assert!(o.status.success());
@@ -345,4 +346,59 @@ fn compile_takes_measured_expert_loads() {
     let e = text(&o.stderr);
     assert!(e.contains("1 layers of 3 experts") && e.contains("minimax-m2-h800.moe:"), "{e}");
     assert!(!out2.exists());
+}
+
+#[test]
+fn simulate_writes_curves_and_a_goodput_table_deterministically() {
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let run = |dir: &std::path::Path| {
+        let o = moeforge(
+            &[
+                "simulate",
+                "examples/minimax-m2-h800.moe",
+                "-o",
+                dir.to_str().unwrap_or_default(),
+                "--seconds",
+                "10",
+                "--rates",
+                "4",
+                "--systems",
+                "expertplex,colocated,moebius",
+            ],
+            None,
+        );
+        assert!(o.status.success(), "{}", text(&o.stderr));
+        text(&o.stdout)
+    };
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    let stdout = run(&a);
+    assert!(stdout.contains("expertplex") && stdout.contains("1P3D4E"), "{stdout}");
+    assert!(stdout.contains("moebius          not run: the plan is EP-only"), "{stdout}");
+    let csv = std::fs::read_to_string(a.join("attainment.csv")).unwrap_or_default();
+    // Header + 4 rates × 2 systems that ran.
+    assert_eq!(csv.lines().count(), 9, "{csv}");
+    let svg = std::fs::read_to_string(a.join("attainment.svg")).unwrap_or_default();
+    assert!(svg.starts_with("<svg") && svg.matches("<polyline").count() == 2, "{svg}");
+    run(&b);
+    assert_eq!(read_tree(&a), read_tree(&b));
+}
+
+#[test]
+fn simulate_rejects_bad_arguments_and_writes_nothing() {
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let out = tmp.path().join("s");
+    let dir = out.to_str().unwrap_or_default();
+    for (args, needle) in [
+        (vec!["--systems", "expertplex,vllm"], "unknown system `vllm`"),
+        (vec!["--seconds", "0"], "--seconds must be a positive number"),
+        (vec!["--rates", "0"], "--rates"),
+        (vec!["--seconds", "nan"], "--seconds must be a positive number"),
+    ] {
+        let mut all = vec!["simulate", "examples/minimax-m2-h800.moe", "-o", dir];
+        all.extend(args);
+        let o = moeforge(&all, None);
+        assert!(!o.status.success(), "{all:?}");
+        assert!(text(&o.stderr).contains(needle), "{all:?}: {}", text(&o.stderr));
+        assert!(!out.exists(), "{all:?} wrote output");
+    }
 }

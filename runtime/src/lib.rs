@@ -4,10 +4,15 @@
 //! version matches, every file's SHA-256 matches the manifest, and the spec
 //! hash matches both `spec.json` and `plan.json`. [`twin`] is the `cpu`
 //! backend: a real MoE decoder on simulated ranks over the bundle's memory
-//! plan, switching TP↔EP live. [`reference`] holds scalar references of the
-//! emitted kernels.
+//! plan, switching TP↔EP live. [`sim`] is the `sim` backend: a
+//! discrete-event serving simulator on the plan's cost model, comparing
+//! ExpertPlex-style sharing, Moebius-style switching and the baselines.
+//! [`batching`] is the admission rule both share. [`reference`] holds scalar
+//! references of the emitted kernels.
 
+pub mod batching;
 pub mod reference;
+pub mod sim;
 pub mod twin;
 
 use moeforge_codegen::emit::bundle::{sha256_hex, Manifest, MANIFEST};

@@ -30,7 +30,7 @@ pub fn run(spec: &Spec, d: &Deploy) -> (DeployLayout, Vec<RankPlan>) {
     let note = match d.strategy {
         Strategy::Colocated => None,
         other => Some(format!(
-            "strategy `{}` requested; this version plans the colocated DP-attention + EP layout (the layout search is not implemented yet)",
+            "strategy `{}` requested; the memory plan and kernels are for the colocated DP-attention + EP layout, the layout search's choice (see `search`) is advisory, and `moeforge simulate` evaluates it",
             serde_json::to_value(other).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default()
         )),
     };

@@ -1,0 +1,376 @@
+//! The `sim` backend: a discrete-event serving simulator whose iteration
+//! times come from the plan's cost model (ExpertPlex §6.2–6.3), comparing
+//! the ways of serving one model on one cluster that the papers compare.
+//!
+//! | system | attention | experts | phases |
+//! |---|---|---|---|
+//! | `expertplex` | per-phase DP attention servers (the layout search's best) | shared MoE servers | concurrent; decode holds q' SMs under APK, every SM alone |
+//! | `pd-disagg` | whole-model instances (the fewest GPUs holding the weights), half prefill, half decode | one copy per instance | concurrent, separate GPUs; KV moves after prefill |
+//! | `green-context` | TP per node on an SM partition | EP, same partition | concurrent on every GPU; fixed split, shared links |
+//! | `colocated` | DP on every GPU | EP on every GPU | one iteration at a time, prefill first |
+//! | `chunked-prefill` | as colocated, prompts split into chunks | | each chunk re-reads weights and its prefix KV |
+//! | `static-tp` / `static-ep` | the dual-mode plan in one mode | | one iteration at a time |
+//! | `moebius` | the dual-mode plan, switching by the §4.5 coordinator | | each switch pays the reshard |
+//!
+//! Differences between systems come only from these mechanisms: the same
+//! request stream (seeded), cost model, admission rule and metrics serve
+//! them all. Metrics: TTFT, TPOT (mean over a request's outputs), SLO
+//! attainment (both met; refused requests miss) and P90 goodput, the highest
+//! rate at which ≥ 90% of requests meet both SLOs.
+
+mod engine;
+pub mod model;
+pub mod report;
+pub mod workload;
+
+pub use engine::{Sharing, MAX_PREFILL_TOKENS};
+use model::{Env, MoeSide};
+use moeforge_codegen::cost::expected_x_moe;
+use moeforge_codegen::memory_plan::Mode;
+use moeforge_codegen::plan::Plan;
+use moeforge_dsl::spec::Spec;
+use workload::Req;
+
+use crate::twin::coordinator::{crossover, Policy};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum System {
+    ExpertPlex,
+    PdDisagg,
+    GreenContext,
+    Colocated,
+    ChunkedPrefill,
+    StaticTp,
+    StaticEp,
+    Moebius,
+}
+
+impl System {
+    pub const ALL: [System; 8] = [
+        System::ExpertPlex,
+        System::PdDisagg,
+        System::GreenContext,
+        System::Colocated,
+        System::ChunkedPrefill,
+        System::StaticTp,
+        System::StaticEp,
+        System::Moebius,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            System::ExpertPlex => "expertplex",
+            System::PdDisagg => "pd-disagg",
+            System::GreenContext => "green-context",
+            System::Colocated => "colocated",
+            System::ChunkedPrefill => "chunked-prefill",
+            System::StaticTp => "static-tp",
+            System::StaticEp => "static-ep",
+            System::Moebius => "moebius",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<System> {
+        System::ALL.into_iter().find(|x| x.name() == s)
+    }
+}
+
+/// Per-request result; `None` for requests that never got that far (refused).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Outcome {
+    pub ttft: Option<f64>,
+    pub tpot: Option<f64>,
+    pub finish: Option<f64>,
+}
+
+/// Attention groups of one phase and the MoE side they route to.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Shape {
+    /// DP attention groups, each `width` GPUs (TP inside a group).
+    pub groups: u32,
+    pub width: u32,
+    pub moe: MoeSide,
+    /// KV tokens one group holds (reservations are checked against it).
+    pub kv_per_group: f64,
+}
+
+/// Moebius's switching: the policy, the starting mode and the weight
+/// reshard's modeled time per switch.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Switching {
+    pub policy: Policy,
+    pub start: Mode,
+    pub weight_seconds: f64,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Phases {
+    /// Both phases on the same groups, one iteration at a time (prefill
+    /// first); prompts split into `chunk`-token pieces when set.
+    Unified { chunk: Option<f64>, tp: Option<Shape>, ep: Option<Shape>, switch: Option<Switching> },
+    /// Concurrent prefill and decode sides; `kv_transfer` when a prompt's KV
+    /// moves from the prefill GPU to the decode GPU (over RDMA when `remote`).
+    Split { prefill: Shape, decode: Shape, sharing: Sharing, kv_transfer: bool },
+}
+
+/// How one system serves the deployment: where each phase runs and what
+/// memory it has. Built from the spec and plan; the mechanisms the
+/// comparisons rest on (PD duplicating experts, TP replicating KV heads)
+/// are visible here and tested.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Deployment {
+    pub system: System,
+    /// A short description, e.g. `1P3D4E q=66` or `1P1D × DP4EP4`.
+    pub label: String,
+    pub phases: Phases,
+    /// Copies of the routed experts the cluster holds.
+    pub expert_copies: u32,
+    /// KV tokens all decode groups hold together.
+    pub decode_kv_tokens: f64,
+}
+
+/// Prompt-chunk sizes (tokens per DP rank) chunked prefill is tuned over.
+pub const CHUNKS: [f64; 4] = [1024.0, 2048.0, 4096.0, 8192.0];
+/// Prefill SM shares Green-Context partitioning is tuned over.
+pub const GREEN_SHARES: [f64; 5] = [0.25, 1.0 / 3.0, 0.5, 2.0 / 3.0, 0.75];
+
+/// Everything the systems share for one deployment.
+pub struct Bench<'a> {
+    pub spec: &'a Spec,
+    pub plan: &'a Plan,
+    pub env: Env,
+}
+
+impl<'a> Bench<'a> {
+    pub fn new(spec: &'a Spec, plan: &'a Plan) -> Bench<'a> {
+        Bench { spec, plan, env: Env::new(spec, plan) }
+    }
+
+    fn ep_shape(&self, kv_per_group: f64) -> Shape {
+        let e = &self.env;
+        Shape {
+            groups: e.world,
+            width: 1,
+            moe: MoeSide::Ep {
+                gpus: e.world,
+                replicas: 1,
+                local: f64::from(e.gpus_per_node) / f64::from(e.world),
+                disaggregated: false,
+            },
+            kv_per_group,
+        }
+    }
+
+    /// KV tokens per GPU left after `weights` bytes of weights.
+    fn kv_after(&self, weights: f64, width: u32) -> f64 {
+        self.env.kv_tokens(self.env.usable - weights - self.env.workspace, width)
+    }
+
+    /// The dual-mode plan's shapes: (TP, EP), or why the plan has no TP mode.
+    fn dual(&self) -> Result<(Shape, Shape), String> {
+        let mem = &self.plan.memory;
+        let tp = mem.kv.tp.as_ref().ok_or_else(|| {
+            format!("the plan is EP-only: {}", mem.single_mode_reason.as_deref().unwrap_or("no TP mode"))
+        })?;
+        let g = mem.group;
+        let tp_shape =
+            Shape { groups: 1, width: g, moe: MoeSide::Tp { width: g }, kv_per_group: tp.capacity_tokens as f64 };
+        let ep_shape = self.ep_shape(mem.kv.ep.capacity_tokens as f64 / f64::from(g));
+        Ok((tp_shape, ep_shape))
+    }
+
+    /// The deployments a system is evaluated in (several when it has a
+    /// tuning knob: the best one is reported), or why it cannot run here.
+    pub fn deployments(&self, system: System) -> Result<Vec<Deployment>, String> {
+        let e = &self.env;
+        let colocated_kv = self.kv_after(e.weights / f64::from(e.world), 1);
+        let unified = |label: String, chunk, tp: Option<Shape>, ep: Option<Shape>, switch| {
+            let kv = ep.or(tp).map_or(0.0, |s| f64::from(s.groups) * s.kv_per_group);
+            Deployment {
+                system,
+                label,
+                phases: Phases::Unified { chunk, tp, ep, switch },
+                expert_copies: 1,
+                decode_kv_tokens: kv,
+            }
+        };
+        Ok(match system {
+            System::Colocated => {
+                vec![unified(format!("DP{0}EP{0}", e.world), None, None, Some(self.ep_shape(colocated_kv)), None)]
+            }
+            System::ChunkedPrefill => CHUNKS
+                .iter()
+                .map(|&c| {
+                    unified(
+                        format!("DP{0}EP{0} chunk {c}", e.world),
+                        Some(c),
+                        None,
+                        Some(self.ep_shape(colocated_kv)),
+                        None,
+                    )
+                })
+                .collect(),
+            System::StaticTp => {
+                let (tp, _) = self.dual()?;
+                vec![unified(format!("TP{}", tp.width), None, Some(tp), None, None)]
+            }
+            System::StaticEp => {
+                let (_, ep) = self.dual()?;
+                vec![unified(format!("DP{0}EP{0} (dual-mode buffer)", e.world), None, None, Some(ep), None)]
+            }
+            System::Moebius => {
+                let (tp, ep) = self.dual()?;
+                let switch = self.switching(&tp, &ep);
+                let label =
+                    format!("TP{}↔EP{} T_h={} T_l={}", tp.width, ep.groups, switch.policy.t_high, switch.policy.t_low);
+                vec![unified(label, None, Some(tp), Some(ep), Some(switch))]
+            }
+            System::PdDisagg => vec![self.pd()?],
+            System::GreenContext => self.green(),
+            System::ExpertPlex => vec![self.expertplex()?],
+        })
+    }
+
+    /// Moebius's policy from the spec; `t_high = auto` is calibrated at the
+    /// modeled TP/EP decode crossover exactly as the twin calibrates on measured steps.
+    fn switching(&self, tp: &Shape, ep: &Shape) -> Switching {
+        let d = &self.spec.deploys[0];
+        let mut policy = Policy::from_spec(&d.switch);
+        if policy.calibrate {
+            let step = |shape: &Shape, b: usize| {
+                let per = b as f64 / f64::from(shape.groups);
+                let loads: Vec<model::Load> = (0..shape.groups)
+                    .map(|_| model::Load { decode: per, ctx: per * 1024.0, chunks: Vec::new() })
+                    .collect();
+                self.env.iteration(&loads, shape.width, 1.0, shape.moe, model::Sms::all(self.env.cm.sms), 0.0).seconds
+            };
+            let costs: Vec<(usize, f64, f64)> =
+                (0..12).map(|i| 1usize << i).map(|b| (b, step(tp, b), step(ep, b))).collect();
+            policy = policy.with_t_high(crossover(&costs), d.switch.t_low);
+        }
+        let mem = &self.plan.memory;
+        let per_rank = mem.reshard.as_ref().map_or(0.0, |r| {
+            r.ep_to_tp.interconnect_bytes_per_layer as f64 * f64::from(mem.slots.moe_layers) / f64::from(mem.group)
+        });
+        Switching { policy, start: Mode::Tp, weight_seconds: self.env.cm.nvlink(per_rank) }
+    }
+
+    /// Instance-level PD: the minimal unit is the fewest GPUs (a power of
+    /// two) that hold a whole model replica; half the units prefill.
+    fn pd(&self) -> Result<Deployment, String> {
+        let e = &self.env;
+        let mut unit = 1;
+        while unit <= e.world && self.kv_after(e.weights / f64::from(unit), 1) < 1.0 {
+            unit *= 2;
+        }
+        if unit > e.world || e.world / unit < 2 {
+            return Err(format!(
+                "a whole-model instance needs {unit} GPUs; {} GPUs cannot hold one prefill and one decode instance",
+                e.world
+            ));
+        }
+        let instances = e.world / unit;
+        let (np, nd) = (instances / 2, instances - instances / 2);
+        let local = (f64::from(e.gpus_per_node) / f64::from(unit)).min(1.0);
+        let side = |n: u32, kv: f64| Shape {
+            groups: n * unit,
+            width: 1,
+            moe: MoeSide::Ep { gpus: unit, replicas: n, local, disaggregated: false },
+            kv_per_group: kv,
+        };
+        let kv = self.kv_after(e.weights / f64::from(unit), 1);
+        Ok(Deployment {
+            system: System::PdDisagg,
+            label: format!("{np}P{nd}D × DP{unit}EP{unit}"),
+            phases: Phases::Split {
+                prefill: side(np, f64::INFINITY),
+                decode: side(nd, kv),
+                sharing: Sharing::None,
+                kv_transfer: true,
+            },
+            expert_copies: instances,
+            decode_kv_tokens: f64::from(nd * unit) * kv,
+        })
+    }
+
+    /// Green-Context partitioning: TP attention per node, EP experts, both
+    /// phases on every GPU with a fixed SM split.
+    fn green(&self) -> Vec<Deployment> {
+        let e = &self.env;
+        let w = e.gpus_per_node;
+        let kv = self.kv_after(e.weights / f64::from(e.world), w);
+        let shape = |kv| Shape {
+            groups: e.nodes,
+            width: w,
+            moe: MoeSide::Ep {
+                gpus: e.world,
+                replicas: 1,
+                local: f64::from(e.gpus_per_node) / f64::from(e.world),
+                disaggregated: false,
+            },
+            kv_per_group: kv,
+        };
+        GREEN_SHARES
+            .iter()
+            .map(|&s| Deployment {
+                system: System::GreenContext,
+                label: format!("TP{w}EP{} prefill {:.0}% SMs", e.world, s * 100.0),
+                phases: Phases::Split {
+                    prefill: shape(f64::INFINITY),
+                    decode: shape(kv),
+                    sharing: Sharing::Green { prefill_share: s },
+                    kv_transfer: false,
+                },
+                expert_copies: 1,
+                decode_kv_tokens: f64::from(e.nodes) * kv,
+            })
+            .collect()
+    }
+
+    /// The layout search's best ExpertPlex layout (Algorithm 1).
+    fn expertplex(&self) -> Result<Deployment, String> {
+        let e = &self.env;
+        let d = &self.spec.deploys[0];
+        let search = match &self.plan.search {
+            Some(s) => s.clone(),
+            None => moeforge_codegen::passes::search::run(self.spec, d, &e.cm),
+        };
+        let best = search.ranked.first().ok_or("the layout search found no layout meeting both SLOs")?;
+        let attn = f64::from(best.prefill_gpus + best.decode_gpus);
+        let local = best.per_node.iter().map(|r| f64::from(r[1] + r[2]) * f64::from(r[0])).sum::<f64>()
+            / attn
+            / f64::from(best.moe_gpus);
+        let moe = MoeSide::Ep { gpus: best.moe_gpus, replicas: 1, local, disaggregated: true };
+        let x_star = expected_x_moe(
+            f64::from(best.decode_batch) * e.top_k,
+            e.experts,
+            e.experts / f64::from(best.moe_gpus),
+            f64::from(e.cm.m_t_decode),
+        );
+        let kv = self.kv_after(e.nonrouted, 1);
+        Ok(Deployment {
+            system: System::ExpertPlex,
+            label: format!("{}P{}D{}E q={}", best.prefill_gpus, best.decode_gpus, best.moe_gpus, best.q),
+            phases: Phases::Split {
+                prefill: Shape { groups: best.prefill_gpus, width: 1, moe, kv_per_group: f64::INFINITY },
+                decode: Shape { groups: best.decode_gpus, width: 1, moe, kv_per_group: kv },
+                sharing: Sharing::Apk { q: best.q, x_star, q_max: e.cm.sms.saturating_sub(e.cluster).max(e.cluster) },
+                kv_transfer: true,
+            },
+            expert_copies: 1,
+            decode_kv_tokens: f64::from(best.decode_gpus) * kv,
+        })
+    }
+
+    /// Serves `reqs` with one deployment.
+    pub fn simulate(&self, dep: &Deployment, reqs: &[Req]) -> Vec<Outcome> {
+        match &dep.phases {
+            Phases::Unified { chunk, tp, ep, switch } => {
+                engine::unified(&self.env, *chunk, (*tp, *ep), switch.as_ref(), reqs)
+            }
+            Phases::Split { prefill, decode, sharing, kv_transfer } => {
+                engine::split(&self.env, prefill, decode, *sharing, *kv_transfer, reqs)
+            }
+        }
+    }
+}

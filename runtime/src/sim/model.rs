@@ -1,0 +1,292 @@
+//! Iteration times from the plan's cost model (ExpertPlex §6.2–6.3).
+//!
+//! Every system is described with the same two pieces: *attention groups*
+//! (a group is one DP rank, or a TP group of `width` GPUs sharing heads) and
+//! the *MoE side* the groups route to (EP over some GPUs, or TP slices). An
+//! iteration's layer time follows §6.3: prefill overlaps two microbatches
+//! (TBO: max of attention and communication + MoE), decode overlaps shared
+//! experts with routed ones (SBO: attention + max(shared FFN,
+//! communication + MoE)). DP groups synchronize at every MoE layer, so the slowest group
+//! sets the pace. MoE computation is tile-aware: the expected footprint
+//! x_moe = Σ⌈m_e/M_t⌉ of the rows each MoE GPU receives, executed on however
+//! many SMs the phase holds.
+
+use moeforge_codegen::cost::{expected_x_moe, CostModel, ATTN_KERNELS, FFN_KERNELS, OP_OVERHEAD};
+use moeforge_codegen::plan::Plan;
+use moeforge_dsl::spec::{Attention, Spec};
+
+/// What one attention group runs in an iteration: decode requests with
+/// their cached tokens, and prompt chunks `(new tokens, tokens already cached)`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Load {
+    pub decode: f64,
+    pub ctx: f64,
+    pub chunks: Vec<(f64, f64)>,
+}
+
+impl Load {
+    pub fn tokens(&self) -> f64 {
+        self.decode + self.chunks.iter().map(|c| c.0).sum::<f64>()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.decode == 0.0 && self.chunks.is_empty()
+    }
+}
+
+/// Where routed rows go.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum MoeSide {
+    /// Experts spread over `gpus` GPUs, in `replicas` independent EP groups
+    /// (whole-model instances) that split the attention groups' rows; `local`
+    /// is the fraction of an attention GPU's rows whose expert sits on its
+    /// own node; `disaggregated` when the experts live on GPUs of their own
+    /// (not the attention GPUs), so attention and expert computation run in
+    /// parallel.
+    Ep { gpus: u32, replicas: u32, local: f64, disaggregated: bool },
+    /// Every GPU of the TP group holds a 1/width slice of every expert.
+    Tp { width: u32 },
+}
+
+/// SMs a phase's MoE computation gets: `alone` when the other phase has no
+/// MoE work, `shared` during the fraction `contention` of the time it has;
+/// `preempt` is the delay before the phase's tiles start (seconds per layer).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sms {
+    pub alone: f64,
+    pub shared: f64,
+    pub contention: f64,
+    pub preempt: f64,
+}
+
+impl Sms {
+    pub fn all(sms: u32) -> Sms {
+        Sms { alone: f64::from(sms), shared: f64::from(sms), contention: 0.0, preempt: 0.0 }
+    }
+}
+
+/// The time of one iteration and how long it kept the MoE GPUs and links busy.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Iter {
+    pub seconds: f64,
+    pub moe_seconds: f64,
+    pub comm_seconds: f64,
+}
+
+/// The model, cluster and cost model every system shares.
+#[derive(Clone, Debug)]
+pub struct Env {
+    pub cm: CostModel,
+    pub world: u32,
+    pub gpus_per_node: u32,
+    pub nodes: u32,
+    pub moe_layers: f64,
+    pub dense_layers: f64,
+    pub hidden: f64,
+    pub experts: f64,
+    pub top_k: f64,
+    /// KV bytes of one token over all layers and heads.
+    pub kv_token: f64,
+    /// KV heads (GQA) or `None` for MLA's shared latent.
+    pub kv_heads: Option<u32>,
+    /// Weight bytes: all, and those outside the routed experts.
+    pub weights: f64,
+    pub nonrouted: f64,
+    /// Bytes of HBM the stack may use per GPU.
+    pub usable: f64,
+    /// Bytes per GPU kept for communication buffers, scratch and request
+    /// metadata: the memory plan's `comm`, `scratch` and `requests` regions.
+    pub workspace: f64,
+    /// One M_t × N_t tile of the prefill GateUp GEMM on one SM (seconds):
+    /// the most a decode preemption waits (§4.3).
+    pub tile_seconds: f64,
+    /// SMs per CTA cluster (q rounds up to a multiple).
+    pub cluster: u32,
+}
+
+impl Env {
+    pub fn new(spec: &Spec, plan: &Plan) -> Env {
+        let d = &spec.deploys[0];
+        let m = spec.model(d.model);
+        let c = spec.cluster(d.cluster);
+        let tiles = spec.tile_set(d.tiles);
+        let cm = plan.cost.clone();
+        let gate_up = tiles.prefill.gate_up;
+        let n_tiles = (2.0 * f64::from(m.moe.expert_ffn) / f64::from(gate_up.block_n)).ceil().max(1.0);
+        Env {
+            world: c.world_size(),
+            gpus_per_node: c.gpus_per_node,
+            nodes: c.nodes,
+            moe_layers: f64::from(m.moe_layers()),
+            dense_layers: f64::from(m.layers - m.moe_layers()),
+            hidden: f64::from(m.hidden),
+            experts: f64::from(m.moe.experts),
+            top_k: f64::from(m.moe.top_k),
+            kv_token: f64::from(m.layers) * m.kv_bytes_per_token_layer() as f64,
+            kv_heads: match m.attention {
+                Attention::Gqa { kv_heads, .. } => Some(kv_heads),
+                Attention::Mla { .. } => None,
+            },
+            weights: m.weight_bytes() as f64,
+            nonrouted: moeforge_codegen::passes::unified::nonrouted_bytes(m) as f64,
+            usable: c.gpu.hbm as f64 * d.memory_fraction,
+            workspace: plan
+                .memory
+                .regions
+                .iter()
+                .filter(|r| matches!(r.name.as_str(), "comm" | "scratch" | "requests"))
+                .map(|r| r.bytes as f64)
+                .sum(),
+            // β is one M_t-row tile across all N columns on the whole GPU.
+            tile_seconds: cm.moe.beta * f64::from(cm.sms) / n_tiles,
+            cluster: gate_up.cluster[0] * gate_up.cluster[1],
+            cm,
+        }
+    }
+
+    /// Fraction of a token's KV one GPU of a width-`w` attention group holds:
+    /// GQA heads shard until there are fewer heads than GPUs (then they
+    /// replicate); MLA's latent is replicated on every GPU.
+    pub fn kv_fraction(&self, w: u32) -> f64 {
+        match self.kv_heads {
+            Some(h) => 1.0 / f64::from(h.min(w).max(1)),
+            None => 1.0,
+        }
+    }
+
+    /// Tokens of KV a width-`w` group holds with `free` bytes per GPU.
+    pub fn kv_tokens(&self, free: f64, w: u32) -> f64 {
+        (free.max(0.0) / (self.kv_token * self.kv_fraction(w))).floor()
+    }
+
+    /// Ring all-reduce of a `bytes` message over a `w`-GPU NVLink group.
+    fn all_reduce(&self, bytes: f64, w: u32) -> f64 {
+        if w <= 1 {
+            return 0.0;
+        }
+        let w = f64::from(w);
+        self.cm.nvlink(bytes * 2.0 * (w - 1.0) / w)
+    }
+
+    /// One attention group's attention (with its all-reduces) and dense
+    /// FFN / shared-expert time per layer, on an SM `share`.
+    fn attention(&self, l: &Load, width: u32, share: f64) -> (f64, f64) {
+        if l.is_empty() {
+            return (0.0, 0.0);
+        }
+        let (a, p) = (&self.cm.attn_decode, &self.cm.attn_prefill);
+        let w = f64::from(width);
+        let rep = self.kv_fraction(width) * w;
+        // Weights shard over the group; the per-kernel cost does not.
+        let fixed = ATTN_KERNELS * OP_OVERHEAD;
+        let mut t = fixed + (a.alpha - fixed) / w + (a.beta * l.decode + a.gamma * l.ctx * rep) / w;
+        for &(n, prefix) in &l.chunks {
+            // Projections and KV writes per token, causal scores over the new
+            // tokens and against the cached prefix, and one read of the prefix KV.
+            t += (p.gamma * n + p.delta * (n * n + 2.0 * n * prefix) + a.gamma * prefix * rep) / w;
+        }
+        let f = &self.cm.ffn;
+        let ffn_fixed = FFN_KERNELS * OP_OVERHEAD;
+        let ffn = (ffn_fixed + (f.eval(l.tokens(), 0.0) - ffn_fixed) / w) / share;
+        (t / share + 2.0 * self.all_reduce(l.tokens() * self.hidden * 2.0, width), ffn)
+    }
+
+    /// Moves one request's prompt KV from its prefill GPU to its decode GPU.
+    pub fn kv_move(&self, tokens: f64) -> f64 {
+        let bytes = tokens * self.kv_token;
+        if self.nodes > 1 {
+            self.cm.rdma(bytes)
+        } else {
+            self.cm.nvlink(bytes)
+        }
+    }
+
+    /// Dispatch + combine of one layer for an attention group sending
+    /// `tokens` rows (the cost model's dispatch: hierarchical for prefill).
+    fn moe_comm(&self, tokens: f64, width: u32, side: MoeSide, prefill: bool) -> f64 {
+        match side {
+            MoeSide::Tp { .. } => 0.0,
+            MoeSide::Ep { gpus, local, .. } => {
+                // A TP group's GPUs each send 1/width of its (replicated) rows.
+                let per_gpu = tokens / f64::from(width);
+                let (g, n) = (f64::from(gpus), f64::from(gpus.div_ceil(self.gpus_per_node)));
+                2.0 * self.cm.dispatch(per_gpu, self.hidden * 2.0, self.top_k, g, n, local, prefill)
+            }
+        }
+    }
+
+    /// Expected decode footprint x_moe of one MoE GPU receiving from `rows` routed rows.
+    pub fn decode_footprint(&self, rows: f64, side: MoeSide) -> f64 {
+        let (rows, local) = match side {
+            MoeSide::Ep { gpus, replicas, .. } => (rows / f64::from(replicas.max(1)), self.experts / f64::from(gpus)),
+            MoeSide::Tp { .. } => (rows, self.experts),
+        };
+        expected_x_moe(rows, self.experts, local, f64::from(self.cm.m_t_decode))
+    }
+
+    /// MoE computation of one layer on the busiest MoE GPU.
+    pub fn moe(&self, rows: f64, side: MoeSide, prefill: bool, sms: Sms) -> f64 {
+        if rows <= 0.0 {
+            return 0.0;
+        }
+        let cm = &self.cm;
+        let m_t = f64::from(if prefill { cm.m_t_prefill } else { cm.m_t_decode });
+        let (x, slice) = match side {
+            MoeSide::Ep { gpus, .. } => (expected_x_moe(rows, self.experts, self.experts / f64::from(gpus), m_t), 1.0),
+            MoeSide::Tp { width } => (expected_x_moe(rows, self.experts, self.experts, m_t), f64::from(width)),
+        };
+        let work = (cm.moe.eval(x, 1.0) - cm.moe.alpha) * f64::from(cm.sms) / slice;
+        let on = |q: f64| cm.moe.alpha + work / q.max(1.0);
+        (1.0 - sms.contention) * on(sms.alone) + sms.contention * (on(sms.shared) + sms.preempt)
+    }
+
+    /// One iteration of `groups` (each `width` GPUs wide, attention on an SM
+    /// `share`) routing to `side`; `interference` stretches communication
+    /// when another phase's traffic shares the links.
+    pub fn iteration(
+        &self,
+        groups: &[Load],
+        width: u32,
+        share: f64,
+        side: MoeSide,
+        sms: Sms,
+        interference: f64,
+    ) -> Iter {
+        let prefill = groups.iter().any(|g| !g.chunks.is_empty());
+        let parts: Vec<(f64, f64)> = groups.iter().map(|g| self.attention(g, width, share)).collect();
+        let attn = parts.iter().map(|p| p.0).fold(0.0, f64::max);
+        let ffn = parts.iter().map(|p| p.1).fold(0.0, f64::max);
+        if attn == 0.0 {
+            return Iter::default();
+        }
+        let busiest = groups.iter().map(Load::tokens).fold(0.0, f64::max);
+        let comm = self.moe_comm(busiest, width, side, prefill) * (1.0 + interference);
+        // Rows an MoE GPU receives: all groups' tokens (EP spreads them over
+        // its GPUs through the expert footprint; TP groups each run their own).
+        let rows = match side {
+            MoeSide::Ep { replicas, .. } => {
+                groups.iter().map(Load::tokens).sum::<f64>() * self.top_k / f64::from(replicas.max(1))
+            }
+            MoeSide::Tp { .. } => busiest * self.top_k,
+        };
+        let moe = self.moe(rows, side, prefill, sms);
+        // TBO for prefill, SBO for decode (§6.3). On separate expert GPUs a
+        // microbatch's attention overlaps the other's communication and MoE
+        // computation; on shared GPUs attention and expert computation
+        // queue on the same SMs and only communication hides.
+        let disaggregated = matches!(side, MoeSide::Ep { disaggregated: true, .. });
+        let layer = match (prefill, disaggregated) {
+            (true, true) => (attn + ffn).max(comm + moe),
+            (true, false) => (attn + ffn + moe).max(comm),
+            (false, true) => attn + ffn.max(comm + moe),
+            (false, false) => attn + moe + ffn.max(comm),
+        };
+        let dense = attn + ffn;
+        let heads = groups.iter().map(|g| g.decode + g.chunks.len() as f64).fold(0.0, f64::max);
+        let head = self.cm.head.alpha + (self.cm.head.eval(heads, 0.0) - self.cm.head.alpha) / f64::from(width);
+        Iter {
+            seconds: self.moe_layers * layer + self.dense_layers * dense + head,
+            moe_seconds: self.moe_layers * moe,
+            comm_seconds: self.moe_layers * comm,
+        }
+    }
+}

@@ -1,0 +1,381 @@
+//! Metrics and outputs: SLO attainment, P90 goodput, rate sweeps, CSV and
+//! an SVG plot of attainment against rate (the papers' Figures 7–10).
+
+use super::workload::{requests, Req};
+use super::{Bench, Deployment, Outcome, System};
+use moeforge_dsl::spec::Slo;
+use std::fmt::Write as _;
+
+/// Fraction of requests meeting both SLOs (refused requests miss).
+pub fn attainment(slo: &Slo, outcomes: &[Outcome]) -> f64 {
+    let ok = outcomes
+        .iter()
+        .filter(|o| o.ttft.is_some_and(|t| t <= slo.ttft) && o.tpot.is_some_and(|t| t <= slo.tpot))
+        .count();
+    ok as f64 / outcomes.len().max(1) as f64
+}
+
+/// The goodput criterion: at least this fraction of requests meet both SLOs.
+pub const GOODPUT_ATTAINMENT: f64 = 0.9;
+
+/// Requests a probe at `rate` simulates: `seconds` of arrivals, at least 200.
+pub fn probe_requests(rate: f64, seconds: f64) -> usize {
+    ((rate * seconds).ceil() as usize).clamp(200, 200_000)
+}
+
+/// Percentile (nearest rank) of the present values.
+pub fn percentile(values: impl Iterator<Item = f64>, p: f64) -> Option<f64> {
+    let mut v: Vec<f64> = values.collect();
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let i = ((p / 100.0 * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1;
+    Some(v[i])
+}
+
+/// One point of a sweep.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Point {
+    pub rate: f64,
+    pub attainment: f64,
+    pub ttft_p50: Option<f64>,
+    pub ttft_p90: Option<f64>,
+    pub tpot_p50: Option<f64>,
+    pub tpot_p90: Option<f64>,
+}
+
+/// A system's result: the deployment that did best, its goodput, its curve.
+#[derive(Clone, Debug)]
+pub struct SystemResult {
+    pub system: System,
+    pub deployment: Result<Deployment, String>,
+    /// P90 goodput in requests per second (cluster-wide).
+    pub goodput: f64,
+    pub curve: Vec<Point>,
+}
+
+/// How probes are run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Probe {
+    /// Seconds of arrivals each probe simulates.
+    pub seconds: f64,
+    pub seed: u64,
+}
+
+impl Bench<'_> {
+    fn stream(&self, rate: f64, probe: Probe) -> Vec<Req> {
+        requests(&self.spec.deploys[0].workload, probe_requests(rate, probe.seconds), rate, probe.seed)
+    }
+
+    pub fn point(&self, dep: &Deployment, rate: f64, probe: Probe) -> Point {
+        let out = self.simulate(dep, &self.stream(rate, probe));
+        let slo = &self.spec.deploys[0].slo;
+        Point {
+            rate,
+            attainment: attainment(slo, &out),
+            ttft_p50: percentile(out.iter().filter_map(|o| o.ttft), 50.0),
+            ttft_p90: percentile(out.iter().filter_map(|o| o.ttft), 90.0),
+            tpot_p50: percentile(out.iter().filter_map(|o| o.tpot), 50.0),
+            tpot_p90: percentile(out.iter().filter_map(|o| o.tpot), 90.0),
+        }
+    }
+
+    /// P90 goodput: the highest rate with attainment ≥ 90%. Doubles from
+    /// `start` until a probe fails, then bisects (12 steps: 0.02% of the
+    /// bracket). Streams at different rates are time-scaled copies of one
+    /// seeded stream, so probes compare like with like.
+    pub fn goodput(&self, dep: &Deployment, start: f64, probe: Probe) -> f64 {
+        let ok = |rate: f64| self.point(dep, rate, probe).attainment >= GOODPUT_ATTAINMENT;
+        let (mut lo, mut hi) = (0.0, start.max(1e-3));
+        let mut grow = 0;
+        while ok(hi) {
+            lo = hi;
+            hi *= 2.0;
+            grow += 1;
+            if grow > 20 {
+                return lo;
+            }
+        }
+        if lo == 0.0 {
+            // Even `start` fails: search downwards.
+            let mut r = hi;
+            for _ in 0..12 {
+                r /= 2.0;
+                if ok(r) {
+                    lo = r;
+                    hi = r * 2.0;
+                    break;
+                }
+            }
+            if lo == 0.0 {
+                return 0.0;
+            }
+        }
+        for _ in 0..12 {
+            let mid = (lo + hi) / 2.0;
+            if ok(mid) {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
+    }
+
+    /// Evaluates systems: each system's best tuned deployment by goodput,
+    /// then every system's attainment at `rates` points up to 1.5× the best
+    /// goodput found.
+    pub fn compare(&self, systems: &[System], rates: usize, probe: Probe) -> Vec<SystemResult> {
+        let start =
+            self.plan.search.as_ref().and_then(|s| s.ranked.first()).map_or(1.0, |c| (c.goodput / 4.0).max(0.05));
+        let mut results: Vec<SystemResult> = systems
+            .iter()
+            .map(|&system| match self.deployments(system) {
+                Err(why) => SystemResult { system, deployment: Err(why), goodput: 0.0, curve: Vec::new() },
+                Ok(deps) => {
+                    let mut best: Option<(f64, Deployment)> = None;
+                    for dep in deps {
+                        let g = self.goodput(&dep, start, probe);
+                        if best.as_ref().is_none_or(|b| g > b.0) {
+                            best = Some((g, dep));
+                        }
+                    }
+                    match best {
+                        Some((goodput, dep)) => {
+                            SystemResult { system, deployment: Ok(dep), goodput, curve: Vec::new() }
+                        }
+                        None => SystemResult {
+                            system,
+                            deployment: Err("no deployment".into()),
+                            goodput: 0.0,
+                            curve: Vec::new(),
+                        },
+                    }
+                }
+            })
+            .collect();
+        let top = results.iter().map(|r| r.goodput).fold(0.0, f64::max).max(start);
+        let grid: Vec<f64> = (1..=rates).map(|i| top * 1.5 * i as f64 / rates as f64).collect();
+        for r in results.iter_mut() {
+            if let Ok(dep) = &r.deployment {
+                r.curve = grid.iter().map(|&rate| self.point(dep, rate, probe)).collect();
+            }
+        }
+        results
+    }
+}
+
+fn opt(v: Option<f64>) -> String {
+    v.map_or(String::new(), |x| format!("{x:.6}"))
+}
+
+/// `system,deployment,rate,rate_per_node,attainment,ttft_p50,ttft_p90,tpot_p50,tpot_p90`.
+pub fn curves_csv(results: &[SystemResult], nodes: u32) -> String {
+    let mut s = String::from("system,deployment,rate,rate_per_node,attainment,ttft_p50,ttft_p90,tpot_p50,tpot_p90\n");
+    for r in results {
+        let Ok(dep) = &r.deployment else { continue };
+        for p in &r.curve {
+            let _ = writeln!(
+                s,
+                "{},\"{}\",{:.4},{:.4},{:.4},{},{},{},{}",
+                r.system.name(),
+                dep.label,
+                p.rate,
+                p.rate / f64::from(nodes),
+                p.attainment,
+                opt(p.ttft_p50),
+                opt(p.ttft_p90),
+                opt(p.tpot_p50),
+                opt(p.tpot_p90)
+            );
+        }
+    }
+    s
+}
+
+/// `system,deployment,goodput,goodput_per_node,expert_copies,decode_kv_tokens,note`.
+pub fn goodput_csv(results: &[SystemResult], nodes: u32) -> String {
+    let mut s = String::from("system,deployment,goodput,goodput_per_node,expert_copies,decode_kv_tokens,note\n");
+    for r in results {
+        match &r.deployment {
+            Ok(d) => {
+                let _ = writeln!(
+                    s,
+                    "{},\"{}\",{:.4},{:.4},{},{:.0},",
+                    r.system.name(),
+                    d.label,
+                    r.goodput,
+                    r.goodput / f64::from(nodes),
+                    d.expert_copies,
+                    d.decode_kv_tokens
+                );
+            }
+            Err(why) => {
+                let _ = writeln!(s, "{},,,,,,\"{}\"", r.system.name(), why.replace('"', "'"));
+            }
+        }
+    }
+    s
+}
+
+/// The goodput table: each system against the first one (the reference).
+pub fn table(results: &[SystemResult], nodes: u32) -> String {
+    let mut s = String::new();
+    let reference = results.first();
+    let _ =
+        writeln!(s, "{:<16} {:<34} {:>12} {:>14} {:>9}", "system", "deployment", "P90 goodput", "req/s/node", "ratio");
+    for r in results {
+        match &r.deployment {
+            Ok(d) => {
+                let ratio = match reference {
+                    Some(f) if r.goodput > 0.0 => format!("{:.2}×", f.goodput / r.goodput),
+                    _ => "∞".into(),
+                };
+                let _ = writeln!(
+                    s,
+                    "{:<16} {:<34} {:>12.3} {:>14.3} {:>9}",
+                    r.system.name(),
+                    d.label,
+                    r.goodput,
+                    r.goodput / f64::from(nodes),
+                    ratio
+                );
+            }
+            Err(why) => {
+                let _ = writeln!(s, "{:<16} not run: {why}", r.system.name());
+            }
+        }
+    }
+    if let Some(f) = reference {
+        let _ = writeln!(s, "ratio = {} goodput / system goodput", f.system.name());
+    }
+    s
+}
+
+const COLORS: [&str; 8] = ["#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#ff7f0e"];
+
+/// SLO attainment against request rate per node, one line per system, with
+/// the 90% goodput line.
+pub fn svg(results: &[SystemResult], nodes: u32, title: &str) -> String {
+    let (w, h, l, r, t, b) = (720.0, 440.0, 60.0, 210.0, 40.0, 50.0);
+    let (pw, ph) = (w - l - r, h - t - b);
+    let xmax = results.iter().flat_map(|r| r.curve.iter().map(|p| p.rate)).fold(0.0, f64::max) / f64::from(nodes);
+    let xmax = if xmax > 0.0 { xmax } else { 1.0 };
+    let x = |v: f64| l + pw * v / xmax;
+    let y = |a: f64| t + ph * (1.0 - a);
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">"
+    );
+    let _ = writeln!(s, "<rect width=\"{w}\" height=\"{h}\" fill=\"white\"/>");
+    let _ = writeln!(
+        s,
+        "<text x=\"{}\" y=\"22\" text-anchor=\"middle\" font-size=\"14\">{}</text>",
+        l + pw / 2.0,
+        xml(title)
+    );
+    for i in 0..=5 {
+        let a = f64::from(i) / 5.0;
+        let _ = writeln!(
+            s,
+            "<line x1=\"{l}\" x2=\"{:.1}\" y1=\"{:.1}\" y2=\"{:.1}\" stroke=\"#ddd\"/><text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{:.0}%</text>",
+            l + pw,
+            y(a),
+            y(a),
+            l - 6.0,
+            y(a) + 4.0,
+            a * 100.0
+        );
+        let v = xmax * f64::from(i) / 5.0;
+        let _ =
+            writeln!(s, "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{}</text>", x(v), t + ph + 18.0, trim(v));
+    }
+    let _ = writeln!(
+        s,
+        "<line x1=\"{l}\" x2=\"{:.1}\" y1=\"{:.1}\" y2=\"{:.1}\" stroke=\"black\" stroke-dasharray=\"4 3\"/><text x=\"{:.1}\" y=\"{:.1}\">90% SLO</text>",
+        l + pw,
+        y(0.9),
+        y(0.9),
+        l + 4.0,
+        y(0.9) - 4.0
+    );
+    let _ = writeln!(
+        s,
+        "<rect x=\"{l}\" y=\"{t}\" width=\"{pw}\" height=\"{ph}\" fill=\"none\" stroke=\"black\"/>\n<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">Request rate (req/s/node)</text>\n<text transform=\"translate(16 {:.1}) rotate(-90)\" text-anchor=\"middle\">SLO attainment</text>",
+        l + pw / 2.0,
+        h - 12.0,
+        t + ph / 2.0
+    );
+    for (i, res) in results.iter().filter(|r| !r.curve.is_empty()).enumerate() {
+        let c = COLORS[i % COLORS.len()];
+        let pts: Vec<String> =
+            res.curve.iter().map(|p| format!("{:.1},{:.1}", x(p.rate / f64::from(nodes)), y(p.attainment))).collect();
+        let _ = writeln!(s, "<polyline fill=\"none\" stroke=\"{c}\" stroke-width=\"2\" points=\"{}\"/>", pts.join(" "));
+        let ly = t + 14.0 + 18.0 * i as f64;
+        let label = match &res.deployment {
+            Ok(d) => format!("{} ({})", res.system.name(), d.label),
+            Err(_) => res.system.name().to_string(),
+        };
+        let _ = writeln!(
+            s,
+            "<line x1=\"{:.1}\" x2=\"{:.1}\" y1=\"{ly:.1}\" y2=\"{ly:.1}\" stroke=\"{c}\" stroke-width=\"2\"/><text x=\"{:.1}\" y=\"{:.1}\" font-size=\"10\">{}</text>",
+            l + pw + 10.0,
+            l + pw + 28.0,
+            l + pw + 32.0,
+            ly + 4.0,
+            xml(&label)
+        );
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+fn trim(v: f64) -> String {
+    let s = format!("{v:.2}");
+    s.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
+fn xml(s: &str) -> String {
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+}
+
+/// One RL rollout step (Moebius §6.3): `n` prompts at once, every one
+/// decoded to its length; the step's completion time per system.
+#[derive(Clone, Debug)]
+pub struct RolloutResult {
+    pub system: System,
+    pub deployment: Result<Deployment, String>,
+    /// Seconds until the last request finished.
+    pub seconds: f64,
+}
+
+impl Bench<'_> {
+    /// Runs one rollout step on static TP, static EP and Moebius (starting
+    /// in EP, the rollout setting: the batch only drains).
+    pub fn rollout(&self, n: usize, seed: u64) -> Vec<RolloutResult> {
+        let reqs = super::workload::rollout_step(&self.spec.deploys[0].workload, n, seed);
+        [System::StaticTp, System::StaticEp, System::Moebius]
+            .into_iter()
+            .map(|system| {
+                let dep = self.deployments(system).and_then(|d| d.into_iter().next().ok_or("no deployment".into()));
+                match dep {
+                    Ok(mut dep) => {
+                        if let super::Phases::Unified { switch: Some(s), .. } = &mut dep.phases {
+                            s.start = moeforge_codegen::memory_plan::Mode::Ep;
+                        }
+                        let out = self.simulate(&dep, &reqs);
+                        let seconds = if out.iter().all(|o| o.finish.is_some()) {
+                            out.iter().filter_map(|o| o.finish).fold(0.0, f64::max)
+                        } else {
+                            f64::INFINITY
+                        };
+                        RolloutResult { system, deployment: Ok(dep), seconds }
+                    }
+                    Err(why) => RolloutResult { system, deployment: Err(why), seconds: f64::INFINITY },
+                }
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,170 @@
+//! Request streams: arrivals and lengths drawn from the deployment's
+//! workload, seeded and reproducible.
+//!
+//! Arrivals are Poisson, or gamma-bursty as vLLM's benchmark draws them
+//! (shape b, scale 1/(rate·b): the mean gap stays 1/rate, b < 1 clumps).
+//! Gaps are drawn at unit rate and divided by the rate, so two rates with one
+//! seed see the same requests, only time-scaled: attainment curves and the
+//! goodput bisection compare like with like.
+//!
+//! Length presets (means match `moeforge_codegen::workload`, which the
+//! layout search uses):
+//! - ShareGPT-like: log-normal, σ = 1, means 240 in / 210 out.
+//! - LooGLE-like: inputs log-normal around 14.5k (σ = 0.5, 2k–32k), short outputs.
+//! - RL rollout (Moebius §6.3): inputs median 120, outputs median 1510 with
+//!   a p99 near 10k, capped at 32768.
+
+use moeforge_codegen::rng::SplitMix64;
+use moeforge_dsl::spec::{ArrivalProcess, LengthDist, Workload};
+
+/// One request: arrival time (s) and token counts.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Req {
+    pub arrival: f64,
+    pub input: u32,
+    /// Output tokens including the first (≥ 2, so TPOT is defined).
+    pub output: u32,
+}
+
+impl Req {
+    /// Tokens the request's KV holds when it finishes (its reservation).
+    pub fn reserve(&self) -> f64 {
+        f64::from(self.input + self.output)
+    }
+}
+
+fn uniform(rng: &mut SplitMix64) -> f64 {
+    ((rng.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+}
+
+fn normal(rng: &mut SplitMix64) -> f64 {
+    let (u1, u2) = (uniform(rng), uniform(rng));
+    (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+}
+
+fn lognormal(rng: &mut SplitMix64, median: f64, sigma: f64) -> f64 {
+    median * (sigma * normal(rng)).exp()
+}
+
+/// Gamma(shape, 1) by Marsaglia–Tsang (with the boost for shape < 1).
+fn gamma(rng: &mut SplitMix64, shape: f64) -> f64 {
+    if shape < 1.0 {
+        let u = uniform(rng);
+        return gamma(rng, shape + 1.0) * u.powf(1.0 / shape);
+    }
+    let d = shape - 1.0 / 3.0;
+    let c = 1.0 / (9.0 * d).sqrt();
+    loop {
+        let x = normal(rng);
+        let v = (1.0 + c * x).powi(3);
+        if v > 0.0 && uniform(rng).ln() < 0.5 * x * x + d - d * v + d * v.ln() {
+            return d * v;
+        }
+    }
+}
+
+fn length(rng: &mut SplitMix64, d: &LengthDist, input: bool) -> u32 {
+    let v = match (d, input) {
+        (LengthDist::Fixed { value }, _) => f64::from(*value),
+        (LengthDist::Uniform { min, max }, _) => f64::from(*min) + uniform(rng) * f64::from(max - min),
+        (LengthDist::Lognormal { mean, sigma, max }, _) => {
+            lognormal(rng, mean / (sigma * sigma / 2.0).exp(), *sigma).min(f64::from(*max))
+        }
+        // Median = mean / e^{σ²/2}.
+        (LengthDist::Sharegpt, true) => lognormal(rng, 145.0, 1.0).clamp(4.0, 4096.0),
+        (LengthDist::Sharegpt, false) => lognormal(rng, 127.0, 1.0).clamp(2.0, 2048.0),
+        (LengthDist::Loogle, true) => lognormal(rng, 14500.0, 0.5).clamp(2048.0, 32768.0),
+        (LengthDist::Loogle, false) => lognormal(rng, 68.0, 0.6).clamp(2.0, 512.0),
+        (LengthDist::Rollout, true) => lognormal(rng, 120.0, 0.6).clamp(8.0, 1352.0),
+        (LengthDist::Rollout, false) => lognormal(rng, 1510.0, 0.83).clamp(2.0, 32768.0),
+    };
+    v.round().max(1.0) as u32
+}
+
+/// `n` requests at mean `rate` req/s.
+pub fn requests(w: &Workload, n: usize, rate: f64, seed: u64) -> Vec<Req> {
+    let mut rng = SplitMix64(seed);
+    let mut t = 0.0;
+    (0..n)
+        .map(|_| {
+            let unit_gap = match w.arrival.process {
+                ArrivalProcess::Poisson => -uniform(&mut rng).ln(),
+                ArrivalProcess::Gamma { burstiness } => gamma(&mut rng, burstiness) / burstiness,
+            };
+            t += unit_gap / rate;
+            let input = length(&mut rng, &w.input, true);
+            let output = length(&mut rng, &w.output, false).max(2);
+            Req { arrival: t, input, output }
+        })
+        .collect()
+}
+
+/// One RL rollout step (Moebius §6.3): `n` prompts submitted at once.
+pub fn rollout_step(w: &Workload, n: usize, seed: u64) -> Vec<Req> {
+    let mut reqs = requests(w, n, 1.0, seed);
+    reqs.iter_mut().for_each(|r| r.arrival = 0.0);
+    reqs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use moeforge_dsl::spec::Arrival;
+
+    fn workload(len: LengthDist, process: ArrivalProcess) -> Workload {
+        Workload { input: len, output: len, arrival: Arrival { process, rate: 1.0 } }
+    }
+
+    fn mean(xs: impl Iterator<Item = f64>) -> f64 {
+        let v: Vec<f64> = xs.collect();
+        v.iter().sum::<f64>() / v.len() as f64
+    }
+
+    #[test]
+    fn preset_means_match_the_search_means() {
+        use moeforge_codegen::workload::{mean as preset, Side};
+        for d in [LengthDist::Sharegpt, LengthDist::Loogle, LengthDist::Rollout] {
+            let r = requests(&workload(d, ArrivalProcess::Poisson), 40_000, 1.0, 3);
+            let (i, o) = (mean(r.iter().map(|r| f64::from(r.input))), mean(r.iter().map(|r| f64::from(r.output))));
+            let (pi, po) = (preset(&d, Side::Input), preset(&d, Side::Output));
+            assert!((i / pi - 1.0).abs() < 0.15, "{d:?} input mean {i} vs {pi}");
+            assert!((o / po - 1.0).abs() < 0.15, "{d:?} output mean {o} vs {po}");
+        }
+    }
+
+    #[test]
+    fn rollout_outputs_are_heavy_tailed_as_moebius_reports() {
+        let r = requests(&workload(LengthDist::Rollout, ArrivalProcess::Poisson), 20_000, 1.0, 5);
+        let mut out: Vec<u32> = r.iter().map(|r| r.output).collect();
+        out.sort_unstable();
+        let (median, p99) = (out[out.len() / 2], out[out.len() * 99 / 100]);
+        assert!((1300..1700).contains(&median), "median {median}");
+        assert!((8000..13000).contains(&p99), "p99 {p99}");
+    }
+
+    #[test]
+    fn arrivals_have_the_requested_rate_and_gamma_is_burstier() {
+        let cv = |process| {
+            let r = requests(&workload(LengthDist::Sharegpt, process), 40_000, 4.0, 9);
+            let gaps: Vec<f64> = r.windows(2).map(|w| w[1].arrival - w[0].arrival).collect();
+            let m = gaps.iter().sum::<f64>() / gaps.len() as f64;
+            let var = gaps.iter().map(|g| (g - m) * (g - m)).sum::<f64>() / gaps.len() as f64;
+            (m, var.sqrt() / m)
+        };
+        let (m_p, cv_p) = cv(ArrivalProcess::Poisson);
+        let (m_g, cv_g) = cv(ArrivalProcess::Gamma { burstiness: 0.25 });
+        assert!((m_p * 4.0 - 1.0).abs() < 0.03 && (m_g * 4.0 - 1.0).abs() < 0.05, "{m_p} {m_g}");
+        // Poisson gaps have CV 1; gamma with shape b has CV 1/√b = 2.
+        assert!((cv_p - 1.0).abs() < 0.05 && (cv_g - 2.0).abs() < 0.2, "{cv_p} {cv_g}");
+    }
+
+    #[test]
+    fn one_seed_gives_time_scaled_streams_at_two_rates() {
+        let w = workload(LengthDist::Sharegpt, ArrivalProcess::Gamma { burstiness: 0.5 });
+        let (a, b) = (requests(&w, 100, 1.0, 1), requests(&w, 100, 4.0, 1));
+        for (x, y) in a.iter().zip(&b) {
+            assert_eq!((x.input, x.output), (y.input, y.output));
+            assert!((x.arrival - 4.0 * y.arrival).abs() < 1e-9);
+        }
+    }
+}

@@ -1,0 +1,233 @@
+//! The serving simulator (runtime `sim` backend): the mechanisms each
+//! comparison rests on, checked directly.
+
+#![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use moeforge::codegen::{plan_deployment, ValidPlan};
+use moeforge::dsl::spec::DeployId;
+use moeforge::dsl::{check_paths, Checked, FsLoader, Spec};
+use moeforge::runtime::sim::model::{Load, MoeSide, Sms};
+use moeforge::runtime::sim::report::{attainment, Probe};
+use moeforge::runtime::sim::workload::Req;
+use moeforge::runtime::sim::{Bench, Deployment, Phases, Sharing, System};
+
+struct Fixture {
+    spec: Spec,
+    planned: ValidPlan,
+}
+
+fn fixture(name: &str) -> Fixture {
+    let checked: Checked = check_paths(&[common::root().join(format!("examples/{name}.moe"))], &FsLoader)
+        .unwrap_or_else(|f| panic!("{}", f.render(false)));
+    let planned = plan_deployment(&checked, DeployId(0)).unwrap_or_else(|d| panic!("{d:?}"));
+    Fixture { spec: checked.spec.deployment(DeployId(0)), planned }
+}
+
+impl Fixture {
+    fn bench(&self) -> Bench<'_> {
+        Bench::new(&self.spec, self.planned.plan())
+    }
+}
+
+fn one(b: &Bench, s: System) -> Deployment {
+    b.deployments(s).unwrap_or_else(|e| panic!("{s:?}: {e}")).remove(0)
+}
+
+fn req(arrival: f64, input: u32, output: u32) -> Req {
+    Req { arrival, input, output }
+}
+
+#[test]
+fn pd_duplicates_experts_and_holds_less_kv_than_sharing() {
+    let f = fixture("minimax-m2-h800");
+    let b = f.bench();
+    let pd = one(&b, System::PdDisagg);
+    let xp = one(&b, System::ExpertPlex);
+    let co = one(&b, System::Colocated);
+    // 230 GB of fp8 weights need 4 of the 80 GB GPUs: 1P1D × DP4EP4, as the paper deploys it.
+    assert_eq!(pd.label, "1P1D × DP4EP4");
+    assert_eq!((pd.expert_copies, xp.expert_copies, co.expert_copies), (2, 1, 1));
+    // The decode instance's 4 GPUs each hold a quarter of the model; ExpertPlex's
+    // decode servers hold only the non-routed weights.
+    let per_gpu = |d: &Deployment| match &d.phases {
+        Phases::Split { decode, .. } => decode.kv_per_group,
+        Phases::Unified { ep, .. } => ep.unwrap().kv_per_group,
+    };
+    assert!(per_gpu(&pd) < 0.5 * per_gpu(&xp), "{} vs {}", per_gpu(&pd), per_gpu(&xp));
+    assert!(per_gpu(&pd) < per_gpu(&co));
+    assert!(pd.decode_kv_tokens < co.decode_kv_tokens);
+    // GLM-5 needs a 16-GPU unit; 24 GPUs cannot hold two: PD is refused with the reason.
+    let g = fixture("glm-5-h800x24");
+    let err = g.bench().deployments(System::PdDisagg).unwrap_err();
+    assert!(err.contains("needs 16 GPUs"), "{err}");
+}
+
+#[test]
+fn tp_replicates_kv_heads_and_the_dual_plan_gives_both_capacities() {
+    let f = fixture("qwen3-235b-a22b-h200");
+    let b = f.bench();
+    let (tp, ep) = (one(&b, System::StaticTp), one(&b, System::StaticEp));
+    let mem = &f.planned.plan().memory;
+    // Capacities come from the memory plan: 4 KV heads on 8 ranks replicate ×2.
+    assert_eq!(tp.decode_kv_tokens, mem.kv.tp.as_ref().unwrap().capacity_tokens as f64);
+    assert_eq!(ep.decode_kv_tokens, mem.kv.ep.capacity_tokens as f64);
+    assert!((ep.decode_kv_tokens / tp.decode_kv_tokens - 2.0).abs() < 0.01);
+    // A plan without `switch` has no TP mode: the systems needing one say why.
+    let m = fixture("minimax-m2-h800");
+    let err = m.bench().deployments(System::Moebius).unwrap_err();
+    assert!(err.contains("EP-only"), "{err}");
+}
+
+#[test]
+fn a_lone_request_sees_exactly_the_modeled_iterations() {
+    let f = fixture("minimax-m2-h800");
+    let b = f.bench();
+    let e = &b.env;
+    let co = one(&b, System::Colocated);
+    let out = b.simulate(&co, &[req(1.0, 500, 11)]);
+    let Phases::Unified { ep: Some(ep), .. } = co.phases else { panic!() };
+    let mut loads = vec![Load::default(); ep.groups as usize];
+    loads[0].chunks.push((500.0, 0.0));
+    let prefill = e.iteration(&loads, 1, 1.0, ep.moe, Sms::all(e.cm.sms), 0.0).seconds;
+    assert!((out[0].ttft.unwrap() - prefill).abs() < 1e-12);
+    // Ten decode iterations with 501..=510 cached tokens.
+    let decode: f64 = (0..10)
+        .map(|i| {
+            let mut l = vec![Load::default(); ep.groups as usize];
+            l[0] = Load { decode: 1.0, ctx: 500.0 + f64::from(i), chunks: Vec::new() };
+            e.iteration(&l, 1, 1.0, ep.moe, Sms::all(e.cm.sms), 0.0).seconds
+        })
+        .sum();
+    assert!((out[0].tpot.unwrap() - decode / 10.0).abs() < 1e-12);
+    assert!((out[0].finish.unwrap() - (1.0 + prefill + decode)).abs() < 1e-9);
+}
+
+#[test]
+fn colocated_prefill_stalls_decode_but_expertplex_decode_keeps_going() {
+    let f = fixture("minimax-m2-h800");
+    let b = f.bench();
+    // A request decoding 200 tokens; long prompts keep arriving while it runs.
+    let mut reqs = vec![req(0.0, 200, 200)];
+    reqs.extend((0..400).map(|i| req(0.1 + 0.02 * f64::from(i), 8000, 2)));
+    let alone = |s| b.simulate(&one(&b, s), &reqs[..1])[0].tpot.unwrap();
+    let shared = |s| b.simulate(&one(&b, s), &reqs)[0].tpot.unwrap();
+    let (co_alone, co_shared) = (alone(System::Colocated), shared(System::Colocated));
+    let (xp_alone, xp_shared) = (alone(System::ExpertPlex), shared(System::ExpertPlex));
+    // Colocated runs the prompts' prefill iterations between the decode steps.
+    assert!(co_shared > 1.5 * co_alone, "colocated {co_alone} → {co_shared}");
+    // ExpertPlex's decode servers keep iterating; under contention APK holds
+    // q' = ⌈q·x/x*⌉ SMs for decode, sized so that decode's MoE takes what the
+    // search budgeted: the TPOT stays inside the SLO.
+    let tpot = f.spec.deploys[0].slo.tpot;
+    eprintln!("colocated {co_alone} → {co_shared}; expertplex {xp_alone} → {xp_shared}");
+    assert!(xp_shared > xp_alone && xp_shared <= tpot, "expertplex {xp_alone} → {xp_shared}");
+    assert!(co_shared > tpot, "colocated {co_shared}");
+}
+
+#[test]
+fn apk_preemption_waits_at_most_one_tile_and_q_scales_with_the_footprint() {
+    let f = fixture("minimax-m2-h800");
+    let b = f.bench();
+    let e = &b.env;
+    let side = MoeSide::Ep { gpus: 4, replicas: 1, local: 1.0, disaggregated: true };
+    let sms = f64::from(e.cm.sms);
+    let alone = e.moe(512.0, side, false, Sms { alone: 99.0, shared: 99.0, contention: 0.0, preempt: 0.0 });
+    let contended =
+        e.moe(512.0, side, false, Sms { alone: sms, shared: 99.0, contention: 1.0, preempt: e.tile_seconds });
+    // Under contention decode holds q SMs and starts within one prefill tile.
+    assert!((contended - alone - e.tile_seconds).abs() < 1e-12);
+    assert!(e.tile_seconds > 0.0 && e.tile_seconds < 1e-4, "{}", e.tile_seconds);
+    // More decode rows → larger footprint → larger q' (Eq. 4).
+    let xp = one(&b, System::ExpertPlex);
+    let Phases::Split { sharing: Sharing::Apk { x_star, .. }, .. } = xp.phases else { panic!() };
+    assert!(x_star > 0.0);
+    assert!(e.decode_footprint(64.0, side) < e.decode_footprint(4096.0, side));
+}
+
+#[test]
+fn chunked_prefill_pays_for_every_chunk() {
+    let f = fixture("minimax-m2-h800");
+    let b = f.bench();
+    let long = [req(0.0, 16000, 2)];
+    let ttft = |d: &Deployment| b.simulate(d, &long)[0].ttft.unwrap();
+    let whole = ttft(&one(&b, System::Colocated));
+    let chunked: Vec<(String, f64)> =
+        b.deployments(System::ChunkedPrefill).unwrap().iter().map(|d| (d.label.clone(), ttft(d))).collect();
+    // Each chunk re-reads the weights and its prefix KV: smaller chunks, longer prefill.
+    for w in chunked.windows(2) {
+        assert!(w[0].1 > w[1].1, "{chunked:?}");
+    }
+    assert!(chunked[0].1 > whole, "{chunked:?} vs whole {whole}");
+}
+
+#[test]
+fn green_context_never_lends_its_partition() {
+    let f = fixture("minimax-m2-h800");
+    let b = f.bench();
+    let greens = b.deployments(System::GreenContext).unwrap();
+    // A lone decode gets the same TPOT whatever prefill is doing: its share is fixed.
+    let r = [req(0.0, 300, 50)];
+    let mut last = f64::INFINITY;
+    for g in &greens {
+        let Phases::Split { sharing: Sharing::Green { prefill_share }, .. } = g.phases else { panic!() };
+        let tpot = b.simulate(g, &r)[0].tpot.unwrap();
+        // A larger decode share (smaller prefill share) gives a faster lone decode.
+        assert!(prefill_share > 0.0 && prefill_share < 1.0);
+        if last.is_finite() {
+            assert!(tpot > last, "{}: {tpot} vs {last}", g.label);
+        }
+        last = tpot;
+    }
+}
+
+#[test]
+fn moebius_beats_both_static_layouts_on_a_rollout_step() {
+    let f = fixture("qwen3-235b-a22b-h200");
+    let b = f.bench();
+    let r = b.rollout(512, 7);
+    let t = |s: System| r.iter().find(|x| x.system == s).unwrap().seconds;
+    let (tp, ep, mo) = (t(System::StaticTp), t(System::StaticEp), t(System::Moebius));
+    assert!(tp.is_finite() && ep.is_finite(), "{tp} {ep}");
+    // EP clears the burst, TP the tail; switching once takes both.
+    assert!(mo < tp.min(ep), "moebius {mo} vs tp {tp}, ep {ep}");
+}
+
+#[test]
+fn every_request_is_served_once_and_in_order_of_its_own_timeline() {
+    for name in ["minimax-m2-h800", "qwen3-235b-a22b-bursty"] {
+        let f = fixture(name);
+        let b = f.bench();
+        let reqs = moeforge::runtime::sim::workload::requests(&f.spec.deploys[0].workload, 300, 20.0, 3);
+        for s in System::ALL {
+            let Ok(deps) = b.deployments(s) else { continue };
+            let out = b.simulate(&deps[0], &reqs);
+            for (r, o) in reqs.iter().zip(&out) {
+                let (Some(ttft), Some(tpot), Some(fin)) = (o.ttft, o.tpot, o.finish) else {
+                    panic!("{name} {s:?}: request {r:?} unserved: {o:?}")
+                };
+                assert!(ttft > 0.0 && tpot > 0.0, "{name} {s:?}: {o:?}");
+                let first = r.arrival + ttft;
+                assert!((fin - first - tpot * f64::from(r.output - 1)).abs() < 1e-6, "{name} {s:?}: {o:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn goodput_is_a_rate_that_meets_the_slos_and_results_are_deterministic() {
+    let f = fixture("minimax-m2-h800");
+    let b = f.bench();
+    let probe = Probe { seconds: 20.0, seed: 5 };
+    let dep = one(&b, System::ExpertPlex);
+    let g = b.goodput(&dep, 5.0, probe);
+    assert!(g > 0.0);
+    assert!(b.point(&dep, g, probe).attainment >= 0.9);
+    assert_eq!(g, b.goodput(&dep, 5.0, probe));
+    // Far above it the SLOs fail for most requests.
+    let over = b.point(&dep, 4.0 * g, probe);
+    assert!(over.attainment < 0.9, "{over:?}");
+    let slo = &f.spec.deploys[0].slo;
+    assert_eq!(attainment(slo, &[]), 0.0);
+}
