@@ -577,7 +577,7 @@ pub enum LengthDist {
     Sharegpt,
     /// LooGLE-like long documents.
     Loogle,
-    /// RL rollout: 2048-token prompts, heavy-tailed outputs up to a cap.
+    /// RL rollout (Moebius §6.3): short prompts (median 120), heavy-tailed outputs (median 1510) up to 32k.
     Rollout,
 }
 
