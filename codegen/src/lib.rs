@@ -132,6 +132,8 @@ pub fn plan_deployment_with(checked: &Checked, id: DeployId, opts: &PlanOptions)
     if matches!(d.strategy, moeforge_dsl::spec::Strategy::Expertplex | moeforge_dsl::spec::Strategy::Auto) {
         plan.search = Some(passes::search::run(spec, d, &plan.cost));
     }
+    let apks = passes::kernels::apk(spec, d, &plan.ranks, plan.search.as_ref());
+    plan.kernels.extend(apks);
     let loads = opts.loads.as_ref().map(|(l, digest)| (l.as_slice(), digest.as_str()));
     plan.placement = passes::place::run(spec, d, &plan.cost, loads).map_err(|e| {
         let ds = &checked.spans.deploys[id.index()];

@@ -119,6 +119,39 @@ pub struct KernelInstance {
 pub enum KernelParams {
     Router(RouterParams),
     Permute(PermuteParams),
+    Apk(ApkParams),
+}
+
+/// The Adaptive Persistent Kernel of the MoE ranks holding `local_experts`
+/// experts (ExpertPlex §4): GateUp → SiLU·mul → Down for both phases.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ApkParams {
+    pub hidden: u32,
+    /// Expert intermediate size I.
+    pub inter: u32,
+    pub local_experts: u32,
+    pub top_k: u32,
+    /// Tile heights M_t of the prefill (contiguous) and decode (masked) layouts.
+    pub m_t_prefill: u32,
+    pub m_t_decode: u32,
+    /// Output columns of one CTA tile: GateUp (half gate, half up) and Down.
+    pub n_t_gate_up: u32,
+    pub n_t_down: u32,
+    /// CTAs per cluster (1 where the GPU has no clusters).
+    pub cluster_size: u32,
+    /// Clusters the grid may have: SMs / cluster size.
+    pub max_clusters: u32,
+    /// Contiguous prefill rows the buffers hold (padding included) and
+    /// masked decode rows per expert.
+    pub max_prefill_rows: u32,
+    pub max_decode_rows: u32,
+    /// Decode's SM budget under contention, its cap, and the footprint it was sized for.
+    pub q: u32,
+    pub q_max: u32,
+    pub x_star: f64,
+    pub threads: u32,
+    /// The MoE ranks that run this kernel.
+    pub ranks: Vec<u32>,
 }
 
 /// Router: scores → top-k expert ids and weights, one warp per token.

@@ -75,6 +75,20 @@ pub fn check(plan: &Plan) -> Vec<Violation> {
                     bad(format!("permute constants inconsistent: {p:?}"));
                 }
             }
+            KernelParams::Apk(a) => {
+                let tiles_ok = a.m_t_prefill > 0 && a.m_t_decode > 0 && a.n_t_gate_up % 2 == 0 && a.n_t_down > 0;
+                let shape_ok = a.local_experts > 0 && a.local_experts <= plan.layout.max_experts_per_rank;
+                let q_ok = a.q >= a.cluster_size && a.q <= plan.cluster.sms && a.q_max < plan.cluster.sms;
+                if !(tiles_ok && shape_ok && q_ok && a.max_prefill_rows % a.m_t_prefill == 0 && a.x_star > 0.0) {
+                    bad(format!("APK constants inconsistent: {a:?}"));
+                }
+                for &r in &a.ranks {
+                    let held = plan.ranks.get(r as usize).map(|x| x.experts[1] - x.experts[0]);
+                    if held != Some(a.local_experts) {
+                        bad(format!("APK for {} experts assigned to rank {r}, which holds {held:?}", a.local_experts));
+                    }
+                }
+            }
         }
         if k.entries.is_empty() {
             bad(format!("kernel `{}` has no entry point", k.name));

@@ -8,6 +8,7 @@ use crate::validate::ValidPlan;
 
 const ROUTER: &str = include_str!("../../../templates/router.cu.tera");
 const PERMUTE: &str = include_str!("../../../templates/permute.cu.tera");
+const APK: &str = include_str!("../../../templates/apk.cu.tera");
 
 #[derive(Debug, thiserror::Error)]
 #[error("template `{template}` failed: {message}")]
@@ -39,6 +40,11 @@ pub fn render(plan: &ValidPlan, k: &KernelInstance) -> Result<String, TemplateEr
         KernelParams::Permute(p) => {
             ctx.insert("p", p);
             ("permute.cu", PERMUTE)
+        }
+        KernelParams::Apk(p) => {
+            ctx.insert("p", p);
+            ctx.insert("x_star", &float_literal(p.x_star));
+            ("apk.cu", APK)
         }
     };
     let err = |e: tera::Error| {

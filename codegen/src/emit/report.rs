@@ -78,11 +78,15 @@ pub fn render(plan: &Plan, toolchain: &Toolchain<'_>) -> String {
             let _ = writeln!(s, "Not compiled: {why}.\n");
         }
     }
+    if let Some(why) = crate::passes::kernels::apk_missing(plan.model.expert_dtype) {
+        let _ = writeln!(s, "> {why}\n");
+    }
     for k in &plan.kernels {
         let _ = writeln!(s, "### `kernels/{}.cu`: {}\n", k.name, k.purpose);
         let consts = match &k.params {
             KernelParams::Router(p) => serde_json::to_value(p),
             KernelParams::Permute(p) => serde_json::to_value(p),
+            KernelParams::Apk(p) => serde_json::to_value(p),
         };
         if let Ok(serde_json::Value::Object(map)) = consts {
             let row: Vec<String> = map.iter().map(|(k, v)| format!("{k} = {v}")).collect();

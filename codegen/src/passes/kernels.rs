@@ -1,14 +1,17 @@
 //! Kernel instance pass: which kernels this deployment needs and their
 //! specialization constants.
 //!
-//! v1 emits the routing path every MoE layer runs before and after the
-//! grouped GEMMs: the router (the model's scoring and top-k rule) and the
-//! token permutation into the prefill phase's expert-contiguous layout, with
-//! its inverse for combine. The grouped GEMMs themselves (the Adaptive
-//! Persistent Kernel) are not emitted by this version.
+//! The routing path every MoE layer runs before and after the grouped GEMMs:
+//! the router (the model's scoring and top-k rule) and the token permutation
+//! into the prefill phase's expert-contiguous layout, with its inverse for
+//! combine. Then [`apk`]: the Adaptive Persistent Kernel per distinct MoE
+//! rank shape, which runs the grouped GEMMs of both phases.
 
-use crate::plan::{EntryPoint, KernelInstance, KernelParams, PermuteParams, RouterParams};
-use moeforge_dsl::spec::{Deploy, Routing, Spec};
+use crate::cost::expected_x_moe;
+use crate::passes::search::SearchResult;
+use crate::passes::unified::MAX_BATCH_TOKENS;
+use crate::plan::{ApkParams, EntryPoint, KernelInstance, KernelParams, PermuteParams, RankPlan, RouterParams};
+use moeforge_dsl::spec::{DType, Deploy, Routing, Spec};
 
 const ROUTER_WARPS: u32 = 4;
 /// 8 blocks of 128 threads per SM leaves 64 registers per thread, enough for
@@ -144,4 +147,103 @@ pub fn run(spec: &Spec, d: &Deploy, max_local: u32) -> Vec<KernelInstance> {
             ],
         },
     ]
+}
+
+/// Threads per APK CTA.
+const APK_THREADS: u32 = 128;
+/// Decode tokens one rank dispatches per step (DeepEP low-latency's default
+/// `num_max_dispatch_tokens_per_rank`): the masked layout holds this many
+/// rows per expert from every rank.
+pub const DECODE_TOKENS_PER_RANK: u32 = 128;
+/// Decode requests per rank the x*_moe footprint assumes without a layout search.
+const NOMINAL_DECODE_PER_RANK: f64 = 64.0;
+
+/// The APK is generated for bf16 experts only: why, for a report.
+pub fn apk_missing(experts: DType) -> Option<String> {
+    (experts != DType::Bf16).then(|| {
+        format!(
+            "No Adaptive Persistent Kernel: the experts are {} and this version's APK computes bf16 experts only (fp8 with block scales is not generated yet).",
+            experts.name()
+        )
+    })
+}
+
+/// One APK per distinct local expert count (ranks with the same count share
+/// a kernel; a rank's first expert is a run-time offset of its weights).
+/// Decode's SM budget q and x*_moe come from the layout search's best
+/// candidate when there is one: q as searched, x*_moe the expected decode
+/// footprint of its decode batch on these ranks; otherwise q is half the
+/// SMs and x*_moe that of 64 requests per rank.
+pub fn apk(spec: &Spec, d: &Deploy, ranks: &[RankPlan], search: Option<&SearchResult>) -> Vec<KernelInstance> {
+    let m = spec.model(d.model);
+    if apk_missing(m.dtype.experts).is_some() {
+        return Vec::new();
+    }
+    let c = spec.cluster(d.cluster);
+    let tiles = spec.tile_set(d.tiles);
+    let arch = c.gpu.arch;
+    let world = c.world_size();
+    let cluster_size = if arch.has_clusters() {
+        let [x, y] = tiles.prefill.gate_up.cluster;
+        (x * y).max(1)
+    } else {
+        1
+    };
+    let m_t_p = tiles.prefill.gate_up.block_m;
+    let m_t_d = tiles.decode.gate_up.block_m;
+    let round = |v: u32| v.div_ceil(cluster_size) * cluster_size;
+    let best = search.and_then(|s| s.ranked.first());
+    let q = best.map_or(round(c.gpu.sms / 2), |b| round(b.q)).clamp(cluster_size, c.gpu.sms);
+    let decode_batch = best.map_or(NOMINAL_DECODE_PER_RANK * f64::from(world), |b| f64::from(b.decode_batch));
+    let mut counts: Vec<u32> = ranks.iter().map(|r| r.experts[1] - r.experts[0]).filter(|&n| n > 0).collect();
+    counts.sort_unstable();
+    counts.dedup();
+    let many = counts.len() > 1;
+    counts
+        .into_iter()
+        .map(|local| {
+            let routed_rows = MAX_BATCH_TOKENS as u32 * m.moe.top_k + local * (m_t_p - 1);
+            let x_star = expected_x_moe(
+                decode_batch * f64::from(m.moe.top_k),
+                f64::from(m.moe.experts),
+                f64::from(local),
+                f64::from(m_t_d),
+            );
+            let params = ApkParams {
+                hidden: m.hidden,
+                inter: m.moe.expert_ffn,
+                local_experts: local,
+                top_k: m.moe.top_k,
+                m_t_prefill: m_t_p,
+                m_t_decode: m_t_d,
+                n_t_gate_up: tiles.prefill.gate_up.block_n,
+                n_t_down: tiles.prefill.down.block_n,
+                cluster_size,
+                max_clusters: c.gpu.sms / cluster_size,
+                max_prefill_rows: routed_rows.div_ceil(m_t_p) * m_t_p,
+                max_decode_rows: DECODE_TOKENS_PER_RANK * world,
+                q,
+                q_max: c.gpu.sms - cluster_size,
+                x_star: (x_star * 1000.0).round() / 1000.0,
+                threads: APK_THREADS,
+                ranks: ranks.iter().filter(|r| r.experts[1] - r.experts[0] == local).map(|r| r.rank).collect(),
+            };
+            let p = |s: &str| s.to_string();
+            KernelInstance {
+                name: if many { format!("apk_e{local}") } else { "apk".into() },
+                purpose: format!(
+                    "persistent grouped GEMMs (GateUp → SiLU·mul → Down) of {local} local experts for prefill and decode, tile-level preemption, decode q = {q} SMs"
+                ),
+                arch,
+                params: KernelParams::Apk(params),
+                entries: vec![EntryPoint {
+                    symbol: "moe_apk".into(),
+                    grid: format!("SMs rounded down to a multiple of {cluster_size} (launched once)"),
+                    block: APK_THREADS,
+                    dynamic_smem: 0,
+                    params: vec![p("const __grid_constant__ apk::Templates templates"), p("apk::State* state")],
+                }],
+            }
+        })
+        .collect()
 }

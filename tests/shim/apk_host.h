@@ -1,0 +1,100 @@
+// Host emulation of the APK's execution model: every CTA is one std::thread
+// (its "threads" run as one loop), a CTA cluster shares a std::barrier and a
+// table of its CTAs' shared-memory decision slots (distributed shared
+// memory), and the PTX scoped loads, stores and atomics map to std::atomic_ref
+// with the same orderings (the system and device scopes are both the process
+// here). Trace events go to per-thread logs stamped by a relaxed global
+// counter (the logical clock), which adds no synchronization ThreadSanitizer
+// could mistake for the kernel's own.
+#pragma once
+
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <thread>
+#include <vector>
+
+struct float2 {
+  float x, y;
+};
+#include "cuda_bf16.h"
+
+#define __device__
+#define __global__
+#define __forceinline__ inline
+
+inline float __expf(float x) { return std::exp(x); }
+inline float __bfloat162float(__nv_bfloat16 h) { return shim_bf16_to_float(h); }
+inline __nv_bfloat16 __float2bfloat16(float f) { return shim_float_to_bf16(f); }
+
+namespace apk_host {
+
+enum class Ev : uint32_t { post, instantiate, assign, read_assign, claim, start, end, op_done };
+
+struct Event {
+  uint64_t time;
+  Ev kind;
+  uint32_t cta, a, b, c;
+};
+
+inline std::atomic<uint64_t> clock{0};
+// Whether tiles compute (small shapes) or only schedule (full-size shapes).
+inline bool compute = true;
+inline thread_local std::vector<Event>* log = nullptr;
+inline thread_local uint32_t cta = 0;
+inline thread_local uint32_t rank = 0;
+
+struct Cluster {
+  std::unique_ptr<std::barrier<>> barrier;
+  void* leader_slot = nullptr;
+};
+inline thread_local Cluster* cluster = nullptr;
+
+inline void trace(Ev kind, uint32_t a, uint32_t b, uint32_t c) {
+  const uint64_t t = clock.fetch_add(1, std::memory_order_relaxed);
+  if (log) log->push_back(Event{t, kind, cta, a, b, c});
+}
+
+template <typename T>
+inline std::atomic_ref<T> at(const T* p) {
+  return std::atomic_ref<T>(*const_cast<T*>(p));
+}
+
+}  // namespace apk_host
+
+#define APK_TRACE(kind, a, b, c) \
+  ::apk_host::trace(::apk_host::Ev::kind, static_cast<uint32_t>(a), static_cast<uint32_t>(b), static_cast<uint32_t>(c))
+
+namespace apk {
+inline uint32_t ld_acquire_sys(const uint32_t* p) { return apk_host::at(p).load(std::memory_order_acquire); }
+inline uint32_t ld_acquire_gpu(const uint32_t* p) { return apk_host::at(p).load(std::memory_order_acquire); }
+inline unsigned long long ld_relaxed_gpu64(const unsigned long long* p) {
+  return apk_host::at(p).load(std::memory_order_relaxed);
+}
+inline void st_release_sys(uint32_t* p, uint32_t v) { apk_host::at(p).store(v, std::memory_order_release); }
+inline void st_release_gpu(uint32_t* p, uint32_t v) { apk_host::at(p).store(v, std::memory_order_release); }
+inline void st_release_gpu64(unsigned long long* p, unsigned long long v) {
+  apk_host::at(p).store(v, std::memory_order_release);
+}
+inline uint32_t add_acq_rel_gpu(uint32_t* p, uint32_t v) { return apk_host::at(p).fetch_add(v, std::memory_order_acq_rel); }
+inline unsigned long long add_acq_rel_gpu64(unsigned long long* p, unsigned long long v) {
+  return apk_host::at(p).fetch_add(v, std::memory_order_acq_rel);
+}
+inline void backoff() { std::this_thread::yield(); }
+// One host thread computes the whole CTA tile; the cluster barrier orders it.
+inline void fence_tile_outputs() {}
+[[noreturn]] inline void fail() {
+  std::fprintf(stderr, "apk: operation exceeds the compiled buffers\n");
+  std::abort();
+}
+inline uint32_t cluster_rank() { return apk_host::rank; }
+inline void cluster_sync() { apk_host::cluster->barrier->arrive_and_wait(); }
+template <typename T>
+inline T read_leader(const T*) {
+  return *static_cast<const T*>(apk_host::cluster->leader_slot);
+}
+}  // namespace apk
