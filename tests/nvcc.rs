@@ -80,3 +80,35 @@ fn nvcc_errors_are_reported_with_the_kernel_name() {
     .unwrap_or_default();
     assert!(e.contains("kernels/warns.cu"), "a warning passed: {e}");
 }
+
+/// The GPU check's driver (scripts/gpu/apk_check.cu) builds, host code and
+/// all, around an emitted APK for both targets, so `scripts/gpu-check.sh`
+/// does not first fail on a device machine.
+#[test]
+fn the_gpu_check_driver_builds_around_emitted_apks() {
+    let Some(nvcc) = nvcc() else {
+        eprintln!("skipping: no nvcc");
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    for (example, gencode) in [
+        ("tiny-qwen3-cpu4", "-gencode=arch=compute_90a,code=sm_90a"),
+        ("mixtral-8x7b-a100", "-gencode=arch=compute_80,code=compute_80"),
+    ] {
+        let out = tmp.path().join(example);
+        let o = moeforge(
+            &["compile", &format!("examples/{example}.moe"), "-o", out.to_str().unwrap_or_default(), "--nvcc", "off"],
+            None,
+        );
+        assert!(o.status.success(), "{}", text(&o.stderr));
+        let o = std::process::Command::new(&nvcc)
+            .args([gencode, "-O3", "-std=c++17", "-Werror", "all-warnings"])
+            .arg(format!("-DKERNEL_SOURCE=\"{}\"", out.join("kernels/apk.cu").display()))
+            .arg("-o")
+            .arg(tmp.path().join(format!("{example}-check")))
+            .arg(root().join("scripts/gpu/apk_check.cu"))
+            .output()
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(o.status.success(), "{example}: {}", text(&o.stderr));
+    }
+}

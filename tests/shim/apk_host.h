@@ -91,6 +91,7 @@ inline void fence_tile_outputs() {}
   std::fprintf(stderr, "apk: operation exceeds the compiled buffers\n");
   std::abort();
 }
+inline unsigned long long now_ns() { return apk_host::clock.load(std::memory_order_relaxed); }
 inline uint32_t cluster_rank() { return apk_host::rank; }
 inline void cluster_sync() { apk_host::cluster->barrier->arrive_and_wait(); }
 template <typename T>

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# GPU check of the emitted Adaptive Persistent Kernels (issue 4).
+#
+#   scripts/gpu-check.sh --prepare     # here (needs cargo): compile the bf16 examples into gpu-bundles/
+#   scripts/gpu-check.sh [BUNDLE...]   # on a machine with an NVIDIA GPU, nvcc and PyTorch
+#
+# For each bundle's kernels/apk*.cu: builds scripts/gpu/apk_check.cu around it
+# (sm_90a, or PTX for compute_80 for sm_80 bundles), runs it (numerics of both
+# layouts against a float64 reference, prefill TFLOP/s, scheduling overhead
+# against the same tiles launched without the scheduler, decode latency alone
+# and with a prefill posted 10 µs before it, preemption delay), runs the
+# PyTorch/cuBLAS baseline on the same shapes, and writes one JSON line per
+# kernel to $OUT/gpu-check.jsonl (./gpu-check.jsonl without $OUT), then a table.
+# Numerics fail the run (exit 1) above a relative error of 1e-2.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [[ "${1:-}" == "--prepare" ]]; then
+  rm -rf gpu-bundles
+  for ex in qwen3-30b-a3b-h200 qwen3-235b-a22b-h200 glm-4.5-air-h200 mixtral-8x7b-a100 tiny-qwen3-cpu4; do
+    cargo run --release --quiet -- compile "examples/$ex.moe" -o "gpu-bundles/$ex" --nvcc off >/dev/null
+  done
+  echo "prepared: $(ls gpu-bundles | tr '\n' ' ')(carry gpu-bundles to the GPU machine)"
+  exit 0
+fi
+
+NVCC="${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}"
+OUT_DIR="${OUT:-.}"
+REPORT="$OUT_DIR/gpu-check.jsonl"
+BUILD="$(mktemp -d)"
+trap 'rm -rf "$BUILD"' EXIT
+mkdir -p "$OUT_DIR"
+: >"$REPORT"
+bundles=("$@")
+[[ ${#bundles[@]} -gt 0 ]] || bundles=(gpu-bundles/*)
+status=0
+for b in "${bundles[@]}"; do
+  [[ -f "$b/plan.json" ]] || { echo "skip $b: no plan.json"; continue; }
+  read -r arch top_k experts <<<"$(python3 -c '
+import json, sys
+p = json.load(open(sys.argv[1]))
+print(p["cluster"]["arch"], p["model"]["top_k"], p["model"]["experts"])' "$b/plan.json")"
+  case "$arch" in
+    sm90a) gencode="-gencode=arch=compute_90a,code=sm_90a" ;;
+    *) gencode="-gencode=arch=compute_80,code=compute_80" ;;
+  esac
+  for src in "$b"/kernels/apk*.cu; do
+    [[ -f "$src" ]] || continue
+    name="$(basename "$b")-$(basename "$src" .cu)"
+    bin="$BUILD/$name"
+    "$NVCC" $gencode -O3 -std=c++17 -DKERNEL_SOURCE="\"$(realpath "$src")\"" -o "$bin" scripts/gpu/apk_check.cu
+    read -r hidden inter local <<<"$(python3 -c '
+import json, sys
+p = json.load(open(sys.argv[1]))
+k = next(k for k in p["kernels"] if k["name"] == sys.argv[2])["params"]
+print(k["hidden"], k["inter"], k["local_experts"])' "$b/plan.json" "$(basename "$src" .cu)")"
+    # ExpertPlex §7.3: 8192 prefill tokens and 128 decode tokens, routed top-k over all experts.
+    if ! line="$("$bin" 8192 128 "$top_k" "$experts" 20 2>&1)"; then
+      echo "FAILED $name: $line"
+      status=1
+    fi
+    rows=$(( 8192 * top_k / experts ))
+    torch="$(python3 scripts/gpu/torch_grouped.py "$hidden" "$inter" "$local" "$rows" 20 || echo '{}')"
+    python3 -c '
+import json, sys
+a = json.loads(sys.argv[1]) if sys.argv[1].startswith("{") else {"error": sys.argv[1]}
+t = json.loads(sys.argv[2])
+a.update(t)
+a["kernel"] = sys.argv[3]
+if "torch_tflops" in t and "prefill_tflops" in a:
+    a["prefill_vs_cublas"] = a["prefill_tflops"] / t["torch_tflops"]
+print(json.dumps(a))' "$line" "$torch" "$name" >>"$REPORT"
+  done
+done
+python3 - "$REPORT" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+print(f"{'kernel':<40} {'err p/d':>17} {'TFLOP/s':>8} {'vs cuBLAS':>9} {'sched ovh':>9} {'dec slow':>8} {'pre slow':>8} {'preempt us':>10}")
+for r in rows:
+    if "error" in r:
+        print(f"{r['kernel']:<40} {r['error']}")
+        continue
+    print(f"{r['kernel']:<40} {r['rel_err_prefill']:8.1e}/{r['rel_err_decode']:8.1e} {r['prefill_tflops']:8.2f} "
+          f"{r.get('prefill_vs_cublas', float('nan')):9.3f} {r['scheduling_overhead']:9.3f} {r['decode_slowdown']:8.3f} "
+          f"{r['prefill_slowdown']:8.3f} {r['preemption_delay_us']:10.2f}")
+PY
+exit "$status"

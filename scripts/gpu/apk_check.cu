@@ -1,0 +1,330 @@
+// GPU check of one emitted Adaptive Persistent Kernel (scripts/gpu-check.sh
+// builds it with -DKERNEL_SOURCE="…/kernels/apk.cu"). Launches the
+// persistent grid once, posts operations through the mailboxes as the
+// attention side would, and prints one JSON object:
+//   numerics: ‖y − ref‖/‖ref‖ per layout against a float64 CPU reference on
+//             sampled rows (fresh random inputs, outputs poisoned first);
+//   prefill:  time and TFLOP/s of a prefill-shaped operation alone;
+//   static:   the same GEMMs as two plain launches of the same tile code
+//             (no scheduling): the scheduling overhead is APK / static − 1;
+//   decode:   latency alone, and with a prefill operation posted ~10 µs before
+//             it (ExpertPlex §7.3); the prefill's slowdown under sharing;
+//   preempt:  first decode tile claimed − decode instantiated, under contention.
+// Times come from the kernel's %globaltimer stamps (t_instantiated, t_first_claim, t_done).
+// Usage: apk_check TOKENS_PREFILL TOKENS_DECODE TOP_K EXPERTS_TOTAL REPEATS
+#include KERNEL_SOURCE
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#define CHECK(x)                                                                                   \
+  do {                                                                                             \
+    cudaError_t e_ = (x);                                                                          \
+    if (e_ != cudaSuccess) {                                                                       \
+      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorName(e_), __FILE__, __LINE__, \
+                   cudaGetErrorString(e_));                                                        \
+      std::exit(2);                                                                                \
+    }                                                                                              \
+  } while (0)
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+uint16_t to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+float from_bits(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// The same tile code without the scheduler: one CTA per (m-tile, column group), two launches.
+__global__ void __launch_bounds__(apk::kThreads) static_gate_up(apk::OpTemplate t, const uint32_t* row_begin,
+                                                                const uint32_t* counts, const uint32_t* mtile_expert,
+                                                                const uint32_t* mtile_index, int mt_rows) {
+  const int mtile = blockIdx.x, j0 = blockIdx.y * apk::kInterPerTile;
+  const int e = mtile_expert[mtile], mt = mtile_index[mtile];
+  const int r0 = row_begin[e] + mt * mt_rows;
+  const int r1 = min(r0 + mt_rows, static_cast<int>(row_begin[e] + counts[e]));
+  if (j0 < apk::kInter) apk::gate_up_tile(t, 0, e, r0, r1, j0, threadIdx.x, blockDim.x);
+}
+__global__ void __launch_bounds__(apk::kThreads) static_down(apk::OpTemplate t, const uint32_t* row_begin,
+                                                             const uint32_t* counts, const uint32_t* mtile_expert,
+                                                             const uint32_t* mtile_index, int mt_rows) {
+  const int mtile = blockIdx.x, h0 = blockIdx.y * apk::kNtDown;
+  const int e = mtile_expert[mtile], mt = mtile_index[mtile];
+  const int r0 = row_begin[e] + mt * mt_rows;
+  const int r1 = min(r0 + mt_rows, static_cast<int>(row_begin[e] + counts[e]));
+  if (h0 < apk::kHidden) apk::down_tile(t, 0, e, r0, r1, h0, threadIdx.x, blockDim.x);
+}
+
+struct Phase {
+  uint32_t rows_cap = 0;
+  bf16 *x = nullptr, *act = nullptr, *y = nullptr;
+};
+
+struct Run {
+  double inst_to_done_us, first_claim_us;
+  unsigned long long t_inst, t_first, t_done;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 6) {
+    std::fprintf(stderr, "usage: apk_check TOKENS_PREFILL TOKENS_DECODE TOP_K EXPERTS_TOTAL REPEATS\n");
+    return 2;
+  }
+  const int tokens_p = std::atoi(argv[1]), tokens_d = std::atoi(argv[2]), top_k = std::atoi(argv[3]);
+  const int experts_total = std::atoi(argv[4]), repeats = std::max(1, std::atoi(argv[5]));
+  const int H = apk::kHidden, I = apk::kInter, E = apk::kLocalExperts;
+  std::mt19937_64 rng(20261130);
+  cudaDeviceProp prop{};
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+
+  // Rows per local expert: each token routes to top_k of experts_total experts.
+  auto counts_for = [&](int tokens, int cap) {
+    std::vector<uint32_t> c(E, 0);
+    std::uniform_int_distribution<int> pick(0, experts_total - 1);
+    for (int t = 0; t < tokens; ++t) {
+      std::vector<int> chosen;
+      while (static_cast<int>(chosen.size()) < top_k) {
+        const int e = pick(rng);
+        if (std::find(chosen.begin(), chosen.end(), e) == chosen.end()) chosen.push_back(e);
+      }
+      for (int e : chosen)
+        if (e < E && static_cast<int>(c[e]) < cap) ++c[e];
+    }
+    return c;
+  };
+
+  // Weights of one layer and per-phase buffers.
+  const size_t w13_n = static_cast<size_t>(E) * 2 * I * H, w2_n = static_cast<size_t>(E) * H * I;
+  std::vector<uint16_t> w13(w13_n), w2(w2_n);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (auto& v : w13) v = to_bits(nd(rng) * 0.02f);
+  for (auto& v : w2) v = to_bits(nd(rng) * 0.02f);
+  bf16 *d_w13, *d_w2;
+  CHECK(cudaMalloc(&d_w13, w13_n * 2));
+  CHECK(cudaMalloc(&d_w2, w2_n * 2));
+  CHECK(cudaMemcpy(d_w13, w13.data(), w13_n * 2, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(d_w2, w2.data(), w2_n * 2, cudaMemcpyHostToDevice));
+  Phase ph[2];
+  ph[apk::kPrefill].rows_cap = apk::kMaxPrefillRows;
+  ph[apk::kDecode].rows_cap = static_cast<uint32_t>(E) * apk::kMaxDecodeRows;
+  apk::Templates tm{};
+  for (int p = 0; p < 2; ++p) {
+    const size_t rows = ph[p].rows_cap;
+    CHECK(cudaMalloc(&ph[p].x, rows * H * 2));
+    CHECK(cudaMalloc(&ph[p].act, rows * I * 2));
+    CHECK(cudaMalloc(&ph[p].y, rows * H * 2));
+    tm.phase[p] = apk::OpTemplate{ph[p].x, ph[p].act, ph[p].y, d_w13, d_w2};
+  }
+  apk::State* st;
+  CHECK(cudaMalloc(&st, sizeof(apk::State)));
+  CHECK(cudaMemset(st, 0, sizeof(apk::State)));
+
+  cudaStream_t kernel_stream, host_stream;
+  CHECK(cudaStreamCreateWithFlags(&kernel_stream, cudaStreamNonBlocking));
+  CHECK(cudaStreamCreateWithFlags(&host_stream, cudaStreamNonBlocking));
+  int clusters = std::min(apk::kMaxClusters, prop.multiProcessorCount / apk::kClusterSize);
+  moe_apk<<<clusters * apk::kClusterSize, apk::kThreads, 0, kernel_stream>>>(tm, st);
+  CHECK(cudaGetLastError());
+
+  uint32_t seq[2] = {0, 0};
+  auto row_begin = [&](int p, const std::vector<uint32_t>& c) {
+    std::vector<uint32_t> b(E);
+    uint32_t r = 0;
+    for (int e = 0; e < E; ++e) {
+      b[e] = p == apk::kPrefill ? r : static_cast<uint32_t>(e) * apk::kMaxDecodeRows;
+      r += (c[e] + apk::kMtPrefill - 1) / apk::kMtPrefill * apk::kMtPrefill;
+    }
+    return b;
+  };
+  // Fresh random inputs for the rows an operation uses; outputs poisoned (NaN).
+  auto fill = [&](int p, const std::vector<uint32_t>& c) {
+    const auto b = row_begin(p, c);
+    std::vector<uint16_t> host;
+    for (int e = 0; e < E; ++e) {
+      host.resize(static_cast<size_t>(c[e]) * H);
+      for (auto& v : host) v = to_bits(nd(rng));
+      CHECK(cudaMemcpyAsync(ph[p].x + static_cast<size_t>(b[e]) * H, host.data(), host.size() * 2,
+                            cudaMemcpyHostToDevice, host_stream));
+      CHECK(cudaMemsetAsync(ph[p].y + static_cast<size_t>(b[e]) * H, 0xff, static_cast<size_t>(c[e]) * H * 2,
+                            host_stream));
+    }
+    CHECK(cudaStreamSynchronize(host_stream));
+  };
+  auto post = [&](int p, const std::vector<uint32_t>& c) {
+    apk::PhaseState* s = &st->phase[p];
+    const uint32_t layer = 0;
+    CHECK(cudaMemcpyAsync(&s->layer, &layer, 4, cudaMemcpyHostToDevice, host_stream));
+    CHECK(cudaMemcpyAsync(s->counts, c.data(), 4 * E, cudaMemcpyHostToDevice, host_stream));
+    const uint32_t next = ++seq[p];
+    CHECK(cudaMemcpyAsync(&s->posted, &next, 4, cudaMemcpyHostToDevice, host_stream));
+    CHECK(cudaStreamSynchronize(host_stream));
+  };
+  auto wait = [&](int p) {
+    apk::PhaseState* s = &st->phase[p];
+    uint32_t done = 0;
+    const auto t0 = std::chrono::steady_clock::now();
+    while (done != seq[p]) {
+      CHECK(cudaMemcpyAsync(&done, &s->done, 4, cudaMemcpyDeviceToHost, host_stream));
+      CHECK(cudaStreamSynchronize(host_stream));
+      if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(60)) {
+        std::fprintf(stderr, "operation of phase %d did not finish in 60 s\n", p);
+        std::exit(3);
+      }
+    }
+    unsigned long long t[3];
+    CHECK(cudaMemcpyAsync(t, &s->t_instantiated, sizeof(t), cudaMemcpyDeviceToHost, host_stream));
+    CHECK(cudaStreamSynchronize(host_stream));
+    return Run{(t[2] - t[0]) / 1e3, (t[1] - t[0]) / 1e3, t[0], t[1], t[2]};
+  };
+  // ‖y − ref‖ / ‖ref‖ over up to 48 sampled rows (float64 reference of bf16 inputs).
+  auto check = [&](int p, const std::vector<uint32_t>& c) {
+    const auto b = row_begin(p, c);
+    double num = 0, den = 0;
+    bool nan = false;
+    std::vector<uint16_t> xr(H), yr(H);
+    int sampled = 0;
+    for (int e = 0; e < E && sampled < 48; ++e) {
+      for (uint32_t i = 0; i < c[e] && sampled < 48; i += std::max<uint32_t>(1, c[e] / 4), ++sampled) {
+        const size_t row = b[e] + i;
+        CHECK(cudaMemcpy(xr.data(), ph[p].x + row * H, H * 2, cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(yr.data(), ph[p].y + row * H, H * 2, cudaMemcpyDeviceToHost));
+        std::vector<double> a(I);
+        for (int j = 0; j < I; ++j) {
+          double g = 0, u = 0;
+          for (int k = 0; k < H; ++k) {
+            g += double(from_bits(xr[k])) * from_bits(w13[(static_cast<size_t>(e) * 2 * I + j) * H + k]);
+            u += double(from_bits(xr[k])) * from_bits(w13[(static_cast<size_t>(e) * 2 * I + I + j) * H + k]);
+          }
+          a[j] = g / (1.0 + std::exp(-g)) * u;
+        }
+        for (int h = 0; h < H; ++h) {
+          double ref = 0;
+          for (int j = 0; j < I; ++j) ref += a[j] * from_bits(w2[(static_cast<size_t>(e) * H + h) * I + j]);
+          const double got = from_bits(yr[h]);
+          nan = nan || std::isnan(got);
+          num += (got - ref) * (got - ref);
+          den += ref * ref;
+        }
+      }
+    }
+    return nan ? -1.0 : std::sqrt(num / std::max(den, 1e-300));
+  };
+  auto flops = [&](const std::vector<uint32_t>& c) {
+    double rows = 0;
+    for (uint32_t m : c) rows += m;
+    return rows * (2.0 * H * 2 * I + 2.0 * I * H);
+  };
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[v.size() / 2];
+  };
+
+  // 1. Numerics, both layouts.
+  const auto cp = counts_for(tokens_p, apk::kMaxPrefillRows);
+  const auto cd = counts_for(tokens_d, apk::kMaxDecodeRows);
+  fill(apk::kPrefill, cp);
+  post(apk::kPrefill, cp);
+  wait(apk::kPrefill);
+  const double err_p = check(apk::kPrefill, cp);
+  fill(apk::kDecode, cd);
+  post(apk::kDecode, cd);
+  wait(apk::kDecode);
+  const double err_d = check(apk::kDecode, cd);
+
+  // 2. Prefill alone and 3. decode alone (medians over repeats).
+  std::vector<double> prefill_alone, decode_alone, decode_shared, prefill_shared, preempt;
+  for (int r = 0; r < repeats; ++r) {
+    post(apk::kPrefill, cp);
+    prefill_alone.push_back(wait(apk::kPrefill).inst_to_done_us);
+    post(apk::kDecode, cd);
+    decode_alone.push_back(wait(apk::kDecode).inst_to_done_us);
+  }
+  // 4. Decode posted ~10 µs after a prefill operation.
+  for (int r = 0; r < repeats; ++r) {
+    post(apk::kPrefill, cp);
+    std::this_thread::sleep_for(std::chrono::microseconds(10));
+    post(apk::kDecode, cd);
+    const Run d = wait(apk::kDecode);
+    const Run p = wait(apk::kPrefill);
+    decode_shared.push_back(d.inst_to_done_us);
+    prefill_shared.push_back(p.inst_to_done_us);
+    if (d.t_inst > p.t_inst && d.t_inst < p.t_done) preempt.push_back(d.first_claim_us);
+  }
+  const uint32_t one = 1;
+  CHECK(cudaMemcpyAsync(&st->stop, &one, 4, cudaMemcpyHostToDevice, host_stream));
+  CHECK(cudaStreamSynchronize(host_stream));
+  CHECK(cudaStreamSynchronize(kernel_stream));
+  CHECK(cudaGetLastError());
+
+  // 5. The same prefill GEMMs without the scheduler.
+  std::vector<uint32_t> mtile_expert, mtile_index;
+  for (int e = 0; e < E; ++e)
+    for (uint32_t m = 0; m < (cp[e] + apk::kMtPrefill - 1) / apk::kMtPrefill; ++m) {
+      mtile_expert.push_back(e);
+      mtile_index.push_back(m);
+    }
+  const auto rb = row_begin(apk::kPrefill, cp);
+  uint32_t *d_rb, *d_cnt, *d_me, *d_mi;
+  CHECK(cudaMalloc(&d_rb, 4 * E));
+  CHECK(cudaMalloc(&d_cnt, 4 * E));
+  CHECK(cudaMalloc(&d_me, 4 * std::max<size_t>(1, mtile_expert.size())));
+  CHECK(cudaMalloc(&d_mi, 4 * std::max<size_t>(1, mtile_index.size())));
+  CHECK(cudaMemcpy(d_rb, rb.data(), 4 * E, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(d_cnt, cp.data(), 4 * E, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(d_me, mtile_expert.data(), 4 * mtile_expert.size(), cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(d_mi, mtile_index.data(), 4 * mtile_index.size(), cudaMemcpyHostToDevice));
+  const dim3 g_gu(static_cast<unsigned>(mtile_expert.size()), (I + apk::kInterPerTile - 1) / apk::kInterPerTile);
+  const dim3 g_dn(static_cast<unsigned>(mtile_expert.size()), (H + apk::kNtDown - 1) / apk::kNtDown);
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  std::vector<double> static_us;
+  for (int r = 0; r < repeats + 1; ++r) {
+    CHECK(cudaEventRecord(e0, kernel_stream));
+    static_gate_up<<<g_gu, apk::kThreads, 0, kernel_stream>>>(tm.phase[apk::kPrefill], d_rb, d_cnt, d_me, d_mi,
+                                                               apk::kMtPrefill);
+    static_down<<<g_dn, apk::kThreads, 0, kernel_stream>>>(tm.phase[apk::kPrefill], d_rb, d_cnt, d_me, d_mi,
+                                                            apk::kMtPrefill);
+    CHECK(cudaEventRecord(e1, kernel_stream));
+    CHECK(cudaEventSynchronize(e1));
+    CHECK(cudaGetLastError());
+    float ms = 0;
+    CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    if (r > 0) static_us.push_back(ms * 1e3);  // first run warms up
+  }
+
+  const double pa = median(prefill_alone), da = median(decode_alone);
+  const double ds = median(decode_shared), ps = median(prefill_shared), su = median(static_us);
+  const double tile_us = su / std::max<size_t>(1, mtile_expert.size() * (g_gu.y + g_dn.y)) *
+                         (prop.multiProcessorCount);  // mean tile time on one SM
+  std::printf(
+      "{\"gpu\": \"%s\", \"sms\": %d, \"clusters\": %d, \"hidden\": %d, \"inter\": %d, \"local_experts\": %d, "
+      "\"prefill_rows\": %.0f, \"decode_rows\": %.0f, "
+      "\"rel_err_prefill\": %.3e, \"rel_err_decode\": %.3e, "
+      "\"prefill_alone_us\": %.1f, \"prefill_tflops\": %.3f, \"static_prefill_us\": %.1f, "
+      "\"scheduling_overhead\": %.3f, \"decode_alone_us\": %.1f, \"decode_shared_us\": %.1f, "
+      "\"decode_slowdown\": %.3f, \"prefill_shared_us\": %.1f, \"prefill_slowdown\": %.3f, "
+      "\"preemption_delay_us\": %.2f, \"mean_tile_us\": %.2f, \"preemption_samples\": %zu}\n",
+      prop.name, prop.multiProcessorCount, clusters, H, I, E, flops(cp) / (2.0 * H * 2 * I + 2.0 * I * H),
+      flops(cd) / (2.0 * H * 2 * I + 2.0 * I * H), err_p, err_d, pa, flops(cp) / (pa * 1e-6) / 1e12, su,
+      pa / su - 1.0, da, ds, ds / da, ps, ps / pa, median(preempt), tile_us, preempt.size());
+  return (err_p < 0 || err_d < 0 || err_p > 1e-2 || err_d > 1e-2) ? 1 : 0;
+}
