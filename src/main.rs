@@ -284,9 +284,14 @@ fn run(cmd: Command) -> Result<(), ExitCode> {
             let checked = checked.map_err(|f| fail(&f.sources, &f.diagnostics, Format::Human))?;
             let id = pick(&checked, deploy.as_deref()).map_err(|d| fail(&checked.sources, &d, Format::Human))?;
             let systems = simulate::systems(&systems).map_err(|e| error(e, "see `moeforge simulate --help`"))?;
-            if !(seconds.is_finite() && seconds > 0.0) || rates == 0 || rollout == Some(0) {
+            let valid = seconds.is_finite()
+                && seconds > 0.0
+                && seconds <= 86_400.0
+                && (1..=1000).contains(&rates)
+                && rollout.is_none_or(|n| (1..=1_000_000).contains(&n));
+            if !valid {
                 return Err(error(
-                    "--seconds must be a positive number, --rates and --rollout at least 1",
+                    "--seconds must be in (0, 86400], --rates in 1..=1000, --rollout in 1..=1000000",
                     "e.g. --seconds 60 --rates 12 --rollout 2048",
                 ));
             }
@@ -297,7 +302,8 @@ fn run(cmd: Command) -> Result<(), ExitCode> {
                 eprintln!("note: no spec given; simulating the embedded default {}", embedded::DEFAULT_SPEC);
             }
             let spec = checked.spec.deployment(id);
-            let bench = moeforge::runtime::sim::Bench::new(&spec, plan.plan());
+            let bench = moeforge::runtime::sim::Bench::new(&spec, plan.plan())
+                .map_err(|e| error(e, "refit the profile with more samples over the serving range"))?;
             let args = simulate::Args { seconds, seed, rates, rollout };
             let (text, files) = simulate::run(&bench, &systems, &args);
             codegen::emit::bundle::write_dir(&output, files.iter().map(|(n, b)| (*n, b.as_bytes()))).map_err(|e| {

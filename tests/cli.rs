@@ -390,9 +390,11 @@ fn simulate_rejects_bad_arguments_and_writes_nothing() {
     let dir = out.to_str().unwrap_or_default();
     for (args, needle) in [
         (vec!["--systems", "expertplex,vllm"], "unknown system `vllm`"),
-        (vec!["--seconds", "0"], "--seconds must be a positive number"),
-        (vec!["--rates", "0"], "--rates"),
-        (vec!["--seconds", "nan"], "--seconds must be a positive number"),
+        (vec!["--seconds", "0"], "--seconds must be in (0, 86400]"),
+        (vec!["--rates", "0"], "--rates in 1..=1000"),
+        (vec!["--rates", "100000000"], "--rates in 1..=1000"),
+        (vec!["--rollout", "0"], "--rollout in 1..=1000000"),
+        (vec!["--seconds", "nan"], "--seconds must be in (0, 86400]"),
     ] {
         let mut all = vec!["simulate", "examples/minimax-m2-h800.moe", "-o", dir];
         all.extend(args);

@@ -27,7 +27,7 @@ fn fixture(name: &str) -> Fixture {
 
 impl Fixture {
     fn bench(&self) -> Bench<'_> {
-        Bench::new(&self.spec, self.planned.plan())
+        Bench::new(&self.spec, self.planned.plan()).unwrap()
     }
 }
 
@@ -230,4 +230,24 @@ fn goodput_is_a_rate_that_meets_the_slos_and_results_are_deterministic() {
     assert!(over.attainment < 0.9, "{over:?}");
     let slo = &f.spec.deploys[0].slo;
     assert_eq!(attainment(slo, &[]), 0.0);
+}
+
+#[test]
+fn a_profile_with_negative_latencies_is_refused() {
+    use moeforge::codegen::cost::{Profile, ProfileSample, Sample};
+    use moeforge::codegen::{plan_deployment_with, PlanOptions};
+    let checked = check_paths(&[common::root().join("examples/minimax-m2-h800.moe")], &FsLoader)
+        .unwrap_or_else(|f| panic!("{}", f.render(false)));
+    // A fit that falls below zero at large footprints: t = 1e-4 − 1e-8·x.
+    let samples = (1..10)
+        .map(|x| ProfileSample {
+            component: "moe".into(),
+            sample: Sample { x: f64::from(x), s: 0.0, t: 1e-4 - 1e-8 * f64::from(x) },
+        })
+        .collect();
+    let opts = PlanOptions { profile: Some((Profile { samples }, "neg".into())), ..PlanOptions::default() };
+    let planned = plan_deployment_with(&checked, DeployId(0), &opts).unwrap_or_else(|d| panic!("{d:?}"));
+    let spec = checked.spec.deployment(DeployId(0));
+    let err = Bench::new(&spec, planned.plan()).err().unwrap_or_default();
+    assert!(err.contains("`moe`") && err.contains("non-negative"), "{err}");
 }

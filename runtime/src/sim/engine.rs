@@ -167,7 +167,9 @@ pub(super) fn unified(
     let shape = |mode: Mode| if mode == Mode::Tp { tp_shape } else { ep_shape };
     let mut coordinator = switch.map(|s| Coordinator::new(s.policy.clone()));
     let mut groups = vec![Group::default(); shape(mode).groups as usize];
-    let max_cap = [tp, ep].iter().filter_map(|s| s.map(|s| s.kv_per_group)).fold(0.0, f64::max);
+    // A request must fit a group in every mode the engine may be in (Moebius
+    // switches), or it could block the queue in the mode it does not fit.
+    let max_cap = [tp, ep].iter().filter_map(|s| s.map(|s| s.kv_per_group)).fold(f64::INFINITY, f64::min);
     let mut waiting: VecDeque<usize> = VecDeque::new();
     let (mut t, mut next) = (0.0, 0usize);
     loop {
@@ -302,6 +304,11 @@ pub(super) fn split(
     let mut waiting: VecDeque<usize> = VecDeque::new();
     // Prompts done, waiting for their KV to reach a decode group: (ready time, id).
     let mut handoff: VecDeque<(f64, usize)> = VecDeque::new();
+    // Decode KV is committed before a prompt is prefilled (as PD systems
+    // pre-allocate it), so a full decode side delays prefill and shows in
+    // TTFT rather than as a pause after the first token.
+    let decode_kv = f64::from(ds.groups) * ds.kv_per_group;
+    let mut committed = 0.0;
     let mut next = 0usize;
     loop {
         let t = pre.busy_until.min(dec.busy_until);
@@ -332,13 +339,20 @@ pub(super) fn split(
                 if n > room && pre.groups.iter().any(|g| !g.prefill.is_empty()) {
                     return false;
                 }
+                if committed + reqs[id].reserve() > decode_kv {
+                    return false;
+                }
                 room -= n;
+                committed += reqs[id].reserve();
                 place(&mut pre.groups, f64::INFINITY, id, reqs, false)
             });
             let (loads, takes) = prefill_loads(&pre.groups, MAX_PREFILL_TOKENS, false, reqs);
             if loads.iter().all(|l| l.chunks.is_empty()) {
-                // Idle until the next arrival (or for good).
-                pre.busy_until = reqs.get(next).map_or(f64::INFINITY, |r| r.arrival.max(t));
+                // Idle until the next arrival, or, when prompts wait for decode
+                // KV, until the decode side's next iteration frees some.
+                let arrival = reqs.get(next).map_or(f64::INFINITY, |r| r.arrival.max(t));
+                let freed = if waiting.is_empty() { f64::INFINITY } else { dec.busy_until.max(t + 1e-9) };
+                pre.busy_until = arrival.min(freed);
                 pre.last = Iter::default();
                 if pre.busy_until.is_infinite() && dec.busy_until.is_infinite() {
                     break;
@@ -367,6 +381,8 @@ pub(super) fn split(
                     handoff.push_back((ready, r.id));
                 }
             }
+            // Ready in time order, so one long transfer does not hold back the others.
+            handoff.make_contiguous().sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
         } else {
             // Decode side: admit handed-off requests whose KV fits, then one iteration.
             let cap = ds.kv_per_group;
@@ -411,6 +427,7 @@ pub(super) fn split(
             for g in dec.groups.iter_mut() {
                 let freed = book.decoded(&mut g.decode, end);
                 g.reserved -= freed;
+                committed -= freed;
             }
         }
     }

@@ -142,8 +142,28 @@ pub struct Bench<'a> {
 }
 
 impl<'a> Bench<'a> {
-    pub fn new(spec: &'a Spec, plan: &'a Plan) -> Bench<'a> {
-        Bench { spec, plan, env: Env::new(spec, plan) }
+    /// Fails when the plan's cost model (a fitted profile, typically) gives
+    /// negative or non-finite latencies over the batch sizes serving reaches.
+    pub fn new(spec: &'a Spec, plan: &'a Plan) -> Result<Bench<'a>, String> {
+        let cm = &plan.cost;
+        for (name, fit, s) in [
+            ("attn_prefill", &cm.attn_prefill, 2048.0),
+            ("attn_decode", &cm.attn_decode, 2048.0),
+            ("moe", &cm.moe, 1.0),
+            ("ffn", &cm.ffn, 0.0),
+            ("head", &cm.head, 0.0),
+        ] {
+            for x in [0.0, 1.0, 16.0, 256.0, 4096.0, 65536.0] {
+                let t = fit.eval(x, s);
+                if !(t.is_finite() && t >= 0.0) {
+                    return Err(format!(
+                        "the cost model's `{name}` gives {t:e} s at x = {x}, s = {s} ({}); a latency must be finite and non-negative",
+                        cm.source
+                    ));
+                }
+            }
+        }
+        Ok(Bench { spec, plan, env: Env::new(spec, plan) })
     }
 
     fn ep_shape(&self, kv_per_group: f64) -> Shape {

@@ -136,9 +136,10 @@ impl Env {
                 .filter(|r| matches!(r.name.as_str(), "comm" | "scratch" | "requests"))
                 .map(|r| r.bytes as f64)
                 .sum(),
-            // β is one M_t-row tile across all N columns on the whole GPU.
-            tile_seconds: cm.moe.beta * f64::from(cm.sms) / n_tiles,
-            cluster: gate_up.cluster[0] * gate_up.cluster[1],
+            // β is one M_t-row tile of GateUp and Down (6·M_t·H·I FLOPs) across
+            // all N columns on the whole GPU; GateUp is 2/3 of it.
+            tile_seconds: cm.moe.beta * 2.0 / 3.0 * f64::from(cm.sms) / n_tiles,
+            cluster: if c.gpu.arch.has_clusters() { gate_up.cluster[0] * gate_up.cluster[1] } else { 1 },
             cm,
         }
     }
@@ -223,7 +224,8 @@ impl Env {
         expected_x_moe(rows, self.experts, local, f64::from(self.cm.m_t_decode))
     }
 
-    /// MoE computation of one layer on the busiest MoE GPU.
+    /// MoE computation of one layer on an MoE GPU with the expected footprint
+    /// (uniform routing: the busiest GPU's imbalance is not modeled).
     pub fn moe(&self, rows: f64, side: MoeSide, prefill: bool, sms: Sms) -> f64 {
         if rows <= 0.0 {
             return 0.0;
@@ -283,8 +285,11 @@ impl Env {
         let dense = attn + ffn;
         let heads = groups.iter().map(|g| g.decode + g.chunks.len() as f64).fold(0.0, f64::max);
         let head = self.cm.head.alpha + (self.cm.head.eval(heads, 0.0) - self.cm.head.alpha) / f64::from(width);
+        let seconds = self.moe_layers * layer + self.dense_layers * dense + head;
+        // Work always takes time: a fitted profile with negative terms must not
+        // stall or reverse the clock (Bench::new rejects such profiles).
         Iter {
-            seconds: self.moe_layers * layer + self.dense_layers * dense + head,
+            seconds: if seconds.is_finite() { seconds.max(1e-9) } else { f64::MAX },
             moe_seconds: self.moe_layers * moe,
             comm_seconds: self.moe_layers * comm,
         }
