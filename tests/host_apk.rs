@@ -66,9 +66,21 @@ fn build(dir: &Path, src: &[u8], tag: &str, tsan: bool) -> PathBuf {
 
 /// Runs the driver; returns its metrics line as key → value.
 fn drive(bin: &Path, seed: u64, clusters: u32, ops: u32, compute: bool, max_rows: u32) -> Vec<(String, u64)> {
+    drive_widened(bin, seed, clusters, ops, compute, max_rows, 0)
+}
+
+fn drive_widened(
+    bin: &Path,
+    seed: u64,
+    clusters: u32,
+    ops: u32,
+    compute: bool,
+    max_rows: u32,
+    widen_us: u32,
+) -> Vec<(String, u64)> {
     let o = Command::new(bin)
         .args([seed.to_string(), clusters.to_string(), ops.to_string(), u32::from(compute).to_string()])
-        .arg(max_rows.to_string())
+        .args([max_rows.to_string(), widen_us.to_string()])
         .env("TSAN_OPTIONS", "halt_on_error=1 exitcode=66")
         .output()
         .unwrap();
@@ -126,5 +138,20 @@ fn apk_scheduler_is_race_free_under_thread_sanitizer() {
             let m = drive(&bin, 5, clusters.unwrap_or(p.max_clusters), 60, compute, 40);
             assert!(metric(&m, "tiles") > 0);
         }
+    }
+}
+
+/// CTA 0 stalls between publishing an operation and its claim word: with the
+/// fields published in the wrong order, a finishing cluster would publish a
+/// stale `done` and the attention side would wait forever (a review found
+/// exactly that; the watchdog turns it into a failure).
+#[test]
+fn apk_publishes_an_operation_before_its_tiles_can_be_claimed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ex = root().join("examples/tiny-qwen3-cpu4.moe");
+    for (name, p, src) in apks(&ex) {
+        let bin = build(tmp.path(), &src, &format!("widen-{name}"), false);
+        let m = drive_widened(&bin, 9, p.max_clusters, 40, true, 40, 50_000);
+        assert_eq!(metric(&m, "ops"), 40);
     }
 }

@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <barrier>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -44,6 +45,9 @@ struct Event {
 inline std::atomic<uint64_t> clock{0};
 // Whether tiles compute (small shapes) or only schedule (full-size shapes).
 inline bool compute = true;
+// Microseconds CTA 0 stalls between publishing an operation's fields and its
+// claim word: a wrong publication order then shows as a hang or a stale read.
+inline unsigned widen_us = 0;
 inline thread_local std::vector<Event>* log = nullptr;
 inline thread_local uint32_t cta = 0;
 inline thread_local uint32_t rank = 0;
@@ -65,6 +69,12 @@ inline std::atomic_ref<T> at(const T* p) {
 }
 
 }  // namespace apk_host
+
+#define APK_WIDEN_RACE_WINDOW() \
+  do {                            \
+    if (::apk_host::widen_us)     \
+      std::this_thread::sleep_for(std::chrono::microseconds(::apk_host::widen_us)); \
+  } while (0)
 
 #define APK_TRACE(kind, a, b, c) \
   ::apk_host::trace(::apk_host::Ev::kind, static_cast<uint32_t>(a), static_cast<uint32_t>(b), static_cast<uint32_t>(c))

@@ -9,7 +9,7 @@
 //     with) while decode still has unclaimed tiles;
 //   - clusters take the other phase's tiles when their own has none;
 //   - no deadlock (a watchdog aborts).
-// Usage: apk SEED CLUSTERS OPS COMPUTE(0|1) MAX_ROWS
+// Usage: apk SEED CLUSTERS OPS COMPUTE(0|1) MAX_ROWS [WIDEN_US]
 #define APK_HOST_EMULATION 1
 #include KERNEL_SOURCE
 
@@ -40,7 +40,8 @@ int fail_check(const char* what) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 6) return fail_check("usage: apk SEED CLUSTERS OPS COMPUTE MAX_ROWS");
+  if (argc != 6 && argc != 7) return fail_check("usage: apk SEED CLUSTERS OPS COMPUTE MAX_ROWS [WIDEN_US]");
+  apk_host::widen_us = argc == 7 ? static_cast<unsigned>(std::atoi(argv[6])) : 0;
   const uint64_t seed = std::strtoull(argv[1], nullptr, 10);
   const uint32_t clusters = static_cast<uint32_t>(std::atoi(argv[2]));
   const int n_ops = std::atoi(argv[3]);
