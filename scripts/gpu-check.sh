@@ -11,6 +11,9 @@
 # and with a prefill posted 10 µs before it, preemption delay), runs the
 # PyTorch/cuBLAS baseline on the same shapes, and writes one JSON line per
 # kernel to $OUT/gpu-check.jsonl (./gpu-check.jsonl without $OUT), then a table.
+# It also writes $OUT/profile-BUNDLE.json: the `moe` component measured
+# through cuBLAS over a sweep of x_moe, a latency profile for
+# `moeforge compile --profile` and `moeforge simulate --profile`.
 # Numerics fail the run (exit 1) above a relative error of 1e-2.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -61,6 +64,12 @@ print(k["hidden"], k["inter"], k["local_experts"])' "$b/plan.json" "$(basename "
     fi
     rows=$(( 8192 * top_k / experts ))
     torch="$(python3 scripts/gpu/torch_grouped.py "$hidden" "$inter" "$local" "$rows" 20 || echo '{}')"
+    m_t="$(python3 -c '
+import json, sys
+p = json.load(open(sys.argv[1]))
+print(next(k for k in p["kernels"] if k["name"] == sys.argv[2])["params"]["m_t_prefill"])' "$b/plan.json" "$(basename "$src" .cu)")"
+    python3 scripts/gpu/torch_grouped.py profile "$hidden" "$inter" "$local" "$m_t" 10 \
+      >"$OUT_DIR/profile-$name.json" || rm -f "$OUT_DIR/profile-$name.json"
     python3 -c '
 import json, sys
 a = json.loads(sys.argv[1]) if sys.argv[1].startswith("{") else {"error": sys.argv[1]}
