@@ -38,30 +38,8 @@ fn apks(example: &Path) -> Vec<(String, codegen::plan::ApkParams, Vec<u8>)> {
 }
 
 fn build(dir: &Path, src: &[u8], tag: &str, tsan: bool) -> PathBuf {
-    let path = dir.join(format!("{tag}.cu"));
-    std::fs::write(&path, src).unwrap();
-    let bin = dir.join(tag);
-    let mut cmd = Command::new("g++");
-    cmd.args(["-std=c++20", "-O1", "-g", "-pthread", "-fno-strict-aliasing", "-ffp-contract=off"]).args([
-        "-Wall",
-        "-Wextra",
-        "-Werror",
-        "-Wno-unknown-pragmas",
-        "-Wno-unused-parameter",
-    ]);
-    if tsan {
-        cmd.arg("-fsanitize=thread");
-    }
-    let o = cmd
-        .arg(format!("-I{}", root().join("tests/shim").display()))
-        .arg(format!("-DKERNEL_SOURCE=\"{}\"", path.display()))
-        .arg(root().join("tests/shim/apk_main.cpp"))
-        .arg("-o")
-        .arg(&bin)
-        .output()
-        .expect("g++ is required for the host-emulation tier (scripts/test.sh installs it)");
-    assert!(o.status.success(), "{tag}: g++ failed:\n{}", text(&o.stderr));
-    bin
+    let extra: &[&str] = if tsan { &["-fsanitize=thread"] } else { &[] };
+    build_host_driver(dir, "apk_main.cpp", src, tag, extra)
 }
 
 /// Runs the driver; returns its metrics line as key → value.

@@ -33,22 +33,7 @@ fn emit(example: &Path) -> Emitted {
 
 /// Builds `driver` with the kernel source included; returns the binary.
 fn build(dir: &Path, driver: &str, kernel_src: &[u8], tag: &str) -> PathBuf {
-    let src = dir.join(format!("{tag}.cu"));
-    std::fs::write(&src, kernel_src).unwrap();
-    let bin = dir.join(tag);
-    let shim = root().join("tests/shim");
-    let o = Command::new("g++")
-        .args(["-std=c++20", "-O1", "-pthread", "-fno-strict-aliasing", "-ffp-contract=off"])
-        .args(["-Wall", "-Wextra", "-Werror", "-Wno-unknown-pragmas", "-Wno-unused-parameter"])
-        .arg(format!("-I{}", shim.display()))
-        .arg(format!("-DKERNEL_SOURCE=\"{}\"", src.display()))
-        .arg(shim.join(driver))
-        .arg("-o")
-        .arg(&bin)
-        .output()
-        .expect("g++ is required for the host-emulation tier (scripts/test.sh installs it)");
-    assert!(o.status.success(), "{tag}: g++ failed:\n{}", text(&o.stderr));
-    bin
+    build_host_driver(dir, driver, kernel_src, tag, &[])
 }
 
 fn run(bin: &Path, input: &[u8], dir: &Path) -> Vec<u8> {

@@ -378,6 +378,16 @@ pub struct ProfileSample {
 mod tests {
     use super::*;
 
+    /// The roofline cost model of an example deployment.
+    fn roofline_of(example: &str) -> CostModel {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../examples/{example}.moe"));
+        let checked = moeforge_dsl::check_paths(&[path], &moeforge_dsl::FsLoader)
+            .unwrap_or_else(|f| panic!("{}", f.render(false)));
+        let s = &checked.spec;
+        let d = &s.deploys[0];
+        CostModel::roofline(s.model(d.model), s.cluster(d.cluster), s.tile_set(d.tiles))
+    }
+
     #[test]
     fn least_squares_recovers_exact_coefficients() {
         let truth = Fit { alpha: 2e-5, beta: 3e-7, gamma: 4e-10, delta: 5e-14 };
@@ -410,12 +420,7 @@ mod tests {
 
     #[test]
     fn low_latency_dispatch_is_near_deepep() {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/minimax-m2-h800.moe");
-        let checked = moeforge_dsl::check_paths(&[path], &moeforge_dsl::FsLoader)
-            .unwrap_or_else(|f| panic!("{}", f.render(false)));
-        let s = &checked.spec;
-        let d = &s.deploys[0];
-        let cm = CostModel::roofline(s.model(d.model), s.cluster(d.cluster), s.tile_set(d.tiles));
+        let cm = roofline_of("minimax-m2-h800");
         // DeepEP low-latency EP8 on H800, 128 tokens of DeepSeek-V3 (7168 wide,
         // top-8; 7/8 of rows leave the GPU): dispatch in fp8 77 µs, combine in bf16 114 µs.
         let rows = 128.0 * 8.0 * 7.0 / 8.0;
@@ -427,12 +432,7 @@ mod tests {
 
     #[test]
     fn prefill_dispatch_deduplicates_per_gpu_and_per_node() {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/glm-5-h800x24.moe");
-        let checked = moeforge_dsl::check_paths(&[path], &moeforge_dsl::FsLoader)
-            .unwrap_or_else(|f| panic!("{}", f.render(false)));
-        let s = &checked.spec;
-        let d = &s.deploys[0];
-        let cm = CostModel::roofline(s.model(d.model), s.cluster(d.cluster), s.tile_set(d.tiles));
+        let cm = roofline_of("glm-5-h800x24");
         let (row, k) = (6144.0 * 2.0, 8.0);
         // One node, 8 GPUs: a top-8 token reaches 8(1 − (7/8)^8) ≈ 5.25 GPUs, not 8.
         let direct = cm.dispatch(4096.0, row, k, 8.0, 1.0, 1.0, false);

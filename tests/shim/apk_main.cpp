@@ -32,6 +32,15 @@ struct Op {
 uint16_t bf16_bits(float f) { return shim_float_to_bf16(f).bits; }
 float bf(uint16_t b) { return shim_bf16_to_float(__nv_bfloat16{b}); }
 
+// First row of local expert e: prefill's contiguous layout pads each expert
+// to M_t rows; decode's masked layout gives each expert kMaxDecodeRows.
+uint32_t row_begin(int ph, const std::vector<uint32_t>& counts, int e) {
+  if (ph != apk::kPrefill) return static_cast<uint32_t>(e) * apk::kMaxDecodeRows;
+  uint32_t begin = 0;
+  for (int f = 0; f < e; ++f) begin += (counts[f] + apk::kMtPrefill - 1) / apk::kMtPrefill * apk::kMtPrefill;
+  return begin;
+}
+
 int fail_check(const char* what) {
   std::fprintf(stderr, "FAILED: %s\n", what);
   return 1;
@@ -128,13 +137,7 @@ int main(int argc, char** argv) {
     if (!compute) return;
     // Reference: the same fp32 sums in the same order, rounded where the kernel rounds.
     for (int e = 0; e < E; ++e) {
-      uint32_t begin = 0;
-      if (ph == apk::kPrefill) {
-        for (int f = 0; f < e; ++f)
-          begin += (op.counts[f] + apk::kMtPrefill - 1) / apk::kMtPrefill * apk::kMtPrefill;
-      } else {
-        begin = static_cast<uint32_t>(e) * apk::kMaxDecodeRows;
-      }
+      const uint32_t begin = row_begin(ph, op.counts, e);
       const uint16_t* wg = &w13[(static_cast<size_t>(op.layer) * E + e) * 2 * I * H];
       const uint16_t* wd = &w2[(static_cast<size_t>(op.layer) * E + e) * H * I];
       for (uint32_t r = begin; r < begin + op.counts[e]; ++r) {
@@ -171,13 +174,7 @@ int main(int argc, char** argv) {
     if (rng() % 4 == 0) op.counts[rng() % E] = 0;
     if (compute) {
       for (int e = 0; e < E; ++e) {
-        uint32_t begin = 0;
-        if (ph == apk::kPrefill) {
-          for (int f = 0; f < e; ++f)
-            begin += (op.counts[f] + apk::kMtPrefill - 1) / apk::kMtPrefill * apk::kMtPrefill;
-        } else {
-          begin = static_cast<uint32_t>(e) * apk::kMaxDecodeRows;
-        }
+        const uint32_t begin = row_begin(static_cast<int>(ph), op.counts, e);
         for (size_t k = static_cast<size_t>(begin) * H; k < static_cast<size_t>(begin + op.counts[e]) * H; ++k)
           x[ph][k] = bf16_bits(rnd());
       }
