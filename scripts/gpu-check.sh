@@ -7,7 +7,8 @@
 # For each bundle's kernels/apk*.cu: builds scripts/gpu/apk_check.cu around it
 # (sm_90a, or PTX for compute_80 for sm_80 bundles), runs it (numerics of both
 # layouts against a float64 reference, prefill TFLOP/s, scheduling overhead
-# against the same tiles launched without the scheduler, decode latency alone
+# against the same kernel built with -DAPK_STATIC_TILES (tiles dealt
+# round-robin, no claims or reallocation), decode latency alone
 # and with a prefill posted 10 µs before it, preemption delay), runs the
 # PyTorch/cuBLAS baseline on the same shapes, and writes one JSON line per
 # kernel to $OUT/gpu-check.jsonl (./gpu-check.jsonl without $OUT), then a table.
@@ -52,6 +53,8 @@ print(p["cluster"]["arch"], p["model"]["top_k"], p["model"]["experts"])' "$b/pla
     name="$(basename "$b")-$(basename "$src" .cu)"
     bin="$BUILD/$name"
     "$NVCC" $gencode -O3 -std=c++17 -DKERNEL_SOURCE="\"$(realpath "$src")\"" -o "$bin" scripts/gpu/apk_check.cu
+    "$NVCC" $gencode -O3 -std=c++17 -DAPK_STATIC_TILES -DKERNEL_SOURCE="\"$(realpath "$src")\"" -o "$bin-static" \
+      scripts/gpu/apk_check.cu
     read -r hidden inter local <<<"$(python3 -c '
 import json, sys
 p = json.load(open(sys.argv[1]))
@@ -60,6 +63,10 @@ print(k["hidden"], k["inter"], k["local_experts"])' "$b/plan.json" "$(basename "
     # ExpertPlex §7.3: 8192 prefill tokens and 128 decode tokens, routed top-k over all experts.
     if ! line="$("$bin" 8192 128 "$top_k" "$experts" 20 2>&1)"; then
       echo "FAILED $name: $line"
+      status=1
+    fi
+    if ! static="$("$bin-static" 8192 128 "$top_k" "$experts" 20 2>&1)"; then
+      echo "FAILED $name (static tiles): $static"
       status=1
     fi
     rows=$(( 8192 * top_k / experts ))
@@ -75,10 +82,13 @@ import json, sys
 a = json.loads(sys.argv[1]) if sys.argv[1].startswith("{") else {"error": sys.argv[1]}
 t = json.loads(sys.argv[2])
 a.update(t)
+a.update(json.loads(sys.argv[4]) if sys.argv[4].startswith("{") else {"static_error": sys.argv[4]})
 a["kernel"] = sys.argv[3]
+if "static_prefill_us" in a and "prefill_alone_us" in a:
+    a["scheduling_overhead"] = a["prefill_alone_us"] / a["static_prefill_us"] - 1.0
 if "torch_tflops" in t and "prefill_tflops" in a:
     a["prefill_vs_cublas"] = a["prefill_tflops"] / t["torch_tflops"]
-print(json.dumps(a))' "$line" "$torch" "$name" >>"$REPORT"
+print(json.dumps(a))' "$line" "$torch" "$name" "$static" >>"$REPORT"
   done
 done
 python3 - "$REPORT" <<'PY'
@@ -90,7 +100,7 @@ for r in rows:
         print(f"{r['kernel']:<40} {r['error']}")
         continue
     print(f"{r['kernel']:<40} {r['rel_err_prefill']:8.1e}/{r['rel_err_decode']:8.1e} {r['prefill_tflops']:8.2f} "
-          f"{r.get('prefill_vs_cublas', float('nan')):9.3f} {r['scheduling_overhead']:9.3f} {r['decode_slowdown']:8.3f} "
+          f"{r.get('prefill_vs_cublas', float('nan')):9.3f} {r.get('scheduling_overhead', float('nan')):9.3f} {r['decode_slowdown']:8.3f} "
           f"{r['prefill_slowdown']:8.3f} {r['preemption_delay_us']:10.2f}")
 PY
 exit "$status"

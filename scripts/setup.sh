@@ -2,13 +2,13 @@
 # Installs the real-toolchain tier's tools into a project-local, git-ignored folder.
 # Idempotent: every step is skipped when what it installs is already there.
 #
-#   .toolchain/venv          Python venv holding NVIDIA's nvcc/ptxas wheels (no GPU needed)
+#   .toolchain/venv          Python venv holding NVIDIA's nvcc/ptxas/cuobjdump/nvdisasm wheels (no GPU needed)
 #
 # Prints the path of nvcc on its last line, for `export MOEFORGE_NVCC=...`.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv="$root/.toolchain/venv"
-wheels=(nvidia-cuda-nvcc nvidia-cuda-crt nvidia-nvvm nvidia-cuda-runtime nvidia-cuda-cccl)
+wheels=(nvidia-cuda-nvcc nvidia-cuda-crt nvidia-nvvm nvidia-cuda-runtime nvidia-cuda-cccl nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)
 
 find_nvcc() {
   local f
@@ -18,11 +18,19 @@ find_nvcc() {
   return 1
 }
 
-if ! nvcc=$(find_nvcc); then
+# cuobjdump and nvdisasm (for the SASS facts in report.md) sit next to nvcc.
+complete() {
+  local n
+  n=$(find_nvcc) || return 1
+  [ -x "$(dirname "$n")/cuobjdump" ] && [ -x "$(dirname "$n")/nvdisasm" ]
+}
+
+if ! complete; then
   echo "setup: installing nvcc wheels into $venv" >&2
   [ -x "$venv/bin/pip" ] || python3 -m venv "$venv"
   "$venv/bin/pip" install --quiet --disable-pip-version-check "${wheels[@]}" >&2
-  nvcc=$(find_nvcc) || { echo "setup: nvcc not found after install" >&2; exit 1; }
+  complete || { echo "setup: nvcc, cuobjdump or nvdisasm missing after install" >&2; exit 1; }
 fi
+nvcc=$(find_nvcc)
 "$nvcc" --version >/dev/null || { echo "setup: $nvcc does not run" >&2; exit 1; }
 echo "$nvcc"

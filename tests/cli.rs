@@ -190,6 +190,38 @@ fn mxfp4_is_declared_but_rejected_by_compile() {
     assert!(!out.exists());
 }
 
+/// A tile set the dsl accepts (block_k a multiple of the MMA's k) but the
+/// APK's wgmma path cannot use (its swizzled rows are 128 bytes, block_k = 64
+/// for bf16): a located error with a hint, nothing written.
+#[test]
+fn tiles_the_apk_cannot_use_are_a_located_error() {
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let f = tmp.path().join("k32.moe");
+    let r = root();
+    std::fs::write(
+        &f,
+        format!(
+            "use \"{0}/models/qwen3-30b-a3b.moe\"\nuse \"{0}/models/clusters.moe\"\n\
+             tiles k32 {{\n  prefill {{ layout = contiguous\n    gate_up {{ block_m = 128 block_n = 128 block_k = 32 cluster = [2, 1] stages = 4 }}\n\
+                 down {{ block_m = 128 block_n = 128 block_k = 32 cluster = [2, 1] stages = 4 }} }}\n\
+               decode {{ layout = masked\n    gate_up {{ block_m = 64 block_n = 128 block_k = 32 cluster = [1, 1] stages = 6 }}\n\
+                 down {{ block_m = 64 block_n = 128 block_k = 32 cluster = [1, 1] stages = 6 }} }}\n}}\n\
+             deploy q {{ model = qwen3-30b-a3b cluster = h200x8 tiles = k32 slo {{ ttft = 1s tpot = 50ms }}\n\
+             workload {{ input = sharegpt output = sharegpt arrival poisson {{ rate = 1req/s }} }} }}\n",
+            r.display()
+        ),
+    )
+    .ok();
+    assert!(moeforge(&["check", f.to_str().unwrap_or_default()], None).status.success());
+    let out = tmp.path().join("o");
+    let o = moeforge(&["compile", f.to_str().unwrap_or_default(), "-o", out.to_str().unwrap_or_default()], None);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
+    let err = text(&o.stderr);
+    assert!(err.contains("block_k = 32") && err.contains("128-byte") && err.contains("k32.moe:"), "{err}");
+    assert!(err.contains("hopper-bf16"), "no hint: {err}");
+    assert!(!out.exists());
+}
+
 #[test]
 fn explain_prints_spec_and_plan() {
     let o = moeforge(&["explain", "examples/glm-5-h800x24.moe"], None);

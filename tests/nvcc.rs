@@ -8,6 +8,8 @@
 
 mod common;
 use common::*;
+use moeforge::codegen::plan::KernelParams;
+use moeforge::dsl::spec::Arch;
 use moeforge::runtime::load_bundle;
 
 #[test]
@@ -32,6 +34,22 @@ fn every_example_compiles_with_nvcc_without_spills() {
         }
         let report = std::fs::read_to_string(out.join("report.md")).unwrap_or_default();
         assert!(report.contains("Compiled with nvcc"), "{report}");
+        // The APK's hardware path, from its SASS: warpgroup MMA fed by TMA on
+        // sm_90a; mma.sync fed by ldmatrix and cp.async on the portable path.
+        for k in b.plan.kernels.iter().filter(|k| matches!(k.params, KernelParams::Apk(_))) {
+            let cubin = out.join(format!("kernels/{}.cubin", k.name));
+            let sass = moeforge::codegen::nvcc::sass_counts(&nvcc, &cubin).unwrap_or_else(|| {
+                panic!("no cuobjdump/nvdisasm next to {} (scripts/setup.sh installs them)", nvcc.display())
+            });
+            let want: &[&str] = match k.arch {
+                Arch::Sm90a => &["HGMMA", "UTMALDG", "SYNCS"],
+                Arch::Sm80 => &["HMMA", "LDSM", "LDGSTS"],
+            };
+            for f in want {
+                assert!(sass[*f] > 0, "{}: {} has no {f} instruction: {sass:?}", ex.display(), k.name);
+            }
+            assert!(report.contains("SASS (cuobjdump)"), "{}: no SASS line in report.md", ex.display());
+        }
         for k in &b.plan.kernels {
             for e in &k.entries {
                 let row = report
@@ -79,6 +97,23 @@ fn nvcc_errors_are_reported_with_the_kernel_name() {
     .map(|e| e.to_string())
     .unwrap_or_default();
     assert!(e.contains("kernels/warns.cu"), "a warning passed: {e}");
+    // Serialized wgmma (ptxas only remarks on it) is an error too.
+    let serialized = r#"extern "C" __global__ void k(float* out, unsigned long long da, unsigned long long db) {
+  float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %6, 0;\n\t"
+               "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 { %0, %1, %2, %3 }, %4, %5, p, 1, 1, 0, 0;\n\t}"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "l"(da), "l"(db), "r"(1));
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  if (threadIdx.x == 0) d[0] = out[0];  // an accumulator redefined while its wgmma is in flight
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  out[threadIdx.x] = d[0] + d[1] + d[2] + d[3];
+}"#;
+    let e = moeforge::codegen::nvcc::compile(&nvcc, "serial", serialized, "sm_90a")
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(e.contains("kernels/serial.cu") && e.contains("serializes wgmma"), "serialized wgmma passed: {e}");
 }
 
 /// The GPU check's driver (scripts/gpu/apk_check.cu) builds, host code and
@@ -91,21 +126,23 @@ fn the_gpu_check_driver_builds_around_emitted_apks() {
         return;
     };
     let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-    for (example, gencode) in [
-        ("tiny-qwen3-cpu4", "-gencode=arch=compute_90a,code=sm_90a"),
-        ("mixtral-8x7b-a100", "-gencode=arch=compute_80,code=compute_80"),
+    for (example, gencode, variant) in [
+        ("tiny-qwen3-cpu4", "-gencode=arch=compute_90a,code=sm_90a", "-DAPK_DYNAMIC"),
+        ("tiny-qwen3-cpu4", "-gencode=arch=compute_90a,code=sm_90a", "-DAPK_STATIC_TILES"),
+        ("mixtral-8x7b-a100", "-gencode=arch=compute_80,code=compute_80", "-DAPK_DYNAMIC"),
+        ("mixtral-8x7b-a100", "-gencode=arch=compute_80,code=compute_80", "-DAPK_STATIC_TILES"),
     ] {
-        let out = tmp.path().join(example);
+        let out = tmp.path().join(format!("{example}{variant}"));
         let o = moeforge(
             &["compile", &format!("examples/{example}.moe"), "-o", out.to_str().unwrap_or_default(), "--nvcc", "off"],
             None,
         );
         assert!(o.status.success(), "{}", text(&o.stderr));
         let o = std::process::Command::new(&nvcc)
-            .args([gencode, "-O3", "-std=c++17", "-Werror", "all-warnings"])
+            .args([gencode, variant, "-O3", "-std=c++17", "-Werror", "all-warnings"])
             .arg(format!("-DKERNEL_SOURCE=\"{}\"", out.join("kernels/apk.cu").display()))
             .arg("-o")
-            .arg(tmp.path().join(format!("{example}-check")))
+            .arg(tmp.path().join(format!("{example}{variant}-check")))
             .arg(root().join("scripts/gpu/apk_check.cu"))
             .output()
             .unwrap_or_else(|e| panic!("{e}"));

@@ -132,7 +132,18 @@ pub fn plan_deployment_with(checked: &Checked, id: DeployId, opts: &PlanOptions)
     if matches!(d.strategy, moeforge_dsl::spec::Strategy::Expertplex | moeforge_dsl::spec::Strategy::Auto) {
         plan.search = Some(passes::search::run(spec, d, &plan.cost));
     }
-    let apks = passes::kernels::apk(spec, d, &plan.ranks, plan.search.as_ref());
+    let apks = passes::kernels::apk(spec, d, &plan.ranks, plan.search.as_ref()).map_err(|why| {
+        let ds = &checked.spans.deploys[id.index()];
+        let mut diag = Diagnostic::new(
+            Code::Unsupported,
+            format!("tile set `{}` does not fit the Adaptive Persistent Kernel: {why}", spec.tile_set(d.tiles).name),
+        )
+        .help("use a tile set like `hopper-bf16` (sm_90a) or `ampere-bf16` (sm_80) in models/tiles.moe");
+        if let Some(s) = ds.get("tiles") {
+            diag = diag.at(s, "tile set used here");
+        }
+        Diagnostics(vec![diag])
+    })?;
     plan.kernels.extend(apks);
     let loads = opts.loads.as_ref().map(|(l, digest)| (l.as_slice(), digest.as_str()));
     plan.placement = passes::place::run(spec, d, &plan.cost, loads).map_err(|e| {
@@ -198,6 +209,7 @@ pub fn emit(
     let arch = p.cluster.arch.name();
     let nvcc_path = nvcc.resolve();
     let mut stats = BTreeMap::new();
+    let mut sass = BTreeMap::new();
     let mut version = None;
     for k in &p.kernels {
         let src = emit::cuda::render(plan, k)?;
@@ -205,6 +217,9 @@ pub fn emit(
             let out = nvcc::compile(path, &k.name, &src, arch)?;
             bundle.add(&format!("kernels/{}.cubin", k.name), out.cubin);
             stats.insert(k.name.clone(), out.stats);
+            if let Some(c) = out.sass {
+                sass.insert(k.name.clone(), c);
+            }
             version = Some(out.nvcc_version);
         }
         bundle.add(&format!("kernels/{}.cu", k.name), src);
@@ -214,7 +229,7 @@ pub fn emit(
         _ => "no nvcc found (run `scripts/setup.sh` and set MOEFORGE_NVCC, or pass `--nvcc PATH`)",
     };
     let toolchain = match &version {
-        Some(v) => emit::report::Toolchain::Compiled { nvcc_version: v, stats: &stats },
+        Some(v) => emit::report::Toolchain::Compiled { nvcc_version: v, stats: &stats, sass: &sass },
         None => emit::report::Toolchain::Skipped(skipped),
     };
     bundle.add("report.md", emit::report::render(p, &toolchain));

@@ -3,8 +3,9 @@
 //! nvcc comes from NVIDIA's PyPI wheels (`scripts/setup.sh`), which run on a
 //! machine without a GPU. Each kernel is compiled to a cubin for its target
 //! with every warning an error, and ptxas's per-function report (registers,
-//! spills, stack, shared memory) is parsed into [`PtxasStats`]. A spill or a
-//! local-memory stack frame is an error: the kernels are sized to avoid both.
+//! spills, stack, shared memory) is parsed into [`PtxasStats`]. A spill, a
+//! local-memory stack frame or serialized wgmma is an error: the kernels are
+//! written to avoid all three.
 
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -57,7 +58,18 @@ pub struct Compiled {
     pub cubin: Vec<u8>,
     pub stats: Vec<PtxasStats>,
     pub nvcc_version: String,
+    /// Counts of the SASS instruction families that show which hardware path
+    /// the kernel uses, from `cuobjdump -sass`; `None` without cuobjdump and
+    /// nvdisasm next to nvcc.
+    pub sass: Option<SassCounts>,
 }
+
+/// SASS opcode families → instruction count in the cubin.
+pub type SassCounts = std::collections::BTreeMap<String, u32>;
+
+/// The families counted: Hopper warpgroup MMA, TMA loads and mbarrier
+/// operations; Ampere-style MMA, `ldmatrix` and `cp.async`.
+pub const SASS_FAMILIES: [&str; 6] = ["HGMMA", "UTMALDG", "SYNCS", "HMMA", "LDSM", "LDGSTS"];
 
 #[derive(Debug, thiserror::Error)]
 pub enum NvccError {
@@ -67,6 +79,8 @@ pub enum NvccError {
     Failed { name: String, arch: String, stderr: String },
     #[error("kernels/{name}.cu: `{function}` spills ({stores} bytes stored, {loads} loaded) or uses a {stack}-byte stack frame")]
     Spills { name: String, function: String, stores: u32, loads: u32, stack: u32 },
+    #[error("kernels/{name}.cu: ptxas serializes wgmma ({remark}); keep wgmma out of divergent code")]
+    WgmmaSerialized { name: String, remark: String },
     #[error("cannot use a temporary directory for nvcc: {0}")]
     Io(String),
 }
@@ -116,8 +130,55 @@ pub fn compile(nvcc: &Path, name: &str, source: &str, arch: &str) -> Result<Comp
             stack: s.stack_frame,
         });
     }
+    // ptxas falls back to serialized wgmma (a large slowdown, not an error) when
+    // accumulators are touched in divergent code; the kernels are written to avoid it.
+    if let Some(l) = stderr.lines().find(|l| l.contains("wgmma.mma_async instructions are serialized")) {
+        return Err(NvccError::WgmmaSerialized { name: name.to_string(), remark: l.trim().to_string() });
+    }
     let cubin = std::fs::read(&out).map_err(|e| NvccError::Io(e.to_string()))?;
-    Ok(Compiled { cubin, stats, nvcc_version: version(nvcc) })
+    Ok(Compiled { cubin, stats, nvcc_version: version(nvcc), sass: sass_counts(nvcc, &out) })
+}
+
+/// Disassembles a cubin with the cuobjdump next to `nvcc` (it needs nvdisasm
+/// there too, as the PyPI wheels install them) and counts [`SASS_FAMILIES`].
+pub fn sass_counts(nvcc: &Path, cubin: &Path) -> Option<SassCounts> {
+    let bin = nvcc.parent()?;
+    let cuobjdump = bin.join("cuobjdump");
+    if !cuobjdump.is_file() || !bin.join("nvdisasm").is_file() {
+        return None;
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let mut dirs = vec![bin.to_path_buf()];
+    dirs.extend(std::env::split_paths(&path));
+    let out = Command::new(&cuobjdump)
+        .arg("-sass")
+        .arg(cubin)
+        .env("PATH", std::env::join_paths(dirs).ok()?)
+        .output()
+        .ok()
+        .filter(|o| o.status.success())?;
+    Some(count_sass(&String::from_utf8_lossy(&out.stdout)))
+}
+
+/// Counts instructions by opcode family in a `cuobjdump -sass` listing, whose
+/// instruction lines read `/*0a40*/   @!P0 HGMMA.64x128x16.F32.BF16 … ;`.
+pub fn count_sass(listing: &str) -> SassCounts {
+    let mut counts: SassCounts = SASS_FAMILIES.iter().map(|f| (f.to_string(), 0)).collect();
+    for line in listing.lines() {
+        let Some(rest) = line.trim_start().strip_prefix("/*").and_then(|r| r.split_once("*/")).map(|(_, r)| r) else {
+            continue;
+        };
+        let mut words = rest.split_whitespace();
+        let Some(mut op) = words.next() else { continue };
+        if op.starts_with('@') {
+            op = words.next().unwrap_or_default();
+        }
+        let family = op.split('.').next().unwrap_or_default();
+        if let Some(n) = counts.get_mut(family) {
+            *n += 1;
+        }
+    }
+    counts
 }
 
 /// `release X.Y, VX.Y.Z` from `nvcc --version`.
@@ -178,6 +239,18 @@ fn number_before(line: &str, marker: &str) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn counts_sass_families() {
+        let listing =
+            "        /*0a40*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;  /* 0x... */\n\
+        /*0a50*/              @!P0 SYNCS.ARRIVE.TRANS64.RED.A1T0 RZ, [UR5], RZ ;\n\
+        /*0a60*/                   UTMALDG.2D.MULTICAST [UR8], [UR14], UR6 ;\n\
+        /*0a70*/                   IMAD R1, R2, R3, R4 ;\n\
+        Function : moe_apk\n";
+        let c = count_sass(listing);
+        assert_eq!((c["HGMMA"], c["SYNCS"], c["UTMALDG"], c["HMMA"]), (1, 1, 1, 0));
+    }
 
     #[test]
     fn parses_ptxas_report() {

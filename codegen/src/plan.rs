@@ -149,7 +149,24 @@ pub struct ApkParams {
     pub q: u32,
     pub q_max: u32,
     pub x_star: f64,
+    /// Tensor-core path: `wgmma` (sm_90a: TMA, warp specialization,
+    /// multicast) or `mma_sync` (portable, sm_80: cp.async, ldmatrix).
+    pub path: String,
+    /// Reduction depth of one pipeline stage and the stage count (one
+    /// shared-memory ring serves both phases' GEMMs).
+    pub block_k: u32,
+    pub stages: u32,
+    /// Math units per CTA (warpgroups for wgmma, warps for mma.sync), their
+    /// threads, and the CTA's threads: one producer (warp)group plus the units.
+    pub units: u32,
+    pub unit_threads: u32,
     pub threads: u32,
+    /// `setmaxnreg` budgets of the producer and the math warpgroups (wgmma with two math warpgroups; 0: none).
+    pub producer_regs: u32,
+    pub consumer_regs: u32,
+    /// Dynamic shared memory per CTA: the stage ring, barriers and decision
+    /// slots, plus 1 KiB to align the ring for 128-byte swizzling.
+    pub smem_bytes: u32,
     /// The MoE ranks that run this kernel.
     pub ranks: Vec<u32>,
 }

@@ -148,7 +148,8 @@ impl Display for Plan {
             .unwrap_or_default();
             writeln!(f, "  kernel {} ({}): {}", k.name, k.arch.name(), consts)?;
             for e in &k.entries {
-                writeln!(f, "    {}<<<{}, {}>>>({})", e.symbol, e.grid, e.block, e.params.join(", "))?;
+                let smem = if e.dynamic_smem > 0 { format!(", {}", e.dynamic_smem) } else { String::new() };
+                writeln!(f, "    {}<<<{}, {}{smem}>>>({})", e.symbol, e.grid, e.block, e.params.join(", "))?;
             }
         }
         writeln!(f, "}}")

@@ -5,8 +5,10 @@
 //   numerics: ‖y − ref‖/‖ref‖ per layout against a float64 CPU reference on
 //             sampled rows (fresh random inputs, outputs poisoned first);
 //   prefill:  time and TFLOP/s of a prefill-shaped operation alone;
-//   static:   the same GEMMs as two plain launches of the same tile code
-//             (no scheduling): the scheduling overhead is APK / static − 1;
+//   static:   built with -DAPK_STATIC_TILES (the same kernel dealing tiles
+//             round-robin: no claims, assignments or borrowing), this driver
+//             prints only {"static_prefill_us": …}; the scheduling overhead
+//             is APK / static − 1 (scripts/gpu-check.sh merges the two);
 //   decode:   latency alone, and with a prefill operation posted ~10 µs before
 //             it (ExpertPlex §7.3); the prefill's slowdown under sharing;
 //   preempt:  first decode tile claimed − decode instantiated, under contention.
@@ -14,6 +16,8 @@
 // Usage: apk_check TOKENS_PREFILL TOKENS_DECODE TOP_K EXPERTS_TOTAL REPEATS
 #include KERNEL_SOURCE
 
+#include <cuda.h>          // CUtensorMap and its enums
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -51,24 +55,31 @@ float from_bits(uint16_t b) {
   return f;
 }
 
-// The same tile code without the scheduler: one CTA per (m-tile, column group), two launches.
-__global__ void __launch_bounds__(apk::kThreads) static_gate_up(apk::OpTemplate t, const uint32_t* row_begin,
-                                                                const uint32_t* counts, const uint32_t* mtile_expert,
-                                                                const uint32_t* mtile_index, int mt_rows) {
-  const int mtile = blockIdx.x, j0 = blockIdx.y * apk::kInterPerTile;
-  const int e = mtile_expert[mtile], mt = mtile_index[mtile];
-  const int r0 = row_begin[e] + mt * mt_rows;
-  const int r1 = min(r0 + mt_rows, static_cast<int>(row_begin[e] + counts[e]));
-  if (j0 < apk::kInter) apk::gate_up_tile(t, 0, e, r0, r1, j0, threadIdx.x, blockDim.x);
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no -lcuda).
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
+  if (fn == nullptr || q != cudaDriverEntryPointSuccess) {
+    std::fprintf(stderr, "cuTensorMapEncodeTiled is not available\n");
+    std::exit(2);
+  }
+  return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
 }
-__global__ void __launch_bounds__(apk::kThreads) static_down(apk::OpTemplate t, const uint32_t* row_begin,
-                                                             const uint32_t* counts, const uint32_t* mtile_expert,
-                                                             const uint32_t* mtile_index, int mt_rows) {
-  const int mtile = blockIdx.x, h0 = blockIdx.y * apk::kNtDown;
-  const int e = mtile_expert[mtile], mt = mtile_index[mtile];
-  const int r0 = row_begin[e] + mt * mt_rows;
-  const int r1 = min(r0 + mt_rows, static_cast<int>(row_begin[e] + counts[e]));
-  if (h0 < apk::kHidden) apk::down_tile(t, 0, e, r0, r1, h0, threadIdx.x, blockDim.x);
+
+// A bf16 tensor of `rank` dims (innermost first) as a 128-byte-swizzled TMA map.
+void encode(apk::TensorMap* out, const void* base, int rank, const cuuint64_t* dims, const cuuint64_t* strides,
+            const cuuint32_t* box) {
+  static_assert(sizeof(apk::TensorMap) == sizeof(CUtensorMap), "the kernel's opaque map is a CUtensorMap");
+  const cuuint32_t elem[3] = {1, 1, 1};
+  const CUresult r = encode_fn()(reinterpret_cast<CUtensorMap*>(out), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                                 static_cast<cuuint32_t>(rank), const_cast<void*>(base), dims, strides, box, elem,
+                                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    std::fprintf(stderr, "cuTensorMapEncodeTiled failed (%d)\n", static_cast<int>(r));
+    std::exit(2);
+  }
 }
 
 struct Phase {
@@ -125,13 +136,37 @@ int main(int argc, char** argv) {
   Phase ph[2];
   ph[apk::kPrefill].rows_cap = apk::kMaxPrefillRows;
   ph[apk::kDecode].rows_cap = static_cast<uint32_t>(E) * apk::kMaxDecodeRows;
+  // The operation templates: buffers and (wgmma path) TMA descriptors, fixed before launch.
   apk::Templates tm{};
+  tm.w13 = d_w13;
+  tm.w2 = d_w2;
   for (int p = 0; p < 2; ++p) {
     const size_t rows = ph[p].rows_cap;
     CHECK(cudaMalloc(&ph[p].x, rows * H * 2));
     CHECK(cudaMalloc(&ph[p].act, rows * I * 2));
     CHECK(cudaMalloc(&ph[p].y, rows * H * 2));
-    tm.phase[p] = apk::OpTemplate{ph[p].x, ph[p].act, ph[p].y, d_w13, d_w2};
+    tm.phase[p].x = ph[p].x;
+    tm.phase[p].act = ph[p].act;
+    tm.phase[p].y = ph[p].y;
+    if (apk::kUsesTma) {
+      const cuuint32_t slice = (p == apk::kPrefill ? apk::kMtPrefill : apk::kMtDecode) / apk::kClusterSize;
+      const cuuint64_t xd[2] = {cuuint64_t(H), rows}, xs[1] = {cuuint64_t(H) * 2};
+      const cuuint64_t ad[2] = {cuuint64_t(I), rows}, as[1] = {cuuint64_t(I) * 2};
+      const cuuint32_t box[2] = {apk::kBk, slice};
+      encode(&tm.phase[p].x_map, ph[p].x, 2, xd, xs, box);
+      encode(&tm.phase[p].act_map, ph[p].act, 2, ad, as, box);
+    }
+  }
+  if (apk::kUsesTma) {
+    // One layer here: matrices = experts × 2 (gate, up) and experts.
+    const cuuint64_t w13d[3] = {cuuint64_t(H), cuuint64_t(I), cuuint64_t(E) * 2};
+    const cuuint64_t w13s[2] = {cuuint64_t(H) * 2, cuuint64_t(I) * H * 2};
+    const cuuint32_t w13b[3] = {apk::kBk, apk::kNtGateUp / 2, 1};
+    encode(&tm.w13_map, d_w13, 3, w13d, w13s, w13b);
+    const cuuint64_t w2d[3] = {cuuint64_t(I), cuuint64_t(H), cuuint64_t(E)};
+    const cuuint64_t w2s[2] = {cuuint64_t(I) * 2, cuuint64_t(H) * I * 2};
+    const cuuint32_t w2b[3] = {apk::kBk, apk::kNtDown, 1};
+    encode(&tm.w2_map, d_w2, 3, w2d, w2s, w2b);
   }
   apk::State* st;
   CHECK(cudaMalloc(&st, sizeof(apk::State)));
@@ -140,8 +175,27 @@ int main(int argc, char** argv) {
   cudaStream_t kernel_stream, host_stream;
   CHECK(cudaStreamCreateWithFlags(&kernel_stream, cudaStreamNonBlocking));
   CHECK(cudaStreamCreateWithFlags(&host_stream, cudaStreamNonBlocking));
+  // One CTA per SM, every cluster co-resident (the scheduler spins on peers).
+  CHECK(cudaFuncSetAttribute(moe_apk, cudaFuncAttributeMaxDynamicSharedMemorySize, apk::kSmemBytes));
   int clusters = std::min(apk::kMaxClusters, prop.multiProcessorCount / apk::kClusterSize);
-  moe_apk<<<clusters * apk::kClusterSize, apk::kThreads, 0, kernel_stream>>>(tm, st);
+  if (apk::kClusterSize > 1) {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(static_cast<unsigned>(clusters * apk::kClusterSize));
+    cfg.blockDim = dim3(apk::kThreads);
+    cfg.dynamicSmemBytes = apk::kSmemBytes;
+    int active = 0;
+    CHECK(cudaOccupancyMaxActiveClusters(&active, moe_apk, &cfg));
+    clusters = std::min(clusters, active);
+  } else {
+    int per_sm = 0;
+    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, moe_apk, apk::kThreads, apk::kSmemBytes));
+    clusters = std::min(clusters, per_sm * prop.multiProcessorCount);
+  }
+  if (clusters < 1) {
+    std::fprintf(stderr, "the APK does not fit on this GPU (%d bytes of shared memory)\n", apk::kSmemBytes);
+    return 2;
+  }
+  moe_apk<<<clusters * apk::kClusterSize, apk::kThreads, apk::kSmemBytes, kernel_stream>>>(tm, st);
   CHECK(cudaGetLastError());
 
   uint32_t seq[2] = {0, 0};
@@ -237,6 +291,27 @@ int main(int argc, char** argv) {
     return v.empty() ? 0.0 : v[v.size() / 2];
   };
 
+#ifdef APK_STATIC_TILES
+  {
+    // Baseline build: the prefill operation alone, tiles dealt round-robin.
+    const auto cp = counts_for(tokens_p, apk::kMaxPrefillRows);
+    fill(apk::kPrefill, cp);
+    std::vector<double> us;
+    for (int r = 0; r < repeats + 1; ++r) {
+      post(apk::kPrefill, cp);
+      const double t = wait(apk::kPrefill).inst_to_done_us;
+      if (r > 0) us.push_back(t);  // the first run warms up
+    }
+    const double err = check(apk::kPrefill, cp);
+    const uint32_t one = 1;
+    CHECK(cudaMemcpyAsync(&st->stop, &one, 4, cudaMemcpyHostToDevice, host_stream));
+    CHECK(cudaStreamSynchronize(host_stream));
+    CHECK(cudaStreamSynchronize(kernel_stream));
+    CHECK(cudaGetLastError());
+    std::printf("{\"static_prefill_us\": %.1f, \"static_rel_err_prefill\": %.3e}\n", median(us), err);
+    return (err < 0 || err > 1e-2) ? 1 : 0;
+  }
+#endif
   // 1. Numerics, both layouts.
   const auto cp = counts_for(tokens_p, apk::kMaxPrefillRows);
   const auto cd = counts_for(tokens_d, apk::kMaxDecodeRows);
@@ -274,57 +349,22 @@ int main(int argc, char** argv) {
   CHECK(cudaStreamSynchronize(kernel_stream));
   CHECK(cudaGetLastError());
 
-  // 5. The same prefill GEMMs without the scheduler.
-  std::vector<uint32_t> mtile_expert, mtile_index;
-  for (int e = 0; e < E; ++e)
-    for (uint32_t m = 0; m < (cp[e] + apk::kMtPrefill - 1) / apk::kMtPrefill; ++m) {
-      mtile_expert.push_back(e);
-      mtile_index.push_back(m);
-    }
-  const auto rb = row_begin(apk::kPrefill, cp);
-  uint32_t *d_rb, *d_cnt, *d_me, *d_mi;
-  CHECK(cudaMalloc(&d_rb, 4 * E));
-  CHECK(cudaMalloc(&d_cnt, 4 * E));
-  CHECK(cudaMalloc(&d_me, 4 * std::max<size_t>(1, mtile_expert.size())));
-  CHECK(cudaMalloc(&d_mi, 4 * std::max<size_t>(1, mtile_index.size())));
-  CHECK(cudaMemcpy(d_rb, rb.data(), 4 * E, cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(d_cnt, cp.data(), 4 * E, cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(d_me, mtile_expert.data(), 4 * mtile_expert.size(), cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(d_mi, mtile_index.data(), 4 * mtile_index.size(), cudaMemcpyHostToDevice));
-  const dim3 g_gu(static_cast<unsigned>(mtile_expert.size()), (I + apk::kInterPerTile - 1) / apk::kInterPerTile);
-  const dim3 g_dn(static_cast<unsigned>(mtile_expert.size()), (H + apk::kNtDown - 1) / apk::kNtDown);
-  cudaEvent_t e0, e1;
-  CHECK(cudaEventCreate(&e0));
-  CHECK(cudaEventCreate(&e1));
-  std::vector<double> static_us;
-  for (int r = 0; r < repeats + 1; ++r) {
-    CHECK(cudaEventRecord(e0, kernel_stream));
-    static_gate_up<<<g_gu, apk::kThreads, 0, kernel_stream>>>(tm.phase[apk::kPrefill], d_rb, d_cnt, d_me, d_mi,
-                                                               apk::kMtPrefill);
-    static_down<<<g_dn, apk::kThreads, 0, kernel_stream>>>(tm.phase[apk::kPrefill], d_rb, d_cnt, d_me, d_mi,
-                                                            apk::kMtPrefill);
-    CHECK(cudaEventRecord(e1, kernel_stream));
-    CHECK(cudaEventSynchronize(e1));
-    CHECK(cudaGetLastError());
-    float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    if (r > 0) static_us.push_back(ms * 1e3);  // first run warms up
-  }
-
   const double pa = median(prefill_alone), da = median(decode_alone);
-  const double ds = median(decode_shared), ps = median(prefill_shared), su = median(static_us);
-  const double tile_us = su / std::max<size_t>(1, mtile_expert.size() * (g_gu.y + g_dn.y)) *
-                         (prop.multiProcessorCount);  // mean tile time on one SM
+  const double ds = median(decode_shared), ps = median(prefill_shared);
+  // Mean cluster-tile time: the prefill operation's tiles over the clusters that ran them.
+  uint32_t mtiles = 0;
+  for (uint32_t m : cp) mtiles += (m + apk::kMtPrefill - 1) / apk::kMtPrefill;
+  const double tile_us = pa * clusters / std::max<uint32_t>(1, mtiles * (apk::kGateUpGroups + apk::kDownGroups));
   std::printf(
       "{\"gpu\": \"%s\", \"sms\": %d, \"clusters\": %d, \"hidden\": %d, \"inter\": %d, \"local_experts\": %d, "
       "\"prefill_rows\": %.0f, \"decode_rows\": %.0f, "
       "\"rel_err_prefill\": %.3e, \"rel_err_decode\": %.3e, "
-      "\"prefill_alone_us\": %.1f, \"prefill_tflops\": %.3f, \"static_prefill_us\": %.1f, "
-      "\"scheduling_overhead\": %.3f, \"decode_alone_us\": %.1f, \"decode_shared_us\": %.1f, "
+      "\"prefill_alone_us\": %.1f, \"prefill_tflops\": %.3f, "
+      "\"decode_alone_us\": %.1f, \"decode_shared_us\": %.1f, "
       "\"decode_slowdown\": %.3f, \"prefill_shared_us\": %.1f, \"prefill_slowdown\": %.3f, "
       "\"preemption_delay_us\": %.2f, \"mean_tile_us\": %.2f, \"preemption_samples\": %zu}\n",
       prop.name, prop.multiProcessorCount, clusters, H, I, E, flops(cp) / (2.0 * H * 2 * I + 2.0 * I * H),
-      flops(cd) / (2.0 * H * 2 * I + 2.0 * I * H), err_p, err_d, pa, flops(cp) / (pa * 1e-6) / 1e12, su,
-      pa / su - 1.0, da, ds, ds / da, ps, ps / pa, median(preempt), tile_us, preempt.size());
+      flops(cd) / (2.0 * H * 2 * I + 2.0 * I * H), err_p, err_d, pa, flops(cp) / (pa * 1e-6) / 1e12, da, ds,
+      ds / da, ps, ps / pa, median(preempt), tile_us, preempt.size());
   return (err_p < 0 || err_d < 0 || err_p > 1e-2 || err_d > 1e-2) ? 1 : 0;
 }

@@ -1,9 +1,9 @@
 // Host emulation of the APK's execution model: every CTA is one std::thread
-// (its "threads" run as one loop), a CTA cluster shares a std::barrier and a
-// table of its CTAs' shared-memory decision slots (distributed shared
-// memory), and the PTX scoped loads, stores and atomics map to std::atomic_ref
-// with the same orderings (the system and device scopes are both the process
-// here). Trace events go to per-thread logs stamped by a relaxed global
+// for its producer warp plus one per math unit, a CTA cluster shares a table
+// of its CTAs' shared memory (distributed shared memory), mbarriers are
+// phase counters with release arrivals and acquire waits, and the PTX scoped
+// loads, stores and atomics map to std::atomic_ref with the same orderings
+// (the system and device scopes are both the process here). Trace events go to per-thread logs stamped by a relaxed global
 // counter (the logical clock), which adds no synchronization ThreadSanitizer
 // could mistake for the kernel's own.
 #pragma once
@@ -52,11 +52,41 @@ inline thread_local std::vector<Event>* log = nullptr;
 inline thread_local uint32_t cta = 0;
 inline thread_local uint32_t rank = 0;
 
+// A cluster: its CTAs' shared memory (distributed shared memory: a peer's
+// field is the same offset in the peer's block).
 struct Cluster {
-  std::unique_ptr<std::barrier<>> barrier;
-  void* leader_slot = nullptr;
+  std::vector<void*> smem;
 };
 inline thread_local Cluster* cluster = nullptr;
+inline thread_local void* smem = nullptr;  // this CTA's shared memory
+
+template <typename T>
+inline T* peer(T* local, uint32_t rank) {
+  const std::ptrdiff_t off = reinterpret_cast<char*>(local) - static_cast<char*>(smem);
+  return reinterpret_cast<T*>(static_cast<char*>(cluster->smem[rank]) + off);
+}
+
+// An mbarrier: a phase counter and the arrivals still missing in this phase.
+// Arrivals release, waits acquire (the PTX barrier's default orderings).
+struct Mbar {
+  std::atomic<uint64_t> word{0};  // phase (high 32 bits) | arrivals so far (low 32)
+  uint32_t count = 0;
+  void arrive() {
+    uint64_t w = word.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint64_t phase = w >> 32, got = (w & 0xffffffffu) + 1;
+      const uint64_t next = got == count ? (phase + 1) << 32 : (phase << 32) | got;
+      if (word.compare_exchange_weak(w, next, std::memory_order_acq_rel, std::memory_order_relaxed)) return;
+    }
+  }
+  // Phase `parity` completed: the current phase's parity differs.
+  bool done(uint32_t parity) const { return ((word.load(std::memory_order_acquire) >> 32) & 1u) != parity; }
+};
+
+// The kernel's TMA descriptors are not used on the host.
+struct TensorMap {
+  unsigned char opaque[128];
+};
 
 inline void trace(Ev kind, uint32_t a, uint32_t b, uint32_t c) {
   const uint64_t t = clock.fetch_add(1, std::memory_order_relaxed);
@@ -95,17 +125,41 @@ inline unsigned long long add_acq_rel_gpu64(unsigned long long* p, unsigned long
   return apk_host::at(p).fetch_add(v, std::memory_order_acq_rel);
 }
 inline void backoff() { std::this_thread::yield(); }
-// One host thread computes the whole CTA tile; the cluster barrier orders it.
-inline void fence_tile_outputs() {}
 [[noreturn]] inline void fail() {
   std::fprintf(stderr, "apk: operation exceeds the compiled buffers\n");
   std::abort();
 }
 inline unsigned long long now_ns() { return apk_host::clock.load(std::memory_order_relaxed); }
 inline uint32_t cluster_rank() { return apk_host::rank; }
-inline void cluster_sync() { apk_host::cluster->barrier->arrive_and_wait(); }
-template <typename T>
-inline T read_leader(const T*) {
-  return *static_cast<const T*>(apk_host::cluster->leader_slot);
+inline void mbar_init(apk_host::Mbar* b, uint32_t count) { b->count = count; }
+inline void mbar_arrive(apk_host::Mbar* b) { b->arrive(); }
+inline void mbar_arrive_at(apk_host::Mbar* b, uint32_t rank) { apk_host::peer(b, rank)->arrive(); }
+inline void mbar_arrive_if(bool pred, apk_host::Mbar* b) {
+  if (pred) b->arrive();
 }
+inline void mbar_arrive_at_if(bool pred, apk_host::Mbar* b, uint32_t rank) {
+  if (pred) mbar_arrive_at(b, rank);
+}
+// Like the device's try_wait, which suspends the thread for a while before
+// reporting an incomplete phase: a failed poll yields.
+inline bool mbar_try_wait(apk_host::Mbar* b, uint32_t parity) {
+  if (b->done(parity)) return true;
+  std::this_thread::yield();
+  return false;
+}
+inline void mbar_wait(apk_host::Mbar* b, uint32_t parity) {
+  while (!b->done(parity)) std::this_thread::yield();
+}
+template <typename D>
+inline void store_decision_at(D* slot, uint32_t rank, const D& d) {
+  *apk_host::peer(slot, rank) = d;
+}
+// One host thread per producer warp and per math unit: broadcasts and unit
+// barriers are trivial, and the arrivals' release orders the tile's outputs.
+template <typename D>
+inline D warp_broadcast(const D& d) {
+  return d;
+}
+inline void unit_sync(uint32_t) {}
+inline void fence_tile_outputs_if(bool) {}
 }  // namespace apk

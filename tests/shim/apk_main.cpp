@@ -86,22 +86,23 @@ int main(int argc, char** argv) {
     tm.phase[ph].x = compute ? reinterpret_cast<const __nv_bfloat16*>(x[ph].data()) : nullptr;
     tm.phase[ph].act = compute ? reinterpret_cast<__nv_bfloat16*>(act[ph].data()) : nullptr;
     tm.phase[ph].y = compute ? reinterpret_cast<__nv_bfloat16*>(y[ph].data()) : nullptr;
-    tm.phase[ph].w13 = compute ? reinterpret_cast<const __nv_bfloat16*>(w13.data()) : nullptr;
-    tm.phase[ph].w2 = compute ? reinterpret_cast<const __nv_bfloat16*>(w2.data()) : nullptr;
   }
+  tm.w13 = compute ? reinterpret_cast<const __nv_bfloat16*>(w13.data()) : nullptr;
+  tm.w2 = compute ? reinterpret_cast<const __nv_bfloat16*>(w2.data()) : nullptr;
   auto state = std::make_unique<apk::State>();
   std::memset(state.get(), 0, sizeof(apk::State));
   apk::State* st = state.get();
 
-  // Clusters and CTA threads.
+  // Clusters and CTA threads: a producer and kUnits math units per CTA.
   const uint32_t ctas = clusters * apk::kClusterSize;
   std::vector<apk_host::Cluster> cl(clusters);
-  std::vector<apk::Decision> slots(ctas);
-  for (uint32_t c = 0; c < clusters; ++c) {
-    cl[c].barrier = std::make_unique<std::barrier<>>(apk::kClusterSize);
-    cl[c].leader_slot = &slots[c * apk::kClusterSize];
+  std::vector<std::unique_ptr<apk::Smem>> smem;
+  for (uint32_t b = 0; b < ctas; ++b) {
+    smem.push_back(std::make_unique<apk::Smem>());
+    apk::init_signals(*smem.back());
+    cl[b / apk::kClusterSize].smem.push_back(smem.back().get());
   }
-  std::vector<std::vector<Event>> logs(ctas + 1);
+  std::vector<std::vector<Event>> logs(ctas * (1 + apk::kUnits) + 1);
   std::atomic<bool> finished{false};
   std::thread watchdog([&] {
     for (int i = 0; i < 1200 && !finished.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -112,17 +113,23 @@ int main(int argc, char** argv) {
   });
   std::vector<std::thread> threads;
   for (uint32_t b = 0; b < ctas; ++b) {
-    threads.emplace_back([&, b] {
-      apk_host::log = &logs[b];
-      apk_host::cta = b;
-      apk_host::rank = b % apk::kClusterSize;
-      apk_host::cluster = &cl[b / apk::kClusterSize];
-      apk::serve(tm, st, &slots[b], b / apk::kClusterSize, clusters, 0, 1);
-    });
+    for (int role = 0; role <= apk::kUnits; ++role) {
+      threads.emplace_back([&, b, role] {
+        apk_host::log = &logs[b * (1 + apk::kUnits) + static_cast<uint32_t>(role)];
+        apk_host::cta = b;
+        apk_host::rank = b % apk::kClusterSize;
+        apk_host::cluster = &cl[b / apk::kClusterSize];
+        apk_host::smem = smem[b].get();
+        if (role == 0)
+          apk::producer(tm, st, *smem[b], b / apk::kClusterSize, clusters, apk_host::rank, 0);
+        else
+          apk::consumer(tm, st, *smem[b], apk_host::rank, static_cast<uint32_t>(role - 1), 0);
+      });
+    }
   }
 
   // The attention side.
-  apk_host::log = &logs[ctas];
+  apk_host::log = &logs.back();
   apk_host::cta = ctas;
   std::vector<Op> ops;
   uint32_t seq[2] = {0, 0};

@@ -24,6 +24,35 @@ fn float_literal(v: f64) -> String {
     format!("{s}f")
 }
 
+/// The inline-asm operand text of one `wgmma.mma_async` m64nNk16 shape:
+/// N/2 fp32 accumulators per thread, then the two descriptors and the
+/// scale-d flag.
+#[derive(serde::Serialize)]
+struct WgmmaOperands {
+    n: u32,
+    regs: u32,
+    /// `%0, %1, …` for the accumulators.
+    list: String,
+    /// `"+f"(d[0]), …`.
+    outputs: String,
+    desc_a: u32,
+    desc_b: u32,
+    scale_d: u32,
+}
+
+fn wgmma_operands(n: u32) -> WgmmaOperands {
+    let regs = n / 2;
+    WgmmaOperands {
+        n,
+        regs,
+        list: (0..regs).map(|i| format!("%{i}")).collect::<Vec<_>>().join(", "),
+        outputs: (0..regs).map(|i| format!("\"+f\"(d[{i}])")).collect::<Vec<_>>().join(", "),
+        desc_a: regs,
+        desc_b: regs + 1,
+        scale_d: regs + 2,
+    }
+}
+
 /// Renders one kernel's source.
 pub fn render(plan: &ValidPlan, k: &KernelInstance) -> Result<String, TemplateError> {
     let mut ctx = tera::Context::new();
@@ -44,6 +73,9 @@ pub fn render(plan: &ValidPlan, k: &KernelInstance) -> Result<String, TemplateEr
         KernelParams::Apk(p) => {
             ctx.insert("p", p);
             ctx.insert("x_star", &float_literal(p.x_star));
+            let mut ns = vec![p.n_t_gate_up, p.n_t_down];
+            ns.dedup();
+            ctx.insert("wgmma", &ns.iter().map(|&n| wgmma_operands(n)).collect::<Vec<_>>());
             ("apk.cu", APK)
         }
     };

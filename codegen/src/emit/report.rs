@@ -11,7 +11,12 @@ fn gb(b: u64) -> String {
 
 /// How the kernels were (or were not) compiled.
 pub enum Toolchain<'a> {
-    Compiled { nvcc_version: &'a str, stats: &'a BTreeMap<String, Vec<PtxasStats>> },
+    Compiled {
+        nvcc_version: &'a str,
+        stats: &'a BTreeMap<String, Vec<PtxasStats>>,
+        /// Per kernel, when cuobjdump was available.
+        sass: &'a BTreeMap<String, crate::nvcc::SassCounts>,
+    },
     Skipped(&'a str),
 }
 
@@ -114,6 +119,26 @@ pub fn render(plan: &Plan, toolchain: &Toolchain<'_>) -> String {
             let _ = writeln!(s, "| `{}` | {} × {} | {regs} | {spills} | {stack} | {smem} |", e.symbol, e.grid, e.block);
         }
         let _ = writeln!(s);
+        let dynamic: u32 = k.entries.iter().map(|e| e.dynamic_smem).max().unwrap_or(0);
+        if dynamic > 0 {
+            let _ = writeln!(s, "Dynamic shared memory: {dynamic} bytes per CTA.\n");
+        }
+        if let Toolchain::Compiled { sass, .. } = toolchain {
+            match sass.get(&k.name) {
+                Some(c) => {
+                    let row: Vec<String> = c.iter().filter(|(_, n)| **n > 0).map(|(f, n)| format!("{n} {f}")).collect();
+                    let row = if row.is_empty() {
+                        "none of the tensor-core, TMA or async-copy families".to_string()
+                    } else {
+                        row.join(", ")
+                    };
+                    let _ = writeln!(s, "SASS (cuobjdump): {row}.\n");
+                }
+                None => {
+                    let _ = writeln!(s, "SASS not inspected: no cuobjdump and nvdisasm next to nvcc.\n");
+                }
+            }
+        }
     }
     s
 }

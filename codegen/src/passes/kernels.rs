@@ -11,7 +11,7 @@ use crate::cost::expected_x_moe;
 use crate::passes::search::SearchResult;
 use crate::passes::unified::MAX_BATCH_TOKENS;
 use crate::plan::{ApkParams, EntryPoint, KernelInstance, KernelParams, PermuteParams, RankPlan, RouterParams};
-use moeforge_dsl::spec::{DType, Deploy, Routing, Spec};
+use moeforge_dsl::spec::{Arch, DType, Deploy, Routing, Spec, Tiles};
 
 const ROUTER_WARPS: u32 = 4;
 /// 8 blocks of 128 threads per SM leaves 64 registers per thread, enough for
@@ -149,14 +149,120 @@ pub fn run(spec: &Spec, d: &Deploy, max_local: u32) -> Vec<KernelInstance> {
     ]
 }
 
-/// Threads per APK CTA.
-const APK_THREADS: u32 = 128;
 /// Decode tokens one rank dispatches per step (DeepEP low-latency's default
 /// `num_max_dispatch_tokens_per_rank`): the masked layout holds this many
 /// rows per expert from every rank.
 pub const DECODE_TOKENS_PER_RANK: u32 = 128;
 /// Decode requests per rank the x*_moe footprint assumes without a layout search.
 const NOMINAL_DECODE_PER_RANK: f64 = 64.0;
+/// `setmaxnreg` budgets on sm_90a: the producer warpgroup (which also runs
+/// the scheduler, hence more than a bare TMA warp) gives registers to the two
+/// math warpgroups. The launch holds 384 × 168 registers (`__launch_bounds__`
+/// with one CTA per SM), and 128·72 + 256·216 = 384·168 exactly, so the
+/// increase never waits for registers.
+const PRODUCER_REGS: u32 = 72;
+const CONSUMER_REGS: u32 = 216;
+/// mma.sync math warps per CTA on the portable path.
+const PORTABLE_WARPS: u32 = 4;
+
+/// The APK's pipeline shape on this GPU, from the prefill tiles (one
+/// shared-memory ring and one CTA shape serve every GEMM of both phases), or
+/// why the tile set does not fit the generated kernel.
+struct Pipeline {
+    path: &'static str,
+    block_k: u32,
+    stages: u32,
+    units: u32,
+    unit_threads: u32,
+    threads: u32,
+    smem_bytes: u32,
+}
+
+fn pipeline(
+    arch: Arch,
+    tiles: &Tiles,
+    cluster_size: u32,
+    hidden: u32,
+    inter: u32,
+    smem_per_block: u64,
+) -> Result<Pipeline, String> {
+    let (pf, dc) = (&tiles.prefill, &tiles.decode);
+    let all = [
+        ("prefill.gate_up", &pf.gate_up),
+        ("prefill.down", &pf.down),
+        ("decode.gate_up", &dc.gate_up),
+        ("decode.down", &dc.down),
+    ];
+    let block_k = pf.gate_up.block_k;
+    if let Some((name, t)) = all.iter().find(|(_, t)| t.block_k != block_k) {
+        return Err(format!("`{name}.block_k` = {} differs from `prefill.gate_up.block_k` = {block_k}: the APK's stage ring has one depth", t.block_k));
+    }
+    for (name, v) in [("hidden", hidden), ("expert_ffn", inter)] {
+        if v % 8 != 0 {
+            return Err(format!("the model's {name} = {v} is not a multiple of 8 (16-byte rows for TMA and cp.async)"));
+        }
+    }
+    let (mt_p, mt_d) = (pf.gate_up.block_m, dc.gate_up.block_m);
+    if pf.down.block_m != mt_p || dc.down.block_m != mt_d {
+        return Err("each phase's gate_up and down tiles must have the same block_m (the Down tile reads the GateUp tile's rows)".into());
+    }
+    let (n_gu, n_d) = (pf.gate_up.block_n, pf.down.block_n);
+    let mt_max = mt_p.max(mt_d);
+    let n_max = n_gu.max(n_d);
+    let (path, units, unit_threads, producer_threads, row_elems) = match arch {
+        Arch::Sm90a => {
+            if block_k != 64 {
+                return Err(format!(
+                    "block_k = {block_k}: the wgmma path reads 128-byte swizzled rows, block_k = 64 for bf16"
+                ));
+            }
+            for (what, m) in [("prefill", mt_p), ("decode", mt_d)] {
+                if m != 64 && m != 128 {
+                    return Err(format!(
+                        "{what} block_m = {m}: the wgmma path runs one or two 64-row warpgroups, block_m = 64 or 128"
+                    ));
+                }
+                if (m / cluster_size) % 8 != 0 {
+                    return Err(format!("{what} block_m = {m} split over a {cluster_size}-CTA cluster is not a multiple of 8 rows per multicast slice"));
+                }
+            }
+            if n_gu % 16 != 0 || n_gu > 256 || n_d % 8 != 0 || n_d > 256 {
+                return Err(format!("block_n = {n_gu} (gate_up) / {n_d} (down): wgmma needs gate_up a multiple of 16 and down of 8, both at most 256"));
+            }
+            ("wgmma", mt_max / 64, 128, 128, block_k)
+        }
+        Arch::Sm80 => {
+            if block_k % 16 != 0 {
+                return Err(format!("block_k = {block_k} is not a multiple of 16 (mma.sync k16)"));
+            }
+            if mt_p % 16 != 0 || mt_d % 16 != 0 {
+                return Err(format!("block_m = {mt_p}/{mt_d}: mma.sync needs multiples of 16"));
+            }
+            if n_gu % (16 * PORTABLE_WARPS) != 0 || n_d % (8 * PORTABLE_WARPS) != 0 {
+                return Err(format!("block_n = {n_gu} (gate_up) / {n_d} (down): {PORTABLE_WARPS} math warps need gate_up a multiple of {} and down of {}", 16 * PORTABLE_WARPS, 8 * PORTABLE_WARPS));
+            }
+            // Rows padded by 8 elements: conflict-free ldmatrix without swizzling.
+            ("mma_sync", PORTABLE_WARPS, 32, 32, block_k + 8)
+        }
+    };
+    let stages = pf.gate_up.stages;
+    let ring = u64::from(stages) * u64::from((mt_max + n_max) * row_elems) * 2;
+    // Barriers: full/empty per stage, 2 × (handoff full/empty, broadcast, tile done); 4 decision slots.
+    let barriers = 8 * (2 * u64::from(stages) + 8) + 16 * 4;
+    let smem = (ring + barriers).div_ceil(1024) * 1024 + 1024;
+    if smem > smem_per_block {
+        return Err(format!("the APK's {stages}-stage ring of {mt_max}×{block_k} + {n_max}×{block_k} tiles needs {smem} bytes of shared memory; the GPU allows {smem_per_block}"));
+    }
+    Ok(Pipeline {
+        path,
+        block_k,
+        stages,
+        units,
+        unit_threads,
+        threads: producer_threads + units * unit_threads,
+        smem_bytes: smem as u32,
+    })
+}
 
 /// The APK is generated for bf16 experts only: why, for a report.
 pub fn apk_missing(experts: DType) -> Option<String> {
@@ -174,10 +280,15 @@ pub fn apk_missing(experts: DType) -> Option<String> {
 /// candidate when there is one: q as searched, x*_moe the expected decode
 /// footprint of its decode batch on these ranks; otherwise q is half the
 /// SMs and x*_moe that of 64 requests per rank.
-pub fn apk(spec: &Spec, d: &Deploy, ranks: &[RankPlan], search: Option<&SearchResult>) -> Vec<KernelInstance> {
+pub fn apk(
+    spec: &Spec,
+    d: &Deploy,
+    ranks: &[RankPlan],
+    search: Option<&SearchResult>,
+) -> Result<Vec<KernelInstance>, String> {
     let m = spec.model(d.model);
     if apk_missing(m.dtype.experts).is_some() {
-        return Vec::new();
+        return Ok(Vec::new());
     }
     let c = spec.cluster(d.cluster);
     let tiles = spec.tile_set(d.tiles);
@@ -189,6 +300,10 @@ pub fn apk(spec: &Spec, d: &Deploy, ranks: &[RankPlan], search: Option<&SearchRe
     } else {
         1
     };
+    let pipe = pipeline(arch, tiles, cluster_size, m.hidden, m.moe.expert_ffn, c.gpu.smem_per_block)?;
+    // The split is sized for one producer and two math warpgroups (384 threads at 168 registers).
+    let (producer_regs, consumer_regs) =
+        if arch == Arch::Sm90a && pipe.units == 2 { (PRODUCER_REGS, CONSUMER_REGS) } else { (0, 0) };
     let m_t_p = tiles.prefill.gate_up.block_m;
     let m_t_d = tiles.decode.gate_up.block_m;
     let round = |v: u32| v.div_ceil(cluster_size) * cluster_size;
@@ -199,7 +314,7 @@ pub fn apk(spec: &Spec, d: &Deploy, ranks: &[RankPlan], search: Option<&SearchRe
     counts.sort_unstable();
     counts.dedup();
     let many = counts.len() > 1;
-    counts
+    Ok(counts
         .into_iter()
         .map(|local| {
             let routed_rows = MAX_BATCH_TOKENS as u32 * m.moe.top_k + local * (m_t_p - 1);
@@ -225,7 +340,15 @@ pub fn apk(spec: &Spec, d: &Deploy, ranks: &[RankPlan], search: Option<&SearchRe
                 q,
                 q_max: c.gpu.sms - cluster_size,
                 x_star: (x_star * 1000.0).round() / 1000.0,
-                threads: APK_THREADS,
+                path: pipe.path.to_string(),
+                block_k: pipe.block_k,
+                stages: pipe.stages,
+                units: pipe.units,
+                unit_threads: pipe.unit_threads,
+                threads: pipe.threads,
+                producer_regs,
+                consumer_regs,
+                smem_bytes: pipe.smem_bytes,
                 ranks: ranks.iter().filter(|r| r.experts[1] - r.experts[0] == local).map(|r| r.rank).collect(),
             };
             let p = |s: &str| s.to_string();
@@ -239,11 +362,11 @@ pub fn apk(spec: &Spec, d: &Deploy, ranks: &[RankPlan], search: Option<&SearchRe
                 entries: vec![EntryPoint {
                     symbol: "moe_apk".into(),
                     grid: format!("SMs rounded down to a multiple of {cluster_size} (launched once)"),
-                    block: APK_THREADS,
-                    dynamic_smem: 0,
+                    block: pipe.threads,
+                    dynamic_smem: pipe.smem_bytes,
                     params: vec![p("const __grid_constant__ apk::Templates templates"), p("apk::State* state")],
                 }],
             }
         })
-        .collect()
+        .collect())
 }
