@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check of the emitted Adaptive Persistent Kernels (issue 4).
 #
-#   scripts/gpu-check.sh --prepare     # here (needs cargo): compile the bf16 examples into gpu-bundles/
+#   scripts/gpu-check.sh --prepare     # here (needs cargo): compile the examples into gpu-bundles/
 #   scripts/gpu-check.sh [BUNDLE...]   # on a machine with an NVIDIA GPU, nvcc and PyTorch
 #
 # For each bundle's kernels/apk*.cu: builds scripts/gpu/apk_check.cu around it
@@ -21,7 +21,9 @@ cd "$(dirname "$0")/.."
 
 if [[ "${1:-}" == "--prepare" ]]; then
   rm -rf gpu-bundles
-  for ex in qwen3-30b-a3b-h200 qwen3-235b-a22b-h200 glm-4.5-air-h200 mixtral-8x7b-a100 tiny-qwen3-cpu4; do
+  # The issue's expert shapes (Qwen3-30B-A3B, MiniMax-M2 and DeepSeek-V3, the
+  # last two fp8), the portable path (Mixtral, A100 tiles) and small shapes.
+  for ex in qwen3-30b-a3b-h200 minimax-m2-h800 deepseek-v3-h100x32 mixtral-8x7b-a100 tiny-qwen3-cpu4; do
     cargo run --release --quiet -- compile "examples/$ex.moe" -o "gpu-bundles/$ex" --nvcc off >/dev/null
   done
   echo "prepared: $(ls gpu-bundles | tr '\n' ' ')(carry gpu-bundles to the GPU machine)"

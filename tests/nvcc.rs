@@ -129,6 +129,7 @@ fn the_gpu_check_driver_builds_around_emitted_apks() {
     for (example, gencode, variant) in [
         ("tiny-qwen3-cpu4", "-gencode=arch=compute_90a,code=sm_90a", "-DAPK_DYNAMIC"),
         ("tiny-qwen3-cpu4", "-gencode=arch=compute_90a,code=sm_90a", "-DAPK_STATIC_TILES"),
+        ("minimax-m2-h800", "-gencode=arch=compute_90a,code=sm_90a", "-DAPK_DYNAMIC"),
         ("mixtral-8x7b-a100", "-gencode=arch=compute_80,code=compute_80", "-DAPK_DYNAMIC"),
         ("mixtral-8x7b-a100", "-gencode=arch=compute_80,code=compute_80", "-DAPK_STATIC_TILES"),
     ] {

@@ -89,6 +89,7 @@ pub fn plan_deployment_with(checked: &Checked, id: DeployId, opts: &PlanOptions)
             weight_bytes: m.weight_bytes(),
             expert_bytes: m.expert_bytes(),
             expert_dtype: m.dtype.experts,
+            block_scale: m.dtype.block_scale,
             activation_dtype: m.dtype.activations,
             kv_bytes_per_token: u64::from(m.layers) * m.kv_bytes_per_token_layer(),
         },

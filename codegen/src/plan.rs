@@ -55,6 +55,9 @@ pub struct ModelFacts {
     /// Bytes of one routed expert (gate, up, down) in its storage dtype.
     pub expert_bytes: u64,
     pub expert_dtype: DType,
+    /// Block-scale shape of quantized weights, as the model declares it.
+    #[serde(default)]
+    pub block_scale: Option<[u32; 2]>,
     pub activation_dtype: DType,
     /// KV-cache bytes per token over all layers.
     pub kv_bytes_per_token: u64,
@@ -149,6 +152,11 @@ pub struct ApkParams {
     pub q: u32,
     pub q_max: u32,
     pub x_star: f64,
+    /// Expert weight type: `bf16`, or `fp8_e4m3` with `scale_block`² block
+    /// scales (dequantized to bf16 in shared memory by the producer
+    /// warpgroup's other warps; activations and math stay bf16).
+    pub weights: String,
+    pub scale_block: u32,
     /// Tensor-core path: `wgmma` (sm_90a: TMA, warp specialization,
     /// multicast) or `mma_sync` (portable, sm_80: cp.async, ldmatrix).
     pub path: String,

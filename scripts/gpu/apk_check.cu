@@ -17,6 +17,7 @@
 #include KERNEL_SOURCE
 
 #include <cuda.h>          // CUtensorMap and its enums
+#include <cuda_fp8.h>      // host-side e4m3 conversion for fp8 weights
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 #include <algorithm>
 #include <chrono>
@@ -67,19 +68,57 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
   return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
 }
 
-// A bf16 tensor of `rank` dims (innermost first) as a 128-byte-swizzled TMA map.
+// A tensor of `rank` dims (innermost first) as a TMA map: bf16 with
+// 128-byte swizzling, or plain bytes (fp8 weights, read by the transform warps).
 void encode(apk::TensorMap* out, const void* base, int rank, const cuuint64_t* dims, const cuuint64_t* strides,
-            const cuuint32_t* box) {
+            const cuuint32_t* box, bool bytes = false) {
   static_assert(sizeof(apk::TensorMap) == sizeof(CUtensorMap), "the kernel's opaque map is a CUtensorMap");
   const cuuint32_t elem[3] = {1, 1, 1};
-  const CUresult r = encode_fn()(reinterpret_cast<CUtensorMap*>(out), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+  const CUresult r = encode_fn()(reinterpret_cast<CUtensorMap*>(out),
+                                 bytes ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                                  static_cast<cuuint32_t>(rank), const_cast<void*>(base), dims, strides, box, elem,
-                                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                 CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                 bytes ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B,
                                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
     std::fprintf(stderr, "cuTensorMapEncodeTiled failed (%d)\n", static_cast<int>(r));
     std::exit(2);
   }
+}
+
+// The scale pointers exist in the templates of fp8 kernels only.
+template <typename T>
+auto set_scales(T& tm, const float* w13, const float* w2, int) -> decltype(tm.w13_scale, void()) {
+  tm.w13_scale = w13;
+  tm.w2_scale = w2;
+}
+template <typename T>
+void set_scales(T&, const float*, const float*, long) {}
+
+// fp8 e4m3 weights with one scale per 128×128 block of each matrix
+// ([mats][rows][cols]): bytes, scales (row-major per matrix), and the
+// dequantized values rounded to bf16 (what the kernel multiplies) for the
+// reference, written back into `w`.
+void quantize(std::vector<uint16_t>& w, int mats, int rows, int cols, std::vector<uint8_t>& q, std::vector<float>& sc) {
+  const int br = (rows + 127) / 128, bc = (cols + 127) / 128;
+  q.resize(w.size());
+  sc.assign(static_cast<size_t>(mats) * br * bc, 1.0f);
+  for (int m = 0; m < mats; ++m)
+    for (int i = 0; i < br; ++i)
+      for (int j = 0; j < bc; ++j) {
+        auto at = [&](int r, int c) { return (static_cast<size_t>(m) * rows + r) * cols + c; };
+        float amax = 0.0f;
+        for (int r = i * 128; r < std::min(rows, i * 128 + 128); ++r)
+          for (int c = j * 128; c < std::min(cols, j * 128 + 128); ++c) amax = std::max(amax, std::fabs(from_bits(w[at(r, c)])));
+        const float s = amax > 0.0f ? amax / 448.0f : 1.0f;
+        sc[(static_cast<size_t>(m) * br + i) * bc + j] = s;
+        for (int r = i * 128; r < std::min(rows, i * 128 + 128); ++r)
+          for (int c = j * 128; c < std::min(cols, j * 128 + 128); ++c) {
+            const __nv_fp8_e4m3 v(from_bits(w[at(r, c)]) / s);
+            q[at(r, c)] = v.__x;
+            w[at(r, c)] = to_bits(static_cast<float>(v) * s);
+          }
+      }
 }
 
 struct Phase {
@@ -122,24 +161,50 @@ int main(int argc, char** argv) {
     return c;
   };
 
-  // Weights of one layer and per-phase buffers.
-  const size_t w13_n = static_cast<size_t>(E) * 2 * I * H, w2_n = static_cast<size_t>(E) * H * I;
+  // Weights of two layers (operations run on layer 1, so the kernel's layer
+  // offsets into weights, maps and scales are exercised) and per-phase buffers.
+  // Uniform weights from a fast generator: billions of values for the large shapes.
+  constexpr int L = 2, kLayer = 1;
+  const size_t w13_n = static_cast<size_t>(L) * E * 2 * I * H, w2_n = static_cast<size_t>(L) * E * H * I;
   std::vector<uint16_t> w13(w13_n), w2(w2_n);
   std::normal_distribution<float> nd(0.0f, 1.0f);
-  for (auto& v : w13) v = to_bits(nd(rng) * 0.02f);
-  for (auto& v : w2) v = to_bits(nd(rng) * 0.02f);
-  bf16 *d_w13, *d_w2;
-  CHECK(cudaMalloc(&d_w13, w13_n * 2));
-  CHECK(cudaMalloc(&d_w2, w2_n * 2));
-  CHECK(cudaMemcpy(d_w13, w13.data(), w13_n * 2, cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(d_w2, w2.data(), w2_n * 2, cudaMemcpyHostToDevice));
+  uint64_t lcg = 0x9e3779b97f4a7c15ull;
+  auto uniform = [&] {  // in [-0.035, 0.035): standard deviation ~0.02
+    lcg = lcg * 6364136223846793005ull + 1442695040888963407ull;
+    return (static_cast<float>(lcg >> 40) / 16777216.0f - 0.5f) * 0.07f;
+  };
+  for (auto& v : w13) v = to_bits(uniform());
+  for (auto& v : w2) v = to_bits(uniform());
+  // bf16 weights, or fp8 with block scales (the reference then uses the dequantized values).
+  void *d_w13, *d_w2;
+  float *d_s13 = nullptr, *d_s2 = nullptr;
+  const size_t welt = apk::kFp8Weights ? 1 : 2;
+  CHECK(cudaMalloc(&d_w13, w13_n * welt));
+  CHECK(cudaMalloc(&d_w2, w2_n * welt));
+  if (apk::kFp8Weights) {
+    std::vector<uint8_t> q13, q2;
+    std::vector<float> s13, s2;
+    quantize(w13, L * E * 2, I, H, q13, s13);  // gate and up are separate [I][H] matrices
+    quantize(w2, L * E, H, I, q2, s2);
+    // The kernel indexes w13's scales per [2I][H] matrix: gate blocks, then up blocks.
+    CHECK(cudaMemcpy(d_w13, q13.data(), w13_n, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(d_w2, q2.data(), w2_n, cudaMemcpyHostToDevice));
+    CHECK(cudaMalloc(&d_s13, s13.size() * 4));
+    CHECK(cudaMalloc(&d_s2, s2.size() * 4));
+    CHECK(cudaMemcpy(d_s13, s13.data(), s13.size() * 4, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(d_s2, s2.data(), s2.size() * 4, cudaMemcpyHostToDevice));
+  } else {
+    CHECK(cudaMemcpy(d_w13, w13.data(), w13_n * 2, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(d_w2, w2.data(), w2_n * 2, cudaMemcpyHostToDevice));
+  }
   Phase ph[2];
   ph[apk::kPrefill].rows_cap = apk::kMaxPrefillRows;
   ph[apk::kDecode].rows_cap = static_cast<uint32_t>(E) * apk::kMaxDecodeRows;
   // The operation templates: buffers and (wgmma path) TMA descriptors, fixed before launch.
   apk::Templates tm{};
-  tm.w13 = d_w13;
-  tm.w2 = d_w2;
+  tm.w13 = static_cast<const apk::Weight*>(d_w13);
+  tm.w2 = static_cast<const apk::Weight*>(d_w2);
+  set_scales(tm, d_s13, d_s2, 0);
   for (int p = 0; p < 2; ++p) {
     const size_t rows = ph[p].rows_cap;
     CHECK(cudaMalloc(&ph[p].x, rows * H * 2));
@@ -158,15 +223,15 @@ int main(int argc, char** argv) {
     }
   }
   if (apk::kUsesTma) {
-    // One layer here: matrices = experts × 2 (gate, up) and experts.
-    const cuuint64_t w13d[3] = {cuuint64_t(H), cuuint64_t(I), cuuint64_t(E) * 2};
-    const cuuint64_t w13s[2] = {cuuint64_t(H) * 2, cuuint64_t(I) * H * 2};
+    // Matrices: layers × experts × 2 (gate, up) and layers × experts.
+    const cuuint64_t w13d[3] = {cuuint64_t(H), cuuint64_t(I), cuuint64_t(L) * E * 2};
+    const cuuint64_t w13s[2] = {cuuint64_t(H) * welt, cuuint64_t(I) * H * welt};
     const cuuint32_t w13b[3] = {apk::kBk, apk::kNtGateUp / 2, 1};
-    encode(&tm.w13_map, d_w13, 3, w13d, w13s, w13b);
-    const cuuint64_t w2d[3] = {cuuint64_t(I), cuuint64_t(H), cuuint64_t(E)};
-    const cuuint64_t w2s[2] = {cuuint64_t(I) * 2, cuuint64_t(H) * I * 2};
+    encode(&tm.w13_map, d_w13, 3, w13d, w13s, w13b, apk::kFp8Weights);
+    const cuuint64_t w2d[3] = {cuuint64_t(I), cuuint64_t(H), cuuint64_t(L) * E};
+    const cuuint64_t w2s[2] = {cuuint64_t(I) * welt, cuuint64_t(H) * I * welt};
     const cuuint32_t w2b[3] = {apk::kBk, apk::kNtDown, 1};
-    encode(&tm.w2_map, d_w2, 3, w2d, w2s, w2b);
+    encode(&tm.w2_map, d_w2, 3, w2d, w2s, w2b, apk::kFp8Weights);
   }
   apk::State* st;
   CHECK(cudaMalloc(&st, sizeof(apk::State)));
@@ -224,7 +289,7 @@ int main(int argc, char** argv) {
   };
   auto post = [&](int p, const std::vector<uint32_t>& c) {
     apk::PhaseState* s = &st->phase[p];
-    const uint32_t layer = 0;
+    const uint32_t layer = kLayer;
     CHECK(cudaMemcpyAsync(&s->layer, &layer, 4, cudaMemcpyHostToDevice, host_stream));
     CHECK(cudaMemcpyAsync(s->counts, c.data(), 4 * E, cudaMemcpyHostToDevice, host_stream));
     const uint32_t next = ++seq[p];
@@ -264,14 +329,16 @@ int main(int argc, char** argv) {
         for (int j = 0; j < I; ++j) {
           double g = 0, u = 0;
           for (int k = 0; k < H; ++k) {
-            g += double(from_bits(xr[k])) * from_bits(w13[(static_cast<size_t>(e) * 2 * I + j) * H + k]);
-            u += double(from_bits(xr[k])) * from_bits(w13[(static_cast<size_t>(e) * 2 * I + I + j) * H + k]);
+            const size_t m = static_cast<size_t>(kLayer) * E + e;
+            g += double(from_bits(xr[k])) * from_bits(w13[(m * 2 * I + j) * H + k]);
+            u += double(from_bits(xr[k])) * from_bits(w13[(m * 2 * I + I + j) * H + k]);
           }
           a[j] = g / (1.0 + std::exp(-g)) * u;
         }
         for (int h = 0; h < H; ++h) {
           double ref = 0;
-          for (int j = 0; j < I; ++j) ref += a[j] * from_bits(w2[(static_cast<size_t>(e) * H + h) * I + j]);
+          for (int j = 0; j < I; ++j)
+            ref += a[j] * from_bits(w2[((static_cast<size_t>(kLayer) * E + e) * H + h) * I + j]);
           const double got = from_bits(yr[h]);
           nan = nan || std::isnan(got);
           num += (got - ref) * (got - ref);

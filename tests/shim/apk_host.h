@@ -29,6 +29,23 @@ struct float2 {
 #define __forceinline__ inline
 
 inline float __expf(float x) { return std::exp(x); }
+// fp8 e4m3 (1 sign, 4 exponent bits with bias 7, 3 mantissa bits; no
+// infinities, S.1111.111 is NaN) to float, exactly.
+inline float shim_fp8e4m3_decode(uint8_t b) {
+  const float sign = (b & 0x80) ? -1.0f : 1.0f;
+  const int exp = (b >> 3) & 0xf, man = b & 0x7;
+  if (exp == 0xf && man == 0x7) return std::nanf("");
+  if (exp == 0) return sign * std::ldexp(static_cast<float>(man) / 8.0f, -6);
+  return sign * std::ldexp(1.0f + static_cast<float>(man) / 8.0f, exp - 7);
+}
+inline float shim_fp8e4m3_to_float(uint8_t b) {
+  static const auto table = [] {
+    std::vector<float> t(256);
+    for (int i = 0; i < 256; ++i) t[i] = shim_fp8e4m3_decode(static_cast<uint8_t>(i));
+    return t;
+  }();
+  return table[b];
+}
 inline float __bfloat162float(__nv_bfloat16 h) { return shim_bf16_to_float(h); }
 inline __nv_bfloat16 __float2bfloat16(float f) { return shim_float_to_bf16(f); }
 

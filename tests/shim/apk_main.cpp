@@ -41,6 +41,15 @@ uint32_t row_begin(int ph, const std::vector<uint32_t>& counts, int e) {
   return begin;
 }
 
+// The scale pointers exist in the templates of fp8 kernels only.
+template <typename T>
+auto set_scales(T& tm, const float* w13, const float* w2, int) -> decltype(tm.w13_scale, void()) {
+  tm.w13_scale = w13;
+  tm.w2_scale = w2;
+}
+template <typename T>
+void set_scales(T&, const float*, const float*, long) {}
+
 int fail_check(const char* what) {
   std::fprintf(stderr, "FAILED: %s\n", what);
   return 1;
@@ -63,7 +72,10 @@ int main(int argc, char** argv) {
   const int H = apk::kHidden, I = apk::kInter, E = apk::kLocalExperts;
 
   // Buffers (only when computing): weights, and per phase x / act / y.
+  // Weights: bf16 bits, or fp8 e4m3 bytes with one scale per 128×128 block.
   std::vector<uint16_t> w13, w2;
+  std::vector<uint8_t> q13, q2;
+  std::vector<float> s13, s2;
   uint32_t rows_cap[2] = {0, 0};
   std::vector<uint16_t> x[2], act[2], y[2];
   auto rnd = [&] { return std::uniform_real_distribution<float>(-0.5f, 0.5f)(rng); };
@@ -72,6 +84,23 @@ int main(int argc, char** argv) {
     w2.resize(static_cast<size_t>(L) * E * H * I);
     for (auto& v : w13) v = bf16_bits(rnd() * 0.2f);
     for (auto& v : w2) v = bf16_bits(rnd() * 0.2f);
+    if (apk::kFp8Weights) {
+      // Any e4m3 byte but the NaNs (S.1111.111), and positive scales.
+      auto byte = [&] {
+        uint8_t b;
+        do b = static_cast<uint8_t>(rng()); while ((b & 0x7f) == 0x7f);
+        return b;
+      };
+      q13.resize(w13.size());
+      q2.resize(w2.size());
+      for (auto& v : q13) v = byte();
+      for (auto& v : q2) v = byte();
+      auto blocks = [](int r, int c) { return static_cast<size_t>((r + 127) / 128) * ((c + 127) / 128); };
+      s13.resize(static_cast<size_t>(L) * E * blocks(2 * I, H));
+      s2.resize(static_cast<size_t>(L) * E * blocks(H, I));
+      for (auto& v : s13) v = 0.002f + 0.004f * (rnd() + 0.5f);
+      for (auto& v : s2) v = 0.002f + 0.004f * (rnd() + 0.5f);
+    }
     // Prefill: contiguous rows, each expert padded to M_t; decode: masked.
     rows_cap[apk::kPrefill] = static_cast<uint32_t>(E) * ((max_rows + apk::kMtPrefill - 1) / apk::kMtPrefill) * apk::kMtPrefill;
     rows_cap[apk::kDecode] = static_cast<uint32_t>(E) * apk::kMaxDecodeRows;
@@ -87,8 +116,14 @@ int main(int argc, char** argv) {
     tm.phase[ph].act = compute ? reinterpret_cast<__nv_bfloat16*>(act[ph].data()) : nullptr;
     tm.phase[ph].y = compute ? reinterpret_cast<__nv_bfloat16*>(y[ph].data()) : nullptr;
   }
-  tm.w13 = compute ? reinterpret_cast<const __nv_bfloat16*>(w13.data()) : nullptr;
-  tm.w2 = compute ? reinterpret_cast<const __nv_bfloat16*>(w2.data()) : nullptr;
+  if (apk::kFp8Weights) {
+    tm.w13 = compute ? reinterpret_cast<const apk::Weight*>(q13.data()) : nullptr;
+    tm.w2 = compute ? reinterpret_cast<const apk::Weight*>(q2.data()) : nullptr;
+    set_scales(tm, compute ? s13.data() : nullptr, compute ? s2.data() : nullptr, 0);
+  } else {
+    tm.w13 = compute ? reinterpret_cast<const apk::Weight*>(w13.data()) : nullptr;
+    tm.w2 = compute ? reinterpret_cast<const apk::Weight*>(w2.data()) : nullptr;
+  }
   auto state = std::make_unique<apk::State>();
   std::memset(state.get(), 0, sizeof(apk::State));
   apk::State* st = state.get();
@@ -102,25 +137,29 @@ int main(int argc, char** argv) {
     apk::init_signals(*smem.back());
     cl[b / apk::kClusterSize].smem.push_back(smem.back().get());
   }
-  std::vector<std::vector<Event>> logs(ctas * (1 + apk::kUnits) + 1);
+  constexpr int kRoles = 1 + apk::kUnits + (apk::kFp8Weights ? 1 : 0);
+  std::vector<std::vector<Event>> logs(ctas * kRoles + 1);
   std::atomic<bool> finished{false};
   std::thread watchdog([&] {
     for (int i = 0; i < 1200 && !finished.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
     if (!finished.load()) {
-      std::fprintf(stderr, "FAILED: deadlock (no progress in 120 s)\n");
+      std::fprintf(stderr, "FAILED: not finished in 120 s (deadlock?)\n");
       std::_Exit(3);
     }
   });
   std::vector<std::thread> threads;
   for (uint32_t b = 0; b < ctas; ++b) {
-    for (int role = 0; role <= apk::kUnits; ++role) {
+    // Roles: the producer, the math units, and (fp8 weights) the transform warps.
+    for (int role = 0; role < kRoles; ++role) {
       threads.emplace_back([&, b, role] {
-        apk_host::log = &logs[b * (1 + apk::kUnits) + static_cast<uint32_t>(role)];
+        apk_host::log = &logs[b * kRoles + static_cast<uint32_t>(role)];
         apk_host::cta = b;
         apk_host::rank = b % apk::kClusterSize;
         apk_host::cluster = &cl[b / apk::kClusterSize];
         apk_host::smem = smem[b].get();
-        if (role == 0)
+        if (role == apk::kUnits + 1)
+          apk::transform(tm, st, *smem[b], apk_host::rank, 0);
+        else if (role == 0)
           apk::producer(tm, st, *smem[b], b / apk::kClusterSize, clusters, apk_host::rank, 0);
         else
           apk::consumer(tm, st, *smem[b], apk_host::rank, static_cast<uint32_t>(role - 1), 0);
@@ -145,22 +184,22 @@ int main(int argc, char** argv) {
     // Reference: the same fp32 sums in the same order, rounded where the kernel rounds.
     for (int e = 0; e < E; ++e) {
       const uint32_t begin = row_begin(ph, op.counts, e);
-      const uint16_t* wg = &w13[(static_cast<size_t>(op.layer) * E + e) * 2 * I * H];
-      const uint16_t* wd = &w2[(static_cast<size_t>(op.layer) * E + e) * H * I];
+      // Weights as the tensor cores see them (bf16, or fp8 × block scale rounded to bf16).
+      const size_t mat = static_cast<size_t>(op.layer) * E + static_cast<size_t>(e);
       for (uint32_t r = begin; r < begin + op.counts[e]; ++r) {
         std::vector<uint16_t> a(I);
         for (int j = 0; j < I; ++j) {
           float g = 0.0f, u = 0.0f;
           for (int k = 0; k < H; ++k) {
             const float xv = bf(x[ph][static_cast<size_t>(r) * H + k]);
-            g += xv * bf(wg[static_cast<size_t>(j) * H + k]);
-            u += xv * bf(wg[static_cast<size_t>(I + j) * H + k]);
+            g += xv * apk::weight_at(tm, false, mat, j, k);
+            u += xv * apk::weight_at(tm, false, mat, I + j, k);
           }
           a[j] = bf16_bits(g / (1.0f + std::exp(-g)) * u);
         }
         for (int h = 0; h < H; ++h) {
           float acc = 0.0f;
-          for (int k = 0; k < I; ++k) acc += bf(a[k]) * bf(wd[static_cast<size_t>(h) * I + k]);
+          for (int k = 0; k < I; ++k) acc += bf(a[k]) * apk::weight_at(tm, true, mat, h, k);
           const double err = std::fabs(static_cast<double>(bf(bf16_bits(acc))) - bf(y[ph][static_cast<size_t>(r) * H + h]));
           if (err > 0.0) ++max_err_ops;
           max_err = std::max(max_err, err);

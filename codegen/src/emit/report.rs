@@ -83,7 +83,7 @@ pub fn render(plan: &Plan, toolchain: &Toolchain<'_>) -> String {
             let _ = writeln!(s, "Not compiled: {why}.\n");
         }
     }
-    if let Some(why) = crate::passes::kernels::apk_missing(plan.model.expert_dtype) {
+    if let Some(why) = crate::passes::kernels::apk_missing(plan.model.expert_dtype, plan.model.block_scale, c.arch) {
         let _ = writeln!(s, "> {why}\n");
     }
     for k in &plan.kernels {

@@ -164,6 +164,10 @@ const PRODUCER_REGS: u32 = 72;
 const CONSUMER_REGS: u32 = 216;
 /// mma.sync math warps per CTA on the portable path.
 const PORTABLE_WARPS: u32 = 4;
+/// Reduction depth of one wgmma pipeline stage: one 128-byte swizzled bf16 row.
+const WGMMA_STAGE_K: u32 = 64;
+/// fp8 experts' block-scale size (DeepSeek-V3's `weight_scale_inv` blocks).
+const FP8_SCALE_BLOCK: u32 = 128;
 
 /// The APK's pipeline shape on this GPU, from the prefill tiles (one
 /// shared-memory ring and one CTA shape serve every GEMM of both phases), or
@@ -184,6 +188,7 @@ fn pipeline(
     cluster_size: u32,
     hidden: u32,
     inter: u32,
+    fp8: bool,
     smem_per_block: u64,
 ) -> Result<Pipeline, String> {
     let (pf, dc) = (&tiles.prefill, &tiles.decode);
@@ -211,10 +216,19 @@ fn pipeline(
     let n_max = n_gu.max(n_d);
     let (path, units, unit_threads, producer_threads, row_elems) = match arch {
         Arch::Sm90a => {
-            if block_k != 64 {
+            if block_k % WGMMA_STAGE_K != 0 {
                 return Err(format!(
-                    "block_k = {block_k}: the wgmma path reads 128-byte swizzled rows, block_k = 64 for bf16"
+                    "block_k = {block_k}: the wgmma path stages 128-byte swizzled rows of {WGMMA_STAGE_K} bf16, block_k must be a multiple of {WGMMA_STAGE_K}"
                 ));
+            }
+            if fp8 && hidden % 16 != 0 {
+                return Err(format!("hidden = {hidden}: fp8 weight rows must be a multiple of 16 bytes for TMA"));
+            }
+            if fp8 && inter % FP8_SCALE_BLOCK != 0 {
+                return Err(format!("expert_ffn = {inter}: fp8 gate and up weights are one [2·expert_ffn] matrix whose {FP8_SCALE_BLOCK}-row scale blocks must not straddle them"));
+            }
+            if fp8 && (FP8_SCALE_BLOCK % (n_gu / 2) != 0 || FP8_SCALE_BLOCK % n_d != 0) {
+                return Err(format!("block_n = {n_gu} (gate_up) / {n_d} (down): with fp8 weights a tile's columns (half of gate_up's) must lie in one {FP8_SCALE_BLOCK}-row scale block"));
             }
             for (what, m) in [("prefill", mt_p), ("decode", mt_d)] {
                 if m != 64 && m != 128 {
@@ -229,7 +243,7 @@ fn pipeline(
             if n_gu % 16 != 0 || n_gu > 256 || n_d % 8 != 0 || n_d > 256 {
                 return Err(format!("block_n = {n_gu} (gate_up) / {n_d} (down): wgmma needs gate_up a multiple of 16 and down of 8, both at most 256"));
             }
-            ("wgmma", mt_max / 64, 128, 128, block_k)
+            ("wgmma", mt_max / 64, 128, 128, WGMMA_STAGE_K)
         }
         Arch::Sm80 => {
             if block_k % 16 != 0 {
@@ -241,21 +255,35 @@ fn pipeline(
             if n_gu % (16 * PORTABLE_WARPS) != 0 || n_d % (8 * PORTABLE_WARPS) != 0 {
                 return Err(format!("block_n = {n_gu} (gate_up) / {n_d} (down): {PORTABLE_WARPS} math warps need gate_up a multiple of {} and down of {}", 16 * PORTABLE_WARPS, 8 * PORTABLE_WARPS));
             }
+            if fp8 {
+                return Err("fp8 weights need sm_90a (the portable path computes bf16 experts)".into());
+            }
             // Rows padded by 8 elements: conflict-free ldmatrix without swizzling.
             ("mma_sync", PORTABLE_WARPS, 32, 32, block_k + 8)
         }
     };
-    let stages = pf.gate_up.stages;
-    let ring = u64::from(stages) * u64::from((mt_max + n_max) * row_elems) * 2;
-    // Barriers: full/empty per stage, 2 × (handoff full/empty, broadcast, tile done); 4 decision slots.
-    let barriers = 8 * (2 * u64::from(stages) + 8) + 16 * 4;
-    let smem = (ring + barriers).div_ceil(1024) * 1024 + 1024;
-    if smem > smem_per_block {
-        return Err(format!("the APK's {stages}-stage ring of {mt_max}×{block_k} + {n_max}×{block_k} tiles needs {smem} bytes of shared memory; the GPU allows {smem_per_block}"));
+    // The APK's stage depth: 64 on the wgmma path (a deeper tile block is
+    // several stages), the tile's block_k on the portable path.
+    let stage_k = if arch == Arch::Sm90a { WGMMA_STAGE_K } else { block_k };
+    // Per stage: the activation and (bf16) weight tiles, plus the raw fp8
+    // weight tile the transform warps dequantize from.
+    let stage_bytes = u64::from((mt_max + n_max) * row_elems) * 2 + if fp8 { u64::from(n_max * stage_k) } else { 0 };
+    // Barriers: full/empty (and converted) per stage, 2 × (handoff full/empty,
+    // broadcast, tile done); 4 decision slots; 1 KiB to align the ring.
+    let smem_for = |stages: u64| {
+        let barriers = 8 * ((if fp8 { 3 } else { 2 }) * stages + 8) + 16 * 4;
+        (stages * stage_bytes + barriers).div_ceil(1024) * 1024 + 1024
+    };
+    let wanted = u64::from(pf.gate_up.stages * (block_k / stage_k));
+    let stages = (1..=wanted).rev().find(|&n| smem_for(n) <= smem_per_block).unwrap_or(0);
+    if stages < 2 {
+        return Err(format!("the APK's ring of {mt_max}×{stage_k} + {n_max}×{stage_k} tiles needs {} bytes of shared memory for two stages; the GPU allows {smem_per_block}", smem_for(2)));
     }
+    let smem = smem_for(stages);
+    let stages = stages as u32;
     Ok(Pipeline {
         path,
-        block_k,
+        block_k: stage_k,
         stages,
         units,
         unit_threads,
@@ -264,14 +292,20 @@ fn pipeline(
     })
 }
 
-/// The APK is generated for bf16 experts only: why, for a report.
-pub fn apk_missing(experts: DType) -> Option<String> {
-    (experts != DType::Bf16).then(|| {
-        format!(
-            "No Adaptive Persistent Kernel: the experts are {} and this version's APK computes bf16 experts only (fp8 with block scales is not generated yet).",
-            experts.name()
-        )
-    })
+/// Why a model's experts get no APK, for the report: the APK computes bf16
+/// experts, and fp8 e4m3 experts with 128×128 block scales on sm_90a
+/// (dequantized to bf16 in shared memory).
+pub fn apk_missing(experts: DType, block_scale: Option<[u32; 2]>, arch: Arch) -> Option<String> {
+    let why = match experts {
+        DType::Bf16 => return None,
+        DType::Fp8E4m3 if arch != Arch::Sm90a => "fp8 experts are generated for sm_90a only".to_string(),
+        DType::Fp8E4m3 if block_scale != Some([FP8_SCALE_BLOCK; 2]) => {
+            format!("fp8 experts need {FP8_SCALE_BLOCK}×{FP8_SCALE_BLOCK} block scales, this model declares {block_scale:?}")
+        }
+        DType::Fp8E4m3 => return None,
+        other => format!("{} experts are not generated", other.name()),
+    };
+    Some(format!("No Adaptive Persistent Kernel: {why}."))
 }
 
 /// One APK per distinct local expert count (ranks with the same count share
@@ -287,10 +321,11 @@ pub fn apk(
     search: Option<&SearchResult>,
 ) -> Result<Vec<KernelInstance>, String> {
     let m = spec.model(d.model);
-    if apk_missing(m.dtype.experts).is_some() {
+    let c = spec.cluster(d.cluster);
+    if apk_missing(m.dtype.experts, m.dtype.block_scale, c.gpu.arch).is_some() {
         return Ok(Vec::new());
     }
-    let c = spec.cluster(d.cluster);
+    let fp8 = m.dtype.experts == DType::Fp8E4m3;
     let tiles = spec.tile_set(d.tiles);
     let arch = c.gpu.arch;
     let world = c.world_size();
@@ -300,7 +335,7 @@ pub fn apk(
     } else {
         1
     };
-    let pipe = pipeline(arch, tiles, cluster_size, m.hidden, m.moe.expert_ffn, c.gpu.smem_per_block)?;
+    let pipe = pipeline(arch, tiles, cluster_size, m.hidden, m.moe.expert_ffn, fp8, c.gpu.smem_per_block)?;
     // The split is sized for one producer and two math warpgroups (384 threads at 168 registers).
     let (producer_regs, consumer_regs) =
         if arch == Arch::Sm90a && pipe.units == 2 { (PRODUCER_REGS, CONSUMER_REGS) } else { (0, 0) };
@@ -340,6 +375,8 @@ pub fn apk(
                 q,
                 q_max: c.gpu.sms - cluster_size,
                 x_star: (x_star * 1000.0).round() / 1000.0,
+                weights: m.dtype.experts.name().to_string(),
+                scale_block: if fp8 { FP8_SCALE_BLOCK } else { 0 },
                 path: pipe.path.to_string(),
                 block_k: pipe.block_k,
                 stages: pipe.stages,
@@ -355,7 +392,8 @@ pub fn apk(
             KernelInstance {
                 name: if many { format!("apk_e{local}") } else { "apk".into() },
                 purpose: format!(
-                    "persistent grouped GEMMs (GateUp → SiLU·mul → Down) of {local} local experts for prefill and decode, tile-level preemption, decode q = {q} SMs"
+                    "persistent grouped GEMMs (GateUp → SiLU·mul → Down) of {local} local experts{} for prefill and decode, tile-level preemption, decode q = {q} SMs",
+                    if fp8 { " (fp8 e4m3 weights with 128×128 block scales, dequantized to bf16 in shared memory)" } else { "" }
                 ),
                 arch,
                 params: KernelParams::Apk(params),
