@@ -169,18 +169,13 @@ fn compile_picks_a_deployment_or_says_which() {
 #[test]
 fn mxfp4_is_declared_but_rejected_by_compile() {
     let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-    let f = tmp.path().join("oss.moe");
-    let r = root();
-    std::fs::write(
-        &f,
-        format!(
-            "use \"{0}/models/gpt-oss-120b.moe\"\nuse \"{0}/models/clusters.moe\"\nuse \"{0}/models/tiles.moe\"\n\
-             deploy oss {{ model = gpt-oss-120b cluster = h200x8 tiles = hopper-bf16 slo {{ ttft = 1s tpot = 50ms }}\n\
-             workload {{ input = sharegpt output = sharegpt arrival poisson {{ rate = 1req/s }} }} }}\n",
-            r.display()
-        ),
-    )
-    .ok();
+    let f = write_spec(
+        tmp.path(),
+        "oss.moe",
+        &["models/gpt-oss-120b.moe", "models/clusters.moe", "models/tiles.moe"],
+        "deploy oss { model = gpt-oss-120b cluster = h200x8 tiles = hopper-bf16 slo { ttft = 1s tpot = 50ms }
+         workload { input = sharegpt output = sharegpt arrival poisson { rate = 1req/s } } }\n",
+    );
     assert!(moeforge(&["check", f.to_str().unwrap_or_default()], None).status.success());
     let out = tmp.path().join("o");
     let o = moeforge(&["compile", f.to_str().unwrap_or_default(), "-o", out.to_str().unwrap_or_default()], None);
@@ -191,27 +186,26 @@ fn mxfp4_is_declared_but_rejected_by_compile() {
 }
 
 /// A tile set the dsl accepts (block_k a multiple of the MMA's k) but the
-/// APK's wgmma path cannot use (its swizzled rows are 128 bytes, block_k = 64
-/// for bf16): a located error with a hint, nothing written.
+/// APK's wgmma path cannot use (it stages 128-byte swizzled rows, so block_k
+/// must be a multiple of 64 bf16): a located error with a hint, nothing written.
 #[test]
 fn tiles_the_apk_cannot_use_are_a_located_error() {
     let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-    let f = tmp.path().join("k32.moe");
-    let r = root();
-    std::fs::write(
-        &f,
-        format!(
-            "use \"{0}/models/qwen3-30b-a3b.moe\"\nuse \"{0}/models/clusters.moe\"\n\
-             tiles k32 {{\n  prefill {{ layout = contiguous\n    gate_up {{ block_m = 128 block_n = 128 block_k = 32 cluster = [2, 1] stages = 4 }}\n\
-                 down {{ block_m = 128 block_n = 128 block_k = 32 cluster = [2, 1] stages = 4 }} }}\n\
-               decode {{ layout = masked\n    gate_up {{ block_m = 64 block_n = 128 block_k = 32 cluster = [1, 1] stages = 6 }}\n\
-                 down {{ block_m = 64 block_n = 128 block_k = 32 cluster = [1, 1] stages = 6 }} }}\n}}\n\
-             deploy q {{ model = qwen3-30b-a3b cluster = h200x8 tiles = k32 slo {{ ttft = 1s tpot = 50ms }}\n\
-             workload {{ input = sharegpt output = sharegpt arrival poisson {{ rate = 1req/s }} }} }}\n",
-            r.display()
-        ),
-    )
-    .ok();
+    let f = write_spec(
+        tmp.path(),
+        "k32.moe",
+        &["models/qwen3-30b-a3b.moe", "models/clusters.moe"],
+        "tiles k32 {
+           prefill { layout = contiguous
+             gate_up { block_m = 128 block_n = 128 block_k = 32 cluster = [2, 1] stages = 4 }
+             down { block_m = 128 block_n = 128 block_k = 32 cluster = [2, 1] stages = 4 } }
+           decode { layout = masked
+             gate_up { block_m = 64 block_n = 128 block_k = 32 cluster = [1, 1] stages = 6 }
+             down { block_m = 64 block_n = 128 block_k = 32 cluster = [1, 1] stages = 6 } }
+         }
+         deploy q { model = qwen3-30b-a3b cluster = h200x8 tiles = k32 slo { ttft = 1s tpot = 50ms }
+         workload { input = sharegpt output = sharegpt arrival poisson { rate = 1req/s } } }\n",
+    );
     assert!(moeforge(&["check", f.to_str().unwrap_or_default()], None).status.success());
     let out = tmp.path().join("o");
     let o = moeforge(&["compile", f.to_str().unwrap_or_default(), "-o", out.to_str().unwrap_or_default()], None);

@@ -110,24 +110,18 @@ fn apk_schedules_every_example_at_full_size() {
 /// four ranks: the APK's W8A16 path, whose transform warps run as one more
 /// host thread per CTA.
 fn tiny_fp8(dir: &Path) -> PathBuf {
-    let f = dir.join("tiny-fp8.moe");
-    let r = root();
-    std::fs::write(
-        &f,
-        format!(
-            "use \"{0}/models/clusters.moe\"\nuse \"{0}/models/tiles.moe\"\n\
-             model tiny-fp8 {{ layers = 2 hidden = 256 vocab = 512 rope_theta = 1000000 rms_eps = 1e-6\n\
-               attention gqa {{ heads = 8 kv_heads = 2 head_dim = 32 qk_norm = true }}\n\
-               moe {{ experts = 16 top_k = 4 expert_ffn = 128 routing softmax_topk {{ norm_topk = true }} }}\n\
-               dtype {{ weights = fp8_e4m3 block_scale = [128, 128] activations = bf16 }} }}\n\
-             deploy tiny-fp8-cpu4 {{ model = tiny-fp8 cluster = cpu4 tiles = hopper-fp8 slo {{ ttft = 1s tpot = 50ms }}\n\
-               workload {{ input = sharegpt output = sharegpt arrival poisson {{ rate = 4req/s }} }}\n\
-               strategy = colocated memory_fraction = 0.6 }}\n",
-            r.display()
-        ),
+    write_spec(
+        dir,
+        "tiny-fp8.moe",
+        &["models/clusters.moe", "models/tiles.moe"],
+        "model tiny-fp8 { layers = 2 hidden = 256 vocab = 512 rope_theta = 1000000 rms_eps = 1e-6
+           attention gqa { heads = 8 kv_heads = 2 head_dim = 32 qk_norm = true }
+           moe { experts = 16 top_k = 4 expert_ffn = 128 routing softmax_topk { norm_topk = true } }
+           dtype { weights = fp8_e4m3 block_scale = [128, 128] activations = bf16 } }
+         deploy tiny-fp8-cpu4 { model = tiny-fp8 cluster = cpu4 tiles = hopper-fp8 slo { ttft = 1s tpot = 50ms }
+           workload { input = sharegpt output = sharegpt arrival poisson { rate = 4req/s } }
+           strategy = colocated memory_fraction = 0.6 }\n",
     )
-    .unwrap();
-    f
 }
 
 #[test]

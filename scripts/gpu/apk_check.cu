@@ -86,15 +86,6 @@ void encode(apk::TensorMap* out, const void* base, int rank, const cuuint64_t* d
   }
 }
 
-// The scale pointers exist in the templates of fp8 kernels only.
-template <typename T>
-auto set_scales(T& tm, const float* w13, const float* w2, int) -> decltype(tm.w13_scale, void()) {
-  tm.w13_scale = w13;
-  tm.w2_scale = w2;
-}
-template <typename T>
-void set_scales(T&, const float*, const float*, long) {}
-
 // fp8 e4m3 weights with one scale per 128×128 block of each matrix
 // ([mats][rows][cols]): bytes, scales (row-major per matrix), and the
 // dequantized values rounded to bf16 (what the kernel multiplies) for the
@@ -204,7 +195,8 @@ int main(int argc, char** argv) {
   apk::Templates tm{};
   tm.w13 = static_cast<const apk::Weight*>(d_w13);
   tm.w2 = static_cast<const apk::Weight*>(d_w2);
-  set_scales(tm, d_s13, d_s2, 0);
+  tm.w13_scale = d_s13;
+  tm.w2_scale = d_s2;
   for (int p = 0; p < 2; ++p) {
     const size_t rows = ph[p].rows_cap;
     CHECK(cudaMalloc(&ph[p].x, rows * H * 2));

@@ -19,6 +19,16 @@ pub fn examples() -> Vec<PathBuf> {
     v
 }
 
+/// Writes the spec `dir/name`: a `use` line per repository file in `uses`
+/// (e.g. `models/clusters.moe`), then `body`.
+pub fn write_spec(dir: &Path, name: &str, uses: &[&str], body: &str) -> PathBuf {
+    let f = dir.join(name);
+    let mut text: String = uses.iter().map(|u| format!("use \"{}\"\n", root().join(u).display())).collect();
+    text.push_str(body);
+    std::fs::write(&f, text).unwrap_or_else(|e| panic!("cannot write {}: {e}", f.display()));
+    f
+}
+
 pub fn stem(p: &Path) -> String {
     p.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
 }

@@ -41,15 +41,6 @@ uint32_t row_begin(int ph, const std::vector<uint32_t>& counts, int e) {
   return begin;
 }
 
-// The scale pointers exist in the templates of fp8 kernels only.
-template <typename T>
-auto set_scales(T& tm, const float* w13, const float* w2, int) -> decltype(tm.w13_scale, void()) {
-  tm.w13_scale = w13;
-  tm.w2_scale = w2;
-}
-template <typename T>
-void set_scales(T&, const float*, const float*, long) {}
-
 int fail_check(const char* what) {
   std::fprintf(stderr, "FAILED: %s\n", what);
   return 1;
@@ -119,7 +110,8 @@ int main(int argc, char** argv) {
   if (apk::kFp8Weights) {
     tm.w13 = compute ? reinterpret_cast<const apk::Weight*>(q13.data()) : nullptr;
     tm.w2 = compute ? reinterpret_cast<const apk::Weight*>(q2.data()) : nullptr;
-    set_scales(tm, compute ? s13.data() : nullptr, compute ? s2.data() : nullptr, 0);
+    tm.w13_scale = compute ? s13.data() : nullptr;
+    tm.w2_scale = compute ? s2.data() : nullptr;
   } else {
     tm.w13 = compute ? reinterpret_cast<const apk::Weight*>(w13.data()) : nullptr;
     tm.w2 = compute ? reinterpret_cast<const apk::Weight*>(w2.data()) : nullptr;
