@@ -2,16 +2,19 @@
 //! specialized MoE serving stack.
 //!
 //! This crate is the facade: it re-exports the stage crates and holds the
-//! embedded default spec. The CLI lives in `main.rs`.
+//! embedded default spec. The CLI lives in `main.rs` and `cli/`.
 //!
 //! - [`dsl`]: the `.moe` language (parse, check, [`dsl::Spec`]).
-//! - [`codegen`]: planning passes and emission ([`codegen::Plan`], bundles).
-//! - [`runtime`]: loading and verifying bundles.
+//! - [`plan`]: what the compiler produces and the runtime consumes (the plan
+//!   IR, its validator, the cost model, the bundle format and loader).
+//! - [`codegen`]: planning passes and emission (spec → plan → bundle).
+//! - [`runtime`]: backends that execute or simulate a bundle.
 //! - [`spec!`]: check a `.moe` file at Rust compile time.
 
 pub use moeforge_codegen as codegen;
 pub use moeforge_dsl as dsl;
 pub use moeforge_macros::spec;
+pub use moeforge_plan as plan;
 pub use moeforge_runtime as runtime;
 
 pub mod embedded;

@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use moeforge::codegen::{self, NvccMode};
 use moeforge::dsl::{self, Checked, Code, Diagnostic, Diagnostics, Failed, FsLoader, Loader, SourceMap};
 use moeforge::embedded;
+use moeforge::plan;
 use moeforge::runtime::twin;
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -302,11 +303,16 @@ fn run(cmd: Command) -> Result<(), ExitCode> {
                 eprintln!("note: no spec given; simulating the embedded default {}", embedded::DEFAULT_SPEC);
             }
             let spec = checked.spec.deployment(id);
-            let bench = moeforge::runtime::sim::Bench::new(&spec, plan.plan())
+            let mut bench = moeforge::runtime::sim::Bench::new(&spec, plan.plan())
                 .map_err(|e| error(e, "refit the profile with more samples over the serving range"))?;
+            if bench.search.is_none() {
+                // The strategy did not ask for the layout search; ExpertPlex still needs its layout.
+                let d = spec.deploy(moeforge::dsl::spec::DeployId(0));
+                bench = bench.with_search(codegen::passes::search::run(&spec, d, &plan.plan().cost));
+            }
             let args = simulate::Args { seconds, seed, rates, rollout };
             let (text, files) = simulate::run(&bench, &systems, &args);
-            codegen::emit::bundle::write_dir(&output, files.iter().map(|(n, b)| (*n, b.as_bytes()))).map_err(|e| {
+            plan::bundle::write_dir(&output, files.iter().map(|(n, b)| (*n, b.as_bytes()))).map_err(|e| {
                 eprintln!("error: cannot write {}: {e}", output.display());
                 ExitCode::from(1)
             })?;
@@ -327,7 +333,7 @@ fn run(cmd: Command) -> Result<(), ExitCode> {
                         "expected {\"logical_count\": [[count per expert] per MoE layer]}",
                     )
                 })?;
-                opts.loads = Some((parsed, codegen::emit::bundle::sha256_hex(text.as_bytes())));
+                opts.loads = Some((parsed, plan::bundle::sha256_hex(text.as_bytes())));
             }
             let plan =
                 codegen::plan_deployment_with(&checked, id, &opts).map_err(|d| fail(&checked.sources, &d, format))?;
@@ -438,16 +444,16 @@ struct RunArgs {
 }
 
 /// Reads a measured latency profile (`--profile`) and its digest.
-fn read_profile(path: &Option<PathBuf>) -> Result<Option<(codegen::cost::Profile, String)>, ExitCode> {
+fn read_profile(path: &Option<PathBuf>) -> Result<Option<(plan::cost::Profile, String)>, ExitCode> {
     let Some(p) = path else { return Ok(None) };
     let bytes = std::fs::read(p).map_err(|e| error(format!("{}: {e}", p.display()), ""))?;
-    let parsed: codegen::cost::Profile = serde_json::from_slice(&bytes).map_err(|e| {
+    let parsed: plan::cost::Profile = serde_json::from_slice(&bytes).map_err(|e| {
         error(
             format!("{}: not a latency profile: {e}", p.display()),
             "a profile is {\"samples\": [{\"component\": \"moe\", \"x\": 12, \"s\": 1, \"t\": 3.1e-5}, …]}",
         )
     })?;
-    Ok(Some((parsed, codegen::emit::bundle::sha256_hex(&bytes))))
+    Ok(Some((parsed, plan::bundle::sha256_hex(&bytes))))
 }
 
 fn error(msg: impl std::fmt::Display, help: &str) -> ExitCode {
@@ -474,7 +480,7 @@ fn parse_prompt(text: &str, where_: &str) -> Result<Vec<u32>, ExitCode> {
 }
 
 fn run_twin(a: RunArgs) -> Result<(), ExitCode> {
-    use moeforge::codegen::memory_plan::Mode;
+    use moeforge::plan::memory::Mode;
     if a.backend != "cpu" {
         return Err(error(
             format!("backend `{}` is not available in this build", a.backend),

@@ -258,7 +258,7 @@ fn tampered_bundles_are_refused() {
     assert!(load_bundle(&out).is_ok());
     let manifest = out.join("manifest.json");
     let m = std::fs::read_to_string(&manifest).unwrap_or_default();
-    let current = format!("\"format_version\": {}", moeforge::codegen::plan::FORMAT_VERSION);
+    let current = format!("\"format_version\": {}", moeforge::plan::FORMAT_VERSION);
     assert!(m.contains(&current));
     std::fs::write(&manifest, m.replace(&current, "\"format_version\": 99")).ok();
     let e = load_bundle(&out).err().map(|e| e.to_string()).unwrap_or_default();

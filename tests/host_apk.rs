@@ -13,13 +13,14 @@
 
 mod common;
 use common::*;
-use moeforge::codegen::{self, plan::KernelParams, NvccMode};
+use moeforge::codegen::{self, NvccMode};
 use moeforge::dsl::{check_paths, FsLoader};
+use moeforge::plan::KernelParams;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Every APK source of an example with its parameters.
-fn apks(example: &Path) -> Vec<(String, codegen::plan::ApkParams, Vec<u8>)> {
+fn apks(example: &Path) -> Vec<(String, moeforge::plan::ApkParams, Vec<u8>)> {
     let checked = check_paths(&[example.to_path_buf()], &FsLoader).unwrap_or_else(|f| panic!("{}", f.render(false)));
     let id = moeforge::dsl::spec::DeployId(0);
     let plan =

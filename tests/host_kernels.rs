@@ -8,8 +8,9 @@
 
 mod common;
 use common::*;
-use moeforge::codegen::{self, plan::KernelParams, NvccMode};
+use moeforge::codegen::{self, NvccMode};
 use moeforge::dsl::{check_paths, FsLoader};
+use moeforge::plan::KernelParams;
 use moeforge::runtime::reference::{self, RoutingRule};
 use std::path::{Path, PathBuf};
 use std::process::Command;

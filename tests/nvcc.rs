@@ -8,8 +8,8 @@
 
 mod common;
 use common::*;
-use moeforge::codegen::plan::KernelParams;
 use moeforge::dsl::spec::Arch;
+use moeforge::plan::KernelParams;
 use moeforge::runtime::load_bundle;
 
 #[test]

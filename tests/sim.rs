@@ -234,8 +234,8 @@ fn goodput_is_a_rate_that_meets_the_slos_and_results_are_deterministic() {
 
 #[test]
 fn a_profile_with_negative_latencies_is_refused() {
-    use moeforge::codegen::cost::{Profile, ProfileSample, Sample};
     use moeforge::codegen::{plan_deployment_with, PlanOptions};
+    use moeforge::plan::cost::{Profile, ProfileSample, Sample};
     let checked = check_paths(&[common::root().join("examples/minimax-m2-h800.moe")], &FsLoader)
         .unwrap_or_else(|f| panic!("{}", f.render(false)));
     // A fit that falls below zero at large footprints: t = 1e-4 − 1e-8·x.

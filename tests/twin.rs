@@ -10,8 +10,8 @@
 
 mod common;
 use common::Rng;
-use moeforge::codegen::memory_plan::Mode;
 use moeforge::codegen::{self, NvccMode};
+use moeforge::plan::memory::Mode;
 use moeforge::runtime::twin::dense::Dense;
 use moeforge::runtime::twin::weights::{write_random, Checkpoint, Family};
 use moeforge::runtime::twin::{Request, Twin, TwinModel};

@@ -10,26 +10,17 @@
 //! Consumed by the `moeforge` CLI and by `moeforge-runtime` (which reads the
 //! plan and manifest types).
 
-pub mod cost;
 pub mod emit;
-pub mod memory_plan;
 pub mod nvcc;
 pub mod passes;
 pub mod placement;
-pub mod plan;
-pub mod rng;
-mod text;
-pub mod validate;
-pub mod workload;
 
-pub use emit::bundle::{Bundle, Manifest};
+pub use moeforge_plan::{validate, Bundle, Manifest, Plan, ValidPlan, Violation};
 pub use nvcc::NvccMode;
-pub use plan::Plan;
-pub use validate::{ValidPlan, Violation};
 
 use moeforge_dsl::spec::DeployId;
 use moeforge_dsl::{Checked, Code, Diagnostic, Diagnostics};
-use plan::{ClusterFacts, ModelFacts, FORMAT_VERSION};
+use moeforge_plan::{cost, ClusterFacts, ModelFacts, FORMAT_VERSION};
 use std::collections::BTreeMap;
 
 /// The tool string recorded in manifests.
@@ -75,7 +66,7 @@ pub fn plan_deployment_with(checked: &Checked, id: DeployId, opts: &PlanOptions)
     let mut plan = Plan {
         format_version: FORMAT_VERSION,
         deploy: d.name.clone(),
-        spec_hash: emit::bundle::sha256_hex(&canonical_spec(checked, id)),
+        spec_hash: moeforge_plan::bundle::sha256_hex(&canonical_spec(checked, id)),
         model: ModelFacts {
             name: m.name.clone(),
             layers: m.layers,

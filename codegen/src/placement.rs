@@ -22,7 +22,7 @@
 //! The modeled MoE-layer latency of a placement is the slowest GPU's
 //! dispatch + expert computation + combine under the cost model.
 
-use crate::cost::{x_moe, CostModel};
+use moeforge_plan::cost::{x_moe, CostModel};
 use serde::{Deserialize, Serialize};
 
 /// A placement: for each GPU, the experts of its replica slots.
@@ -62,7 +62,7 @@ impl Topology {
 /// Seeded Zipf loads: `rows` routed rows over `experts`, popularity rank
 /// permuted per layer, exponent `s`.
 pub fn zipf_loads(layers: usize, experts: usize, rows: f64, s: f64, seed: u64) -> Vec<Vec<f64>> {
-    let mut rng = crate::rng::SplitMix64(seed ^ 0x5a17_7e9d);
+    let mut rng = moeforge_plan::rng::SplitMix64(seed ^ 0x5a17_7e9d);
     let mut next = move || rng.next_u64();
     let weights: Vec<f64> = (1..=experts).map(|r| 1.0 / (r as f64).powf(s)).collect();
     let total: f64 = weights.iter().sum();

@@ -4,10 +4,10 @@
 
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
 
-use moeforge_codegen::memory_plan::{Copy, LayerOrder, MemoryPlan, Mode, Shard, View, WeightReshard};
 use moeforge_codegen::plan_deployment;
-use moeforge_codegen::validate::memory_violations;
 use moeforge_dsl::spec::DeployId;
+use moeforge_plan::memory::{Copy, LayerOrder, MemoryPlan, Mode, Shard, View, WeightReshard};
+use moeforge_plan::validate::memory_violations;
 use proptest::prelude::*;
 
 #[derive(Clone, Debug)]

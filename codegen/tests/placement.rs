@@ -3,9 +3,9 @@
 
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
 
-use moeforge_codegen::cost::CostModel;
 use moeforge_codegen::placement::*;
 use moeforge_dsl::{check_paths, FsLoader};
+use moeforge_plan::cost::CostModel;
 
 fn cost_model() -> CostModel {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/kimi-k2-h100x32.moe");

@@ -2,10 +2,10 @@
 
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
 
-use moeforge_codegen::cost::{Fit, Profile, ProfileSample, Sample};
 use moeforge_codegen::{plan_deployment, plan_deployment_with, PlanOptions};
 use moeforge_dsl::spec::DeployId;
 use moeforge_dsl::{check_paths, FsLoader};
+use moeforge_plan::cost::{Fit, Profile, ProfileSample, Sample};
 
 fn example(name: &str) -> moeforge_dsl::Checked {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../examples/{name}.moe"));

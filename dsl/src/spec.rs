@@ -357,6 +357,13 @@ impl Model {
         ((expert_bits + linear_bits + bf16_bits) / 8.0).ceil() as u64
     }
 
+    /// Bytes of every weight but the routed experts (what an attention
+    /// server holds when the experts live on MoE servers).
+    pub fn nonrouted_weight_bytes(&self) -> u64 {
+        let routed = u64::from(self.moe_layers()) * u64::from(self.moe.experts) * self.expert_bytes();
+        self.weight_bytes().saturating_sub(routed)
+    }
+
     /// Bytes of one routed expert's weights.
     pub fn expert_bytes(&self) -> u64 {
         (self.expert_params() as f64 * self.dtype.experts.bits_per_element(self.dtype.block_scale) / 8.0).ceil() as u64

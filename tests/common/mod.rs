@@ -93,7 +93,7 @@ pub struct Rng(pub u64);
 
 impl Rng {
     fn inner(&mut self) -> u64 {
-        let mut g = moeforge::codegen::rng::SplitMix64(self.0);
+        let mut g = moeforge::plan::rng::SplitMix64(self.0);
         let v = g.next_u64();
         self.0 = g.0;
         v

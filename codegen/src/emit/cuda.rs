@@ -3,8 +3,8 @@
 //! The templates (`templates/*.cu.tera`, embedded at build time) only print
 //! the kernel's parameter struct; every decision is made in the kernels pass.
 
-use crate::plan::{KernelInstance, KernelParams};
-use crate::validate::ValidPlan;
+use moeforge_plan::validate::ValidPlan;
+use moeforge_plan::{KernelInstance, KernelParams};
 
 const ROUTER: &str = include_str!("../../../templates/router.cu.tera");
 const PERMUTE: &str = include_str!("../../../templates/permute.cu.tera");

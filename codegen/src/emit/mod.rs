@@ -2,8 +2,8 @@
 //!
 //! Everything here is deterministic: ordered maps, no timestamps, no paths of
 //! the machine that compiled. `cuda` renders kernels from the tera templates,
-//! `report` writes `report.md`, `bundle` assembles and writes the directory.
+//! `report` writes `report.md`; the bundle format itself (manifest, hashes,
+//! atomic write) is `moeforge_plan::bundle`.
 
-pub mod bundle;
 pub mod cuda;
 pub mod report;

@@ -1,7 +1,7 @@
 //! `report.md`: what was planned and emitted, for a human.
 
 use crate::nvcc::PtxasStats;
-use crate::plan::{KernelParams, Plan};
+use moeforge_plan::{KernelParams, Plan};
 use std::collections::BTreeMap;
 use std::fmt::Write;
 

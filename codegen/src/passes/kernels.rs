@@ -7,11 +7,11 @@
 //! combine. Then [`apk`]: the Adaptive Persistent Kernel per distinct MoE
 //! rank shape, which runs the grouped GEMMs of both phases.
 
-use crate::cost::expected_x_moe;
-use crate::passes::search::SearchResult;
 use crate::passes::unified::MAX_BATCH_TOKENS;
-use crate::plan::{ApkParams, EntryPoint, KernelInstance, KernelParams, PermuteParams, RankPlan, RouterParams};
 use moeforge_dsl::spec::{Arch, DType, Deploy, Routing, Spec, Tiles};
+use moeforge_plan::cost::expected_x_moe;
+use moeforge_plan::search::SearchResult;
+use moeforge_plan::{ApkParams, EntryPoint, KernelInstance, KernelParams, PermuteParams, RankPlan, RouterParams};
 
 const ROUTER_WARPS: u32 = 4;
 /// 8 blocks of 128 threads per SM leaves 64 registers per thread, enough for

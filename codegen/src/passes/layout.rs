@@ -7,8 +7,8 @@
 //! later versions; when the spec asks for something else, the plan says so in
 //! `DeployLayout::note` rather than pretending.
 
-use crate::plan::{DeployLayout, RankPlan};
 use moeforge_dsl::spec::{Deploy, Spec, Strategy};
+use moeforge_plan::{DeployLayout, RankPlan};
 
 pub fn run(spec: &Spec, d: &Deploy) -> (DeployLayout, Vec<RankPlan>) {
     let m = spec.model(d.model);

@@ -7,30 +7,15 @@
 //! (no replication, EPLB, Zepp) on the same loads. Advisory in this version:
 //! the memory plan and kernels hold one replica per expert.
 
-use crate::cost::CostModel;
 use crate::placement::{
     eplb, layer_cost, none, route_local, route_uniform, zepp, zipf_loads, Flows, LayerShape, Topology,
 };
 use moeforge_dsl::spec::{Deploy, PlacementPolicy, Routing, Spec};
-use serde::{Deserialize, Serialize};
+use moeforge_plan::cost::CostModel;
+use moeforge_plan::placement::PlacementPlan;
 
 /// Tokens per GPU the latency comparison assumes (a mid-sized prefill batch).
 pub const TOKENS_PER_GPU: f64 = 256.0;
-
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct PlacementPlan {
-    pub policy: PlacementPolicy,
-    /// Where the loads came from.
-    pub loads: String,
-    pub redundant_experts: u32,
-    /// `replicas[moe layer][gpu]` = experts of that GPU's slots.
-    pub replicas: Vec<Vec<Vec<u32>>>,
-    /// Modeled latency of MoE layer 0 under each policy (seconds); `none`
-    /// is absent when experts do not stripe evenly.
-    pub latency_none: Option<f64>,
-    pub latency_eplb: f64,
-    pub latency_zepp: f64,
-}
 
 pub fn run(
     spec: &Spec,

@@ -13,9 +13,9 @@
 //!
 //! Attention weights need no transfer: both layouts stay resident and a
 //! switch swaps views. KV transfers depend on live page tables and are built
-//! by the runtime from [`crate::memory_plan::KvPlan`]'s head ownership.
+//! by the runtime from [`moeforge_plan::memory::KvPlan`]'s head ownership.
 
-use crate::memory_plan::{Copy, ExpertSlots, LayerOrder, Mode, ReshardPlans, WeightReshard};
+use moeforge_plan::memory::{Copy, ExpertSlots, LayerOrder, Mode, ReshardPlans, WeightReshard};
 
 /// Expert count, FFN size, hidden size, element bytes and group size.
 #[derive(Clone, Copy)]

@@ -19,48 +19,16 @@
 //! The result is advisory in this version: the bundle's memory plan and
 //! kernels still follow the colocated layout.
 
-use crate::cost::{expected_x_moe, CostModel};
-use crate::workload::{mean, Side};
 use moeforge_dsl::spec::{Deploy, Spec};
-use serde::{Deserialize, Serialize};
+use moeforge_plan::cost::{expected_x_moe, CostModel};
+use moeforge_plan::search::{Candidate, SearchResult};
+use moeforge_plan::workload::{mean, Side};
 
 /// Largest batches the search considers.
 pub const MAX_DECODE_BATCH: u32 = 8192;
 pub const MAX_PREFILL_TOKENS: u32 = 262_144;
 /// Workspace reserved on every GPU (communication buffers, scratch).
 pub const WORKSPACE: f64 = 2.0 * (1u64 << 30) as f64;
-
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Candidate {
-    pub moe_gpus: u32,
-    pub prefill_gpus: u32,
-    pub decode_gpus: u32,
-    /// Per node: `[moe, prefill, decode]` GPUs.
-    pub per_node: Vec<[u32; 3]>,
-    /// Decode SM budget q on each MoE GPU under contention.
-    pub q: u32,
-    /// Largest prefill batch (tokens) meeting TTFT, and its iteration time.
-    pub prefill_tokens: u32,
-    pub t_prefill: f64,
-    /// Largest decode batch (requests) meeting TPOT, and its iteration time.
-    pub decode_batch: u32,
-    pub t_decode: f64,
-    /// Requests per second each phase sustains, and G = their minimum.
-    pub prefill_rate: f64,
-    pub decode_rate: f64,
-    pub goodput: f64,
-}
-
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct SearchResult {
-    pub mean_input: f64,
-    pub mean_output: f64,
-    pub layouts_considered: u32,
-    pub layouts_fitting: u32,
-    pub feasible: u32,
-    /// The best candidate first, then up to four runners-up with other layouts.
-    pub ranked: Vec<Candidate>,
-}
 
 struct Ctx<'a> {
     cm: &'a CostModel,
@@ -178,7 +146,7 @@ pub fn run(spec: &Spec, d: &Deploy, cm: &CostModel) -> SearchResult {
     let tiles = spec.tile_set(d.tiles);
     let world = c.world_size();
     let routed = m.moe_layers() as f64 * f64::from(m.moe.experts) * m.expert_bytes() as f64;
-    let nonrouted = crate::passes::unified::nonrouted_bytes(m) as f64;
+    let nonrouted = m.nonrouted_weight_bytes() as f64;
     let usable = c.gpu.hbm as f64 * d.memory_fraction;
     let cx = Ctx {
         cm,

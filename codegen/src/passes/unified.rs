@@ -9,8 +9,8 @@
 //! runtime's coordinator does) nor build KV transfer descriptors (they depend
 //! on live page tables; the plan gives the head ownership they are built from).
 
-use crate::memory_plan::*;
 use moeforge_dsl::spec::{Attention, DType, Deploy, Model, Routing, Spec};
+use moeforge_plan::memory::*;
 
 /// Communication and scratch regions are sized for this many tokens per rank per step.
 pub const MAX_BATCH_TOKENS: u64 = 8192;
@@ -318,12 +318,6 @@ pub fn run(spec: &Spec, d: &Deploy) -> Result<MemoryPlan, String> {
         reshard,
         overhead,
     })
-}
-
-/// Bytes of every weight but the routed experts (what an attention server holds).
-pub fn nonrouted_bytes(m: &Model) -> u64 {
-    let routed = u64::from(m.moe_layers()) * u64::from(m.moe.experts) * m.expert_bytes();
-    m.weight_bytes().saturating_sub(routed)
 }
 
 /// Bytes of the TP views that alias the EP attention copy (a single TP plan

@@ -13,7 +13,7 @@ use super::workload::Req;
 use super::{Outcome, Shape, Switching};
 use crate::batching::admit_fifo;
 use crate::twin::coordinator::Coordinator;
-use moeforge_codegen::memory_plan::Mode;
+use moeforge_plan::memory::Mode;
 use std::collections::VecDeque;
 
 /// Largest prompt-token batch one attention group prefills per iteration

@@ -25,10 +25,11 @@ pub mod workload;
 
 pub use engine::{Sharing, MAX_PREFILL_TOKENS};
 use model::{Env, MoeSide};
-use moeforge_codegen::cost::expected_x_moe;
-use moeforge_codegen::memory_plan::Mode;
-use moeforge_codegen::plan::Plan;
 use moeforge_dsl::spec::Spec;
+use moeforge_plan::cost::expected_x_moe;
+use moeforge_plan::memory::Mode;
+use moeforge_plan::search::SearchResult;
+use moeforge_plan::Plan;
 use workload::Req;
 
 use crate::twin::coordinator::{crossover, Policy};
@@ -139,6 +140,9 @@ pub struct Bench<'a> {
     pub spec: &'a Spec,
     pub plan: &'a Plan,
     pub env: Env,
+    /// ExpertPlex's layout: the plan's search, or one given for a plan
+    /// whose strategy did not run it ([`Bench::with_search`]).
+    pub search: Option<SearchResult>,
 }
 
 impl<'a> Bench<'a> {
@@ -163,7 +167,14 @@ impl<'a> Bench<'a> {
                 }
             }
         }
-        Ok(Bench { spec, plan, env: Env::new(spec, plan) })
+        Ok(Bench { spec, plan, env: Env::new(spec, plan), search: plan.search.clone() })
+    }
+
+    /// Evaluates ExpertPlex on `search` (the layout search run for a plan
+    /// whose strategy did not ask for one).
+    pub fn with_search(mut self, search: SearchResult) -> Bench<'a> {
+        self.search = Some(search);
+        self
     }
 
     fn ep_shape(&self, kv_per_group: f64) -> Shape {
@@ -350,11 +361,9 @@ impl<'a> Bench<'a> {
     /// The layout search's best ExpertPlex layout (Algorithm 1).
     fn expertplex(&self) -> Result<Deployment, String> {
         let e = &self.env;
-        let d = &self.spec.deploys[0];
-        let search = match &self.plan.search {
-            Some(s) => s.clone(),
-            None => moeforge_codegen::passes::search::run(self.spec, d, &e.cm),
-        };
+        let search = self.search.as_ref().ok_or(
+            "the plan holds no layout search (its strategy does not ask for one); give one with `Bench::with_search`",
+        )?;
         let best = search.ranked.first().ok_or("the layout search found no layout meeting both SLOs")?;
         let attn = f64::from(best.prefill_gpus + best.decode_gpus);
         let local = best.per_node.iter().map(|r| f64::from(r[1] + r[2]) * f64::from(r[0])).sum::<f64>()

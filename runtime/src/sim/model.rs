@@ -11,9 +11,9 @@
 //! x_moe = Σ⌈m_e/M_t⌉ of the rows each MoE GPU receives, executed on however
 //! many SMs the phase holds.
 
-use moeforge_codegen::cost::{expected_x_moe, CostModel, ATTN_KERNELS, FFN_KERNELS, OP_OVERHEAD};
-use moeforge_codegen::plan::Plan;
 use moeforge_dsl::spec::{Attention, Spec};
+use moeforge_plan::cost::{expected_x_moe, CostModel, ATTN_KERNELS, FFN_KERNELS, OP_OVERHEAD};
+use moeforge_plan::Plan;
 
 /// What one attention group runs in an iteration: decode requests with
 /// their cached tokens, and prompt chunks `(new tokens, tokens already cached)`.
@@ -127,7 +127,7 @@ impl Env {
                 Attention::Mla { .. } => None,
             },
             weights: m.weight_bytes() as f64,
-            nonrouted: moeforge_codegen::passes::unified::nonrouted_bytes(m) as f64,
+            nonrouted: m.nonrouted_weight_bytes() as f64,
             usable: c.gpu.hbm as f64 * d.memory_fraction,
             workspace: plan
                 .memory

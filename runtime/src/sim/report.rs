@@ -363,7 +363,7 @@ impl Bench<'_> {
                 match dep {
                     Ok(mut dep) => {
                         if let super::Phases::Unified { switch: Some(s), .. } = &mut dep.phases {
-                            s.start = moeforge_codegen::memory_plan::Mode::Ep;
+                            s.start = moeforge_plan::memory::Mode::Ep;
                         }
                         let out = self.simulate(&dep, &reqs);
                         let seconds = if out.iter().all(|o| o.finish.is_some()) {

@@ -7,15 +7,15 @@
 //! seed see the same requests, only time-scaled: attainment curves and the
 //! goodput bisection compare like with like.
 //!
-//! Length presets (means match `moeforge_codegen::workload`, which the
+//! Length presets (means match `moeforge_plan::workload`, which the
 //! layout search uses):
 //! - ShareGPT-like: log-normal, σ = 1, means 240 in / 210 out.
 //! - LooGLE-like: inputs log-normal around 14.5k (σ = 0.5, 2k–32k), short outputs.
 //! - RL rollout (Moebius §6.3): inputs median 120, outputs median 1510 with
 //!   a p99 near 10k, capped at 32768.
 
-use moeforge_codegen::rng::SplitMix64;
 use moeforge_dsl::spec::{ArrivalProcess, LengthDist, Workload};
+use moeforge_plan::rng::SplitMix64;
 
 /// One request: arrival time (s) and token counts.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -122,7 +122,7 @@ mod tests {
 
     #[test]
     fn preset_means_match_the_search_means() {
-        use moeforge_codegen::workload::{mean as preset, Side};
+        use moeforge_plan::workload::{mean as preset, Side};
         for d in [LengthDist::Sharegpt, LengthDist::Loogle, LengthDist::Rollout] {
             let r = requests(&workload(d, ArrivalProcess::Poisson), 40_000, 1.0, 3);
             let (i, o) = (mean(r.iter().map(|r| f64::from(r.input))), mean(r.iter().map(|r| f64::from(r.output))));

@@ -7,8 +7,8 @@
 //! cooldown C. T_h = auto is calibrated at the TP/EP crossover from measured
 //! step costs ([`calibrate`]); T_ℓ = auto is 0.8·T_h.
 
-use moeforge_codegen::memory_plan::Mode;
 use moeforge_dsl::spec::SwitchPolicy;
+use moeforge_plan::memory::Mode;
 use std::collections::VecDeque;
 
 #[derive(Clone, Debug, PartialEq)]

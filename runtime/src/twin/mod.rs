@@ -39,8 +39,8 @@ use crate::reference::{route, RoutingRule};
 use crate::LoadedBundle;
 use coordinator::{Coordinator, Policy};
 use math::{argmax, attend, bf16s, put_bf16s, rms_norm, rope, silu, Mat};
-use moeforge_codegen::memory_plan::{Copy, LayerOrder, MemoryPlan, Mode, View, WeightReshard};
 use moeforge_dsl::spec::{Activation, Attention, DType, Model, Routing};
+use moeforge_plan::memory::{Copy, LayerOrder, MemoryPlan, Mode, View, WeightReshard};
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Instant;
 use weights::Checkpoint;
@@ -451,7 +451,7 @@ impl Twin {
         l: usize,
         r: usize,
     ) -> Result<Vec<u8>, TwinError> {
-        use moeforge_codegen::memory_plan::{HeadSet, Shard};
+        use moeforge_plan::memory::{HeadSet, Shard};
         let p = self.plan.group as usize;
         let rows = |t: &weights::Tensor, a: usize, b: usize| {
             let w = t.shape.get(1).copied().unwrap_or(1) * if t.f32 { 4 } else { 2 };
@@ -463,7 +463,7 @@ impl Twin {
             Shard::Heads { dim, heads } => {
                 let hd = m.head_dim;
                 let [a, b] = match heads {
-                    HeadSet::Query => moeforge_codegen::memory_plan::head_block(m.heads as u32, p as u32, r as u32),
+                    HeadSet::Query => moeforge_plan::memory::head_block(m.heads as u32, p as u32, r as u32),
                     HeadSet::Kv => self.plan.kv.tp_heads[r],
                 };
                 let (a, b) = (a as usize * hd, b as usize * hd);
@@ -1214,7 +1214,7 @@ impl Ctx {
             p,
             q_heads: (0..p as u32)
                 .map(|r| match mode {
-                    Mode::Tp => moeforge_codegen::memory_plan::head_block(t.model.heads as u32, p as u32, r),
+                    Mode::Tp => moeforge_plan::memory::head_block(t.model.heads as u32, p as u32, r),
                     Mode::Ep => [0, t.model.heads as u32],
                 })
                 .collect(),

@@ -152,7 +152,7 @@ impl Checkpoint {
 pub fn write_random(m: &TwinModel, seed: u64, family: Family, dir: &Path) -> Result<(), WeightsError> {
     let io = |e: std::io::Error| WeightsError::Io { path: dir.display().to_string(), err: e.to_string() };
     std::fs::create_dir_all(dir).map_err(io)?;
-    let mut rng = moeforge_codegen::rng::SplitMix64(seed ^ 0x6d6f_6566_6f72_6765);
+    let mut rng = moeforge_plan::rng::SplitMix64(seed ^ 0x6d6f_6566_6f72_6765);
     let mut next = move || rng.signed_unit();
     let mut tensors: Vec<(String, Vec<usize>, bool, Vec<u8>)> = Vec::new();
     for (name, shape) in m.tensor_shapes() {

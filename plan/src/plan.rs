@@ -27,16 +27,16 @@ pub struct Plan {
     pub layout: DeployLayout,
     pub ranks: Vec<RankPlan>,
     /// The unified buffer of every rank: regions, TP/EP views, reshard descriptors.
-    pub memory: crate::memory_plan::MemoryPlan,
+    pub memory: crate::memory::MemoryPlan,
     pub kernels: Vec<KernelInstance>,
     /// The latency model the search used (roofline defaults or a fitted profile).
     pub cost: crate::cost::CostModel,
     /// ExpertPlex Algorithm 1 over the cost model, for `expertplex` and `auto`
     /// strategies (advisory: the layout above is what the bundle implements).
-    pub search: Option<crate::passes::search::SearchResult>,
+    pub search: Option<crate::search::SearchResult>,
     /// Replicas per layer and GPU for `placement { policy = zepp | eplb }`
     /// (advisory: the memory plan holds one replica per expert).
-    pub placement: Option<crate::passes::place::PlacementPlan>,
+    pub placement: Option<crate::placement::PlacementPlan>,
 }
 
 /// Derived model sizes the rest of the plan uses.

@@ -1,6 +1,6 @@
 //! The textual form of a [`Plan`] (what `moeforge explain` prints).
 
-use crate::plan::{KernelParams, Plan};
+use crate::{KernelParams, Plan};
 use std::fmt::{self, Display, Formatter};
 
 impl Display for Plan {

@@ -117,8 +117,8 @@ pub fn validate(plan: Plan) -> Result<ValidPlan, Vec<Violation>> {
 /// aligned, without gaps or overlap; every view lies inside its region; the
 /// views of one mode never overlap each other at any layer (aliasing happens
 /// only across modes).
-pub fn memory_violations(m: &crate::memory_plan::MemoryPlan) -> Vec<String> {
-    use crate::memory_plan::ALIGN;
+pub fn memory_violations(m: &crate::memory::MemoryPlan) -> Vec<String> {
+    use crate::memory::ALIGN;
     let mut out = Vec::new();
     let mut at = 0;
     for r in &m.regions {
@@ -130,7 +130,7 @@ pub fn memory_violations(m: &crate::memory_plan::MemoryPlan) -> Vec<String> {
     if at != m.buffer_bytes {
         out.push(format!("regions end at {at}, buffer is {}", m.buffer_bytes));
     }
-    let mut spans: Vec<(crate::memory_plan::Mode, u64, u64, String)> = Vec::new();
+    let mut spans: Vec<(crate::memory::Mode, u64, u64, String)> = Vec::new();
     let mut names = std::collections::BTreeSet::new();
     for v in &m.views {
         if !names.insert((v.mode, v.tensor.clone())) {
