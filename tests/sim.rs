@@ -8,7 +8,7 @@ mod common;
 use moeforge::codegen::{plan_deployment, ValidPlan};
 use moeforge::dsl::spec::DeployId;
 use moeforge::dsl::{check_paths, Checked, FsLoader, Spec};
-use moeforge::runtime::sim::model::{Load, MoeSide, Sms};
+use moeforge::plan::cost::step::{Load, MoeSide, Sms};
 use moeforge::runtime::sim::report::{attainment, Probe};
 use moeforge::runtime::sim::workload::Req;
 use moeforge::runtime::sim::{Bench, Deployment, Phases, Sharing, System};
@@ -89,14 +89,14 @@ fn a_lone_request_sees_exactly_the_modeled_iterations() {
     let out = b.simulate(&co, &[req(1.0, 500, 11)]);
     let Phases::Unified { ep: Some(ep), .. } = co.phases else { panic!() };
     let mut loads = vec![Load::default(); ep.groups as usize];
-    loads[0].chunks.push((500.0, 0.0));
+    loads[0].add_chunk(500.0, 0.0);
     let prefill = e.iteration(&loads, 1, 1.0, ep.moe, Sms::all(e.cm.sms), 0.0).seconds;
     assert!((out[0].ttft.unwrap() - prefill).abs() < 1e-12);
     // Ten decode iterations with 501..=510 cached tokens.
     let decode: f64 = (0..10)
         .map(|i| {
             let mut l = vec![Load::default(); ep.groups as usize];
-            l[0] = Load { decode: 1.0, ctx: 500.0 + f64::from(i), chunks: Vec::new() };
+            l[0] = Load::decode(1.0, 500.0 + f64::from(i));
             e.iteration(&l, 1, 1.0, ep.moe, Sms::all(e.cm.sms), 0.0).seconds
         })
         .sum();
@@ -131,7 +131,7 @@ fn apk_preemption_waits_at_most_one_tile_and_q_scales_with_the_footprint() {
     let f = fixture("minimax-m2-h800");
     let b = f.bench();
     let e = &b.env;
-    let side = MoeSide::Ep { gpus: 4, replicas: 1, local: 1.0, disaggregated: true };
+    let side = MoeSide::Ep { gpus: 4, nodes: 1, replicas: 1, local: 1.0, disaggregated: true };
     let sms = f64::from(e.cm.sms);
     let alone = e.moe(512.0, side, false, Sms { alone: 99.0, shared: 99.0, contention: 0.0, preempt: 0.0 });
     let contended =

@@ -124,7 +124,7 @@ pub fn plan_deployment_with(checked: &Checked, id: DeployId, opts: &PlanOptions)
     if matches!(d.strategy, moeforge_dsl::spec::Strategy::Expertplex | moeforge_dsl::spec::Strategy::Auto) {
         plan.search = Some(passes::search::run(spec, d, &plan.cost));
     }
-    let apks = passes::kernels::apk(spec, d, &plan.ranks, plan.search.as_ref()).map_err(|why| {
+    let apks = passes::kernels::apk(spec, d, &plan.ranks, &plan.cost, plan.search.as_ref()).map_err(|why| {
         let ds = &checked.spans.deploys[id.index()];
         let mut diag = Diagnostic::new(
             Code::Unsupported,

@@ -13,7 +13,7 @@
 //! slice of the model a view holds, given by the ownership tables
 //! ([`KvPlan::tp_heads`], the plan's `ranks[].experts`, [`head_block`]).
 
-use moeforge_dsl::spec::DType;
+use moeforge_dsl::spec::{DType, Model};
 use serde::{Deserialize, Serialize};
 
 /// Byte alignment of every region and view.
@@ -21,6 +21,50 @@ pub const ALIGN: u64 = 256;
 
 /// Tokens per KV-cache page.
 pub const PAGE_TOKENS: u32 = 16;
+
+/// Communication and scratch regions are sized for this many tokens per rank per step.
+pub const MAX_BATCH_TOKENS: u64 = 8192;
+/// Requests tracked at once (the request-metadata region).
+pub const MAX_REQUESTS: u64 = 2048;
+/// Longest sequence the page tables cover.
+pub const MAX_SEQ: u64 = 32768;
+
+/// The working memory every GPU keeps besides weights and KV cache: the
+/// `comm`, `scratch` and `requests` regions of the memory plan. The memory
+/// plan sizes its regions with it, and the layout search and the simulator
+/// charge it to every GPU they place, so all three agree on what is left
+/// for KV.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Workspace {
+    /// EP dispatch + combine rows (top-k copies of every token), or TP's
+    /// f32 all-reduce in and out when that is larger (dual mode).
+    pub comm: u64,
+    /// GateUp output rows and f32 activations (residual, normed, attention).
+    pub scratch: u64,
+    /// Token id, position, length and page table per request.
+    pub requests: u64,
+}
+
+impl Workspace {
+    /// The workspace of model `m` for [`MAX_BATCH_TOKENS`] tokens per step,
+    /// with TP's all-reduce buffers when the plan holds both modes (`dual`).
+    pub fn of(m: &Model, dual: bool) -> Workspace {
+        let (h, i, k) = (u64::from(m.hidden), u64::from(m.moe.expert_ffn), u64::from(m.moe.top_k));
+        let tokens = MAX_BATCH_TOKENS;
+        let ep_comm = 2 * tokens * k * h * 2;
+        let tp_comm = if dual { 2 * tokens * h * 4 } else { 0 };
+        let pages_per_request = MAX_SEQ.div_ceil(u64::from(PAGE_TOKENS));
+        Workspace {
+            comm: ep_comm.max(tp_comm),
+            scratch: tokens * (k * 2 * i * 2 + 3 * h * 4),
+            requests: MAX_REQUESTS * (16 + 4 * pages_per_request),
+        }
+    }
+    /// Bytes of the three regions, each aligned.
+    pub fn bytes(&self) -> u64 {
+        align(self.comm) + align(self.scratch) + align(self.requests)
+    }
+}
 
 /// A parallelism mode (Moebius §2.1): TP = tensor-parallel attention and
 /// experts; EP = data-parallel attention and expert-parallel experts.

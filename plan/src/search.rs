@@ -35,3 +35,24 @@ pub struct SearchResult {
     /// The best candidate first, then up to four runners-up with other layouts.
     pub ranked: Vec<Candidate>,
 }
+
+/// Per node `[moe, prefill, decode]` GPUs: the MoE side the attention
+/// servers route to. Its nodes are those holding MoE servers; `local` is the
+/// fraction of the MoE servers on an attention server's own node, averaged
+/// over the attention servers.
+pub fn moe_side(per_node: &[[u32; 3]]) -> crate::cost::step::MoeSide {
+    let moe: u32 = per_node.iter().map(|n| n[0]).sum();
+    let attn: u32 = per_node.iter().map(|n| n[1] + n[2]).sum();
+    let nodes = per_node.iter().filter(|n| n[0] > 0).count() as u32;
+    let local = per_node.iter().map(|n| f64::from(n[1] + n[2]) * f64::from(n[0])).sum::<f64>()
+        / f64::from(attn.max(1))
+        / f64::from(moe.max(1));
+    crate::cost::step::MoeSide::Ep { gpus: moe, nodes, replicas: 1, local, disaggregated: true }
+}
+
+impl Candidate {
+    /// The shared MoE servers this layout's attention servers route to.
+    pub fn moe_side(&self) -> crate::cost::step::MoeSide {
+        moe_side(&self.per_node)
+    }
+}

@@ -200,9 +200,7 @@ fn memory(s: &mut String, plan: &Plan) {
         let layers = u64::from(mem.slots.moe_layers);
         let _ = writeln!(s, "\n| reshard | layer order | copies per layer | over links (all ranks) | lower bound | local | modeled time |\n|---|---|---|---|---|---|---|");
         for w in [&rs.ep_to_tp, &rs.tp_to_ep] {
-            // Every rank sends its share at once over its own link.
-            let per_rank = w.interconnect_bytes_per_layer as f64 * layers as f64 / f64::from(mem.group);
-            let t = per_rank / plan.cluster.scale_up_bandwidth;
+            let t = plan.cost.reshard_seconds(w, mem);
             let _ = writeln!(
                 s,
                 "| {}→{} | {:?} | {} | {} | {} | {} | {:.0} ms |",
@@ -218,8 +216,9 @@ fn memory(s: &mut String, plan: &Plan) {
         }
         let _ = writeln!(
             s,
-            "\nModeled time = bytes each rank sends / scale-up bandwidth per direction ({}); attention switches by view swap, KV moves per live page table.",
-            crate::emit::report::gbs(plan.cluster.scale_up_bandwidth)
+            "\nModeled time: every rank sends its share of the bytes over links at once, on the cost model's scale-up link ({} per direction at {:.0}% efficiency, plus its fixed cost); attention switches by view swap, KV moves per live page table.",
+            crate::emit::report::gbs(plan.cluster.scale_up_bandwidth),
+            moeforge_plan::cost::LINK_EFFICIENCY * 100.0
         );
     }
     let _ = writeln!(s);

@@ -7,9 +7,10 @@
 //! combine. Then [`apk`]: the Adaptive Persistent Kernel per distinct MoE
 //! rank shape, which runs the grouped GEMMs of both phases.
 
-use crate::passes::unified::MAX_BATCH_TOKENS;
 use moeforge_dsl::spec::{Arch, DType, Deploy, Routing, Spec, Tiles};
 use moeforge_plan::cost::expected_x_moe;
+use moeforge_plan::cost::CostModel;
+use moeforge_plan::memory::MAX_BATCH_TOKENS;
 use moeforge_plan::search::SearchResult;
 use moeforge_plan::{ApkParams, EntryPoint, KernelInstance, KernelParams, PermuteParams, RankPlan, RouterParams};
 
@@ -318,6 +319,7 @@ pub fn apk(
     spec: &Spec,
     d: &Deploy,
     ranks: &[RankPlan],
+    cm: &CostModel,
     search: Option<&SearchResult>,
 ) -> Result<Vec<KernelInstance>, String> {
     let m = spec.model(d.model);
@@ -329,12 +331,7 @@ pub fn apk(
     let tiles = spec.tile_set(d.tiles);
     let arch = c.gpu.arch;
     let world = c.world_size();
-    let cluster_size = if arch.has_clusters() {
-        let [x, y] = tiles.prefill.gate_up.cluster;
-        (x * y).max(1)
-    } else {
-        1
-    };
+    let cluster_size = cm.cluster;
     let pipe = pipeline(arch, tiles, cluster_size, m.hidden, m.moe.expert_ffn, fp8, c.gpu.smem_per_block)?;
     // The split is sized for one producer and two math warpgroups (384 threads at 168 registers).
     let (producer_regs, consumer_regs) =

@@ -12,13 +12,6 @@
 use moeforge_dsl::spec::{Attention, DType, Deploy, Model, Routing, Spec};
 use moeforge_plan::memory::*;
 
-/// Communication and scratch regions are sized for this many tokens per rank per step.
-pub const MAX_BATCH_TOKENS: u64 = 8192;
-/// Requests tracked at once (the request-metadata region).
-pub const MAX_REQUESTS: u64 = 2048;
-/// Longest sequence the page tables cover.
-pub const MAX_SEQ: u64 = 32768;
-
 struct Tensor {
     name: String,
     shape: Vec<u64>,
@@ -140,7 +133,7 @@ pub fn run(spec: &Spec, d: &Deploy) -> Result<MemoryPlan, String> {
     let modes: Vec<Mode> = if dual { vec![Mode::Tp, Mode::Ep] } else { vec![Mode::Ep] };
     let buffer_bytes = ((c.gpu.hbm as f64 * d.memory_fraction).floor() as u64) / ALIGN * ALIGN;
     let (h, v) = (u64::from(m.hidden), u64::from(m.vocab));
-    let (e, i, k) = (u64::from(m.moe.experts), u64::from(m.moe.expert_ffn), u64::from(m.moe.top_k));
+    let (e, i) = (u64::from(m.moe.experts), u64::from(m.moe.expert_ffn));
     let pp = u64::from(p);
     let wdt = m.dtype.weights;
     let dense_layers = m.dense.map_or(0, |x| x.layers);
@@ -257,16 +250,11 @@ pub fn run(spec: &Spec, d: &Deploy) -> Result<MemoryPlan, String> {
         }
     }
 
-    // Communication: EP dispatch + combine rows; TP all-reduce in and out.
-    let tokens = MAX_BATCH_TOKENS;
-    let ep_comm = 2 * tokens * k * h * 2;
-    let tp_comm = if dual { 2 * tokens * h * 4 } else { 0 };
-    b.region("comm", ep_comm.max(tp_comm), &modes);
-    // Scratch: GateUp output rows and f32 activations (residual, normed, attention).
-    b.region("scratch", tokens * (k * 2 * i * 2 + 3 * h * 4), &modes);
-    // Request metadata: token id, position, length and page table per request.
-    let pages_per_request = MAX_SEQ.div_ceil(u64::from(PAGE_TOKENS));
-    b.region("requests", MAX_REQUESTS * (16 + 4 * pages_per_request), &modes);
+    // Communication, scratch and request metadata: the shared workspace formula.
+    let ws = Workspace::of(m, dual);
+    b.region("comm", ws.comm, &modes);
+    b.region("scratch", ws.scratch, &modes);
+    b.region("requests", ws.requests, &modes);
 
     let fixed = b.at;
     if fixed > buffer_bytes {

@@ -8,11 +8,11 @@
 //! decode groups' KV capacity; Moebius consults the same [`Coordinator`] the
 //! CPU twin runs.
 
-use super::model::{Env, Iter, Load, Sms};
 use super::workload::Req;
 use super::{Outcome, Shape, Switching};
 use crate::batching::admit_fifo;
 use crate::twin::coordinator::Coordinator;
+use moeforge_plan::cost::step::{Env, Iter, Load, Sms};
 use moeforge_plan::memory::Mode;
 use std::collections::VecDeque;
 
@@ -109,7 +109,7 @@ fn prefill_loads(groups: &[Group], budget: f64, chunked: bool, reqs: &[Req]) -> 
         let mut left = budget;
         for (i, r) in group.prefill.iter().enumerate() {
             let rest = f64::from(reqs[r.id].input - r.prefilled);
-            let take = if rest <= left || (!chunked && loads[g].chunks.is_empty()) {
+            let take = if rest <= left || (!chunked && !loads[g].has_prefill()) {
                 rest
             } else if chunked {
                 left
@@ -119,7 +119,7 @@ fn prefill_loads(groups: &[Group], budget: f64, chunked: bool, reqs: &[Req]) -> 
             if take <= 0.0 {
                 break;
             }
-            loads[g].chunks.push((take, f64::from(r.prefilled)));
+            loads[g].add_chunk(take, f64::from(r.prefilled));
             takes[g].push((i, take as u32));
             left -= take;
             if left <= 0.0 {
@@ -131,7 +131,7 @@ fn prefill_loads(groups: &[Group], budget: f64, chunked: bool, reqs: &[Req]) -> 
 }
 
 fn decode_loads(groups: &[Group], reqs: &[Req]) -> Vec<Load> {
-    groups.iter().map(|g| Load { decode: g.decode.len() as f64, ctx: g.ctx(reqs), chunks: Vec::new() }).collect()
+    groups.iter().map(|g| Load::decode(g.decode.len() as f64, g.ctx(reqs))).collect()
 }
 
 /// Applies a prefill iteration that ended at `t`: finished prompts emit
@@ -209,7 +209,7 @@ pub(super) fn unified(
         admit_fifo(&mut waiting, |id| place(&mut groups, cap, id, reqs, false));
         let budget = chunk.unwrap_or(MAX_PREFILL_TOKENS);
         let (loads, takes) = prefill_loads(&groups, budget, chunk.is_some(), reqs);
-        let prefill = loads.iter().any(|l| !l.chunks.is_empty());
+        let prefill = loads.iter().any(Load::has_prefill);
         let loads = if prefill { loads } else { decode_loads(&groups, reqs) };
         let it = env.iteration(&loads, sh.width, 1.0, sh.moe, Sms::all(env.cm.sms), 0.0);
         if it.seconds <= 0.0 {
@@ -347,7 +347,7 @@ pub(super) fn split(
                 place(&mut pre.groups, f64::INFINITY, id, reqs, false)
             });
             let (loads, takes) = prefill_loads(&pre.groups, MAX_PREFILL_TOKENS, false, reqs);
-            if loads.iter().all(|l| l.chunks.is_empty()) {
+            if !loads.iter().any(Load::has_prefill) {
                 // Idle until the next arrival, or, when prompts wait for decode
                 // KV, until the decode side's next iteration frees some.
                 let arrival = reqs.get(next).map_or(f64::INFINITY, |r| r.arrival.max(t));

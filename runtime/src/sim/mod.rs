@@ -19,15 +19,15 @@
 //! rate at which ≥ 90% of requests meet both SLOs.
 
 mod engine;
-pub mod model;
 pub mod report;
 pub mod workload;
 
 pub use engine::{Sharing, MAX_PREFILL_TOKENS};
-use model::{Env, MoeSide};
 use moeforge_dsl::spec::Spec;
 use moeforge_plan::cost::expected_x_moe;
+use moeforge_plan::cost::step::{self as model, Env, MoeSide};
 use moeforge_plan::memory::Mode;
+use moeforge_plan::memory::Workspace;
 use moeforge_plan::search::SearchResult;
 use moeforge_plan::Plan;
 use workload::Req;
@@ -167,7 +167,11 @@ impl<'a> Bench<'a> {
                 }
             }
         }
-        Ok(Bench { spec, plan, env: Env::new(spec, plan), search: plan.search.clone() })
+        let d = spec.deploys.first().ok_or("the bundle's spec holds no deployment")?;
+        let (m, c, t) = (spec.model(d.model), spec.cluster(d.cluster), spec.tile_set(d.tiles));
+        let workspace = Workspace::of(m, plan.memory.modes.len() == 2).bytes();
+        let env = Env::new(m, c, t, d, cm, workspace);
+        Ok(Bench { spec, plan, env, search: plan.search.clone() })
     }
 
     /// Evaluates ExpertPlex on `search` (the layout search run for a plan
@@ -184,6 +188,7 @@ impl<'a> Bench<'a> {
             width: 1,
             moe: MoeSide::Ep {
                 gpus: e.world,
+                nodes: e.nodes,
                 replicas: 1,
                 local: f64::from(e.gpus_per_node) / f64::from(e.world),
                 disaggregated: false,
@@ -270,9 +275,8 @@ impl<'a> Bench<'a> {
         if policy.calibrate {
             let step = |shape: &Shape, b: usize| {
                 let per = b as f64 / f64::from(shape.groups);
-                let loads: Vec<model::Load> = (0..shape.groups)
-                    .map(|_| model::Load { decode: per, ctx: per * 1024.0, chunks: Vec::new() })
-                    .collect();
+                let loads: Vec<model::Load> =
+                    (0..shape.groups).map(|_| model::Load::decode(per, per * 1024.0)).collect();
                 self.env.iteration(&loads, shape.width, 1.0, shape.moe, model::Sms::all(self.env.cm.sms), 0.0).seconds
             };
             let costs: Vec<(usize, f64, f64)> =
@@ -280,10 +284,8 @@ impl<'a> Bench<'a> {
             policy = policy.with_t_high(crossover(&costs), d.switch.t_low);
         }
         let mem = &self.plan.memory;
-        let per_rank = mem.reshard.as_ref().map_or(0.0, |r| {
-            r.ep_to_tp.interconnect_bytes_per_layer as f64 * f64::from(mem.slots.moe_layers) / f64::from(mem.group)
-        });
-        Switching { policy, start: Mode::Tp, weight_seconds: self.env.cm.nvlink(per_rank) }
+        let weight_seconds = mem.reshard.as_ref().map_or(0.0, |r| self.env.cm.reshard_seconds(&r.ep_to_tp, mem));
+        Switching { policy, start: Mode::Tp, weight_seconds }
     }
 
     /// Instance-level PD: the minimal unit is the fewest GPUs (a power of
@@ -306,7 +308,13 @@ impl<'a> Bench<'a> {
         let side = |n: u32, kv: f64| Shape {
             groups: n * unit,
             width: 1,
-            moe: MoeSide::Ep { gpus: unit, replicas: n, local, disaggregated: false },
+            moe: MoeSide::Ep {
+                gpus: unit,
+                nodes: unit.div_ceil(e.gpus_per_node),
+                replicas: n,
+                local,
+                disaggregated: false,
+            },
             kv_per_group: kv,
         };
         let kv = self.kv_after(e.weights / f64::from(unit), 1);
@@ -335,6 +343,7 @@ impl<'a> Bench<'a> {
             width: w,
             moe: MoeSide::Ep {
                 gpus: e.world,
+                nodes: e.nodes,
                 replicas: 1,
                 local: f64::from(e.gpus_per_node) / f64::from(e.world),
                 disaggregated: false,
@@ -365,11 +374,7 @@ impl<'a> Bench<'a> {
             "the plan holds no layout search (its strategy does not ask for one); give one with `Bench::with_search`",
         )?;
         let best = search.ranked.first().ok_or("the layout search found no layout meeting both SLOs")?;
-        let attn = f64::from(best.prefill_gpus + best.decode_gpus);
-        let local = best.per_node.iter().map(|r| f64::from(r[1] + r[2]) * f64::from(r[0])).sum::<f64>()
-            / attn
-            / f64::from(best.moe_gpus);
-        let moe = MoeSide::Ep { gpus: best.moe_gpus, replicas: 1, local, disaggregated: true };
+        let moe = best.moe_side();
         let x_star = expected_x_moe(
             f64::from(best.decode_batch) * e.top_k,
             e.experts,

@@ -1,4 +1,9 @@
-//! Iteration times from the plan's cost model (ExpertPlex §6.2–6.3).
+//! Iteration times from the cost model (ExpertPlex §6.2–6.3): the one
+//! function that turns the fitted components into the time of a forward
+//! step. The layout search (`moeforge-codegen`'s `search` pass, on mean
+//! request lengths) and the serving simulator (`moeforge-runtime`'s `sim`,
+//! per group and request) both call [`Env::iteration`]; nothing else
+//! composes components into step times.
 //!
 //! Every system is described with the same two pieces: *attention groups*
 //! (a group is one DP rank, or a TP group of `width` GPUs sharing heads) and
@@ -6,43 +11,68 @@
 //! iteration's layer time follows §6.3: prefill overlaps two microbatches
 //! (TBO: max of attention and communication + MoE), decode overlaps shared
 //! experts with routed ones (SBO: attention + max(shared FFN,
-//! communication + MoE)). DP groups synchronize at every MoE layer, so the slowest group
-//! sets the pace. MoE computation is tile-aware: the expected footprint
-//! x_moe = Σ⌈m_e/M_t⌉ of the rows each MoE GPU receives, executed on however
-//! many SMs the phase holds.
+//! communication + MoE)). DP groups synchronize at every MoE layer, so the
+//! slowest group sets the pace. MoE computation is tile-aware: the expected
+//! footprint x_moe = Σ⌈m_e/M_t⌉ of the rows each MoE GPU receives, executed
+//! on however many SMs the phase holds.
 
-use moeforge_dsl::spec::{Attention, Spec};
-use moeforge_plan::cost::{expected_x_moe, CostModel, ATTN_KERNELS, FFN_KERNELS, OP_OVERHEAD};
-use moeforge_plan::Plan;
+use super::{expected_x_moe, CostModel, ATTN_KERNELS, FFN_KERNELS, OP_OVERHEAD};
+use moeforge_dsl::spec::{Attention, Cluster, Deploy, Model, Tiles};
 
 /// What one attention group runs in an iteration: decode requests with
-/// their cached tokens, and prompt chunks `(new tokens, tokens already cached)`.
-#[derive(Clone, Debug, Default, PartialEq)]
+/// their cached tokens, and prompt chunks, kept as the sums the cost model
+/// needs (so a fractional mean batch, as the layout search uses, is a load
+/// too).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Load {
+    /// Decode requests and the tokens they have cached.
     pub decode: f64,
     pub ctx: f64,
-    pub chunks: Vec<(f64, f64)>,
+    /// Prompt chunks, their new tokens Σn, causal token pairs
+    /// Σ(n² + 2n·prefix), and the tokens already cached before them Σprefix.
+    pub prompts: f64,
+    pub prompt_tokens: f64,
+    pub pairs: f64,
+    pub prefix: f64,
 }
 
 impl Load {
+    /// `requests` decode requests holding `ctx` cached tokens together.
+    pub fn decode(requests: f64, ctx: f64) -> Load {
+        Load { decode: requests, ctx, ..Load::default() }
+    }
+    /// `count` whole prompts of `len` tokens, nothing cached before them.
+    pub fn prompts(count: f64, len: f64) -> Load {
+        Load { prompts: count, prompt_tokens: count * len, pairs: count * len * len, ..Load::default() }
+    }
+    /// Adds a chunk of `n` new prompt tokens after `prefix` cached ones.
+    pub fn add_chunk(&mut self, n: f64, prefix: f64) {
+        self.prompts += 1.0;
+        self.prompt_tokens += n;
+        self.pairs += n * n + 2.0 * n * prefix;
+        self.prefix += prefix;
+    }
     pub fn tokens(&self) -> f64 {
-        self.decode + self.chunks.iter().map(|c| c.0).sum::<f64>()
+        self.decode + self.prompt_tokens
+    }
+    pub fn has_prefill(&self) -> bool {
+        self.prompts > 0.0
     }
     pub fn is_empty(&self) -> bool {
-        self.decode == 0.0 && self.chunks.is_empty()
+        self.decode == 0.0 && !self.has_prefill()
     }
 }
 
 /// Where routed rows go.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum MoeSide {
-    /// Experts spread over `gpus` GPUs, in `replicas` independent EP groups
-    /// (whole-model instances) that split the attention groups' rows; `local`
-    /// is the fraction of an attention GPU's rows whose expert sits on its
-    /// own node; `disaggregated` when the experts live on GPUs of their own
-    /// (not the attention GPUs), so attention and expert computation run in
-    /// parallel.
-    Ep { gpus: u32, replicas: u32, local: f64, disaggregated: bool },
+    /// Experts spread over `gpus` GPUs on `nodes` nodes, in `replicas`
+    /// independent EP groups (whole-model instances) that split the attention
+    /// groups' rows; `local` is the fraction of an attention GPU's rows whose
+    /// expert sits on its own node; `disaggregated` when the experts live on
+    /// GPUs of their own (not the attention GPUs), so attention and expert
+    /// computation run in parallel.
+    Ep { gpus: u32, nodes: u32, replicas: u32, local: f64, disaggregated: bool },
     /// Every GPU of the TP group holds a 1/width slice of every expert.
     Tp { width: u32 },
 }
@@ -59,8 +89,14 @@ pub struct Sms {
 }
 
 impl Sms {
+    /// Every SM, always.
     pub fn all(sms: u32) -> Sms {
-        Sms { alone: f64::from(sms), shared: f64::from(sms), contention: 0.0, preempt: 0.0 }
+        Sms::fixed(sms)
+    }
+    /// `q` SMs whether or not the other phase runs (the layout search's
+    /// assumption: each phase sized for the contended case).
+    pub fn fixed(q: u32) -> Sms {
+        Sms { alone: f64::from(q), shared: f64::from(q), contention: 0.0, preempt: 0.0 }
     }
 }
 
@@ -94,7 +130,7 @@ pub struct Env {
     /// Bytes of HBM the stack may use per GPU.
     pub usable: f64,
     /// Bytes per GPU kept for communication buffers, scratch and request
-    /// metadata: the memory plan's `comm`, `scratch` and `requests` regions.
+    /// metadata ([`crate::memory::Workspace`]).
     pub workspace: f64,
     /// One M_t × N_t tile of the prefill GateUp GEMM on one SM (seconds):
     /// the most a decode preemption waits (§4.3).
@@ -104,14 +140,10 @@ pub struct Env {
 }
 
 impl Env {
-    pub fn new(spec: &Spec, plan: &Plan) -> Env {
-        let d = &spec.deploys[0];
-        let m = spec.model(d.model);
-        let c = spec.cluster(d.cluster);
-        let tiles = spec.tile_set(d.tiles);
-        let cm = plan.cost.clone();
-        let gate_up = tiles.prefill.gate_up;
-        let n_tiles = (2.0 * f64::from(m.moe.expert_ffn) / f64::from(gate_up.block_n)).ceil().max(1.0);
+    /// The shared quantities of deployment `d`; `workspace` is the bytes
+    /// [`crate::memory::Workspace`] reserves on every GPU.
+    pub fn new(m: &Model, c: &Cluster, t: &Tiles, d: &Deploy, cm: &CostModel, workspace: u64) -> Env {
+        let n_tiles = (2.0 * f64::from(m.moe.expert_ffn) / f64::from(t.prefill.gate_up.block_n.max(1))).ceil().max(1.0);
         Env {
             world: c.world_size(),
             gpus_per_node: c.gpus_per_node,
@@ -129,18 +161,12 @@ impl Env {
             weights: m.weight_bytes() as f64,
             nonrouted: m.nonrouted_weight_bytes() as f64,
             usable: c.gpu.hbm as f64 * d.memory_fraction,
-            workspace: plan
-                .memory
-                .regions
-                .iter()
-                .filter(|r| matches!(r.name.as_str(), "comm" | "scratch" | "requests"))
-                .map(|r| r.bytes as f64)
-                .sum(),
+            workspace: workspace as f64,
             // β is one M_t-row tile of GateUp and Down (6·M_t·H·I FLOPs) across
             // all N columns on the whole GPU; GateUp is 2/3 of it.
             tile_seconds: cm.moe.beta * 2.0 / 3.0 * f64::from(cm.sms) / n_tiles,
-            cluster: if c.gpu.arch.has_clusters() { gate_up.cluster[0] * gate_up.cluster[1] } else { 1 },
-            cm,
+            cluster: cm.cluster,
+            cm: cm.clone(),
         }
     }
 
@@ -177,14 +203,15 @@ impl Env {
         let (a, p) = (&self.cm.attn_decode, &self.cm.attn_prefill);
         let w = f64::from(width);
         let rep = self.kv_fraction(width) * w;
-        // Weights shard over the group; the per-kernel cost does not.
+        // Weights shard over the group; the per-kernel cost does not. A step
+        // with prompts launches the prefill kernels (their fixed cost).
         let fixed = ATTN_KERNELS * OP_OVERHEAD;
-        let mut t = fixed + (a.alpha - fixed) / w + (a.beta * l.decode + a.gamma * l.ctx * rep) / w;
-        for &(n, prefix) in &l.chunks {
-            // Projections and KV writes per token, causal scores over the new
-            // tokens and against the cached prefix, and one read of the prefix KV.
-            t += (p.gamma * n + p.delta * (n * n + 2.0 * n * prefix) + a.gamma * prefix * rep) / w;
-        }
+        let alpha = if l.has_prefill() { p.alpha } else { a.alpha };
+        let decode = a.beta * l.decode + a.gamma * l.ctx * rep;
+        // Projections and KV writes per token, causal scores over the new
+        // tokens and against the cached prefix, and one read of the prefix KV.
+        let prefill = p.beta * l.prompts + p.gamma * l.prompt_tokens + p.delta * l.pairs + a.gamma * l.prefix * rep;
+        let t = fixed + (alpha - fixed) / w + (decode + prefill) / w;
         let f = &self.cm.ffn;
         let ffn_fixed = FFN_KERNELS * OP_OVERHEAD;
         let ffn = (ffn_fixed + (f.eval(l.tokens(), 0.0) - ffn_fixed) / w) / share;
@@ -206,10 +233,10 @@ impl Env {
     fn moe_comm(&self, tokens: f64, width: u32, side: MoeSide, prefill: bool) -> f64 {
         match side {
             MoeSide::Tp { .. } => 0.0,
-            MoeSide::Ep { gpus, local, .. } => {
+            MoeSide::Ep { gpus, nodes, local, .. } => {
                 // A TP group's GPUs each send 1/width of its (replicated) rows.
                 let per_gpu = tokens / f64::from(width);
-                let (g, n) = (f64::from(gpus), f64::from(gpus.div_ceil(self.gpus_per_node)));
+                let (g, n) = (f64::from(gpus), f64::from(nodes.max(1)));
                 2.0 * self.cm.dispatch(per_gpu, self.hidden * 2.0, self.top_k, g, n, local, prefill)
             }
         }
@@ -253,7 +280,7 @@ impl Env {
         sms: Sms,
         interference: f64,
     ) -> Iter {
-        let prefill = groups.iter().any(|g| !g.chunks.is_empty());
+        let prefill = groups.iter().any(Load::has_prefill);
         let parts: Vec<(f64, f64)> = groups.iter().map(|g| self.attention(g, width, share)).collect();
         let attn = parts.iter().map(|p| p.0).fold(0.0, f64::max);
         let ffn = parts.iter().map(|p| p.1).fold(0.0, f64::max);
@@ -283,11 +310,11 @@ impl Env {
             (false, false) => attn + moe + ffn.max(comm),
         };
         let dense = attn + ffn;
-        let heads = groups.iter().map(|g| g.decode + g.chunks.len() as f64).fold(0.0, f64::max);
+        let heads = groups.iter().map(|g| g.decode + g.prompts).fold(0.0, f64::max);
         let head = self.cm.head.alpha + (self.cm.head.eval(heads, 0.0) - self.cm.head.alpha) / f64::from(width);
         let seconds = self.moe_layers * layer + self.dense_layers * dense + head;
         // Work always takes time: a fitted profile with negative terms must not
-        // stall or reverse the clock (Bench::new rejects such profiles).
+        // stall or reverse the clock (the simulator rejects such profiles).
         Iter {
             seconds: if seconds.is_finite() { seconds.max(1e-9) } else { f64::MAX },
             moe_seconds: self.moe_layers * moe,

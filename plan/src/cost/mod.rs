@@ -13,6 +13,8 @@
 use moeforge_dsl::spec::{Cluster, DType, Model, Tiles};
 use serde::{Deserialize, Serialize};
 
+pub mod step;
+
 /// `t(x, s) = α + β·x + γ·x·s + δ·x·s²`, in seconds.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Fit {
@@ -173,9 +175,25 @@ pub struct CostModel {
     pub head: Fit,
     pub links: Links,
     pub sms: u32,
+    /// CTAs per cluster of the MoE kernel (1 where the GPU has no
+    /// clusters): SMs are given to a phase in multiples of it, so the layout
+    /// search's q, the APK's q and the simulator's q' all round to it.
+    pub cluster: u32,
     /// Tile height M_t of each phase's grouped GEMM.
     pub m_t_prefill: u32,
     pub m_t_decode: u32,
+}
+
+/// CTAs per CTA cluster of the MoE kernel on `c`'s GPU: the prefill GateUp
+/// tile's cluster shape (the APK runs both phases on one grid of that
+/// shape), or 1 where the architecture has no clusters.
+pub fn cta_cluster(c: &Cluster, t: &Tiles) -> u32 {
+    if c.gpu.arch.has_clusters() {
+        let [x, y] = t.prefill.gate_up.cluster;
+        (x * y).max(1)
+    } else {
+        1
+    }
 }
 
 /// Achieved fractions of peak the roofline assumes (DeepGEMM-class kernels
@@ -269,6 +287,7 @@ impl CostModel {
                 gpus_per_node: c.gpus_per_node,
             },
             sms: g.sms,
+            cluster: cta_cluster(c, t),
             m_t_prefill: t.prefill.gate_up.block_m,
             m_t_decode: t.decode.gate_up.block_m,
         }
@@ -347,6 +366,14 @@ impl CostModel {
         } else {
             self.nvlink(per_gpu)
         }
+    }
+
+    /// Modeled time of a weight reshard: every rank sends its share of the
+    /// bytes crossing between ranks at once over its own scale-up link.
+    pub fn reshard_seconds(&self, w: &crate::memory::WeightReshard, mem: &crate::memory::MemoryPlan) -> f64 {
+        let per_rank =
+            w.interconnect_bytes_per_layer as f64 * f64::from(mem.slots.moe_layers) / f64::from(mem.group.max(1));
+        self.nvlink(per_rank)
     }
 
     /// Time to move `bytes` from one GPU over its share of the node's NICs.
