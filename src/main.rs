@@ -378,49 +378,9 @@ fn summary_text(
     bundle: &codegen::Bundle,
     s: &codegen::EmitSummary,
 ) -> String {
-    let m = &p.model;
-    let c = &p.cluster;
-    let mem = &p.memory;
-    let mut t = String::new();
-    t.push_str(&format!("compiled `{}` → {}\n", p.deploy, dir.display()));
-    t.push_str(&format!(
-        "  model    {}: {:.1}B params ({:.1}B active), {} layers, {} experts top-{}\n",
-        m.name,
-        m.params_total as f64 / 1e9,
-        m.params_active as f64 / 1e9,
-        m.layers,
-        m.experts,
-        m.top_k
-    ));
-    t.push_str(&format!("  cluster  {}: {}×{} {} ({})\n", c.name, c.nodes, c.gpus_per_node, c.gpu, c.arch.name()));
-    t.push_str(&format!(
-        "  layout   attention {}, experts {} ({} per GPU)\n",
-        p.layout.attention, p.layout.moe, p.layout.max_experts_per_rank
-    ));
-    let weights: u64 = mem
-        .regions
-        .iter()
-        .filter(|r| !matches!(r.name.as_str(), "comm" | "scratch" | "requests" | "kv_pool"))
-        .map(|r| r.bytes)
-        .sum();
-    let modes: Vec<&str> = mem.modes.iter().map(|m| m.name()).collect();
-    t.push_str(&format!(
-        "  memory   per GPU: {:.1} GB buffer, {:.1} GB weights, KV for {} tokens (EP); modes [{}]",
-        mem.buffer_bytes as f64 / 1e9,
-        weights as f64 / 1e9,
-        mem.kv.ep.capacity_tokens,
-        modes.join(", ")
-    ));
-    if let Some(tp) = &mem.kv.tp {
-        t.push_str(&format!(
-            ", TP KV {} tokens, dual-mode overhead {:.2}%",
-            tp.capacity_tokens,
-            mem.overhead.overhead_fraction * 100.0
-        ));
-    }
-    t.push('\n');
+    let mut t = format!("compiled `{}` → {}\n{}", p.deploy, dir.display(), p.summary());
     let kernels: Vec<&str> = p.kernels.iter().map(|k| k.name.as_str()).collect();
-    t.push_str(&format!("  kernels  {} for {}", kernels.join(", "), c.arch.name()));
+    t.push_str(&format!("  kernels  {} for {}", kernels.join(", "), p.cluster.arch.name()));
     match (&s.compiled_with, &s.skipped_reason) {
         (Some(v), _) => t.push_str(&format!(", compiled to cubin ({v})\n")),
         (None, Some(why)) => t.push_str(&format!(", not compiled: {why}\n")),

@@ -65,11 +65,11 @@ fn shapes() -> impl Strategy<Value = Shape> {
     })
 }
 
-fn plan_for(s: &Shape) -> MemoryPlan {
+fn plan_for(s: &Shape) -> moeforge_plan::Plan {
     let checked = moeforge_dsl::check_str("p.moe", &spec_text(s)).unwrap_or_else(|f| panic!("{}", f.render(false)));
     let plan =
         plan_deployment(&checked, DeployId(0)).unwrap_or_else(|d| panic!("{}", d.render(&checked.sources, false)));
-    plan.plan().memory.clone()
+    plan.into_plan()
 }
 
 fn expert_view<'a>(m: &'a MemoryPlan, mode: Mode, w: &str) -> &'a View {
@@ -221,9 +221,10 @@ proptest! {
 
     #[test]
     fn reshard_moves_every_expert_byte_once_in_place_and_round_trips(s in shapes()) {
-        let m = plan_for(&s);
+        let p = plan_for(&s);
+        let m = &p.memory;
         prop_assert_eq!(&m.modes, &vec![Mode::Tp, Mode::Ep], "{:?}", m.single_mode_reason);
-        prop_assert!(memory_violations(&m).is_empty(), "{:?}", memory_violations(&m));
+        prop_assert!(memory_violations(&p).is_empty(), "{:?}", memory_violations(&p));
         let rs = m.reshard.clone().unwrap();
         // Element buffers covering the expert region only.
         let end = (m.slots.base + m.slots.slot_bytes * (u64::from(m.slots.moe_layers) + 1)) / 2;
@@ -261,8 +262,9 @@ proptest! {
 
     #[test]
     fn views_of_one_mode_never_overlap_and_kv_capacity_follows_heads(s in shapes()) {
-        let m = plan_for(&s);
-        prop_assert!(memory_violations(&m).is_empty(), "{:?}", memory_violations(&m));
+        let p = plan_for(&s);
+        let m = &p.memory;
+        prop_assert!(memory_violations(&p).is_empty(), "{:?}", memory_violations(&p));
         let tp = m.kv.tp.clone().unwrap();
         // TP stores max(1, kv/P) heads per rank; EP all kv heads of its own requests.
         prop_assert_eq!(tp.heads_per_rank, (s.kv_heads / s.p).max(1));

@@ -109,10 +109,60 @@ pub struct MemoryPlan {
     pub overhead: DualModeOverhead,
 }
 
+/// Index of a [`Region`] in [`MemoryPlan::regions`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct RegionId(pub u32);
+
+impl RegionId {
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// What a region holds. Each kind appears at most once per buffer, in this
+/// order (the ones a plan does not need are absent).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RegionKind {
+    /// Weights identical on every rank and in both modes: embeddings, norms,
+    /// the router, shared experts, dense FFN layers, the LM head.
+    Replicated,
+    /// The full attention weights (EP: data-parallel attention).
+    AttentionEp,
+    /// This rank's attention head shard (TP).
+    AttentionTp,
+    /// The routed experts' layer slots (N+1 in dual mode).
+    Experts,
+    /// Dispatch/combine rows (EP) and all-reduce buffers (TP).
+    Comm,
+    /// GateUp outputs and activations.
+    Scratch,
+    /// Per-request metadata and page tables.
+    Requests,
+    /// The paged KV cache.
+    KvPool,
+}
+
+impl RegionKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            RegionKind::Replicated => "replicated",
+            RegionKind::AttentionEp => "attention_ep",
+            RegionKind::AttentionTp => "attention_tp",
+            RegionKind::Experts => "experts",
+            RegionKind::Comm => "comm",
+            RegionKind::Scratch => "scratch",
+            RegionKind::Requests => "requests",
+            RegionKind::KvPool => "kv_pool",
+        }
+    }
+}
+
 /// A contiguous byte range of the unified buffer.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Region {
-    pub name: String,
+    pub kind: RegionKind,
     pub offset: u64,
     pub bytes: u64,
     /// Modes whose views point into this region.
@@ -123,11 +173,14 @@ pub struct Region {
 /// `layers` is at `offset + (l - layers[0]) × layer_stride`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct View {
-    /// Hugging Face-style name with `{l}` for the layer (and `{e}` when one
-    /// view covers all local experts, stacked on the first dimension).
+    /// Hugging Face-style name with `{l}` for the layer; always
+    /// [`TensorRole::name`] of `role` and `part` (the validator checks it).
     pub tensor: String,
+    /// What the tensor is; consumers select views by role, never by name.
+    pub role: TensorRole,
+    pub part: TensorPart,
     pub mode: Mode,
-    pub region: String,
+    pub region: RegionId,
     pub offset: u64,
     /// `[first, end)` of the layers this view covers; `[0, 1)` for global tensors.
     pub layers: [u32; 2],
@@ -138,6 +191,17 @@ pub struct View {
     pub dtype: DType,
     /// What slice of the global tensor this rank's view holds.
     pub shard: Shard,
+}
+
+impl MemoryPlan {
+    /// The region of `kind`, if the plan has one.
+    pub fn region(&self, kind: RegionKind) -> Option<&Region> {
+        self.regions.iter().find(|r| r.kind == kind)
+    }
+    /// The view of `role` (`part`) in `mode`.
+    pub fn view(&self, mode: Mode, role: TensorRole, part: TensorPart) -> Option<&View> {
+        self.views.iter().find(|v| v.mode == mode && v.role == role && v.part == part)
+    }
 }
 
 impl View {
@@ -171,6 +235,109 @@ pub enum Shard {
     ExpertShard { dim: u32 },
 }
 
+/// The tensors of a model as the memory plan stores them. Per-layer roles
+/// are named with `{l}` for the layer; routed experts are stacked per layer
+/// (`w13`: gate rows then up rows of every local expert, `w2`: down).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TensorRole {
+    Embedding,
+    LmHead,
+    FinalNorm,
+    InputNorm,
+    PostAttentionNorm,
+    /// GQA projections and per-head norms; MLA's `o_proj` too.
+    QProj,
+    KProj,
+    VProj,
+    OProj,
+    QNorm,
+    KNorm,
+    Sinks,
+    /// MLA's low-rank projections and their norms.
+    QAProj,
+    QANorm,
+    QBProj,
+    KvAProj,
+    KvANorm,
+    KvBProj,
+    /// The router's weight and its selection bias (sigmoid routing).
+    Router,
+    RouterBias,
+    SharedGate,
+    SharedUp,
+    SharedDown,
+    DenseGate,
+    DenseUp,
+    DenseDown,
+    ExpertsW13,
+    ExpertsW2,
+}
+
+/// The weight itself, or its fp8 block scales.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TensorPart {
+    Weight,
+    ScaleInv,
+}
+
+impl TensorRole {
+    /// Whether the tensor exists once per layer (`{l}` in its name).
+    pub fn per_layer(self) -> bool {
+        !matches!(self, TensorRole::Embedding | TensorRole::LmHead | TensorRole::FinalNorm)
+    }
+
+    /// The Hugging Face-style name of `part` of this tensor, `{l}` for the layer.
+    pub fn name(self, part: TensorPart) -> String {
+        use TensorRole::*;
+        let stem = match self {
+            Embedding => "model.embed_tokens",
+            LmHead => "lm_head",
+            FinalNorm => "model.norm",
+            InputNorm => "model.layers.{l}.input_layernorm",
+            PostAttentionNorm => "model.layers.{l}.post_attention_layernorm",
+            QProj => "model.layers.{l}.self_attn.q_proj",
+            KProj => "model.layers.{l}.self_attn.k_proj",
+            VProj => "model.layers.{l}.self_attn.v_proj",
+            OProj => "model.layers.{l}.self_attn.o_proj",
+            QNorm => "model.layers.{l}.self_attn.q_norm",
+            KNorm => "model.layers.{l}.self_attn.k_norm",
+            Sinks => return "model.layers.{l}.self_attn.sinks".into(),
+            QAProj => "model.layers.{l}.self_attn.q_a_proj",
+            QANorm => "model.layers.{l}.self_attn.q_a_layernorm",
+            QBProj => "model.layers.{l}.self_attn.q_b_proj",
+            KvAProj => "model.layers.{l}.self_attn.kv_a_proj_with_mqa",
+            KvANorm => "model.layers.{l}.self_attn.kv_a_layernorm",
+            KvBProj => "model.layers.{l}.self_attn.kv_b_proj",
+            Router => "model.layers.{l}.mlp.gate",
+            RouterBias => return "model.layers.{l}.mlp.gate.e_score_correction_bias".into(),
+            SharedGate => "model.layers.{l}.mlp.shared_experts.gate_proj",
+            SharedUp => "model.layers.{l}.mlp.shared_experts.up_proj",
+            SharedDown => "model.layers.{l}.mlp.shared_experts.down_proj",
+            DenseGate => "model.layers.{l}.mlp.gate_proj",
+            DenseUp => "model.layers.{l}.mlp.up_proj",
+            DenseDown => "model.layers.{l}.mlp.down_proj",
+            ExpertsW13 | ExpertsW2 => {
+                let w = if self == ExpertsW13 { "w13" } else { "w2" };
+                return match part {
+                    TensorPart::Weight => format!("model.layers.{{l}}.mlp.experts.{w}"),
+                    TensorPart::ScaleInv => format!("model.layers.{{l}}.mlp.experts.{w}_weight_scale_inv"),
+                };
+            }
+        };
+        match part {
+            TensorPart::Weight => format!("{stem}.weight"),
+            TensorPart::ScaleInv => format!("{stem}.weight_scale_inv"),
+        }
+    }
+
+    /// Routed expert weights, which live in the expert slots.
+    pub fn is_routed_expert(self) -> bool {
+        matches!(self, TensorRole::ExpertsW13 | TensorRole::ExpertsW2)
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum HeadSet {
@@ -181,7 +348,7 @@ pub enum HeadSet {
 /// The N+1 expert slots (Moebius Figure 7).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ExpertSlots {
-    pub region: String,
+    pub region: RegionId,
     pub base: u64,
     /// MoE layers N; the region holds N+1 slots (N when single-mode).
     pub moe_layers: u32,
@@ -199,7 +366,7 @@ pub struct ExpertSlots {
 /// The paged KV cache: one pool, two page formats.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KvPlan {
-    pub region: String,
+    pub region: RegionId,
     pub page_tokens: u32,
     /// Bytes of one token of one KV head in one layer (K and V together).
     pub head_token_bytes: u64,

@@ -10,11 +10,12 @@
 //! buffer per rank with TP and EP views and the reshard descriptors between
 //! them), and the kernel instances with their specialization constants.
 
-use moeforge_dsl::spec::{Arch, DType, Strategy};
+use moeforge_dsl::spec::{Activation, Arch, DType, Strategy};
 use serde::{Deserialize, Serialize};
+use std::fmt;
 
 /// Bumped whenever `plan.json` or the bundle layout changes incompatibly.
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
@@ -63,6 +64,29 @@ pub struct ModelFacts {
     pub kv_bytes_per_token: u64,
 }
 
+impl ModelFacts {
+    /// The facts of model `m`, as the plan records them.
+    pub fn of(m: &moeforge_dsl::spec::Model) -> ModelFacts {
+        ModelFacts {
+            name: m.name.clone(),
+            layers: m.layers,
+            moe_layers: m.moe_layers(),
+            hidden: m.hidden,
+            experts: m.moe.experts,
+            top_k: m.moe.top_k,
+            expert_ffn: m.moe.expert_ffn,
+            params_total: m.params().total(),
+            params_active: m.active_params(),
+            weight_bytes: m.weight_bytes(),
+            expert_bytes: m.expert_bytes(),
+            expert_dtype: m.dtype.experts,
+            block_scale: m.dtype.block_scale,
+            activation_dtype: m.dtype.activations,
+            kv_bytes_per_token: u64::from(m.layers) * m.kv_bytes_per_token_layer(),
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ClusterFacts {
     pub name: String,
@@ -75,6 +99,23 @@ pub struct ClusterFacts {
     pub hbm_bytes: u64,
     /// Scale-up (NVLink) bandwidth per GPU per direction, bytes/s.
     pub scale_up_bandwidth: f64,
+}
+
+impl ClusterFacts {
+    /// The facts of cluster `c`, as the plan records them.
+    pub fn of(c: &moeforge_dsl::spec::Cluster) -> ClusterFacts {
+        ClusterFacts {
+            name: c.name.clone(),
+            nodes: c.nodes,
+            gpus_per_node: c.gpus_per_node,
+            world: c.world_size(),
+            gpu: c.gpu.name.clone(),
+            arch: c.gpu.arch,
+            sms: c.gpu.sms,
+            hbm_bytes: c.gpu.hbm,
+            scale_up_bandwidth: c.scale_up.bandwidth,
+        }
+    }
 }
 
 /// How the deployment maps onto GPUs.
@@ -155,11 +196,13 @@ pub struct ApkParams {
     /// Expert weight type: `bf16`, or `fp8_e4m3` with `scale_block`² block
     /// scales (dequantized to bf16 in shared memory by the producer
     /// warpgroup's other warps; activations and math stay bf16).
-    pub weights: String,
+    pub weights: WeightFormat,
     pub scale_block: u32,
+    /// The GateUp epilogue's activation (the capability table admits SiLU only).
+    pub activation: Activation,
     /// Tensor-core path: `wgmma` (sm_90a: TMA, warp specialization,
     /// multicast) or `mma_sync` (portable, sm_80: cp.async, ldmatrix).
-    pub path: String,
+    pub path: MmaPath,
     /// Reduction depth of one pipeline stage and the stage count (one
     /// shared-memory ring serves both phases' GEMMs).
     pub block_k: u32,
@@ -184,8 +227,7 @@ pub struct ApkParams {
 pub struct RouterParams {
     pub experts: u32,
     pub top_k: u32,
-    /// `softmax` or `sigmoid`.
-    pub scoring: String,
+    pub scoring: Scoring,
     pub norm_topk: bool,
     pub scaling: f64,
     /// Sigmoid routing adds a per-expert bias for selection only.
@@ -217,13 +259,103 @@ pub struct PermuteParams {
     pub threads: u32,
 }
 
-/// An `extern "C"` kernel and its launch shape. Grid sizes that depend on the
-/// batch are formulas over the runtime variables named in `grid`.
+/// The expert weights' storage format in the MoE kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WeightFormat {
+    Bf16,
+    /// fp8 e4m3 with 128×128 block scales (`weight_scale_inv`).
+    Fp8E4m3,
+}
+
+/// The tensor-core instruction path of a target's MoE kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MmaPath {
+    /// sm_90a: wgmma fed by TMA, warp-specialized, multicast over clusters.
+    Wgmma,
+    /// Portable (sm_80+): mma.sync fed by cp.async and ldmatrix.
+    MmaSync,
+}
+
+/// The router's score function.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Scoring {
+    Softmax,
+    Sigmoid,
+}
+
+impl Scoring {
+    pub fn name(self) -> &'static str {
+        match self {
+            Scoring::Softmax => "softmax",
+            Scoring::Sigmoid => "sigmoid",
+        }
+    }
+}
+
+/// A quantity a launch grid scales with, known at run time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GridVar {
+    /// Tokens of the step on this rank.
+    Tokens,
+    /// (token, k) routing entries: tokens × top-k.
+    Entries,
+    /// Rows of the expert-contiguous layout, padding included.
+    Rows,
+    /// Routed experts this rank holds.
+    LocalExperts,
+}
+
+/// How many blocks a kernel launches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Grid {
+    /// A fixed number of blocks.
+    Fixed { blocks: u32 },
+    /// `ceil(over / per)` blocks.
+    Per { over: GridVar, per: u32 },
+    /// The persistent kernel: one CTA per SM, rounded down to whole
+    /// `cluster`-CTA clusters, launched once per serving session.
+    Persistent { cluster: u32 },
+}
+
+impl fmt::Display for Grid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let var = |v: &GridVar| match v {
+            GridVar::Tokens => "tokens",
+            GridVar::Entries => "entries",
+            GridVar::Rows => "rows",
+            GridVar::LocalExperts => "num_local",
+        };
+        match self {
+            Grid::Fixed { blocks } => write!(f, "{blocks}"),
+            Grid::Per { over, per: 1 } => write!(f, "{}", var(over)),
+            Grid::Per { over, per } => write!(f, "ceil({} / {per})", var(over)),
+            Grid::Persistent { cluster } => write!(f, "SMs rounded down to a multiple of {cluster} (launched once)"),
+        }
+    }
+}
+
+impl Grid {
+    /// Blocks for the run-time value of the grid's variable (`None` for the
+    /// persistent grid, which the device's SM count sizes).
+    pub fn blocks(&self, value: u32) -> Option<u32> {
+        match *self {
+            Grid::Fixed { blocks } => Some(blocks),
+            Grid::Per { per, .. } => Some(value.div_ceil(per.max(1))),
+            Grid::Persistent { .. } => None,
+        }
+    }
+}
+
+/// An `extern "C"` kernel and its launch shape.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct EntryPoint {
     pub symbol: String,
-    /// Grid size: a number or an expression over `tokens`, `entries`, `rows`.
-    pub grid: String,
+    pub grid: Grid,
     pub block: u32,
     pub dynamic_smem: u32,
     /// The arguments in order, as `type name`.

@@ -1,5 +1,6 @@
 //! The textual form of a [`Plan`] (what `moeforge explain` prints).
 
+use crate::memory::RegionKind;
 use crate::{KernelParams, Plan};
 use std::fmt::{self, Display, Formatter};
 
@@ -62,7 +63,7 @@ impl Display for Plan {
         }
         for r in &mem.regions {
             let modes: Vec<&str> = r.modes.iter().map(|m| m.name()).collect();
-            writeln!(f, "    region {:<13} @{:>14} {:>14} B [{}]", r.name, r.offset, r.bytes, modes.join(", "))?;
+            writeln!(f, "    region {:<13} @{:>14} {:>14} B [{}]", r.kind.name(), r.offset, r.bytes, modes.join(", "))?;
         }
         let s = &mem.slots;
         writeln!(
@@ -153,5 +154,56 @@ impl Display for Plan {
             }
         }
         writeln!(f, "}}")
+    }
+}
+
+impl Plan {
+    /// The few lines `moeforge compile` prints: model, cluster, layout and
+    /// the per-GPU memory plan.
+    pub fn summary(&self) -> String {
+        let (m, c, mem) = (&self.model, &self.cluster, &self.memory);
+        let mut t = String::new();
+        t.push_str(&format!(
+            "  model    {}: {:.1}B params ({:.1}B active), {} layers, {} experts top-{}\n",
+            m.name,
+            m.params_total as f64 / 1e9,
+            m.params_active as f64 / 1e9,
+            m.layers,
+            m.experts,
+            m.top_k
+        ));
+        t.push_str(&format!("  cluster  {}: {}×{} {} ({})\n", c.name, c.nodes, c.gpus_per_node, c.gpu, c.arch.name()));
+        t.push_str(&format!(
+            "  layout   attention {}, experts {} ({} per GPU)\n",
+            self.layout.attention, self.layout.moe, self.layout.max_experts_per_rank
+        ));
+        let weights: u64 = mem
+            .regions
+            .iter()
+            .filter(|r| {
+                matches!(
+                    r.kind,
+                    RegionKind::Replicated | RegionKind::AttentionEp | RegionKind::AttentionTp | RegionKind::Experts
+                )
+            })
+            .map(|r| r.bytes)
+            .sum();
+        let modes: Vec<&str> = mem.modes.iter().map(|m| m.name()).collect();
+        t.push_str(&format!(
+            "  memory   per GPU: {:.1} GB buffer, {:.1} GB weights, KV for {} tokens (EP); modes [{}]",
+            mem.buffer_bytes as f64 / 1e9,
+            weights as f64 / 1e9,
+            mem.kv.ep.capacity_tokens,
+            modes.join(", ")
+        ));
+        if let Some(tp) = &mem.kv.tp {
+            t.push_str(&format!(
+                ", TP KV {} tokens, dual-mode overhead {:.2}%",
+                tp.capacity_tokens,
+                mem.overhead.overhead_fraction * 100.0
+            ));
+        }
+        t.push('\n');
+        t
     }
 }

@@ -1,10 +1,22 @@
-//! The plan validator: the gate between planning and emission.
+//! The plan validator: the gate between planning and emission, and between
+//! a bundle on disk and the backends that execute it.
 //!
-//! [`validate`] checks the invariants every emitter relies on and wraps the
-//! plan in a [`ValidPlan`], the only thing `emit` accepts. It runs after the
-//! pipeline in release builds and after every pass in debug builds.
+//! [`validate`] checks the invariants every emitter and backend relies on and
+//! wraps the plan in a [`ValidPlan`], the only thing `emit` accepts and the
+//! only plan [`crate::load_bundle`] returns. It runs after every pass in
+//! debug builds (a partial plan passes [`check`] as long as what it holds is
+//! consistent), after the pipeline in release builds, and on every load.
+//!
+//! Because a loaded plan may have been edited, every check uses checked
+//! arithmetic and nothing is indexed before it was bounds-checked: after
+//! `validate`, every view, expert slot, KV page and reshard run lies inside
+//! its region of the unified buffer, every rank and layer index is in range,
+//! and the derived sizes (page bytes, capacities, slot extents) agree with
+//! the values they are derived from. Each [`Violation`] names the field of
+//! `plan.json` it is about.
 
-use crate::plan::{KernelParams, Plan};
+use crate::memory::{Mode, RegionKind, TensorRole, ALIGN};
+use crate::plan::{Grid, KernelParams, MmaPath, Plan, WeightFormat};
 use std::fmt;
 
 /// A plan that passed [`validate`]. Only this module constructs it.
@@ -15,96 +27,77 @@ impl ValidPlan {
     pub fn plan(&self) -> &Plan {
         &self.0
     }
+    pub fn into_plan(self) -> Plan {
+        self.0
+    }
 }
 
-/// A broken plan invariant: a bug in a pass, never a user error.
+/// A broken plan invariant: in a freshly planned deployment a bug in a pass,
+/// in a loaded bundle an edited or corrupt `plan.json`.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Violation(pub String);
+pub struct Violation {
+    /// The `plan.json` field, e.g. `memory.views[3].offset`.
+    pub field: String,
+    pub message: String,
+}
 
 impl fmt::Display for Violation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "plan invariant violated: {}", self.0)
+        write!(f, "`{}`: {}", self.field, self.message)
     }
 }
 
-/// Checks the invariants that hold after every pass (a partial plan passes
-/// as long as what it has is consistent).
+#[derive(Default)]
+struct Check {
+    out: Vec<Violation>,
+}
+
+impl Check {
+    fn bad(&mut self, field: impl Into<String>, message: impl Into<String>) {
+        self.out.push(Violation { field: field.into(), message: message.into() });
+    }
+    /// Records a violation unless `ok`; returns `ok`.
+    fn ensure(&mut self, ok: bool, field: impl Into<String>, message: impl FnOnce() -> String) -> bool {
+        if !ok {
+            self.bad(field, message());
+        }
+        ok
+    }
+}
+
+/// Checks the invariants that hold after every pass: a partial plan passes
+/// as long as what it has is consistent.
 pub fn check(plan: &Plan) -> Vec<Violation> {
-    let mut v = Vec::new();
-    let mut bad = |s: String| v.push(Violation(s));
-    let world = plan.cluster.world;
-    if !plan.ranks.is_empty() {
-        // **Invariant**: ranks are 0..world in order, each on its node.
-        if plan.ranks.len() != world as usize {
-            bad(format!("{} ranks for a world of {world}", plan.ranks.len()));
-        }
-        let mut owner = vec![0u32; plan.model.experts as usize];
-        for (i, r) in plan.ranks.iter().enumerate() {
-            if r.rank as usize != i || r.node * plan.cluster.gpus_per_node + r.local_rank != r.rank {
-                bad(format!("rank {i} is misnumbered ({r:?})"));
-            }
-            let [b, e] = r.experts;
-            if b > e || e > plan.model.experts || e - b > plan.layout.max_experts_per_rank {
-                bad(format!("rank {i} holds experts [{b}, {e}) of {}", plan.model.experts));
-                continue;
-            }
-            for x in b..e {
-                owner[x as usize] += 1;
-            }
-        }
-        // **Invariant**: without replication every expert lives on exactly one rank.
-        if let Some(x) = owner.iter().position(|&c| c != 1) {
-            bad(format!("expert {x} is held by {} ranks", owner[x]));
-        }
+    let mut c = Check::default();
+    facts(&mut c, plan);
+    ranks(&mut c, plan);
+    if !plan.memory.regions.is_empty() {
+        memory(&mut c, plan);
     }
-    for v in memory_violations(&plan.memory) {
-        bad(v);
-    }
-    for k in &plan.kernels {
-        match &k.params {
-            KernelParams::Router(r) => {
-                if r.top_k > r.experts || r.per_lane * 32 < r.experts || r.groups * r.group_size != r.experts {
-                    bad(format!("router constants inconsistent: {r:?}"));
-                }
-            }
-            KernelParams::Permute(p) => {
-                if p.max_local_experts != plan.layout.max_experts_per_rank
-                    || p.row_vectors * 8 != p.hidden
-                    || p.block_m == 0
-                {
-                    bad(format!("permute constants inconsistent: {p:?}"));
-                }
-            }
-            KernelParams::Apk(a) => {
-                let tiles_ok = a.m_t_prefill > 0 && a.m_t_decode > 0 && a.n_t_gate_up % 2 == 0 && a.n_t_down > 0;
-                let shape_ok = a.local_experts > 0 && a.local_experts <= plan.layout.max_experts_per_rank;
-                let q_ok = a.q >= a.cluster_size && a.q <= plan.cluster.sms && a.q_max < plan.cluster.sms;
-                if !(tiles_ok && shape_ok && q_ok && a.max_prefill_rows % a.m_t_prefill == 0 && a.x_star > 0.0) {
-                    bad(format!("APK constants inconsistent: {a:?}"));
-                }
-                for &r in &a.ranks {
-                    let held = plan.ranks.get(r as usize).map(|x| x.experts[1] - x.experts[0]);
-                    if held != Some(a.local_experts) {
-                        bad(format!("APK for {} experts assigned to rank {r}, which holds {held:?}", a.local_experts));
-                    }
-                }
-            }
-        }
-        if k.entries.is_empty() {
-            bad(format!("kernel `{}` has no entry point", k.name));
-        }
-    }
-    v
+    kernels(&mut c, plan);
+    cost(&mut c, plan);
+    search(&mut c, plan);
+    placement(&mut c, plan);
+    c.out
 }
 
 /// The gate: a complete plan whose invariants hold.
 pub fn validate(plan: Plan) -> Result<ValidPlan, Vec<Violation>> {
     let mut v = check(&plan);
-    if plan.ranks.is_empty() {
-        v.push(Violation("no ranks".into()));
+    if plan.format_version != crate::FORMAT_VERSION {
+        v.push(Violation {
+            field: "format_version".into(),
+            message: format!("{} (this moeforge writes {})", plan.format_version, crate::FORMAT_VERSION),
+        });
     }
-    if plan.kernels.is_empty() {
-        v.push(Violation("no kernels".into()));
+    for (empty, field, what) in [
+        (plan.ranks.is_empty(), "ranks", "no ranks"),
+        (plan.kernels.is_empty(), "kernels", "no kernels"),
+        (plan.memory.regions.is_empty(), "memory.regions", "no memory plan"),
+    ] {
+        if empty {
+            v.push(Violation { field: field.into(), message: what.into() });
+        }
     }
     if v.is_empty() {
         Ok(ValidPlan(plan))
@@ -113,53 +106,470 @@ pub fn validate(plan: Plan) -> Result<ValidPlan, Vec<Violation>> {
     }
 }
 
+fn facts(c: &mut Check, p: &Plan) {
+    let (m, cl) = (&p.model, &p.cluster);
+    c.ensure(m.layers > 0 && m.moe_layers <= m.layers, "model.moe_layers", || {
+        format!("{} MoE layers of {} layers", m.moe_layers, m.layers)
+    });
+    c.ensure(m.hidden > 0 && m.experts > 0 && m.top_k > 0 && m.top_k <= m.experts, "model.top_k", || {
+        format!("top-{} of {} experts (hidden {})", m.top_k, m.experts, m.hidden)
+    });
+    c.ensure(cl.nodes.checked_mul(cl.gpus_per_node) == Some(cl.world) && cl.world > 0, "cluster.world", || {
+        format!("{} ≠ {} nodes × {} GPUs", cl.world, cl.nodes, cl.gpus_per_node)
+    });
+    c.ensure(cl.sms > 0, "cluster.sms", || "a GPU without SMs".into());
+}
+
+fn ranks(c: &mut Check, p: &Plan) {
+    if p.ranks.is_empty() {
+        return;
+    }
+    let (world, experts) = (p.cluster.world, p.model.experts);
+    if !c.ensure(p.ranks.len() == world as usize, "ranks", || format!("{} ranks for a world of {world}", p.ranks.len()))
+    {
+        return;
+    }
+    c.ensure(p.layout.ep_size == world, "layout.ep_size", || format!("{} for a world of {world}", p.layout.ep_size));
+    let mut owner = vec![0u32; experts as usize];
+    for (i, r) in p.ranks.iter().enumerate() {
+        let gpn = p.cluster.gpus_per_node;
+        let numbered = r.rank as usize == i
+            && r.local_rank < gpn
+            && r.node.checked_mul(gpn).and_then(|n| n.checked_add(r.local_rank)) == Some(r.rank);
+        c.ensure(numbered, format!("ranks[{i}]"), || format!("misnumbered: {r:?}"));
+        let [b, e] = r.experts;
+        if !c.ensure(
+            b <= e && e <= experts && e - b <= p.layout.max_experts_per_rank,
+            format!("ranks[{i}].experts"),
+            || format!("[{b}, {e}) of {experts} experts, at most {} per rank", p.layout.max_experts_per_rank),
+        ) {
+            continue;
+        }
+        for x in b..e {
+            owner[x as usize] += 1;
+        }
+    }
+    // **Invariant**: without replication every expert lives on exactly one rank.
+    if let Some(x) = owner.iter().position(|&n| n != 1) {
+        c.bad("ranks", format!("expert {x} is held by {} ranks", owner[x]));
+    }
+}
+
+/// Bytes of a shape's elements, `None` on overflow.
+fn shape_bytes(shape: &[u64], elt: u64) -> Option<u64> {
+    shape.iter().try_fold(elt, |acc, &d| acc.checked_mul(d))
+}
+
 /// **Invariants** of the memory plan: regions tile the buffer in order,
-/// aligned, without gaps or overlap; every view lies inside its region; the
-/// views of one mode never overlap each other at any layer (aliasing happens
-/// only across modes).
-pub fn memory_violations(m: &crate::memory::MemoryPlan) -> Vec<String> {
-    use crate::memory::ALIGN;
-    let mut out = Vec::new();
-    let mut at = 0;
-    for r in &m.regions {
-        if r.offset != at || r.offset % ALIGN != 0 {
-            out.push(format!("region `{}` at {} (expected {at}, aligned to {ALIGN})", r.name, r.offset));
+/// aligned, without gaps or overlap, each kind once; every view lies inside
+/// its region at every layer it covers, in a region its mode uses, under its
+/// role's canonical name; the views of one mode never overlap each other at
+/// any layer (aliasing happens only across modes); expert slots, KV pages
+/// and reshard runs stay inside their regions.
+fn memory(c: &mut Check, p: &Plan) {
+    let m = &p.memory;
+    let layers = p.model.layers;
+    c.ensure(m.buffer_bytes <= m.hbm, "memory.buffer_bytes", || format!("{} exceeds HBM {}", m.buffer_bytes, m.hbm));
+    let modes_ok = !m.modes.is_empty() && m.modes.windows(2).all(|w| w[0] < w[1]);
+    c.ensure(modes_ok, "memory.modes", || format!("{:?}: one or both modes, in order", m.modes));
+    let dual = m.modes == [Mode::Tp, Mode::Ep];
+    let group_ok = m.group >= 1
+        && m.group <= p.cluster.world
+        && (!dual || m.group == p.cluster.gpus_per_node)
+        && (dual || p.ranks.is_empty() || m.group == p.cluster.world);
+    c.ensure(group_ok, "memory.group", || format!("{} ranks (world {}, dual {dual})", m.group, p.cluster.world));
+    // Regions.
+    let mut at = 0u64;
+    for (i, r) in m.regions.iter().enumerate() {
+        let f = format!("memory.regions[{i}]");
+        c.ensure(r.offset == at && r.offset % ALIGN == 0, format!("{f}.offset"), || {
+            format!("`{}` at {} (expected {at}, aligned to {ALIGN})", r.kind.name(), r.offset)
+        });
+        if i > 0 {
+            c.ensure(m.regions[i - 1].kind < r.kind, format!("{f}.kind"), || {
+                format!("`{}` out of order or repeated", r.kind.name())
+            });
         }
-        at = r.offset + r.bytes;
-    }
-    if at != m.buffer_bytes {
-        out.push(format!("regions end at {at}, buffer is {}", m.buffer_bytes));
-    }
-    let mut spans: Vec<(crate::memory::Mode, u64, u64, String)> = Vec::new();
-    let mut names = std::collections::BTreeSet::new();
-    for v in &m.views {
-        if !names.insert((v.mode, v.tensor.clone())) {
-            out.push(format!("two {:?} views of `{}`", v.mode, v.tensor));
+        c.ensure(!r.modes.is_empty() && r.modes.iter().all(|x| m.modes.contains(x)), format!("{f}.modes"), || {
+            format!("{:?} outside the plan's modes {:?}", r.modes, m.modes)
+        });
+        match r.offset.checked_add(r.bytes) {
+            Some(end) => at = end,
+            None => {
+                c.bad(format!("{f}.bytes"), "overflows");
+                return;
+            }
         }
-        let Some(r) = m.regions.iter().find(|r| r.name == v.region) else {
-            out.push(format!("view `{}` names unknown region `{}`", v.tensor, v.region));
+    }
+    if !c.ensure(at == m.buffer_bytes, "memory.buffer_bytes", || {
+        format!("regions end at {at}, the buffer is {}", m.buffer_bytes)
+    }) {
+        return;
+    }
+    views(c, p);
+    // Expert slots.
+    let s = &m.slots;
+    match m.regions.get(s.region.index()) {
+        Some(r) if r.kind == RegionKind::Experts => {
+            let slots = u64::from(s.moe_layers) + u64::from(s.tp_shift.max(s.ep_shift));
+            let extent = s.slot_bytes.checked_mul(slots);
+            c.ensure(s.base == r.offset && extent.is_some_and(|x| x <= r.bytes), "memory.slots", || {
+                format!(
+                    "{slots} slots of {} bytes at {} do not fit region `experts` ({} at {})",
+                    s.slot_bytes, s.base, r.bytes, r.offset
+                )
+            });
+            c.ensure(
+                s.w13_bytes.checked_add(s.w2_bytes).is_some_and(|x| x <= s.slot_bytes),
+                "memory.slots.slot_bytes",
+                || format!("{} < w13 {} + w2 {}", s.slot_bytes, s.w13_bytes, s.w2_bytes),
+            );
+        }
+        _ => c.bad("memory.slots.region", format!("{:?} is not the experts region", s.region)),
+    }
+    c.ensure(
+        s.moe_layers == p.model.moe_layers && s.first_moe_layer == layers - p.model.moe_layers.min(layers),
+        "memory.slots.moe_layers",
+        || {
+            format!(
+                "{} MoE layers from layer {}; the model has {} of {layers}",
+                s.moe_layers, s.first_moe_layer, p.model.moe_layers
+            )
+        },
+    );
+    let shifts_ok = if dual { s.tp_shift == 0 && s.ep_shift == 1 } else { s.tp_shift == 0 && s.ep_shift == 0 };
+    c.ensure(shifts_ok, "memory.slots.ep_shift", || {
+        format!("TP shift {}, EP shift {} (N+1 slots: TP layer i → slot i, EP → slot i+1)", s.tp_shift, s.ep_shift)
+    });
+    kv(c, p, dual);
+    reshard(c, p, dual);
+}
+
+fn views(c: &mut Check, p: &Plan) {
+    let m = &p.memory;
+    let layers = p.model.layers;
+    let mut spans: Vec<(Mode, u64, u64, usize, u32)> = Vec::new();
+    let mut seen = std::collections::BTreeSet::new();
+    for (i, v) in m.views.iter().enumerate() {
+        let f = format!("memory.views[{i}]");
+        if !seen.insert((v.mode, v.role, v.part)) {
+            c.bad(&f, format!("a second {} view of `{}`", v.mode.name(), v.tensor));
+        }
+        c.ensure(v.tensor == v.role.name(v.part), format!("{f}.tensor"), || {
+            format!("`{}` is not the name of {:?} {:?} (`{}`)", v.tensor, v.role, v.part, v.role.name(v.part))
+        });
+        let Some(r) = m.regions.get(v.region.index()) else {
+            c.bad(format!("{f}.region"), format!("{} names no region (there are {})", v.region.0, m.regions.len()));
             continue;
         };
-        if v.offset % ALIGN != 0 {
-            out.push(format!("view `{}` ({:?}) is not aligned", v.tensor, v.mode));
+        let kind_ok = match v.role {
+            TensorRole::ExpertsW13 | TensorRole::ExpertsW2 => r.kind == RegionKind::Experts,
+            TensorRole::QProj
+            | TensorRole::KProj
+            | TensorRole::VProj
+            | TensorRole::OProj
+            | TensorRole::QNorm
+            | TensorRole::KNorm
+            | TensorRole::Sinks
+            | TensorRole::QAProj
+            | TensorRole::QANorm
+            | TensorRole::QBProj
+            | TensorRole::KvAProj
+            | TensorRole::KvANorm
+            | TensorRole::KvBProj => matches!(r.kind, RegionKind::AttentionEp | RegionKind::AttentionTp),
+            _ => r.kind == RegionKind::Replicated,
+        };
+        c.ensure(kind_ok && r.modes.contains(&v.mode), format!("{f}.region"), || {
+            format!("`{}` ({}) cannot live in region `{}` ({:?})", v.tensor, v.mode.name(), r.kind.name(), r.modes)
+        });
+        let [a, b] = v.layers;
+        let layers_ok = if v.role.per_layer() { a < b && b <= layers } else { v.layers == [0, 1] };
+        if !c.ensure(layers_ok, format!("{f}.layers"), || {
+            format!("[{a}, {b}) for `{}` in a {layers}-layer model", v.tensor)
+        }) {
+            continue;
         }
-        for l in v.layers[0]..v.layers[1] {
-            let (a, b) = (v.offset_of(l), v.offset_of(l) + v.bytes());
-            if a < r.offset || b > r.offset + r.bytes {
-                out.push(format!("view `{}` layer {l} ({:?}) leaves region `{}`", v.tensor, v.mode, r.name));
+        let strides_ok = v.strides.len() == v.shape.len()
+            && !v.shape.is_empty()
+            && v.shape.iter().all(|&d| d > 0)
+            && (0..v.shape.len()).all(|k| {
+                let inner: Option<u64> = v.shape[k + 1..].iter().try_fold(1u64, |acc, &d| acc.checked_mul(d));
+                inner == Some(v.strides[k])
+            });
+        c.ensure(strides_ok, format!("{f}.strides"), || {
+            format!("shape {:?} with strides {:?} is not row-major", v.shape, v.strides)
+        });
+        c.ensure(v.offset % ALIGN == 0, format!("{f}.offset"), || format!("{} is not {ALIGN}-byte aligned", v.offset));
+        let Some(bytes) = shape_bytes(&v.shape, crate::memory::elt_bytes(v.dtype)) else {
+            c.bad(format!("{f}.shape"), format!("{:?} overflows", v.shape));
+            continue;
+        };
+        c.ensure(b - a == 1 || v.layer_stride >= bytes, format!("{f}.layer_stride"), || {
+            format!("{} is less than the {bytes} bytes of one layer", v.layer_stride)
+        });
+        let region_end = r.offset + r.bytes;
+        for l in a..b {
+            let start = u64::from(l - a).checked_mul(v.layer_stride).and_then(|d| d.checked_add(v.offset));
+            let end = start.and_then(|s| s.checked_add(bytes));
+            match (start, end) {
+                (Some(s), Some(e)) if s >= r.offset && e <= region_end => spans.push((v.mode, s, e, i, l)),
+                _ => {
+                    c.bad(
+                        format!("{f}.offset"),
+                        format!(
+                            "`{}` layer {l} leaves region `{}` [{}, {region_end})",
+                            v.tensor,
+                            r.kind.name(),
+                            r.offset
+                        ),
+                    );
+                    break;
+                }
             }
-            spans.push((v.mode, a, b, format!("{}@{l}", v.tensor)));
         }
     }
     spans.sort();
     for w in spans.windows(2) {
         let (x, y) = (&w[0], &w[1]);
-        // Identical ranges of the same mode are one tensor seen twice only for
-        // the TP aliases of full attention tensors, which live in another mode.
         if x.0 == y.0 && y.1 < x.2 {
-            out.push(format!("{:?} views overlap: {} and {}", x.0, x.3, y.3));
+            let name = |k: usize| m.views.get(k).map_or("", |v| v.tensor.as_str());
+            c.bad(
+                format!("memory.views[{}]", y.3),
+                format!(
+                    "{} views overlap: `{}` layer {} and `{}` layer {}",
+                    x.0.name(),
+                    name(x.3),
+                    x.4,
+                    name(y.3),
+                    y.4
+                ),
+            );
             break;
         }
     }
-    out
+}
+
+fn kv(c: &mut Check, p: &Plan, dual: bool) {
+    let m = &p.memory;
+    let kv = &m.kv;
+    let Some(r) = m.regions.get(kv.region.index()).filter(|r| r.kind == RegionKind::KvPool) else {
+        c.bad("memory.kv.region", format!("{:?} is not the KV pool", kv.region));
+        return;
+    };
+    c.ensure(kv.page_tokens > 0 && kv.head_token_bytes > 0, "memory.kv.page_tokens", || {
+        format!("pages of {} tokens, {} bytes per head and token", kv.page_tokens, kv.head_token_bytes)
+    });
+    let layers = u64::from(p.model.layers);
+    let mode = |c: &mut Check, name: &str, km: &crate::memory::KvMode, holders: u64| {
+        let f = format!("memory.kv.{name}");
+        let page = layers
+            .checked_mul(u64::from(km.heads_per_rank))
+            .and_then(|x| x.checked_mul(u64::from(kv.page_tokens)))
+            .and_then(|x| x.checked_mul(kv.head_token_bytes));
+        c.ensure(km.heads_per_rank > 0 && page == Some(km.page_bytes), format!("{f}.page_bytes"), || {
+            format!(
+                "{} ≠ {layers} layers × {} heads × {} tokens × {} bytes",
+                km.page_bytes, km.heads_per_rank, kv.page_tokens, kv.head_token_bytes
+            )
+        });
+        c.ensure(km.pages.checked_mul(km.page_bytes).is_some_and(|x| x <= r.bytes), format!("{f}.pages"), || {
+            format!("{} pages of {} bytes do not fit the {}-byte pool", km.pages, km.page_bytes, r.bytes)
+        });
+        let cap = holders.checked_mul(km.pages).and_then(|x| x.checked_mul(u64::from(kv.page_tokens)));
+        c.ensure(cap == Some(km.capacity_tokens), format!("{f}.capacity_tokens"), || {
+            format!("{} ≠ {holders} × {} pages × {} tokens", km.capacity_tokens, km.pages, kv.page_tokens)
+        });
+    };
+    mode(c, "ep", &kv.ep, u64::from(m.group));
+    match (&kv.tp, dual) {
+        (Some(tp), true) => {
+            mode(c, "tp", tp, 1);
+            let all = kv.ep.heads_per_rank;
+            c.ensure(kv.tp_heads.len() == m.group as usize, "memory.kv.tp_heads", || {
+                format!("{} entries for {} ranks", kv.tp_heads.len(), m.group)
+            });
+            for (i, [a, b]) in kv.tp_heads.iter().enumerate() {
+                c.ensure(a < b && *b <= all && b - a == tp.heads_per_rank, format!("memory.kv.tp_heads[{i}]"), || {
+                    format!("[{a}, {b}) of {all} KV heads, {} per rank", tp.heads_per_rank)
+                });
+            }
+            c.ensure(kv.replication >= 1, "memory.kv.replication", || "at least 1".into());
+        }
+        (None, false) => {}
+        _ => c.bad("memory.kv.tp", "a TP page format exactly when the plan holds both modes"),
+    }
+}
+
+fn reshard(c: &mut Check, p: &Plan, dual: bool) {
+    let m = &p.memory;
+    let Some(rs) = &m.reshard else {
+        c.ensure(!dual, "memory.reshard", || "a dual-mode plan needs its reshard descriptors".into());
+        return;
+    };
+    if !c.ensure(dual, "memory.reshard", || "reshard descriptors in a single-mode plan".into()) {
+        return;
+    }
+    let s = &m.slots;
+    for (name, w, from, to) in
+        [("ep_to_tp", &rs.ep_to_tp, Mode::Ep, Mode::Tp), ("tp_to_ep", &rs.tp_to_ep, Mode::Tp, Mode::Ep)]
+    {
+        let f = format!("memory.reshard.{name}");
+        let shift = |mode: Mode| if mode == Mode::Tp { s.tp_shift } else { s.ep_shift };
+        c.ensure(w.from == from && w.to == to && w.src_shift == shift(from) && w.dst_shift == shift(to), &f, || {
+            format!("{:?}→{:?} with shifts {}→{}", w.from, w.to, w.src_shift, w.dst_shift)
+        });
+        let mut remote = 0u64;
+        for (k, cp) in w.per_layer.iter().enumerate() {
+            let cf = format!("{f}.per_layer[{k}]");
+            c.ensure(cp.src_rank < m.group && cp.dst_rank < m.group, format!("{cf}.src_rank"), || {
+                format!("ranks {} → {} of a group of {}", cp.src_rank, cp.dst_rank, m.group)
+            });
+            // Every run, first to last, inside one slot on both sides.
+            let within = |off: u64, strides: [u64; 2]| -> bool {
+                let last = cp.counts[0]
+                    .checked_sub(1)
+                    .and_then(|a| a.checked_mul(strides[0]))
+                    .zip(cp.counts[1].checked_sub(1).and_then(|b| b.checked_mul(strides[1])))
+                    .and_then(|(x, y)| x.checked_add(y))
+                    .and_then(|x| x.checked_add(off))
+                    .and_then(|x| x.checked_add(cp.run_bytes));
+                last.is_some_and(|e| e <= s.slot_bytes)
+            };
+            let total = cp.run_bytes.checked_mul(cp.counts[0]).and_then(|x| x.checked_mul(cp.counts[1]));
+            let ok = cp.run_bytes > 0
+                && total.is_some_and(|t| t <= s.slot_bytes)
+                && within(cp.src_offset, cp.src_strides)
+                && within(cp.dst_offset, cp.dst_strides);
+            if !c.ensure(ok, format!("{cf}.run_bytes"), || {
+                format!(
+                    "{} × {:?} runs from {} / to {} leave the {}-byte slot",
+                    cp.run_bytes, cp.counts, cp.src_offset, cp.dst_offset, s.slot_bytes
+                )
+            }) {
+                continue;
+            }
+            if cp.src_rank != cp.dst_rank {
+                remote = remote.saturating_add(total.unwrap_or(0));
+            }
+        }
+        c.ensure(remote == w.interconnect_bytes_per_layer, format!("{f}.interconnect_bytes_per_layer"), || {
+            format!("{} ≠ the {remote} bytes its copies move between ranks", w.interconnect_bytes_per_layer)
+        });
+    }
+}
+
+fn kernels(c: &mut Check, p: &Plan) {
+    for (i, k) in p.kernels.iter().enumerate() {
+        let f = format!("kernels[{i}]");
+        match &k.params {
+            KernelParams::Router(r) => {
+                let ok = r.top_k <= r.experts
+                    && r.experts == p.model.experts
+                    && r.top_k == p.model.top_k
+                    && r.per_lane.checked_mul(32).is_some_and(|x| x >= r.experts)
+                    && r.groups.checked_mul(r.group_size) == Some(r.experts)
+                    && r.top_groups <= r.groups;
+                c.ensure(ok, format!("{f}.params"), || format!("router constants inconsistent: {r:?}"));
+            }
+            KernelParams::Permute(q) => {
+                let ok = q.max_local_experts == p.layout.max_experts_per_rank
+                    && q.row_vectors.checked_mul(8) == Some(q.hidden)
+                    && q.hidden == p.model.hidden
+                    && q.block_m > 0;
+                c.ensure(ok, format!("{f}.params"), || format!("permute constants inconsistent: {q:?}"));
+            }
+            KernelParams::Apk(a) => {
+                let tiles_ok = a.m_t_prefill > 0 && a.m_t_decode > 0 && a.n_t_gate_up % 2 == 0 && a.n_t_down > 0;
+                let shape_ok = a.local_experts > 0
+                    && a.local_experts <= p.layout.max_experts_per_rank
+                    && a.hidden == p.model.hidden
+                    && a.inter == p.model.expert_ffn;
+                let sms = p.cluster.sms;
+                let q_ok = a.cluster_size >= 1
+                    && a.q >= a.cluster_size
+                    && a.q <= sms
+                    && a.q_max >= a.cluster_size
+                    && a.q_max <= sms
+                    && a.max_clusters.checked_mul(a.cluster_size).is_some_and(|x| x <= sms);
+                let path_ok = (a.path == MmaPath::Wgmma) == (k.arch == moeforge_dsl::spec::Arch::Sm90a);
+                let fp8_ok = (a.weights == WeightFormat::Fp8E4m3) == (a.scale_block > 0);
+                let rows_ok = a.max_prefill_rows % a.m_t_prefill.max(1) == 0 && a.x_star > 0.0;
+                let ok = tiles_ok && shape_ok && q_ok && path_ok && fp8_ok && rows_ok;
+                c.ensure(ok, format!("{f}.params"), || format!("APK constants inconsistent: {a:?}"));
+                for &r in &a.ranks {
+                    let held = p.ranks.get(r as usize).map(|x| x.experts[1].saturating_sub(x.experts[0]));
+                    if !p.ranks.is_empty() && held != Some(a.local_experts) {
+                        c.bad(
+                            format!("{f}.params.ranks"),
+                            format!("APK for {} experts on rank {r}, which holds {held:?}", a.local_experts),
+                        );
+                    }
+                }
+            }
+        }
+        if k.entries.is_empty() {
+            c.bad(format!("{f}.entries"), format!("kernel `{}` has no entry point", k.name));
+        }
+        for (j, e) in k.entries.iter().enumerate() {
+            let grid_ok = match e.grid {
+                Grid::Fixed { blocks } => blocks > 0,
+                Grid::Per { per, .. } => per > 0,
+                Grid::Persistent { cluster } => cluster > 0,
+            };
+            c.ensure(grid_ok && e.block > 0 && e.block <= 1024, format!("{f}.entries[{j}]"), || {
+                format!("`{}`: grid {:?}, {} threads", e.symbol, e.grid, e.block)
+            });
+        }
+    }
+}
+
+fn cost(c: &mut Check, p: &Plan) {
+    let cm = &p.cost;
+    if cm.sms == 0 && cm.source.is_empty() {
+        return; // not planned yet
+    }
+    c.ensure(cm.sms == p.cluster.sms && cm.cluster >= 1 && cm.cluster <= cm.sms.max(1), "cost.cluster", || {
+        format!("{} SMs in clusters of {} (the GPU has {})", cm.sms, cm.cluster, p.cluster.sms)
+    });
+    c.ensure(cm.m_t_prefill > 0 && cm.m_t_decode > 0, "cost.m_t_prefill", || "tile heights must be positive".into());
+    let fits = [&cm.attn_prefill, &cm.attn_decode, &cm.moe, &cm.ffn, &cm.head];
+    let finite = fits.iter().all(|f| [f.alpha, f.beta, f.gamma, f.delta].iter().all(|x| x.is_finite()));
+    c.ensure(finite, "cost", || "non-finite coefficients".into());
+}
+
+fn search(c: &mut Check, p: &Plan) {
+    let Some(s) = &p.search else { return };
+    for (i, cand) in s.ranked.iter().enumerate() {
+        let total = cand.moe_gpus.checked_add(cand.prefill_gpus).and_then(|x| x.checked_add(cand.decode_gpus));
+        let per_node: Option<u32> = cand.per_node.iter().flatten().try_fold(0u32, |a, &x| a.checked_add(x));
+        let ok = total == Some(p.cluster.world)
+            && per_node == Some(p.cluster.world)
+            && cand.per_node.len() == p.cluster.nodes as usize
+            && cand.q >= 1
+            && cand.q <= p.cluster.sms;
+        c.ensure(ok, format!("search.ranked[{i}]"), || format!("layout does not match the cluster: {cand:?}"));
+    }
+}
+
+fn placement(c: &mut Check, p: &Plan) {
+    let Some(pl) = &p.placement else { return };
+    c.ensure(pl.replicas.len() == p.model.moe_layers as usize, "placement.replicas", || {
+        format!("{} layers for {} MoE layers", pl.replicas.len(), p.model.moe_layers)
+    });
+    for (l, gpus) in pl.replicas.iter().enumerate() {
+        let ok = gpus.len() == p.cluster.world as usize && gpus.iter().flatten().all(|&e| e < p.model.experts);
+        if !c.ensure(ok, format!("placement.replicas[{l}]"), || {
+            format!("{} GPUs or an expert id ≥ {}", gpus.len(), p.model.experts)
+        }) {
+            break;
+        }
+    }
+}
+
+/// The memory-plan invariants alone, as messages (for property tests that
+/// build memory plans without a whole plan around them).
+pub fn memory_violations(plan: &Plan) -> Vec<String> {
+    let mut c = Check::default();
+    memory(&mut c, plan);
+    c.out.into_iter().map(|v| v.to_string()).collect()
 }

@@ -62,7 +62,7 @@ pub fn render(plan: &ValidPlan, k: &KernelInstance) -> Result<String, TemplateEr
     let (name, template) = match &k.params {
         KernelParams::Router(p) => {
             ctx.insert("p", p);
-            ctx.insert("sigmoid", &(p.scoring == "sigmoid"));
+            ctx.insert("sigmoid", &(p.scoring == moeforge_plan::Scoring::Sigmoid));
             ctx.insert("scaling", &float_literal(p.scaling));
             ("router.cu", ROUTER)
         }

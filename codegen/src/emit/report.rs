@@ -165,7 +165,7 @@ fn memory(s: &mut String, plan: &Plan) {
     let _ = writeln!(s, "| region | offset | bytes | modes |\n|---|---|---|---|");
     for r in &mem.regions {
         let m: Vec<&str> = r.modes.iter().map(|m| m.name()).collect();
-        let _ = writeln!(s, "| {} | {} | {} | {} |", r.name, r.offset, gb(r.bytes), m.join(", "));
+        let _ = writeln!(s, "| {} | {} | {} | {} |", r.kind.name(), r.offset, gb(r.bytes), m.join(", "));
     }
     let kv = &mem.kv;
     let _ = writeln!(s, "\nKV cache: pages of {} tokens.\n", kv.page_tokens);

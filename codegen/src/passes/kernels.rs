@@ -12,7 +12,10 @@ use moeforge_plan::cost::expected_x_moe;
 use moeforge_plan::cost::CostModel;
 use moeforge_plan::memory::MAX_BATCH_TOKENS;
 use moeforge_plan::search::SearchResult;
-use moeforge_plan::{ApkParams, EntryPoint, KernelInstance, KernelParams, PermuteParams, RankPlan, RouterParams};
+use moeforge_plan::{
+    ApkParams, EntryPoint, Grid, GridVar, KernelInstance, KernelParams, MmaPath, PermuteParams, RankPlan, RouterParams,
+    Scoring, WeightFormat,
+};
 
 const ROUTER_WARPS: u32 = 4;
 /// 8 blocks of 128 threads per SM leaves 64 registers per thread, enough for
@@ -25,15 +28,15 @@ pub fn run(spec: &Spec, d: &Deploy, max_local: u32) -> Vec<KernelInstance> {
     let arch = spec.cluster(d.cluster).gpu.arch;
     let tiles = spec.tile_set(d.tiles);
     let (scoring, norm_topk, scaling, selection_bias, groups, top_groups) = match m.moe.routing {
-        Routing::SoftmaxTopk { norm_topk } => ("softmax", norm_topk, 1.0, false, 1, 1),
+        Routing::SoftmaxTopk { norm_topk } => (Scoring::Softmax, norm_topk, 1.0, false, 1, 1),
         Routing::SigmoidGrouped { groups, top_groups, scaling, norm_topk, bias } => {
-            ("sigmoid", norm_topk, scaling, bias, groups, top_groups)
+            (Scoring::Sigmoid, norm_topk, scaling, bias, groups, top_groups)
         }
     };
     let router = RouterParams {
         experts: m.moe.experts,
         top_k: m.moe.top_k,
-        scoring: scoring.to_string(),
+        scoring,
         norm_topk,
         scaling,
         selection_bias,
@@ -58,7 +61,7 @@ pub fn run(spec: &Spec, d: &Deploy, max_local: u32) -> Vec<KernelInstance> {
             name: "router".into(),
             purpose: format!(
                 "{} top-{} routing over {} experts{}",
-                scoring,
+                scoring.name(),
                 m.moe.top_k,
                 m.moe.experts,
                 if groups > 1 { format!(" in {groups} groups (keep {top_groups})") } else { String::new() }
@@ -67,7 +70,7 @@ pub fn run(spec: &Spec, d: &Deploy, max_local: u32) -> Vec<KernelInstance> {
             params: KernelParams::Router(router),
             entries: vec![EntryPoint {
                 symbol: "moe_router".into(),
-                grid: format!("ceil(tokens / {ROUTER_WARPS})"),
+                grid: Grid::Per { over: GridVar::Tokens, per: ROUTER_WARPS },
                 block: ROUTER_WARPS * 32,
                 dynamic_smem: 0,
                 params: vec![
@@ -90,7 +93,7 @@ pub fn run(spec: &Spec, d: &Deploy, max_local: u32) -> Vec<KernelInstance> {
             entries: vec![
                 EntryPoint {
                     symbol: "moe_count".into(),
-                    grid: "num_local".into(),
+                    grid: Grid::Per { over: GridVar::LocalExperts, per: 1 },
                     block: PERMUTE_THREADS,
                     dynamic_smem: 0,
                     params: vec![
@@ -104,14 +107,14 @@ pub fn run(spec: &Spec, d: &Deploy, max_local: u32) -> Vec<KernelInstance> {
                 },
                 EntryPoint {
                     symbol: "moe_offsets".into(),
-                    grid: "1".into(),
+                    grid: Grid::Fixed { blocks: 1 },
                     block: 32,
                     dynamic_smem: 0,
                     params: vec![p("const int32_t* counts"), p("int num_local"), p("int32_t* offsets")],
                 },
                 EntryPoint {
                     symbol: "moe_scatter".into(),
-                    grid: "num_local".into(),
+                    grid: Grid::Per { over: GridVar::LocalExperts, per: 1 },
                     block: PERMUTE_THREADS,
                     dynamic_smem: 0,
                     params: vec![
@@ -127,14 +130,14 @@ pub fn run(spec: &Spec, d: &Deploy, max_local: u32) -> Vec<KernelInstance> {
                 },
                 EntryPoint {
                     symbol: "moe_gather".into(),
-                    grid: "rows".into(),
+                    grid: Grid::Per { over: GridVar::Rows, per: 1 },
                     block: PERMUTE_THREADS.min(m.hidden / 8),
                     dynamic_smem: 0,
                     params: vec![p("const uint4* x"), p("const int32_t* row_entry"), p("int rows"), p("uint4* x_perm")],
                 },
                 EntryPoint {
                     symbol: "moe_combine".into(),
-                    grid: "tokens".into(),
+                    grid: Grid::Per { over: GridVar::Tokens, per: 1 },
                     block: PERMUTE_THREADS.min(m.hidden / 8),
                     dynamic_smem: 0,
                     params: vec![
@@ -174,7 +177,7 @@ const FP8_SCALE_BLOCK: u32 = 128;
 /// shared-memory ring and one CTA shape serve every GEMM of both phases), or
 /// why the tile set does not fit the generated kernel.
 struct Pipeline {
-    path: &'static str,
+    path: MmaPath,
     block_k: u32,
     stages: u32,
     units: u32,
@@ -244,7 +247,7 @@ fn pipeline(
             if n_gu % 16 != 0 || n_gu > 256 || n_d % 8 != 0 || n_d > 256 {
                 return Err(format!("block_n = {n_gu} (gate_up) / {n_d} (down): wgmma needs gate_up a multiple of 16 and down of 8, both at most 256"));
             }
-            ("wgmma", mt_max / 64, 128, 128, WGMMA_STAGE_K)
+            (MmaPath::Wgmma, mt_max / 64, 128, 128, WGMMA_STAGE_K)
         }
         Arch::Sm80 => {
             if block_k % 16 != 0 {
@@ -260,7 +263,7 @@ fn pipeline(
                 return Err("fp8 weights need sm_90a (the portable path computes bf16 experts)".into());
             }
             // Rows padded by 8 elements: conflict-free ldmatrix without swizzling.
-            ("mma_sync", PORTABLE_WARPS, 32, 32, block_k + 8)
+            (MmaPath::MmaSync, PORTABLE_WARPS, 32, 32, block_k + 8)
         }
     };
     // The APK's stage depth: 64 on the wgmma path (a deeper tile block is
@@ -372,9 +375,10 @@ pub fn apk(
                 q,
                 q_max: c.gpu.sms - cluster_size,
                 x_star: (x_star * 1000.0).round() / 1000.0,
-                weights: m.dtype.experts.name().to_string(),
+                weights: if fp8 { WeightFormat::Fp8E4m3 } else { WeightFormat::Bf16 },
                 scale_block: if fp8 { FP8_SCALE_BLOCK } else { 0 },
-                path: pipe.path.to_string(),
+                activation: m.moe.activation,
+                path: pipe.path,
                 block_k: pipe.block_k,
                 stages: pipe.stages,
                 units: pipe.units,
@@ -396,7 +400,7 @@ pub fn apk(
                 params: KernelParams::Apk(params),
                 entries: vec![EntryPoint {
                     symbol: "moe_apk".into(),
-                    grid: format!("SMs rounded down to a multiple of {cluster_size} (launched once)"),
+                    grid: Grid::Persistent { cluster: cluster_size },
                     block: pipe.threads,
                     dynamic_smem: pipe.smem_bytes,
                     params: vec![p("const __grid_constant__ apk::Templates templates"), p("apk::State* state")],

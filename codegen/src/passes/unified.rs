@@ -13,27 +13,29 @@ use moeforge_dsl::spec::{Attention, DType, Deploy, Model, Routing, Spec};
 use moeforge_plan::memory::*;
 
 struct Tensor {
-    name: String,
+    role: TensorRole,
+    part: TensorPart,
     shape: Vec<u64>,
     dtype: DType,
     shard: Shard,
 }
 
-fn t(name: impl Into<String>, shape: &[u64], dtype: DType, shard: Shard) -> Tensor {
-    Tensor { name: name.into(), shape: shape.to_vec(), dtype, shard }
+fn t(role: TensorRole, shape: &[u64], dtype: DType, shard: Shard) -> Tensor {
+    Tensor { role, part: TensorPart::Weight, shape: shape.to_vec(), dtype, shard }
 }
 
 /// A 2-D weight and, when it is fp8, its 128×128 block scales.
-fn weight(out: &mut Vec<Tensor>, name: &str, rows: u64, cols: u64, m: &Model, dtype: DType, shard: Shard) {
-    out.push(t(format!("{name}.weight"), &[rows, cols], dtype, shard));
+fn weight(out: &mut Vec<Tensor>, role: TensorRole, rows: u64, cols: u64, m: &Model, dtype: DType, shard: Shard) {
+    out.push(t(role, &[rows, cols], dtype, shard));
     if dtype == DType::Fp8E4m3 {
         let [br, bc] = m.dtype.block_scale.unwrap_or([128, 128]);
-        out.push(t(
-            format!("{name}.weight_scale_inv"),
-            &[rows.div_ceil(u64::from(br)), cols.div_ceil(u64::from(bc))],
-            DType::F32,
+        out.push(Tensor {
+            role,
+            part: TensorPart::ScaleInv,
+            shape: vec![rows.div_ceil(u64::from(br)), cols.div_ceil(u64::from(bc))],
+            dtype: DType::F32,
             shard,
-        ));
+        });
     }
 }
 
@@ -45,18 +47,24 @@ struct Builder {
 }
 
 impl Builder {
-    fn region(&mut self, name: &str, bytes: u64, modes: &[Mode]) -> u64 {
+    fn region(&mut self, kind: RegionKind, bytes: u64, modes: &[Mode]) -> (RegionId, u64) {
         let offset = self.at;
         let bytes = align(bytes);
-        self.regions.push(Region { name: name.into(), offset, bytes, modes: modes.to_vec() });
+        let id = RegionId(self.regions.len() as u32);
+        self.regions.push(Region { kind, offset, bytes, modes: modes.to_vec() });
         self.at += bytes;
-        offset
+        (id, offset)
+    }
+
+    fn id(&self, kind: RegionKind) -> Option<RegionId> {
+        self.regions.iter().position(|r| r.kind == kind).map(|i| RegionId(i as u32))
     }
 
     /// A region of per-layer tensor groups: for each group, layers `[a, b)`
     /// each hold the tensors back to back.
-    fn layered(&mut self, name: &str, mode_views: &[Mode], groups: Vec<([u32; 2], Vec<Tensor>)>) {
+    fn layered(&mut self, kind: RegionKind, mode_views: &[Mode], groups: Vec<([u32; 2], Vec<Tensor>)>) {
         let start = self.at;
+        let id = RegionId(self.regions.len() as u32);
         let mut off = start;
         for ([a, b], tensors) in groups {
             let stride: u64 = tensors.iter().map(|x| align(x.shape.iter().product::<u64>() * elt_bytes(x.dtype))).sum();
@@ -64,26 +72,28 @@ impl Builder {
             for x in tensors {
                 let bytes = align(x.shape.iter().product::<u64>() * elt_bytes(x.dtype));
                 for &mode in mode_views {
-                    self.views.push(view(&x, mode, name, off + inner, [a, b], stride));
+                    self.views.push(view(&x, mode, id, off + inner, [a, b], stride));
                 }
                 inner += bytes;
             }
             off += stride * u64::from(b - a);
         }
         self.at = start;
-        self.region(name, off - start, mode_views);
+        self.region(kind, off - start, mode_views);
     }
 }
 
-fn view(x: &Tensor, mode: Mode, region: &str, offset: u64, layers: [u32; 2], layer_stride: u64) -> View {
+fn view(x: &Tensor, mode: Mode, region: RegionId, offset: u64, layers: [u32; 2], layer_stride: u64) -> View {
     let mut strides = vec![1u64; x.shape.len()];
     for i in (0..x.shape.len().saturating_sub(1)).rev() {
         strides[i] = strides[i + 1] * x.shape[i + 1];
     }
     View {
-        tensor: x.name.clone(),
+        tensor: x.role.name(x.part),
+        role: x.role,
+        part: x.part,
         mode,
-        region: region.into(),
+        region,
         offset,
         layers,
         layer_stride,
@@ -144,53 +154,59 @@ pub fn run(spec: &Spec, d: &Deploy) -> Result<MemoryPlan, String> {
     let mut b = Builder { at: 0, regions: vec![], views: vec![] };
 
     // Replicated weights: identical bytes in both modes.
-    let mut global = vec![t("model.embed_tokens.weight", &[v, h], DType::Bf16, Shard::Full)];
+    let mut global = vec![t(TensorRole::Embedding, &[v, h], DType::Bf16, Shard::Full)];
     if !m.tie_embeddings {
-        global.push(t("lm_head.weight", &[v, h], DType::Bf16, Shard::Full));
+        global.push(t(TensorRole::LmHead, &[v, h], DType::Bf16, Shard::Full));
     }
-    global.push(t("model.norm.weight", &[h], DType::Bf16, Shard::Full));
+    global.push(t(TensorRole::FinalNorm, &[h], DType::Bf16, Shard::Full));
     let norms = vec![
-        t("model.layers.{l}.input_layernorm.weight", &[h], DType::Bf16, Shard::Full),
-        t("model.layers.{l}.post_attention_layernorm.weight", &[h], DType::Bf16, Shard::Full),
+        t(TensorRole::InputNorm, &[h], DType::Bf16, Shard::Full),
+        t(TensorRole::PostAttentionNorm, &[h], DType::Bf16, Shard::Full),
     ];
-    let mut moe_rep = vec![t("model.layers.{l}.mlp.gate.weight", &[e, h], DType::Bf16, Shard::Full)];
+    let mut moe_rep = vec![t(TensorRole::Router, &[e, h], DType::Bf16, Shard::Full)];
     if let Routing::SigmoidGrouped { bias: true, .. } = m.moe.routing {
-        moe_rep.push(t("model.layers.{l}.mlp.gate.e_score_correction_bias", &[e], DType::F32, Shard::Full));
+        moe_rep.push(t(TensorRole::RouterBias, &[e], DType::F32, Shard::Full));
     }
     if m.moe.shared_experts > 0 {
         let is = u64::from(m.moe.shared_experts) * u64::from(m.moe.shared_ffn);
         let sdt = m.dtype.experts;
-        weight(&mut moe_rep, "model.layers.{l}.mlp.shared_experts.gate_proj", is, h, m, sdt, Shard::Full);
-        weight(&mut moe_rep, "model.layers.{l}.mlp.shared_experts.up_proj", is, h, m, sdt, Shard::Full);
-        weight(&mut moe_rep, "model.layers.{l}.mlp.shared_experts.down_proj", h, is, m, sdt, Shard::Full);
+        weight(&mut moe_rep, TensorRole::SharedGate, is, h, m, sdt, Shard::Full);
+        weight(&mut moe_rep, TensorRole::SharedUp, is, h, m, sdt, Shard::Full);
+        weight(&mut moe_rep, TensorRole::SharedDown, h, is, m, sdt, Shard::Full);
     }
     let mut groups = vec![([0, 1], global), (all_layers, norms), (moe_layers, moe_rep)];
     if let Some(dl) = m.dense {
         let f = u64::from(dl.ffn);
         let mut dense = vec![];
-        weight(&mut dense, "model.layers.{l}.mlp.gate_proj", f, h, m, wdt, Shard::Full);
-        weight(&mut dense, "model.layers.{l}.mlp.up_proj", f, h, m, wdt, Shard::Full);
-        weight(&mut dense, "model.layers.{l}.mlp.down_proj", h, f, m, wdt, Shard::Full);
+        weight(&mut dense, TensorRole::DenseGate, f, h, m, wdt, Shard::Full);
+        weight(&mut dense, TensorRole::DenseUp, f, h, m, wdt, Shard::Full);
+        weight(&mut dense, TensorRole::DenseDown, h, f, m, wdt, Shard::Full);
         groups.push(([0, dl.layers], dense));
     }
-    b.layered("replicated", &modes, groups);
+    b.layered(RegionKind::Replicated, &modes, groups);
 
     // Attention: the full copy (EP, data-parallel) and, in dual mode, this
     // rank's head shard (TP). Tensors whose TP view is the full tensor alias
     // the EP copy.
     let (full, shard) = attention_tensors(m, p);
-    b.layered("attention_ep", &[Mode::Ep], vec![(all_layers, full)]);
+    b.layered(RegionKind::AttentionEp, &[Mode::Ep], vec![(all_layers, full)]);
     if dual {
-        b.layered("attention_tp", &[Mode::Tp], vec![(all_layers, shard)]);
+        b.layered(RegionKind::AttentionTp, &[Mode::Tp], vec![(all_layers, shard)]);
         // Tensors with no TP shard (norms, MLA's low-rank projections) are
         // the same in both modes: the TP view aliases the EP copy.
-        let sharded: Vec<String> = b.views.iter().filter(|x| x.mode == Mode::Tp).map(|x| x.tensor.clone()).collect();
+        let sharded: Vec<(TensorRole, TensorPart)> =
+            b.views.iter().filter(|x| x.mode == Mode::Tp).map(|x| (x.role, x.part)).collect();
+        let ep_region = b.id(RegionKind::AttentionEp);
         let aliases: Vec<View> = b
             .views
             .iter()
-            .filter(|x| x.region == "attention_ep" && !sharded.contains(&x.tensor))
+            .filter(|x| Some(x.region) == ep_region && !sharded.contains(&(x.role, x.part)))
             .map(|x| View { mode: Mode::Tp, ..x.clone() })
             .collect();
+        // The region's modes are those whose views point into it.
+        if let (false, Some(id)) = (aliases.is_empty(), ep_region) {
+            b.regions[id.index()].modes = vec![Mode::Tp, Mode::Ep];
+        }
         b.views.extend(aliases);
     }
 
@@ -211,9 +227,9 @@ pub fn run(spec: &Spec, d: &Deploy) -> Result<MemoryPlan, String> {
     let scale_bytes = |s: &Vec<u64>| if s.is_empty() { 0 } else { align(s.iter().product::<u64>() * 4) };
     let slot_bytes = w13_bytes + w2_bytes + scale_bytes(&s13) + scale_bytes(&s2);
     let slot_count = u64::from(n) + u64::from(dual);
-    let base = b.region("experts", slot_bytes * slot_count, &modes);
+    let (experts, base) = b.region(RegionKind::Experts, slot_bytes * slot_count, &modes);
     let slots = ExpertSlots {
-        region: "experts".into(),
+        region: experts,
         base,
         moe_layers: n,
         first_moe_layer: dense_layers,
@@ -236,25 +252,30 @@ pub fn run(spec: &Spec, d: &Deploy) -> Result<MemoryPlan, String> {
                 Shard::ExpertShard { dim: 2 },
             ),
         };
-        let name = "model.layers.{l}.mlp.experts";
-        let x13 = t(format!("{name}.w13"), &w13, edt, sh13);
-        let x2 = t(format!("{name}.w2"), &w2, edt, sh2);
-        b.views.push(view(&x13, mode, "experts", off, moe_layers, slot_bytes));
-        b.views.push(view(&x2, mode, "experts", off + w13_bytes, moe_layers, slot_bytes));
+        let x13 = t(TensorRole::ExpertsW13, &w13, edt, sh13);
+        let x2 = t(TensorRole::ExpertsW2, &w2, edt, sh2);
+        b.views.push(view(&x13, mode, experts, off, moe_layers, slot_bytes));
+        b.views.push(view(&x2, mode, experts, off + w13_bytes, moe_layers, slot_bytes));
         if !s13.is_empty() {
             let at = off + w13_bytes + w2_bytes;
-            let x = t(format!("{name}.w13_weight_scale_inv"), &s13, DType::F32, Shard::LocalExperts);
-            b.views.push(view(&x, mode, "experts", at, moe_layers, slot_bytes));
-            let x = t(format!("{name}.w2_weight_scale_inv"), &s2, DType::F32, Shard::LocalExperts);
-            b.views.push(view(&x, mode, "experts", at + scale_bytes(&s13), moe_layers, slot_bytes));
+            let scale = |role, shape: &Vec<u64>| Tensor {
+                role,
+                part: TensorPart::ScaleInv,
+                shape: shape.clone(),
+                dtype: DType::F32,
+                shard: Shard::LocalExperts,
+            };
+            b.views.push(view(&scale(TensorRole::ExpertsW13, &s13), mode, experts, at, moe_layers, slot_bytes));
+            let at2 = at + scale_bytes(&s13);
+            b.views.push(view(&scale(TensorRole::ExpertsW2, &s2), mode, experts, at2, moe_layers, slot_bytes));
         }
     }
 
     // Communication, scratch and request metadata: the shared workspace formula.
     let ws = Workspace::of(m, dual);
-    b.region("comm", ws.comm, &modes);
-    b.region("scratch", ws.scratch, &modes);
-    b.region("requests", ws.requests, &modes);
+    b.region(RegionKind::Comm, ws.comm, &modes);
+    b.region(RegionKind::Scratch, ws.scratch, &modes);
+    b.region(RegionKind::Requests, ws.requests, &modes);
 
     let fixed = b.at;
     if fixed > buffer_bytes {
@@ -267,20 +288,21 @@ pub fn run(spec: &Spec, d: &Deploy) -> Result<MemoryPlan, String> {
         ));
     }
     let pool = buffer_bytes - fixed;
-    let kv = kv_plan(m, p, dual, pool);
+    let (kv_region, _) = b.region(RegionKind::KvPool, pool, &modes);
+    let kv = kv_plan(m, p, dual, pool, kv_region);
     if kv.ep.pages == 0 {
         return Err("no room is left for a single KV-cache page".into());
     }
-    b.region("kv_pool", pool, &modes);
     // The pool region was aligned up; keep the buffer exact.
     if let Some(r) = b.regions.last_mut() {
         r.bytes = pool;
     }
 
-    let attn_ep = b.regions.iter().find(|r| r.name == "attention_ep").map_or(0, |r| r.bytes);
-    let attn_tp = b.regions.iter().find(|r| r.name == "attention_tp").map_or(0, |r| r.bytes);
+    let bytes_of = |k: RegionKind| b.regions.iter().find(|r| r.kind == k).map_or(0, |r| r.bytes);
+    let (attn_ep, attn_tp) = (bytes_of(RegionKind::AttentionEp), bytes_of(RegionKind::AttentionTp));
     let single_ep = fixed - attn_tp - if dual { slot_bytes } else { 0 };
-    let single_tp = if dual { fixed - attn_ep + aliased_bytes(&b.views) - slot_bytes } else { single_ep };
+    let aliased = aliased_bytes(&b.views, b.id(RegionKind::AttentionEp));
+    let single_tp = if dual { fixed - attn_ep + aliased - slot_bytes } else { single_ep };
     let overhead_bytes = fixed - single_ep;
     let overhead = DualModeOverhead {
         fixed_bytes: fixed,
@@ -310,10 +332,10 @@ pub fn run(spec: &Spec, d: &Deploy) -> Result<MemoryPlan, String> {
 
 /// Bytes of the TP views that alias the EP attention copy (a single TP plan
 /// would need its own copy of them).
-fn aliased_bytes(views: &[View]) -> u64 {
+fn aliased_bytes(views: &[View], attention_ep: Option<RegionId>) -> u64 {
     views
         .iter()
-        .filter(|x| x.mode == Mode::Tp && x.region == "attention_ep")
+        .filter(|x| x.mode == Mode::Tp && Some(x.region) == attention_ep)
         .map(|x| align(x.bytes()) * u64::from(x.layers[1] - x.layers[0]))
         .sum()
 }
@@ -323,7 +345,6 @@ fn attention_tensors(m: &Model, p: u32) -> (Vec<Tensor>, Vec<Tensor>) {
     let h = u64::from(m.hidden);
     let pp = u64::from(p);
     let wdt = m.dtype.weights;
-    let pre = "model.layers.{l}.self_attn";
     let q = Shard::Heads { dim: 0, heads: HeadSet::Query };
     let kvs = Shard::Heads { dim: 0, heads: HeadSet::Kv };
     let cols = Shard::Heads { dim: 1, heads: HeadSet::Query };
@@ -332,21 +353,21 @@ fn attention_tensors(m: &Model, p: u32) -> (Vec<Tensor>, Vec<Tensor>) {
         Attention::Gqa { heads, kv_heads, head_dim, qk_norm, sinks, .. } => {
             let (nh, nkv, d) = (u64::from(heads), u64::from(kv_heads), u64::from(head_dim));
             let kv_local = (nkv / pp).max(1);
-            weight(&mut full, &format!("{pre}.q_proj"), nh * d, h, m, wdt, Shard::Full);
-            weight(&mut full, &format!("{pre}.k_proj"), nkv * d, h, m, wdt, Shard::Full);
-            weight(&mut full, &format!("{pre}.v_proj"), nkv * d, h, m, wdt, Shard::Full);
-            weight(&mut full, &format!("{pre}.o_proj"), h, nh * d, m, wdt, Shard::Full);
-            weight(&mut shard, &format!("{pre}.q_proj"), nh / pp * d, h, m, wdt, q);
-            weight(&mut shard, &format!("{pre}.k_proj"), kv_local * d, h, m, wdt, kvs);
-            weight(&mut shard, &format!("{pre}.v_proj"), kv_local * d, h, m, wdt, kvs);
-            weight(&mut shard, &format!("{pre}.o_proj"), h, nh / pp * d, m, wdt, cols);
+            weight(&mut full, TensorRole::QProj, nh * d, h, m, wdt, Shard::Full);
+            weight(&mut full, TensorRole::KProj, nkv * d, h, m, wdt, Shard::Full);
+            weight(&mut full, TensorRole::VProj, nkv * d, h, m, wdt, Shard::Full);
+            weight(&mut full, TensorRole::OProj, h, nh * d, m, wdt, Shard::Full);
+            weight(&mut shard, TensorRole::QProj, nh / pp * d, h, m, wdt, q);
+            weight(&mut shard, TensorRole::KProj, kv_local * d, h, m, wdt, kvs);
+            weight(&mut shard, TensorRole::VProj, kv_local * d, h, m, wdt, kvs);
+            weight(&mut shard, TensorRole::OProj, h, nh / pp * d, m, wdt, cols);
             if qk_norm {
-                full.push(t(format!("{pre}.q_norm.weight"), &[d], DType::Bf16, Shard::Full));
-                full.push(t(format!("{pre}.k_norm.weight"), &[d], DType::Bf16, Shard::Full));
+                full.push(t(TensorRole::QNorm, &[d], DType::Bf16, Shard::Full));
+                full.push(t(TensorRole::KNorm, &[d], DType::Bf16, Shard::Full));
             }
             if sinks {
-                full.push(t(format!("{pre}.sinks"), &[nh], DType::Bf16, Shard::Full));
-                shard.push(t(format!("{pre}.sinks"), &[nh / pp], DType::Bf16, q));
+                full.push(t(TensorRole::Sinks, &[nh], DType::Bf16, Shard::Full));
+                shard.push(t(TensorRole::Sinks, &[nh / pp], DType::Bf16, q));
             }
         }
         Attention::Mla { heads, q_lora, kv_lora, qk_nope, qk_rope, v_head } => {
@@ -355,28 +376,28 @@ fn attention_tensors(m: &Model, p: u32) -> (Vec<Tensor>, Vec<Tensor>) {
             match q_lora {
                 Some(ql) => {
                     let ql = u64::from(ql);
-                    weight(&mut full, &format!("{pre}.q_a_proj"), ql, h, m, wdt, Shard::Full);
-                    full.push(t(format!("{pre}.q_a_layernorm.weight"), &[ql], DType::Bf16, Shard::Full));
-                    weight(&mut full, &format!("{pre}.q_b_proj"), nh * (nope + rope), ql, m, wdt, Shard::Full);
-                    weight(&mut shard, &format!("{pre}.q_b_proj"), nh / pp * (nope + rope), ql, m, wdt, q);
+                    weight(&mut full, TensorRole::QAProj, ql, h, m, wdt, Shard::Full);
+                    full.push(t(TensorRole::QANorm, &[ql], DType::Bf16, Shard::Full));
+                    weight(&mut full, TensorRole::QBProj, nh * (nope + rope), ql, m, wdt, Shard::Full);
+                    weight(&mut shard, TensorRole::QBProj, nh / pp * (nope + rope), ql, m, wdt, q);
                 }
                 None => {
-                    weight(&mut full, &format!("{pre}.q_proj"), nh * (nope + rope), h, m, wdt, Shard::Full);
-                    weight(&mut shard, &format!("{pre}.q_proj"), nh / pp * (nope + rope), h, m, wdt, q);
+                    weight(&mut full, TensorRole::QProj, nh * (nope + rope), h, m, wdt, Shard::Full);
+                    weight(&mut shard, TensorRole::QProj, nh / pp * (nope + rope), h, m, wdt, q);
                 }
             }
-            weight(&mut full, &format!("{pre}.kv_a_proj_with_mqa"), kl + rope, h, m, wdt, Shard::Full);
-            full.push(t(format!("{pre}.kv_a_layernorm.weight"), &[kl], DType::Bf16, Shard::Full));
-            weight(&mut full, &format!("{pre}.kv_b_proj"), nh * (nope + vh), kl, m, wdt, Shard::Full);
-            weight(&mut full, &format!("{pre}.o_proj"), h, nh * vh, m, wdt, Shard::Full);
-            weight(&mut shard, &format!("{pre}.kv_b_proj"), nh / pp * (nope + vh), kl, m, wdt, q);
-            weight(&mut shard, &format!("{pre}.o_proj"), h, nh / pp * vh, m, wdt, cols);
+            weight(&mut full, TensorRole::KvAProj, kl + rope, h, m, wdt, Shard::Full);
+            full.push(t(TensorRole::KvANorm, &[kl], DType::Bf16, Shard::Full));
+            weight(&mut full, TensorRole::KvBProj, nh * (nope + vh), kl, m, wdt, Shard::Full);
+            weight(&mut full, TensorRole::OProj, h, nh * vh, m, wdt, Shard::Full);
+            weight(&mut shard, TensorRole::KvBProj, nh / pp * (nope + vh), kl, m, wdt, q);
+            weight(&mut shard, TensorRole::OProj, h, nh / pp * vh, m, wdt, cols);
         }
     }
     (full, shard)
 }
 
-fn kv_plan(m: &Model, p: u32, dual: bool, pool: u64) -> KvPlan {
+fn kv_plan(m: &Model, p: u32, dual: bool, pool: u64, region: RegionId) -> KvPlan {
     let layers = u64::from(m.layers);
     let page = u64::from(PAGE_TOKENS);
     let (kv_heads, head_token_bytes) = match m.attention {
@@ -405,7 +426,7 @@ fn kv_plan(m: &Model, p: u32, dual: bool, pool: u64) -> KvPlan {
         vec![]
     };
     KvPlan {
-        region: "kv_pool".into(),
+        region,
         page_tokens: PAGE_TOKENS,
         head_token_bytes,
         ep,

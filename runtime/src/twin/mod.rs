@@ -40,7 +40,7 @@ use crate::LoadedBundle;
 use coordinator::{Coordinator, Policy};
 use math::{argmax, attend, bf16s, put_bf16s, rms_norm, rope, silu, Mat};
 use moeforge_dsl::spec::{Activation, Attention, DType, Model, Routing};
-use moeforge_plan::memory::{Copy, LayerOrder, MemoryPlan, Mode, View, WeightReshard};
+use moeforge_plan::memory::{Copy, LayerOrder, MemoryPlan, Mode, RegionKind, TensorRole, View, WeightReshard};
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Instant;
 use weights::Checkpoint;
@@ -415,10 +415,11 @@ impl Twin {
         let views: Vec<View> = self.plan.views.clone();
         for v in &views {
             // TP views of full attention tensors alias the EP copy: written once.
-            if v.mode == Mode::Tp && v.region == "attention_ep" {
+            let region = self.plan.regions.get(v.region.index()).map(|r| r.kind);
+            if v.mode == Mode::Tp && region == Some(RegionKind::AttentionEp) {
                 continue;
             }
-            if v.tensor.contains(".mlp.experts.") && v.mode != self.mode {
+            if v.role.is_routed_expert() && v.mode != self.mode {
                 continue;
             }
             for l in v.layers[0]..v.layers[1] {
@@ -467,12 +468,11 @@ impl Twin {
                     HeadSet::Kv => self.plan.kv.tp_heads[r],
                 };
                 let (a, b) = (a as usize * hd, b as usize * hd);
-                let full_shape: Vec<usize> =
-                    match (name.contains("o_proj"), name.contains("k_proj") || name.contains("v_proj")) {
-                        (true, _) => vec![m.hidden, m.heads * hd],
-                        (_, true) => vec![m.kv_heads * hd, m.hidden],
-                        _ => vec![m.heads * hd, m.hidden],
-                    };
+                let full_shape: Vec<usize> = match v.role {
+                    TensorRole::OProj => vec![m.hidden, m.heads * hd],
+                    TensorRole::KProj | TensorRole::VProj => vec![m.kv_heads * hd, m.hidden],
+                    _ => vec![m.heads * hd, m.hidden],
+                };
                 let t = ck.get(name, &full_shape)?;
                 if dim == 0 {
                     rows(t, a, b)
@@ -486,7 +486,7 @@ impl Twin {
             Shard::LocalExperts | Shard::ExpertShard { .. } => {
                 let (e, i, h) = (m.experts, m.expert_ffn, m.hidden);
                 let layer_pre = format!("model.layers.{l}.mlp.experts");
-                let w13 = name.ends_with(".w13");
+                let w13 = v.role == TensorRole::ExpertsW13;
                 let mut out = Vec::with_capacity(v.bytes() as usize);
                 let (experts, slice): (Vec<usize>, (usize, usize)) = match v.shard {
                     Shard::LocalExperts => ((r * e / p..(r + 1) * e / p).collect(), (0, i)),
@@ -967,7 +967,7 @@ impl Twin {
             (Mode::Tp, Some(tp)) => (tp.heads_per_rank as usize, tp.page_bytes),
             _ => (kv.ep.heads_per_rank as usize, kv.ep.page_bytes),
         };
-        let base = self.plan.regions.iter().find(|r| r.name == kv.region).map_or(0, |r| r.offset) as usize;
+        let base = self.plan.regions.get(kv.region.index()).map_or(0, |r| r.offset) as usize;
         base + page as usize * page_bytes as usize
             + ((layer * heads + head) * kv.page_tokens as usize + tip) * kv.head_token_bytes as usize
     }
@@ -1206,7 +1206,7 @@ impl Ctx {
             (Mode::Tp, Some(tp)) => (tp.heads_per_rank as usize, tp.page_bytes as usize),
             _ => (kvp.ep.heads_per_rank as usize, kvp.ep.page_bytes as usize),
         };
-        let base = t.plan.regions.iter().find(|r| r.name == kvp.region).map_or(0, |r| r.offset) as usize;
+        let base = t.plan.regions.get(kvp.region.index()).map_or(0, |r| r.offset) as usize;
         Ok(Ctx {
             mode,
             m: t.model.clone(),
