@@ -229,24 +229,24 @@ proptest! {
         // Element buffers covering the expert region only.
         let end = (m.slots.base + m.slots.slot_bytes * (u64::from(m.slots.moe_layers) + 1)) / 2;
         let mut bufs: Vec<Vec<u64>> = (0..s.p).map(|_| vec![0u64; end as usize]).collect();
-        load(&m, Mode::Ep, &s, &mut bufs);
-        let ep_before = snapshot(&m, Mode::Ep, &bufs);
+        load(m, Mode::Ep, &s, &mut bufs);
+        let ep_before = snapshot(m, Mode::Ep, &bufs);
 
-        execute(&m, &rs.ep_to_tp, &mut bufs).map_err(TestCaseError::fail)?;
+        execute(m, &rs.ep_to_tp, &mut bufs).map_err(TestCaseError::fail)?;
         // The TP views hold exactly what loading TP directly would give.
         let mut direct: Vec<Vec<u64>> = (0..s.p).map(|_| vec![0u64; end as usize]).collect();
-        load(&m, Mode::Tp, &s, &mut direct);
-        prop_assert_eq!(snapshot(&m, Mode::Tp, &bufs), snapshot(&m, Mode::Tp, &direct));
+        load(m, Mode::Tp, &s, &mut direct);
+        prop_assert_eq!(snapshot(m, Mode::Tp, &bufs), snapshot(m, Mode::Tp, &direct));
 
-        execute(&m, &rs.tp_to_ep, &mut bufs).map_err(TestCaseError::fail)?;
-        prop_assert_eq!(snapshot(&m, Mode::Ep, &bufs), ep_before, "EP→TP→EP is not the identity");
+        execute(m, &rs.tp_to_ep, &mut bufs).map_err(TestCaseError::fail)?;
+        prop_assert_eq!(snapshot(m, Mode::Ep, &bufs), ep_before, "EP→TP→EP is not the identity");
 
         // Bytes over links equal the owner-changed bytes, counted independently
         // from the TP elements whose EP owner is another rank.
         let el = u64::from(s.experts / s.p);
         let mut changed = 0u64;
         for (q, b) in direct.iter().enumerate() {
-            for x in view_elems(&m, Mode::Tp, m.slots.first_moe_layer) {
+            for x in view_elems(m, Mode::Tp, m.slots.first_moe_layer) {
                 let t = b[x as usize] - 1;
                 let g = (t / 65536 / 65536 / 2) % 4096;
                 if g / el != q as u64 { changed += 2; }
