@@ -29,6 +29,9 @@ cargo fmt --all -- --check
 step "clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
+step "packaging (the compiler crates build from their own packages, templates included)"
+cargo package --locked -p moeforge-dsl -p moeforge-plan -p moeforge-codegen --allow-dirty >/dev/null
+
 step "tests (snapshots must match, nvcc tier required)"
 INSTA_UPDATE=no cargo test --workspace --locked
 

@@ -46,3 +46,25 @@ fn plan_memory_budget_is_rejected_when_it_cannot_fit() {
         "{rendered}"
     );
 }
+
+/// Templates only print: no template compares strings to choose code (the
+/// targets and the kernels pass decide; a partial per target holds its code).
+#[test]
+fn templates_choose_no_code_by_string() {
+    let dir = root().join("codegen/templates");
+    let mut files = vec![];
+    for e in std::fs::read_dir(&dir).unwrap().chain(std::fs::read_dir(dir.join("apk")).unwrap()) {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "tera") {
+            files.push(p);
+        }
+    }
+    assert!(files.len() >= 5, "{files:?}");
+    for f in files {
+        let text = std::fs::read_to_string(&f).unwrap();
+        for (n, line) in text.lines().enumerate() {
+            let tag = line.contains("{%") && (line.contains("== \"") || line.contains("!= \""));
+            assert!(!tag, "{}:{}: a template compares strings: {line}", f.display(), n + 1);
+        }
+    }
+}

@@ -8,7 +8,6 @@
 
 mod common;
 use common::*;
-use moeforge::dsl::spec::Arch;
 use moeforge::plan::KernelParams;
 use moeforge::runtime::load_bundle;
 
@@ -41,11 +40,7 @@ fn every_example_compiles_with_nvcc_without_spills() {
             let sass = moeforge::codegen::nvcc::sass_counts(&nvcc, &cubin).unwrap_or_else(|| {
                 panic!("no cuobjdump/nvdisasm next to {} (scripts/setup.sh installs them)", nvcc.display())
             });
-            let want: &[&str] = match k.arch {
-                Arch::Sm90a => &["HGMMA", "UTMALDG", "SYNCS"],
-                Arch::Sm80 => &["HMMA", "LDSM", "LDGSTS"],
-            };
-            for f in want {
+            for f in moeforge::codegen::target::of(k.arch).sass_families() {
                 assert!(sass[*f] > 0, "{}: {} has no {f} instruction: {sass:?}", ex.display(), k.name);
             }
             assert!(report.contains("SASS (cuobjdump)"), "{}: no SASS line in report.md", ex.display());

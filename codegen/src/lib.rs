@@ -14,6 +14,7 @@ pub mod emit;
 pub mod nvcc;
 pub mod passes;
 pub mod placement;
+pub mod target;
 
 pub use moeforge_plan::{validate, Bundle, Manifest, Plan, ValidPlan, Violation};
 pub use nvcc::NvccMode;
@@ -98,15 +99,19 @@ pub fn plan_deployment_with(checked: &Checked, id: DeployId, opts: &PlanOptions)
     if matches!(d.strategy, moeforge_dsl::spec::Strategy::Expertplex | moeforge_dsl::spec::Strategy::Auto) {
         plan.search = Some(passes::search::run(spec, d, &plan.cost));
     }
-    let apks = passes::kernels::apk(spec, d, &plan.ranks, &plan.cost, plan.search.as_ref()).map_err(|why| {
-        let ds = &checked.spans.deploys[id.index()];
+    let apks = passes::kernels::apk(spec, d, &plan.ranks, &plan.cost, plan.search.as_ref()).map_err(|e| {
+        let (spans, block) = if e.model {
+            (&checked.spans.models[d.model.index()], format!("model `{}`", m.name))
+        } else {
+            (&checked.spans.tiles[d.tiles.index()], format!("tile set `{}`", spec.tile_set(d.tiles).name))
+        };
         let mut diag = Diagnostic::new(
             Code::Unsupported,
-            format!("tile set `{}` does not fit the Adaptive Persistent Kernel: {why}", spec.tile_set(d.tiles).name),
+            format!("{block} does not fit the Adaptive Persistent Kernel: {}", e.message),
         )
         .help("use a tile set like `hopper-bf16` (sm_90a) or `ampere-bf16` (sm_80) in models/tiles.moe");
-        if let Some(s) = ds.get("tiles") {
-            diag = diag.at(s, "tile set used here");
+        if let Some(s) = spans.get(&e.field) {
+            diag = diag.at(s, "not generated for this target");
         }
         Diagnostics(vec![diag])
     })?;

@@ -85,23 +85,6 @@ pub enum NvccError {
     Io(String),
 }
 
-/// The flags every kernel is compiled with.
-pub fn flags(arch: &str) -> Vec<String> {
-    [
-        &format!("-arch={arch}"),
-        "--cubin",
-        "-O3",
-        "-std=c++17",
-        "-Werror",
-        "all-warnings",
-        "-Xptxas",
-        "-v,-warn-spills,-warn-lmem-usage",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
-}
-
 /// Compiles one kernel source. `name` is the kernel's name (the file stem).
 pub fn compile(nvcc: &Path, name: &str, source: &str, arch: &str) -> Result<Compiled, NvccError> {
     let dir = tempfile::tempdir().map_err(|e| NvccError::Io(e.to_string()))?;
@@ -109,7 +92,7 @@ pub fn compile(nvcc: &Path, name: &str, source: &str, arch: &str) -> Result<Comp
     let out = dir.path().join(format!("{name}.cubin"));
     std::fs::write(&src, source).map_err(|e| NvccError::Io(e.to_string()))?;
     let output = Command::new(nvcc)
-        .args(flags(arch))
+        .args(crate::target::nvcc_flags(arch))
         .arg("-o")
         .arg(&out)
         .arg(&src)

@@ -1,14 +1,17 @@
 //! CUDA source from tera templates.
 //!
-//! The templates (`templates/*.cu.tera`, embedded at build time) only print
-//! the kernel's parameter struct; every decision is made in the kernels pass.
+//! The templates (`codegen/templates/*.cu.tera`, embedded at build time)
+//! only print the kernel's parameter struct; every decision is made in the
+//! kernels pass and the target. The APK is the shared scheduler and
+//! signalling (`apk.cu.tera`) extended by the target's partial
+//! (`apk/<arch>.cu.tera`), which [`crate::target::Target::apk_partial`] names.
 
 use moeforge_plan::validate::ValidPlan;
 use moeforge_plan::{KernelInstance, KernelParams};
 
-const ROUTER: &str = include_str!("../../../templates/router.cu.tera");
-const PERMUTE: &str = include_str!("../../../templates/permute.cu.tera");
-const APK: &str = include_str!("../../../templates/apk.cu.tera");
+const ROUTER: &str = include_str!("../../templates/router.cu.tera");
+const PERMUTE: &str = include_str!("../../templates/permute.cu.tera");
+const APK: &str = include_str!("../../templates/apk.cu.tera");
 
 #[derive(Debug, thiserror::Error)]
 #[error("template `{template}` failed: {message}")]
@@ -59,24 +62,30 @@ pub fn render(plan: &ValidPlan, k: &KernelInstance) -> Result<String, TemplateEr
     ctx.insert("version", env!("CARGO_PKG_VERSION"));
     ctx.insert("deploy", &plan.plan().deploy);
     ctx.insert("purpose", &k.purpose);
-    let (name, template) = match &k.params {
+    // (template to render, every template it needs)
+    let (name, templates): (&str, Vec<(&str, &str)>) = match &k.params {
         KernelParams::Router(p) => {
             ctx.insert("p", p);
             ctx.insert("sigmoid", &(p.scoring == moeforge_plan::Scoring::Sigmoid));
             ctx.insert("scaling", &float_literal(p.scaling));
-            ("router.cu", ROUTER)
+            ("router.cu", vec![("router.cu", ROUTER)])
         }
         KernelParams::Permute(p) => {
             ctx.insert("p", p);
-            ("permute.cu", PERMUTE)
+            ("permute.cu", vec![("permute.cu", PERMUTE)])
         }
         KernelParams::Apk(p) => {
+            let target = crate::target::of(k.arch);
             ctx.insert("p", p);
             ctx.insert("x_star", &float_literal(p.x_star));
+            ctx.insert("fp8", &(p.weights == moeforge_plan::WeightFormat::Fp8E4m3));
+            ctx.insert("unit_name", target.unit_name());
+            ctx.insert("uses_tma", if target.uses_tma() { "true" } else { "false" });
             let mut ns = vec![p.n_t_gate_up, p.n_t_down];
             ns.dedup();
             ctx.insert("wgmma", &ns.iter().map(|&n| wgmma_operands(n)).collect::<Vec<_>>());
-            ("apk.cu", APK)
+            let partial = target.apk_partial();
+            (partial.0, vec![("apk.cu.tera", APK), partial])
         }
     };
     let err = |e: tera::Error| {
@@ -90,7 +99,7 @@ pub fn render(plan: &ValidPlan, k: &KernelInstance) -> Result<String, TemplateEr
     };
     let mut tera = tera::Tera::default();
     tera.autoescape_on(vec![]);
-    tera.add_raw_template(name, template).map_err(err)?;
+    tera.add_raw_templates(templates).map_err(err)?;
     tera.render(name, &ctx).map_err(err)
 }
 

@@ -76,15 +76,12 @@ pub fn render(plan: &Plan, toolchain: &Toolchain<'_>) -> String {
             let _ = writeln!(
                 s,
                 "Compiled with nvcc ({nvcc_version}), flags `{}`.\n",
-                crate::nvcc::flags(c.arch.name()).join(" ")
+                crate::target::of(c.arch).nvcc_flags().join(" ")
             );
         }
         Toolchain::Skipped(why) => {
             let _ = writeln!(s, "Not compiled: {why}.\n");
         }
-    }
-    if let Some(why) = crate::passes::kernels::apk_missing(plan.model.expert_dtype, plan.model.block_scale, c.arch) {
-        let _ = writeln!(s, "> {why}\n");
     }
     for k in &plan.kernels {
         let _ = writeln!(s, "### `kernels/{}.cu`: {}\n", k.name, k.purpose);
