@@ -308,7 +308,7 @@ fn run(cmd: Command) -> Result<(), ExitCode> {
             if bench.search.is_none() {
                 // The strategy did not ask for the layout search; ExpertPlex still needs its layout.
                 let d = spec.deploy(moeforge::dsl::spec::DeployId(0));
-                bench = bench.with_search(codegen::passes::search::run(&spec, d, &plan.plan().cost));
+                bench = bench.with_search(codegen::passes::search::search(&spec, d, &plan.plan().cost));
             }
             let args = simulate::Args { seconds, seed, rates, rollout };
             let (text, files) = simulate::run(&bench, &systems, &args);

@@ -44,7 +44,7 @@ fn spec(s: Shape, fraction: f64) -> String {
   attention gqa {{ heads = 8 kv_heads = {kv} head_dim = 16 qk_norm = {qk} }}
   moe {{ experts = {e} top_k = {k} expert_ffn = 32 {shared} {routing} }} }}
 cluster cpu {{ nodes = 1 gpus_per_node = {p}
-  gpu cpu {{ arch = sm_90a sms = 4 hbm = 256MB hbm_bandwidth = 1TB/s bf16 = 100TFLOP/s smem_per_sm = 228KiB smem_per_block = 227KiB l2 = 50MB }}
+  gpu cpu {{ arch = sm_90a sms = 4 hbm = 256MB hbm_bandwidth = 1TB/s bf16 = 100TFLOP/s smem_per_sm = 228KiB smem_per_block = 227KiB }}
   scale_up shm {{ bandwidth = 10GB/s latency = 1us }} }}
 tiles t {{ prefill {{ gate_up {{ block_m = 64 block_n = 64 block_k = 64 stages = 2 }} down {{ block_m = 64 block_n = 64 block_k = 64 stages = 2 }} }}
   decode {{ gate_up {{ block_m = 64 block_n = 64 block_k = 64 stages = 2 }} down {{ block_m = 64 block_n = 64 block_k = 64 stages = 2 }} }} }}

@@ -7,8 +7,8 @@
 //! spelled out in [`plan_deployment`]; each pass lives in `passes/`. The
 //! emitter only accepts a [`ValidPlan`].
 //!
-//! Consumed by the `moeforge` CLI and by `moeforge-runtime` (which reads the
-//! plan and manifest types).
+//! Consumed by the `moeforge` CLI (and a user's build.rs). The runtime never
+//! links this crate: what it needs of the plan is `moeforge-plan`.
 
 pub mod emit;
 pub mod nvcc;
@@ -20,7 +20,8 @@ pub use moeforge_plan::{validate, Bundle, Manifest, Plan, ValidPlan, Violation};
 pub use nvcc::NvccMode;
 
 use moeforge_dsl::spec::DeployId;
-use moeforge_dsl::{Checked, Code, Diagnostic, Diagnostics};
+use moeforge_dsl::Diagnostic;
+use moeforge_dsl::{Checked, Code, Diagnostics};
 use moeforge_plan::{cost, ClusterFacts, ModelFacts, FORMAT_VERSION};
 use std::collections::BTreeMap;
 
@@ -34,12 +35,12 @@ pub fn canonical_spec(checked: &Checked, id: DeployId) -> Vec<u8> {
     v
 }
 
-/// Runs the planning pipeline for one deployment:
-/// support gate → layout → memory plan (unified buffer, TP/EP views, reshard
-/// descriptors) → kernel instances → cost model (roofline, or a fitted
-/// profile) → layout search (ExpertPlex Algorithm 1) → expert placement
-/// (Zepp or EPLB) → validation.
-/// Invariants are checked after every pass in debug builds.
+/// Runs the planning pipeline ([`passes::PIPELINE`]) for one deployment:
+/// support gate → layout → memory plan → reshard descriptors → cost model
+/// (roofline, or a fitted profile) → layout search (ExpertPlex Algorithm 1)
+/// → kernel instances → expert placement (Zepp or EPLB) → validation. In
+/// debug builds the validator runs after every pass, and a violated
+/// invariant is an internal-error diagnostic naming the pass.
 pub fn plan_deployment(checked: &Checked, id: DeployId) -> Result<ValidPlan, Diagnostics> {
     plan_deployment_with(checked, id, &PlanOptions::default())
 }
@@ -53,95 +54,38 @@ pub struct PlanOptions {
     pub loads: Option<(Vec<Vec<f64>>, String)>,
 }
 
-/// [`plan_deployment`] with a measured profile.
+/// [`plan_deployment`] with measured inputs.
 pub fn plan_deployment_with(checked: &Checked, id: DeployId, opts: &PlanOptions) -> Result<ValidPlan, Diagnostics> {
-    let unsupported = passes::support::check(checked, id);
-    if !unsupported.is_empty() {
-        return Err(unsupported);
+    if id.index() >= checked.spec.deploys.len() {
+        return Err(Diagnostics(vec![Diagnostic::new(Code::NoDeployment, format!("no deployment #{}", id.0))]));
     }
-    let spec = &checked.spec;
-    let d = spec.deploy(id);
-    let m = spec.model(d.model);
-    let c = spec.cluster(d.cluster);
-    let (layout, ranks) = passes::layout::run(spec, d);
-    let mut plan = Plan {
-        format_version: FORMAT_VERSION,
-        deploy: d.name.clone(),
-        spec_hash: moeforge_plan::bundle::sha256_hex(&canonical_spec(checked, id)),
-        model: ModelFacts::of(m),
-        cluster: ClusterFacts::of(c),
-        layout,
-        ranks,
-        memory: passes::unified::run(spec, d).map_err(|msg| {
-            let ds = &checked.spans.deploys[id.index()];
-            let mut diag =
-                Diagnostic::new(Code::WeightsDoNotFit, format!("deployment `{}` does not fit: {msg}", d.name))
-                    .help("raise `memory_fraction`, use a cluster with more GPUs, or a lower-precision checkpoint");
-            if let Some(s) = ds.get("memory_fraction").or(ds.get("cluster")) {
-                diag = diag.at(s, "per-GPU budget too small");
+    let cx = passes::Ctx::new(checked, id, opts);
+    let spec_hash = moeforge_plan::bundle::sha256_hex(&canonical_spec(checked, id));
+    let mut plan = Plan::new(
+        &cx.deploy.name,
+        spec_hash,
+        ModelFacts::of(cx.model),
+        ClusterFacts::of(cx.cluster),
+        cx.deploy.strategy,
+    );
+    for (name, pass) in passes::PIPELINE {
+        pass(&cx, &mut plan).map_err(|e| cx.diagnostics(&e))?;
+        if cfg!(debug_assertions) {
+            let v = validate::check(&plan);
+            if !v.is_empty() {
+                return Err(internal(name, &v));
             }
-            Diagnostics(vec![diag])
-        })?,
-        kernels: vec![],
-        cost: cost::CostModel::roofline(m, c, spec.tile_set(d.tiles)),
-        search: None,
-        placement: None,
-    };
-    debug_check(&plan, "layout and memory plan");
-    plan.kernels = passes::kernels::run(spec, d, plan.layout.max_experts_per_rank);
-    debug_check(&plan, "kernels");
-    if let Some((profile, digest)) = &opts.profile {
-        plan.cost = plan.cost.clone().with_profile(profile, digest).map_err(|e| {
-            Diagnostics(vec![Diagnostic::new(Code::Unsupported, format!("the latency profile cannot be used: {e}"))
-                .help("a profile is {\"samples\": [{\"component\": \"moe\", \"x\": …, \"s\": …, \"t\": seconds}, …]}")])
-        })?;
-    }
-    if matches!(d.strategy, moeforge_dsl::spec::Strategy::Expertplex | moeforge_dsl::spec::Strategy::Auto) {
-        plan.search = Some(passes::search::run(spec, d, &plan.cost));
-    }
-    let apks = passes::kernels::apk(spec, d, &plan.ranks, &plan.cost, plan.search.as_ref()).map_err(|e| {
-        let (spans, block) = if e.model {
-            (&checked.spans.models[d.model.index()], format!("model `{}`", m.name))
-        } else {
-            (&checked.spans.tiles[d.tiles.index()], format!("tile set `{}`", spec.tile_set(d.tiles).name))
-        };
-        let mut diag = Diagnostic::new(
-            Code::Unsupported,
-            format!("{block} does not fit the Adaptive Persistent Kernel: {}", e.message),
-        )
-        .help("use a tile set like `hopper-bf16` (sm_90a) or `ampere-bf16` (sm_80) in models/tiles.moe");
-        if let Some(s) = spans.get(&e.field) {
-            diag = diag.at(s, "not generated for this target");
         }
-        Diagnostics(vec![diag])
-    })?;
-    plan.kernels.extend(apks);
-    let loads = opts.loads.as_ref().map(|(l, digest)| (l.as_slice(), digest.as_str()));
-    plan.placement = passes::place::run(spec, d, &plan.cost, loads).map_err(|e| {
-        let ds = &checked.spans.deploys[id.index()];
-        let mut diag = Diagnostic::new(Code::Unsupported, format!("expert placement failed: {e}")).help(
-            "(experts + redundant_experts) must be a multiple of the GPU count; measured loads must match the model",
-        );
-        if let Some(s) = ds.get("placement.redundant_experts").or(ds.get("placement")) {
-            diag = diag.at(s, "placement policy");
-        }
-        Diagnostics(vec![diag])
-    })?;
-    validate::validate(plan).map_err(|v| internal(&v))
+    }
+    validate::validate(plan).map_err(|v| internal("validate", &v))
 }
 
-fn debug_check(plan: &Plan, pass: &str) {
-    if cfg!(debug_assertions) {
-        let v = validate::check(plan);
-        debug_assert!(v.is_empty(), "after pass `{pass}`: {v:?}");
-    }
-}
-
-fn internal(v: &[Violation]) -> Diagnostics {
+/// A broken plan invariant as diagnostics: a bug, reported instead of a panic.
+fn internal(pass: &str, v: &[Violation]) -> Diagnostics {
     Diagnostics(
         v.iter()
             .map(|x| {
-                Diagnostic::new(Code::Unsupported, format!("internal error: {x}"))
+                Diagnostic::new(Code::Internal, format!("internal error after pass `{pass}`: plan invariant {x}"))
                     .help("this is a moeforge bug; please report it with the spec")
             })
             .collect(),

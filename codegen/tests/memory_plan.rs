@@ -29,7 +29,7 @@ fn spec_text(s: &Shape) -> String {
   attention gqa {{ heads = {heads} kv_heads = {kv} head_dim = 16 qk_norm = true }}
   moe {{ experts = {e} top_k = 2 expert_ffn = {ffn} routing softmax_topk {{ norm_topk = true }} }} }}
 cluster c {{ nodes = 1 gpus_per_node = {p}
-  gpu cpu {{ arch = sm_90a sms = 4 hbm = 2GB hbm_bandwidth = 1TB/s bf16 = 1000TFLOP/s smem_per_sm = 228KiB smem_per_block = 227KiB l2 = 50MB }}
+  gpu cpu {{ arch = sm_90a sms = 4 hbm = 2GB hbm_bandwidth = 1TB/s bf16 = 1000TFLOP/s smem_per_sm = 228KiB smem_per_block = 227KiB }}
   scale_up nvlink {{ bandwidth = 450GB/s latency = 2us }} }}
 tiles t {{ prefill {{ gate_up {{ block_m = 64 block_n = 64 block_k = 64 stages = 2 }} down {{ block_m = 64 block_n = 64 block_k = 64 stages = 2 }} }}
   decode {{ gate_up {{ block_m = 64 block_n = 64 block_k = 64 stages = 2 }} down {{ block_m = 64 block_n = 64 block_k = 64 stages = 2 }} }} }}

@@ -29,6 +29,11 @@ pub struct BlockSpans {
 }
 
 impl BlockSpans {
+    /// The span of a field the block writes, if it does (no fallback).
+    pub fn field(&self, path: &str) -> Option<Span> {
+        self.fields.get(&format!(".{path}")).or(self.fields.get(path)).copied()
+    }
+
     /// The span of a field, falling back to the block's name.
     pub fn get(&self, path: &str) -> Option<Span> {
         self.fields.get(&format!(".{path}")).or(self.fields.get(path)).copied().or(self.name)
@@ -45,12 +50,83 @@ pub struct SpanTable {
 }
 
 /// A successful check: the spec, its sources and spans (for later stages'
-/// diagnostics).
+/// diagnostics), and the warnings of every block.
 #[derive(Clone, Debug)]
 pub struct Checked {
     pub spec: Spec,
     pub sources: SourceMap,
     pub spans: SpanTable,
+    pub warnings: Vec<(BlockRef, Diagnostic)>,
+}
+
+/// A block of a [`Spec`], for attributing warnings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockRef {
+    Model(ModelId),
+    Cluster(ClusterId),
+    Tiles(TilesId),
+    Deploy(DeployId),
+}
+
+impl Checked {
+    /// Every warning of the checked files.
+    pub fn all_warnings(&self) -> Diagnostics {
+        Diagnostics(self.warnings.iter().map(|(_, d)| d.clone()).collect())
+    }
+
+    /// The warnings of the blocks deployment `id` uses.
+    pub fn warnings_for(&self, id: DeployId) -> Diagnostics {
+        let d = self.spec.deploy(id);
+        let mine = |b: &BlockRef| match *b {
+            BlockRef::Model(m) => m == d.model,
+            BlockRef::Cluster(c) => c == d.cluster,
+            BlockRef::Tiles(t) => t == d.tiles,
+            BlockRef::Deploy(x) => x == id,
+        };
+        Diagnostics(self.warnings.iter().filter(|(b, _)| mine(b)).map(|(_, d)| d.clone()).collect())
+    }
+}
+
+/// Fields that parse and check but that nothing reads yet (the next issues
+/// wire them up): each gets a located warning where a block writes it.
+fn warnings(spec: &Spec, spans: &SpanTable) -> Vec<(BlockRef, Diagnostic)> {
+    let mut out = Vec::new();
+    let mut warn = |b: BlockRef, s: Option<Span>, msg: String, help: &str| {
+        if let Some(span) = s {
+            out.push((b, Diagnostic::warning(Code::NoEffect, msg).at(span, "no effect yet").help(help.to_string())));
+        }
+    };
+    for (i, m) in spec.models.iter().enumerate() {
+        if m.sliding_window.is_some() {
+            warn(
+                BlockRef::Model(ModelId(i as u32)),
+                spans.models.get(i).and_then(|s| s.field("sliding_window")),
+                format!("`sliding_window` of `{}` has no effect yet: plans and kernels treat every layer as full attention", m.name),
+                "the CPU twin refuses sliding-window models; keep the block for the attention kernels that will read it",
+            );
+        }
+    }
+    for (i, c) in spec.clusters.iter().enumerate() {
+        if c.scale_out.is_some() {
+            warn(
+                BlockRef::Cluster(ClusterId(i as u32)),
+                spans.clusters.get(i).and_then(|s| s.field("scale_out.virtual_lanes")),
+                format!("`virtual_lanes` of `{}` has no effect yet: the communication model does not split flows over lanes", c.name),
+                "remove it, or keep it for the Zepp execution that will read it",
+            );
+        }
+    }
+    for (i, t) in spec.tiles.iter().enumerate() {
+        for phase in ["prefill", "decode"] {
+            warn(
+                BlockRef::Tiles(TilesId(i as u32)),
+                spans.tiles.get(i).and_then(|s| s.field(&format!("{phase}.layout"))),
+                format!("`{phase}.layout` of `{}` has no effect yet: the APK lays prefill rows out contiguously and decode rows masked", t.name),
+                "remove it, or keep it for the kernels that will read it",
+            );
+        }
+    }
+    out
 }
 
 /// A failed check: the diagnostics and the sources they point into.
@@ -82,7 +158,8 @@ pub fn check_paths(roots: &[PathBuf], loader: &dyn Loader) -> Result<Checked, Fa
     let Loading { sources, mut diags, files, .. } = cx;
     let (spec, spans) = build(&files, &mut diags);
     if diags.is_empty() {
-        Ok(Checked { spec, sources, spans })
+        let warnings = warnings(&spec, &spans);
+        Ok(Checked { spec, sources, spans, warnings })
     } else {
         Err(Failed { sources, diagnostics: diags })
     }

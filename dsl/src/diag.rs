@@ -76,6 +76,10 @@ codes! {
     Unsupported = "E0200",
     /// The file holds no deployment, or several and none was chosen.
     NoDeployment = "E0201",
+    /// A moeforge bug: a plan broke an invariant its passes guarantee.
+    Internal = "E0900",
+    /// A field that parses and checks but has no effect yet (warning).
+    NoEffect = "W0100",
 }
 
 impl fmt::Display for Code {
@@ -91,10 +95,20 @@ pub struct Label {
     pub text: String,
 }
 
+/// Whether a diagnostic stops the run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Severity {
+    #[default]
+    Error,
+    /// Reported, but the spec is accepted.
+    Warning,
+}
+
 /// One located problem.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Diagnostic {
     pub code: Code,
+    pub severity: Severity,
     pub message: String,
     /// Where the problem is. `None` only for problems with no source location
     /// (e.g. the top-level file cannot be read).
@@ -105,7 +119,18 @@ pub struct Diagnostic {
 
 impl Diagnostic {
     pub fn new(code: Code, message: impl Into<String>) -> Self {
-        Diagnostic { code, message: message.into(), primary: None, secondary: vec![], help: None }
+        Diagnostic {
+            code,
+            severity: Severity::Error,
+            message: message.into(),
+            primary: None,
+            secondary: vec![],
+            help: None,
+        }
+    }
+    /// A warning: reported, but the spec is accepted.
+    pub fn warning(code: Code, message: impl Into<String>) -> Self {
+        Diagnostic { severity: Severity::Warning, ..Diagnostic::new(code, message) }
     }
     pub fn at(mut self, span: Span, text: impl Into<String>) -> Self {
         self.primary = Some(Label { span, text: text.into() });
@@ -157,8 +182,15 @@ impl Diagnostics {
             }
             out.push('\n');
         }
-        let n = self.0.len();
-        out.push_str(&format!("error: {n} error{} found\n", if n == 1 { "" } else { "s" }));
+        let errors = self.0.iter().filter(|d| d.severity == Severity::Error).count();
+        let warnings = self.0.len() - errors;
+        let plural = |n: usize| if n == 1 { "" } else { "s" };
+        if errors > 0 {
+            out.push_str(&format!("error: {errors} error{} found\n", plural(errors)));
+        }
+        if warnings > 0 {
+            out.push_str(&format!("warning: {warnings} warning{}\n", plural(warnings)));
+        }
         out
     }
 
@@ -169,13 +201,22 @@ impl Diagnostics {
     }
 }
 
+impl Severity {
+    pub fn name(self) -> &'static str {
+        match self {
+            Severity::Error => "error",
+            Severity::Warning => "warning",
+        }
+    }
+}
+
 fn plain(d: &Diagnostic, sources: &SourceMap) -> String {
     match &d.primary {
         Some(l) => {
             let (line, col) = sources.line_col(l.span.file, l.span.start);
-            format!("error[{}]: {} at {}:{line}:{col}\n", d.code, d.message, sources.name(l.span.file))
+            format!("{}[{}]: {} at {}:{line}:{col}\n", d.severity.name(), d.code, d.message, sources.name(l.span.file))
         }
-        None => format!("error[{}]: {}\n", d.code, d.message),
+        None => format!("{}[{}]: {}\n", d.severity.name(), d.code, d.message),
     }
 }
 
@@ -217,7 +258,7 @@ impl JsonDiag {
         };
         JsonDiag {
             code: d.code.as_str(),
-            severity: "error",
+            severity: d.severity.name(),
             message: d.message.clone(),
             primary: d.primary.as_ref().map(label),
             secondary: d.secondary.iter().map(label).collect(),
@@ -233,6 +274,7 @@ impl JsonDiag {
 struct MietteDiag {
     /// `None` for a note attached to another diagnostic.
     code: Option<&'static str>,
+    severity: Severity,
     message: String,
     help: Option<String>,
     src: Option<miette::NamedSource<String>>,
@@ -252,6 +294,7 @@ impl MietteDiag {
                 } else {
                     related.push(MietteDiag {
                         code: None,
+                        severity: d.severity,
                         message: s.text.clone(),
                         help: None,
                         src: Some(named(sources, s.span)),
@@ -264,6 +307,7 @@ impl MietteDiag {
         });
         MietteDiag {
             code: Some(d.code.as_str()),
+            severity: d.severity,
             message: d.message.clone(),
             help: d.help.clone(),
             src,
@@ -290,7 +334,11 @@ impl miette::Diagnostic for MietteDiag {
         self.code.map(|c| Box::new(c) as Box<dyn fmt::Display>)
     }
     fn severity(&self) -> Option<miette::Severity> {
-        Some(if self.code.is_some() { miette::Severity::Error } else { miette::Severity::Advice })
+        Some(match (self.code, self.severity) {
+            (None, _) => miette::Severity::Advice,
+            (Some(_), Severity::Error) => miette::Severity::Error,
+            (Some(_), Severity::Warning) => miette::Severity::Warning,
+        })
     }
     fn help<'a>(&'a self) -> Option<Box<dyn fmt::Display + 'a>> {
         self.help.as_ref().map(|h| Box::new(h) as Box<dyn fmt::Display>)

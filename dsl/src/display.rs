@@ -134,11 +134,7 @@ fn write_cluster(f: &mut Formatter<'_>, c: &Cluster) -> fmt::Result {
     if let Some(fp8) = g.fp8_flops {
         writeln!(f, "    fp8 = {}FLOP/s", num(fp8))?;
     }
-    writeln!(
-        f,
-        "    smem_per_sm = {}B\n    smem_per_block = {}B\n    l2 = {}B",
-        g.smem_per_sm, g.smem_per_block, g.l2
-    )?;
+    writeln!(f, "    smem_per_sm = {}B\n    smem_per_block = {}B", g.smem_per_sm, g.smem_per_block)?;
     writeln!(f, "  }}")?;
     writeln!(
         f,

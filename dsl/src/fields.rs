@@ -298,6 +298,20 @@ impl<'a, 'd> Fields<'a, 'd> {
     }
 
     /// Reports every item no getter asked for.
+    /// A field moeforge no longer reads: an error that says so (instead of
+    /// "unknown field"), so an old spec learns why its line is refused.
+    pub fn removed(&mut self, key: &str, why: &str) {
+        if let Some(i) = self.block.items.iter().position(|it| it.key().text == key) {
+            self.used[i] = true;
+            let span = self.block.items[i].key().span;
+            self.diags.push(
+                Diagnostic::new(Code::UnknownField, format!("`{key}` was removed from {}: {why}", self.what()))
+                    .at(span, "no longer a field")
+                    .help("delete this line"),
+            );
+        }
+    }
+
     pub fn finish(self) {
         for (item, used) in self.block.items.iter().zip(&self.used) {
             if *used {

@@ -20,7 +20,7 @@ pub mod spec;
 pub mod syntax;
 pub mod units;
 
-pub use check::{check_paths, check_str, BlockSpans, Checked, Failed, SpanTable};
-pub use diag::{Code, Diagnostic, Diagnostics, Label};
+pub use check::{check_paths, check_str, BlockRef, BlockSpans, Checked, Failed, SpanTable};
+pub use diag::{Code, Diagnostic, Diagnostics, Label, Severity};
 pub use source::{FileId, FsLoader, Loader, MemLoader, SourceMap, Span};
 pub use spec::*;

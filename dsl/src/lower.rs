@@ -296,7 +296,7 @@ fn gpu_block(b: &Block, diags: &mut Diagnostics, spans: &mut SpanMap) -> Option<
     let fp8 = f.maybe_qty("fp8", Dim::FlopRate, 1e12, 1e18);
     let smem_sm = f.req_qty("smem_per_sm", Dim::Bytes, 1024.0, 1e8, "228KiB");
     let smem_blk = f.req_qty("smem_per_block", Dim::Bytes, 1024.0, 1e8, "227KiB");
-    let l2 = f.req_qty("l2", Dim::Bytes, 1e5, 1e10, "50MB");
+    f.removed("l2", "no plan, kernel or cost model ever read it");
     let head = f.head();
     f.finish();
     let (smem_sm, smem_blk) = (smem_sm? as u64, smem_blk? as u64);
@@ -318,7 +318,6 @@ fn gpu_block(b: &Block, diags: &mut Diagnostics, spans: &mut SpanMap) -> Option<
         fp8_flops: fp8.ok()?,
         smem_per_sm: smem_sm,
         smem_per_block: smem_blk,
-        l2: l2? as u64,
     })
 }
 

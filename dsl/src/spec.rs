@@ -412,7 +412,6 @@ pub struct Gpu {
     pub smem_per_sm: u64,
     /// Largest dynamic shared memory one block may use.
     pub smem_per_block: u64,
-    pub l2: u64,
 }
 
 /// The compute capability kernels are generated for.

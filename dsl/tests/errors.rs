@@ -31,7 +31,6 @@ cluster c {
     bf16 = 989TFLOP/s
     smem_per_sm = 228KiB
     smem_per_block = 227KiB
-    l2 = 50MB
   }
   scale_up nvlink { bandwidth = 450GB/s  latency = 2us }
 }
@@ -335,7 +334,31 @@ fn duplicate_across_files_points_at_both() {
 fn every_code_is_distinct_and_stable() {
     let mut seen = std::collections::BTreeSet::new();
     for c in Code::ALL {
-        assert!(c.as_str().starts_with('E') && c.as_str().len() == 5, "{c}");
+        assert!((c.as_str().starts_with('E') || c.as_str().starts_with('W')) && c.as_str().len() == 5, "{c}");
         assert!(seen.insert(c.as_str()), "{c} reused");
     }
+}
+
+#[test]
+fn removed_fields_say_why() {
+    check("removed_l2", "smem_per_block = 227KiB\n", "smem_per_block = 227KiB\n    l2 = 50MB\n", &[Code::UnknownField]);
+}
+
+/// Fields that parse but have no effect yet are accepted with a located
+/// warning, only where a block writes them.
+#[test]
+fn fields_without_effect_warn_where_written() {
+    let text = BASE
+        .replacen("  prefill {\n", "  prefill {\n    layout = contiguous\n", 1)
+        .replacen("  scale_up nvlink", "  scale_up nvlink { bandwidth = 450GB/s  latency = 2us }\n  scale_out ib { nics_per_node = 8  bandwidth = 400Gb/s  latency = 5us  virtual_lanes = 2 }\n  scale_up_unused", 1)
+        .replacen("  scale_up_unused { bandwidth = 450GB/s  latency = 2us }\n", "", 1)
+        .replacen("nodes = 1", "nodes = 2", 1);
+    let checked = check_str("spec.moe", &text).unwrap_or_else(|f| panic!("{}", f.render(false)));
+    let w = checked.all_warnings();
+    let codes: Vec<Code> = w.iter().map(|d| d.code).collect();
+    assert_eq!(codes, vec![Code::NoEffect, Code::NoEffect], "{}", w.render(&checked.sources, false));
+    assert!(w.iter().all(|d| d.severity == moeforge_dsl::Severity::Warning && d.primary.is_some()));
+    insta::assert_snapshot!("no_effect_warnings", w.render(&checked.sources, false));
+    // Without those fields there is nothing to warn about.
+    assert!(check_str("spec.moe", BASE).unwrap_or_else(|f| panic!("{}", f.render(false))).warnings.is_empty());
 }

@@ -84,7 +84,7 @@ impl Mode {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
 pub struct MemoryPlan {
     pub hbm: u64,
     pub memory_fraction: f64,
@@ -110,7 +110,7 @@ pub struct MemoryPlan {
 }
 
 /// Index of a [`Region`] in [`MemoryPlan::regions`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct RegionId(pub u32);
 
@@ -346,7 +346,7 @@ pub enum HeadSet {
 }
 
 /// The N+1 expert slots (Moebius Figure 7).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct ExpertSlots {
     pub region: RegionId,
     pub base: u64,
@@ -364,7 +364,7 @@ pub struct ExpertSlots {
 }
 
 /// The paged KV cache: one pool, two page formats.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct KvPlan {
     pub region: RegionId,
     pub page_tokens: u32,
@@ -379,7 +379,7 @@ pub struct KvPlan {
     pub replication: u32,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct KvMode {
     pub heads_per_rank: u32,
     /// A page holds `page_tokens` tokens of every layer for `heads_per_rank` heads.
@@ -459,7 +459,7 @@ impl Copy {
 /// plan (DP attention, N slots): the dual plan is that plan plus the TP head
 /// shards and one extra expert slot, paid for out of the KV pool (Moebius
 /// §6.6 reports 2.4%, 2.8 GB per GPU, for Qwen3-235B on 8×H200 at 0.85).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
 pub struct DualModeOverhead {
     /// Bytes of everything but the KV pool in this plan.
     pub fixed_bytes: u64,

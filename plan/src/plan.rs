@@ -40,6 +40,34 @@ pub struct Plan {
     pub placement: Option<crate::placement::PlacementPlan>,
 }
 
+impl Plan {
+    /// A plan with its facts and nothing planned yet: the passes fill in
+    /// the layout, memory plan, cost model, search, kernels and placement.
+    pub fn new(deploy: &str, spec_hash: String, model: ModelFacts, cluster: ClusterFacts, requested: Strategy) -> Plan {
+        Plan {
+            format_version: FORMAT_VERSION,
+            deploy: deploy.to_string(),
+            spec_hash,
+            model,
+            cluster,
+            layout: DeployLayout {
+                requested,
+                attention: String::new(),
+                moe: String::new(),
+                ep_size: 0,
+                max_experts_per_rank: 0,
+                note: None,
+            },
+            ranks: Vec::new(),
+            memory: crate::memory::MemoryPlan::default(),
+            kernels: Vec::new(),
+            cost: crate::cost::CostModel::default(),
+            search: None,
+            placement: None,
+        }
+    }
+}
+
 /// Derived model sizes the rest of the plan uses.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModelFacts {

@@ -94,6 +94,11 @@ pub fn validate(plan: Plan) -> Result<ValidPlan, Vec<Violation>> {
         (plan.ranks.is_empty(), "ranks", "no ranks"),
         (plan.kernels.is_empty(), "kernels", "no kernels"),
         (plan.memory.regions.is_empty(), "memory.regions", "no memory plan"),
+        (
+            plan.memory.modes.len() == 2 && plan.memory.reshard.is_none(),
+            "memory.reshard",
+            "a dual-mode plan needs its reshard descriptors",
+        ),
     ] {
         if empty {
             v.push(Violation { field: field.into(), message: what.into() });
@@ -402,10 +407,7 @@ fn kv(c: &mut Check, p: &Plan, dual: bool) {
 
 fn reshard(c: &mut Check, p: &Plan, dual: bool) {
     let m = &p.memory;
-    let Some(rs) = &m.reshard else {
-        c.ensure(!dual, "memory.reshard", || "a dual-mode plan needs its reshard descriptors".into());
-        return;
-    };
+    let Some(rs) = &m.reshard else { return };
     if !c.ensure(dual, "memory.reshard", || "reshard descriptors in a single-mode plan".into()) {
         return;
     }
@@ -528,7 +530,7 @@ fn cost(c: &mut Check, p: &Plan) {
     if cm.sms == 0 && cm.source.is_empty() {
         return; // not planned yet
     }
-    c.ensure(cm.sms == p.cluster.sms && cm.cluster >= 1 && cm.cluster <= cm.sms.max(1), "cost.cluster", || {
+    c.ensure(cm.sms == p.cluster.sms && cm.cluster >= 1, "cost.cluster", || {
         format!("{} SMs in clusters of {} (the GPU has {})", cm.sms, cm.cluster, p.cluster.sms)
     });
     c.ensure(cm.m_t_prefill > 0 && cm.m_t_decode > 0, "cost.m_t_prefill", || "tile heights must be positive".into());

@@ -7,15 +7,17 @@
 //! combine. Then [`apk`]: the Adaptive Persistent Kernel per distinct MoE
 //! rank shape, which runs the grouped GEMMs of both phases.
 
+use super::{At, Ctx, PassError};
 use crate::target::{self, ApkInput, TileError, FP8_SCALE_BLOCK};
 use moeforge_dsl::spec::{Deploy, Routing, Spec};
+use moeforge_dsl::Code;
 use moeforge_plan::cost::expected_x_moe;
 use moeforge_plan::cost::CostModel;
 use moeforge_plan::memory::MAX_BATCH_TOKENS;
 use moeforge_plan::search::SearchResult;
 use moeforge_plan::{
-    ApkParams, EntryPoint, Grid, GridVar, KernelInstance, KernelParams, PermuteParams, RankPlan, RouterParams, Scoring,
-    WeightFormat,
+    ApkParams, EntryPoint, Grid, GridVar, KernelInstance, KernelParams, PermuteParams, Plan, RankPlan, RouterParams,
+    Scoring, WeightFormat,
 };
 
 const ROUTER_WARPS: u32 = 4;
@@ -24,7 +26,32 @@ const ROUTER_WARPS: u32 = 4;
 const ROUTER_MIN_BLOCKS: u32 = 8;
 const PERMUTE_THREADS: u32 = 256;
 
-pub fn run(spec: &Spec, d: &Deploy, max_local: u32) -> Vec<KernelInstance> {
+/// Writes `plan.kernels`: the router, the permutation and the APKs. It
+/// emits no source (that is `emit`).
+pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
+    let mut kernels = routing(cx.spec, cx.deploy, plan.layout.max_experts_per_rank);
+    let apks = apk(cx.spec, cx.deploy, &plan.ranks, &plan.cost, plan.search.as_ref()).map_err(|e| match e {
+        ApkError::Target(t) => t.into_pass_error(cx),
+        ApkError::TooFewSms { sms, cluster } => PassError::new(
+            Code::Unsupported,
+            At::Cluster("gpu.sms".into()),
+            format!(
+                "the APK runs CTA clusters of {cluster} CTAs, one per SM, but `{}` has {sms} SM{}: {} too few",
+                cx.cluster.gpu.name,
+                if sms == 1 { "" } else { "s" },
+                cluster - sms
+            ),
+        )
+        .label("fewer SMs than one CTA cluster")
+        .help("use a tile set whose prefill gate_up `cluster` is [1, 1], or the GPU's real SM count"),
+    })?;
+    kernels.extend(apks);
+    plan.kernels = kernels;
+    Ok(())
+}
+
+/// The router and permutation kernels.
+fn routing(spec: &Spec, d: &Deploy, max_local: u32) -> Vec<KernelInstance> {
     let m = spec.model(d.model);
     let arch = spec.cluster(d.cluster).gpu.arch;
     let tiles = spec.tile_set(d.tiles);
@@ -160,6 +187,22 @@ pub fn run(spec: &Spec, d: &Deploy, max_local: u32) -> Vec<KernelInstance> {
 pub const DECODE_TOKENS_PER_RANK: u32 = 128;
 /// Decode requests per rank the x*_moe footprint assumes without a layout search.
 const NOMINAL_DECODE_PER_RANK: f64 = 64.0;
+/// Why no APK can be generated.
+pub enum ApkError {
+    Target(TileError),
+    /// The GPU has fewer SMs than one CTA cluster.
+    TooFewSms {
+        sms: u32,
+        cluster: u32,
+    },
+}
+
+impl From<TileError> for ApkError {
+    fn from(e: TileError) -> ApkError {
+        ApkError::Target(e)
+    }
+}
+
 /// One APK per distinct local expert count (ranks with the same count share
 /// a kernel; a rank's first expert is a run-time offset of its weights).
 /// Decode's SM budget q and x*_moe come from the layout search's best
@@ -172,10 +215,13 @@ pub fn apk(
     ranks: &[RankPlan],
     cm: &CostModel,
     search: Option<&SearchResult>,
-) -> Result<Vec<KernelInstance>, TileError> {
+) -> Result<Vec<KernelInstance>, ApkError> {
     let m = spec.model(d.model);
     let c = spec.cluster(d.cluster);
     let target = target::of(c.gpu.arch);
+    if c.gpu.sms < cm.cluster {
+        return Err(ApkError::TooFewSms { sms: c.gpu.sms, cluster: cm.cluster });
+    }
     let weights = target.weight_format(m.dtype.experts, m.dtype.block_scale)?;
     let fp8 = weights == WeightFormat::Fp8E4m3;
     let tiles = spec.tile_set(d.tiles);
@@ -193,8 +239,12 @@ pub fn apk(
     let m_t_p = tiles.prefill.gate_up.block_m;
     let m_t_d = tiles.decode.gate_up.block_m;
     let round = |v: u32| v.div_ceil(cluster_size) * cluster_size;
+    // Whole clusters: decode may hold all but one of them (prefill keeps one
+    // whenever the GPU has two).
+    let clusters = c.gpu.sms / cluster_size;
+    let q_max = clusters.saturating_sub(1).max(1) * cluster_size;
     let best = search.and_then(|s| s.ranked.first());
-    let q = best.map_or(round(c.gpu.sms / 2), |b| round(b.q)).clamp(cluster_size, c.gpu.sms);
+    let q = best.map_or(round(c.gpu.sms / 2), |b| round(b.q)).clamp(cluster_size, q_max);
     let decode_batch = best.map_or(NOMINAL_DECODE_PER_RANK * f64::from(world), |b| f64::from(b.decode_batch));
     let mut counts: Vec<u32> = ranks.iter().map(|r| r.experts[1] - r.experts[0]).filter(|&n| n > 0).collect();
     counts.sort_unstable();
@@ -220,11 +270,11 @@ pub fn apk(
                 n_t_gate_up: tiles.prefill.gate_up.block_n,
                 n_t_down: tiles.prefill.down.block_n,
                 cluster_size,
-                max_clusters: c.gpu.sms / cluster_size,
+                max_clusters: clusters,
                 max_prefill_rows: routed_rows.div_ceil(m_t_p) * m_t_p,
                 max_decode_rows: DECODE_TOKENS_PER_RANK * world,
                 q,
-                q_max: c.gpu.sms - cluster_size,
+                q_max,
                 x_star: (x_star * 1000.0).round() / 1000.0,
                 weights,
                 scale_block: if fp8 { FP8_SCALE_BLOCK } else { 0 },

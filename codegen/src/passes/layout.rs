@@ -7,15 +7,17 @@
 //! later versions; when the spec asks for something else, the plan says so in
 //! `DeployLayout::note` rather than pretending.
 
-use moeforge_dsl::spec::{Deploy, Spec, Strategy};
-use moeforge_plan::{DeployLayout, RankPlan};
+use super::{Ctx, PassError};
+use moeforge_dsl::spec::Strategy;
+use moeforge_plan::{DeployLayout, Plan, RankPlan};
 
-pub fn run(spec: &Spec, d: &Deploy) -> (DeployLayout, Vec<RankPlan>) {
-    let m = spec.model(d.model);
-    let c = spec.cluster(d.cluster);
+/// Writes `plan.layout` and `plan.ranks`. It does not size memory or choose
+/// kernels, and it never fails: any world and expert count stripe.
+pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
+    let (m, c, d) = (cx.model, cx.cluster, cx.deploy);
     let world = c.world_size();
     let (base, extra) = (m.moe.experts / world, m.moe.experts % world);
-    let ranks = (0..world)
+    plan.ranks = (0..world)
         .map(|r| {
             let begin = r * base + r.min(extra);
             let count = base + u32::from(r < extra);
@@ -34,7 +36,7 @@ pub fn run(spec: &Spec, d: &Deploy) -> (DeployLayout, Vec<RankPlan>) {
             serde_json::to_value(other).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default()
         )),
     };
-    let layout = DeployLayout {
+    plan.layout = DeployLayout {
         requested: d.strategy,
         attention: format!("dp{world}"),
         moe: format!("ep{world}"),
@@ -42,5 +44,5 @@ pub fn run(spec: &Spec, d: &Deploy) -> (DeployLayout, Vec<RankPlan>) {
         max_experts_per_rank: base + u32::from(extra > 0),
         note,
     };
-    (layout, ranks)
+    Ok(())
 }

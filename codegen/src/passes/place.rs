@@ -7,17 +7,35 @@
 //! (no replication, EPLB, Zepp) on the same loads. Advisory in this version:
 //! the memory plan and kernels hold one replica per expert.
 
+use super::{At, Ctx, PassError};
 use crate::placement::{
     eplb, layer_cost, none, route_local, route_uniform, zepp, zipf_loads, Flows, LayerShape, Topology,
 };
 use moeforge_dsl::spec::{Deploy, PlacementPolicy, Routing, Spec};
+use moeforge_dsl::Code;
 use moeforge_plan::cost::CostModel;
 use moeforge_plan::placement::PlacementPlan;
+use moeforge_plan::Plan;
 
 /// Tokens per GPU the latency comparison assumes (a mid-sized prefill batch).
 pub const TOKENS_PER_GPU: f64 = 256.0;
 
-pub fn run(
+/// Writes `plan.placement` for `zepp` and `eplb`. It does not put replicas
+/// into the memory plan.
+pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
+    let measured = cx.opts.loads.as_ref().map(|(l, digest)| (l.as_slice(), digest.as_str()));
+    plan.placement = place(cx.spec, cx.deploy, &plan.cost, measured).map_err(|e| {
+        // Statistics that do not match the model point at the placement block that reads them.
+        let at = if e.contains("expert statistics") { "placement" } else { "placement.redundant_experts" };
+        let at = At::Deploy(at.into());
+        PassError::new(Code::Unsupported, at, format!("expert placement failed: {e}")).label("placement policy").help(
+            "(experts + redundant_experts) must be a multiple of the GPU count; measured loads must match the model",
+        )
+    })?;
+    Ok(())
+}
+
+fn place(
     spec: &Spec,
     d: &Deploy,
     cm: &CostModel,

@@ -21,12 +21,14 @@
 //! The result is advisory in this version: the bundle's memory plan and
 //! kernels still follow the colocated layout.
 
-use moeforge_dsl::spec::{Deploy, Spec};
+use super::{Ctx, PassError};
+use moeforge_dsl::spec::{Deploy, Spec, Strategy};
 use moeforge_plan::cost::step::{Env, Load, MoeSide, Sms};
 use moeforge_plan::cost::CostModel;
 use moeforge_plan::memory::Workspace;
 use moeforge_plan::search::{moe_side, Candidate, SearchResult};
 use moeforge_plan::workload::{mean, Side};
+use moeforge_plan::Plan;
 
 /// Largest batches the search considers.
 pub const MAX_DECODE_BATCH: u32 = 8192;
@@ -34,13 +36,13 @@ pub const MAX_PREFILL_TOKENS: u32 = 262_144;
 
 /// Mean-length iteration times of a layout, through the cost model's one
 /// iteration-time function ([`Env::iteration`]).
-struct Ctx<'a> {
+struct Lengths<'a> {
     env: &'a Env,
     input: f64,
     output: f64,
 }
 
-impl Ctx<'_> {
+impl Lengths<'_> {
     /// Decode iteration with `b` requests over the decode servers, decode holding `q` SMs.
     fn t_decode(&self, c: &Shape, b: f64, q: u32) -> f64 {
         let per = b / f64::from(c.decode);
@@ -119,15 +121,29 @@ fn max_feasible(hi: u32, ok: impl Fn(u32) -> bool) -> u32 {
     lo
 }
 
-pub fn run(spec: &Spec, d: &Deploy, cm: &CostModel) -> SearchResult {
+/// Writes `plan.search` for the `expertplex` and `auto` strategies. It does
+/// not change the layout the memory plan and kernels follow, and never fails:
+/// a deployment no layout serves gets an empty ranking.
+pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
+    if matches!(cx.deploy.strategy, Strategy::Expertplex | Strategy::Auto) {
+        plan.search = Some(search(cx.spec, cx.deploy, &plan.cost));
+    }
+    Ok(())
+}
+
+/// ExpertPlex Algorithm 1 for deployment `d` on cost model `cm`.
+pub fn search(spec: &Spec, d: &Deploy, cm: &CostModel) -> SearchResult {
     let m = spec.model(d.model);
     let c = spec.cluster(d.cluster);
     let tiles = spec.tile_set(d.tiles);
     let world = c.world_size();
     let env = Env::new(m, c, tiles, d, cm, Workspace::of(m, false).bytes());
     let routed = env.weights - env.nonrouted;
-    let cx =
-        Ctx { env: &env, input: mean(&d.workload.input, Side::Input), output: mean(&d.workload.output, Side::Output) };
+    let cx = Lengths {
+        env: &env,
+        input: mean(&d.workload.input, Side::Input),
+        output: mean(&d.workload.output, Side::Output),
+    };
     let qs = decode_budgets(cm.sms, cm.cluster);
     let mut all: Vec<Candidate> = Vec::new();
     let (mut considered, mut fitting) = (0, 0);

@@ -3,61 +3,75 @@
 //!
 //! It does not re-check what the dsl checker guarantees.
 
-use moeforge_dsl::spec::{DType, DeployId, Routing};
-use moeforge_dsl::{Checked, Code, Diagnostic, Diagnostics};
+use super::{At, Ctx, PassError};
+use moeforge_dsl::spec::{DType, Routing};
+use moeforge_dsl::Code;
+use moeforge_plan::Plan;
 
 /// Largest expert count the warp-per-token router holds in registers (32 per lane).
 pub const MAX_ROUTER_EXPERTS: u32 = 1024;
 
-pub fn check(checked: &Checked, id: DeployId) -> Diagnostics {
-    let spec = &checked.spec;
-    let d = spec.deploy(id);
-    let m = spec.model(d.model);
-    let ms = &checked.spans.models[d.model.index()];
-    let span = |path: &str| ms.get(path).unwrap_or(moeforge_dsl::Span::new(moeforge_dsl::FileId(0), 0, 0));
-    let mut out = Diagnostics::default();
+/// Plans nothing; fails with every unsupported feature of the model.
+pub fn run(cx: &Ctx<'_>, _plan: &mut Plan) -> Result<(), Vec<PassError>> {
+    let m = cx.model;
+    let at = |p: &str| At::Model(p.into());
+    let mut out = Vec::new();
     if m.dtype.experts == DType::Mxfp4 {
         out.push(
-            Diagnostic::new(
+            PassError::new(
                 Code::Unsupported,
+                at("dtype.experts"),
                 format!("`{}` stores experts in mxfp4, which the kernel generator does not support yet", m.name),
             )
-            .at(span("dtype.experts"), "mxfp4 experts")
+            .label("mxfp4 experts")
             .help("moeforge v1 emits bf16 and fp8 e4m3 expert kernels; use a bf16 or fp8 checkpoint of this model"),
         );
     }
     if m.dtype.activations == DType::Fp8E4m3 {
         out.push(
-            Diagnostic::new(Code::Unsupported, "fp8 activations at dispatch are not generated yet")
-                .at(span("dtype.activations"), "fp8 activations")
-                .help("declare `activations = bf16`; experts may still be fp8"),
+            PassError::new(
+                Code::Unsupported,
+                at("dtype.activations"),
+                "fp8 activations at dispatch are not generated yet",
+            )
+            .label("fp8 activations")
+            .help("declare `activations = bf16`; experts may still be fp8"),
         );
     }
     if m.moe.experts > MAX_ROUTER_EXPERTS {
         out.push(
-            Diagnostic::new(
+            PassError::new(
                 Code::Unsupported,
+                at("moe.experts"),
                 format!("{} routed experts exceed the router kernel's {MAX_ROUTER_EXPERTS}", m.moe.experts),
             )
-            .at(span("moe.experts"), "too many experts for one warp")
+            .label("too many experts for one warp")
             .help("the router holds a token's scores in one warp's registers"),
         );
     }
     if let Routing::SigmoidGrouped { groups, .. } = m.moe.routing {
         if groups > 32 {
             out.push(
-                Diagnostic::new(Code::Unsupported, format!("{groups} expert groups exceed the router kernel's 32"))
-                    .at(span("moe.routing.groups"), "too many groups")
-                    .help("the router keeps the selected groups in a 32-bit mask"),
+                PassError::new(
+                    Code::Unsupported,
+                    at("moe.routing.groups"),
+                    format!("{groups} expert groups exceed the router kernel's 32"),
+                )
+                .label("too many groups")
+                .help("the router keeps the selected groups in a 32-bit mask"),
             );
         }
     }
     if m.hidden % 8 != 0 {
         out.push(
-            Diagnostic::new(Code::Unsupported, format!("hidden = {} is not a multiple of 8", m.hidden))
-                .at(span("hidden"), "rows are copied in 16-byte vectors")
+            PassError::new(Code::Unsupported, at("hidden"), format!("hidden = {} is not a multiple of 8", m.hidden))
+                .label("rows are copied in 16-byte vectors")
                 .help("the permute kernels move bf16 rows as 16-byte vectors"),
         );
     }
-    out
+    if out.is_empty() {
+        Ok(())
+    } else {
+        Err(out)
+    }
 }

@@ -147,7 +147,7 @@ fn erfc(x: f64) -> f64 {
 }
 
 /// Link figures the communication model uses (bytes/s, seconds).
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize, Default)]
 pub struct Links {
     pub scale_up_bw: f64,
     pub scale_up_latency: f64,
@@ -159,7 +159,7 @@ pub struct Links {
 }
 
 /// The fitted components of one deployment, per layer.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, Default)]
 pub struct CostModel {
     /// `roofline`, or `profile sha256:…` when a measured profile was fitted.
     pub source: String,

@@ -1,6 +1,6 @@
 //! Memory plan pass: the unified buffer of every rank, its regions and the
-//! TP and EP views (Moebius §4.2), and the direct-transfer reshard
-//! descriptors (§3.1, §4.3) when the deployment switches.
+//! TP and EP views (Moebius §4.2). The direct-transfer reshard descriptors
+//! between the views are the `reshard` pass's.
 //!
 //! Dual mode is planned when the deploy enables `switch` on a single node and
 //! the shapes shard evenly (experts and expert FFN by P, query heads by P, KV
@@ -9,8 +9,11 @@
 //! runtime's coordinator does) nor build KV transfer descriptors (they depend
 //! on live page tables; the plan gives the head ownership they are built from).
 
+use super::{At, Ctx, PassError};
 use moeforge_dsl::spec::{Attention, DType, Deploy, Model, Routing, Spec};
+use moeforge_dsl::Code;
 use moeforge_plan::memory::*;
+use moeforge_plan::Plan;
 
 struct Tensor {
     role: TensorRole,
@@ -134,10 +137,11 @@ fn single_mode_reason(spec: &Spec, d: &Deploy) -> Option<String> {
     None
 }
 
-pub fn run(spec: &Spec, d: &Deploy) -> Result<MemoryPlan, String> {
-    let m = spec.model(d.model);
-    let c = spec.cluster(d.cluster);
-    let reason = single_mode_reason(spec, d);
+/// Writes `plan.memory` (its reshard descriptors are the next pass's). It
+/// does not decide when to switch, nor place experts other than striped.
+pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
+    let (m, c, d) = (cx.model, cx.cluster, cx.deploy);
+    let reason = single_mode_reason(cx.spec, d);
     let dual = reason.is_none();
     let p = if dual { c.gpus_per_node } else { c.world_size() };
     let modes: Vec<Mode> = if dual { vec![Mode::Tp, Mode::Ep] } else { vec![Mode::Ep] };
@@ -279,19 +283,38 @@ pub fn run(spec: &Spec, d: &Deploy) -> Result<MemoryPlan, String> {
 
     let fixed = b.at;
     if fixed > buffer_bytes {
-        return Err(format!(
-            "each GPU needs {:.2} GB of weights and buffers but the unified buffer is {:.2} GB ({:.0}% of {:.1} GB)",
-            fixed as f64 / 1e9,
-            buffer_bytes as f64 / 1e9,
-            d.memory_fraction * 100.0,
-            c.gpu.hbm as f64 / 1e9
-        ));
+        let need = fixed as f64 / 1e9;
+        let have = buffer_bytes as f64 / 1e9;
+        return Err(PassError::new(
+            Code::WeightsDoNotFit,
+            At::Deploy("memory_fraction".into()),
+            format!(
+                "deployment `{}` does not fit: each GPU needs {need:.2} GB of weights and buffers but the unified buffer is {have:.2} GB ({:.0}% of {:.1} GB), {:.2} GB short",
+                d.name,
+                d.memory_fraction * 100.0,
+                c.gpu.hbm as f64 / 1e9,
+                need - have
+            ),
+        )
+        .label("per-GPU budget too small")
+        .help("raise `memory_fraction`, use a cluster with more GPUs, or a lower-precision checkpoint")
+        .into());
     }
     let pool = buffer_bytes - fixed;
     let (kv_region, _) = b.region(RegionKind::KvPool, pool, &modes);
     let kv = kv_plan(m, p, dual, pool, kv_region);
     if kv.ep.pages == 0 {
-        return Err("no room is left for a single KV-cache page".into());
+        return Err(PassError::new(
+            Code::WeightsDoNotFit,
+            At::Deploy("memory_fraction".into()),
+            format!(
+                "deployment `{}` does not fit: {pool} bytes are left for the KV cache, one page of {} tokens needs {}",
+                d.name, kv.page_tokens, kv.ep.page_bytes
+            ),
+        )
+        .label("per-GPU budget too small")
+        .help("raise `memory_fraction` or use GPUs with more HBM")
+        .into());
     }
     // The pool region was aligned up; keep the buffer exact.
     if let Some(r) = b.regions.last_mut() {
@@ -311,8 +334,7 @@ pub fn run(spec: &Spec, d: &Deploy) -> Result<MemoryPlan, String> {
         overhead_bytes,
         overhead_fraction: overhead_bytes as f64 / buffer_bytes as f64,
     };
-    let reshard = dual.then(|| crate::passes::reshard::weights(&slots, e, i, h, elt, p));
-    Ok(MemoryPlan {
+    plan.memory = MemoryPlan {
         hbm: c.gpu.hbm,
         memory_fraction: d.memory_fraction,
         buffer_bytes,
@@ -325,11 +347,11 @@ pub fn run(spec: &Spec, d: &Deploy) -> Result<MemoryPlan, String> {
         views: b.views,
         slots,
         kv,
-        reshard,
+        reshard: None,
         overhead,
-    })
+    };
+    Ok(())
 }
-
 /// Bytes of the TP views that alias the EP attention copy (a single TP plan
 /// would need its own copy of them).
 fn aliased_bytes(views: &[View], attention_ep: Option<RegionId>) -> u64 {
