@@ -185,6 +185,31 @@ fn mxfp4_is_declared_but_rejected_by_compile() {
     assert!(!out.exists());
 }
 
+/// GPT-OSS's clamped SwiGLU on bf16 experts: the checker accepts it, the
+/// capability table says the APK's epilogue computes plain SiLU, so compile
+/// refuses it at the `activation` field instead of emitting wrong math.
+#[test]
+fn a_feature_the_kernels_lack_is_refused_where_the_spec_asks_for_it() {
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let oss = std::fs::read_to_string(root().join("models/gpt-oss-120b.moe")).unwrap_or_default();
+    std::fs::write(tmp.path().join("oss-bf16.moe"), oss.replace("experts = mxfp4", "experts = bf16")).ok();
+    let f = write_spec(
+        tmp.path(),
+        "d.moe",
+        &["models/clusters.moe", "models/tiles.moe"],
+        "use \"oss-bf16.moe\"
+         deploy oss { model = gpt-oss-120b cluster = h200x8 tiles = hopper-bf16 slo { ttft = 1s tpot = 50ms }
+         workload { input = sharegpt output = sharegpt arrival poisson { rate = 1req/s } } }\n",
+    );
+    let out = tmp.path().join("o");
+    let o = moeforge(&["compile", f.to_str().unwrap_or_default(), "-o", out.to_str().unwrap_or_default()], None);
+    assert_eq!(o.status.code(), Some(1));
+    let err = text(&o.stderr);
+    assert!(err.contains("E0200") && err.contains("swiglu_oai") && err.contains("SiLU(gate)"), "{err}");
+    assert!(err.contains("oss-bf16.moe:") && err.contains("activation = swiglu_oai"), "not located: {err}");
+    assert!(!out.exists());
+}
+
 /// A tile set the dsl accepts (block_k a multiple of the MMA's k) but the
 /// APK's wgmma path cannot use (it stages 128-byte swizzled rows, so block_k
 /// must be a multiple of 64 bf16): a located error with a hint, nothing written.

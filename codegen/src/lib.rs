@@ -147,7 +147,8 @@ pub fn emit(
         Some(v) => emit::report::Toolchain::Compiled { nvcc_version: v, stats: &stats, sass: &sass },
         None => emit::report::Toolchain::Skipped(skipped),
     };
-    bundle.add("report.md", emit::report::render(p, &toolchain));
+    let model = checked.spec.model(checked.spec.deploy(id).model);
+    bundle.add("report.md", emit::report::render(p, model, &toolchain));
     bundle.seal(Manifest {
         format_version: FORMAT_VERSION,
         tool: TOOL.to_string(),

@@ -12,6 +12,7 @@
 //! links it, not the compiler.
 
 pub mod bundle;
+pub mod caps;
 pub mod cost;
 pub mod memory;
 pub mod placement;

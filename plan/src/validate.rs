@@ -466,6 +466,8 @@ fn kernels(c: &mut Check, p: &Plan) {
         match &k.params {
             KernelParams::Router(r) => {
                 let ok = r.top_k <= r.experts
+                    && r.experts <= crate::caps::ROUTER_MAX_EXPERTS
+                    && r.groups <= crate::caps::ROUTER_MAX_GROUPS
                     && r.experts == p.model.experts
                     && r.top_k == p.model.top_k
                     && r.per_lane.checked_mul(32).is_some_and(|x| x >= r.experts)
@@ -496,7 +498,9 @@ fn kernels(c: &mut Check, p: &Plan) {
                 let path_ok = (a.path == MmaPath::Wgmma) == (k.arch == moeforge_dsl::spec::Arch::Sm90a);
                 let fp8_ok = (a.weights == WeightFormat::Fp8E4m3) == (a.scale_block > 0);
                 let rows_ok = a.max_prefill_rows % a.m_t_prefill.max(1) == 0 && a.x_star > 0.0;
-                let ok = tiles_ok && shape_ok && q_ok && path_ok && fp8_ok && rows_ok;
+                // The GateUp epilogue computes SiLU(gate)·up (caps: no clamped SwiGLU).
+                let act_ok = a.activation == moeforge_dsl::spec::Activation::Silu;
+                let ok = tiles_ok && shape_ok && q_ok && path_ok && fp8_ok && rows_ok && act_ok;
                 c.ensure(ok, format!("{f}.params"), || format!("APK constants inconsistent: {a:?}"));
                 for &r in &a.ranks {
                     let held = p.ranks.get(r as usize).map(|x| x.experts[1].saturating_sub(x.experts[0]));

@@ -20,7 +20,7 @@ pub enum Toolchain<'a> {
     Skipped(&'a str),
 }
 
-pub fn render(plan: &Plan, toolchain: &Toolchain<'_>) -> String {
+pub fn render(plan: &Plan, model: &moeforge_dsl::spec::Model, toolchain: &Toolchain<'_>) -> String {
     let mut s = String::new();
     let m = &plan.model;
     let c = &plan.cluster;
@@ -67,6 +67,7 @@ pub fn render(plan: &Plan, toolchain: &Toolchain<'_>) -> String {
     if let Some(n) = &l.note {
         let _ = writeln!(s, "> {n}\n");
     }
+    capabilities(&mut s, model);
     memory(&mut s, plan);
     search(&mut s, plan);
     placement(&mut s, plan);
@@ -138,6 +139,19 @@ pub fn render(plan: &Plan, toolchain: &Toolchain<'_>) -> String {
         }
     }
     s
+}
+
+/// What each component of the stack can run of this model (the capability table).
+fn capabilities(s: &mut String, model: &moeforge_dsl::spec::Model) {
+    use moeforge_plan::caps::{refusals, Component};
+    let _ = writeln!(s, "## Capabilities\n\n| component | runs this model |\n|---|---|");
+    for c in Component::ALL {
+        let refused: Vec<String> =
+            refusals(model, c).iter().map(|(u, why)| format!("{} ({why})", u.feature.name())).collect();
+        let verdict = if refused.is_empty() { "yes".to_string() } else { format!("no: {}", refused.join("; ")) };
+        let _ = writeln!(s, "| {} | {verdict} |", c.name());
+    }
+    let _ = writeln!(s);
 }
 
 /// The memory plan section: the per-rank buffer by region (the shape of

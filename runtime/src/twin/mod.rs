@@ -39,7 +39,8 @@ use crate::reference::{route, RoutingRule};
 use crate::LoadedBundle;
 use coordinator::{Coordinator, Policy};
 use math::{argmax, attend, bf16s, put_bf16s, rms_norm, rope, silu, Mat};
-use moeforge_dsl::spec::{Activation, Attention, DType, Model, Routing};
+use moeforge_dsl::spec::{Attention, Model, Routing};
+use moeforge_plan::caps;
 use moeforge_plan::memory::{Copy, LayerOrder, MemoryPlan, Mode, RegionKind, TensorRole, View, WeightReshard};
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Instant;
@@ -71,25 +72,14 @@ pub struct TwinModel {
 
 impl TwinModel {
     pub fn from_spec(m: &Model) -> Result<TwinModel, String> {
-        let Attention::Gqa { heads, kv_heads, head_dim, qk_norm, rope_dim, sinks } = m.attention else {
-            return Err(format!("`{}` uses MLA attention, which the CPU twin does not implement yet", m.name));
+        let refused = caps::refusals(m, caps::Component::CpuTwin);
+        if !refused.is_empty() {
+            let why: Vec<String> = refused.iter().map(|(u, why)| format!("{} ({why})", u.feature.name())).collect();
+            return Err(format!("the CPU twin cannot run `{}`: it uses {}", m.name, why.join(", ")));
+        }
+        let Attention::Gqa { heads, kv_heads, head_dim, qk_norm, rope_dim, .. } = m.attention else {
+            return Err(format!("the CPU twin cannot run `{}`: it uses MLA attention", m.name));
         };
-        if sinks || m.sliding_window.is_some() {
-            return Err(format!(
-                "`{}` uses attention sinks or a sliding window, which the CPU twin does not implement",
-                m.name
-            ));
-        }
-        if m.moe.activation != Activation::Silu {
-            return Err(format!("`{}` uses a clamped SwiGLU the CPU twin does not implement", m.name));
-        }
-        if m.dtype.weights != DType::Bf16 || m.dtype.experts != DType::Bf16 {
-            return Err(format!(
-                "the CPU twin runs bf16 checkpoints; `{}` declares {}",
-                m.name,
-                m.dtype.experts.name()
-            ));
-        }
         Ok(TwinModel {
             layers: m.layers as usize,
             hidden: m.hidden as usize,
