@@ -162,7 +162,7 @@ fn compile_picks_a_deployment_or_says_which() {
         None,
     );
     assert!(o.status.success(), "{}", text(&o.stderr));
-    let model = load_bundle(&out).map(|b| b.plan.model.name).unwrap_or_default();
+    let model = load_bundle(&out).map(|b| b.plan.model.name.clone()).unwrap_or_default();
     assert_eq!(model, "glm-4.5-air");
 }
 
@@ -384,7 +384,7 @@ fn compile_takes_measured_expert_loads() {
     let o = compile(&good, &out);
     assert!(o.status.success(), "{}", text(&o.stderr));
     let plan = load_bundle(&out).unwrap().plan;
-    let p = plan.placement.unwrap();
+    let p = plan.placement.clone().unwrap();
     assert!(p.loads.starts_with("sglang sha256:"), "{}", p.loads);
     assert_eq!(p.replicas.len(), 62);
     assert!(p.replicas[0].iter().all(|g| g.len() == 36));

@@ -41,7 +41,7 @@ fn exercise(text: &str, dir: &std::path::Path) -> Outcome {
                 codegen::emit(&checked, id, &plan, &NvccMode::Off).unwrap_or_else(|e| panic!("{e}\n{text}"));
             bundle.write(dir).unwrap();
             let loaded = moeforge::plan::load_bundle(dir).unwrap_or_else(|e| panic!("{e}\n{text}"));
-            assert_eq!(&loaded.plan, plan.plan());
+            assert_eq!(loaded.plan.plan(), plan.plan());
             Outcome::Bundle
         }
     }

@@ -12,9 +12,12 @@ mod common;
 use common::Rng;
 use moeforge::codegen::{self, NvccMode};
 use moeforge::plan::memory::Mode;
+use moeforge::plan::memory::TensorRole;
+use moeforge::runtime::engine::{Engine, Request};
+use moeforge::runtime::policy::{Clock, Driver, Policy};
 use moeforge::runtime::twin::dense::Dense;
 use moeforge::runtime::twin::weights::{write_random, Checkpoint, Family};
-use moeforge::runtime::twin::{Request, Twin, TwinModel};
+use moeforge::runtime::twin::{Twin, TwinModel};
 use moeforge::runtime::{load_bundle, LoadedBundle};
 use proptest::prelude::*;
 
@@ -104,7 +107,6 @@ fn workload(rng: &mut Rng, n: usize, vocab: usize) -> Vec<(usize, Request)> {
 fn run(t: &mut Twin, reqs: &[(usize, Request)], switch_at: &[usize]) -> usize {
     let mut switched = 0;
     t.keep_logits = true;
-    t.set_policy(None);
     for step in 0..200 {
         for (at, r) in reqs {
             if *at == step {
@@ -230,24 +232,25 @@ fn policy_switches_on_load_and_tokens_still_match() {
     }
     let mut t = Twin::new(&su.bundle, &su.ck, Mode::Tp).unwrap();
     t.keep_logits = true;
-    t.set_clock(moeforge::runtime::twin::Clock::Logical { step_seconds: 1.0 });
-    assert_eq!(t.policy().map(|p| (p.t_high, p.t_low, p.window)), Some((4, 2, 2)));
+    let policy = Policy::from_spec(&su.bundle.spec.deploys[0].switch);
+    let mut d = Driver::new(t, Some(policy)).with_clock(Clock::Logical { step_seconds: 1.0 });
+    assert_eq!(d.policy().map(|p| (p.t_high, p.t_low, p.window)), Some((4, 2, 2)));
     for step in 0..100 {
         for (at, r) in &reqs {
             if *at == step {
-                t.submit(r.clone()).unwrap();
+                d.engine.submit(r.clone()).unwrap();
             }
         }
-        if step > 6 && t.idle() {
+        if step > 6 && d.engine.idle() {
             break;
         }
-        t.step().unwrap();
+        d.step().unwrap();
     }
-    let path: Vec<(Mode, Mode)> = t.events.iter().filter(|e| e.cancelled.is_none()).map(|e| (e.from, e.to)).collect();
-    assert!(path.len() >= 2 && path[0] == (Mode::Tp, Mode::Ep) && path[1] == (Mode::Ep, Mode::Tp), "{:?}", t.events);
-    let first = &t.events[0];
+    let path: Vec<(Mode, Mode)> = d.events.iter().filter(|e| e.cancelled.is_none()).map(|e| (e.from, e.to)).collect();
+    assert!(path.len() >= 2 && path[0] == (Mode::Tp, Mode::Ep) && path[1] == (Mode::Ep, Mode::Tp), "{:?}", d.events);
+    let first = &d.events[0];
     assert!(first.inflight > 4, "switched to EP at {} in flight", first.inflight);
-    compare("policy", &t, &dense, &reqs);
+    compare("policy", &d.engine, &dense, &reqs);
 }
 
 /// A switch to TP that cannot hold the live KV cache is cancelled, and
@@ -268,7 +271,6 @@ fn switch_is_cancelled_when_the_target_cannot_hold_the_kv_cache() {
         (0..7).map(|i| (0, Request::new(i, vec![(i as u32 * 7) % 128; 12], 12))).collect();
     let mut t = Twin::new(&su.bundle, &su.ck, Mode::Ep).unwrap();
     t.keep_logits = true;
-    t.set_policy(None);
     for (_, r) in &reqs {
         t.submit(r.clone()).unwrap();
     }
@@ -328,28 +330,28 @@ fn views_hold_the_checkpoint_bytes_in_both_modes() {
     for l in 0..s.layers {
         let pre = format!("model.layers.{l}.self_attn");
         for r in 0..p {
-            let q = t.view_bytes(r, Mode::Tp, "model.layers.{l}.self_attn.q_proj.weight", l).unwrap();
+            let q = t.view_bytes(r, Mode::Tp, TensorRole::QProj, l).unwrap();
             let per = su.model.heads / p;
             assert_eq!(q, rows(&ck(&format!("{pre}.q_proj.weight")), h, r * per * hd, (r + 1) * per * hd));
             let [ka, kb] = su.bundle.plan.memory.kv.tp_heads[r];
-            let k = t.view_bytes(r, Mode::Tp, "model.layers.{l}.self_attn.k_proj.weight", l).unwrap();
+            let k = t.view_bytes(r, Mode::Tp, TensorRole::KProj, l).unwrap();
             assert_eq!(k, rows(&ck(&format!("{pre}.k_proj.weight")), h, ka as usize * hd, kb as usize * hd));
-            let o = t.view_bytes(r, Mode::Tp, "model.layers.{l}.self_attn.o_proj.weight", l).unwrap();
+            let o = t.view_bytes(r, Mode::Tp, TensorRole::OProj, l).unwrap();
             let full = ck(&format!("{pre}.o_proj.weight"));
             let cols = su.model.heads * hd;
             let want: Vec<u8> = (0..h)
                 .flat_map(|row| full[2 * (row * cols + r * per * hd)..2 * (row * cols + (r + 1) * per * hd)].to_vec())
                 .collect();
             assert_eq!(o, want);
-            let e = t.view_bytes(r, Mode::Ep, "model.layers.{l}.self_attn.q_proj.weight", l).unwrap();
+            let e = t.view_bytes(r, Mode::Ep, TensorRole::QProj, l).unwrap();
             assert_eq!(e, ck(&format!("{pre}.q_proj.weight")));
         }
     }
     let expect_experts = |t: &Twin, mode: Mode| {
         for l in 0..s.layers {
             for r in 0..p {
-                let w13 = t.view_bytes(r, mode, "model.layers.{l}.mlp.experts.w13", l).unwrap();
-                let w2 = t.view_bytes(r, mode, "model.layers.{l}.mlp.experts.w2", l).unwrap();
+                let w13 = t.view_bytes(r, mode, TensorRole::ExpertsW13, l).unwrap();
+                let w2 = t.view_bytes(r, mode, TensorRole::ExpertsW2, l).unwrap();
                 let (mut want13, mut want2) = (Vec::new(), Vec::new());
                 let experts: Vec<usize> = match mode {
                     Mode::Ep => (r * 8 / p..(r + 1) * 8 / p).collect(),
@@ -372,7 +374,6 @@ fn views_hold_the_checkpoint_bytes_in_both_modes() {
         }
     };
     expect_experts(&t, Mode::Ep);
-    t.set_policy(None);
     assert!(t.switch_to(Mode::Tp).unwrap());
     expect_experts(&t, Mode::Tp);
     assert!(t.switch_to(Mode::Ep).unwrap());
@@ -390,4 +391,41 @@ fn bad_requests_are_refused() {
     assert!(t.submit(Request::new(4, vec![9999], 3)).unwrap_err().to_string().contains("vocabulary"));
     t.run_to_completion(50).unwrap();
     assert_eq!(t.finished(), &[1]);
+}
+
+/// The engine interface: the tokens a step reports are each request's
+/// stream (equal to the dense reference's), a cancelled request frees its
+/// KV pages at once and the others finish unchanged, stats follow.
+#[test]
+fn engine_streams_tokens_and_cancel_frees_kv() {
+    let su = setup(QWEN, Family::Qwen3Moe, 11, 0.25);
+    let dense = Dense::new(&su.model, &su.ck).unwrap();
+    let mut t = Twin::new(&su.bundle, &su.ck, Mode::Ep).unwrap();
+    let reqs: Vec<Request> = (0..3).map(|i| Request::new(i, vec![(i as u32 * 11 + 1) % 128; 5], 6)).collect();
+    for r in &reqs {
+        t.submit(r.clone()).unwrap();
+    }
+    let mut streams: std::collections::BTreeMap<u64, Vec<u32>> = Default::default();
+    let mut collect = |out: moeforge::runtime::engine::StepOutput| {
+        for (id, tok) in out.produced {
+            streams.entry(id).or_default().push(tok);
+        }
+    };
+    collect(t.step().unwrap());
+    collect(t.step().unwrap());
+    let before = t.stats();
+    assert_eq!((before.running, before.waiting), (3, 0));
+    assert!(t.cancel(1));
+    assert!(!t.cancel(1), "a cancelled request is gone");
+    let after = t.stats();
+    assert!(after.kv_pages_used < before.kv_pages_used, "{before:?} → {after:?}");
+    assert_eq!(after.running, 2);
+    while t.stats().inflight() > 0 {
+        collect(t.step().unwrap());
+    }
+    assert_eq!(t.stats().kv_pages_used, 0, "every page is free once all requests finished");
+    for r in [&reqs[0], &reqs[2]] {
+        assert_eq!(streams[&r.id], dense.generate(&r.prompt, r.max_new).tokens, "request {}", r.id);
+    }
+    assert_eq!(streams[&1].len(), 2, "the cancelled request produced nothing after its cancel");
 }

@@ -11,7 +11,8 @@
 //! Writing is atomic: files go to a temporary sibling directory which is
 //! renamed over DIR only when complete; on any error DIR is untouched.
 
-use crate::plan::{Plan, FORMAT_VERSION};
+use crate::plan::{ClusterFacts, ModelFacts, Plan, FORMAT_VERSION};
+use crate::validate::{ValidPlan, Violation};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
@@ -111,12 +112,13 @@ fn replace_dir(new: &Path, dir: &Path, parent: &Path, stem: &str) -> std::io::Re
     std::fs::remove_dir_all(&old)
 }
 
-/// A verified bundle.
+/// A verified bundle: hashes checked, the plan validated and consistent
+/// with its spec.
 #[derive(Clone, Debug)]
 pub struct LoadedBundle {
     pub dir: PathBuf,
     pub manifest: Manifest,
-    pub plan: Plan,
+    pub plan: ValidPlan,
     /// The deployment's checked spec (`spec.json`).
     pub spec: moeforge_dsl::Spec,
     /// Kernel sources by name.
@@ -137,6 +139,8 @@ pub enum BundleError {
     Missing { path: String },
     #[error("spec hash mismatch: manifest says {manifest}, {what} gives {found}")]
     SpecHash { manifest: String, what: &'static str, found: String },
+    #[error("plan.json is not a valid plan: {}{}", violations.iter().take(3).map(|v| v.to_string()).collect::<Vec<_>>().join("; "), if violations.len() > 3 { format!(" (and {} more)", violations.len() - 3) } else { String::new() })]
+    Plan { violations: Vec<Violation> },
 }
 
 fn read(dir: &Path, rel: &str) -> Result<Vec<u8>, BundleError> {
@@ -206,5 +210,41 @@ pub fn load_bundle(dir: &Path) -> Result<LoadedBundle, BundleError> {
         what: "spec",
         err: e.to_string(),
     })?;
+    let mut violations = spec_consistency(&plan, &spec);
+    let plan = match crate::validate::validate(plan) {
+        Ok(p) if violations.is_empty() => p,
+        Ok(_) => return Err(BundleError::Plan { violations }),
+        Err(v) => {
+            violations.extend(v);
+            return Err(BundleError::Plan { violations });
+        }
+    };
     Ok(LoadedBundle { dir: dir.to_path_buf(), manifest, plan, spec, kernels })
+}
+
+/// The plan's model and cluster facts are those of its spec: a plan edited
+/// apart from its spec is refused before a backend sizes anything from
+/// either.
+fn spec_consistency(plan: &Plan, spec: &moeforge_dsl::Spec) -> Vec<Violation> {
+    let mut out = Vec::new();
+    let (Some(m), Some(c)) = (spec.models.first(), spec.clusters.first()) else {
+        out.push(Violation { field: "spec.json".into(), message: "holds no model or cluster".into() });
+        return out;
+    };
+    if spec.deploys.len() != 1 || spec.tiles.len() != 1 {
+        out.push(Violation { field: "spec.json".into(), message: "is not one deployment's spec".into() });
+    }
+    if plan.model != ModelFacts::of(m) {
+        out.push(Violation {
+            field: "model".into(),
+            message: format!("does not match spec.json's model `{}`", m.name),
+        });
+    }
+    if plan.cluster != ClusterFacts::of(c) {
+        out.push(Violation {
+            field: "cluster".into(),
+            message: format!("does not match spec.json's cluster `{}`", c.name),
+        });
+    }
+    out
 }

@@ -23,6 +23,13 @@ use std::fmt;
 #[derive(Clone, Debug)]
 pub struct ValidPlan(Plan);
 
+impl std::ops::Deref for ValidPlan {
+    type Target = Plan;
+    fn deref(&self) -> &Plan {
+        &self.0
+    }
+}
+
 impl ValidPlan {
     pub fn plan(&self) -> &Plan {
         &self.0

@@ -1,16 +1,23 @@
-//! `moeforge-runtime`: loads bundles and runs them.
+//! `moeforge-runtime`: backends that execute or simulate a bundle.
 //!
-//! [`load_bundle`] reads a bundle directory and refuses it unless its format
-//! version matches, every file's SHA-256 matches the manifest, and the spec
-//! hash matches both `spec.json` and `plan.json`. [`twin`] is the `cpu`
+//! Takes a bundle loaded and validated by [`load_bundle`] (from
+//! `moeforge-plan`, which refuses a bundle whose format, hashes or plan
+//! invariants do not hold). Gives engines behind one step-level interface
+//! ([`engine::Engine`]: submit, step, cancel, switch, stats) and the
+//! switch-policy driver over any of them ([`policy`]). [`twin`] is the `cpu`
 //! backend: a real MoE decoder on simulated ranks over the bundle's memory
 //! plan, switching TP↔EP live. [`sim`] is the `sim` backend: a
 //! discrete-event serving simulator on the plan's cost model, comparing
 //! ExpertPlex-style sharing, Moebius-style switching and the baselines.
-//! [`batching`] is the admission rule both share. [`reference`] holds scalar
+//! [`batching`] is the admission rule they share. [`reference`] holds scalar
 //! references of the emitted kernels.
+//!
+//! This crate never links the compiler (`moeforge-codegen`) or its template
+//! engine.
 
 pub mod batching;
+pub mod engine;
+pub mod policy;
 pub mod reference;
 pub mod sim;
 pub mod twin;

@@ -18,11 +18,11 @@
 //! attainment (both met; refused requests miss) and P90 goodput, the highest
 //! rate at which ≥ 90% of requests meet both SLOs.
 
-mod engine;
+mod loops;
 pub mod report;
 pub mod workload;
 
-pub use engine::{Sharing, MAX_PREFILL_TOKENS};
+pub use loops::{Sharing, MAX_PREFILL_TOKENS};
 use moeforge_dsl::spec::Spec;
 use moeforge_plan::cost::expected_x_moe;
 use moeforge_plan::cost::step::{self as model, Env, MoeSide};
@@ -32,7 +32,7 @@ use moeforge_plan::search::SearchResult;
 use moeforge_plan::Plan;
 use workload::Req;
 
-use crate::twin::coordinator::{crossover, Policy};
+use crate::policy::{crossover, Policy};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum System {
@@ -400,10 +400,10 @@ impl<'a> Bench<'a> {
     pub fn simulate(&self, dep: &Deployment, reqs: &[Req]) -> Vec<Outcome> {
         match &dep.phases {
             Phases::Unified { chunk, tp, ep, switch } => {
-                engine::unified(&self.env, *chunk, (*tp, *ep), switch.as_ref(), reqs)
+                loops::unified(&self.env, *chunk, (*tp, *ep), switch.as_ref(), reqs)
             }
             Phases::Split { prefill, decode, sharing, kv_transfer } => {
-                engine::split(&self.env, prefill, decode, *sharing, *kv_transfer, reqs)
+                loops::split(&self.env, prefill, decode, *sharing, *kv_transfer, reqs)
             }
         }
     }

@@ -11,7 +11,7 @@
 use super::workload::Req;
 use super::{Outcome, Shape, Switching};
 use crate::batching::admit_fifo;
-use crate::twin::coordinator::Coordinator;
+use crate::policy::Coordinator;
 use moeforge_plan::cost::step::{Env, Iter, Load, Sms};
 use moeforge_plan::memory::Mode;
 use std::collections::VecDeque;

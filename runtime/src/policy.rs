@@ -1,15 +1,19 @@
-//! The switch coordinator (Moebius §4.5), run once per iteration.
+//! The switch policy (Moebius §4.5) and the driver that applies it to any
+//! [`Engine`].
 //!
-//! In TP it switches to EP as soon as the in-flight request count exceeds
-//! T_h; in EP it switches back when the mean count over the last W
-//! iterations (all spent in EP) is below T_ℓ ≤ T_h. After every switch, or
-//! a switch cancelled by the KV capacity check, nothing happens for the
-//! cooldown C. T_h = auto is calibrated at the TP/EP crossover from measured
-//! step costs ([`calibrate`]); T_ℓ = auto is 0.8·T_h.
+//! In TP the [`Coordinator`] switches to EP as soon as the in-flight request
+//! count exceeds T_h; in EP it switches back when the mean count over the
+//! last W iterations (all spent in EP) is below T_ℓ ≤ T_h. After every
+//! switch, or a switch cancelled by the KV capacity check, nothing happens
+//! for the cooldown C. T_h = auto is calibrated at the TP/EP crossover from
+//! measured step costs ([`calibrate`], [`crossover`]); T_ℓ = auto is 0.8·T_h.
+//! The simulator runs the same coordinator on modeled iterations.
 
+use crate::engine::{Engine, EngineError, Request, StepOutput, SwitchEvent};
 use moeforge_dsl::spec::SwitchPolicy;
 use moeforge_plan::memory::Mode;
 use std::collections::VecDeque;
+use std::time::Instant;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct Policy {
@@ -94,6 +98,104 @@ impl Coordinator {
 /// When EP never wins in the probed range, TP stays: `u32::MAX`.
 pub fn crossover(costs: &[(usize, f64, f64)]) -> u32 {
     costs.iter().find(|(_, tp, ep)| ep <= tp).map_or(u32::MAX, |(b, _, _)| *b as u32)
+}
+
+/// Measures decode step cost in TP and EP for each batch size (median of
+/// `steps` decode steps after the prefill step) on engines from `make`, for
+/// T_h calibration at the crossover (Moebius §4.5). Returns
+/// `(batch, tp seconds, ep seconds)`.
+pub fn calibrate<E: Engine>(
+    mut make: impl FnMut(Mode) -> Result<E, EngineError>,
+    vocab: usize,
+    batches: &[usize],
+    steps: usize,
+) -> Result<Vec<(usize, f64, f64)>, EngineError> {
+    let mut out = Vec::new();
+    for &b in batches {
+        let mut cost = [0f64; 2];
+        for (i, mode) in [Mode::Tp, Mode::Ep].into_iter().enumerate() {
+            let mut e = make(mode)?;
+            for id in 0..b {
+                e.submit(Request::new(id as u64, vec![(id % vocab.max(1)) as u32], steps + 1))?;
+            }
+            e.step()?; // prefill
+            let mut times: Vec<f64> = (0..steps).map(|_| e.step().map(|s| s.seconds)).collect::<Result<_, _>>()?;
+            times.sort_by(f64::total_cmp);
+            cost[i] = times.get(times.len() / 2).copied().unwrap_or(0.0);
+        }
+        out.push((b, cost[0], cost[1]));
+    }
+    Ok(out)
+}
+
+/// Time as the switch policy sees it.
+#[derive(Clone, Copy, Debug)]
+pub enum Clock {
+    Wall(Instant),
+    /// Each step advances time by this many seconds (deterministic tests).
+    Logical {
+        step_seconds: f64,
+    },
+}
+
+/// An engine under a switch policy: before each step the coordinator sees
+/// the engine's load and may switch it.
+pub struct Driver<E: Engine> {
+    pub engine: E,
+    coordinator: Option<Coordinator>,
+    clock: Clock,
+    steps: usize,
+    /// Every switch the policy made or attempted.
+    pub events: Vec<SwitchEvent>,
+}
+
+impl<E: Engine> Driver<E> {
+    /// `policy = None`: the engine switches only when asked.
+    pub fn new(engine: E, policy: Option<Policy>) -> Driver<E> {
+        Driver {
+            engine,
+            coordinator: policy.map(Coordinator::new),
+            clock: Clock::Wall(Instant::now()),
+            steps: 0,
+            events: vec![],
+        }
+    }
+
+    pub fn with_clock(mut self, clock: Clock) -> Driver<E> {
+        self.clock = clock;
+        self
+    }
+
+    pub fn policy(&self) -> Option<&Policy> {
+        self.coordinator.as_ref().map(|c| &c.policy)
+    }
+
+    fn now(&self) -> f64 {
+        match self.clock {
+            Clock::Wall(t0) => t0.elapsed().as_secs_f64(),
+            Clock::Logical { step_seconds } => self.steps as f64 * step_seconds,
+        }
+    }
+
+    /// Consults the policy (switching if it says so), then steps the engine.
+    pub fn step(&mut self) -> Result<StepOutput, EngineError> {
+        let stats = self.engine.stats();
+        let now = self.now();
+        if let (Some(c), Some(mode)) = (self.coordinator.as_mut(), stats.mode) {
+            if let Some(target) = c.decide(mode, stats.inflight(), now) {
+                let e = self.engine.switch(target)?;
+                if e.cancelled.is_some() {
+                    c.cancelled(now);
+                } else {
+                    c.switched(now);
+                }
+                self.events.push(e);
+            }
+        }
+        let out = self.engine.step()?;
+        self.steps += 1;
+        Ok(out)
+    }
 }
 
 #[cfg(test)]

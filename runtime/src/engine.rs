@@ -1,0 +1,109 @@
+//! The step-level engine interface every backend implements and every
+//! driver uses: `moeforge run`, the coming server and the switch policy
+//! drive engines only through [`Engine`], so a new backend (the emulated
+//! device, CUDA) plugs in without touching them.
+//!
+//! An engine owns its requests from [`Engine::submit`] to their last token.
+//! Each [`Engine::step`] admits what fits, runs one forward step over every
+//! running request and reports the tokens it produced, in order, and the
+//! requests that finished. [`Engine::switch`] changes the parallelism mode
+//! between steps (or says why it cannot), and [`Engine::stats`] is what a
+//! policy or a metrics endpoint reads.
+
+use moeforge_plan::memory::Mode;
+
+pub type RequestId = u64;
+
+/// A generation request: greedy decoding of `max_new` tokens after `prompt`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Request {
+    pub id: RequestId,
+    pub prompt: Vec<u32>,
+    pub max_new: usize,
+}
+
+impl Request {
+    pub fn new(id: RequestId, prompt: Vec<u32>, max_new: usize) -> Request {
+        Request { id, prompt, max_new }
+    }
+}
+
+/// What one step did.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepOutput {
+    pub step: usize,
+    pub mode: Option<Mode>,
+    /// Requests that ran, and the tokens they processed.
+    pub running: usize,
+    pub tokens: usize,
+    /// The tokens generated this step, one per running request, in order.
+    pub produced: Vec<(RequestId, u32)>,
+    /// Requests whose last token was produced this step.
+    pub finished: Vec<RequestId>,
+    pub seconds: f64,
+}
+
+/// A switch that happened, or was cancelled.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SwitchEvent {
+    /// The step it happened before.
+    pub step: usize,
+    pub from: Mode,
+    pub to: Mode,
+    pub inflight: usize,
+    /// `None` when done; the reason when cancelled.
+    pub cancelled: Option<String>,
+    pub weight_bytes_moved: u64,
+    pub kv_bytes_moved: u64,
+    pub seconds: f64,
+}
+
+/// An engine's state, as policies and metrics read it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub mode: Option<Mode>,
+    pub modes: Vec<Mode>,
+    pub waiting: usize,
+    pub running: usize,
+    pub finished: usize,
+    pub steps: usize,
+    /// KV pages in use and in total, over every rank.
+    pub kv_pages_used: u64,
+    pub kv_pages_total: u64,
+}
+
+impl Stats {
+    /// Requests submitted and not finished (the switch policy's load).
+    pub fn inflight(&self) -> usize {
+        self.waiting + self.running
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The request itself is invalid (empty prompt, unknown token, …).
+    #[error("{0}")]
+    BadRequest(String),
+    /// The request can never fit (KV capacity), or the mode does not exist.
+    #[error("{0}")]
+    Capacity(String),
+    /// The backend failed.
+    #[error("{0}")]
+    Backend(String),
+}
+
+/// One serving engine: a backend executing a bundle.
+pub trait Engine {
+    /// Queues a request; it is admitted when the engine's admission rule allows.
+    fn submit(&mut self, req: Request) -> Result<(), EngineError>;
+    /// Admits, runs one forward step over every running request, retires
+    /// finished ones.
+    fn step(&mut self) -> Result<StepOutput, EngineError>;
+    /// Drops a request, waiting or running, and frees its KV; false if the
+    /// engine does not hold it.
+    fn cancel(&mut self, id: RequestId) -> bool;
+    /// Switches to `to` between steps; the event says whether it was
+    /// cancelled (the target cannot hold the live KV cache) and what moved.
+    fn switch(&mut self, to: Mode) -> Result<SwitchEvent, EngineError>;
+    fn stats(&self) -> Stats;
+}

@@ -1,0 +1,335 @@
+//! One forward step on every rank: embeddings, per layer attention (with
+//! QK-norm and RoPE over the paged KV cache, TP all-reduce of the partial
+//! outputs) then the dense FFN or the MoE block, and the LM head for each
+//! request's last position (greedy sampling). The weights come from the
+//! views of the current mode, selected by tensor role.
+
+use super::math::{argmax, attend, bf16s, put_bf16s, rms_norm, rope, silu, Mat};
+use super::paging::KvGeom;
+use super::{Rank, Twin, TwinError, TwinModel};
+use crate::engine::{EngineError, RequestId};
+use moeforge_plan::memory::{head_block, Mode, TensorRole, View};
+use std::collections::BTreeMap;
+
+/// One token to process: (request, position, token id).
+pub(super) type Slot = (RequestId, usize, u32);
+
+impl Twin {
+    /// The forward pass of one step: the number of tokens processed and the
+    /// token each request that reached its last position produced.
+    pub(super) fn forward(&mut self) -> Result<(usize, Vec<(RequestId, u32)>), EngineError> {
+        let m = self.model.clone();
+        let mode = self.mode;
+        let p = self.ranks.len();
+        // Per rank: every token to process.
+        let batches: Vec<Vec<Slot>> = self
+            .ranks
+            .iter()
+            .map(|r| {
+                r.requests
+                    .iter()
+                    .filter_map(|id| self.requests.get(id))
+                    .flat_map(|q| (q.cached..q.len()).map(move |pos| (q.id, pos, q.token(pos))))
+                    .collect()
+            })
+            .collect();
+        let n_tokens: usize = match mode {
+            Mode::Tp => batches.first().map_or(0, Vec::len),
+            Mode::Ep => batches.iter().map(Vec::len).sum(),
+        };
+        // Pages for the new positions (admission reserved them).
+        let page = self.plan.kv.page_tokens.max(1) as usize;
+        for (r, batch) in self.ranks.iter_mut().zip(&batches) {
+            for &(id, pos, _) in batch {
+                let table = r.tables.entry(id).or_default();
+                if pos / page >= table.len() {
+                    let pg = r.pages.free.pop_front().ok_or_else(|| {
+                        EngineError::Capacity(format!("rank {} ran out of KV pages for request {id}", r.id))
+                    })?;
+                    table.push(pg);
+                }
+            }
+        }
+        let cx = Ctx::new(self, mode)?;
+        let mut x: Vec<Vec<Vec<f32>>> = self
+            .ranks
+            .iter()
+            .zip(&batches)
+            .map(|(r, b)| b.iter().map(|&(_, _, t)| cx.row(&r.buf, TensorRole::Embedding, t as usize)).collect())
+            .collect();
+        for l in 0..m.layers {
+            // Attention (parallel per rank), then the TP all-reduce.
+            let outs: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
+                let handles: Vec<_> = self
+                    .ranks
+                    .iter_mut()
+                    .zip(&batches)
+                    .zip(&x)
+                    .map(|((rank, batch), xs)| {
+                        let cx = &cx;
+                        s.spawn(move || cx.attention(rank, l, batch, xs))
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
+            });
+            let outs = if mode == Mode::Tp { all_reduce(outs) } else { outs };
+            add_outputs(&mut x, outs);
+            // FFN: dense, or router, dispatch, experts, combine.
+            let normed: Vec<Vec<Vec<f32>>> = x
+                .iter()
+                .zip(&self.ranks)
+                .map(|(xs, rank)| xs.iter().map(|v| cx.norm(&rank.buf, TensorRole::PostAttentionNorm, l, v)).collect())
+                .collect();
+            let outs = if l < m.dense_layers {
+                let dense = [TensorRole::DenseGate, TensorRole::DenseUp, TensorRole::DenseDown];
+                par_ranks(&self.ranks, |rank| normed[rank.id].iter().map(|h| cx.ffn(&rank.buf, dense, l, h)).collect())
+            } else {
+                self.moe(&cx, l, &normed)
+            };
+            add_outputs(&mut x, outs);
+        }
+        // Logits for the last token of each request.
+        let mut results: Vec<(RequestId, Vec<f32>)> = Vec::new();
+        let head = if m.tie_embeddings { TensorRole::Embedding } else { TensorRole::LmHead };
+        let ranks_with_output: Vec<usize> = match mode {
+            Mode::Tp => vec![0],
+            Mode::Ep => (0..p).collect(),
+        };
+        for r in ranks_with_output {
+            let rank = &self.ranks[r];
+            for (i, &(id, pos, _)) in batches[r].iter().enumerate() {
+                if self.requests.get(&id).is_some_and(|q| pos + 1 == q.len()) {
+                    let xn = cx.norm(&rank.buf, TensorRole::FinalNorm, 0, &x[r][i]);
+                    results.push((id, cx.mat(&rank.buf, head, 0).map_or_else(Vec::new, |w| w.matvec(&xn))));
+                }
+            }
+        }
+        let mut produced = Vec::with_capacity(results.len());
+        for (id, logits) in results {
+            let Some(q) = self.requests.get_mut(&id) else { continue };
+            let token = argmax(&logits);
+            q.cached = q.len();
+            q.generated.push(token);
+            produced.push((id, token));
+            if self.keep_logits {
+                self.logits.entry(id).or_default().push(logits);
+            }
+        }
+        Ok((n_tokens, produced))
+    }
+}
+
+/// `x[r][t] += out[r][t]`.
+fn add_outputs(x: &mut [Vec<Vec<f32>>], outs: Vec<Vec<Vec<f32>>>) {
+    for (xs, os) in x.iter_mut().zip(outs) {
+        for (v, o) in xs.iter_mut().zip(os) {
+            v.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+        }
+    }
+}
+
+/// Sums every rank's partial outputs in rank order and gives each rank the sum.
+pub(super) fn all_reduce(partial: Vec<Vec<Vec<f32>>>) -> Vec<Vec<Vec<f32>>> {
+    let p = partial.len();
+    let Some(first) = partial.first() else { return partial };
+    let mut sum = first.clone();
+    for other in &partial[1..] {
+        for (s, o) in sum.iter_mut().zip(other) {
+            s.iter_mut().zip(o).for_each(|(a, b)| *a += b);
+        }
+    }
+    vec![sum; p]
+}
+
+/// Runs `f` on every rank in parallel (one thread each).
+pub(super) fn par_ranks<T: Send>(ranks: &[Rank], f: impl Fn(&Rank) -> T + Sync) -> Vec<T> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = ranks.iter().map(|r| s.spawn(|| f(r))).collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
+    })
+}
+
+/// The views and constants a step needs, resolved once per step. Every
+/// view's shape was checked against the model when the twin was built, so
+/// the matrices below stay inside their views.
+pub(super) struct Ctx {
+    pub mode: Mode,
+    pub m: TwinModel,
+    views: BTreeMap<TensorRole, View>,
+    pub p: usize,
+    q_heads: Vec<[u32; 2]>,
+    kv_heads: Vec<(usize, usize)>,
+    kv: KvGeom,
+}
+
+impl Ctx {
+    pub fn new(t: &Twin, mode: Mode) -> Result<Ctx, TwinError> {
+        let views: BTreeMap<TensorRole, View> =
+            t.views.iter().filter(|((md, _), _)| *md == mode).map(|((_, role), v)| (*role, v.clone())).collect();
+        for role in t.model.roles() {
+            if !views.contains_key(&role) {
+                return Err(TwinError::MissingView(mode.name(), role.name(moeforge_plan::memory::TensorPart::Weight)));
+            }
+        }
+        let p = t.ranks.len();
+        Ok(Ctx {
+            mode,
+            m: t.model.clone(),
+            views,
+            p,
+            q_heads: (0..p as u32)
+                .map(|r| match mode {
+                    Mode::Tp => head_block(t.model.heads as u32, p as u32, r),
+                    Mode::Ep => [0, t.model.heads as u32],
+                })
+                .collect(),
+            kv_heads: (0..p).map(|r| t.kv_heads_of(mode, r)).collect(),
+            kv: KvGeom::of(&t.plan, mode),
+        })
+    }
+
+    /// Byte offset of `role` at layer `l` (global tensors: `l` = 0).
+    fn at(&self, role: TensorRole, l: usize) -> Option<(&View, usize)> {
+        let v = self.views.get(&role).filter(|v| v.covers(l as u32))?;
+        Some((v, v.offset_of(l as u32) as usize))
+    }
+
+    pub fn mat<'b>(&self, buf: &'b [u8], role: TensorRole, l: usize) -> Option<Mat<'b>> {
+        let (v, at) = self.at(role, l)?;
+        let (rows, cols) = (*v.shape.first()? as usize, *v.shape.get(1)? as usize);
+        Some(Mat { buf, at, rows, cols, row_stride: cols })
+    }
+
+    /// Row `i` of a 2-D bf16 view (an embedding).
+    fn row(&self, buf: &[u8], role: TensorRole, i: usize) -> Vec<f32> {
+        match self.at(role, 0) {
+            Some((v, at)) if (i as u64) < v.shape[0] => {
+                let cols = v.shape.get(1).copied().unwrap_or(1) as usize;
+                bf16s(buf, at + 2 * i * cols, cols).collect()
+            }
+            _ => vec![0.0; self.m.hidden],
+        }
+    }
+
+    fn vec(&self, buf: &[u8], role: TensorRole, l: usize) -> Vec<f32> {
+        match self.at(role, l) {
+            Some((v, at)) => bf16s(buf, at, v.shape.iter().product::<u64>() as usize).collect(),
+            None => vec![],
+        }
+    }
+
+    pub fn f32s(&self, buf: &[u8], role: TensorRole, l: usize) -> Vec<f32> {
+        match self.at(role, l) {
+            Some((v, at)) => {
+                let n = v.shape.iter().product::<u64>() as usize;
+                buf[at..at + 4 * n].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+            }
+            None => vec![],
+        }
+    }
+
+    pub fn norm(&self, buf: &[u8], role: TensorRole, l: usize, x: &[f32]) -> Vec<f32> {
+        rms_norm(x, &self.vec(buf, role, l), self.m.rms_eps as f32)
+    }
+
+    /// A SwiGLU FFN from its gate, up and down roles.
+    pub fn ffn(&self, buf: &[u8], [gate, up, down]: [TensorRole; 3], l: usize, x: &[f32]) -> Vec<f32> {
+        let (Some(g), Some(u), Some(d)) = (self.mat(buf, gate, l), self.mat(buf, up, l), self.mat(buf, down, l)) else {
+            return vec![0.0; self.m.hidden];
+        };
+        let (g, u) = (g.matvec(x), u.matvec(x));
+        let z: Vec<f32> = g.iter().zip(&u).map(|(g, u)| silu(*g) * u).collect();
+        d.matvec(&z)
+    }
+
+    /// Global expert `e` of MoE layer `l` on `x`: EP the whole expert (this
+    /// rank owns it); TP this rank's `I/P` slice (a partial sum).
+    pub fn expert(&self, buf: &[u8], l: usize, e: usize, x: &[f32]) -> Vec<f32> {
+        let (h, i) = (self.m.hidden, self.m.expert_ffn);
+        let (Some((_, w13)), Some((_, w2))) = (self.at(TensorRole::ExpertsW13, l), self.at(TensorRole::ExpertsW2, l))
+        else {
+            return vec![0.0; h];
+        };
+        let (local, rows) = match self.mode {
+            Mode::Ep => (e % (self.m.experts / self.p), i),
+            Mode::Tp => (e, i / self.p),
+        };
+        let gate = Mat { buf, at: w13 + 2 * local * 2 * rows * h, rows, cols: h, row_stride: h }.matvec(x);
+        let up = Mat { buf, at: w13 + 2 * (local * 2 * rows + rows) * h, rows, cols: h, row_stride: h }.matvec(x);
+        let z: Vec<f32> = gate.iter().zip(&up).map(|(g, u)| silu(*g) * u).collect();
+        Mat { buf, at: w2 + 2 * local * h * rows, rows: h, cols: rows, row_stride: rows }.matvec(&z)
+    }
+
+    /// Attention of one rank's tokens in layer `l`: writes K/V of the new
+    /// positions into the rank's pages, attends with the rank's query heads,
+    /// and returns the output projection (complete in EP, partial in TP).
+    fn attention(&self, rank: &mut Rank, l: usize, batch: &[Slot], xs: &[Vec<f32>]) -> Vec<Vec<f32>> {
+        let m = &self.m;
+        let hd = m.head_dim;
+        let eps = m.rms_eps as f32;
+        let [qa, qb] = self.q_heads[rank.id];
+        let (ka, kb) = self.kv_heads[rank.id];
+        let group = m.heads / m.kv_heads;
+        let geo = self.kv;
+        let (qn, kn) = if m.qk_norm {
+            (self.vec(&rank.buf, TensorRole::QNorm, l), self.vec(&rank.buf, TensorRole::KNorm, l))
+        } else {
+            (vec![], vec![])
+        };
+        let in_norm = self.vec(&rank.buf, TensorRole::InputNorm, l);
+        let normed: Vec<Vec<f32>> = xs.iter().map(|x| rms_norm(x, &in_norm, eps)).collect();
+        let (Some(wq), Some(wk), Some(wv)) = (
+            self.mat(&rank.buf, TensorRole::QProj, l),
+            self.mat(&rank.buf, TensorRole::KProj, l),
+            self.mat(&rank.buf, TensorRole::VProj, l),
+        ) else {
+            return vec![vec![0.0; m.hidden]; batch.len()];
+        };
+        // K/V of every new position first, so prompt tokens can attend to each other.
+        let mut qs = Vec::with_capacity(batch.len());
+        let mut writes: Vec<(usize, Vec<f32>, Vec<f32>)> = Vec::new();
+        for (&(id, pos, _), h) in batch.iter().zip(&normed) {
+            let (q, k, v) = (wq.matvec(h), wk.matvec(h), wv.matvec(h));
+            qs.push(q);
+            let page = rank.tables.get(&id).and_then(|t| t.get(pos / geo.page_tokens)).copied().unwrap_or(0);
+            for g in 0..kb - ka {
+                let mut kh = k[g * hd..(g + 1) * hd].to_vec();
+                if m.qk_norm {
+                    kh = rms_norm(&kh, &kn, eps);
+                }
+                rope(&mut kh, pos, m.rope_dim, m.rope_theta);
+                writes.push((geo.slot(page, l, g, pos % geo.page_tokens), kh, v[g * hd..(g + 1) * hd].to_vec()));
+            }
+        }
+        for (at, k, v) in writes {
+            put_bf16s(&mut rank.buf, at, &k);
+            put_bf16s(&mut rank.buf, at + 2 * hd, &v);
+        }
+        let o_proj = self.mat(&rank.buf, TensorRole::OProj, l);
+        batch
+            .iter()
+            .zip(qs)
+            .map(|(&(id, pos, _), q)| {
+                let table = rank.tables.get(&id).cloned().unwrap_or_default();
+                let mut heads = Vec::with_capacity((qb - qa) as usize * hd);
+                for (i, hq) in (qa as usize..qb as usize).enumerate() {
+                    let mut qh = q[i * hd..(i + 1) * hd].to_vec();
+                    if m.qk_norm {
+                        qh = rms_norm(&qh, &qn, eps);
+                    }
+                    rope(&mut qh, pos, m.rope_dim, m.rope_theta);
+                    let g = hq / group - ka;
+                    let key = |j: usize| {
+                        bf16s(&rank.buf, geo.slot(table[j / geo.page_tokens], l, g, j % geo.page_tokens), hd).collect()
+                    };
+                    let value = |j: usize| {
+                        bf16s(&rank.buf, geo.slot(table[j / geo.page_tokens], l, g, j % geo.page_tokens) + 2 * hd, hd)
+                            .collect()
+                    };
+                    heads.extend(attend(&qh, pos + 1, key, value));
+                }
+                o_proj.as_ref().map(|w| w.matvec(&heads)).unwrap_or_else(|| vec![0.0; m.hidden])
+            })
+            .collect()
+    }
+}

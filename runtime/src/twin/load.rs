@@ -1,0 +1,117 @@
+//! Loading a checkpoint into the ranks' unified buffers, through the views:
+//! each view's bytes are the slice of the checkpoint tensor its shard says
+//! (whole tensors, head rows or columns, local experts, or every expert's
+//! `1/P` of the intermediate dimension).
+
+use super::weights::{Checkpoint, Tensor};
+use super::{Twin, TwinError, TwinModel};
+use moeforge_plan::memory::{head_block, HeadSet, Mode, Shard, TensorRole, View};
+
+impl Twin {
+    /// Writes every tensor into the views that hold it: replicated and both
+    /// attention layouts in every plan mode, experts in the current mode.
+    pub(super) fn load(&mut self, ck: &Checkpoint) -> Result<(), TwinError> {
+        let m = self.model.clone();
+        let p = self.ranks.len();
+        let views: Vec<View> = self.views.values().cloned().collect();
+        for v in &views {
+            // TP views of full attention tensors alias the EP copy: written once.
+            let aliased = self
+                .views
+                .get(&(Mode::Ep, v.role))
+                .is_some_and(|e| e.offset == v.offset && e.layer_stride == v.layer_stride);
+            if v.mode == Mode::Tp && v.shard == Shard::Full && aliased {
+                continue;
+            }
+            if v.role.is_routed_expert() && v.mode != self.mode {
+                continue;
+            }
+            for l in v.layers[0]..v.layers[1] {
+                let name = v.tensor.replace("{l}", &l.to_string());
+                for r in 0..p {
+                    let bytes = self.slice_for(ck, &m, v, &name, l as usize, r)?;
+                    if bytes.len() as u64 != v.bytes() {
+                        return Err(TwinError::Unsupported(format!(
+                            "`{name}` is {} bytes in the checkpoint's layout but its {} view holds {}",
+                            bytes.len(),
+                            v.mode.name(),
+                            v.bytes()
+                        )));
+                    }
+                    let at = v.offset_of(l) as usize;
+                    self.ranks[r].buf[at..at + bytes.len()].copy_from_slice(&bytes);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The bytes view `v` holds on rank `r` for layer `l`.
+    fn slice_for(
+        &self,
+        ck: &Checkpoint,
+        m: &TwinModel,
+        v: &View,
+        name: &str,
+        l: usize,
+        r: usize,
+    ) -> Result<Vec<u8>, TwinError> {
+        let p = self.ranks.len();
+        let rows = |t: &Tensor, a: usize, b: usize| {
+            let w = t.shape.get(1).copied().unwrap_or(1) * if t.f32 { 4 } else { 2 };
+            t.data[a * w..b * w].to_vec()
+        };
+        Ok(match v.shard {
+            Shard::Full => {
+                let shape: Vec<usize> = v.shape.iter().map(|&x| x as usize).collect();
+                ck.get(name, &shape)?.data.clone()
+            }
+            Shard::Heads { dim, heads } => {
+                let hd = m.head_dim;
+                let [a, b] = match heads {
+                    HeadSet::Query => head_block(m.heads as u32, p as u32, r as u32),
+                    HeadSet::Kv => self.plan.kv.tp_heads.get(r).copied().unwrap_or([0, 0]),
+                };
+                let (a, b) = (a as usize * hd, b as usize * hd);
+                let full_shape: Vec<usize> = match v.role {
+                    TensorRole::OProj => vec![m.hidden, m.heads * hd],
+                    TensorRole::KProj | TensorRole::VProj => vec![m.kv_heads * hd, m.hidden],
+                    _ => vec![m.heads * hd, m.hidden],
+                };
+                let t = ck.get(name, &full_shape)?;
+                if dim == 0 {
+                    rows(t, a, b)
+                } else {
+                    let cols = full_shape[1];
+                    (0..full_shape[0])
+                        .flat_map(|row| t.data[2 * (row * cols + a)..2 * (row * cols + b)].to_vec())
+                        .collect()
+                }
+            }
+            Shard::LocalExperts | Shard::ExpertShard { .. } => {
+                let (e, i, h) = (m.experts, m.expert_ffn, m.hidden);
+                let layer_pre = format!("model.layers.{l}.mlp.experts");
+                let w13 = v.role == TensorRole::ExpertsW13;
+                let mut out = Vec::with_capacity(v.bytes() as usize);
+                let (experts, slice): (Vec<usize>, (usize, usize)) = match v.shard {
+                    Shard::LocalExperts => ((r * e / p..(r + 1) * e / p).collect(), (0, i)),
+                    _ => ((0..e).collect(), (r * i / p, (r + 1) * i / p)),
+                };
+                for g in experts {
+                    if w13 {
+                        for part in ["gate_proj", "up_proj"] {
+                            let t = ck.get(&format!("{layer_pre}.{g}.{part}.weight"), &[i, h])?;
+                            out.extend(rows(t, slice.0, slice.1));
+                        }
+                    } else {
+                        let t = ck.get(&format!("{layer_pre}.{g}.down_proj.weight"), &[h, i])?;
+                        for row in 0..h {
+                            out.extend_from_slice(&t.data[2 * (row * i + slice.0)..2 * (row * i + slice.1)]);
+                        }
+                    }
+                }
+                out
+            }
+        })
+    }
+}

@@ -1,0 +1,203 @@
+//! `moeforge run BUNDLE --weights DIR`: serves prompts on a backend through
+//! the engine interface and the switch-policy driver; prints each request's
+//! tokens, the switch events and the per-step timings.
+
+use super::{error, out};
+use clap::ValueEnum;
+use moeforge::plan::memory::Mode;
+use moeforge::runtime::engine::{Engine, Request, StepOutput};
+use moeforge::runtime::policy::{self, Clock, Driver, Policy};
+use moeforge::runtime::twin;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// The execution backend.
+#[derive(Clone, Copy, ValueEnum)]
+pub enum Backend {
+    /// The CPU twin: simulated ranks on the host, real numerics.
+    Cpu,
+}
+
+/// The parallelism mode the engine starts in.
+#[derive(Clone, Copy, ValueEnum)]
+pub enum Start {
+    Tp,
+    Ep,
+}
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// A bundle directory written by `moeforge compile`.
+    bundle: PathBuf,
+    /// Execution backend.
+    #[arg(long, value_enum, default_value = "cpu")]
+    backend: Backend,
+    /// Checkpoint directory (*.safetensors).
+    #[arg(long)]
+    weights: PathBuf,
+    /// A prompt as token ids (`"1 2 3"`); repeatable.
+    #[arg(long)]
+    prompt: Vec<String>,
+    /// A file of prompts, one per line as token ids; `#` starts a comment.
+    #[arg(long)]
+    prompts: Option<PathBuf>,
+    /// Tokens to generate per request.
+    #[arg(long, default_value_t = 16)]
+    max_new: usize,
+    /// Request i arrives at step i × this (0: all at once).
+    #[arg(long, default_value_t = 0)]
+    arrive_every: usize,
+    /// Starting mode (when the plan holds it).
+    #[arg(long, value_enum, default_value = "ep")]
+    start: Start,
+    /// Force a switch before these steps (comma-separated), instead of the policy.
+    #[arg(long, value_delimiter = ',')]
+    switch_at: Vec<usize>,
+}
+
+/// Parses `"1 2 3"` / `"1,2,3"`; `where_` names the source in errors.
+fn parse_prompt(text: &str, where_: &str) -> Result<Vec<u32>, ExitCode> {
+    text.split(|c: char| c == ',' || c.is_whitespace())
+        .filter(|t| !t.is_empty())
+        .map(|t| {
+            t.parse::<u32>().map_err(|_| {
+                error(
+                    format!("{where_}: `{t}` is not a token id"),
+                    "prompts are token ids separated by spaces or commas",
+                )
+            })
+        })
+        .collect()
+}
+
+fn prompts(a: &Args) -> Result<Vec<Vec<u32>>, ExitCode> {
+    let mut prompts: Vec<Vec<u32>> = Vec::new();
+    for (i, p) in a.prompt.iter().enumerate() {
+        prompts.push(parse_prompt(p, &format!("--prompt #{}", i + 1))?);
+    }
+    if let Some(f) = &a.prompts {
+        let text = std::fs::read_to_string(f).map_err(|e| error(format!("{}: {e}", f.display()), ""))?;
+        for (n, line) in text.lines().enumerate() {
+            let line = line.split('#').next().unwrap_or("").trim();
+            if !line.is_empty() {
+                prompts.push(parse_prompt(line, &format!("{}:{}", f.display(), n + 1))?);
+            }
+        }
+    }
+    if prompts.is_empty() || prompts.iter().any(Vec::is_empty) {
+        return Err(error("no prompts (or an empty one)", "give --prompt \"1 2 3\" or --prompts FILE"));
+    }
+    Ok(prompts)
+}
+
+pub fn run(a: Args) -> Result<(), ExitCode> {
+    let Backend::Cpu = a.backend;
+    let start = match a.start {
+        Start::Tp => Mode::Tp,
+        Start::Ep => Mode::Ep,
+    };
+    let prompts = prompts(&a)?;
+    let bundle = moeforge::runtime::load_bundle(&a.bundle)
+        .map_err(|e| error(e, "compile the spec again with `moeforge compile`"))?;
+    let ck = twin::weights::Checkpoint::load(&a.weights)
+        .map_err(|e| error(e, "write weights with `moeforge init-weights SPEC -o DIR`"))?;
+    let engine = twin::Twin::new(&bundle, &ck, start).map_err(|e| error(e, ""))?;
+    let vocab = engine.model.vocab;
+    // The spec's policy decides unless switches are forced; `t_high = auto`
+    // is calibrated at the measured TP/EP crossover first.
+    let deploy = bundle.spec.deploys.first();
+    let mut policy = deploy
+        .filter(|d| d.switch.enabled && bundle.plan.memory.modes.len() == 2 && a.switch_at.is_empty())
+        .map(|d| Policy::from_spec(&d.switch));
+    let mut calibration = None;
+    if let Some(p) = policy.clone().filter(|p| p.calibrate) {
+        let batches = [1usize, 2, 4, 8, 16, 32];
+        let make = |mode| twin::Twin::new(&bundle, &ck, mode).map_err(Into::into);
+        let costs = policy::calibrate(make, vocab, &batches, 3).map_err(|e| error(e, ""))?;
+        policy = Some(p.with_t_high(policy::crossover(&costs), deploy.and_then(|d| d.switch.t_low)));
+        calibration = Some(costs);
+    }
+    let mut driver = Driver::new(engine, policy).with_clock(Clock::Wall(std::time::Instant::now()));
+    let n = prompts.len();
+    let mut arrivals: Vec<(usize, Request)> = prompts
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| (i * a.arrive_every, Request::new(i as u64, p, a.max_new)))
+        .collect();
+    arrivals.reverse();
+    let mut tokens: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
+    let mut steps: Vec<StepOutput> = Vec::new();
+    let mut forced = Vec::new();
+    let t0 = std::time::Instant::now();
+    for step in 0..100_000 {
+        while arrivals.last().is_some_and(|(at, _)| *at <= step) {
+            if let Some((_, r)) = arrivals.pop() {
+                driver.engine.submit(r).map_err(|e| error(e, ""))?;
+            }
+        }
+        let stats = driver.engine.stats();
+        if arrivals.is_empty() && stats.inflight() == 0 {
+            break;
+        }
+        if a.switch_at.contains(&step) {
+            let target = if stats.mode == Some(Mode::Ep) { Mode::Tp } else { Mode::Ep };
+            forced.push(driver.engine.switch(target).map_err(|e| error(e, ""))?);
+        }
+        let s = driver.step().map_err(|e| error(e, ""))?;
+        for &(id, t) in &s.produced {
+            tokens.entry(id).or_default().push(t);
+        }
+        steps.push(s);
+    }
+    let total = t0.elapsed().as_secs_f64();
+    let plan = &bundle.plan.memory;
+    out(&format!(
+        "cpu twin: {} on {} ranks, modes [{}], started in {}",
+        bundle.plan.model.name,
+        plan.group,
+        plan.modes.iter().map(|m| m.name()).collect::<Vec<_>>().join(", "),
+        start.name()
+    ));
+    if let Some(costs) = &calibration {
+        let rows: Vec<String> =
+            costs.iter().map(|(b, tp, ep)| format!("B={b}: tp {:.2} ms, ep {:.2} ms", tp * 1e3, ep * 1e3)).collect();
+        out(&format!("calibration: {}", rows.join("; ")));
+    }
+    if let Some(p) = driver.policy() {
+        let th = if p.t_high == u32::MAX {
+            "never (EP was not faster at any probed batch)".to_string()
+        } else {
+            p.t_high.to_string()
+        };
+        out(&format!("policy: T_h = {th}, T_l = {}, W = {}, C = {}s", p.t_low, p.window, p.cooldown));
+    }
+    for id in 0..n as u64 {
+        let toks: Vec<String> = tokens.get(&id).into_iter().flatten().map(u32::to_string).collect();
+        out(&format!("request {id}: {}", toks.join(" ")));
+    }
+    let mut events: Vec<_> = forced.into_iter().chain(driver.events.iter().cloned()).collect();
+    events.sort_by_key(|e| e.step);
+    for e in events.iter().filter(|e| e.from != e.to) {
+        match &e.cancelled {
+            None => out(&format!(
+                "switch before step {}: {} → {} with {} in flight, {} weight bytes and {} KV bytes moved in {:.2} ms",
+                e.step,
+                e.from.name(),
+                e.to.name(),
+                e.inflight,
+                e.weight_bytes_moved,
+                e.kv_bytes_moved,
+                e.seconds * 1e3
+            )),
+            Some(why) => out(&format!("switch before step {} to {} cancelled: {why}", e.step, e.to.name())),
+        }
+    }
+    out("step  mode  running  tokens  ms");
+    for s in &steps {
+        let mode = s.mode.map_or("-", Mode::name);
+        out(&format!("{:>4}  {:<4}  {:>7}  {:>6}  {:.2}", s.step, mode, s.running, s.tokens, s.seconds * 1e3));
+    }
+    out(&format!("{} requests, {} steps, {:.3} s", n, steps.len(), total));
+    Ok(())
+}

@@ -1,0 +1,149 @@
+//! `moeforge simulate`: the serving simulator (runtime `sim` backend) over a
+//! spec's deployment, writing CSV and SVG and printing goodput ratios.
+
+use super::{error, fail, load, out, pick, read_profile, warn, Format};
+use moeforge::codegen;
+use moeforge::embedded;
+use moeforge::runtime::sim::report::{self, Probe};
+use moeforge::runtime::sim::{Bench, System};
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// A `.moe` file holding a `deploy` block; omitted: the embedded default.
+    file: Option<PathBuf>,
+    /// Output directory; replaced atomically if it exists.
+    #[arg(short, long, default_value = "sim")]
+    output: PathBuf,
+    #[arg(long)]
+    deploy: Option<String>,
+    /// Systems to compare (comma-separated; the first is the reference
+    /// of the ratios). Default: all of expertplex, pd-disagg,
+    /// green-context, colocated, chunked-prefill, static-tp, static-ep, moebius.
+    #[arg(long, value_delimiter = ',')]
+    systems: Vec<String>,
+    /// Seconds of arrivals each probe simulates.
+    #[arg(long, default_value_t = 60.0)]
+    seconds: f64,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Points of the attainment-vs-rate curves.
+    #[arg(long, default_value_t = 12)]
+    rates: usize,
+    /// Also run one RL rollout step of this many prompts (static TP, static EP, Moebius).
+    #[arg(long)]
+    rollout: Option<usize>,
+    /// A measured latency profile (JSON samples) that overrides the roofline cost model.
+    #[arg(long)]
+    profile: Option<PathBuf>,
+}
+
+pub fn run(a: Args) -> Result<(), ExitCode> {
+    let (checked, embedded) = load(&a.file);
+    let checked = checked.map_err(|f| fail(&f.sources, &f.diagnostics, Format::Human))?;
+    let id = pick(&checked, a.deploy.as_deref()).map_err(|d| fail(&checked.sources, &d, Format::Human))?;
+    warn(&checked.sources, &checked.warnings_for(id), Format::Human);
+    let systems = systems(&a.systems).map_err(|e| error(e, "see `moeforge simulate --help`"))?;
+    let valid = a.seconds.is_finite()
+        && a.seconds > 0.0
+        && a.seconds <= 86_400.0
+        && (1..=1000).contains(&a.rates)
+        && a.rollout.is_none_or(|n| (1..=1_000_000).contains(&n));
+    if !valid {
+        return Err(error(
+            "--seconds must be in (0, 86400], --rates in 1..=1000, --rollout in 1..=1000000",
+            "e.g. --seconds 60 --rates 12 --rollout 2048",
+        ));
+    }
+    let opts = codegen::PlanOptions { profile: read_profile(&a.profile)?, ..Default::default() };
+    let plan =
+        codegen::plan_deployment_with(&checked, id, &opts).map_err(|d| fail(&checked.sources, &d, Format::Human))?;
+    if embedded {
+        eprintln!("note: no spec given; simulating the embedded default {}", embedded::DEFAULT_SPEC);
+    }
+    let spec = checked.spec.deployment(id);
+    let mut bench = Bench::new(&spec, plan.plan())
+        .map_err(|e| error(e, "refit the profile with more samples over the serving range"))?;
+    if bench.search.is_none() {
+        // The strategy did not ask for the layout search; ExpertPlex still needs its layout.
+        let d = spec.deploy(moeforge::dsl::spec::DeployId(0));
+        bench = bench.with_search(codegen::passes::search::search(&spec, d, &plan.plan().cost));
+    }
+    let (text, files) = compare(&bench, &systems, &a);
+    moeforge::plan::bundle::write_dir(&a.output, files.iter().map(|(n, b)| (*n, b.as_bytes())))
+        .map_err(|e| error(format!("cannot write {}: {e}", a.output.display()), ""))?;
+    out(&text);
+    out(&format!("wrote goodput.csv, attainment.csv, attainment.svg to {}", a.output.display()));
+    Ok(())
+}
+
+/// Parses `--systems`; empty means all.
+fn systems(names: &[String]) -> Result<Vec<System>, String> {
+    if names.is_empty() {
+        return Ok(System::ALL.to_vec());
+    }
+    names
+        .iter()
+        .map(|n| {
+            System::parse(n).ok_or_else(|| {
+                format!(
+                    "unknown system `{n}` (known: {})",
+                    System::ALL.iter().map(|s| s.name()).collect::<Vec<_>>().join(", ")
+                )
+            })
+        })
+        .collect()
+}
+
+/// Runs the comparison; returns the printed report and the files to write.
+fn compare(bench: &Bench, systems: &[System], a: &Args) -> (String, Vec<(&'static str, String)>) {
+    let nodes = bench.env.nodes;
+    let probe = Probe { seconds: a.seconds, seed: a.seed };
+    let results = bench.compare(systems, a.rates, probe);
+    let d = &bench.spec.deploys[0];
+    let title = format!(
+        "{}: TTFT {} s, TPOT {} ms, {} s of arrivals per probe",
+        d.name,
+        d.slo.ttft,
+        d.slo.tpot * 1e3,
+        a.seconds
+    );
+    let mut text = String::new();
+    let _ = writeln!(text, "{title}\n");
+    text.push_str(&report::table(&results, nodes));
+    let mut files = vec![
+        ("goodput.csv", report::goodput_csv(&results, nodes)),
+        ("attainment.csv", report::curves_csv(&results, nodes)),
+        ("attainment.svg", report::svg(&results, nodes, &title)),
+    ];
+    if let Some(n) = a.rollout {
+        let rs = bench.rollout(n, a.seed);
+        let _ = writeln!(text, "\nRL rollout step: {n} prompts at once, completion time");
+        let mut csv = String::from("system,deployment,seconds\n");
+        let best_static =
+            rs.iter().filter(|r| r.system != System::Moebius).map(|r| r.seconds).fold(f64::INFINITY, f64::min);
+        for r in &rs {
+            match &r.deployment {
+                Ok(dep) => {
+                    let vs = if r.seconds.is_finite() { best_static / r.seconds } else { 0.0 };
+                    let _ = writeln!(
+                        text,
+                        "{:<12} {:<28} {:>9.1} s   {:.2}× the better static layout's speed",
+                        r.system.name(),
+                        dep.label,
+                        r.seconds,
+                        vs
+                    );
+                    let _ = writeln!(csv, "{},\"{}\",{:.3}", r.system.name(), dep.label, r.seconds);
+                }
+                Err(why) => {
+                    let _ = writeln!(text, "{:<12} not run: {why}", r.system.name());
+                }
+            }
+        }
+        files.push(("rollout.csv", csv));
+    }
+    (text, files)
+}

@@ -1,0 +1,148 @@
+//! An edited bundle never panics the runtime: `load_bundle` validates the
+//! plan it reads (every offset, size, page format, rank and layer index
+//! against its buffer) and names the bad field; what it accepts, the CPU
+//! twin either runs or refuses with an error. Every numeric field of a
+//! small bundle's plan.json is edited (to 0, one more, and a huge value),
+//! the manifest re-hashed, and the bundle loaded and run.
+
+#![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+use moeforge::codegen::{self, NvccMode};
+use moeforge::plan::bundle::{sha256_hex, Manifest};
+use moeforge::plan::memory::Mode;
+use moeforge::plan::{load_bundle, BundleError};
+use moeforge::runtime::engine::{Engine, Request};
+use moeforge::runtime::twin::weights::{write_random, Checkpoint, Family};
+use moeforge::runtime::twin::{Twin, TwinModel};
+use serde_json::Value;
+use std::path::Path;
+
+const SPEC: &str = r#"model tiny { layers = 2 hidden = 64 vocab = 64 rope_theta = 10000 rms_eps = 1e-6
+  attention gqa { heads = 4 kv_heads = 2 head_dim = 16 qk_norm = true }
+  moe { experts = 4 top_k = 2 expert_ffn = 32 routing softmax_topk { norm_topk = true } } }
+cluster cpu { nodes = 1 gpus_per_node = 2
+  gpu cpu { arch = sm_90a sms = 4 hbm = 128MB hbm_bandwidth = 1TB/s bf16 = 100TFLOP/s smem_per_sm = 228KiB smem_per_block = 227KiB }
+  scale_up shm { bandwidth = 10GB/s latency = 1us } }
+tiles t { prefill { gate_up { block_m = 64 block_n = 64 block_k = 64 stages = 2 } down { block_m = 64 block_n = 64 block_k = 64 stages = 2 } }
+  decode { gate_up { block_m = 64 block_n = 64 block_k = 64 stages = 2 } down { block_m = 64 block_n = 64 block_k = 64 stages = 2 } } }
+deploy tiny { model = tiny cluster = cpu tiles = t slo { ttft = 1s tpot = 50ms }
+  workload { input = sharegpt output = sharegpt arrival poisson { rate = 1req/s } }
+  strategy = colocated switch { t_high = 4 window = 2 cooldown = 0s } memory_fraction = 0.3 }
+"#;
+
+/// Every numeric leaf of `v` as a JSON pointer, arrays sampled at their
+/// first, second and last element.
+fn numeric_leaves(v: &Value, at: String, out: &mut Vec<String>) {
+    match v {
+        Value::Number(_) => out.push(at),
+        Value::Array(xs) => {
+            let n = xs.len();
+            let mut picks: Vec<usize> = [0, 1, n.saturating_sub(1)].into_iter().filter(|&i| i < n).collect();
+            picks.dedup();
+            for i in picks {
+                numeric_leaves(&xs[i], format!("{at}/{i}"), out);
+            }
+        }
+        Value::Object(m) => {
+            for (k, x) in m {
+                numeric_leaves(x, format!("{at}/{k}"), out);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Writes `plan` as the bundle's plan.json and re-hashes the manifest.
+fn rewrite(dir: &Path, plan: &Value) {
+    let bytes = serde_json::to_vec_pretty(plan).unwrap();
+    std::fs::write(dir.join("plan.json"), &bytes).unwrap();
+    let mpath = dir.join("manifest.json");
+    let mut m: Manifest = serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
+    m.files.insert("plan.json".into(), sha256_hex(&bytes));
+    std::fs::write(mpath, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+}
+
+#[test]
+fn edited_plans_are_refused_by_field_or_run_without_panicking() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("b");
+    let checked = moeforge::dsl::check_str("tiny.moe", SPEC).unwrap_or_else(|f| panic!("{}", f.render(false)));
+    let id = moeforge::dsl::spec::DeployId(0);
+    let plan =
+        codegen::plan_deployment(&checked, id).unwrap_or_else(|d| panic!("{}", d.render(&checked.sources, false)));
+    let (bundle, _) = codegen::emit(&checked, id, &plan, &NvccMode::Off).unwrap();
+    bundle.write(&dir).unwrap();
+    let loaded = load_bundle(&dir).unwrap();
+    let model = TwinModel::from_spec(&loaded.spec.models[0]).unwrap();
+    write_random(&model, 3, Family::Qwen3Moe, &tmp.path().join("w")).unwrap();
+    let ck = Checkpoint::load(&tmp.path().join("w")).unwrap();
+    let original: Value = serde_json::from_slice(&std::fs::read(dir.join("plan.json")).unwrap()).unwrap();
+    let mut leaves = Vec::new();
+    numeric_leaves(&original, String::new(), &mut leaves);
+    assert!(leaves.len() > 200, "{} numeric fields", leaves.len());
+    let (mut refused, mut ran) = (0, 0);
+    for leaf in &leaves {
+        let Some(n) = original.pointer(leaf).and_then(Value::as_f64) else { continue };
+        for edited in [0.0, n + 1.0, 1e15] {
+            if edited == n {
+                continue;
+            }
+            let mut plan = original.clone();
+            *plan.pointer_mut(leaf).unwrap() = if n.fract() == 0.0 && edited.fract() == 0.0 {
+                Value::from(edited as u64)
+            } else {
+                Value::from(edited)
+            };
+            rewrite(&dir, &plan);
+            match load_bundle(&dir) {
+                Err(BundleError::Plan { violations }) => {
+                    assert!(!violations.is_empty());
+                    refused += 1;
+                }
+                Err(BundleError::Parse { .. }) => refused += 1,
+                Err(e) => panic!("{leaf} = {edited}: unexpected {e}"),
+                Ok(b) => match Twin::new(&b, &ck, Mode::Ep) {
+                    Err(_) => refused += 1,
+                    Ok(mut t) => {
+                        t.submit(Request::new(1, vec![1, 2, 3], 2)).unwrap();
+                        let _ = t.run_to_completion(8);
+                        if let Ok(false) | Err(_) = t.switch_to(Mode::Tp) {}
+                        let _ = t.run_to_completion(8);
+                        ran += 1;
+                    }
+                },
+            }
+        }
+    }
+    rewrite(&dir, &original);
+    assert!(load_bundle(&dir).is_ok());
+    eprintln!("{} fields edited: {refused} refused, {ran} ran", leaves.len());
+    assert!(refused > 100 && ran > 10, "{refused} refused, {ran} ran");
+}
+
+/// A refusal names the field: the plan.json path and what is wrong with it.
+#[test]
+fn a_refused_plan_names_the_field() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("b");
+    let checked = moeforge::dsl::check_str("tiny.moe", SPEC).unwrap();
+    let id = moeforge::dsl::spec::DeployId(0);
+    let plan = codegen::plan_deployment(&checked, id).unwrap();
+    codegen::emit(&checked, id, &plan, &NvccMode::Off).unwrap().0.write(&dir).unwrap();
+    let mut v: Value = serde_json::from_slice(&std::fs::read(dir.join("plan.json")).unwrap()).unwrap();
+    v["memory"]["views"][3]["offset"] = Value::from(v["memory"]["buffer_bytes"].as_u64().unwrap());
+    rewrite(&dir, &v);
+    let e = load_bundle(&dir).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("plan.json") && e.contains("memory.views[3].offset") && e.contains("leaves region"), "{e}");
+    // A plan that disagrees with its spec is refused too.
+    let mut v: Value = serde_json::from_slice(&std::fs::read(dir.join("plan.json")).unwrap()).unwrap();
+    v = {
+        let mut p = v.clone();
+        p["model"]["hidden"] = Value::from(128);
+        p
+    };
+    rewrite(&dir, &v);
+    let e = load_bundle(&dir).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("model") && e.contains("spec.json"), "{e}");
+}
