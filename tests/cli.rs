@@ -455,3 +455,39 @@ fn simulate_rejects_bad_arguments_and_writes_nothing() {
         assert!(!out.exists(), "{all:?} wrote output");
     }
 }
+
+/// Tile values the APK does not use (it runs both phases on one grid of the
+/// prefill gate_up tile's shape) compile with a located warning saying which
+/// value it uses instead; the bundle is written, and the JSON output lists it.
+#[test]
+fn tile_values_without_effect_compile_with_a_warning() {
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let f = write_spec(
+        tmp.path(),
+        "t.moe",
+        &["models/qwen3-30b-a3b.moe", "models/clusters.moe"],
+        "tiles t {
+           prefill { gate_up { block_m = 128 block_n = 128 block_k = 64 cluster = [2, 1] stages = 4 }
+                     down { block_m = 128 block_n = 128 block_k = 64 cluster = [2, 1] stages = 4 } }
+           decode { gate_up { block_m = 64 block_n = 128 block_k = 64 cluster = [2, 1] stages = 6 }
+                    down { block_m = 64 block_n = 128 block_k = 64 cluster = [2, 1] stages = 4 } }
+         }
+         deploy q { model = qwen3-30b-a3b cluster = h200x8 tiles = t slo { ttft = 1s tpot = 50ms }
+         workload { input = sharegpt output = sharegpt arrival poisson { rate = 1req/s } } }\n",
+    );
+    let out = tmp.path().join("o");
+    let o = moeforge(&["compile", f.to_str().unwrap(), "-o", out.to_str().unwrap(), "--nvcc", "off"], None);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let err = text(&o.stderr);
+    assert!(err.contains("W0100") && err.contains("`decode.gate_up.stages` = 6 has no effect"), "{err}");
+    assert!(err.contains("t.moe:") && err.contains("prefill.gate_up's 4"), "{err}");
+    assert_eq!(err.matches("W0100").count(), 1, "{err}");
+    assert!(out.join("plan.json").is_file());
+    let o = moeforge(
+        &["compile", f.to_str().unwrap(), "-o", out.to_str().unwrap(), "--nvcc", "off", "--format", "json"],
+        None,
+    );
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["warnings"][0]["severity"], "warning");
+    assert_eq!(v["warnings"][0]["code"], "W0100");
+}

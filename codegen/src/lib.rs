@@ -56,6 +56,16 @@ pub struct PlanOptions {
 
 /// [`plan_deployment`] with measured inputs.
 pub fn plan_deployment_with(checked: &Checked, id: DeployId, opts: &PlanOptions) -> Result<ValidPlan, Diagnostics> {
+    plan_with_warnings(checked, id, opts).map(|(plan, _)| plan)
+}
+
+/// [`plan_deployment_with`], and the passes' warnings: values of the spec
+/// that plan but have no effect on the bundle.
+pub fn plan_with_warnings(
+    checked: &Checked,
+    id: DeployId,
+    opts: &PlanOptions,
+) -> Result<(ValidPlan, Diagnostics), Diagnostics> {
     if id.index() >= checked.spec.deploys.len() {
         return Err(Diagnostics(vec![Diagnostic::new(Code::NoDeployment, format!("no deployment #{}", id.0))]));
     }
@@ -77,7 +87,8 @@ pub fn plan_deployment_with(checked: &Checked, id: DeployId, opts: &PlanOptions)
             }
         }
     }
-    validate::validate(plan).map_err(|v| internal("validate", &v))
+    let plan = validate::validate(plan).map_err(|v| internal("validate", &v))?;
+    Ok((plan, cx.warnings()))
 }
 
 /// A broken plan invariant as diagnostics: a bug, reported instead of a panic.

@@ -44,7 +44,7 @@ pub fn run(a: Args) -> Result<(), ExitCode> {
     let (checked, embedded) = load(&a.file);
     let checked = checked.map_err(|f| fail(&f.sources, &f.diagnostics, a.format))?;
     let id = pick(&checked, a.deploy.as_deref()).map_err(|d| fail(&checked.sources, &d, a.format))?;
-    let warnings = checked.warnings_for(id);
+    let mut warnings = checked.warnings_for(id);
     warn(&checked.sources, &warnings, a.format);
     let mut opts = codegen::PlanOptions { profile: read_profile(&a.profile)?, ..Default::default() };
     if let Some(p) = &a.loads {
@@ -54,7 +54,13 @@ pub fn run(a: Args) -> Result<(), ExitCode> {
         })?;
         opts.loads = Some((parsed, moeforge::plan::bundle::sha256_hex(text.as_bytes())));
     }
-    let plan = codegen::plan_deployment_with(&checked, id, &opts).map_err(|d| fail(&checked.sources, &d, a.format))?;
+    let plan = {
+        let (plan, w) =
+            codegen::plan_with_warnings(&checked, id, &opts).map_err(|d| fail(&checked.sources, &d, a.format))?;
+        warn(&checked.sources, &w, a.format);
+        warnings.extend(w);
+        plan
+    };
     let (bundle, summary) = codegen::emit(&checked, id, &plan, &a.nvcc).map_err(|e| error(e, ""))?;
     bundle.write(&a.output).map_err(|e| error(format!("cannot write bundle to {}: {e}", a.output.display()), ""))?;
     let p = plan.plan();

@@ -20,7 +20,12 @@ pub fn run(a: Args) -> Result<(), ExitCode> {
     let checked = load(&a.file).0.map_err(|f| fail(&f.sources, &f.diagnostics, a.format))?;
     let id = pick(&checked, a.deploy.as_deref()).map_err(|d| fail(&checked.sources, &d, a.format))?;
     warn(&checked.sources, &checked.warnings_for(id), a.format);
-    let plan = codegen::plan_deployment(&checked, id).map_err(|d| fail(&checked.sources, &d, a.format))?;
+    let opts = codegen::PlanOptions::default();
+    let (plan, w) =
+        codegen::plan_with_warnings(&checked, id, &opts).map_err(|d| fail(&checked.sources, &d, a.format))?;
+    warn(&checked.sources, &w, a.format);
+    let mut warnings = checked.warnings_for(id);
+    warnings.extend(w);
     match a.format {
         Format::Human => {
             out(&format!("// checked spec of deployment `{}`\n", plan.plan().deploy));
@@ -30,7 +35,7 @@ pub fn run(a: Args) -> Result<(), ExitCode> {
         Format::Json => out(&serde_json::to_string_pretty(&serde_json::json!({
             "spec": checked.spec.deployment(id),
             "plan": plan.plan(),
-            "warnings": checked.warnings_for(id).to_json(&checked.sources),
+            "warnings": warnings.to_json(&checked.sources),
         }))
         .unwrap_or_default()),
     }

@@ -58,8 +58,9 @@ pub fn run(a: Args) -> Result<(), ExitCode> {
         ));
     }
     let opts = codegen::PlanOptions { profile: read_profile(&a.profile)?, ..Default::default() };
-    let plan =
-        codegen::plan_deployment_with(&checked, id, &opts).map_err(|d| fail(&checked.sources, &d, Format::Human))?;
+    let (plan, w) =
+        codegen::plan_with_warnings(&checked, id, &opts).map_err(|d| fail(&checked.sources, &d, Format::Human))?;
+    warn(&checked.sources, &w, Format::Human);
     if embedded {
         eprintln!("note: no spec given; simulating the embedded default {}", embedded::DEFAULT_SPEC);
     }

@@ -47,7 +47,55 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     })?;
     kernels.extend(apks);
     plan.kernels = kernels;
+    unused_tiles(cx);
     Ok(())
+}
+
+/// The APK runs both phases on one grid: one CTA-cluster shape and stage
+/// ring (the prefill gate_up tile's) and one tile width per GEMM (prefill's);
+/// decode contributes its tile height M_t. Any other tile value differing
+/// from the one used has no effect, and says so.
+fn unused_tiles(cx: &Ctx<'_>) {
+    let (pf, dc) = (&cx.tiles.prefill, &cx.tiles.decode);
+    let lead = pf.gate_up;
+    let warn = |field: String, value: String, used: String, why: &str| {
+        // Only values the spec writes (defaults say nothing).
+        if cx.spans.tiles.field(&field).is_none() {
+            return;
+        }
+        cx.warn(
+            PassError::new(
+                Code::NoEffect,
+                At::Tiles(field.clone()),
+                format!("`{field}` = {value} has no effect: the APK uses {used} ({why})"),
+            )
+            .label("no effect")
+            .help(format!("write {used} here, or remove the field where it is optional")),
+        );
+    };
+    let shape = |c: [u32; 2]| format!("[{}, {}]", c[0], c[1]);
+    for (name, t) in [("prefill.down", &pf.down), ("decode.gate_up", &dc.gate_up), ("decode.down", &dc.down)] {
+        if t.stages != lead.stages {
+            let why = "one stage ring serves both phases' GEMMs";
+            warn(format!("{name}.stages"), t.stages.to_string(), format!("prefill.gate_up's {}", lead.stages), why);
+        }
+        if cx.target.arch().has_clusters() && t.cluster != lead.cluster {
+            let why = "one grid of CTA clusters serves both phases";
+            warn(
+                format!("{name}.cluster"),
+                shape(t.cluster),
+                format!("prefill.gate_up's {}", shape(lead.cluster)),
+                why,
+            );
+        }
+    }
+    for (name, t, used) in [("decode.gate_up", &dc.gate_up, &pf.gate_up), ("decode.down", &dc.down, &pf.down)] {
+        if t.block_n != used.block_n {
+            let prefill = if name.ends_with("gate_up") { "prefill.gate_up" } else { "prefill.down" };
+            let why = "decode tiles differ from prefill's in height only";
+            warn(format!("{name}.block_n"), t.block_n.to_string(), format!("{prefill}'s {}", used.block_n), why);
+        }
+    }
 }
 
 /// The router and permutation kernels.

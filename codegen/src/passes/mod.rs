@@ -46,6 +46,8 @@ pub struct Ctx<'a> {
     pub spans: Spans<'a>,
     pub opts: &'a PlanOptions,
     pub target: &'static dyn Target,
+    /// Warnings the passes raise: spec values that plan but have no effect.
+    warnings: std::cell::RefCell<Vec<PassError>>,
 }
 
 /// The spans of the deployment's four blocks.
@@ -78,7 +80,24 @@ impl<'a> Ctx<'a> {
             },
             opts,
             target: target::of(cluster.gpu.arch),
+            warnings: std::cell::RefCell::new(Vec::new()),
         }
+    }
+
+    /// Records a warning: the spec plans, but this value has no effect.
+    pub fn warn(&self, w: PassError) {
+        self.warnings.borrow_mut().push(w);
+    }
+
+    /// The warnings raised so far, as diagnostics.
+    pub fn warnings(&self) -> Diagnostics {
+        Diagnostics(
+            self.warnings
+                .borrow()
+                .iter()
+                .map(|e| moeforge_dsl::Diagnostic { severity: moeforge_dsl::Severity::Warning, ..self.diagnostic(e) })
+                .collect(),
+        )
     }
 
     /// The diagnostic of a pass error, located at its field.
