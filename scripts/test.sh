@@ -30,7 +30,13 @@ step "clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
 step "packaging (the compiler crates build from their own packages, templates included)"
-cargo package --locked -p moeforge-dsl -p moeforge-plan -p moeforge-codegen --allow-dirty >/dev/null
+# Its own target directory, without the crates of an earlier run: cargo
+# treats packaged crates like registry crates (extracted once, never rebuilt
+# while their version stays), so old ones would stand in for these.
+pkg_target="$root/target/package-check"
+rm -rf "$pkg_target/package" "$pkg_target"/debug/.fingerprint/moeforge-* "$pkg_target"/debug/deps/*moeforge* \
+  "${CARGO_HOME:-$HOME/.cargo}"/registry/src/-*/moeforge-*
+CARGO_TARGET_DIR="$pkg_target" cargo package --locked -p moeforge-dsl -p moeforge-plan -p moeforge-codegen --allow-dirty >/dev/null
 
 step "tests (snapshots must match, nvcc tier required)"
 INSTA_UPDATE=no cargo test --workspace --locked
