@@ -231,6 +231,17 @@ pub struct ApkParams {
     /// Tensor-core path: `wgmma` (sm_90a: TMA, warp specialization,
     /// multicast) or `mma_sync` (portable, sm_80: cp.async, ldmatrix).
     pub path: MmaPath,
+    /// The pipeline its target sized for these tiles.
+    #[serde(flatten)]
+    pub pipeline: ApkPipeline,
+    /// The MoE ranks that run this kernel.
+    pub ranks: Vec<u32>,
+}
+
+/// The APK's pipeline shape on one target: one shared-memory ring and one
+/// CTA shape serve every GEMM of both phases.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApkPipeline {
     /// Reduction depth of one pipeline stage and the stage count (one
     /// shared-memory ring serves both phases' GEMMs).
     pub block_k: u32,
@@ -246,8 +257,6 @@ pub struct ApkParams {
     /// Dynamic shared memory per CTA: the stage ring, barriers and decision
     /// slots, plus 1 KiB to align the ring for 128-byte swizzling.
     pub smem_bytes: u32,
-    /// The MoE ranks that run this kernel.
-    pub ranks: Vec<u32>,
 }
 
 /// Router: scores → top-k expert ids and weights, one warp per token.

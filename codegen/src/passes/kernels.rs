@@ -328,14 +328,7 @@ pub fn apk(
                 scale_block: if fp8 { FP8_SCALE_BLOCK } else { 0 },
                 activation: m.moe.activation,
                 path: target.mma_path(),
-                block_k: pipe.block_k,
-                stages: pipe.stages,
-                units: pipe.units,
-                unit_threads: pipe.unit_threads,
-                threads: pipe.threads,
-                producer_regs: pipe.producer_regs,
-                consumer_regs: pipe.consumer_regs,
-                smem_bytes: pipe.smem_bytes,
+                pipeline: pipe,
                 ranks: ranks.iter().filter(|r| r.experts[1] - r.experts[0] == local).map(|r| r.rank).collect(),
             };
             let p = |s: &str| s.to_string();

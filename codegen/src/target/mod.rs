@@ -16,7 +16,7 @@ mod sm90a;
 pub use sm90a::FP8_SCALE_BLOCK;
 
 use moeforge_dsl::spec::{Arch, DType, Tiles};
-use moeforge_plan::{MmaPath, WeightFormat};
+use moeforge_plan::{ApkPipeline, MmaPath, WeightFormat};
 
 /// A GPU architecture the generators emit code for.
 pub trait Target: Sync {
@@ -30,7 +30,7 @@ pub trait Target: Sync {
     /// The storage format the MoE kernel reads the experts in.
     fn weight_format(&self, experts: DType, block_scale: Option<[u32; 2]>) -> Result<WeightFormat, TileError>;
     /// The APK's pipeline for these tiles, or which tile field it cannot use.
-    fn apk_shape(&self, a: &ApkInput<'_>) -> Result<ApkShape, TileError>;
+    fn apk_shape(&self, a: &ApkInput<'_>) -> Result<ApkPipeline, TileError>;
     /// The partial of `templates/apk.cu.tera` with this target's device code: (name, text).
     fn apk_partial(&self) -> (&'static str, &'static str);
     /// SASS instruction families every MoE kernel of this target must contain.
@@ -94,23 +94,6 @@ pub struct ApkInput<'a> {
     pub inter: u32,
     pub weights: WeightFormat,
     pub smem_per_block: u64,
-}
-
-/// The APK's pipeline shape on one target: one shared-memory ring and one
-/// CTA shape serve every GEMM of both phases.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ApkShape {
-    /// Reduction depth of one pipeline stage, and the stage count.
-    pub block_k: u32,
-    pub stages: u32,
-    /// Math units per CTA, their threads, and the CTA's threads.
-    pub units: u32,
-    pub unit_threads: u32,
-    pub threads: u32,
-    /// `setmaxnreg` budgets of the producer and the math units (0: none).
-    pub producer_regs: u32,
-    pub consumer_regs: u32,
-    pub smem_bytes: u32,
 }
 
 /// The rules every target shares: one reduction depth for the ring, row

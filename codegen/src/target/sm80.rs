@@ -2,9 +2,9 @@
 //! cp.async, math warps reading them with ldmatrix into mma.sync m16n8k16,
 //! no CTA clusters, bf16 experts only.
 
-use super::{common_rules, ring, ApkInput, ApkShape, Target, TileError};
+use super::{common_rules, ring, ApkInput, Target, TileError};
 use moeforge_dsl::spec::{Arch, DType};
-use moeforge_plan::{MmaPath, WeightFormat};
+use moeforge_plan::{ApkPipeline, MmaPath, WeightFormat};
 
 pub struct Sm80;
 
@@ -35,7 +35,7 @@ impl Target for Sm80 {
         }
     }
 
-    fn apk_shape(&self, a: &ApkInput<'_>) -> Result<ApkShape, TileError> {
+    fn apk_shape(&self, a: &ApkInput<'_>) -> Result<ApkPipeline, TileError> {
         common_rules(a)?;
         let (pf, dc) = (&a.tiles.prefill, &a.tiles.decode);
         let block_k = pf.gate_up.block_k;
@@ -60,7 +60,7 @@ impl Target for Sm80 {
         let row = block_k + 8;
         let stage_bytes = u64::from((mt_p.max(mt_d) + n_gu.max(n_d)) * row) * 2;
         let (stages, smem_bytes) = ring(a, block_k, stage_bytes, 2)?;
-        Ok(ApkShape {
+        Ok(ApkPipeline {
             block_k,
             stages,
             units: WARPS,

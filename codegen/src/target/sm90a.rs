@@ -3,9 +3,9 @@
 //! multicast across the CTA cluster, `setmaxnreg`, and fp8 e4m3 experts
 //! dequantized to bf16 in shared memory (W8A16).
 
-use super::{common_rules, ring, ApkInput, ApkShape, Target, TileError};
+use super::{common_rules, ring, ApkInput, Target, TileError};
 use moeforge_dsl::spec::{Arch, DType};
-use moeforge_plan::{MmaPath, WeightFormat};
+use moeforge_plan::{ApkPipeline, MmaPath, WeightFormat};
 
 pub struct Sm90a;
 
@@ -47,7 +47,7 @@ impl Target for Sm90a {
         }
     }
 
-    fn apk_shape(&self, a: &ApkInput<'_>) -> Result<ApkShape, TileError> {
+    fn apk_shape(&self, a: &ApkInput<'_>) -> Result<ApkPipeline, TileError> {
         common_rules(a)?;
         let (pf, dc) = (&a.tiles.prefill, &a.tiles.decode);
         let (block_k, cluster) = (pf.gate_up.block_k, a.cluster);
@@ -95,7 +95,7 @@ impl Target for Sm90a {
         let units = mt_max / 64;
         // The register split is sized for one producer and two math warpgroups.
         let (producer_regs, consumer_regs) = if units == 2 { (PRODUCER_REGS, CONSUMER_REGS) } else { (0, 0) };
-        Ok(ApkShape {
+        Ok(ApkPipeline {
             block_k: STAGE_K,
             stages,
             units,
