@@ -146,3 +146,75 @@ fn a_refused_plan_names_the_field() {
     let e = load_bundle(&dir).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e.contains("model") && e.contains("spec.json"), "{e}");
 }
+
+/// Writes `spec` as the bundle's spec.json and re-hashes everything that
+/// names it (the manifest's spec hash and files, the plan's spec hash).
+fn rewrite_spec(dir: &Path, spec: &Value) {
+    let bytes = serde_json::to_vec_pretty(spec).unwrap();
+    std::fs::write(dir.join("spec.json"), &bytes).unwrap();
+    let hash = sha256_hex(&bytes);
+    let mut plan: Value = serde_json::from_slice(&std::fs::read(dir.join("plan.json")).unwrap()).unwrap();
+    plan["spec_hash"] = Value::from(hash.clone());
+    rewrite(dir, &plan);
+    let mpath = dir.join("manifest.json");
+    let mut m: Manifest = serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
+    m.spec_hash = hash.clone();
+    m.files.insert("spec.json".into(), hash);
+    std::fs::write(mpath, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+}
+
+/// Edits no single-number sweep makes: swapped TP KV-head ownership, a view
+/// holding the wrong shard, an invented reshard copy, an out-of-range spec,
+/// a manifest entry that is a link. Each is refused, naming what is wrong.
+#[test]
+fn structural_edits_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("b");
+    let checked = moeforge::dsl::check_str("tiny.moe", SPEC).unwrap();
+    let id = moeforge::dsl::spec::DeployId(0);
+    let plan = codegen::plan_deployment(&checked, id).unwrap();
+    codegen::emit(&checked, id, &plan, &NvccMode::Off).unwrap().0.write(&dir).unwrap();
+    let plan0: Value = serde_json::from_slice(&std::fs::read(dir.join("plan.json")).unwrap()).unwrap();
+    let spec0: Value = serde_json::from_slice(&std::fs::read(dir.join("spec.json")).unwrap()).unwrap();
+    let refused = |dir: &Path| load_bundle(dir).err().map(|e| e.to_string()).unwrap_or_default();
+    // TP KV heads swapped between the two ranks: query heads would miss theirs.
+    let mut p = plan0.clone();
+    assert_eq!(p["memory"]["kv"]["tp_heads"], serde_json::json!([[0, 1], [1, 2]]));
+    p["memory"]["kv"]["tp_heads"] = serde_json::json!([[1, 2], [0, 1]]);
+    rewrite(&dir, &p);
+    assert!(refused(&dir).contains("memory.kv.tp_heads"), "{}", refused(&dir));
+    // The TP k_proj view claims query-head blocks instead of KV-head blocks.
+    let mut p = plan0.clone();
+    let views = p["memory"]["views"].as_array_mut().unwrap();
+    let k = views.iter_mut().find(|v| v["role"] == "k_proj" && v["mode"] == "tp").unwrap();
+    k["shard"]["heads"] = Value::from("query");
+    rewrite(&dir, &p);
+    assert!(refused(&dir).contains(".shard"), "{}", refused(&dir));
+    // One more copy in the EP→TP descriptors.
+    let mut p = plan0.clone();
+    let copies = p["memory"]["reshard"]["ep_to_tp"]["per_layer"].as_array_mut().unwrap();
+    let extra = copies[0].clone();
+    copies.push(extra);
+    rewrite(&dir, &p);
+    assert!(refused(&dir).contains("memory.reshard"), "{}", refused(&dir));
+    rewrite(&dir, &plan0);
+    assert!(load_bundle(&dir).is_ok());
+    // spec.json with a rotary width beyond the head (out of the checker's range).
+    let mut s = spec0.clone();
+    s["models"][0]["attention"]["rope_dim"] = Value::from(999);
+    rewrite_spec(&dir, &s);
+    let e = refused(&dir);
+    assert!(e.contains("spec.json") && e.contains("rope_dim"), "{e}");
+    rewrite_spec(&dir, &spec0);
+    assert!(load_bundle(&dir).is_ok());
+    // A kernel source replaced by a link to a file outside the bundle.
+    #[cfg(unix)]
+    {
+        let cu = dir.join("kernels/router.cu");
+        let outside = tmp.path().join("outside.cu");
+        std::fs::rename(&cu, &outside).unwrap();
+        std::os::unix::fs::symlink(&outside, &cu).unwrap();
+        let e = refused(&dir);
+        assert!(e.contains("kernels/router.cu") && e.contains("not a regular file"), "{e}");
+    }
+}

@@ -479,7 +479,7 @@ fn tile_values_without_effect_compile_with_a_warning() {
     let o = moeforge(&["compile", f.to_str().unwrap(), "-o", out.to_str().unwrap(), "--nvcc", "off"], None);
     assert!(o.status.success(), "{}", text(&o.stderr));
     let err = text(&o.stderr);
-    assert!(err.contains("W0100") && err.contains("`decode.gate_up.stages` = 6 has no effect"), "{err}");
+    assert!(err.contains("W0100") && err.contains("`decode.gate_up.stages` = 6 has no effect on the kernel"), "{err}");
     assert!(err.contains("t.moe:") && err.contains("prefill.gate_up's 4"), "{err}");
     assert_eq!(err.matches("W0100").count(), 1, "{err}");
     assert!(out.join("plan.json").is_file());

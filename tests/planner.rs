@@ -85,6 +85,7 @@ fn zoo_mutations_plan_or_fail_with_located_errors() {
         ("models/clusters.moe", "gpus_per_node = 8", "gpus_per_node = 3"),
         ("models/clusters.moe", "gpus_per_node = 8", "gpus_per_node = 1"),
         ("models/clusters.moe", "hbm = 80GB", "hbm = 24GB"),
+        ("models/clusters.moe", "nodes = 4", "nodes = 300"),
         ("models/clusters.moe", "hbm = 141GB", "hbm = 30GB"),
         ("models/tiles.moe", "block_n = 128", "block_n = 96"),
         ("models/tiles.moe", "cluster = [2, 1]", "cluster = [4, 1]"),

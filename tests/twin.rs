@@ -429,3 +429,28 @@ fn engine_streams_tokens_and_cancel_frees_kv() {
     }
     assert_eq!(streams[&1].len(), 2, "the cancelled request produced nothing after its cancel");
 }
+
+/// The driver never asks an engine for a mode its plan does not hold (an
+/// EP-only plan under a policy that would switch to TP), and an absurd
+/// `max_new` is a bad request, not an overflow.
+#[test]
+fn driver_respects_the_plans_modes_and_submit_checks_sizes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let text = spec(QWEN, 0.25).replace("switch { t_high = 4 t_low = 2 window = 2 cooldown = 0s }", "");
+    let b = bundle(&text, &tmp.path().join("bundle"));
+    assert_eq!(b.plan.memory.modes, vec![Mode::Ep]);
+    let model = TwinModel::from_spec(&b.spec.models[0]).unwrap();
+    write_random(&model, 12, Family::Qwen3Moe, &tmp.path().join("w")).unwrap();
+    let ck = Checkpoint::load(&tmp.path().join("w")).unwrap();
+    let t = Twin::new(&b, &ck, Mode::Ep).unwrap();
+    let policy = Policy { t_high: 4, t_low: 2, window: 1, cooldown: 0.0, calibrate: false };
+    let mut d = Driver::new(t, Some(policy)).with_clock(Clock::Logical { step_seconds: 1.0 });
+    d.engine.submit(Request::new(1, vec![1, 2, 3], 4)).unwrap();
+    for _ in 0..6 {
+        d.step().unwrap();
+    }
+    assert!(d.events.is_empty(), "{:?}", d.events);
+    assert_eq!(d.engine.finished(), &[1]);
+    let e = d.engine.submit(Request::new(2, vec![1], usize::MAX)).unwrap_err();
+    assert!(matches!(e, moeforge::runtime::engine::EngineError::BadRequest(_)), "{e}");
+}

@@ -297,7 +297,6 @@ impl<'a, 'd> Fields<'a, 'd> {
         self.block.items.iter().any(|i| matches!(i, Item::Block(b) if b.kind.text == key))
     }
 
-    /// Reports every item no getter asked for.
     /// A field moeforge no longer reads: an error that says so (instead of
     /// "unknown field"), so an old spec learns why its line is refused.
     pub fn removed(&mut self, key: &str, why: &str) {
@@ -312,6 +311,7 @@ impl<'a, 'd> Fields<'a, 'd> {
         }
     }
 
+    /// Reports every item no getter asked for.
     pub fn finish(self) {
         for (item, used) in self.block.items.iter().zip(&self.used) {
             if *used {

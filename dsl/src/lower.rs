@@ -247,7 +247,8 @@ fn dtype_block(b: &Block, diags: &mut Diagnostics, spans: &mut SpanMap) -> Optio
 
 pub fn cluster(b: &Block, name: &str, diags: &mut Diagnostics, spans: &mut SpanMap) -> Option<Cluster> {
     let mut f = Fields::new(b, "", diags, spans);
-    let nodes = f.req_count("nodes", 1, 65536);
+    // Serving deployments of more nodes than this are not planned.
+    let nodes = f.req_count("nodes", 1, 1024);
     let gpn = f.req_count("gpus_per_node", 1, 72);
     let gpu = f.req_block("gpu", "gpu h100 { arch = sm_90a sms = 132 … }").and_then(|g| gpu_block(g, f.diags, f.spans));
     let scale_up = f

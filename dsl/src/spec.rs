@@ -280,21 +280,32 @@ pub struct ParamCount {
 }
 
 impl ParamCount {
+    /// The sum (saturating: a checked spec's extreme shapes cannot overflow,
+    /// they only fail to fit any cluster).
     pub fn total(&self) -> u64 {
-        self.embedding
-            + self.lm_head
-            + self.attention
-            + self.norms
-            + self.dense_ffn
-            + self.router
-            + self.routed_experts
-            + self.shared_experts
+        [
+            self.embedding,
+            self.lm_head,
+            self.attention,
+            self.norms,
+            self.dense_ffn,
+            self.router,
+            self.routed_experts,
+            self.shared_experts,
+        ]
+        .iter()
+        .fold(0u64, |a, &b| a.saturating_add(b))
     }
+}
+
+/// `Π xs`, saturating.
+fn prod(xs: &[u64]) -> u64 {
+    xs.iter().fold(1u64, |a, &b| a.saturating_mul(b))
 }
 
 impl Model {
     pub fn moe_layers(&self) -> u32 {
-        self.layers - self.dense.map_or(0, |d| d.layers)
+        self.layers.saturating_sub(self.dense.map_or(0, |d| d.layers))
     }
 
     /// Attention projection parameters of one layer (including q/k norms).
@@ -303,47 +314,52 @@ impl Model {
         match self.attention {
             Attention::Gqa { heads, kv_heads, head_dim, qk_norm, sinks, .. } => {
                 let (q, kv, d) = (u64::from(heads), u64::from(kv_heads), u64::from(head_dim));
-                h * q * d + 2 * h * kv * d + q * d * h + if qk_norm { 2 * d } else { 0 } + if sinks { q } else { 0 }
+                prod(&[2, h, q, d]).saturating_add(prod(&[2, h, kv, d]))
+                    + if qk_norm { 2 * d } else { 0 }
+                    + if sinks { q } else { 0 }
             }
             Attention::Mla { heads, q_lora, kv_lora, qk_nope, qk_rope, v_head } => {
                 let (n, kv, nope, rope, v) =
                     (u64::from(heads), u64::from(kv_lora), u64::from(qk_nope), u64::from(qk_rope), u64::from(v_head));
                 let q = match q_lora {
-                    Some(r) => h * u64::from(r) + u64::from(r) + u64::from(r) * n * (nope + rope),
-                    None => h * n * (nope + rope),
+                    Some(r) => prod(&[h, u64::from(r)]) + u64::from(r) + prod(&[u64::from(r), n, nope + rope]),
+                    None => prod(&[h, n, nope + rope]),
                 };
-                q + h * (kv + rope) + kv + kv * n * (nope + v) + n * v * h
+                [q, prod(&[h, kv + rope]), kv, prod(&[kv, n, nope + v]), prod(&[n, v, h])]
+                    .iter()
+                    .fold(0u64, |a, &b| a.saturating_add(b))
             }
         }
     }
 
     /// Parameters of one routed expert (gate, up, down).
     pub fn expert_params(&self) -> u64 {
-        3 * u64::from(self.hidden) * u64::from(self.moe.expert_ffn)
+        prod(&[3, u64::from(self.hidden), u64::from(self.moe.expert_ffn)])
     }
 
     pub fn params(&self) -> ParamCount {
         let h = u64::from(self.hidden);
         let layers = u64::from(self.layers);
         let moe_layers = u64::from(self.moe_layers());
-        let dense = self.dense.map_or(0, |d| u64::from(d.layers) * 3 * h * u64::from(d.ffn));
+        let dense = self.dense.map_or(0, |d| prod(&[u64::from(d.layers), 3, h, u64::from(d.ffn)]));
+        let (e, shared) = (u64::from(self.moe.experts), u64::from(self.moe.shared_experts));
         ParamCount {
-            embedding: u64::from(self.vocab) * h,
-            lm_head: if self.tie_embeddings { 0 } else { u64::from(self.vocab) * h },
-            attention: layers * self.attention_params_per_layer(),
+            embedding: prod(&[u64::from(self.vocab), h]),
+            lm_head: if self.tie_embeddings { 0 } else { prod(&[u64::from(self.vocab), h]) },
+            attention: prod(&[layers, self.attention_params_per_layer()]),
             norms: layers * 2 * h + h,
             dense_ffn: dense,
-            router: moe_layers * u64::from(self.moe.experts) * h,
-            routed_experts: moe_layers * u64::from(self.moe.experts) * self.expert_params(),
-            shared_experts: moe_layers * u64::from(self.moe.shared_experts) * 3 * h * u64::from(self.moe.shared_ffn),
+            router: prod(&[moe_layers, e, h]),
+            routed_experts: prod(&[moe_layers, e, self.expert_params()]),
+            shared_experts: prod(&[moe_layers, shared, 3, h, u64::from(self.moe.shared_ffn)]),
         }
     }
 
     /// Parameters touched per token (shared, dense and top-k routed experts).
     pub fn active_params(&self) -> u64 {
         let p = self.params();
-        let routed_active = u64::from(self.moe_layers()) * u64::from(self.moe.top_k) * self.expert_params();
-        p.total() - p.routed_experts + routed_active
+        let routed_active = prod(&[u64::from(self.moe_layers()), u64::from(self.moe.top_k), self.expert_params()]);
+        p.total().saturating_sub(p.routed_experts).saturating_add(routed_active)
     }
 
     /// Bytes of all weights as stored: experts in `dtype.experts`, the rest in

@@ -139,15 +139,29 @@ pub enum BundleError {
     Missing { path: String },
     #[error("spec hash mismatch: manifest says {manifest}, {what} gives {found}")]
     SpecHash { manifest: String, what: &'static str, found: String },
+    #[error("spec.json {why}; recompile the spec with `moeforge compile`")]
+    Spec { why: String },
     #[error("plan.json is not a valid plan: {}{}", violations.iter().take(3).map(|v| v.to_string()).collect::<Vec<_>>().join("; "), if violations.len() > 3 { format!(" (and {} more)", violations.len() - 3) } else { String::new() })]
     Plan { violations: Vec<Violation> },
 }
 
+/// Largest file a bundle may hold (cubins and plans are far smaller).
+pub const MAX_FILE_BYTES: u64 = 1 << 30;
+
+/// Reads a bundle file: a regular file (no link to follow elsewhere) of at
+/// most [`MAX_FILE_BYTES`].
 fn read(dir: &Path, rel: &str) -> Result<Vec<u8>, BundleError> {
-    std::fs::read(dir.join(rel)).map_err(|e| match e.kind() {
+    let path = dir.join(rel);
+    let err = |e: std::io::Error| match e.kind() {
         std::io::ErrorKind::NotFound => BundleError::Missing { path: rel.to_string() },
         _ => BundleError::Read { path: rel.to_string(), err: e.to_string() },
-    })
+    };
+    let meta = std::fs::symlink_metadata(&path).map_err(err)?;
+    if !meta.is_file() || meta.len() > MAX_FILE_BYTES {
+        let why = if meta.is_file() { "larger than a bundle file may be" } else { "not a regular file" };
+        return Err(BundleError::Read { path: rel.to_string(), err: why.into() });
+    }
+    std::fs::read(&path).map_err(err)
 }
 
 /// Reads and verifies a bundle directory.
@@ -210,15 +224,22 @@ pub fn load_bundle(dir: &Path) -> Result<LoadedBundle, BundleError> {
         what: "spec",
         err: e.to_string(),
     })?;
-    let mut violations = spec_consistency(&plan, &spec);
-    let plan = match crate::validate::validate(plan) {
-        Ok(p) if violations.is_empty() => p,
-        Ok(_) => return Err(BundleError::Plan { violations }),
-        Err(v) => {
-            violations.extend(v);
-            return Err(BundleError::Plan { violations });
+    // spec.json must be a checked spec: printed back to `.moe` it checks to
+    // itself (so every range and cross-block rule holds for what backends read).
+    match moeforge_dsl::check_str("spec.json", &spec.to_string()) {
+        Ok(c) if c.spec == spec => {}
+        Ok(_) => return Err(BundleError::Spec { why: "does not print and check back to itself".into() }),
+        Err(f) => {
+            let first = f.diagnostics.iter().next().map_or(String::new(), |d| format!("{}: {}", d.code, d.message));
+            return Err(BundleError::Spec { why: format!("is not a valid spec: {first}") });
         }
-    };
+    }
+    // The plan's facts are its spec's before anything else is read from it.
+    let violations = spec_consistency(&plan, &spec);
+    if !violations.is_empty() {
+        return Err(BundleError::Plan { violations });
+    }
+    let plan = crate::validate::validate(plan).map_err(|violations| BundleError::Plan { violations })?;
     Ok(LoadedBundle { dir: dir.to_path_buf(), manifest, plan, spec, kernels })
 }
 

@@ -484,6 +484,41 @@ pub fn elt_bytes(dt: DType) -> u64 {
     }
 }
 
+/// TP's KV-head ownership with `kv_heads` KV heads on `p` ranks: the heads
+/// per rank, how many ranks hold each head, and each rank's `[begin, end)`.
+/// With at least as many heads as ranks each rank holds `kv/p` of them;
+/// with fewer, each head is replicated on `p/kv` consecutive ranks, so rank
+/// r's query heads (`head_block`) always find their KV head locally.
+pub fn tp_kv_heads(kv_heads: u32, p: u32) -> (u32, u32, Vec<[u32; 2]>) {
+    let (kv, p) = (kv_heads.max(1), p.max(1));
+    if kv >= p {
+        let local = kv / p;
+        (local, 1, (0..p).map(|r| [r * local, (r + 1) * local]).collect())
+    } else {
+        let rep = p / kv;
+        (1, rep, (0..p).map(|r| [r / rep, r / rep + 1]).collect())
+    }
+}
+
+/// The shard a view of `role` holds in `mode`, as the memory plan lays
+/// it out: EP holds whole tensors and its own experts; TP holds head blocks
+/// of the head-sharded projections (rows; `o_proj`'s columns), every
+/// expert's `1/P` of the intermediate dimension, and the rest whole.
+pub fn expected_shard(role: TensorRole, mode: Mode) -> Shard {
+    use TensorRole::*;
+    let heads = |dim, heads| Shard::Heads { dim, heads };
+    match (mode, role) {
+        (Mode::Ep, ExpertsW13 | ExpertsW2) => Shard::LocalExperts,
+        (Mode::Tp, ExpertsW13) => Shard::ExpertShard { dim: 1 },
+        (Mode::Tp, ExpertsW2) => Shard::ExpertShard { dim: 2 },
+        (Mode::Ep, _) => Shard::Full,
+        (Mode::Tp, QProj | QBProj | KvBProj | Sinks) => heads(0, HeadSet::Query),
+        (Mode::Tp, KProj | VProj) => heads(0, HeadSet::Kv),
+        (Mode::Tp, OProj) => heads(1, HeadSet::Query),
+        (Mode::Tp, _) => Shard::Full,
+    }
+}
+
 /// Query heads `[begin, end)` of rank `r` under TP with `p` ranks.
 pub fn head_block(heads: u32, p: u32, r: u32) -> [u32; 2] {
     let n = heads / p.max(1);

@@ -15,7 +15,7 @@
 //! the values they are derived from. Each [`Violation`] names the field of
 //! `plan.json` it is about.
 
-use crate::memory::{Mode, RegionKind, TensorRole, ALIGN};
+use crate::memory::{expected_shard, Mode, RegionKind, TensorPart, TensorRole, ALIGN};
 use crate::plan::{Grid, KernelParams, MmaPath, Plan, WeightFormat};
 use std::fmt;
 
@@ -142,7 +142,7 @@ fn ranks(c: &mut Check, p: &Plan) {
         return;
     }
     c.ensure(p.layout.ep_size == world, "layout.ep_size", || format!("{} for a world of {world}", p.layout.ep_size));
-    let mut owner = vec![0u32; experts as usize];
+    let mut held: Vec<[u32; 2]> = Vec::with_capacity(p.ranks.len());
     for (i, r) in p.ranks.iter().enumerate() {
         let gpn = p.cluster.gpus_per_node;
         let numbered = r.rank as usize == i
@@ -150,21 +150,35 @@ fn ranks(c: &mut Check, p: &Plan) {
             && r.node.checked_mul(gpn).and_then(|n| n.checked_add(r.local_rank)) == Some(r.rank);
         c.ensure(numbered, format!("ranks[{i}]"), || format!("misnumbered: {r:?}"));
         let [b, e] = r.experts;
-        if !c.ensure(
+        if c.ensure(
             b <= e && e <= experts && e - b <= p.layout.max_experts_per_rank,
             format!("ranks[{i}].experts"),
             || format!("[{b}, {e}) of {experts} experts, at most {} per rank", p.layout.max_experts_per_rank),
-        ) {
-            continue;
-        }
-        for x in b..e {
-            owner[x as usize] += 1;
+        ) && b < e
+        {
+            held.push([b, e]);
         }
     }
-    // **Invariant**: without replication every expert lives on exactly one rank.
-    if let Some(x) = owner.iter().position(|&n| n != 1) {
-        c.bad("ranks", format!("expert {x} is held by {} ranks", owner[x]));
+    // **Invariant**: without replication every expert lives on exactly one
+    // rank: the ranks' ranges, sorted, tile [0, experts).
+    held.sort_unstable();
+    let mut next = 0;
+    for [b, e] in held {
+        if b != next {
+            c.bad(
+                "ranks",
+                format!(
+                    "experts [{}, {}) are held by {} ranks",
+                    b.min(next),
+                    b.max(next),
+                    if b < next { "two" } else { "no" }
+                ),
+            );
+            return;
+        }
+        next = e;
     }
+    c.ensure(next == experts, "ranks", || format!("experts [{next}, {experts}) are held by no rank"));
 }
 
 /// Bytes of a shape's elements, `None` on overflow.
@@ -181,6 +195,9 @@ fn shape_bytes(shape: &[u64], elt: u64) -> Option<u64> {
 fn memory(c: &mut Check, p: &Plan) {
     let m = &p.memory;
     let layers = p.model.layers;
+    c.ensure(m.hbm == p.cluster.hbm_bytes, "memory.hbm", || {
+        format!("{} is not the GPU's {}", m.hbm, p.cluster.hbm_bytes)
+    });
     c.ensure(m.buffer_bytes <= m.hbm, "memory.buffer_bytes", || format!("{} exceeds HBM {}", m.buffer_bytes, m.hbm));
     let modes_ok = !m.modes.is_empty() && m.modes.windows(2).all(|w| w[0] < w[1]);
     c.ensure(modes_ok, "memory.modes", || format!("{:?}: one or both modes, in order", m.modes));
@@ -257,6 +274,11 @@ fn memory(c: &mut Check, p: &Plan) {
     reshard(c, p, dual);
 }
 
+/// Most (view, layer) extents a plan may hold: far above any model a
+/// checked spec describes, so an edited plan cannot make the overlap check
+/// allocate without bound.
+const MAX_SPANS: usize = 1 << 20;
+
 fn views(c: &mut Check, p: &Plan) {
     let m = &p.memory;
     let layers = p.model.layers;
@@ -266,7 +288,17 @@ fn views(c: &mut Check, p: &Plan) {
         let f = format!("memory.views[{i}]");
         if !seen.insert((v.mode, v.role, v.part)) {
             c.bad(&f, format!("a second {} view of `{}`", v.mode.name(), v.tensor));
+            continue;
         }
+        c.ensure(v.shard == expected_shard(v.role, v.mode), format!("{f}.shard"), || {
+            format!(
+                "{:?} is not how `{}` is laid out in {} ({:?})",
+                v.shard,
+                v.tensor,
+                v.mode.name(),
+                expected_shard(v.role, v.mode)
+            )
+        });
         c.ensure(v.tensor == v.role.name(v.part), format!("{f}.tensor"), || {
             format!("`{}` is not the name of {:?} {:?} (`{}`)", v.tensor, v.role, v.part, v.role.name(v.part))
         });
@@ -316,10 +348,41 @@ fn views(c: &mut Check, p: &Plan) {
             c.bad(format!("{f}.shape"), format!("{:?} overflows", v.shape));
             continue;
         };
-        c.ensure(b - a == 1 || v.layer_stride >= bytes, format!("{f}.layer_stride"), || {
+        if !c.ensure(b - a == 1 || v.layer_stride >= bytes, format!("{f}.layer_stride"), || {
             format!("{} is less than the {bytes} bytes of one layer", v.layer_stride)
-        });
+        }) {
+            continue;
+        }
+        if v.role.is_routed_expert() {
+            // Expert views sit in their mode's slots: layer i of MoE layer
+            // numbering in slot i + shift, W13 first, then W2, then the scales.
+            let sl = &m.slots;
+            let shift = u64::from(if v.mode == Mode::Tp { sl.tp_shift } else { sl.ep_shift });
+            let slot = sl.slot_bytes.checked_mul(shift).and_then(|x| x.checked_add(sl.base));
+            let inner = v.offset.checked_sub(slot.unwrap_or(u64::MAX));
+            let inner_ok = match (v.role, v.part) {
+                (TensorRole::ExpertsW13, TensorPart::Weight) => inner == Some(0) && bytes <= sl.w13_bytes,
+                (TensorRole::ExpertsW2, TensorPart::Weight) => inner == Some(sl.w13_bytes) && bytes <= sl.w2_bytes,
+                _ => inner.is_some_and(|x| x >= sl.w13_bytes + sl.w2_bytes),
+            };
+            let ok = inner_ok && v.layer_stride == sl.slot_bytes && v.layers == [sl.first_moe_layer, layers];
+            if !c.ensure(ok, format!("{f}.offset"), || {
+                format!(
+                    "`{}` ({}) is not where its slots are (base {}, {} bytes per slot)",
+                    v.tensor,
+                    v.mode.name(),
+                    sl.base,
+                    sl.slot_bytes
+                )
+            }) {
+                continue;
+            }
+        }
         let region_end = r.offset + r.bytes;
+        if spans.len() + (b - a) as usize > MAX_SPANS {
+            c.bad(format!("{f}.layers"), format!("more than {MAX_SPANS} tensor layers in one plan"));
+            return;
+        }
         for l in a..b {
             let start = u64::from(l - a).checked_mul(v.layer_stride).and_then(|d| d.checked_add(v.offset));
             let end = start.and_then(|s| s.checked_add(bytes));
@@ -400,12 +463,14 @@ fn kv(c: &mut Check, p: &Plan, dual: bool) {
             c.ensure(kv.tp_heads.len() == m.group as usize, "memory.kv.tp_heads", || {
                 format!("{} entries for {} ranks", kv.tp_heads.len(), m.group)
             });
-            for (i, [a, b]) in kv.tp_heads.iter().enumerate() {
-                c.ensure(a < b && *b <= all && b - a == tp.heads_per_rank, format!("memory.kv.tp_heads[{i}]"), || {
-                    format!("[{a}, {b}) of {all} KV heads, {} per rank", tp.heads_per_rank)
-                });
-            }
-            c.ensure(kv.replication >= 1, "memory.kv.replication", || "at least 1".into());
+            // Each rank's KV heads are those its query heads read (head_block).
+            let (local, rep, heads) = crate::memory::tp_kv_heads(all, m.group);
+            c.ensure(kv.tp_heads == heads && tp.heads_per_rank == local && kv.replication == rep, "memory.kv.tp_heads", || {
+                format!(
+                    "{:?} ({} per rank, ×{}) is not the ownership of {all} KV heads on {} ranks: {heads:?} ({local} per rank, ×{rep})",
+                    kv.tp_heads, tp.heads_per_rank, kv.replication, m.group
+                )
+            });
         }
         (None, false) => {}
         _ => c.bad("memory.kv.tp", "a TP page format exactly when the plan holds both modes"),
@@ -418,6 +483,18 @@ fn reshard(c: &mut Check, p: &Plan, dual: bool) {
     if !c.ensure(dual, "memory.reshard", || "reshard descriptors in a single-mode plan".into()) {
         return;
     }
+    let s = &m.slots;
+    // The descriptors are those of the slot geometry: recomputed and compared.
+    let (e, i, h, g) =
+        (u64::from(p.model.experts), u64::from(p.model.expert_ffn), u64::from(p.model.hidden), u64::from(m.group));
+    if g == 0 || e < g || e % g != 0 || i % g != 0 {
+        c.bad("memory.group", format!("{e} experts of FFN size {i} do not shard over {g} ranks"));
+        return;
+    }
+    let want = crate::reshard::weights(s, e, i, h, crate::memory::elt_bytes(p.model.expert_dtype), m.group);
+    c.ensure(*rs == want, "memory.reshard", || {
+        "the descriptors are not those of the expert slots' geometry (each layer's copies must move exactly the experts' bytes between the two layouts)".into()
+    });
     let s = &m.slots;
     for (name, w, from, to) in
         [("ep_to_tp", &rs.ep_to_tp, Mode::Ep, Mode::Tp), ("tp_to_ep", &rs.tp_to_ep, Mode::Tp, Mode::Ep)]

@@ -34,7 +34,7 @@ impl Policy {
         let t_high = s.t_high.unwrap_or(DEFAULT_T_HIGH);
         Policy {
             t_high,
-            t_low: s.t_low.unwrap_or(t_high * 4 / 5).min(t_high),
+            t_low: s.t_low.unwrap_or((u64::from(t_high) * 4 / 5) as u32).min(t_high),
             window: s.window.max(1) as usize,
             cooldown: s.cooldown,
             calibrate: s.t_high.is_none(),
@@ -182,7 +182,9 @@ impl<E: Engine> Driver<E> {
         let stats = self.engine.stats();
         let now = self.now();
         if let (Some(c), Some(mode)) = (self.coordinator.as_mut(), stats.mode) {
-            if let Some(target) = c.decide(mode, stats.inflight(), now) {
+            // A target the engine's plan does not hold is no decision at all.
+            let decision = c.decide(mode, stats.inflight(), now).filter(|t| stats.modes.contains(t));
+            if let Some(target) = decision {
                 let e = self.engine.switch(target)?;
                 if e.cancelled.is_some() {
                     c.cancelled(now);

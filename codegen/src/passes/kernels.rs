@@ -67,7 +67,7 @@ fn unused_tiles(cx: &Ctx<'_>) {
             PassError::new(
                 Code::NoEffect,
                 At::Tiles(field.clone()),
-                format!("`{field}` = {value} has no effect: the APK uses {used} ({why})"),
+                format!("`{field}` = {value} has no effect on the kernel: the APK uses {used} ({why})"),
             )
             .label("no effect")
             .help(format!("write {used} here, or remove the field where it is optional")),
@@ -290,7 +290,7 @@ pub fn apk(
     // Whole clusters: decode may hold all but one of them (prefill keeps one
     // whenever the GPU has two).
     let clusters = c.gpu.sms / cluster_size;
-    let q_max = clusters.saturating_sub(1).max(1) * cluster_size;
+    let q_max = moeforge_plan::cost::q_max(c.gpu.sms, cluster_size);
     let best = search.and_then(|s| s.ranked.first());
     let q = best.map_or(round(c.gpu.sms / 2), |b| round(b.q)).clamp(cluster_size, q_max);
     let decode_batch = best.map_or(NOMINAL_DECODE_PER_RANK * f64::from(world), |b| f64::from(b.decode_batch));

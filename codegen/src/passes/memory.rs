@@ -433,20 +433,8 @@ fn kv_plan(m: &Model, p: u32, dual: bool, pool: u64, region: RegionId) -> KvPlan
         KvMode { heads_per_rank: heads, page_bytes, pages, capacity_tokens: ranks_holding_own * pages * page }
     };
     let ep = mode(kv_heads, u64::from(p));
-    let (tp_local, replication) = if kv_heads >= p { (kv_heads / p, 1) } else { (1, p / kv_heads) };
-    let tp_heads = if dual {
-        (0..p)
-            .map(|r| {
-                if kv_heads >= p {
-                    [r * tp_local, (r + 1) * tp_local]
-                } else {
-                    [r / replication, r / replication + 1]
-                }
-            })
-            .collect()
-    } else {
-        vec![]
-    };
+    let (tp_local, replication, heads) = tp_kv_heads(kv_heads, p);
+    let tp_heads = if dual { heads } else { vec![] };
     KvPlan {
         region,
         page_tokens: PAGE_TOKENS,

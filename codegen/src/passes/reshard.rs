@@ -1,22 +1,13 @@
 //! Reshard pass: the direct-transfer descriptors that move expert weights
-//! between the EP and TP views (Moebius §3.1, §4.3).
-//!
-//! EP→TP ("permute then exchange"): rank r holds complete experts
-//! `[r·E/P, (r+1)·E/P)`; for every destination rank q it sends the q-th
-//! `I/P` slice of each local expert's gate, up and down projections straight
-//! into q's TP slot, so no staging buffer exists. TP→EP ("exchange then
-//! permute") is the same set of copies with source and destination swapped:
-//! rank q's slice of every expert goes to the expert's EP owner, which
-//! interleaves the received slices into complete experts. EP→TP runs layers
-//! in ascending order (slot i+1 holds EP layer i, read before TP layer i+1
-//! is written there), TP→EP in descending order.
-//!
-//! Attention weights need no transfer: both layouts stay resident and a
-//! switch swaps views. KV transfers depend on live page tables and are built
-//! by the runtime from [`moeforge_plan::memory::KvPlan`]'s head ownership.
+//! between the EP and TP views (Moebius §3.1, §4.3), from
+//! [`moeforge_plan::reshard::weights`]. Attention weights need no transfer:
+//! both layouts stay resident and a switch swaps views. KV transfers depend
+//! on live page tables and are built by the runtime from
+//! [`moeforge_plan::memory::KvPlan`]'s head ownership.
 
 use super::{Ctx, PassError};
-use moeforge_plan::memory::{elt_bytes, Copy, ExpertSlots, LayerOrder, Mode, ReshardPlans, WeightReshard};
+use moeforge_plan::memory::{elt_bytes, Mode};
+use moeforge_plan::reshard::weights;
 use moeforge_plan::Plan;
 
 /// Writes `plan.memory.reshard` when the memory plan holds both modes. It
@@ -30,107 +21,4 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     let (e, i, h) = (u64::from(m.moe.experts), u64::from(m.moe.expert_ffn), u64::from(m.hidden));
     mem.reshard = Some(weights(&mem.slots, e, i, h, elt_bytes(m.dtype.experts), mem.group));
     Ok(())
-}
-
-/// Expert count, FFN size, hidden size, element bytes and group size.
-#[derive(Clone, Copy)]
-struct Dims {
-    e: u64,
-    i: u64,
-    h: u64,
-    elt: u64,
-    p: u64,
-}
-
-/// The gate, up and down copies from EP rank `r` to TP rank `q`.
-fn slices(slots: &ExpertSlots, d: Dims, r: u64, q: u64) -> Vec<Copy> {
-    let Dims { e, i, h, elt, p } = d;
-    let (el, ip) = (e / p, i / p);
-    let first = r * el;
-    let w13 = |ep_row: u64, tp_row: u64| Copy {
-        src_rank: r as u32,
-        dst_rank: q as u32,
-        src_offset: ep_row * h * elt,
-        dst_offset: (first * 2 * ip + tp_row) * h * elt,
-        run_bytes: ip * h * elt,
-        counts: [el, 1],
-        src_strides: [2 * i * h * elt, 0],
-        dst_strides: [2 * ip * h * elt, 0],
-    };
-    let gate = w13(q * ip, 0);
-    let up = w13(i + q * ip, ip);
-    let down = Copy {
-        src_rank: r as u32,
-        dst_rank: q as u32,
-        src_offset: slots.w13_bytes + q * ip * elt,
-        dst_offset: slots.w13_bytes + first * h * ip * elt,
-        run_bytes: ip * elt,
-        counts: [el, h],
-        src_strides: [h * i * elt, i * elt],
-        dst_strides: [h * ip * elt, ip * elt],
-    };
-    vec![gate, up, down]
-}
-
-fn swap(c: Copy) -> Copy {
-    Copy {
-        src_rank: c.dst_rank,
-        dst_rank: c.src_rank,
-        src_offset: c.dst_offset,
-        dst_offset: c.src_offset,
-        run_bytes: c.run_bytes,
-        counts: c.counts,
-        src_strides: c.dst_strides,
-        dst_strides: c.src_strides,
-    }
-}
-
-/// Expert bytes per layer whose owning rank differs between EP and TP: the
-/// q-th slice of expert g moves unless g's EP owner is q.
-pub fn owner_changed_bytes(e: u64, i: u64, h: u64, elt: u64, p: u64) -> u64 {
-    let slice = 3 * (i / p) * h * elt;
-    (0..e).map(|g| (0..p).filter(|&q| g / (e / p) != q).count() as u64 * slice).sum()
-}
-
-pub fn weights(slots: &ExpertSlots, e: u64, i: u64, h: u64, elt: u64, p: u32) -> ReshardPlans {
-    let pp = u64::from(p);
-    let dims = Dims { e, i, h, elt, p: pp };
-    let mut ep_to_tp = Vec::new();
-    for r in 0..pp {
-        for q in 0..pp {
-            ep_to_tp.extend(slices(slots, dims, r, q));
-        }
-    }
-    let tp_to_ep: Vec<Copy> = ep_to_tp.iter().cloned().map(swap).collect();
-    let owner_changed = owner_changed_bytes(e, i, h, elt, pp);
-    let split = |v: &[Copy]| {
-        let remote: u64 = v.iter().filter(|c| c.src_rank != c.dst_rank).map(Copy::bytes).sum();
-        let local: u64 = v.iter().filter(|c| c.src_rank == c.dst_rank).map(Copy::bytes).sum();
-        (remote, local)
-    };
-    let (remote, local) = split(&ep_to_tp);
-    ReshardPlans {
-        ep_to_tp: WeightReshard {
-            from: Mode::Ep,
-            to: Mode::Tp,
-            order: LayerOrder::Ascending,
-            src_shift: slots.ep_shift,
-            dst_shift: slots.tp_shift,
-            per_layer: ep_to_tp,
-            interconnect_bytes_per_layer: remote,
-            local_bytes_per_layer: local,
-            owner_changed_bytes_per_layer: owner_changed,
-        },
-        tp_to_ep: WeightReshard {
-            from: Mode::Tp,
-            to: Mode::Ep,
-            order: LayerOrder::Descending,
-            src_shift: slots.tp_shift,
-            dst_shift: slots.ep_shift,
-            per_layer: tp_to_ep,
-            interconnect_bytes_per_layer: remote,
-            local_bytes_per_layer: local,
-            owner_changed_bytes_per_layer: owner_changed,
-        },
-    }
 }

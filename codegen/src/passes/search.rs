@@ -47,14 +47,14 @@ impl Lengths<'_> {
     fn t_decode(&self, c: &Shape, b: f64, q: u32) -> f64 {
         let per = b / f64::from(c.decode);
         let s = self.input + self.output / 2.0;
-        let groups = vec![Load::decode(per, per * s); c.decode as usize];
+        let groups = [Load::decode(per, per * s).times(c.decode)];
         self.env.iteration(&groups, 1, 1.0, c.side, Sms::fixed(q), 0.0).seconds
     }
 
     /// Prefill iteration with `tokens` input tokens (prefill gets the SMs decode does not use).
     fn t_prefill(&self, c: &Shape, tokens: f64, q: u32) -> f64 {
         let per = tokens / f64::from(c.prefill);
-        let groups = vec![Load::prompts(per / self.input, self.input); c.prefill as usize];
+        let groups = [Load::prompts(per / self.input, self.input).times(c.prefill)];
         let sms = self.env.cm.sms.saturating_sub(q).max(1);
         self.env.iteration(&groups, 1, 1.0, c.side, Sms::fixed(sms), 0.0).seconds
     }
@@ -90,19 +90,37 @@ fn shape(prefill: u32, decode: u32, nodes: u32, gpn: u32) -> Option<Shape> {
 }
 
 /// The decode SM budgets q the search tries: 1/8 … 6/8 of the SMs, each
-/// rounded up to whole CTA clusters and kept in [cluster, SMs − cluster] so
-/// that prefill always keeps a cluster. None when the GPU holds fewer than
-/// two clusters (the phases cannot share its SMs).
+/// rounded up to whole CTA clusters and kept in [cluster, Q_max] so that
+/// prefill always keeps a cluster. None when the GPU holds fewer than two
+/// clusters (the phases cannot share its SMs).
 pub fn decode_budgets(sms: u32, cluster: u32) -> Vec<u32> {
     let cluster = cluster.max(1);
     if sms < 2 * cluster {
         return Vec::new();
     }
+    let top = moeforge_plan::cost::q_max(sms, cluster);
     let mut qs: Vec<u32> =
-        (1..=6u32).map(|f| ((sms * f / 8).div_ceil(cluster) * cluster).clamp(cluster, sms - cluster)).collect();
+        (1..=6u32).map(|f| ((sms * f / 8).div_ceil(cluster) * cluster).clamp(cluster, top)).collect();
     qs.dedup();
     qs
 }
+
+/// Server counts the search enumerates for `world` GPUs: every count on
+/// clusters of up to [`DENSE_WORLD`] GPUs, then 1–8 and a grid of about 64
+/// steps, so the search stays a few thousand layouts on any cluster.
+fn counts(world: u32) -> Vec<u32> {
+    if world <= DENSE_WORLD {
+        return (1..world).collect();
+    }
+    let step = world.div_ceil(64);
+    let mut v: Vec<u32> = (1..=8).chain((1..).map(|k| k * step).take_while(|&n| n < world)).collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+/// Largest cluster on which the search tries every server count.
+pub const DENSE_WORLD: u32 = 96;
 
 /// Largest integer in `[1, hi]` with `ok`, assuming `ok` is monotone; 0 if none.
 fn max_feasible(hi: u32, ok: impl Fn(u32) -> bool) -> u32 {
@@ -145,14 +163,12 @@ pub fn search(spec: &Spec, d: &Deploy, cm: &CostModel) -> SearchResult {
         output: mean(&d.workload.output, Side::Output),
     };
     let qs = decode_budgets(cm.sms, cm.cluster);
+    let sizes = counts(world);
     let mut all: Vec<Candidate> = Vec::new();
     let (mut considered, mut fitting) = (0, 0);
-    for moe in 1..world.saturating_sub(1) {
-        for prefill in 1..world - moe {
+    for &moe in sizes.iter().filter(|&&m| m + 2 <= world) {
+        for &prefill in sizes.iter().filter(|&&p| moe + p < world) {
             let decode = world - moe - prefill;
-            if decode == 0 {
-                continue;
-            }
             considered += 1;
             // FitsMemory: routed experts on MoE servers, non-routed weights
             // and at least one request's KV on every attention server.
@@ -181,7 +197,8 @@ pub fn search(spec: &Spec, d: &Deploy, cm: &CostModel) -> SearchResult {
                     moe_gpus: moe,
                     prefill_gpus: prefill,
                     decode_gpus: decode,
-                    per_node: sh.per_node.clone(),
+                    // Filled in for the ranked few (a layout's nodes can be many).
+                    per_node: Vec::new(),
                     q,
                     prefill_tokens: bp,
                     t_prefill: t_p,
@@ -209,7 +226,8 @@ pub fn search(spec: &Spec, d: &Deploy, cm: &CostModel) -> SearchResult {
             break;
         }
         if !ranked.iter().any(|r| (r.moe_gpus, r.prefill_gpus) == (cand.moe_gpus, cand.prefill_gpus)) {
-            ranked.push(cand);
+            let per_node = shape(cand.prefill_gpus, cand.decode_gpus, c.nodes, c.gpus_per_node).map(|s| s.per_node);
+            ranked.push(Candidate { per_node: per_node.unwrap_or_default(), ..cand });
         }
     }
     SearchResult {

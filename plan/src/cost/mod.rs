@@ -184,6 +184,14 @@ pub struct CostModel {
     pub m_t_decode: u32,
 }
 
+/// Q_max: the most SMs decode may hold under contention, in whole CTA
+/// clusters, leaving prefill one cluster whenever the GPU has two (the
+/// APK's constant, the layout search's bound and the simulator's cap).
+pub fn q_max(sms: u32, cluster: u32) -> u32 {
+    let cluster = cluster.max(1);
+    (sms / cluster).saturating_sub(1).max(1) * cluster
+}
+
 /// CTAs per CTA cluster of the MoE kernel on `c`'s GPU: the prefill GateUp
 /// tile's cluster shape (the APK runs both phases on one grid of that
 /// shape), or 1 where the architecture has no clusters.

@@ -22,24 +22,49 @@ use moeforge_dsl::spec::{Attention, Cluster, Deploy, Model, Tiles};
 /// What one attention group runs in an iteration: decode requests with
 /// their cached tokens, and prompt chunks, kept as the sums the cost model
 /// needs (so a fractional mean batch, as the layout search uses, is a load
-/// too).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+/// too), and on how many identical groups it runs (`copies`: the search's
+/// uniform layouts cost one evaluation, whatever their server count).
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Load {
-    /// Decode requests and the tokens they have cached.
+    /// Decode requests and the tokens they have cached, and Σ ctx_i² (the
+    /// `δ·x·s²` term of a fitted decode profile).
     pub decode: f64,
     pub ctx: f64,
+    pub ctx_sq: f64,
     /// Prompt chunks, their new tokens Σn, causal token pairs
     /// Σ(n² + 2n·prefix), and the tokens already cached before them Σprefix.
     pub prompts: f64,
     pub prompt_tokens: f64,
     pub pairs: f64,
     pub prefix: f64,
+    pub copies: f64,
+}
+
+impl Default for Load {
+    fn default() -> Load {
+        Load {
+            decode: 0.0,
+            ctx: 0.0,
+            ctx_sq: 0.0,
+            prompts: 0.0,
+            prompt_tokens: 0.0,
+            pairs: 0.0,
+            prefix: 0.0,
+            copies: 1.0,
+        }
+    }
 }
 
 impl Load {
-    /// `requests` decode requests holding `ctx` cached tokens together.
+    /// `requests` decode requests holding `ctx` cached tokens together
+    /// (each the same share of it).
     pub fn decode(requests: f64, ctx: f64) -> Load {
-        Load { decode: requests, ctx, ..Load::default() }
+        let ctx_sq = if requests > 0.0 { ctx * ctx / requests } else { 0.0 };
+        Load { decode: requests, ctx, ctx_sq, ..Load::default() }
+    }
+    /// The same load on `n` identical groups.
+    pub fn times(self, n: u32) -> Load {
+        Load { copies: f64::from(n), ..self }
     }
     /// `count` whole prompts of `len` tokens, nothing cached before them.
     pub fn prompts(count: f64, len: f64) -> Load {
@@ -207,7 +232,7 @@ impl Env {
         // with prompts launches the prefill kernels (their fixed cost).
         let fixed = ATTN_KERNELS * OP_OVERHEAD;
         let alpha = if l.has_prefill() { p.alpha } else { a.alpha };
-        let decode = a.beta * l.decode + a.gamma * l.ctx * rep;
+        let decode = a.beta * l.decode + (a.gamma * l.ctx + a.delta * l.ctx_sq) * rep;
         // Projections and KV writes per token, causal scores over the new
         // tokens and against the cached prefix, and one read of the prefix KV.
         let prefill = p.beta * l.prompts + p.gamma * l.prompt_tokens + p.delta * l.pairs + a.gamma * l.prefix * rep;
@@ -280,20 +305,22 @@ impl Env {
         sms: Sms,
         interference: f64,
     ) -> Iter {
-        let prefill = groups.iter().any(Load::has_prefill);
+        // Groups that run (a load with no copies is nowhere).
+        let groups: Vec<&Load> = groups.iter().filter(|g| g.copies > 0.0).collect();
+        let prefill = groups.iter().any(|g| g.has_prefill());
         let parts: Vec<(f64, f64)> = groups.iter().map(|g| self.attention(g, width, share)).collect();
         let attn = parts.iter().map(|p| p.0).fold(0.0, f64::max);
         let ffn = parts.iter().map(|p| p.1).fold(0.0, f64::max);
         if attn == 0.0 {
             return Iter::default();
         }
-        let busiest = groups.iter().map(Load::tokens).fold(0.0, f64::max);
+        let busiest = groups.iter().map(|g| g.tokens()).fold(0.0, f64::max);
         let comm = self.moe_comm(busiest, width, side, prefill) * (1.0 + interference);
         // Rows an MoE GPU receives: all groups' tokens (EP spreads them over
         // its GPUs through the expert footprint; TP groups each run their own).
         let rows = match side {
             MoeSide::Ep { replicas, .. } => {
-                groups.iter().map(Load::tokens).sum::<f64>() * self.top_k / f64::from(replicas.max(1))
+                groups.iter().map(|g| g.tokens() * g.copies).sum::<f64>() * self.top_k / f64::from(replicas.max(1))
             }
             MoeSide::Tp { .. } => busiest * self.top_k,
         };

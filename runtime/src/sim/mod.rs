@@ -388,7 +388,7 @@ impl<'a> Bench<'a> {
             phases: Phases::Split {
                 prefill: Shape { groups: best.prefill_gpus, width: 1, moe, kv_per_group: f64::INFINITY },
                 decode: Shape { groups: best.decode_gpus, width: 1, moe, kv_per_group: kv },
-                sharing: Sharing::Apk { q: best.q, x_star, q_max: e.cm.sms.saturating_sub(e.cluster).max(e.cluster) },
+                sharing: Sharing::Apk { q: best.q, x_star, q_max: moeforge_plan::cost::q_max(e.cm.sms, e.cluster) },
                 kv_transfer: true,
             },
             expert_copies: 1,

@@ -50,6 +50,13 @@ impl Twin {
                 }
             }
         }
+        // Each new position's page, resolved once (every one was allocated above).
+        let mut slot_pages: Vec<Vec<u32>> = Vec::with_capacity(p);
+        for (r, batch) in self.ranks.iter().zip(&batches) {
+            let pages: Option<Vec<u32>> =
+                batch.iter().map(|&(id, pos, _)| r.tables.get(&id).and_then(|t| t.get(pos / page)).copied()).collect();
+            slot_pages.push(pages.ok_or_else(|| EngineError::Backend(format!("rank {} lost a page table", r.id)))?);
+        }
         let cx = Ctx::new(self, mode)?;
         let mut x: Vec<Vec<Vec<f32>>> = self
             .ranks
@@ -64,10 +71,11 @@ impl Twin {
                     .ranks
                     .iter_mut()
                     .zip(&batches)
+                    .zip(&slot_pages)
                     .zip(&x)
-                    .map(|((rank, batch), xs)| {
+                    .map(|(((rank, batch), pages), xs)| {
                         let cx = &cx;
-                        s.spawn(move || cx.attention(rank, l, batch, xs))
+                        s.spawn(move || cx.attention(rank, l, batch, pages, xs))
                     })
                     .collect();
                 handles.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
@@ -263,7 +271,7 @@ impl Ctx {
     /// Attention of one rank's tokens in layer `l`: writes K/V of the new
     /// positions into the rank's pages, attends with the rank's query heads,
     /// and returns the output projection (complete in EP, partial in TP).
-    fn attention(&self, rank: &mut Rank, l: usize, batch: &[Slot], xs: &[Vec<f32>]) -> Vec<Vec<f32>> {
+    fn attention(&self, rank: &mut Rank, l: usize, batch: &[Slot], pages: &[u32], xs: &[Vec<f32>]) -> Vec<Vec<f32>> {
         let m = &self.m;
         let hd = m.head_dim;
         let eps = m.rms_eps as f32;
@@ -288,10 +296,9 @@ impl Ctx {
         // K/V of every new position first, so prompt tokens can attend to each other.
         let mut qs = Vec::with_capacity(batch.len());
         let mut writes: Vec<(usize, Vec<f32>, Vec<f32>)> = Vec::new();
-        for (&(id, pos, _), h) in batch.iter().zip(&normed) {
+        for ((&(_, pos, _), h), &page) in batch.iter().zip(&normed).zip(pages) {
             let (q, k, v) = (wq.matvec(h), wk.matvec(h), wv.matvec(h));
             qs.push(q);
-            let page = rank.tables.get(&id).and_then(|t| t.get(pos / geo.page_tokens)).copied().unwrap_or(0);
             for g in 0..kb - ka {
                 let mut kh = k[g * hd..(g + 1) * hd].to_vec();
                 if m.qk_norm {

@@ -57,9 +57,10 @@ impl Twin {
         r: usize,
     ) -> Result<Vec<u8>, TwinError> {
         let p = self.ranks.len();
-        let rows = |t: &Tensor, a: usize, b: usize| {
+        let short = |t: &str| TwinError::Unsupported(format!("`{t}` is smaller than its view's shard of it"));
+        let rows = |t: &Tensor, a: usize, b: usize| -> Result<Vec<u8>, TwinError> {
             let w = t.shape.get(1).copied().unwrap_or(1) * if t.f32 { 4 } else { 2 };
-            t.data[a * w..b * w].to_vec()
+            t.data.get(a * w..b * w).map(<[u8]>::to_vec).ok_or_else(|| short(name))
         };
         Ok(match v.shard {
             Shard::Full => {
@@ -80,12 +81,16 @@ impl Twin {
                 };
                 let t = ck.get(name, &full_shape)?;
                 if dim == 0 {
-                    rows(t, a, b)
+                    rows(t, a, b)?
                 } else {
                     let cols = full_shape[1];
-                    (0..full_shape[0])
-                        .flat_map(|row| t.data[2 * (row * cols + a)..2 * (row * cols + b)].to_vec())
-                        .collect()
+                    let mut out = Vec::with_capacity(full_shape[0] * (b - a) * 2);
+                    for row in 0..full_shape[0] {
+                        let cells =
+                            t.data.get(2 * (row * cols + a)..2 * (row * cols + b)).ok_or_else(|| short(name))?;
+                        out.extend_from_slice(cells);
+                    }
+                    out
                 }
             }
             Shard::LocalExperts | Shard::ExpertShard { .. } => {
@@ -101,12 +106,16 @@ impl Twin {
                     if w13 {
                         for part in ["gate_proj", "up_proj"] {
                             let t = ck.get(&format!("{layer_pre}.{g}.{part}.weight"), &[i, h])?;
-                            out.extend(rows(t, slice.0, slice.1));
+                            out.extend(rows(t, slice.0, slice.1)?);
                         }
                     } else {
                         let t = ck.get(&format!("{layer_pre}.{g}.down_proj.weight"), &[h, i])?;
                         for row in 0..h {
-                            out.extend_from_slice(&t.data[2 * (row * i + slice.0)..2 * (row * i + slice.1)]);
+                            let cells = t
+                                .data
+                                .get(2 * (row * i + slice.0)..2 * (row * i + slice.1))
+                                .ok_or_else(|| short(name))?;
+                            out.extend_from_slice(cells);
                         }
                     }
                 }

@@ -122,6 +122,7 @@ pub struct Twin {
     requests: BTreeMap<RequestId, Live>,
     waiting: VecDeque<RequestId>,
     finished: Vec<RequestId>,
+    done: std::collections::BTreeSet<RequestId>,
     /// Logits behind every generated token, per request (kept for tests).
     pub logits: BTreeMap<RequestId, Vec<Vec<f32>>>,
     pub keep_logits: bool,
@@ -179,6 +180,7 @@ impl Twin {
             requests: BTreeMap::new(),
             waiting: VecDeque::new(),
             finished: vec![],
+            done: Default::default(),
             logits: BTreeMap::new(),
             keep_logits: false,
             events: vec![],
@@ -283,10 +285,11 @@ impl Twin {
 
     fn retire(&mut self) -> Vec<RequestId> {
         let done: Vec<RequestId> =
-            self.requests.values().filter(|r| r.done() && !self.finished.contains(&r.id)).map(|r| r.id).collect();
+            self.requests.values().filter(|r| r.done() && !self.done.contains(&r.id)).map(|r| r.id).collect();
         for &id in &done {
             self.release(id);
             self.finished.push(id);
+            self.done.insert(id);
         }
         done
     }
@@ -312,7 +315,10 @@ impl Engine for Twin {
         let page = self.plan.kv.page_tokens.max(1) as usize;
         let ep_pages = self.plan.kv.ep.pages as usize;
         let tp_pages = self.plan.kv.tp.as_ref().map_or(usize::MAX, |t| t.pages as usize);
-        let need = (req.prompt.len() + req.max_new).div_ceil(page);
+        let Some(tokens) = req.prompt.len().checked_add(req.max_new) else {
+            return Err(EngineError::BadRequest(format!("request {} asks for {} tokens", req.id, req.max_new)));
+        };
+        let need = tokens.div_ceil(page);
         if need > ep_pages.min(tp_pages) {
             return Err(EngineError::Capacity(format!(
                 "request {} needs {need} KV pages of {page} tokens; one rank holds {}",
@@ -352,7 +358,7 @@ impl Engine for Twin {
     }
 
     fn cancel(&mut self, id: RequestId) -> bool {
-        if self.finished.contains(&id) || self.requests.remove(&id).is_none() {
+        if self.done.contains(&id) || self.requests.remove(&id).is_none() {
             return false;
         }
         self.waiting.retain(|x| *x != id);
@@ -373,6 +379,7 @@ impl Engine for Twin {
                 kv_bytes_moved: 0,
                 seconds: 0.0,
             };
+            self.events.push(e.clone());
             return Ok(e);
         }
         self.switch_to(to)?;
@@ -420,9 +427,21 @@ fn check_views(m: &TwinModel, plan: &MemoryPlan) -> Result<BTreeMap<(Mode, Tenso
         }
     }
     let kv = &plan.kv;
+    // In TP every rank's query heads must find their KV heads on the rank.
+    let group = m.heads / m.kv_heads.max(1);
+    let tp_ok = !plan.modes.contains(&Mode::Tp)
+        || (m.heads % p == 0
+            && m.expert_ffn % p == 0
+            && kv.tp_heads.len() == p
+            && (0..p).all(|r| {
+                let [qa, qb] = moeforge_plan::memory::head_block(m.heads as u32, p as u32, r as u32);
+                let [ka, kb] = kv.tp_heads[r];
+                (qa..qb).all(|hq| (ka..kb).contains(&(hq / group.max(1) as u32)))
+            }));
     let kv_ok = kv.head_token_bytes == 4 * m.head_dim as u64
         && kv.ep.heads_per_rank as usize == m.kv_heads
-        && kv.tp_heads.iter().all(|&[a, b]| (b as usize) <= m.kv_heads && a < b);
+        && kv.tp_heads.iter().all(|&[a, b]| (b as usize) <= m.kv_heads && a < b)
+        && tp_ok;
     if !kv_ok {
         return Err(TwinError::ViewShape {
             mode: "kv",
