@@ -10,21 +10,29 @@
 //! between steps (or says why it cannot), and [`Engine::stats`] is what a
 //! policy or a metrics endpoint reads.
 
+pub use crate::sampling::Sampling;
 use moeforge_plan::memory::Mode;
 
 pub type RequestId = u64;
 
-/// A generation request: greedy decoding of `max_new` tokens after `prompt`.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// A generation request: `max_new` tokens after `prompt`, each picked by
+/// `sampling` (greedy unless a temperature is given).
+#[derive(Clone, Debug, PartialEq)]
 pub struct Request {
     pub id: RequestId,
     pub prompt: Vec<u32>,
     pub max_new: usize,
+    pub sampling: Sampling,
 }
 
 impl Request {
+    /// A greedy request.
     pub fn new(id: RequestId, prompt: Vec<u32>, max_new: usize) -> Request {
-        Request { id, prompt, max_new }
+        Request { id, prompt, max_new, sampling: Sampling::default() }
+    }
+    pub fn with_sampling(mut self, sampling: Sampling) -> Request {
+        self.sampling = sampling;
+        self
     }
 }
 

@@ -19,6 +19,7 @@ pub mod batching;
 pub mod engine;
 pub mod policy;
 pub mod reference;
+pub mod sampling;
 pub mod sim;
 pub mod twin;
 

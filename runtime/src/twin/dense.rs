@@ -3,10 +3,11 @@
 //! request. No buffers, views, sharding or paging: it is what the twin's
 //! TP and EP runs are compared against.
 
-use super::math::{argmax, attend, bf16s, rms_norm, rope, round_bf16, silu, Mat};
+use super::math::{attend, bf16s, rms_norm, rope, round_bf16, silu, Mat};
 use super::weights::{Checkpoint, WeightsError};
 use super::TwinModel;
 use crate::reference::{route, RoutingRule};
+use crate::sampling::argmax;
 
 /// Greedy tokens and the logits that chose each of them.
 #[derive(Clone, Debug, Default, PartialEq)]

@@ -4,7 +4,7 @@
 //! request's last position (greedy sampling). The weights come from the
 //! views of the current mode, selected by tensor role.
 
-use super::math::{argmax, attend, bf16s, put_bf16s, rms_norm, rope, silu, Mat};
+use super::math::{attend, bf16s, put_bf16s, rms_norm, rope, silu, Mat};
 use super::paging::KvGeom;
 use super::{Rank, Twin, TwinError, TwinModel};
 use crate::engine::{EngineError, RequestId};
@@ -115,7 +115,7 @@ impl Twin {
         let mut produced = Vec::with_capacity(results.len());
         for (id, logits) in results {
             let Some(q) = self.requests.get_mut(&id) else { continue };
-            let token = argmax(&logits);
+            let token = q.sampler.sample(&logits);
             q.cached = q.len();
             q.generated.push(token);
             produced.push((id, token));

@@ -87,13 +87,3 @@ pub fn attend(q: &[f32], n: usize, key: impl Fn(usize) -> Vec<f32>, value: impl 
     }
     out
 }
-
-pub fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, x) in v.iter().enumerate() {
-        if *x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
-}

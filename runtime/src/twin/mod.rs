@@ -45,7 +45,7 @@ use std::time::Instant;
 use weights::Checkpoint;
 
 /// A request as the twin tracks it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct Live {
     pub id: RequestId,
     pub prompt: Vec<u32>,
@@ -53,6 +53,9 @@ pub struct Live {
     pub generated: Vec<u32>,
     /// Tokens whose KV is cached.
     pub cached: usize,
+    /// Its sampling parameters and generator (it moves with the request on
+    /// a switch: the twin keeps it outside the ranks).
+    pub sampler: crate::sampling::Sampler,
 }
 
 impl Live {
@@ -327,7 +330,8 @@ impl Engine for Twin {
             )));
         }
         self.waiting.push_back(req.id);
-        let live = Live { id: req.id, prompt: req.prompt, max_new: req.max_new, generated: vec![], cached: 0 };
+        let sampler = crate::sampling::Sampler::new(req.sampling);
+        let live = Live { id: req.id, prompt: req.prompt, max_new: req.max_new, generated: vec![], cached: 0, sampler };
         self.requests.insert(req.id, live);
         Ok(())
     }
