@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it. Installs what is missing (idempotent),
 # then: rustfmt check, clippy -D warnings, every test (snapshots must match:
-# INSTA_UPDATE=no), and the real-toolchain tier (nvcc required).
+# INSTA_UPDATE=no), the real-toolchain tier (nvcc required) and the server's
+# client tier (the openai package and curl required).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -22,6 +23,18 @@ nvcc=$(bash scripts/setup.sh)
 export MOEFORGE_NVCC="$nvcc"
 export MOEFORGE_REQUIRE_NVCC=1
 echo "nvcc: $MOEFORGE_NVCC"
+# The server's client tier: the official openai package (in the same venv)
+# and curl.
+venv="$root/.toolchain/venv"
+if ! "$venv/bin/python" -c "import openai" >/dev/null 2>&1; then
+  "$venv/bin/pip" install --quiet --disable-pip-version-check openai
+fi
+if ! command -v curl >/dev/null 2>&1; then
+  apt-get update -qq && apt-get install -y -qq curl
+fi
+export MOEFORGE_PYTHON="$venv/bin/python"
+export MOEFORGE_REQUIRE_CLIENTS=1
+echo "clients: openai $("$MOEFORGE_PYTHON" -c 'import openai; print(openai.__version__)'), $(curl --version | head -1 | cut -d' ' -f1-2)"
 
 step "rustfmt"
 cargo fmt --all -- --check

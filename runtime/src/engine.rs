@@ -114,4 +114,29 @@ pub trait Engine {
     /// cancelled (the target cannot hold the live KV cache) and what moved.
     fn switch(&mut self, to: Mode) -> Result<SwitchEvent, EngineError>;
     fn stats(&self) -> Stats;
+    /// Drops what the engine keeps of a finished request (its tokens, for
+    /// inspection); a long-running server calls it once it has delivered them.
+    fn forget(&mut self, id: RequestId);
+}
+
+/// A boxed engine is an engine (servers hold `Box<dyn Engine + Send>`).
+impl<E: Engine + ?Sized> Engine for Box<E> {
+    fn submit(&mut self, req: Request) -> Result<(), EngineError> {
+        (**self).submit(req)
+    }
+    fn step(&mut self) -> Result<StepOutput, EngineError> {
+        (**self).step()
+    }
+    fn cancel(&mut self, id: RequestId) -> bool {
+        (**self).cancel(id)
+    }
+    fn switch(&mut self, to: Mode) -> Result<SwitchEvent, EngineError> {
+        (**self).switch(to)
+    }
+    fn stats(&self) -> Stats {
+        (**self).stats()
+    }
+    fn forget(&mut self, id: RequestId) {
+        (**self).forget(id)
+    }
 }

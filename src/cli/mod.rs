@@ -7,6 +7,7 @@ mod compile;
 mod explain;
 mod init_weights;
 mod run;
+mod serve;
 mod simulate;
 
 use clap::{Parser, Subcommand, ValueEnum};
@@ -48,6 +49,8 @@ enum Command {
     InitWeights(init_weights::Args),
     /// Serve prompts from a bundle: prints tokens, switch events and per-step timings.
     Run(run::Args),
+    /// Serve a bundle over HTTP: the OpenAI completions and chat API, /health, /metrics.
+    Serve(serve::Args),
     /// Simulate serving a deployment under its workload: every system on the
     /// same cost model; writes goodput.csv, attainment.csv and attainment.svg.
     Simulate(simulate::Args),
@@ -61,6 +64,7 @@ pub fn main() -> ExitCode {
         Command::Explain(a) => explain::run(a),
         Command::InitWeights(a) => init_weights::run(a),
         Command::Run(a) => run::run(a),
+        Command::Serve(a) => serve::run(a),
         Command::Simulate(a) => simulate::run(a),
     };
     match result {

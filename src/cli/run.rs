@@ -4,12 +4,14 @@
 
 use super::{error, out};
 use clap::ValueEnum;
+use moeforge::plan::bundle::LoadedBundle;
 use moeforge::plan::memory::Mode;
 use moeforge::runtime::engine::{Engine, Request, StepOutput};
 use moeforge::runtime::policy::{self, Clock, Driver, Policy};
 use moeforge::runtime::twin;
+use moeforge::runtime::twin::weights::Checkpoint;
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 /// The execution backend.
@@ -91,6 +93,63 @@ fn prompts(a: &Args) -> Result<Vec<Vec<u32>>, ExitCode> {
     Ok(prompts)
 }
 
+/// Costs the calibration measured: (batch, TP seconds, EP seconds).
+pub type Calibration = Vec<(usize, f64, f64)>;
+
+/// Loads and validates a bundle and its checkpoint.
+pub fn open(bundle: &Path, weights: &Path) -> Result<(LoadedBundle, Checkpoint), ExitCode> {
+    let bundle = moeforge::runtime::load_bundle(bundle)
+        .map_err(|e| error(e, "compile the spec again with `moeforge compile`"))?;
+    let ck =
+        Checkpoint::load(weights).map_err(|e| error(e, "write weights with `moeforge init-weights SPEC -o DIR`"))?;
+    Ok((bundle, ck))
+}
+
+/// The twin under the switch-policy driver, starting in `start`. With
+/// `policy`, the spec's switch policy decides (when the plan has both
+/// modes); `t_high = auto` is first calibrated at the measured TP/EP
+/// crossover.
+pub fn driver(
+    bundle: &LoadedBundle,
+    ck: &Checkpoint,
+    start: Mode,
+    policy: bool,
+) -> Result<(Driver<twin::Twin>, Option<Calibration>), ExitCode> {
+    let engine = twin::Twin::new(bundle, ck, start).map_err(|e| error(e, ""))?;
+    let vocab = engine.model.vocab;
+    let deploy = bundle.spec.deploys.first();
+    let mut chosen = deploy
+        .filter(|d| policy && d.switch.enabled && bundle.plan.memory.modes.len() == 2)
+        .map(|d| Policy::from_spec(&d.switch));
+    let mut calibration = None;
+    if let Some(p) = chosen.clone().filter(|p| p.calibrate) {
+        let batches = [1usize, 2, 4, 8, 16, 32];
+        let make = |mode| twin::Twin::new(bundle, ck, mode).map_err(Into::into);
+        let costs = policy::calibrate(make, vocab, &batches, 3).map_err(|e| error(e, ""))?;
+        chosen = Some(p.with_t_high(policy::crossover(&costs), deploy.and_then(|d| d.switch.t_low)));
+        calibration = Some(costs);
+    }
+    let driver = Driver::new(engine, chosen).with_clock(Clock::Wall(std::time::Instant::now()));
+    Ok((driver, calibration))
+}
+
+/// Prints the calibration and the policy in force.
+pub fn print_policy(calibration: &Option<Calibration>, policy: Option<&Policy>) {
+    if let Some(costs) = calibration {
+        let rows: Vec<String> =
+            costs.iter().map(|(b, tp, ep)| format!("B={b}: tp {:.2} ms, ep {:.2} ms", tp * 1e3, ep * 1e3)).collect();
+        out(&format!("calibration: {}", rows.join("; ")));
+    }
+    if let Some(p) = policy {
+        let th = if p.t_high == u32::MAX {
+            "never (EP was not faster at any probed batch)".to_string()
+        } else {
+            p.t_high.to_string()
+        };
+        out(&format!("policy: T_h = {th}, T_l = {}, W = {}, C = {}s", p.t_low, p.window, p.cooldown));
+    }
+}
+
 pub fn run(a: Args) -> Result<(), ExitCode> {
     let Backend::Cpu = a.backend;
     let start = match a.start {
@@ -98,27 +157,8 @@ pub fn run(a: Args) -> Result<(), ExitCode> {
         Start::Ep => Mode::Ep,
     };
     let prompts = prompts(&a)?;
-    let bundle = moeforge::runtime::load_bundle(&a.bundle)
-        .map_err(|e| error(e, "compile the spec again with `moeforge compile`"))?;
-    let ck = twin::weights::Checkpoint::load(&a.weights)
-        .map_err(|e| error(e, "write weights with `moeforge init-weights SPEC -o DIR`"))?;
-    let engine = twin::Twin::new(&bundle, &ck, start).map_err(|e| error(e, ""))?;
-    let vocab = engine.model.vocab;
-    // The spec's policy decides unless switches are forced; `t_high = auto`
-    // is calibrated at the measured TP/EP crossover first.
-    let deploy = bundle.spec.deploys.first();
-    let mut policy = deploy
-        .filter(|d| d.switch.enabled && bundle.plan.memory.modes.len() == 2 && a.switch_at.is_empty())
-        .map(|d| Policy::from_spec(&d.switch));
-    let mut calibration = None;
-    if let Some(p) = policy.clone().filter(|p| p.calibrate) {
-        let batches = [1usize, 2, 4, 8, 16, 32];
-        let make = |mode| twin::Twin::new(&bundle, &ck, mode).map_err(Into::into);
-        let costs = policy::calibrate(make, vocab, &batches, 3).map_err(|e| error(e, ""))?;
-        policy = Some(p.with_t_high(policy::crossover(&costs), deploy.and_then(|d| d.switch.t_low)));
-        calibration = Some(costs);
-    }
-    let mut driver = Driver::new(engine, policy).with_clock(Clock::Wall(std::time::Instant::now()));
+    let (bundle, ck) = open(&a.bundle, &a.weights)?;
+    let (mut driver, calibration) = driver(&bundle, &ck, start, a.switch_at.is_empty())?;
     let n = prompts.len();
     let mut arrivals: Vec<(usize, Request)> = prompts
         .into_iter()
@@ -159,19 +199,7 @@ pub fn run(a: Args) -> Result<(), ExitCode> {
         plan.modes.iter().map(|m| m.name()).collect::<Vec<_>>().join(", "),
         start.name()
     ));
-    if let Some(costs) = &calibration {
-        let rows: Vec<String> =
-            costs.iter().map(|(b, tp, ep)| format!("B={b}: tp {:.2} ms, ep {:.2} ms", tp * 1e3, ep * 1e3)).collect();
-        out(&format!("calibration: {}", rows.join("; ")));
-    }
-    if let Some(p) = driver.policy() {
-        let th = if p.t_high == u32::MAX {
-            "never (EP was not faster at any probed batch)".to_string()
-        } else {
-            p.t_high.to_string()
-        };
-        out(&format!("policy: T_h = {th}, T_l = {}, W = {}, C = {}s", p.t_low, p.window, p.cooldown));
-    }
+    print_policy(&calibration, driver.policy());
     for id in 0..n as u64 {
         let toks: Vec<String> = tokens.get(&id).into_iter().flatten().map(u32::to_string).collect();
         out(&format!("request {id}: {}", toks.join(" ")));

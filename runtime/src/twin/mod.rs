@@ -207,7 +207,7 @@ impl Twin {
     }
     /// Requests admitted and not finished.
     pub fn inflight(&self) -> usize {
-        self.requests.len() - self.finished.len()
+        self.requests.len() - self.done.len()
     }
     pub fn idle(&self) -> bool {
         self.inflight() == 0
@@ -321,6 +321,13 @@ impl Engine for Twin {
         let Some(tokens) = req.prompt.len().checked_add(req.max_new) else {
             return Err(EngineError::BadRequest(format!("request {} asks for {} tokens", req.id, req.max_new)));
         };
+        if tokens as u64 > moeforge_plan::memory::MAX_SEQ {
+            return Err(EngineError::Capacity(format!(
+                "request {} needs {tokens} tokens (prompt + max_new); the plan's page tables hold {} per request",
+                req.id,
+                moeforge_plan::memory::MAX_SEQ
+            )));
+        }
         let need = tokens.div_ceil(page);
         if need > ep_pages.min(tp_pages) {
             return Err(EngineError::Capacity(format!(
@@ -388,6 +395,13 @@ impl Engine for Twin {
         }
         self.switch_to(to)?;
         self.events.last().cloned().ok_or_else(|| EngineError::Backend("the switch left no event".into()))
+    }
+
+    fn forget(&mut self, id: RequestId) {
+        if self.done.remove(&id) {
+            self.requests.remove(&id);
+            self.logits.remove(&id);
+        }
     }
 
     fn stats(&self) -> Stats {

@@ -1,0 +1,99 @@
+//! The server's text path against Hugging Face's own libraries: the
+//! fixture's expected values come from `tokenizers` and `transformers`
+//! (scripts/fixtures/tokenizer.py), not from this crate.
+
+#![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
+
+use moeforge_server::text::{Detok, Message, Text};
+use serde_json::Value;
+use std::path::PathBuf;
+
+fn fixture() -> (Text, Value) {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tokenizer");
+    let text = Text::load(&dir).expect("the fixture loads").expect("the fixture has a tokenizer");
+    let expected = serde_json::from_slice(&std::fs::read(dir.join("expected.json")).unwrap()).unwrap();
+    (text, expected)
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+#[test]
+fn encodes_as_hugging_face_tokenizers_does() {
+    let (text, ex) = fixture();
+    for case in ex["encode"].as_array().unwrap() {
+        let t = case["text"].as_str().unwrap();
+        assert_eq!(text.encode(t).unwrap(), ids(&case["ids"]), "encoding {t:?}");
+    }
+}
+
+#[test]
+fn eos_ends_generation() {
+    let (text, ex) = fixture();
+    assert_eq!(text.stop_ids, vec![ex["eos_id"].as_u64().unwrap() as u32]);
+    let mut d = Detok::new(&text, &[]);
+    assert_eq!(d.push(text.stop_ids[0]), (String::new(), true));
+}
+
+#[test]
+fn streamed_text_is_the_whole_decoding() {
+    // Random id sequences, byte-level pieces of partial UTF-8 included:
+    // the chunks a stream emits concatenate to what `tokenizers` decodes.
+    let (text, ex) = fixture();
+    for case in ex["decode"].as_array().unwrap() {
+        let want = case["text"].as_str().unwrap();
+        assert_eq!(text.decode(&ids(&case["ids"])), want);
+        let mut d = Detok::new(&text, &[]);
+        let mut got = String::new();
+        for id in ids(&case["ids"]) {
+            let (s, stop) = d.push(id);
+            assert!(!stop);
+            got.push_str(&s);
+        }
+        got.push_str(&d.flush());
+        assert_eq!(got, want, "streaming {:?}", case["ids"]);
+    }
+}
+
+#[test]
+fn stop_strings_cut_the_text_before_them() {
+    let (text, _) = fixture();
+    let full = "The quick brown fox jumps over the lazy dog.";
+    let all = text.encode(full).unwrap();
+    for stop in ["fox", "lazy dog", " o", "."] {
+        let stops = [stop.to_string()];
+        let mut d = Detok::new(&text, &stops);
+        let mut got = String::new();
+        let mut stopped = false;
+        for &id in &all {
+            let (s, end) = d.push(id);
+            got.push_str(&s);
+            if end {
+                stopped = true;
+                break;
+            }
+        }
+        assert!(stopped, "{stop:?} stops the stream");
+        assert_eq!(got, full[..full.find(stop).unwrap()], "text before {stop:?}");
+    }
+}
+
+#[test]
+fn chat_prompts_are_transformers_apply_chat_template() {
+    let (text, ex) = fixture();
+    for case in ex["chat"].as_array().unwrap() {
+        let messages: Vec<Message> = serde_json::from_value(case["messages"].clone()).unwrap();
+        let prompt = text.chat_prompt(&messages).unwrap();
+        assert_eq!(prompt, case["prompt"].as_str().unwrap());
+        assert_eq!(text.encode(&prompt).unwrap(), ids(&case["ids"]));
+    }
+}
+
+#[test]
+fn a_bad_role_is_the_templates_error() {
+    let (text, _) = fixture();
+    let m = vec![Message { role: "robot".into(), content: "hi".into() }];
+    let err = text.chat_prompt(&m).unwrap_err().to_string();
+    assert!(err.contains("unknown role: robot"), "{err}");
+}

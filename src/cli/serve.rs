@@ -1,0 +1,69 @@
+//! `moeforge serve BUNDLE --weights DIR`: the OpenAI-compatible HTTP server
+//! (`moeforge-server`) over a backend's engine, under the spec's switch
+//! policy. Prints `listening on http://ADDR` once bound; Ctrl-C or SIGTERM
+//! stops accepting and drains what is in flight.
+
+use super::run::{driver, open, print_policy, Backend, Start};
+use super::{error, out};
+use moeforge::plan::memory::Mode;
+use moeforge_server::text::Text;
+use moeforge_server::{serve_blocking, Config};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// A bundle directory written by `moeforge compile`.
+    bundle: PathBuf,
+    /// Execution backend.
+    #[arg(long, value_enum, default_value = "cpu")]
+    backend: Backend,
+    /// Checkpoint directory: *.safetensors, and optionally tokenizer.json
+    /// and tokenizer_config.json (text prompts and chat).
+    #[arg(long)]
+    weights: PathBuf,
+    /// Address to bind.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to bind (0: any free port; the bound address is printed).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Requests held (running and waiting) beyond which new ones get 429.
+    #[arg(long, default_value_t = 256)]
+    max_queue: usize,
+    /// Starting mode (when the plan holds it).
+    #[arg(long, value_enum, default_value = "ep")]
+    start: Start,
+    /// The model id clients address (default: the model's name).
+    #[arg(long)]
+    served_model_name: Option<String>,
+}
+
+pub fn run(a: Args) -> Result<(), ExitCode> {
+    let Backend::Cpu = a.backend;
+    let start = match a.start {
+        Start::Tp => Mode::Tp,
+        Start::Ep => Mode::Ep,
+    };
+    let (bundle, ck) = open(&a.bundle, &a.weights)?;
+    let text = Text::load(&a.weights).map_err(|e| {
+        error(e, "tokenizer.json must be a Hugging Face tokenizers file (or absent: token-id prompts only)")
+    })?;
+    let (driver, calibration) = driver(&bundle, &ck, start, true)?;
+    print_policy(&calibration, driver.policy());
+    let name = bundle.plan.model.name.clone();
+    let deploy = bundle.spec.deploys.first().map(|d| d.name.clone());
+    let model = a.served_model_name.clone().unwrap_or_else(|| name.clone());
+    let aliases = [Some(name), deploy].into_iter().flatten().filter(|n| *n != model).collect();
+    let tokenizer = if text.is_some() { "tokenizer.json" } else { "no tokenizer: token-id prompts only" };
+    let plan = &bundle.plan.memory;
+    let cfg = Config { model: model.clone(), aliases, max_queue: a.max_queue, text };
+    let addr = format!("{}:{}", a.host, a.port);
+    let modes = plan.modes.iter().map(|m| m.name()).collect::<Vec<_>>().join(", ");
+    let group = plan.group;
+    serve_blocking(&addr, driver, cfg, |bound| {
+        out(&format!("serving {model} on the cpu twin ({group} ranks, modes [{modes}], {tokenizer})"));
+        out(&format!("listening on http://{bound}"));
+    })
+    .map_err(|e| error(format!("{addr}: {e}"), "is the port in use? --port 0 picks a free one"))
+}
