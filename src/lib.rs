@@ -9,12 +9,19 @@
 //!   IR, its validator, the cost model, the bundle format and loader).
 //! - [`codegen`]: planning passes and emission (spec → plan → bundle).
 //! - [`runtime`]: backends that execute or simulate a bundle.
-//! - [`spec!`]: check a `.moe` file at Rust compile time.
+//! - [`server`]: the OpenAI-compatible HTTP server over any engine.
+//! - [`spec!`]: check a `.moe` file at Rust compile time and embed it
+//!   ([`EmbeddedSpec`]); [`compile()`]: a checked spec into a bundle.
 
 pub use moeforge_codegen as codegen;
 pub use moeforge_dsl as dsl;
 pub use moeforge_macros::spec;
 pub use moeforge_plan as plan;
 pub use moeforge_runtime as runtime;
+pub use moeforge_server as server;
 
+pub mod compile;
 pub mod embedded;
+
+pub use compile::compile;
+pub use embedded::EmbeddedSpec;

@@ -58,14 +58,43 @@ fn every_example_compiles_with_nvcc_without_spills() {
                 assert_eq!(cells[5], "0", "{}: stack frame in {row}", ex.display());
             }
         }
-        // cubins are deterministic too
+        // cubins are deterministic too: nvcc again, filling a cache this time…
+        let cache = tmp.path().join(format!("{}-cache", stem(&ex)));
         let again = tmp.path().join(format!("{}-again", stem(&ex)));
-        let o = moeforge(
+        let o = moeforge_with_cache(
             &["compile", ex.to_str().unwrap_or_default(), "-o", again.to_str().unwrap_or_default()],
             Some(&nvcc),
+            &cache,
         );
         assert!(o.status.success());
+        assert!(!text(&o.stdout).contains("kernel cache"), "{}", text(&o.stdout));
         assert_eq!(read_tree(&out), read_tree(&again), "{}: nvcc output differs between runs", ex.display());
+        // …and from the warm cache, every kernel without nvcc, the same bytes.
+        let cached = tmp.path().join(format!("{}-cached", stem(&ex)));
+        let o = moeforge_with_cache(
+            &["compile", ex.to_str().unwrap_or_default(), "-o", cached.to_str().unwrap_or_default()],
+            Some(&nvcc),
+            &cache,
+        );
+        assert!(o.status.success());
+        let n = b.plan.kernels.len();
+        assert!(
+            text(&o.stdout).contains(&format!("{n} from the kernel cache, 0 by nvcc")),
+            "{}: {}",
+            ex.display(),
+            text(&o.stdout)
+        );
+        assert_eq!(read_tree(&out), read_tree(&cached), "{}: the cached bundle differs", ex.display());
+        // --no-cache runs nvcc even so (once: it costs a full build).
+        if ex != examples()[0] {
+            continue;
+        }
+        let o = moeforge_with_cache(
+            &["compile", ex.to_str().unwrap_or_default(), "-o", cached.to_str().unwrap_or_default(), "--no-cache"],
+            Some(&nvcc),
+            &cache,
+        );
+        assert!(o.status.success() && !text(&o.stdout).contains("kernel cache"), "{}", text(&o.stdout));
     }
 }
 

@@ -10,12 +10,14 @@
 //! Consumed by the `moeforge` CLI (and a user's build.rs). The runtime never
 //! links this crate: what it needs of the plan is `moeforge-plan`.
 
+pub mod cache;
 pub mod emit;
 pub mod nvcc;
 pub mod passes;
 pub mod placement;
 pub mod target;
 
+pub use cache::KernelCache;
 pub use moeforge_plan::{validate, Bundle, Manifest, Plan, ValidPlan, Violation};
 pub use nvcc::NvccMode;
 
@@ -109,6 +111,29 @@ pub struct EmitSummary {
     /// `Some(nvcc version)` when kernels were compiled.
     pub compiled_with: Option<String>,
     pub skipped_reason: Option<String>,
+    /// Kernels taken from the kernel cache, and kernels nvcc compiled.
+    pub cache_hits: usize,
+    pub nvcc_runs: usize,
+    /// The cache could not store an entry (the bundle is complete anyway).
+    pub cache_warning: Option<String>,
+}
+
+/// Where a kernel build stands, for progress displays.
+#[derive(Clone, Copy, Debug)]
+pub enum Progress<'a> {
+    /// nvcc is about to build kernel `index` of `total` (or take it from the cache).
+    Start { kernel: &'a str, index: usize, total: usize },
+    /// It is built; `cached`: it came from the kernel cache.
+    Done { kernel: &'a str, cached: bool },
+}
+
+/// How [`emit_with`] builds kernels.
+#[derive(Default)]
+pub struct EmitOptions<'a> {
+    pub nvcc: NvccMode,
+    /// The kernel cache to read and fill; `None` runs nvcc for every kernel.
+    pub cache: Option<KernelCache>,
+    pub progress: Option<&'a dyn Fn(Progress<'_>)>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -119,13 +144,27 @@ pub enum EmitError {
     Nvcc(#[from] nvcc::NvccError),
 }
 
-/// Emits the bundle of a validated plan.
+/// Emits the bundle of a validated plan, compiling kernels with `nvcc`
+/// (and no cache).
 pub fn emit(
     checked: &Checked,
     id: DeployId,
     plan: &ValidPlan,
     nvcc: &NvccMode,
 ) -> Result<(Bundle, EmitSummary), EmitError> {
+    emit_with(checked, id, plan, &EmitOptions { nvcc: nvcc.clone(), ..EmitOptions::default() })
+}
+
+/// Emits the bundle of a validated plan. The bytes do not depend on the
+/// cache: a cached kernel is the cubin and figures nvcc produced for the
+/// same source, flags and nvcc.
+pub fn emit_with(
+    checked: &Checked,
+    id: DeployId,
+    plan: &ValidPlan,
+    opts: &EmitOptions<'_>,
+) -> Result<(Bundle, EmitSummary), EmitError> {
+    let nvcc = &opts.nvcc;
     let p = plan.plan();
     let mut bundle = Bundle::default();
     bundle.add("spec.json", canonical_spec(checked, id));
@@ -134,13 +173,52 @@ pub fn emit(
     bundle.add("plan.json", plan_json);
     let arch = p.cluster.arch.name();
     let nvcc_path = nvcc.resolve();
+    // The cache needs nvcc's identity; an nvcc that does not run is
+    // compiled with (and reports its error) uncached.
+    let identity = nvcc_path.as_deref().and_then(|n| Some((nvcc::full_version(n)?, nvcc::sass_tools(n))));
+    let cache = opts.cache.as_ref().filter(|_| identity.is_some());
+    let flags = target::nvcc_flags(arch);
+    let (mut hits, mut runs, mut cache_warning) = (0, 0, None);
     let mut stats = BTreeMap::new();
     let mut sass = BTreeMap::new();
     let mut version = None;
-    for k in &p.kernels {
+    let total = p.kernels.len();
+    for (index, k) in p.kernels.iter().enumerate() {
         let src = emit::cuda::render(plan, k)?;
         if let Some(path) = &nvcc_path {
-            let out = nvcc::compile(path, &k.name, &src, arch)?;
+            if let Some(f) = opts.progress {
+                f(Progress::Start { kernel: &k.name, index, total });
+            }
+            let key = identity.as_ref().map(|(v, tools)| {
+                cache::KeyParts {
+                    name: &k.name,
+                    arch,
+                    flags: &flags,
+                    nvcc_version: v,
+                    sass_tools: *tools,
+                    source: &src,
+                }
+                .key()
+            });
+            let hit = cache.zip(key.as_deref()).and_then(|(c, key)| c.get(key));
+            let cached = hit.is_some();
+            let out = match hit {
+                Some(c) => c,
+                None => {
+                    let c = nvcc::compile(path, &k.name, &src, arch)?;
+                    runs += 1;
+                    if let Some((cache, key)) = cache.zip(key.as_deref()) {
+                        if let Err(e) = cache.put(key, &c) {
+                            cache_warning = Some(e.to_string());
+                        }
+                    }
+                    c
+                }
+            };
+            hits += usize::from(cached);
+            if let Some(f) = opts.progress {
+                f(Progress::Done { kernel: &k.name, cached });
+            }
             bundle.add(&format!("kernels/{}.cubin", k.name), out.cubin);
             stats.insert(k.name.clone(), out.stats);
             if let Some(c) = out.sass {
@@ -169,7 +247,12 @@ pub fn emit(
         cubins: version.is_some(),
         files: BTreeMap::new(),
     });
-    let summary =
-        EmitSummary { skipped_reason: version.is_none().then(|| skipped.to_string()), compiled_with: version };
+    let summary = EmitSummary {
+        skipped_reason: version.is_none().then(|| skipped.to_string()),
+        compiled_with: version,
+        cache_hits: hits,
+        nvcc_runs: runs,
+        cache_warning,
+    };
     Ok((bundle, summary))
 }

@@ -122,14 +122,26 @@ pub fn compile(nvcc: &Path, name: &str, source: &str, arch: &str) -> Result<Comp
     Ok(Compiled { cubin, stats, nvcc_version: version(nvcc), sass: sass_counts(nvcc, &out) })
 }
 
+/// Whether cuobjdump and nvdisasm sit next to `nvcc` (then compiles count SASS).
+pub fn sass_tools(nvcc: &Path) -> bool {
+    nvcc.parent().is_some_and(|b| b.join("cuobjdump").is_file() && b.join("nvdisasm").is_file())
+}
+
+/// The whole `nvcc --version` output (the kernel cache's key holds it);
+/// `None` when nvcc does not run.
+pub fn full_version(nvcc: &Path) -> Option<String> {
+    let o = Command::new(nvcc).arg("--version").output().ok().filter(|o| o.status.success())?;
+    Some(String::from_utf8_lossy(&o.stdout).into_owned())
+}
+
 /// Disassembles a cubin with the cuobjdump next to `nvcc` (it needs nvdisasm
 /// there too, as the PyPI wheels install them) and counts [`SASS_FAMILIES`].
 pub fn sass_counts(nvcc: &Path, cubin: &Path) -> Option<SassCounts> {
-    let bin = nvcc.parent()?;
-    let cuobjdump = bin.join("cuobjdump");
-    if !cuobjdump.is_file() || !bin.join("nvdisasm").is_file() {
+    if !sass_tools(nvcc) {
         return None;
     }
+    let bin = nvcc.parent()?;
+    let cuobjdump = bin.join("cuobjdump");
     let path = std::env::var_os("PATH").unwrap_or_default();
     let mut dirs = vec![bin.to_path_buf()];
     dirs.extend(std::env::split_paths(&path));

@@ -107,7 +107,7 @@ pub fn load_sglang(json: &str) -> Result<Vec<Vec<f64>>, String> {
 
 fn slots_per_gpu(experts: usize, redundant: usize, t: Topology) -> Result<usize, String> {
     let total = experts + redundant;
-    if total % t.world() != 0 {
+    if !total.is_multiple_of(t.world()) {
         return Err(format!(
             "{experts} experts + {redundant} redundant replicas do not fill {} GPUs evenly",
             t.world()
@@ -160,7 +160,8 @@ pub fn eplb(loads: &[f64], redundant: usize, groups: usize, t: Topology) -> Resu
     let e = loads.len();
     let per_gpu = slots_per_gpu(e, redundant, t)?;
     let mut gpus: Vec<Vec<u32>> = vec![Vec::new(); t.world()];
-    let hierarchical = groups > 1 && groups % t.nodes == 0 && e % groups == 0 && redundant % t.nodes == 0;
+    let hierarchical =
+        groups > 1 && groups.is_multiple_of(t.nodes) && e.is_multiple_of(groups) && redundant.is_multiple_of(t.nodes);
     if hierarchical {
         // 1. groups to nodes, balancing group load.
         let gsize = e / groups;

@@ -125,7 +125,7 @@ fn zepp_beats_the_best_baseline_on_modeled_layer_latency() {
     for nodes in [4, 16] {
         let t = Topology { nodes, gpus_per_node: 8 };
         for (name, experts, top_k, hidden) in [("kimi-k2", 384usize, 8.0, 7168.0), ("qwen3-235b", 128, 8.0, 4096.0)] {
-            if experts % t.world() != 0 && t.world() % experts != 0 {
+            if experts % t.world() != 0 && !t.world().is_multiple_of(experts) {
                 continue;
             }
             for tokens_per_gpu in [128.0, 1024.0] {

@@ -68,6 +68,14 @@ pub enum BlockRef {
     Deploy(DeployId),
 }
 
+/// So that APIs taking a checked spec also take what derefs to one
+/// (`moeforge::EmbeddedSpec`).
+impl AsRef<Checked> for Checked {
+    fn as_ref(&self) -> &Checked {
+        self
+    }
+}
+
 impl Checked {
     /// Every warning of the checked files.
     pub fn all_warnings(&self) -> Diagnostics {
@@ -406,7 +414,7 @@ fn check_model(m: &Model, spans: &BlockSpans, diags: &mut Diagnostics) {
         );
     }
     if let Routing::SigmoidGrouped { groups, top_groups, .. } = moe.routing {
-        if moe.experts % groups != 0 {
+        if !moe.experts.is_multiple_of(groups) {
             diags.push(
                 Diagnostic::new(
                     Code::Inconsistent,

@@ -22,5 +22,5 @@ pub mod units;
 
 pub use check::{check_paths, check_str, BlockRef, BlockSpans, Checked, Failed, SpanTable};
 pub use diag::{Code, Diagnostic, Diagnostics, Label, Severity};
-pub use source::{FileId, FsLoader, Loader, MemLoader, SourceMap, Span};
+pub use source::{normalize, FileId, FsLoader, Loader, MemLoader, SourceMap, Span};
 pub use spec::*;

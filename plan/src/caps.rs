@@ -137,7 +137,7 @@ pub fn uses(m: &Model) -> Vec<Use> {
             add(Feature::ManyGroups, "moe.routing.groups");
         }
     }
-    if m.hidden % 8 != 0 {
+    if !m.hidden.is_multiple_of(8) {
         add(Feature::UnalignedHidden, "hidden");
     }
     out

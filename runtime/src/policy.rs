@@ -128,6 +128,35 @@ pub fn calibrate<E: Engine>(
     Ok(out)
 }
 
+/// Costs a calibration measured: (batch, TP seconds, EP seconds).
+pub type Calibration = Vec<(usize, f64, f64)>;
+
+/// The batches calibration probes.
+pub const CALIBRATION_BATCHES: [usize; 6] = [1, 2, 4, 8, 16, 32];
+
+/// An engine from `make` starting in `start`, under the deployment's switch
+/// policy when `use_policy`, the spec enables switching and the plan holds
+/// both modes; `t_high = auto` is first calibrated at the measured TP/EP
+/// crossover (then the costs are returned too). Time is the wall clock.
+pub fn driver<E: Engine>(
+    switch: Option<&SwitchPolicy>,
+    modes: &[Mode],
+    start: Mode,
+    use_policy: bool,
+    vocab: usize,
+    mut make: impl FnMut(Mode) -> Result<E, EngineError>,
+) -> Result<(Driver<E>, Option<Calibration>), EngineError> {
+    let engine = make(start)?;
+    let mut chosen = switch.filter(|s| use_policy && s.enabled && modes.len() == 2).map(Policy::from_spec);
+    let mut calibration = None;
+    if let Some(p) = chosen.clone().filter(|p| p.calibrate) {
+        let costs = calibrate(&mut make, vocab, &CALIBRATION_BATCHES, 3)?;
+        chosen = Some(p.with_t_high(crossover(&costs), switch.and_then(|s| s.t_low)));
+        calibration = Some(costs);
+    }
+    Ok((Driver::new(engine, chosen).with_clock(Clock::Wall(Instant::now())), calibration))
+}
+
 /// Time as the switch policy sees it.
 #[derive(Clone, Copy, Debug)]
 pub enum Clock {

@@ -479,7 +479,11 @@ pub fn serve_blocking<E>(
 where
     E: Engine + Send + 'static,
 {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("moeforge-http")
+        .enable_all()
+        .build()?;
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(addr).await?;
         on_listen(listener.local_addr()?);

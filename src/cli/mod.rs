@@ -11,7 +11,7 @@ mod serve;
 mod simulate;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use moeforge::dsl::{self, Checked, Code, Diagnostic, Diagnostics, Failed, FsLoader, Loader, SourceMap};
+use moeforge::dsl::{self, Checked, Diagnostics, Failed, FsLoader, Loader, SourceMap};
 use moeforge::embedded;
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -112,21 +112,7 @@ pub fn load(file: &Option<PathBuf>) -> (Result<Checked, Failed>, bool) {
 
 /// Picks the deployment: the named one, or the only one.
 pub fn pick(checked: &Checked, name: Option<&str>) -> Result<dsl::spec::DeployId, Diagnostics> {
-    let names: Vec<&str> = checked.spec.deploys.iter().map(|d| d.name.as_str()).collect();
-    let d = match name {
-        Some(n) => checked.spec.find_deploy(n).ok_or_else(|| {
-            Diagnostic::new(Code::NoDeployment, format!("no deployment named `{n}`")).help(format!(
-                "deployments in this spec: {}",
-                if names.is_empty() { "none".into() } else { names.join(", ") }
-            ))
-        }),
-        None if names.len() == 1 => Ok(dsl::spec::DeployId(0)),
-        None if names.is_empty() => Err(Diagnostic::new(Code::NoDeployment, "the spec has no `deploy` block")
-            .help("add `deploy NAME { model = … cluster = … tiles = … }` or `use` a file with one")),
-        None => Err(Diagnostic::new(Code::NoDeployment, format!("the spec has {} deployments", names.len()))
-            .help(format!("choose one with --deploy: {}", names.join(", ")))),
-    };
-    d.map_err(|x| Diagnostics(vec![x]))
+    moeforge::compile::deployment(checked, name)
 }
 
 /// An error that is not a spec diagnostic: printed with its hint, exit 1.

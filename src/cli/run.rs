@@ -7,7 +7,7 @@ use clap::ValueEnum;
 use moeforge::plan::bundle::LoadedBundle;
 use moeforge::plan::memory::Mode;
 use moeforge::runtime::engine::{Engine, Request, StepOutput};
-use moeforge::runtime::policy::{self, Clock, Driver, Policy};
+use moeforge::runtime::policy::{self, Calibration, Driver, Policy};
 use moeforge::runtime::twin;
 use moeforge::runtime::twin::weights::Checkpoint;
 use std::collections::BTreeMap;
@@ -93,9 +93,6 @@ fn prompts(a: &Args) -> Result<Vec<Vec<u32>>, ExitCode> {
     Ok(prompts)
 }
 
-/// Costs the calibration measured: (batch, TP seconds, EP seconds).
-pub type Calibration = Vec<(usize, f64, f64)>;
-
 /// Loads and validates a bundle and its checkpoint.
 pub fn open(bundle: &Path, weights: &Path) -> Result<(LoadedBundle, Checkpoint), ExitCode> {
     let bundle = moeforge::runtime::load_bundle(bundle)
@@ -105,32 +102,19 @@ pub fn open(bundle: &Path, weights: &Path) -> Result<(LoadedBundle, Checkpoint),
     Ok((bundle, ck))
 }
 
-/// The twin under the switch-policy driver, starting in `start`. With
-/// `policy`, the spec's switch policy decides (when the plan has both
-/// modes); `t_high = auto` is first calibrated at the measured TP/EP
-/// crossover.
+/// The twin under the switch-policy driver, starting in `start`; with
+/// `policy`, the spec's switch policy decides (calibrated when `t_high = auto`).
 pub fn driver(
     bundle: &LoadedBundle,
     ck: &Checkpoint,
     start: Mode,
     policy: bool,
 ) -> Result<(Driver<twin::Twin>, Option<Calibration>), ExitCode> {
-    let engine = twin::Twin::new(bundle, ck, start).map_err(|e| error(e, ""))?;
-    let vocab = engine.model.vocab;
     let deploy = bundle.spec.deploys.first();
-    let mut chosen = deploy
-        .filter(|d| policy && d.switch.enabled && bundle.plan.memory.modes.len() == 2)
-        .map(|d| Policy::from_spec(&d.switch));
-    let mut calibration = None;
-    if let Some(p) = chosen.clone().filter(|p| p.calibrate) {
-        let batches = [1usize, 2, 4, 8, 16, 32];
-        let make = |mode| twin::Twin::new(bundle, ck, mode).map_err(Into::into);
-        let costs = policy::calibrate(make, vocab, &batches, 3).map_err(|e| error(e, ""))?;
-        chosen = Some(p.with_t_high(policy::crossover(&costs), deploy.and_then(|d| d.switch.t_low)));
-        calibration = Some(costs);
-    }
-    let driver = Driver::new(engine, chosen).with_clock(Clock::Wall(std::time::Instant::now()));
-    Ok((driver, calibration))
+    let vocab = deploy.map_or(1, |d| bundle.spec.model(d.model).vocab as usize);
+    let switch = deploy.map(|d| &d.switch);
+    let make = |mode| twin::Twin::new(bundle, ck, mode).map_err(Into::into);
+    policy::driver(switch, &bundle.plan.memory.modes, start, policy, vocab, make).map_err(|e| error(e, ""))
 }
 
 /// Prints the calibration and the policy in force.

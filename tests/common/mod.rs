@@ -33,10 +33,22 @@ pub fn stem(p: &Path) -> String {
     p.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
 }
 
-/// Runs the CLI with `MOEFORGE_NVCC` cleared unless `nvcc` is given.
+/// Runs the CLI with `MOEFORGE_NVCC` cleared unless `nvcc` is given, and a
+/// kernel cache of its own (empty, removed afterwards), so that no test
+/// reads kernels a previous run left in the user's cache.
 pub fn moeforge(args: &[&str], nvcc: Option<&Path>) -> Output {
+    let cache = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    moeforge_with_cache(args, nvcc, cache.path())
+}
+
+/// [`moeforge`] with the kernel cache at `cache`.
+pub fn moeforge_with_cache(args: &[&str], nvcc: Option<&Path>, cache: &Path) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_moeforge"));
-    cmd.args(args).current_dir(root()).env_remove("MOEFORGE_NVCC").env("PATH", "/usr/bin:/bin");
+    cmd.args(args)
+        .current_dir(root())
+        .env_remove("MOEFORGE_NVCC")
+        .env("PATH", "/usr/bin:/bin")
+        .env("MOEFORGE_CACHE_DIR", cache);
     if let Some(n) = nvcc {
         cmd.env("MOEFORGE_NVCC", n);
     }

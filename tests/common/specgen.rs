@@ -99,7 +99,7 @@ pub fn spec_text(d: &mut impl Draw) -> String {
     let shared = if d.coin() { format!("shared_experts = 1 shared_ffn = {ffn}") } else { String::new() };
     let routing = if d.coin() && experts >= 2 {
         let groups = d.pick(&[1u32, 2, 4]).min(experts);
-        let groups = if experts % groups == 0 { groups } else { 1 };
+        let groups = if experts.is_multiple_of(groups) { groups } else { 1 };
         format!(
             "routing sigmoid_grouped {{ groups = {groups} top_groups = {} scaling = 2.5 norm_topk = true bias = {} }}",
             d.pick(&[1u32, 2]).min(groups),

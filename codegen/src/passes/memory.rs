@@ -121,14 +121,14 @@ fn single_mode_reason(spec: &Spec, d: &Deploy) -> Option<String> {
     if m.dtype.experts != DType::Bf16 {
         return Some(format!("dual-mode expert slots need bf16 experts, not {}", m.dtype.experts.name()));
     }
-    if m.moe.experts % p != 0 || m.moe.expert_ffn % p != 0 {
+    if !m.moe.experts.is_multiple_of(p) || !m.moe.expert_ffn.is_multiple_of(p) {
         return Some(format!(
             "{} experts of FFN size {} do not shard evenly over {p} ranks",
             m.moe.experts, m.moe.expert_ffn
         ));
     }
     let heads_ok = match m.attention {
-        Attention::Gqa { heads, kv_heads, .. } => heads % p == 0 && (kv_heads % p == 0 || p % kv_heads == 0),
+        Attention::Gqa { heads, kv_heads, .. } => heads % p == 0 && (kv_heads % p == 0 || p.is_multiple_of(kv_heads)),
         Attention::Mla { heads, .. } => heads % p == 0,
     };
     if !heads_ok {

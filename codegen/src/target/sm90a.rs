@@ -57,17 +57,17 @@ impl Target for Sm90a {
                 "block_k = {block_k}: the wgmma path stages 128-byte swizzled rows of {STAGE_K} bf16, block_k must be a multiple of {STAGE_K}"
             )));
         }
-        if fp8 && a.hidden % 16 != 0 {
+        if fp8 && !a.hidden.is_multiple_of(16) {
             return Err(TileError::model(
                 "hidden",
                 format!("hidden = {}: fp8 weight rows must be a multiple of 16 bytes for TMA", a.hidden),
             ));
         }
-        if fp8 && a.inter % FP8_SCALE_BLOCK != 0 {
+        if fp8 && !a.inter.is_multiple_of(FP8_SCALE_BLOCK) {
             return Err(TileError::model("moe.expert_ffn", format!("expert_ffn = {}: fp8 gate and up weights are one [2·expert_ffn] matrix whose {FP8_SCALE_BLOCK}-row scale blocks must not straddle them", a.inter)));
         }
         let (n_gu, n_d) = (pf.gate_up.block_n, pf.down.block_n);
-        if fp8 && (n_gu / 2 == 0 || FP8_SCALE_BLOCK % (n_gu / 2) != 0 || FP8_SCALE_BLOCK % n_d != 0) {
+        if fp8 && (n_gu / 2 == 0 || !FP8_SCALE_BLOCK.is_multiple_of(n_gu / 2) || !FP8_SCALE_BLOCK.is_multiple_of(n_d)) {
             return Err(TileError::tiles("prefill.gate_up.block_n", format!("block_n = {n_gu} (gate_up) / {n_d} (down): with fp8 weights a tile's columns (half of gate_up's) must lie in one {FP8_SCALE_BLOCK}-row scale block")));
         }
         for (what, m) in [("prefill", pf.gate_up.block_m), ("decode", dc.gate_up.block_m)] {

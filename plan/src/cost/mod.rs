@@ -117,7 +117,7 @@ pub fn expected_x_moe(routed: f64, total_experts: f64, experts: f64, m_t: f64) -
         let mut cdf = p;
         let mut k = 0u64;
         loop {
-            if k % step == 0 {
+            if k.is_multiple_of(step) {
                 let t = (1.0 - cdf).max(0.0);
                 tiles += t;
                 if t < 1e-9 || k as f64 > cap {

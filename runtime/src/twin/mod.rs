@@ -448,8 +448,8 @@ fn check_views(m: &TwinModel, plan: &MemoryPlan) -> Result<BTreeMap<(Mode, Tenso
     // In TP every rank's query heads must find their KV heads on the rank.
     let group = m.heads / m.kv_heads.max(1);
     let tp_ok = !plan.modes.contains(&Mode::Tp)
-        || (m.heads % p == 0
-            && m.expert_ffn % p == 0
+        || (m.heads.is_multiple_of(p)
+            && m.expert_ffn.is_multiple_of(p)
             && kv.tp_heads.len() == p
             && (0..p).all(|r| {
                 let [qa, qb] = moeforge_plan::memory::head_block(m.heads as u32, p as u32, r as u32);

@@ -1,0 +1,4 @@
+// The macro takes one string literal.
+fn main() {
+    let _ = moeforge::spec!(42);
+}

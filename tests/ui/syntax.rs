@@ -1,0 +1,4 @@
+// A spec that does not parse.
+fn main() {
+    let _ = moeforge::spec!("syntax.moe");
+}
