@@ -21,6 +21,7 @@ pub use moeforge_runtime as runtime;
 pub use moeforge_server as server;
 
 pub mod compile;
+pub mod deploy;
 pub mod embedded;
 
 pub use compile::compile;

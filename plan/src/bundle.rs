@@ -20,6 +20,12 @@ use std::path::{Path, PathBuf};
 
 pub const MANIFEST: &str = "manifest.json";
 
+/// The first bytes of [`Bundle::to_archive`]'s format.
+pub const ARCHIVE_MAGIC: &[u8] = b"moeforge-bundle-archive-1\n";
+
+/// Most files an archive may hold.
+pub const MAX_ARCHIVE_FILES: usize = 4096;
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Manifest {
     pub format_version: u32,
@@ -58,6 +64,61 @@ impl Bundle {
         self.files.insert(MANIFEST.to_string(), json);
     }
 
+    /// The bundle as one byte string (for embedding in an executable):
+    /// [`ARCHIVE_MAGIC`], the file count (u32), then per file its path's
+    /// length (u32), the path, its length (u64) and its bytes, little-endian.
+    pub fn to_archive(&self) -> Vec<u8> {
+        let size: usize = self.files.iter().map(|(p, b)| 12 + p.len() + b.len()).sum();
+        let mut out = Vec::with_capacity(ARCHIVE_MAGIC.len() + 4 + size);
+        out.extend_from_slice(ARCHIVE_MAGIC);
+        out.extend_from_slice(&(self.files.len() as u32).to_le_bytes());
+        for (path, bytes) in &self.files {
+            out.extend_from_slice(&(path.len() as u32).to_le_bytes());
+            out.extend_from_slice(path.as_bytes());
+            out.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+            out.extend_from_slice(bytes);
+        }
+        out
+    }
+
+    /// Reads [`Bundle::to_archive`]'s format; every length is checked against
+    /// what is left, so a truncated or foreign byte string is an error.
+    pub fn from_archive(bytes: &[u8]) -> Result<Bundle, BundleError> {
+        let bad = |why: &str| BundleError::Parse { path: "bundle archive".into(), what: "archive", err: why.into() };
+        let mut rest = bytes.strip_prefix(ARCHIVE_MAGIC).ok_or_else(|| bad("no archive header"))?;
+        let mut take = |n: usize| -> Result<&[u8], BundleError> {
+            if rest.len() < n {
+                return Err(bad("truncated"));
+            }
+            let (head, tail) = rest.split_at(n);
+            rest = tail;
+            Ok(head)
+        };
+        let u32_of = |b: &[u8]| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize;
+        let count = u32_of(take(4)?);
+        if count > MAX_ARCHIVE_FILES {
+            return Err(bad("too many files"));
+        }
+        let mut files = BTreeMap::new();
+        for _ in 0..count {
+            let n = u32_of(take(4)?);
+            let path = std::str::from_utf8(take(n)?).map_err(|_| bad("a path is not UTF-8"))?.to_string();
+            let len = take(8)?;
+            let len = u64::from_le_bytes([len[0], len[1], len[2], len[3], len[4], len[5], len[6], len[7]]);
+            if len > MAX_FILE_BYTES {
+                return Err(bad("a file is larger than a bundle file may be"));
+            }
+            let data = take(len as usize)?.to_vec();
+            if files.insert(path, data).is_some() {
+                return Err(bad("a path appears twice"));
+            }
+        }
+        if !rest.is_empty() {
+            return Err(bad("trailing bytes"));
+        }
+        Ok(Bundle { files })
+    }
+
     /// Writes the bundle to `dir` atomically, replacing a previous bundle there.
     pub fn write(&self, dir: &Path) -> std::io::Result<()> {
         write_dir(dir, self.files.iter().map(|(p, b)| (p.as_str(), b.as_slice())))
@@ -68,6 +129,16 @@ impl Bundle {
 /// sibling temp directory first, then moved into place; on any error the
 /// previous `dir` survives and nothing half-written is left.
 pub fn write_dir<'a>(dir: &Path, files: impl Iterator<Item = (&'a str, &'a [u8])>) -> std::io::Result<()> {
+    write_dir_exec(dir, files, &[])
+}
+
+/// [`write_dir`], with the files in `executables` made executable (on Unix)
+/// before the directory is moved into place.
+pub fn write_dir_exec<'a>(
+    dir: &Path,
+    files: impl Iterator<Item = (&'a str, &'a [u8])>,
+    executables: &[&str],
+) -> std::io::Result<()> {
     let parent = match dir.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
@@ -87,6 +158,11 @@ pub fn write_dir<'a>(dir: &Path, files: impl Iterator<Item = (&'a str, &'a [u8])
             std::fs::create_dir_all(p)?;
         }
         std::fs::write(&target, bytes)?;
+        #[cfg(unix)]
+        if executables.contains(&path) {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o755))?;
+        }
     }
     let tmp_path = tmp.keep();
     let result = replace_dir(&tmp_path, dir, &parent, &stem);
@@ -166,8 +242,24 @@ fn read(dir: &Path, rel: &str) -> Result<Vec<u8>, BundleError> {
 
 /// Reads and verifies a bundle directory.
 pub fn load_bundle(dir: &Path) -> Result<LoadedBundle, BundleError> {
-    let raw = std::fs::read(dir.join(MANIFEST))
-        .map_err(|e| BundleError::Read { path: dir.join(MANIFEST).display().to_string(), err: e.to_string() })?;
+    if !dir.join(MANIFEST).is_file() {
+        return Err(BundleError::Read {
+            path: dir.join(MANIFEST).display().to_string(),
+            err: "not found (is this a bundle directory?)".into(),
+        });
+    }
+    load_with(dir, &|rel| read(dir, rel))
+}
+
+/// Verifies a bundle held in memory (an archive embedded in an executable,
+/// named `origin` in [`LoadedBundle::dir`]), exactly as [`load_bundle`] does a
+/// directory.
+pub fn load_bundle_files(bundle: &Bundle, origin: &Path) -> Result<LoadedBundle, BundleError> {
+    load_with(origin, &|rel| bundle.files.get(rel).cloned().ok_or_else(|| BundleError::Missing { path: rel.into() }))
+}
+
+fn load_with(dir: &Path, read: &dyn Fn(&str) -> Result<Vec<u8>, BundleError>) -> Result<LoadedBundle, BundleError> {
+    let raw = read(MANIFEST)?;
     let manifest: Manifest = serde_json::from_slice(&raw).map_err(|e| BundleError::Parse {
         path: MANIFEST.into(),
         what: "manifest",
@@ -185,7 +277,7 @@ pub fn load_bundle(dir: &Path) -> Result<LoadedBundle, BundleError> {
                 err: "escapes the bundle".into(),
             });
         }
-        let bytes = read(dir, rel)?;
+        let bytes = read(rel)?;
         if &sha256_hex(&bytes) != hash {
             return Err(BundleError::Hash { path: rel.clone() });
         }
@@ -198,7 +290,7 @@ pub fn load_bundle(dir: &Path) -> Result<LoadedBundle, BundleError> {
             return Err(BundleError::Missing { path: required.into() });
         }
     }
-    let spec_bytes = read(dir, "spec.json")?;
+    let spec_bytes = read("spec.json")?;
     let spec_hash = sha256_hex(&spec_bytes);
     if spec_hash != manifest.spec_hash {
         return Err(BundleError::SpecHash {
@@ -207,7 +299,7 @@ pub fn load_bundle(dir: &Path) -> Result<LoadedBundle, BundleError> {
             found: spec_hash,
         });
     }
-    let plan: Plan = serde_json::from_slice(&read(dir, "plan.json")?).map_err(|e| BundleError::Parse {
+    let plan: Plan = serde_json::from_slice(&read("plan.json")?).map_err(|e| BundleError::Parse {
         path: "plan.json".into(),
         what: "plan",
         err: e.to_string(),
@@ -268,4 +360,41 @@ fn spec_consistency(plan: &Plan, spec: &moeforge_dsl::Spec) -> Vec<Violation> {
         });
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn sample() -> Bundle {
+        let mut b = Bundle::default();
+        b.add("plan.json", b"{}".to_vec());
+        b.add("kernels/apk.cubin", (0..=255u8).cycle().take(5000).collect::<Vec<_>>());
+        b.add("empty", Vec::new());
+        b
+    }
+
+    #[test]
+    fn archives_round_trip() {
+        let b = sample();
+        assert_eq!(Bundle::from_archive(&b.to_archive()).unwrap(), b);
+        assert_eq!(Bundle::from_archive(&Bundle::default().to_archive()).unwrap(), Bundle::default());
+    }
+
+    #[test]
+    fn every_truncation_and_extension_is_an_error() {
+        let a = sample().to_archive();
+        for n in 0..a.len() {
+            assert!(Bundle::from_archive(&a[..n]).is_err(), "truncated at {n}");
+        }
+        let mut longer = a.clone();
+        longer.push(0);
+        assert!(Bundle::from_archive(&longer).is_err());
+        // A length field pointing past the end.
+        let mut lying = a;
+        let at = ARCHIVE_MAGIC.len() + 4;
+        lying[at..at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(Bundle::from_archive(&lying).is_err());
+    }
 }

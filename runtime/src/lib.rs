@@ -17,6 +17,7 @@
 
 pub mod batching;
 pub mod engine;
+pub mod machine;
 pub mod policy;
 pub mod reference;
 pub mod sampling;

@@ -39,7 +39,7 @@ pub struct Args {
     format: Format,
 }
 
-fn parse_nvcc(s: &str) -> Result<NvccMode, String> {
+pub fn parse_nvcc(s: &str) -> Result<NvccMode, String> {
     Ok(match s {
         "auto" => NvccMode::Auto,
         "off" => NvccMode::Off,
@@ -63,7 +63,8 @@ pub fn run(a: Args) -> Result<(), ExitCode> {
         })?;
         plan.loads = Some((parsed, moeforge::plan::bundle::sha256_hex(text.as_bytes())));
     }
-    let Compiled { bundle, plan, summary, warnings } = build(&checked, plan, &a)?;
+    let Compiled { bundle, plan, summary, warnings } =
+        build(&checked, plan, a.deploy.clone(), &a.nvcc, a.no_cache, a.format)?;
     warn(&checked.sources, &Diagnostics(warnings.0[spec_warnings.min(warnings.0.len())..].to_vec()), a.format);
     if let Some(w) = &summary.cache_warning {
         eprintln!("warning: {w} (the bundle is complete; later compiles run nvcc again)");
@@ -92,7 +93,14 @@ pub fn run(a: Args) -> Result<(), ExitCode> {
 
 /// Compiles through the library API: kernels through the cache unless
 /// `--no-cache`, with a progress bar on nvcc builds when stderr is a terminal.
-fn build(checked: &Checked, plan: codegen::PlanOptions, a: &Args) -> Result<Compiled, ExitCode> {
+pub fn build(
+    checked: &Checked,
+    plan: codegen::PlanOptions,
+    deploy: Option<String>,
+    nvcc: &NvccMode,
+    no_cache: bool,
+    format: Format,
+) -> Result<Compiled, ExitCode> {
     let bar = std::io::stderr().is_terminal().then(|| {
         let b = ProgressBar::new(0);
         b.set_style(
@@ -119,10 +127,10 @@ fn build(checked: &Checked, plan: codegen::PlanOptions, a: &Args) -> Result<Comp
         }
     };
     let opts = Options {
-        deploy: a.deploy.clone(),
+        deploy,
         plan,
-        nvcc: a.nvcc.clone(),
-        cache: if a.no_cache { None } else { codegen::KernelCache::user() },
+        nvcc: nvcc.clone(),
+        cache: if no_cache { None } else { codegen::KernelCache::user() },
         progress: Some(&progress),
     };
     let r = moeforge::compile(checked, &opts);
@@ -130,7 +138,7 @@ fn build(checked: &Checked, plan: codegen::PlanOptions, a: &Args) -> Result<Comp
         b.finish_and_clear();
     }
     r.map_err(|e| match e {
-        CompileError::Spec { diagnostics, .. } => fail(&checked.sources, &diagnostics, a.format),
+        CompileError::Spec { diagnostics, .. } => fail(&checked.sources, &diagnostics, format),
         CompileError::Emit(e) => error(e, ""),
     })
 }

@@ -2,8 +2,10 @@
 //! types, loading a spec (a file or the embedded default), picking a
 //! deployment, and printing diagnostics and errors in one format.
 
+mod build;
 mod check;
 mod compile;
+mod deployed;
 mod explain;
 mod init_weights;
 mod run;
@@ -43,6 +45,9 @@ enum Command {
     Check(check::Args),
     /// Compile one deployment into a bundle directory (written atomically).
     Compile(compile::Args),
+    /// Build one deployment into a directory: a self-contained executable with the
+    /// bundle embedded (bin/DEPLOY) and Slurm and Kubernetes launchers (launch/).
+    Build(build::Args),
     /// Print the checked spec (as canonical .moe) and the plan, without writing anything.
     Explain(explain::Args),
     /// Write random bf16 weights for a spec's model in Hugging Face safetensors names.
@@ -57,10 +62,20 @@ enum Command {
 }
 
 pub fn main() -> ExitCode {
+    // A deployable binary (`moeforge build`) carries its bundle: its CLI is the deployment's.
+    match moeforge::deploy::embedded() {
+        Ok(Some(bundle)) => {
+            let exe = std::env::current_exe().unwrap_or_default();
+            return deployed::main(bundle, exe);
+        }
+        Ok(None) => {}
+        Err(e) => return error(e, "rebuild it with `moeforge build`"),
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Check(a) => check::run(a),
         Command::Compile(a) => compile::run(a),
+        Command::Build(a) => build::run(a),
         Command::Explain(a) => explain::run(a),
         Command::InitWeights(a) => init_weights::run(a),
         Command::Run(a) => run::run(a),

@@ -8,8 +8,8 @@ use moeforge::plan::bundle::LoadedBundle;
 use moeforge::plan::memory::Mode;
 use moeforge::runtime::engine::{Engine, Request, StepOutput};
 use moeforge::runtime::policy::{self, Calibration, Driver, Policy};
-use moeforge::runtime::twin;
 use moeforge::runtime::twin::weights::Checkpoint;
+use moeforge::runtime::{machine, twin};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -32,6 +32,13 @@ pub enum Start {
 pub struct Args {
     /// A bundle directory written by `moeforge compile`.
     bundle: PathBuf,
+    #[command(flatten)]
+    opts: Options,
+}
+
+/// Everything but the bundle (a deployable binary carries its own).
+#[derive(clap::Args)]
+pub struct Options {
     /// Execution backend.
     #[arg(long, value_enum, default_value = "cpu")]
     backend: Backend,
@@ -73,7 +80,7 @@ fn parse_prompt(text: &str, where_: &str) -> Result<Vec<u32>, ExitCode> {
         .collect()
 }
 
-fn prompts(a: &Args) -> Result<Vec<Vec<u32>>, ExitCode> {
+fn prompts(a: &Options) -> Result<Vec<Vec<u32>>, ExitCode> {
     let mut prompts: Vec<Vec<u32>> = Vec::new();
     for (i, p) in a.prompt.iter().enumerate() {
         prompts.push(parse_prompt(p, &format!("--prompt #{}", i + 1))?);
@@ -93,13 +100,22 @@ fn prompts(a: &Args) -> Result<Vec<Vec<u32>>, ExitCode> {
     Ok(prompts)
 }
 
-/// Loads and validates a bundle and its checkpoint.
-pub fn open(bundle: &Path, weights: &Path) -> Result<(LoadedBundle, Checkpoint), ExitCode> {
-    let bundle = moeforge::runtime::load_bundle(bundle)
-        .map_err(|e| error(e, "compile the spec again with `moeforge compile`"))?;
-    let ck =
-        Checkpoint::load(weights).map_err(|e| error(e, "write weights with `moeforge init-weights SPEC -o DIR`"))?;
-    Ok((bundle, ck))
+/// Loads and validates a bundle directory.
+pub fn load_dir(bundle: &Path) -> Result<LoadedBundle, ExitCode> {
+    moeforge::runtime::load_bundle(bundle).map_err(|e| error(e, "compile the spec again with `moeforge compile`"))
+}
+
+/// Checks that the backend can run `bundle` on this machine, then loads the
+/// checkpoint.
+pub fn prepare(bundle: &LoadedBundle, backend: Backend, weights: &Path) -> Result<Checkpoint, ExitCode> {
+    let Backend::Cpu = backend;
+    machine::check_cpu(&bundle.plan, &machine::Host::probe()).map_err(|e| {
+        error(
+            format!("this machine does not fit the bundle: {e}"),
+            "run it on the cluster it was compiled for (the cpu backend runs small specs such as models/clusters.moe's `cpu4`)",
+        )
+    })?;
+    Checkpoint::load(weights).map_err(|e| error(e, "write weights with `moeforge init-weights SPEC -o DIR`"))
 }
 
 /// The twin under the switch-policy driver, starting in `start`; with
@@ -135,14 +151,19 @@ pub fn print_policy(calibration: &Option<Calibration>, policy: Option<&Policy>) 
 }
 
 pub fn run(a: Args) -> Result<(), ExitCode> {
-    let Backend::Cpu = a.backend;
+    let bundle = load_dir(&a.bundle)?;
+    run_bundle(&a.opts, &bundle)
+}
+
+/// `run` on a loaded bundle.
+pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
     let start = match a.start {
         Start::Tp => Mode::Tp,
         Start::Ep => Mode::Ep,
     };
-    let prompts = prompts(&a)?;
-    let (bundle, ck) = open(&a.bundle, &a.weights)?;
-    let (mut driver, calibration) = driver(&bundle, &ck, start, a.switch_at.is_empty())?;
+    let prompts = prompts(a)?;
+    let ck = prepare(bundle, a.backend, &a.weights)?;
+    let (mut driver, calibration) = driver(bundle, &ck, start, a.switch_at.is_empty())?;
     let n = prompts.len();
     let mut arrivals: Vec<(usize, Request)> = prompts
         .into_iter()

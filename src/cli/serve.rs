@@ -3,8 +3,9 @@
 //! policy. Prints `listening on http://ADDR` once bound; Ctrl-C or SIGTERM
 //! stops accepting and drains what is in flight.
 
-use super::run::{driver, open, print_policy, Backend, Start};
+use super::run::{driver, load_dir, prepare, print_policy, Backend, Start};
 use super::{error, out};
+use moeforge::plan::bundle::LoadedBundle;
 use moeforge::plan::memory::Mode;
 use moeforge_server::text::Text;
 use moeforge_server::{serve_blocking, Config};
@@ -15,6 +16,13 @@ use std::process::ExitCode;
 pub struct Args {
     /// A bundle directory written by `moeforge compile`.
     bundle: PathBuf,
+    #[command(flatten)]
+    opts: Options,
+}
+
+/// Everything but the bundle (a deployable binary carries its own).
+#[derive(clap::Args)]
+pub struct Options {
     /// Execution backend.
     #[arg(long, value_enum, default_value = "cpu")]
     backend: Backend,
@@ -40,16 +48,21 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<(), ExitCode> {
-    let Backend::Cpu = a.backend;
+    let bundle = load_dir(&a.bundle)?;
+    serve_bundle(&a.opts, &bundle)
+}
+
+/// `serve` on a loaded bundle.
+pub fn serve_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
     let start = match a.start {
         Start::Tp => Mode::Tp,
         Start::Ep => Mode::Ep,
     };
-    let (bundle, ck) = open(&a.bundle, &a.weights)?;
+    let ck = prepare(bundle, a.backend, &a.weights)?;
     let text = Text::load(&a.weights).map_err(|e| {
         error(e, "tokenizer.json must be a Hugging Face tokenizers file (or absent: token-id prompts only)")
     })?;
-    let (driver, calibration) = driver(&bundle, &ck, start, true)?;
+    let (driver, calibration) = driver(bundle, &ck, start, true)?;
     print_policy(&calibration, driver.policy());
     let name = bundle.plan.model.name.clone();
     let deploy = bundle.spec.deploys.first().map(|d| d.name.clone());
