@@ -12,6 +12,9 @@ fn files() -> Vec<(String, String)> {
     for dir in ["models", "examples"] {
         for e in std::fs::read_dir(root.join(dir)).into_iter().flatten().flatten() {
             let p = e.path();
+            if p.extension().is_none_or(|x| x != "moe") {
+                continue;
+            }
             let text = std::fs::read_to_string(&p).unwrap_or_default();
             out.push((format!("{dir}/{}", p.file_name().unwrap_or_default().to_string_lossy()), text));
         }

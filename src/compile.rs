@@ -77,7 +77,8 @@ pub fn deployment(checked: &Checked, name: Option<&str>) -> Result<DeployId, Dia
 /// Plans and emits one deployment of `spec`.
 ///
 /// ```no_run
-/// let spec = moeforge::spec!("examples/qwen3-30b-a3b-h200.moe");
+/// // In a user crate: `let spec = moeforge::spec!("../deploy.moe");` (relative to the file).
+/// let spec = &moeforge::embedded::DEFAULT;
 /// let out = moeforge::compile(spec, &moeforge::compile::Options::default())?;
 /// out.bundle.write(std::path::Path::new("bundle"))?;
 /// # Ok::<(), Box<dyn std::error::Error>>(())

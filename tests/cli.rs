@@ -359,7 +359,10 @@ fn the_twin_refuses_bundles_too_large_for_the_host() {
     let o = moeforge(&["run", b.to_str().unwrap(), "--weights", w.to_str().unwrap(), "--prompt", "1"], None);
     assert_eq!(o.status.code(), Some(1));
     let e = text(&o.stderr);
-    assert!(e.contains("would allocate") && e.contains("small `hbm`"), "{e}");
+    // Refused by the machine check (host memory), or by the twin's own
+    // allocation limit on a host with more memory than any test machine.
+    let machine = e.contains("does not fit the bundle") && e.contains("8 rank buffers");
+    assert!(machine || (e.contains("would allocate") && e.contains("small `hbm`")), "{e}");
 }
 
 #[test]

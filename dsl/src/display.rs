@@ -64,6 +64,13 @@ impl Display for Spec {
     }
 }
 
+/// One `model` block, canonical.
+impl Display for Model {
+    fn fmt(&self, f: &mut Formatter<'_>) -> fmt::Result {
+        write_model(f, self)
+    }
+}
+
 fn write_model(f: &mut Formatter<'_>, m: &Model) -> fmt::Result {
     writeln!(f, "model {} {{", m.name)?;
     writeln!(f, "  layers = {}\n  hidden = {}\n  vocab = {}", m.layers, m.hidden, m.vocab)?;
@@ -73,17 +80,27 @@ fn write_model(f: &mut Formatter<'_>, m: &Model) -> fmt::Result {
         writeln!(f, "  dense {{ layers = {}  ffn = {} }}", d.layers, d.ffn)?;
     }
     match m.attention {
-        Attention::Gqa { heads, kv_heads, head_dim, qk_norm, rope_dim, sinks } => writeln!(
-            f,
-            "  attention gqa {{ heads = {heads}  kv_heads = {kv_heads}  head_dim = {head_dim}  qk_norm = {}  rope_dim = {rope_dim}  sinks = {} }}",
-            b(qk_norm),
-            b(sinks)
-        )?,
-        Attention::Mla { heads, q_lora, kv_lora, qk_nope, qk_rope, v_head } => {
-            let q = q_lora.map(|q| format!("  q_lora = {q}")).unwrap_or_default();
+        Attention::Gqa { heads, kv_heads, head_dim, qk_norm, qk_norm_scope, rope_dim, sinks } => {
+            let norm = match (qk_norm, qk_norm_scope) {
+                (true, QkNormScope::PerLayer) => "per_layer",
+                (q, _) => b(q),
+            };
             writeln!(
                 f,
-                "  attention mla {{ heads = {heads}{q}  kv_lora = {kv_lora}  qk_nope = {qk_nope}  qk_rope = {qk_rope}  v_head = {v_head} }}"
+                "  attention gqa {{ heads = {heads}  kv_heads = {kv_heads}  head_dim = {head_dim}  qk_norm = {norm}  rope_dim = {rope_dim}  sinks = {} }}",
+                b(sinks)
+            )?
+        }
+        Attention::Mla { heads, q_lora, kv_lora, qk_nope, qk_rope, v_head, indexer } => {
+            let q = q_lora.map(|q| format!("  q_lora = {q}")).unwrap_or_default();
+            let dsa = indexer
+                .map(|i| {
+                    format!("  index_heads = {}  index_head_dim = {}  index_topk = {}", i.heads, i.head_dim, i.top_k)
+                })
+                .unwrap_or_default();
+            writeln!(
+                f,
+                "  attention mla {{ heads = {heads}{q}  kv_lora = {kv_lora}  qk_nope = {qk_nope}  qk_rope = {qk_rope}  v_head = {v_head}{dsa} }}"
             )?
         }
     }

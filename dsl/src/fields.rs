@@ -71,7 +71,7 @@ impl<'a, 'd> Fields<'a, 'd> {
         Some(item)
     }
 
-    fn missing(&mut self, key: &str, example: &str) {
+    pub fn missing(&mut self, key: &str, example: &str) {
         let d = Diagnostic::new(Code::MissingField, format!("{} is missing `{key}`", self.what()))
             .at(self.head(), format!("needs `{key}`"))
             .help(format!("add `{example}` inside the block"));

@@ -14,6 +14,7 @@ pub mod check;
 pub mod diag;
 mod display;
 mod fields;
+pub mod hf;
 mod lower;
 pub mod source;
 pub mod spec;

@@ -116,16 +116,27 @@ fn attention_block(
             let heads = g.req_count("heads", 1, 4096);
             let kv_heads = g.req_count("kv_heads", 1, 4096);
             let head_dim = g.req_count("head_dim", 8, 1024);
-            let qk_norm = g.opt_bool("qk_norm", false);
+            let qk_norm = g.opt_choice(
+                "qk_norm",
+                &[
+                    ("false", (false, QkNormScope::PerHead)),
+                    ("true", (true, QkNormScope::PerHead)),
+                    ("per_head", (true, QkNormScope::PerHead)),
+                    ("per_layer", (true, QkNormScope::PerLayer)),
+                ],
+                (false, QkNormScope::PerHead),
+            );
             let rope_dim = g.maybe_count("rope_dim", 0, 1024);
             let sinks = g.opt_bool("sinks", false);
             g.finish();
             let head_dim = head_dim?;
+            let (qk_norm, qk_norm_scope) = qk_norm?;
             Some(Attention::Gqa {
                 heads: heads?,
                 kv_heads: kv_heads?,
                 head_dim,
-                qk_norm: qk_norm?,
+                qk_norm,
+                qk_norm_scope,
                 rope_dim: rope_dim.ok()?.unwrap_or(head_dim),
                 sinks: sinks?,
             })
@@ -138,7 +149,26 @@ fn attention_block(
             let qk_nope = g.req_count("qk_nope", 1, 1024);
             let qk_rope = g.req_count("qk_rope", 1, 1024);
             let v_head = g.req_count("v_head", 1, 1024);
+            let index_heads = g.maybe_count("index_heads", 1, 4096);
+            let index_head_dim = g.maybe_count("index_head_dim", 1, 1024);
+            let index_topk = g.maybe_count("index_topk", 1, BIG);
+            // The DSA indexer: all three fields, or none.
+            let indexer = match (index_heads, index_head_dim, index_topk) {
+                (Ok(None), Ok(None), Ok(None)) => Ok(None),
+                (Ok(Some(heads)), Ok(Some(head_dim)), Ok(Some(top_k))) => Ok(Some(Indexer { heads, head_dim, top_k })),
+                (Ok(h), Ok(d), Ok(_)) => {
+                    let absent = match (h, d) {
+                        (None, _) => "index_heads",
+                        (_, None) => "index_head_dim",
+                        _ => "index_topk",
+                    };
+                    g.missing(absent, "index_heads = 32  index_head_dim = 128  index_topk = 2048");
+                    Err(())
+                }
+                _ => Err(()),
+            };
             g.finish();
+            let indexer = indexer.ok()?;
             Some(Attention::Mla {
                 heads: heads?,
                 q_lora: q_lora.ok()?,
@@ -146,6 +176,7 @@ fn attention_block(
                 qk_nope: qk_nope?,
                 qk_rope: qk_rope?,
                 v_head: v_head?,
+                indexer,
             })
         }
         _ => {

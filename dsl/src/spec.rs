@@ -14,8 +14,8 @@
 //! model NAME {                       → Model
 //!   layers hidden vocab [tie_embeddings rope_theta rms_eps]
 //!   dense { layers ffn }             → Model::dense (leading dense layers)
-//!   attention gqa { heads kv_heads head_dim [qk_norm rope_dim sinks] }
-//!   attention mla { heads [q_lora] kv_lora qk_nope qk_rope v_head }
+//!   attention gqa { heads kv_heads head_dim [qk_norm (true|false|per_head|per_layer) rope_dim sinks] }
+//!   attention mla { heads [q_lora] kv_lora qk_nope qk_rope v_head [index_heads index_head_dim index_topk] }
 //!   sliding_window { size pattern = [sliding, full, …] }
 //!   moe { experts top_k expert_ffn [shared_experts shared_ffn activation]
 //!         routing softmax_topk { [norm_topk] }
@@ -140,8 +140,12 @@ pub enum Attention {
         heads: u32,
         kv_heads: u32,
         head_dim: u32,
-        /// RMSNorm on q and k per head (Qwen3, MiniMax-M2).
+        /// RMSNorm on q and k (Qwen3, GLM-4.5, MiniMax-M2).
         qk_norm: bool,
+        /// Over each head (Qwen3) or the whole projection (MiniMax-M2's
+        /// `per_layer`); `qk_norm = per_layer` in the surface syntax.
+        #[serde(default, skip_serializing_if = "QkNormScope::is_per_head")]
+        qk_norm_scope: QkNormScope,
         /// Rotary dimensions per head; `head_dim` unless partial RoPE.
         rope_dim: u32,
         /// Learned per-head attention sinks (GPT-OSS).
@@ -156,7 +160,48 @@ pub enum Attention {
         qk_nope: u32,
         qk_rope: u32,
         v_head: u32,
+        /// DeepSeek Sparse Attention's lightning indexer (GLM-5), which
+        /// picks the `top_k` keys each query attends to.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        indexer: Option<Indexer>,
     },
+}
+
+/// Where the QK-norm's RMSNorm runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QkNormScope {
+    /// Over each head's `head_dim` values, one weight vector shared by heads.
+    #[default]
+    PerHead,
+    /// Over the whole q (`heads × head_dim`) and k (`kv_heads × head_dim`) projections.
+    PerLayer,
+}
+
+impl QkNormScope {
+    pub fn is_per_head(&self) -> bool {
+        *self == QkNormScope::PerHead
+    }
+}
+
+/// The DSA lightning indexer of an MLA layer: `heads` scoring heads of
+/// `head_dim`, keeping `top_k` keys per query. Its weights: `wq_b`
+/// (q_lora or hidden → heads × head_dim), `wk` (hidden → head_dim), a
+/// LayerNorm on k (weight and bias) and `weights_proj` (hidden → heads);
+/// its key cache holds `head_dim` values per token and layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Indexer {
+    pub heads: u32,
+    pub head_dim: u32,
+    pub top_k: u32,
+}
+
+impl Indexer {
+    /// Parameters per layer; `q_in` is the width its query projection reads.
+    pub fn params(&self, hidden: u64, q_in: u64) -> u64 {
+        let (n, d) = (u64::from(self.heads), u64::from(self.head_dim));
+        prod(&[q_in, n, d]).saturating_add(prod(&[hidden, d])).saturating_add(2 * d).saturating_add(prod(&[hidden, n]))
+    }
 }
 
 impl Attention {
@@ -312,20 +357,24 @@ impl Model {
     pub fn attention_params_per_layer(&self) -> u64 {
         let h = u64::from(self.hidden);
         match self.attention {
-            Attention::Gqa { heads, kv_heads, head_dim, qk_norm, sinks, .. } => {
+            Attention::Gqa { heads, kv_heads, head_dim, qk_norm, qk_norm_scope, sinks, .. } => {
                 let (q, kv, d) = (u64::from(heads), u64::from(kv_heads), u64::from(head_dim));
-                prod(&[2, h, q, d]).saturating_add(prod(&[2, h, kv, d]))
-                    + if qk_norm { 2 * d } else { 0 }
-                    + if sinks { q } else { 0 }
+                let norms = match (qk_norm, qk_norm_scope) {
+                    (false, _) => 0,
+                    (true, QkNormScope::PerHead) => 2 * d,
+                    (true, QkNormScope::PerLayer) => (q + kv) * d,
+                };
+                prod(&[2, h, q, d]).saturating_add(prod(&[2, h, kv, d])) + norms + if sinks { q } else { 0 }
             }
-            Attention::Mla { heads, q_lora, kv_lora, qk_nope, qk_rope, v_head } => {
+            Attention::Mla { heads, q_lora, kv_lora, qk_nope, qk_rope, v_head, indexer } => {
                 let (n, kv, nope, rope, v) =
                     (u64::from(heads), u64::from(kv_lora), u64::from(qk_nope), u64::from(qk_rope), u64::from(v_head));
                 let q = match q_lora {
                     Some(r) => prod(&[h, u64::from(r)]) + u64::from(r) + prod(&[u64::from(r), n, nope + rope]),
                     None => prod(&[h, n, nope + rope]),
                 };
-                [q, prod(&[h, kv + rope]), kv, prod(&[kv, n, nope + v]), prod(&[n, v, h])]
+                let dsa = indexer.map_or(0, |i| i.params(h, q_lora.map_or(h, u64::from)));
+                [q, prod(&[h, kv + rope]), kv, prod(&[kv, n, nope + v]), prod(&[n, v, h]), dsa]
                     .iter()
                     .fold(0u64, |a, &b| a.saturating_add(b))
             }
@@ -389,7 +438,9 @@ impl Model {
     pub fn kv_bytes_per_token_layer(&self) -> u64 {
         match self.attention {
             Attention::Gqa { kv_heads, head_dim, .. } => 2 * u64::from(kv_heads) * u64::from(head_dim) * 2,
-            Attention::Mla { kv_lora, qk_rope, .. } => (u64::from(kv_lora) + u64::from(qk_rope)) * 2,
+            Attention::Mla { kv_lora, qk_rope, indexer, .. } => {
+                (u64::from(kv_lora) + u64::from(qk_rope) + indexer.map_or(0, |i| u64::from(i.head_dim))) * 2
+            }
         }
     }
 }

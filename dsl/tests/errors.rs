@@ -362,3 +362,23 @@ fn fields_without_effect_warn_where_written() {
     // Without those fields there is nothing to warn about.
     assert!(check_str("spec.moe", BASE).unwrap_or_else(|f| panic!("{}", f.render(false))).warnings.is_empty());
 }
+
+#[test]
+fn a_partial_dsa_indexer() {
+    check(
+        "partial_indexer",
+        "attention gqa { heads = 8  kv_heads = 2  head_dim = 32 }",
+        "attention mla { heads = 8  kv_lora = 64  qk_nope = 32  qk_rope = 16  v_head = 32  index_heads = 4  index_topk = 64 }",
+        &[Code::MissingField],
+    );
+}
+
+#[test]
+fn an_unknown_qk_norm_scope() {
+    check(
+        "qk_norm_scope",
+        "attention gqa { heads = 8  kv_heads = 2  head_dim = 32 }",
+        "attention gqa { heads = 8  kv_heads = 2  head_dim = 32  qk_norm = per_token }",
+        &[Code::UnknownVariant],
+    );
+}

@@ -39,6 +39,8 @@ impl Component {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Feature {
     MlaAttention,
+    DsaIndexer,
+    PerLayerQkNorm,
     AttentionSinks,
     SlidingWindow,
     /// GPT-OSS's clamped SwiGLU (`activation = swiglu_oai`).
@@ -60,6 +62,8 @@ impl Feature {
     pub fn name(self) -> &'static str {
         match self {
             Feature::MlaAttention => "MLA attention",
+            Feature::DsaIndexer => "the DSA indexer (sparse attention)",
+            Feature::PerLayerQkNorm => "QK-norm over the whole projection (per_layer)",
             Feature::AttentionSinks => "attention sinks",
             Feature::SlidingWindow => "sliding-window attention",
             Feature::ClampedSwiglu => "the clamped SwiGLU (swiglu_oai)",
@@ -80,7 +84,10 @@ pub fn support(component: Component, feature: Feature) -> Result<(), &'static st
     use Feature::*;
     match (component, feature) {
         // The MoE kernels see the routed block only: attention features pass.
-        (MoeKernels, MlaAttention | AttentionSinks | SlidingWindow | Fp8Experts | Fp8Weights) => Ok(()),
+        (
+            MoeKernels,
+            MlaAttention | DsaIndexer | PerLayerQkNorm | AttentionSinks | SlidingWindow | Fp8Experts | Fp8Weights,
+        ) => Ok(()),
         (MoeKernels, ClampedSwiglu) => Err("the APK's GateUp epilogue computes SiLU(gate)·up"),
         (MoeKernels, Mxfp4Experts) => Err("the APK reads bf16 or fp8 e4m3 experts"),
         (MoeKernels, Fp8Activations) => Err("dispatch moves bf16 rows"),
@@ -88,7 +95,8 @@ pub fn support(component: Component, feature: Feature) -> Result<(), &'static st
         (MoeKernels, ManyGroups) => Err("the router keeps the selected groups in a 32-bit mask"),
         (MoeKernels, UnalignedHidden) => Err("the permute kernels move bf16 rows as 16-byte vectors"),
         (CpuTwin, ManyExperts | ManyGroups | UnalignedHidden) => Ok(()),
-        (CpuTwin, MlaAttention) => Err("the twin computes grouped-query attention"),
+        (CpuTwin, MlaAttention | DsaIndexer) => Err("the twin computes grouped-query attention"),
+        (CpuTwin, PerLayerQkNorm) => Err("the twin's QK-norm runs over each head"),
         (CpuTwin, AttentionSinks | SlidingWindow) => Err("the twin's attention has no sinks or window"),
         (CpuTwin, ClampedSwiglu) => Err("the twin's experts compute SiLU(gate)·up"),
         (CpuTwin, Fp8Experts | Fp8Weights | Mxfp4Experts) => Err("the twin runs bf16 checkpoints"),
@@ -108,9 +116,20 @@ pub fn uses(m: &Model) -> Vec<Use> {
     let mut out = Vec::new();
     let mut add = |feature, field| out.push(Use { feature, field });
     match m.attention {
-        Attention::Mla { .. } => add(Feature::MlaAttention, "attention"),
-        Attention::Gqa { sinks: true, .. } => add(Feature::AttentionSinks, "attention.sinks"),
-        Attention::Gqa { .. } => {}
+        Attention::Mla { indexer, .. } => {
+            add(Feature::MlaAttention, "attention");
+            if indexer.is_some() {
+                add(Feature::DsaIndexer, "attention.index_topk");
+            }
+        }
+        Attention::Gqa { sinks, qk_norm, qk_norm_scope, .. } => {
+            if sinks {
+                add(Feature::AttentionSinks, "attention.sinks");
+            }
+            if qk_norm && qk_norm_scope == moeforge_dsl::spec::QkNormScope::PerLayer {
+                add(Feature::PerLayerQkNorm, "attention.qk_norm");
+            }
+        }
     }
     if m.sliding_window.is_some() {
         add(Feature::SlidingWindow, "sliding_window");

@@ -261,6 +261,12 @@ pub enum TensorRole {
     KvAProj,
     KvANorm,
     KvBProj,
+    /// DSA's lightning indexer: query projection, key projection, the key's
+    /// LayerNorm (weight and bias rows) and the per-head weights.
+    IndexerQ,
+    IndexerK,
+    IndexerKNorm,
+    IndexerWeights,
     /// The router's weight and its selection bias (sigmoid routing).
     Router,
     RouterBias,
@@ -310,6 +316,10 @@ impl TensorRole {
             KvAProj => "model.layers.{l}.self_attn.kv_a_proj_with_mqa",
             KvANorm => "model.layers.{l}.self_attn.kv_a_layernorm",
             KvBProj => "model.layers.{l}.self_attn.kv_b_proj",
+            IndexerQ => "model.layers.{l}.self_attn.indexer.wq_b",
+            IndexerK => "model.layers.{l}.self_attn.indexer.wk",
+            IndexerKNorm => "model.layers.{l}.self_attn.indexer.k_norm",
+            IndexerWeights => "model.layers.{l}.self_attn.indexer.weights_proj",
             Router => "model.layers.{l}.mlp.gate",
             RouterBias => return "model.layers.{l}.mlp.gate.e_score_correction_bias".into(),
             SharedGate => "model.layers.{l}.mlp.shared_experts.gate_proj",

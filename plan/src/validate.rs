@@ -320,7 +320,11 @@ fn views(c: &mut Check, p: &Plan) {
             | TensorRole::QBProj
             | TensorRole::KvAProj
             | TensorRole::KvANorm
-            | TensorRole::KvBProj => matches!(r.kind, RegionKind::AttentionEp | RegionKind::AttentionTp),
+            | TensorRole::KvBProj
+            | TensorRole::IndexerQ
+            | TensorRole::IndexerK
+            | TensorRole::IndexerKNorm
+            | TensorRole::IndexerWeights => matches!(r.kind, RegionKind::AttentionEp | RegionKind::AttentionTp),
             _ => r.kind == RegionKind::Replicated,
         };
         c.ensure(kind_ok && r.modes.contains(&v.mode), format!("{f}.region"), || {

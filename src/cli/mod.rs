@@ -7,6 +7,7 @@ mod check;
 mod compile;
 mod deployed;
 mod explain;
+mod import_hf;
 mod init_weights;
 mod run;
 mod serve;
@@ -50,6 +51,8 @@ enum Command {
     Build(build::Args),
     /// Print the checked spec (as canonical .moe) and the plan, without writing anything.
     Explain(explain::Args),
+    /// Write a `model` block from a Hugging Face config.json (or a checkpoint directory).
+    ImportHf(import_hf::Args),
     /// Write random bf16 weights for a spec's model in Hugging Face safetensors names.
     InitWeights(init_weights::Args),
     /// Serve prompts from a bundle: prints tokens, switch events and per-step timings.
@@ -77,6 +80,7 @@ pub fn main() -> ExitCode {
         Command::Compile(a) => compile::run(a),
         Command::Build(a) => build::run(a),
         Command::Explain(a) => explain::run(a),
+        Command::ImportHf(a) => import_hf::run(a),
         Command::InitWeights(a) => init_weights::run(a),
         Command::Run(a) => run::run(a),
         Command::Serve(a) => serve::run(a),

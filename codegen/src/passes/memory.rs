@@ -10,7 +10,7 @@
 //! on live page tables; the plan gives the head ownership they are built from).
 
 use super::{At, Ctx, PassError};
-use moeforge_dsl::spec::{Attention, DType, Deploy, Model, Routing, Spec};
+use moeforge_dsl::spec::{Attention, DType, Deploy, Model, QkNormScope, Routing, Spec};
 use moeforge_dsl::Code;
 use moeforge_plan::memory::*;
 use moeforge_plan::Plan;
@@ -372,7 +372,7 @@ fn attention_tensors(m: &Model, p: u32) -> (Vec<Tensor>, Vec<Tensor>) {
     let cols = Shard::Heads { dim: 1, heads: HeadSet::Query };
     let (mut full, mut shard) = (vec![], vec![]);
     match m.attention {
-        Attention::Gqa { heads, kv_heads, head_dim, qk_norm, sinks, .. } => {
+        Attention::Gqa { heads, kv_heads, head_dim, qk_norm, qk_norm_scope, sinks, .. } => {
             let (nh, nkv, d) = (u64::from(heads), u64::from(kv_heads), u64::from(head_dim));
             let kv_local = (nkv / pp).max(1);
             weight(&mut full, TensorRole::QProj, nh * d, h, m, wdt, Shard::Full);
@@ -384,15 +384,20 @@ fn attention_tensors(m: &Model, p: u32) -> (Vec<Tensor>, Vec<Tensor>) {
             weight(&mut shard, TensorRole::VProj, kv_local * d, h, m, wdt, kvs);
             weight(&mut shard, TensorRole::OProj, h, nh / pp * d, m, wdt, cols);
             if qk_norm {
-                full.push(t(TensorRole::QNorm, &[d], DType::Bf16, Shard::Full));
-                full.push(t(TensorRole::KNorm, &[d], DType::Bf16, Shard::Full));
+                // Per head: one vector shared by the heads; per layer: over the whole projection.
+                let (qn, kn) = match qk_norm_scope {
+                    QkNormScope::PerHead => (d, d),
+                    QkNormScope::PerLayer => (nh * d, nkv * d),
+                };
+                full.push(t(TensorRole::QNorm, &[qn], DType::Bf16, Shard::Full));
+                full.push(t(TensorRole::KNorm, &[kn], DType::Bf16, Shard::Full));
             }
             if sinks {
                 full.push(t(TensorRole::Sinks, &[nh], DType::Bf16, Shard::Full));
                 shard.push(t(TensorRole::Sinks, &[nh / pp], DType::Bf16, q));
             }
         }
-        Attention::Mla { heads, q_lora, kv_lora, qk_nope, qk_rope, v_head } => {
+        Attention::Mla { heads, q_lora, kv_lora, qk_nope, qk_rope, v_head, indexer } => {
             let (nh, kl, nope, rope, vh) =
                 (u64::from(heads), u64::from(kv_lora), u64::from(qk_nope), u64::from(qk_rope), u64::from(v_head));
             match q_lora {
@@ -414,6 +419,15 @@ fn attention_tensors(m: &Model, p: u32) -> (Vec<Tensor>, Vec<Tensor>) {
             weight(&mut full, TensorRole::OProj, h, nh * vh, m, wdt, Shard::Full);
             weight(&mut shard, TensorRole::KvBProj, nh / pp * (nope + vh), kl, m, wdt, q);
             weight(&mut shard, TensorRole::OProj, h, nh / pp * vh, m, wdt, cols);
+            // The DSA indexer: small, whole on every rank in both modes.
+            if let Some(ix) = indexer {
+                let (ih, id) = (u64::from(ix.heads), u64::from(ix.head_dim));
+                let q_in = q_lora.map_or(h, u64::from);
+                weight(&mut full, TensorRole::IndexerQ, ih * id, q_in, m, wdt, Shard::Full);
+                weight(&mut full, TensorRole::IndexerK, id, h, m, wdt, Shard::Full);
+                full.push(t(TensorRole::IndexerKNorm, &[2, id], DType::Bf16, Shard::Full));
+                full.push(t(TensorRole::IndexerWeights, &[ih, h], DType::Bf16, Shard::Full));
+            }
         }
     }
     (full, shard)
@@ -424,8 +438,9 @@ fn kv_plan(m: &Model, p: u32, dual: bool, pool: u64, region: RegionId) -> KvPlan
     let page = u64::from(PAGE_TOKENS);
     let (kv_heads, head_token_bytes) = match m.attention {
         Attention::Gqa { kv_heads, head_dim, .. } => (kv_heads, 2 * u64::from(head_dim) * 2),
-        // MLA caches one latent (kv_lora + rope) per token; it cannot be split by head.
-        Attention::Mla { kv_lora, qk_rope, .. } => (1, (u64::from(kv_lora) + u64::from(qk_rope)) * 2),
+        // MLA caches one latent (kv_lora + rope) per token, and the DSA
+        // indexer its key; neither can be split by head.
+        Attention::Mla { .. } => (1, m.kv_bytes_per_token_layer()),
     };
     let mode = |heads: u32, ranks_holding_own: u64| {
         let page_bytes = layers * u64::from(heads) * page * head_token_bytes;
