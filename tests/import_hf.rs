@@ -94,11 +94,48 @@ fn older_and_newer_key_names_read_the_same() {
 }
 
 #[test]
-fn rope_scaling_is_noted_not_dropped_silently() {
-    for fx in ["deepseek-v3", "kimi-k2", "gpt-oss-120b"] {
+fn yarn_rope_scaling_is_imported_and_other_kinds_are_noted() {
+    use moeforge::dsl::spec::RopeScaling;
+    // The values each published config.json gives (tests/fixtures/hf).
+    let published = [
+        ("deepseek-v3", 40.0, 32.0, Some(1.0), true),
+        ("kimi-k2", 32.0, 1.0, Some(1.0), true),
+        ("gpt-oss-120b", 32.0, 32.0, None, false),
+    ];
+    for (fx, factor, beta_fast, mscale, truncate) in published {
         let got = import(&fixture(fx), "m").unwrap();
-        assert!(got.notes.iter().any(|n| n.starts_with("RoPE scaling yarn")), "{fx}: {:?}", got.notes);
+        let want = RopeScaling {
+            factor,
+            original_max_positions: 4096,
+            beta_fast,
+            beta_slow: 1.0,
+            mscale,
+            mscale_all_dim: mscale,
+            truncate,
+        };
+        assert_eq!(got.model.rope_scaling, Some(want), "{fx}");
+        assert!(!got.notes.iter().any(|n| n.contains("RoPE scaling")), "{fx}: {:?}", got.notes);
     }
+    // transformers 5's spelling: the kind and its parameters inside rope_parameters.
+    let nested = edited("qwen3-30b-a3b", |m| {
+        m.insert(
+            "rope_parameters".into(),
+            serde_json::json!({"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+                               "original_max_position_embeddings": 32768}),
+        );
+        m.remove("rope_theta");
+    });
+    let got = import(&nested, "m").unwrap();
+    assert_eq!(got.model.rope_theta, 1e6);
+    let y = got.model.rope_scaling.expect("yarn read from rope_parameters");
+    assert_eq!((y.factor, y.original_max_positions, y.beta_fast, y.beta_slow), (4.0, 32768, 32.0, 1.0));
+    // A kind the spec cannot say is a note, not silently dropped.
+    let linear = edited("qwen3-30b-a3b", |m| {
+        m.insert("rope_scaling".into(), serde_json::json!({"type": "linear", "factor": 2.0}));
+    });
+    let got = import(&linear, "m").unwrap();
+    assert_eq!(got.model.rope_scaling, None);
+    assert!(got.notes.iter().any(|n| n.starts_with("RoPE scaling linear")), "{:?}", got.notes);
 }
 
 #[test]

@@ -31,7 +31,8 @@ struct Shape {
     kv_heads: u32,
     shared: bool,
     grouped: bool,
-    qk_norm: bool,
+    /// `"true"`, `"false"` or `"per_layer"` (one norm over every head).
+    qk_norm: &'static str,
 }
 
 fn spec(s: Shape, fraction: f64) -> String {
@@ -180,7 +181,7 @@ const QWEN: Shape = Shape {
     kv_heads: 2,
     shared: false,
     grouped: false,
-    qk_norm: true,
+    qk_norm: "true",
 };
 
 #[test]
@@ -190,7 +191,7 @@ fn qwen3_shape_on_4_ranks() {
 
 #[test]
 fn mixtral_shape_on_2_ranks() {
-    let s = Shape { p: 2, layers: 2, experts: 8, top_k: 2, kv_heads: 8, qk_norm: false, ..QWEN };
+    let s = Shape { p: 2, layers: 2, experts: 8, top_k: 2, kv_heads: 8, qk_norm: "false", ..QWEN };
     equivalence(s, Family::Mixtral, 2);
 }
 
@@ -198,6 +199,14 @@ fn mixtral_shape_on_2_ranks() {
 fn qwen3_shape_on_8_ranks_replicates_kv_heads() {
     let s = Shape { p: 8, layers: 2, experts: 16, top_k: 4, kv_heads: 2, ..QWEN };
     equivalence(s, Family::Qwen3Moe, 3);
+}
+
+/// MiniMax-M2's QK-norm over every head at once: under TP the ranks'
+/// sums of squares are reduced (2 KV heads on 4 ranks: each KV head counted once).
+#[test]
+fn all_head_qk_norm_on_4_ranks() {
+    let s = Shape { qk_norm: "per_layer", grouped: true, ..QWEN };
+    equivalence(s, Family::Qwen3Moe, 6);
 }
 
 #[test]
@@ -211,7 +220,7 @@ fn shared_experts_dense_layers_and_grouped_routing() {
         kv_heads: 4,
         shared: true,
         grouped: true,
-        qk_norm: true,
+        qk_norm: "true",
     };
     equivalence(s, Family::Qwen3Moe, 4);
 }

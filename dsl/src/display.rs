@@ -76,6 +76,20 @@ fn write_model(f: &mut Formatter<'_>, m: &Model) -> fmt::Result {
     writeln!(f, "  layers = {}\n  hidden = {}\n  vocab = {}", m.layers, m.hidden, m.vocab)?;
     writeln!(f, "  tie_embeddings = {}", b(m.tie_embeddings))?;
     writeln!(f, "  rope_theta = {}\n  rms_eps = {}", num(m.rope_theta), num(m.rms_eps))?;
+    if let Some(y) = &m.rope_scaling {
+        let opt = |k: &str, v: Option<f64>| v.map(|v| format!("  {k} = {}", num(v))).unwrap_or_default();
+        writeln!(
+            f,
+            "  rope_scaling yarn {{ factor = {}  original_max_positions = {}  beta_fast = {}  beta_slow = {}{}{}  truncate = {} }}",
+            num(y.factor),
+            y.original_max_positions,
+            num(y.beta_fast),
+            num(y.beta_slow),
+            opt("mscale", y.mscale),
+            opt("mscale_all_dim", y.mscale_all_dim),
+            b(y.truncate)
+        )?;
+    }
     if let Some(d) = m.dense {
         writeln!(f, "  dense {{ layers = {}  ffn = {} }}", d.layers, d.ffn)?;
     }

@@ -142,7 +142,7 @@ pub fn import(config: &str, name: &str) -> Result<Imported, HfError> {
     let vocab = c.u32_of(&["vocab_size"])?;
     let tie_embeddings = c.opt_bool("tie_word_embeddings")?.unwrap_or(false);
     let rms_eps = c.f64_of(&["rms_norm_eps"])?;
-    let rope_theta = rope_theta(&c, &mut notes)?;
+    let (rope_theta, rope_scaling) = rope(&c, &mut notes)?;
 
     // Attention.
     let heads = c.u32_of(&["num_attention_heads"])?;
@@ -163,12 +163,21 @@ pub fn import(config: &str, name: &str) -> Result<Imported, HfError> {
                 None if heads > 0 && hidden % heads == 0 => hidden / heads,
                 None => return Err(c.missing("head_dim")),
             };
-            let rope_dim = match (c.opt_u32(&["rotary_dim"])?, c.opt_f64(&["partial_rotary_factor"])?) {
+            // transformers 5 writes partial_rotary_factor inside rope_parameters.
+            let nested = c.get("rope_parameters").and_then(|p| p.get("partial_rotary_factor"));
+            let factor = match (c.opt_f64(&["partial_rotary_factor"])?, nested) {
+                (Some(f), _) => Some(f),
+                (None, Some(v)) => Some(
+                    v.as_f64().ok_or_else(|| c.bad("rope_parameters.partial_rotary_factor", v, "expected a number"))?,
+                ),
+                (None, None) => None,
+            };
+            let rope_dim = match (c.opt_u32(&["rotary_dim"])?, factor) {
                 (Some(r), _) => r,
                 (None, Some(f)) => {
                     let r = f64::from(head_dim) * f;
                     if !(r.fract() == 0.0 && r > 0.0 && r <= f64::from(head_dim)) {
-                        let v = c.get("partial_rotary_factor").cloned().unwrap_or(Value::Null);
+                        let v = Value::from(f);
                         return Err(c.bad("partial_rotary_factor", &v, "must give a whole rotary width ≤ head_dim"));
                     }
                     r as u32
@@ -223,7 +232,8 @@ pub fn import(config: &str, name: &str) -> Result<Imported, HfError> {
                 return Err(c.bad("scoring_func", &v, "grouped routing is read for sigmoid scores only"));
             }
             let bias = match fam {
-                Family::MiniMaxM2 => c.opt_bool("use_routing_bias")?.unwrap_or(false),
+                // transformers' MiniMax-M2 always adds the bias and does not write the key.
+                Family::MiniMaxM2 => c.opt_bool("use_routing_bias")?.unwrap_or(true),
                 _ => c.opt_str("topk_method").is_none_or(|m| m == "noaux_tc"),
             };
             Routing::SigmoidGrouped {
@@ -247,6 +257,7 @@ pub fn import(config: &str, name: &str) -> Result<Imported, HfError> {
         vocab,
         tie_embeddings,
         rope_theta,
+        rope_scaling,
         rms_eps,
         dense,
         attention,
@@ -258,42 +269,98 @@ pub fn import(config: &str, name: &str) -> Result<Imported, HfError> {
 }
 
 /// `rope_theta`, at the top level (older configs) or inside
-/// `rope_parameters` (newer); the scaling (`rope_scaling`, or the type and
-/// factor in `rope_parameters`) becomes a note.
-fn rope_theta(c: &Cfg<'_>, notes: &mut Vec<String>) -> Result<f64, HfError> {
+/// `rope_parameters` (newer), and the RoPE scaling (`rope_scaling`, or the
+/// type and its parameters in `rope_parameters`): YaRN becomes the spec's
+/// `rope_scaling yarn`; any other kind becomes a note.
+fn rope(c: &Cfg<'_>, notes: &mut Vec<String>) -> Result<(f64, Option<RopeScaling>), HfError> {
     let params = c.get("rope_parameters").and_then(Value::as_object);
     let theta = match (c.opt_f64(&["rope_theta"])?, params.and_then(|p| p.get("rope_theta"))) {
         (Some(t), _) => t,
         (None, Some(v)) => v.as_f64().ok_or_else(|| c.bad("rope_parameters.rope_theta", v, "expected a number"))?,
         (None, None) => return Err(c.missing("rope_theta")),
     };
-    let scaling = c.get("rope_scaling").and_then(Value::as_object).or(params);
-    if let Some(s) = scaling {
-        let kind = s.get("rope_type").or_else(|| s.get("type")).and_then(Value::as_str).unwrap_or("default");
-        if kind != "default" {
-            let mut parts = vec![format!("{kind}")];
-            for k in
-                ["factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"]
-            {
+    let (key, scaling) = match c.get("rope_scaling").and_then(Value::as_object) {
+        Some(s) => ("rope_scaling", Some(s)),
+        None => ("rope_parameters", params),
+    };
+    let Some(s) = scaling else { return Ok((theta, None)) };
+    let kind = s.get("rope_type").or_else(|| s.get("type")).and_then(Value::as_str).unwrap_or("default");
+    let num = |k: &str| -> Result<Option<f64>, HfError> {
+        match s.get(k).filter(|v| !v.is_null()) {
+            None => Ok(None),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| c.bad(&format!("{key}.{k}"), v, "expected a number")),
+        }
+    };
+    match kind {
+        "default" => Ok((theta, None)),
+        "yarn" => {
+            // transformers: a missing factor is max_position_embeddings / original.
+            let original = match num("original_max_position_embeddings")? {
+                Some(o) if o >= 1.0 && o.fract() == 0.0 && o <= f64::from(u32::MAX) => o,
+                Some(o) => {
+                    let v = Value::from(o);
+                    return Err(c.bad(
+                        &format!("{key}.original_max_position_embeddings"),
+                        &v,
+                        "expected a whole count",
+                    ));
+                }
+                None => return Err(c.missing(&format!("{key}.original_max_position_embeddings"))),
+            };
+            let factor = match num("factor")? {
+                Some(f) => f,
+                None => {
+                    c.opt_f64(&["max_position_embeddings"])?.ok_or_else(|| c.missing(&format!("{key}.factor")))?
+                        / original
+                }
+            };
+            if num("attention_factor")?.is_some() {
+                notes.push(format!(
+                    "{key}.attention_factor is not part of the spec: it is derived from factor and mscale"
+                ));
+            }
+            let truncate = match s.get("truncate") {
+                None | Some(Value::Null) => true,
+                Some(v) => v.as_bool().ok_or_else(|| c.bad(&format!("{key}.truncate"), v, "expected true or false"))?,
+            };
+            Ok((
+                theta,
+                Some(RopeScaling {
+                    factor,
+                    original_max_positions: original as u32,
+                    beta_fast: num("beta_fast")?.filter(|b| *b != 0.0).unwrap_or(32.0),
+                    beta_slow: num("beta_slow")?.filter(|b| *b != 0.0).unwrap_or(1.0),
+                    mscale: num("mscale")?,
+                    mscale_all_dim: num("mscale_all_dim")?,
+                    truncate,
+                }),
+            ))
+        }
+        other => {
+            let mut parts = vec![other.to_string()];
+            for k in ["factor", "original_max_position_embeddings"] {
                 if let Some(v) = s.get(k).filter(|v| !v.is_null()) {
                     parts.push(format!("{k} = {v}"));
                 }
             }
-            notes.push(format!("RoPE scaling {}: the spec has no RoPE scaling yet", parts.join(", ")));
+            notes.push(format!("RoPE scaling {}: the spec supports yarn only; left out", parts.join(", ")));
+            Ok((theta, None))
         }
     }
-    Ok(theta)
 }
 
-/// Qwen3 always norms q and k per head; GLM-4.5 and MiniMax-M2 say so with
-/// `use_qk_norm`, MiniMax-M2 over the whole projection (`qk_norm_type =
-/// per_layer`).
+/// Qwen3 always norms q and k per head; GLM-4.5 says so with `use_qk_norm`.
+/// MiniMax-M2's published config says `use_qk_norm` and `qk_norm_type =
+/// per_layer` (one norm over the whole projection); transformers' class
+/// always norms that way and writes neither key, so both are its defaults.
 fn qk_norm(c: &Cfg<'_>, fam: Family) -> Result<(bool, QkNormScope), HfError> {
     let on = match fam {
         Family::Qwen3Moe => true,
+        Family::MiniMaxM2 => c.opt_bool("use_qk_norm")?.unwrap_or(true),
         _ => c.opt_bool("use_qk_norm")?.unwrap_or(false),
     };
     let scope = match c.opt_str("qk_norm_type") {
+        None if fam == Family::MiniMaxM2 => QkNormScope::PerLayer,
         None | Some("per_head") => QkNormScope::PerHead,
         Some("per_layer") => QkNormScope::PerLayer,
         Some(_) => {

@@ -21,6 +21,10 @@ pub fn model(b: &Block, name: &str, diags: &mut Diagnostics, spans: &mut SpanMap
     let tie = f.opt_bool("tie_embeddings", false);
     let rope_theta = f.opt_qty("rope_theta", Dim::None, 1.0, 1e12, 1e6);
     let rms_eps = f.opt_qty("rms_eps", Dim::None, 1e-12, 1e-1, 1e-6);
+    let rope_scaling = match f.variant("rope_scaling") {
+        Some((kind, blk)) => rope_scaling_block(&kind, blk, f.diags, f.spans).map(Some),
+        None => Some(None),
+    };
     let dense = match f.sub_block("dense") {
         Some(db) => {
             let mut g = Fields::new(db, "dense", f.diags, f.spans);
@@ -67,6 +71,7 @@ pub fn model(b: &Block, name: &str, diags: &mut Diagnostics, spans: &mut SpanMap
         vocab: vocab?,
         tie_embeddings: tie?,
         rope_theta: rope_theta?,
+        rope_scaling: rope_scaling?,
         rms_eps: rms_eps?,
         dense: dense.ok()?,
         attention: attention?,
@@ -211,6 +216,47 @@ fn moe_block(b: &Block, diags: &mut Diagnostics, spans: &mut SpanMap) -> Option<
         activation: activation?,
         routing: routing?,
     })
+}
+
+/// `rope_scaling yarn { factor original_max_positions [beta_fast beta_slow
+/// mscale mscale_all_dim truncate] }`, with transformers' defaults.
+fn rope_scaling_block(
+    kind: &Ident,
+    blk: Option<&Block>,
+    diags: &mut Diagnostics,
+    spans: &mut SpanMap,
+) -> Option<RopeScaling> {
+    const EXAMPLE: &str = "rope_scaling yarn { factor = 40 original_max_positions = 4096 }";
+    match (kind.text.as_str(), blk) {
+        ("yarn", Some(b)) => {
+            let mut g = Fields::new(b, "rope_scaling", diags, spans);
+            let factor = g.req_qty("factor", Dim::None, 1.0, 1e4, "factor = 40");
+            let original = g.req_count("original_max_positions", 1, 1 << 26);
+            let beta_fast = g.opt_qty("beta_fast", Dim::None, 1e-3, 1e4, 32.0);
+            let beta_slow = g.opt_qty("beta_slow", Dim::None, 1e-3, 1e4, 1.0);
+            let mscale = g.maybe_qty("mscale", Dim::None, 0.0, 1e3);
+            let mscale_all_dim = g.maybe_qty("mscale_all_dim", Dim::None, 0.0, 1e3);
+            let truncate = g.opt_bool("truncate", true);
+            g.finish();
+            Some(RopeScaling {
+                factor: factor?,
+                original_max_positions: original?,
+                beta_fast: beta_fast?,
+                beta_slow: beta_slow?,
+                mscale: mscale.ok()?,
+                mscale_all_dim: mscale_all_dim.ok()?,
+                truncate: truncate?,
+            })
+        }
+        ("yarn", None) => {
+            needs_params(diags, "rope_scaling", kind, EXAMPLE);
+            None
+        }
+        _ => {
+            unknown_variant(diags, "rope_scaling", kind, &["yarn"]);
+            None
+        }
+    }
 }
 
 fn routing_block(kind: &Ident, blk: Option<&Block>, diags: &mut Diagnostics, spans: &mut SpanMap) -> Option<Routing> {

@@ -116,6 +116,9 @@ pub struct Model {
     /// Whether the LM head shares the embedding matrix.
     pub tie_embeddings: bool,
     pub rope_theta: f64,
+    /// RoPE frequency scaling for long contexts (`rope_scaling yarn { … }`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_scaling: Option<RopeScaling>,
     pub rms_eps: f64,
     /// Leading dense layers (`dense { layers ffn }`), DeepSeek-style.
     pub dense: Option<DenseLayers>,
@@ -123,6 +126,74 @@ pub struct Model {
     pub sliding_window: Option<SlidingWindow>,
     pub moe: Moe,
     pub dtype: Dtypes,
+}
+
+/// YaRN RoPE scaling (Peng et al. 2023, as Hugging Face transformers'
+/// `_compute_yarn_parameters` computes it): each rotary frequency blends
+/// the original (`θ^(-2i/d)`) and the interpolated (`/ factor`) one by a
+/// linear ramp between the dimensions whose wavelengths turn `beta_fast`
+/// and `beta_slow` times in `original_max_positions`; cos and sin are
+/// multiplied by the attention factor (`0.1·mscale·ln(factor) + 1` over
+/// the same with `mscale_all_dim`, or `0.1·ln(factor) + 1` when either is
+/// absent). DeepSeek-V3's MLA also multiplies its softmax scale by the
+/// square of `0.1·mscale_all_dim·ln(factor) + 1`.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RopeScaling {
+    pub factor: f64,
+    /// The context length the model was pre-trained with.
+    pub original_max_positions: u32,
+    pub beta_fast: f64,
+    pub beta_slow: f64,
+    pub mscale: Option<f64>,
+    pub mscale_all_dim: Option<f64>,
+    /// Rounds the ramp's ends outwards to whole dimensions (transformers' default).
+    pub truncate: bool,
+}
+
+impl RopeScaling {
+    fn get_mscale(&self, m: f64) -> f64 {
+        if self.factor <= 1.0 {
+            1.0
+        } else {
+            0.1 * m * self.factor.ln() + 1.0
+        }
+    }
+
+    /// The factor cos and sin are multiplied by.
+    pub fn attention_factor(&self) -> f64 {
+        match (self.mscale, self.mscale_all_dim) {
+            (Some(a), Some(b)) if a != 0.0 && b != 0.0 => self.get_mscale(a) / self.get_mscale(b),
+            _ => self.get_mscale(1.0),
+        }
+    }
+
+    /// The inverse frequency of each of the `rope_dim / 2` rotary pairs.
+    pub fn inv_freq(&self, rope_dim: u32, theta: f64) -> Vec<f64> {
+        let dim = f64::from(rope_dim);
+        let max = f64::from(self.original_max_positions);
+        let correction = |rot: f64| dim * (max / (rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln());
+        let (mut low, mut high) = (correction(self.beta_fast), correction(self.beta_slow));
+        if self.truncate {
+            (low, high) = (low.floor(), high.ceil());
+        }
+        let (low, high) = (low.max(0.0), high.min(dim - 1.0));
+        let span = if low == high { 0.001 } else { high - low };
+        (0..rope_dim / 2)
+            .map(|i| {
+                let pos_freq = theta.powf(2.0 * f64::from(i) / dim);
+                let extrapolation = 1.0 / pos_freq;
+                let interpolation = 1.0 / (self.factor * pos_freq);
+                let ramp = ((f64::from(i) - low) / span).clamp(0.0, 1.0);
+                let keep = 1.0 - ramp;
+                interpolation * (1.0 - keep) + extrapolation * keep
+            })
+            .collect()
+    }
+
+    /// DeepSeek-V3's MLA softmax-scale multiplier (`mscale²` with `mscale_all_dim`).
+    pub fn mla_softmax_factor(&self) -> f64 {
+        self.mscale_all_dim.filter(|m| *m != 0.0).map_or(1.0, |m| self.get_mscale(m).powi(2))
+    }
 }
 
 /// The first `layers` layers use a dense SwiGLU FFN of size `ffn` instead of MoE.

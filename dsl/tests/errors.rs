@@ -382,3 +382,25 @@ fn an_unknown_qk_norm_scope() {
         &[Code::UnknownVariant],
     );
 }
+
+#[test]
+fn rope_scaling_errors() {
+    check(
+        "rope_scaling_kind",
+        "  vocab = 1000\n",
+        "  vocab = 1000\n  rope_scaling linear { factor = 2 }\n",
+        &[Code::UnknownVariant],
+    );
+    check(
+        "rope_scaling_missing_original",
+        "  vocab = 1000\n",
+        "  vocab = 1000\n  rope_scaling yarn { factor = 40 }\n",
+        &[Code::MissingField],
+    );
+    check(
+        "rope_scaling_factor_below_one",
+        "  vocab = 1000\n",
+        "  vocab = 1000\n  rope_scaling yarn { factor = 0.5  original_max_positions = 4096 }\n",
+        &[Code::OutOfRange],
+    );
+}

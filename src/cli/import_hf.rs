@@ -68,15 +68,27 @@ pub fn run(a: Args) -> Result<(), ExitCode> {
     write().map_err(|e| error(format!("cannot write {}: {e}", a.output.display()), ""))?;
     let p = imported.model.params();
     out(&format!(
-        "imported {} ({}) → {}: {:.1}B params ({:.1}B active)",
+        "imported {} ({}) → {}: {} params ({} active)",
         name,
         imported.architecture,
         a.output.display(),
-        p.total() as f64 / 1e9,
-        imported.model.active_params() as f64 / 1e9
+        count(p.total()),
+        count(imported.model.active_params())
     ));
     for n in &imported.notes {
         eprintln!("note: {n}");
     }
     Ok(())
+}
+
+/// A parameter count in the unit that keeps three significant digits (`671.0B`, `2.43M`).
+fn count(n: u64) -> String {
+    let n = n as f64;
+    if n >= 1e9 {
+        format!("{:.1}B", n / 1e9)
+    } else if n >= 1e6 {
+        format!("{:.2}M", n / 1e6)
+    } else {
+        format!("{:.1}K", n / 1e3)
+    }
 }

@@ -3,7 +3,7 @@
 //! request. No buffers, views, sharding or paging: it is what the twin's
 //! TP and EP runs are compared against.
 
-use super::math::{attend, bf16s, rms_norm, rope, round_bf16, silu, Mat};
+use super::math::{attend, bf16s, rms_norm, round_bf16, silu, Mat};
 use super::weights::{Checkpoint, WeightsError};
 use super::TwinModel;
 use crate::reference::{route, RoutingRule};
@@ -84,22 +84,28 @@ impl<'a> Dense<'a> {
                 } else {
                     (None, None)
                 };
+                // The all-head QK-norm (MiniMax-M2) normalizes the whole projection.
+                let (q, k) = match (&qn, &kn) {
+                    (Some(wq), Some(wk)) if m.qk_norm_per_layer => (rms_norm(&q, wq, eps), rms_norm(&k, wk, eps)),
+                    _ => (q, k),
+                };
+                let per_head = !m.qk_norm_per_layer;
                 for g in 0..nkv {
                     let mut kh = k[g * hd..(g + 1) * hd].to_vec();
-                    if let Some(w) = &kn {
+                    if let Some(w) = kn.as_ref().filter(|_| per_head) {
                         kh = rms_norm(&kh, w, eps);
                     }
-                    rope(&mut kh, pos, m.rope_dim, m.rope_theta);
+                    m.rope.apply(&mut kh, pos);
                     cache[g].keys.push(kh.iter().map(|x| round_bf16(*x)).collect());
                     cache[g].values.push(v[g * hd..(g + 1) * hd].iter().map(|x| round_bf16(*x)).collect());
                 }
                 let mut heads = Vec::with_capacity(nh * hd);
                 for hq in 0..nh {
                     let mut qh = q[hq * hd..(hq + 1) * hd].to_vec();
-                    if let Some(w) = &qn {
+                    if let Some(w) = qn.as_ref().filter(|_| per_head) {
                         qh = rms_norm(&qh, w, eps);
                     }
-                    rope(&mut qh, pos, m.rope_dim, m.rope_theta);
+                    m.rope.apply(&mut qh, pos);
                     let c = &cache[hq / group];
                     heads.extend(attend(&qh, pos + 1, |j| c.keys[j].clone(), |j| c.values[j].clone()));
                 }

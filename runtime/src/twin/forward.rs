@@ -4,7 +4,7 @@
 //! request's last position (greedy sampling). The weights come from the
 //! views of the current mode, selected by tensor role.
 
-use super::math::{attend, bf16s, put_bf16s, rms_norm, rope, silu, Mat};
+use super::math::{attend, bf16s, put_bf16s, rms_norm, silu, Mat};
 use super::paging::KvGeom;
 use super::{Rank, Twin, TwinError, TwinModel};
 use crate::engine::{EngineError, RequestId};
@@ -65,17 +65,21 @@ impl Twin {
             .map(|(r, b)| b.iter().map(|&(_, _, t)| cx.row(&r.buf, TensorRole::Embedding, t as usize)).collect())
             .collect();
         for l in 0..m.layers {
-            // Attention (parallel per rank), then the TP all-reduce.
+            // Projections (parallel per rank); the all-head QK-norm's
+            // sum-of-squares reduction; attention; the TP all-reduce.
+            let projs: Vec<Proj> = par_ranks(&self.ranks, |rank| cx.project(rank, l, &x[rank.id]));
+            let scales = if m.qk_norm_per_layer { cx.all_head_scales(&projs) } else { vec![vec![]; p] };
             let outs: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
                 let handles: Vec<_> = self
                     .ranks
                     .iter_mut()
                     .zip(&batches)
                     .zip(&slot_pages)
-                    .zip(&x)
-                    .map(|(((rank, batch), pages), xs)| {
+                    .zip(projs)
+                    .zip(&scales)
+                    .map(|((((rank, batch), pages), proj), scales)| {
                         let cx = &cx;
-                        s.spawn(move || cx.attention(rank, l, batch, pages, xs))
+                        s.spawn(move || cx.attention(rank, l, batch, pages, proj, scales))
                     })
                     .collect();
                 handles.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
@@ -268,10 +272,78 @@ impl Ctx {
         Mat { buf, at: w2 + 2 * local * h * rows, rows: h, cols: rows, row_stride: rows }.matvec(&z)
     }
 
-    /// Attention of one rank's tokens in layer `l`: writes K/V of the new
-    /// positions into the rank's pages, attends with the rank's query heads,
-    /// and returns the output projection (complete in EP, partial in TP).
-    fn attention(&self, rank: &mut Rank, l: usize, batch: &[Slot], pages: &[u32], xs: &[Vec<f32>]) -> Vec<Vec<f32>> {
+    /// The q, k and v projections of one rank's tokens in layer `l` (its
+    /// query and KV heads).
+    fn project(&self, rank: &Rank, l: usize, xs: &[Vec<f32>]) -> Proj {
+        let in_norm = self.vec(&rank.buf, TensorRole::InputNorm, l);
+        let eps = self.m.rms_eps as f32;
+        let (Some(wq), Some(wk), Some(wv)) = (
+            self.mat(&rank.buf, TensorRole::QProj, l),
+            self.mat(&rank.buf, TensorRole::KProj, l),
+            self.mat(&rank.buf, TensorRole::VProj, l),
+        ) else {
+            return Proj::default();
+        };
+        let mut p = Proj::default();
+        for x in xs {
+            let h = rms_norm(x, &in_norm, eps);
+            p.q.push(wq.matvec(&h));
+            p.k.push(wk.matvec(&h));
+            p.v.push(wv.matvec(&h));
+        }
+        p
+    }
+
+    /// MiniMax-M2's QK-norm runs over every head at once, so under TP each
+    /// rank holds only part of the sum of squares. This is that op's
+    /// reduction: per token, Σq² over all query heads and Σk² over every KV
+    /// head counted once (TP replicates a KV head on several ranks when
+    /// kv_heads < P), turned into each rank's `1/rms` for q and for k. In
+    /// EP a rank holds every head of its own tokens: the reduction is local.
+    fn all_head_scales(&self, projs: &[Proj]) -> Vec<Vec<(f32, f32)>> {
+        let m = &self.m;
+        let eps = m.rms_eps as f32;
+        let hd = m.head_dim;
+        let inv = |ssq: f32, ssk: f32| {
+            (1.0 / (ssq / (m.heads * hd) as f32 + eps).sqrt(), 1.0 / (ssk / (m.kv_heads * hd) as f32 + eps).sqrt())
+        };
+        let sq = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>();
+        match self.mode {
+            Mode::Ep => projs.iter().map(|p| p.q.iter().zip(&p.k).map(|(q, k)| inv(sq(q), sq(k))).collect()).collect(),
+            Mode::Tp => {
+                let tokens = projs.first().map_or(0, |p| p.q.len());
+                let total: Vec<(f32, f32)> = (0..tokens)
+                    .map(|t| {
+                        let ssq: f32 = projs.iter().map(|p| sq(&p.q[t])).sum();
+                        let mut per_kv: Vec<Option<f32>> = vec![None; m.kv_heads];
+                        for (r, p) in projs.iter().enumerate() {
+                            let (ka, kb) = self.kv_heads[r];
+                            for (i, g) in (ka..kb).enumerate() {
+                                per_kv[g].get_or_insert_with(|| sq(&p.k[t][i * hd..(i + 1) * hd]));
+                            }
+                        }
+                        inv(ssq, per_kv.iter().flatten().sum())
+                    })
+                    .collect();
+                vec![total; projs.len()]
+            }
+        }
+    }
+
+    /// Attention of one rank's tokens in layer `l`: QK-norm and RoPE,
+    /// writes K/V of the new positions into the rank's pages, attends with
+    /// the rank's query heads, and returns the output projection (complete
+    /// in EP, partial in TP). `scales` are the all-head QK-norm's `1/rms`
+    /// per token (empty for per-head norms).
+    fn attention(
+        &self,
+        rank: &mut Rank,
+        l: usize,
+        batch: &[Slot],
+        pages: &[u32],
+        proj: Proj,
+        scales: &[(f32, f32)],
+    ) -> Vec<Vec<f32>> {
         let m = &self.m;
         let hd = m.head_dim;
         let eps = m.rms_eps as f32;
@@ -284,27 +356,27 @@ impl Ctx {
         } else {
             (vec![], vec![])
         };
-        let in_norm = self.vec(&rank.buf, TensorRole::InputNorm, l);
-        let normed: Vec<Vec<f32>> = xs.iter().map(|x| rms_norm(x, &in_norm, eps)).collect();
-        let (Some(wq), Some(wk), Some(wv)) = (
-            self.mat(&rank.buf, TensorRole::QProj, l),
-            self.mat(&rank.buf, TensorRole::KProj, l),
-            self.mat(&rank.buf, TensorRole::VProj, l),
-        ) else {
+        if proj.q.len() != batch.len() {
             return vec![vec![0.0; m.hidden]; batch.len()];
+        }
+        // QK-norm of global head `g` of a token: per head, or with the
+        // token's all-head scale and the head's slice of the weight.
+        let norm = |x: &[f32], w: &[f32], g: usize, scale: Option<f32>| -> Vec<f32> {
+            match scale {
+                Some(s) => x.iter().zip(&w[g * hd..(g + 1) * hd]).map(|(v, w)| v * s * w).collect(),
+                None => rms_norm(x, w, eps),
+            }
         };
         // K/V of every new position first, so prompt tokens can attend to each other.
-        let mut qs = Vec::with_capacity(batch.len());
         let mut writes: Vec<(usize, Vec<f32>, Vec<f32>)> = Vec::new();
-        for ((&(_, pos, _), h), &page) in batch.iter().zip(&normed).zip(pages) {
-            let (q, k, v) = (wq.matvec(h), wk.matvec(h), wv.matvec(h));
-            qs.push(q);
+        for (t, ((&(_, pos, _), &page), (k, v))) in batch.iter().zip(pages).zip(proj.k.iter().zip(&proj.v)).enumerate()
+        {
             for g in 0..kb - ka {
                 let mut kh = k[g * hd..(g + 1) * hd].to_vec();
                 if m.qk_norm {
-                    kh = rms_norm(&kh, &kn, eps);
+                    kh = norm(&kh, &kn, ka + g, scales.get(t).map(|s| s.1));
                 }
-                rope(&mut kh, pos, m.rope_dim, m.rope_theta);
+                m.rope.apply(&mut kh, pos);
                 writes.push((geo.slot(page, l, g, pos % geo.page_tokens), kh, v[g * hd..(g + 1) * hd].to_vec()));
             }
         }
@@ -315,16 +387,17 @@ impl Ctx {
         let o_proj = self.mat(&rank.buf, TensorRole::OProj, l);
         batch
             .iter()
-            .zip(qs)
-            .map(|(&(id, pos, _), q)| {
+            .zip(proj.q)
+            .enumerate()
+            .map(|(t, (&(id, pos, _), q))| {
                 let table = rank.tables.get(&id).cloned().unwrap_or_default();
                 let mut heads = Vec::with_capacity((qb - qa) as usize * hd);
                 for (i, hq) in (qa as usize..qb as usize).enumerate() {
                     let mut qh = q[i * hd..(i + 1) * hd].to_vec();
                     if m.qk_norm {
-                        qh = rms_norm(&qh, &qn, eps);
+                        qh = norm(&qh, &qn, hq, scales.get(t).map(|s| s.0));
                     }
-                    rope(&mut qh, pos, m.rope_dim, m.rope_theta);
+                    m.rope.apply(&mut qh, pos);
                     let g = hq / group - ka;
                     let key = |j: usize| {
                         bf16s(&rank.buf, geo.slot(table[j / geo.page_tokens], l, g, j % geo.page_tokens), hd).collect()
@@ -339,4 +412,12 @@ impl Ctx {
             })
             .collect()
     }
+}
+
+/// One rank's q, k and v projections, per token.
+#[derive(Default)]
+pub(super) struct Proj {
+    q: Vec<Vec<f32>>,
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
 }

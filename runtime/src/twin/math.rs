@@ -53,16 +53,38 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
     x.iter().zip(weight).map(|(v, w)| v * inv * w).collect()
 }
 
-/// Rotary embedding (rotate-half convention) on the first `rope_dim` dims of one head.
-pub fn rope(head: &mut [f32], pos: usize, rope_dim: usize, theta: f64) {
-    let half = rope_dim / 2;
-    for i in 0..half {
-        let freq = 1.0 / theta.powf(2.0 * i as f64 / rope_dim as f64);
-        let angle = pos as f64 * freq;
-        let (s, c) = (angle.sin() as f32, angle.cos() as f32);
-        let (a, b) = (head[i], head[i + half]);
-        head[i] = a * c - b * s;
-        head[i + half] = b * c + a * s;
+/// The rotary embedding of a model: the inverse frequency of each rotary
+/// pair of the first `dim` dims of a head, and the factor cos and sin are
+/// multiplied by (YaRN's attention factor; 1 without scaling).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Rope {
+    pub dim: usize,
+    pub inv_freq: Vec<f64>,
+    pub scale: f32,
+}
+
+impl Rope {
+    pub fn new(dim: usize, theta: f64, scaling: Option<&moeforge_dsl::spec::RopeScaling>) -> Rope {
+        match scaling {
+            Some(y) => Rope { dim, inv_freq: y.inv_freq(dim as u32, theta), scale: y.attention_factor() as f32 },
+            None => Rope {
+                dim,
+                inv_freq: (0..dim / 2).map(|i| 1.0 / theta.powf(2.0 * i as f64 / dim as f64)).collect(),
+                scale: 1.0,
+            },
+        }
+    }
+
+    /// Rotates one head at position `pos` (rotate-half convention).
+    pub fn apply(&self, head: &mut [f32], pos: usize) {
+        let half = self.dim / 2;
+        for (i, f) in self.inv_freq.iter().enumerate().take(half) {
+            let angle = pos as f64 * f;
+            let (s, c) = (angle.sin() as f32 * self.scale, angle.cos() as f32 * self.scale);
+            let (a, b) = (head[i], head[i + half]);
+            head[i] = a * c - b * s;
+            head[i + half] = b * c + a * s;
+        }
     }
 }
 

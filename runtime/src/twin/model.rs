@@ -2,7 +2,8 @@
 //! admitted by the capability table, the checkpoint tensors it reads, and
 //! the shape each of the plan's views must have for its arithmetic.
 
-use moeforge_dsl::spec::{Attention, DType, Model, Routing};
+use super::math::Rope;
+use moeforge_dsl::spec::{Attention, DType, Model, QkNormScope, Routing};
 use moeforge_plan::caps;
 use moeforge_plan::memory::{Mode, TensorRole};
 
@@ -18,8 +19,10 @@ pub struct TwinModel {
     pub kv_heads: usize,
     pub head_dim: usize,
     pub qk_norm: bool,
-    pub rope_dim: usize,
-    pub rope_theta: f64,
+    /// QK-norm over the whole projection (all heads at once, MiniMax-M2)
+    /// rather than over each head.
+    pub qk_norm_per_layer: bool,
+    pub rope: Rope,
     pub rms_eps: f64,
     pub tie_embeddings: bool,
     pub experts: usize,
@@ -37,7 +40,7 @@ impl TwinModel {
             let why: Vec<String> = refused.iter().map(|(u, why)| format!("{} ({why})", u.feature.name())).collect();
             return Err(format!("the CPU twin cannot run `{}`: it uses {}", m.name, why.join(", ")));
         }
-        let Attention::Gqa { heads, kv_heads, head_dim, qk_norm, rope_dim, .. } = m.attention else {
+        let Attention::Gqa { heads, kv_heads, head_dim, qk_norm, qk_norm_scope, rope_dim, .. } = m.attention else {
             return Err(format!("the CPU twin cannot run `{}`: it uses MLA attention", m.name));
         };
         Ok(TwinModel {
@@ -50,8 +53,8 @@ impl TwinModel {
             kv_heads: kv_heads as usize,
             head_dim: head_dim as usize,
             qk_norm,
-            rope_dim: rope_dim as usize,
-            rope_theta: m.rope_theta,
+            qk_norm_per_layer: qk_norm && qk_norm_scope == QkNormScope::PerLayer,
+            rope: Rope::new(rope_dim as usize, m.rope_theta, m.rope_scaling.as_ref()),
             rms_eps: m.rms_eps,
             tie_embeddings: m.tie_embeddings,
             experts: m.moe.experts as usize,
@@ -60,6 +63,15 @@ impl TwinModel {
             shared_ffn: (m.moe.shared_experts * m.moe.shared_ffn) as usize,
             routing: m.moe.routing,
         })
+    }
+
+    /// The lengths of the q and k norm weights: one head, or every head.
+    pub fn qk_norm_widths(&self) -> (usize, usize) {
+        if self.qk_norm_per_layer {
+            (self.heads * self.head_dim, self.kv_heads * self.head_dim)
+        } else {
+            (self.head_dim, self.head_dim)
+        }
     }
 
     pub fn selection_bias(&self) -> bool {
@@ -83,8 +95,9 @@ impl TwinModel {
             v.push((format!("{p}.self_attn.v_proj.weight"), vec![self.kv_heads * d, h]));
             v.push((format!("{p}.self_attn.o_proj.weight"), vec![h, self.heads * d]));
             if self.qk_norm {
-                v.push((format!("{p}.self_attn.q_norm.weight"), vec![d]));
-                v.push((format!("{p}.self_attn.k_norm.weight"), vec![d]));
+                let (qn, kn) = self.qk_norm_widths();
+                v.push((format!("{p}.self_attn.q_norm.weight"), vec![qn]));
+                v.push((format!("{p}.self_attn.k_norm.weight"), vec![kn]));
             }
             let ffn = |v: &mut Vec<(String, Vec<usize>)>, pre: &str, f: usize| {
                 v.push((format!("{pre}.gate_proj.weight"), vec![f, h]));
@@ -126,7 +139,8 @@ impl TwinModel {
             TensorRole::QProj => vec![heads * d, h],
             TensorRole::KProj | TensorRole::VProj => vec![kv * d, h],
             TensorRole::OProj => vec![h, heads * d],
-            TensorRole::QNorm | TensorRole::KNorm => vec![d],
+            TensorRole::QNorm => vec![self.qk_norm_widths().0],
+            TensorRole::KNorm => vec![self.qk_norm_widths().1],
             TensorRole::Router => vec![e, h],
             TensorRole::RouterBias => return Some((vec![e as u64], DType::F32)),
             TensorRole::SharedGate | TensorRole::SharedUp => vec![sf, h],

@@ -1,12 +1,17 @@
 //! Checkpoints in safetensors with Hugging Face tensor names.
 //!
 //! Reads every `*.safetensors` file of a directory (sharded checkpoints
-//! included) and normalizes the names of the two supported families to one
-//! canonical set (Qwen3-MoE's): Mixtral's `block_sparse_moe.gate` becomes
-//! `mlp.gate`, its experts' `w1`/`w3`/`w2` become `gate_proj`/`up_proj`/
-//! `down_proj`. `write_random` produces a small checkpoint in either
+//! included) and normalizes the names of the supported families to one
+//! canonical set (Qwen3-MoE's): Mixtral's and MiniMax-M2's
+//! `block_sparse_moe.*` becomes `mlp.*`, their experts' `w1`/`w3`/`w2`
+//! become `gate_proj`/`up_proj`/`down_proj`, MiniMax-M2's
+//! `block_sparse_moe.e_score_correction_bias` becomes DeepSeek's
+//! `mlp.gate.e_score_correction_bias` (widened to f32 if stored bf16), and
+//! the fused expert tensors transformers 5 holds (`mlp.experts.gate_up_proj`,
+//! `mlp.experts.down_proj`) are split per expert. `write_random` produces a small checkpoint in either
 //! family's naming, for tests and demos.
 
+use super::math::bf16s;
 use super::TwinModel;
 use crate::reference::f32_to_bf16;
 use std::collections::BTreeMap;
@@ -61,8 +66,9 @@ pub enum WeightsError {
 
 /// Canonical name of a checkpoint tensor name.
 pub fn canonical(name: &str) -> String {
-    let n =
-        name.replace(".block_sparse_moe.gate.", ".mlp.gate.").replace(".block_sparse_moe.experts.", ".mlp.experts.");
+    let n = name
+        .replace(".block_sparse_moe.", ".mlp.")
+        .replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias");
     if n.contains(".mlp.experts.") {
         return n
             .replace(".w1.weight", ".gate_proj.weight")
@@ -70,6 +76,37 @@ pub fn canonical(name: &str) -> String {
             .replace(".w2.weight", ".down_proj.weight");
     }
     n
+}
+
+/// The per-expert tensors of a fused expert tensor, as transformers 5 holds
+/// them (`mlp.experts.gate_up_proj` `[E, 2I, H]`, gate rows first;
+/// `mlp.experts.down_proj` `[E, H, I]`); `None` for any other tensor.
+fn unfuse(name: &str, t: &Tensor) -> Option<Vec<(String, Tensor)>> {
+    let (pre, parts): (&str, &[&str]) = if let Some(p) = name.strip_suffix(".mlp.experts.gate_up_proj") {
+        (p, &["gate_proj", "up_proj"])
+    } else if let Some(p) = name.strip_suffix(".mlp.experts.down_proj") {
+        (p, &["down_proj"])
+    } else {
+        return None;
+    };
+    let &[e, rows, cols] = t.shape.as_slice() else { return None };
+    if rows % parts.len() != 0 {
+        return None;
+    }
+    let r = rows / parts.len();
+    let elem = if t.f32 { 4 } else { 2 };
+    let mut out = Vec::with_capacity(e * parts.len());
+    for x in 0..e {
+        for (i, part) in parts.iter().enumerate() {
+            let at = (x * rows + i * r) * cols * elem;
+            let data = t.data.get(at..at + r * cols * elem)?.to_vec();
+            out.push((
+                format!("{pre}.mlp.experts.{x}.{part}.weight"),
+                Tensor { shape: vec![r, cols], f32: t.f32, data },
+            ));
+        }
+    }
+    Some(out)
 }
 
 fn family_name(canonical: &str, family: Family) -> String {
@@ -109,8 +146,19 @@ impl Checkpoint {
                     safetensors::Dtype::F32 => true,
                     other => return Err(WeightsError::Dtype { name, dtype: format!("{other:?}") }),
                 };
-                out.tensors
-                    .insert(canonical(&name), Tensor { shape: view.shape().to_vec(), f32, data: view.data().to_vec() });
+                let canon = canonical(&name);
+                let mut t = Tensor { shape: view.shape().to_vec(), f32, data: view.data().to_vec() };
+                // The selection bias is computed in f32; a bf16 copy widens exactly.
+                if canon.ends_with("e_score_correction_bias") && !t.f32 {
+                    t.data = bf16s(&t.data, 0, t.data.len() / 2).flat_map(f32::to_le_bytes).collect();
+                    t.f32 = true;
+                }
+                match unfuse(&canon, &t) {
+                    Some(parts) => out.tensors.extend(parts),
+                    None => {
+                        out.tensors.insert(canon, t);
+                    }
+                }
             }
         }
         Ok(out)
