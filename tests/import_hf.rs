@@ -200,3 +200,16 @@ fn the_cli_writes_a_checked_file_and_nothing_on_error() {
         std::fs::read_dir(tmp.path()).unwrap().filter_map(|e| e.ok()).map(|e| e.file_name()).collect();
     assert_eq!(leftovers.len(), 2, "{leftovers:?}");
 }
+
+#[test]
+fn mla_without_interleaved_rope_is_refused_by_name() {
+    let flat = edited("deepseek-v3", |m| {
+        m.insert("rope_interleave".into(), serde_json::json!(false));
+    });
+    let e = import(&flat, "m").unwrap_err().to_string();
+    assert!(e.contains("`rope_interleave`") && e.contains("interleaved"), "{e}");
+    let explicit = edited("deepseek-v3", |m| {
+        m.insert("rope_interleave".into(), serde_json::json!(true));
+    });
+    assert!(import(&explicit, "m").is_ok());
+}

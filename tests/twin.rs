@@ -33,6 +33,8 @@ struct Shape {
     grouped: bool,
     /// `"true"`, `"false"` or `"per_layer"` (one norm over every head).
     qk_norm: &'static str,
+    /// DeepSeek's MLA instead of GQA (q LoRA 32, latent 16, rope 8).
+    mla: bool,
 }
 
 fn spec(s: Shape, fraction: f64) -> String {
@@ -45,7 +47,7 @@ fn spec(s: Shape, fraction: f64) -> String {
     };
     format!(
         r#"model tiny {{ layers = {layers} hidden = 64 vocab = 128 rope_theta = 10000 rms_eps = 1e-6 {dense}
-  attention gqa {{ heads = 8 kv_heads = {kv} head_dim = 16 qk_norm = {qk} }}
+  {attention}
   moe {{ experts = {e} top_k = {k} expert_ffn = 32 {shared} {routing} }} }}
 cluster cpu {{ nodes = 1 gpus_per_node = {p}
   gpu cpu {{ arch = sm_90a sms = 4 hbm = 256MB hbm_bandwidth = 1TB/s bf16 = 100TFLOP/s smem_per_sm = 228KiB smem_per_block = 227KiB }}
@@ -57,8 +59,11 @@ deploy tiny {{ model = tiny cluster = cpu tiles = t slo {{ ttft = 1s tpot = 50ms
   switch {{ t_high = 4 t_low = 2 window = 2 cooldown = 0s }} memory_fraction = {fraction} }}
 "#,
         layers = s.layers,
-        kv = s.kv_heads,
-        qk = s.qk_norm,
+        attention = if s.mla {
+            "attention mla { heads = 8 q_lora = 32 kv_lora = 16 qk_nope = 16 qk_rope = 8 v_head = 16 }".to_string()
+        } else {
+            format!("attention gqa {{ heads = 8 kv_heads = {} head_dim = 16 qk_norm = {} }}", s.kv_heads, s.qk_norm)
+        },
         e = s.experts,
         k = s.top_k,
         p = s.p,
@@ -182,6 +187,7 @@ const QWEN: Shape = Shape {
     shared: false,
     grouped: false,
     qk_norm: "true",
+    mla: false,
 };
 
 #[test]
@@ -209,6 +215,15 @@ fn all_head_qk_norm_on_4_ranks() {
     equivalence(s, Family::Qwen3Moe, 6);
 }
 
+/// DeepSeek-style MLA on 8 ranks (one query head each in TP, the latent
+/// cache replicated): the twin's weight-absorbed attention against the
+/// reference's naive one (every cached latent expanded per head).
+#[test]
+fn mla_absorbed_on_8_ranks_matches_the_naive_reference() {
+    let s = Shape { p: 8, layers: 3, dense: 1, experts: 16, top_k: 4, shared: true, grouped: true, mla: true, ..QWEN };
+    equivalence(s, Family::Qwen3Moe, 7);
+}
+
 #[test]
 fn shared_experts_dense_layers_and_grouped_routing() {
     let s = Shape {
@@ -221,6 +236,7 @@ fn shared_experts_dense_layers_and_grouped_routing() {
         shared: true,
         grouped: true,
         qk_norm: "true",
+        mla: false,
     };
     equivalence(s, Family::Qwen3Moe, 4);
 }

@@ -189,6 +189,15 @@ pub fn import(config: &str, name: &str) -> Result<Imported, HfError> {
         }
     };
 
+    // The spec's MLA rotates interleaved pairs, as DeepSeek's checkpoints are laid out.
+    if matches!(attention, Attention::Mla { .. }) && c.opt_bool("rope_interleave")? == Some(false) {
+        return Err(c.bad(
+            "rope_interleave",
+            &Value::Bool(false),
+            "the spec's MLA rotates interleaved pairs (x[2i], x[2i+1]), as DeepSeek's checkpoints do",
+        ));
+    }
+
     // Layers that are not MoE: DeepSeek-style leading dense layers.
     let dense_k = c.opt_u32(&["first_k_dense_replace"])?.unwrap_or(0);
     if let Some(v) = c.get("mlp_only_layers") {

@@ -68,7 +68,7 @@ pub fn render(plan: &Plan, model: &moeforge_dsl::spec::Model, toolchain: &Toolch
         let _ = writeln!(s, "> {n}\n");
     }
     capabilities(&mut s, model);
-    memory(&mut s, plan);
+    memory(&mut s, plan, model);
     search(&mut s, plan);
     placement(&mut s, plan);
     let _ = writeln!(s, "\n## Kernels\n");
@@ -157,7 +157,7 @@ fn capabilities(s: &mut String, model: &moeforge_dsl::spec::Model) {
 /// The memory plan section: the per-rank buffer by region (the shape of
 /// Moebius's Figure 13), KV capacity per mode, the dual-mode overhead and the
 /// reshard volumes with a modeled switch time.
-fn memory(s: &mut String, plan: &Plan) {
+fn memory(s: &mut String, plan: &Plan, model: &moeforge_dsl::spec::Model) {
     let mem = &plan.memory;
     let modes: Vec<&str> = mem.modes.iter().map(|m| m.name()).collect();
     let _ = writeln!(s, "## Memory plan (per rank)\n");
@@ -195,6 +195,13 @@ fn memory(s: &mut String, plan: &Plan) {
             s,
             "| tp | {}{rep} | {} | {} | {} |",
             tp.heads_per_rank, tp.page_bytes, tp.pages, tp.capacity_tokens
+        );
+    }
+    if let (Some(_), moeforge_dsl::spec::Attention::Mla { kv_lora, qk_rope, .. }) = (&kv.tp, &model.attention) {
+        let _ = writeln!(
+            s,
+            "\nTP with MLA: each rank holds 1/{} of the query heads (their rows of `q_b_proj`/`q_proj` and `kv_b_proj`, their columns of `o_proj`); the latent cache ({kv_lora} + {qk_rope} values per token and layer) has no head axis, so every rank keeps all of it.",
+            mem.group
         );
     }
     let o = &mem.overhead;

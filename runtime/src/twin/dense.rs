@@ -4,6 +4,7 @@
 //! TP and EP runs are compared against.
 
 use super::math::{attend, bf16s, rms_norm, round_bf16, silu, Mat};
+use super::model::MlaShape;
 use super::weights::{Checkpoint, WeightsError};
 use super::TwinModel;
 use crate::reference::{route, RoutingRule};
@@ -73,6 +74,12 @@ impl<'a> Dense<'a> {
             for (l, cache) in kv.iter_mut().enumerate() {
                 let p = format!("model.layers.{l}");
                 let h = rms_norm(&x, &self.vec(&format!("{p}.input_layernorm.weight")), eps);
+                if let Some(a) = m.mla {
+                    let o = self.mla(&p, &h, pos, a, &mut cache[0]);
+                    x.iter_mut().zip(&o).for_each(|(s, d)| *s += d);
+                    self.ffn_block(&p, l, &mut x);
+                    continue;
+                }
                 let q = self.mat(&format!("{p}.self_attn.q_proj.weight")).matvec(&h);
                 let k = self.mat(&format!("{p}.self_attn.k_proj.weight")).matvec(&h);
                 let v = self.mat(&format!("{p}.self_attn.v_proj.weight")).matvec(&h);
@@ -111,26 +118,7 @@ impl<'a> Dense<'a> {
                 }
                 let o = self.mat(&format!("{p}.self_attn.o_proj.weight")).matvec(&heads);
                 x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
-                let h2 = rms_norm(&x, &self.vec(&format!("{p}.post_attention_layernorm.weight")), eps);
-                let y = if l < m.dense_layers {
-                    self.ffn(&format!("{p}.mlp"), &h2)
-                } else {
-                    let logits = self.mat(&format!("{p}.mlp.gate.weight")).matvec(&h2);
-                    let bias = m.selection_bias().then(|| self.vec(&format!("{p}.mlp.gate.e_score_correction_bias")));
-                    let rule = RoutingRule { experts: m.experts, top_k: m.top_k, routing: m.routing };
-                    let (ids, w) = route(&rule, &logits, bias.as_deref());
-                    let mut y = vec![0f32; m.hidden];
-                    for (e, wk) in ids.iter().zip(&w) {
-                        let ye = self.ffn(&format!("{p}.mlp.experts.{e}"), &h2);
-                        y.iter_mut().zip(&ye).for_each(|(a, b)| *a += wk * b);
-                    }
-                    if m.shared_ffn > 0 {
-                        let s = self.ffn(&format!("{p}.mlp.shared_experts"), &h2);
-                        y.iter_mut().zip(&s).for_each(|(a, b)| *a += b);
-                    }
-                    y
-                };
-                x.iter_mut().zip(&y).for_each(|(a, b)| *a += b);
+                self.ffn_block(&p, l, &mut x);
             }
             pos += 1;
             if pos == tokens.len() {
@@ -144,5 +132,81 @@ impl<'a> Dense<'a> {
             }
         }
         out
+    }
+
+    /// MLA in its naive form (the one transformers computes, unlike the
+    /// twin's absorbed one): every cached latent is expanded by `kv_b_proj`
+    /// into each head's `nope` key and value, the shared rope key appended.
+    /// `cache` holds the bf16-rounded latent and rotated rope key per position.
+    fn mla(&self, p: &str, h: &[f32], pos: usize, a: MlaShape, cache: &mut HeadCache) -> Vec<f32> {
+        let m = self.m;
+        let eps = m.rms_eps as f32;
+        let attn = format!("{p}.self_attn");
+        let q = match a.q_lora {
+            Some(_) => {
+                let qa = self.mat(&format!("{attn}.q_a_proj.weight")).matvec(h);
+                let qa = rms_norm(&qa, &self.vec(&format!("{attn}.q_a_layernorm.weight")), eps);
+                self.mat(&format!("{attn}.q_b_proj.weight")).matvec(&qa)
+            }
+            None => self.mat(&format!("{attn}.q_proj.weight")).matvec(h),
+        };
+        let ckv = self.mat(&format!("{attn}.kv_a_proj_with_mqa.weight")).matvec(h);
+        let c = rms_norm(&ckv[..a.kv_lora], &self.vec(&format!("{attn}.kv_a_layernorm.weight")), eps);
+        let mut k_rope = ckv[a.kv_lora..].to_vec();
+        m.rope.apply(&mut k_rope, pos);
+        cache.keys.push(c.iter().map(|x| round_bf16(*x)).collect());
+        cache.values.push(k_rope.iter().map(|x| round_bf16(*x)).collect());
+        let kvb = self.mat(&format!("{attn}.kv_b_proj.weight"));
+        // Expanded keys and values of every cached position: [pos][head × (nope + v)].
+        let expanded: Vec<Vec<f32>> = cache.keys.iter().map(|c| kvb.matvec(c)).collect();
+        let (qw, kw) = (a.nope + a.rope, a.nope + a.v_head);
+        let mut heads = Vec::with_capacity(m.heads * a.v_head);
+        for hq in 0..m.heads {
+            let mut qh = q[hq * qw..(hq + 1) * qw].to_vec();
+            m.rope.apply(&mut qh[a.nope..], pos);
+            let scores: Vec<f32> = (0..=pos)
+                .map(|j| {
+                    let key = expanded[j][hq * kw..hq * kw + a.nope].iter().chain(&cache.values[j]);
+                    key.zip(&qh).map(|(k, q)| k * q).sum::<f32>() * a.softmax_scale
+                })
+                .collect();
+            let mx = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let exps: Vec<f32> = scores.iter().map(|s| (s - mx).exp()).collect();
+            let sum: f32 = exps.iter().sum();
+            let mut o = vec![0f32; a.v_head];
+            for (j, e) in exps.iter().enumerate() {
+                let v = &expanded[j][hq * kw + a.nope..(hq + 1) * kw];
+                o.iter_mut().zip(v).for_each(|(o, v)| *o += e / sum * v);
+            }
+            heads.extend(o);
+        }
+        self.mat(&format!("{attn}.o_proj.weight")).matvec(&heads)
+    }
+
+    /// The FFN half of layer `l`: post-attention norm, then the dense FFN or
+    /// the MoE block (routing, experts, shared experts), added to `x`.
+    fn ffn_block(&self, p: &str, l: usize, x: &mut [f32]) {
+        let m = self.m;
+        let eps = m.rms_eps as f32;
+        let h2 = rms_norm(x, &self.vec(&format!("{p}.post_attention_layernorm.weight")), eps);
+        let y = if l < m.dense_layers {
+            self.ffn(&format!("{p}.mlp"), &h2)
+        } else {
+            let logits = self.mat(&format!("{p}.mlp.gate.weight")).matvec(&h2);
+            let bias = m.selection_bias().then(|| self.vec(&format!("{p}.mlp.gate.e_score_correction_bias")));
+            let rule = RoutingRule { experts: m.experts, top_k: m.top_k, routing: m.routing };
+            let (ids, w) = route(&rule, &logits, bias.as_deref());
+            let mut y = vec![0f32; m.hidden];
+            for (e, wk) in ids.iter().zip(&w) {
+                let ye = self.ffn(&format!("{p}.mlp.experts.{e}"), &h2);
+                y.iter_mut().zip(&ye).for_each(|(a, b)| *a += wk * b);
+            }
+            if m.shared_ffn > 0 {
+                let s = self.ffn(&format!("{p}.mlp.shared_experts"), &h2);
+                y.iter_mut().zip(&s).for_each(|(a, b)| *a += b);
+            }
+            y
+        };
+        x.iter_mut().zip(&y).for_each(|(a, b)| *a += b);
     }
 }

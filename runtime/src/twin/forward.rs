@@ -5,6 +5,7 @@
 //! views of the current mode, selected by tensor role.
 
 use super::math::{attend, bf16s, put_bf16s, rms_norm, silu, Mat};
+use super::model::MlaShape;
 use super::paging::KvGeom;
 use super::{Rank, Twin, TwinError, TwinModel};
 use crate::engine::{EngineError, RequestId};
@@ -277,6 +278,9 @@ impl Ctx {
     fn project(&self, rank: &Rank, l: usize, xs: &[Vec<f32>]) -> Proj {
         let in_norm = self.vec(&rank.buf, TensorRole::InputNorm, l);
         let eps = self.m.rms_eps as f32;
+        if let Some(a) = self.m.mla {
+            return self.project_mla(rank, l, xs, &in_norm, a);
+        }
         let (Some(wq), Some(wk), Some(wv)) = (
             self.mat(&rank.buf, TensorRole::QProj, l),
             self.mat(&rank.buf, TensorRole::KProj, l),
@@ -292,6 +296,117 @@ impl Ctx {
             p.v.push(wv.matvec(&h));
         }
         p
+    }
+
+    /// MLA's projections: q per local head (`nope + rope`), through the q
+    /// LoRA and its norm when the model has one; in `k`, the token's cache
+    /// entry before RoPE: the RMS-normed latent (`kv_lora`) then the shared
+    /// rope key.
+    fn project_mla(&self, rank: &Rank, l: usize, xs: &[Vec<f32>], in_norm: &[f32], a: MlaShape) -> Proj {
+        let eps = self.m.rms_eps as f32;
+        let buf = &rank.buf;
+        let q_lora = match a.q_lora {
+            Some(_) => match (self.mat(buf, TensorRole::QAProj, l), self.mat(buf, TensorRole::QBProj, l)) {
+                (Some(qa), Some(qb)) => Some((qa, self.vec(buf, TensorRole::QANorm, l), qb)),
+                _ => return Proj::default(),
+            },
+            None => None,
+        };
+        let wq = self.mat(buf, TensorRole::QProj, l);
+        let (Some(wkv), kv_norm) = (self.mat(buf, TensorRole::KvAProj, l), self.vec(buf, TensorRole::KvANorm, l))
+        else {
+            return Proj::default();
+        };
+        let mut p = Proj::default();
+        for x in xs {
+            let h = rms_norm(x, in_norm, eps);
+            let q = match (&q_lora, &wq) {
+                (Some((qa, norm, qb)), _) => qb.matvec(&rms_norm(&qa.matvec(&h), norm, eps)),
+                (None, Some(wq)) => wq.matvec(&h),
+                (None, None) => return Proj::default(),
+            };
+            let ckv = wkv.matvec(&h);
+            let mut k = rms_norm(&ckv[..a.kv_lora], &kv_norm, eps);
+            k.extend_from_slice(&ckv[a.kv_lora..]);
+            p.q.push(q);
+            p.k.push(k);
+        }
+        p
+    }
+
+    /// MLA attention of one rank's tokens, in the weight-absorbed form the
+    /// decode kernels use: the cache holds each token's latent `c` and
+    /// rope key once (TP replicates it on every rank, heads are sharded).
+    /// Per head, `kv_b_proj`'s key rows absorb into the query
+    /// (`q̃ = W_UKᵀ q_nope`), scores are `(q̃·c + q_rope·k_rope) × scale`,
+    /// and its value rows apply once to the softmax-weighted latent.
+    fn attention_mla(
+        &self,
+        rank: &mut Rank,
+        l: usize,
+        batch: &[Slot],
+        pages: &[u32],
+        proj: Proj,
+        a: MlaShape,
+    ) -> Vec<Vec<f32>> {
+        let m = &self.m;
+        if proj.q.len() != batch.len() || proj.k.len() != batch.len() {
+            return vec![vec![0.0; m.hidden]; batch.len()];
+        }
+        let geo = self.kv;
+        let width = a.kv_lora + a.rope;
+        for ((&(_, pos, _), &page), k) in batch.iter().zip(pages).zip(&proj.k) {
+            let mut entry = k.clone();
+            m.rope.apply(&mut entry[a.kv_lora..], pos);
+            put_bf16s(&mut rank.buf, geo.slot(page, l, 0, pos % geo.page_tokens), &entry);
+        }
+        let [qa, qb] = self.q_heads[rank.id];
+        let (qw, kvb) = (a.nope + a.rope, a.nope + a.v_head);
+        let (Some(wkvb), Some(o_proj)) =
+            (self.mat(&rank.buf, TensorRole::KvBProj, l), self.mat(&rank.buf, TensorRole::OProj, l))
+        else {
+            return vec![vec![0.0; m.hidden]; batch.len()];
+        };
+        batch
+            .iter()
+            .zip(proj.q)
+            .map(|(&(id, pos, _), q)| {
+                let table = rank.tables.get(&id).cloned().unwrap_or_default();
+                let cached: Vec<Vec<f32>> = (0..=pos)
+                    .map(|j| {
+                        let at = geo.slot(table[j / geo.page_tokens], l, 0, j % geo.page_tokens);
+                        bf16s(&rank.buf, at, width).collect()
+                    })
+                    .collect();
+                let mut heads = Vec::with_capacity((qb - qa) as usize * a.v_head);
+                for i in 0..(qb - qa) as usize {
+                    let mut qh = q[i * qw..(i + 1) * qw].to_vec();
+                    m.rope.apply(&mut qh[a.nope..], pos);
+                    let row = |r: usize| bf16s(wkvb.buf, wkvb.at + 2 * (i * kvb + r) * a.kv_lora, a.kv_lora);
+                    let mut q_lat = vec![0f32; a.kv_lora];
+                    for (d, qd) in qh[..a.nope].iter().enumerate() {
+                        q_lat.iter_mut().zip(row(d)).for_each(|(s, w)| *s += qd * w);
+                    }
+                    let scores: Vec<f32> = cached
+                        .iter()
+                        .map(|e| {
+                            let nope: f32 = q_lat.iter().zip(&e[..a.kv_lora]).map(|(x, y)| x * y).sum();
+                            let rope: f32 = qh[a.nope..].iter().zip(&e[a.kv_lora..]).map(|(x, y)| x * y).sum();
+                            (nope + rope) * a.softmax_scale
+                        })
+                        .collect();
+                    let mx = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let exps: Vec<f32> = scores.iter().map(|s| (s - mx).exp()).collect();
+                    let sum: f32 = exps.iter().sum();
+                    let mut o_lat = vec![0f32; a.kv_lora];
+                    for (e, c) in exps.iter().zip(&cached) {
+                        o_lat.iter_mut().zip(&c[..a.kv_lora]).for_each(|(o, x)| *o += e / sum * x);
+                    }
+                    heads.extend((0..a.v_head).map(|v| row(a.nope + v).zip(&o_lat).map(|(w, x)| w * x).sum::<f32>()));
+                }
+                o_proj.matvec(&heads)
+            })
+            .collect()
     }
 
     /// MiniMax-M2's QK-norm runs over every head at once, so under TP each
@@ -345,6 +460,9 @@ impl Ctx {
         scales: &[(f32, f32)],
     ) -> Vec<Vec<f32>> {
         let m = &self.m;
+        if let Some(a) = m.mla {
+            return self.attention_mla(rank, l, batch, pages, proj, a);
+        }
         let hd = m.head_dim;
         let eps = m.rms_eps as f32;
         let [qa, qb] = self.q_heads[rank.id];

@@ -68,17 +68,13 @@ impl Twin {
                 ck.get(name, &shape)?.data.clone()
             }
             Shard::Heads { dim, heads } => {
-                let hd = m.head_dim;
+                let hd = m.head_rows(v.role);
                 let [a, b] = match heads {
                     HeadSet::Query => head_block(m.heads as u32, p as u32, r as u32),
                     HeadSet::Kv => self.plan.kv.tp_heads.get(r).copied().unwrap_or([0, 0]),
                 };
                 let (a, b) = (a as usize * hd, b as usize * hd);
-                let full_shape: Vec<usize> = match v.role {
-                    TensorRole::OProj => vec![m.hidden, m.heads * hd],
-                    TensorRole::KProj | TensorRole::VProj => vec![m.kv_heads * hd, m.hidden],
-                    _ => vec![m.heads * hd, m.hidden],
-                };
+                let full_shape = m.full_shape(v.role);
                 let t = ck.get(name, &full_shape)?;
                 if dim == 0 {
                     rows(t, a, b)?

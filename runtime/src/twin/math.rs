@@ -61,29 +61,43 @@ pub struct Rope {
     pub dim: usize,
     pub inv_freq: Vec<f64>,
     pub scale: f32,
+    /// Rotates adjacent pairs `(x[2i], x[2i+1])` (DeepSeek's layout) instead
+    /// of `(x[i], x[i + dim/2])`.
+    pub interleaved: bool,
 }
 
 impl Rope {
     pub fn new(dim: usize, theta: f64, scaling: Option<&moeforge_dsl::spec::RopeScaling>) -> Rope {
         match scaling {
-            Some(y) => Rope { dim, inv_freq: y.inv_freq(dim as u32, theta), scale: y.attention_factor() as f32 },
+            Some(y) => Rope {
+                dim,
+                inv_freq: y.inv_freq(dim as u32, theta),
+                scale: y.attention_factor() as f32,
+                interleaved: false,
+            },
             None => Rope {
                 dim,
                 inv_freq: (0..dim / 2).map(|i| 1.0 / theta.powf(2.0 * i as f64 / dim as f64)).collect(),
                 scale: 1.0,
+                interleaved: false,
             },
         }
     }
 
-    /// Rotates one head at position `pos` (rotate-half convention).
+    pub fn interleaved(self) -> Rope {
+        Rope { interleaved: true, ..self }
+    }
+
+    /// Rotates one head (its first `dim` values) at position `pos`.
     pub fn apply(&self, head: &mut [f32], pos: usize) {
         let half = self.dim / 2;
         for (i, f) in self.inv_freq.iter().enumerate().take(half) {
             let angle = pos as f64 * f;
             let (s, c) = (angle.sin() as f32 * self.scale, angle.cos() as f32 * self.scale);
-            let (a, b) = (head[i], head[i + half]);
-            head[i] = a * c - b * s;
-            head[i + half] = b * c + a * s;
+            let (x, y) = if self.interleaved { (2 * i, 2 * i + 1) } else { (i, i + half) };
+            let (a, b) = (head[x], head[y]);
+            head[x] = a * c - b * s;
+            head[y] = b * c + a * s;
         }
     }
 }

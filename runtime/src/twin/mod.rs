@@ -456,7 +456,7 @@ fn check_views(m: &TwinModel, plan: &MemoryPlan) -> Result<BTreeMap<(Mode, Tenso
                 let [ka, kb] = kv.tp_heads[r];
                 (qa..qb).all(|hq| (ka..kb).contains(&(hq / group.max(1) as u32)))
             }));
-    let kv_ok = kv.head_token_bytes == 4 * m.head_dim as u64
+    let kv_ok = kv.head_token_bytes == m.kv_token_bytes() as u64
         && kv.ep.heads_per_rank as usize == m.kv_heads
         && kv.tp_heads.iter().all(|&[a, b]| (b as usize) <= m.kv_heads && a < b)
         && tp_ok;
@@ -465,7 +465,7 @@ fn check_views(m: &TwinModel, plan: &MemoryPlan) -> Result<BTreeMap<(Mode, Tenso
             mode: "kv",
             tensor: "kv pages".into(),
             found: format!("{} bytes per head and token, {} heads", kv.head_token_bytes, kv.ep.heads_per_rank),
-            expected: format!("{} bytes, {} heads", 4 * m.head_dim, m.kv_heads),
+            expected: format!("{} bytes, {} heads", m.kv_token_bytes(), m.kv_heads),
         });
     }
     Ok(out)

@@ -5,7 +5,23 @@
 use super::math::Rope;
 use moeforge_dsl::spec::{Attention, DType, Model, QkNormScope, Routing};
 use moeforge_plan::caps;
-use moeforge_plan::memory::{Mode, TensorRole};
+use moeforge_plan::memory::{Mode, TensorPart, TensorRole};
+
+/// DeepSeek-V3's multi-head latent attention: q through an optional LoRA
+/// (`q_a_proj`, its RMSNorm, `q_b_proj`) or a direct `q_proj`; per token one
+/// latent (`kv_a_proj_with_mqa` → `kv_lora` values, RMS-normed, plus a
+/// `qk_rope` key shared by every head) is what the KV cache holds; per head
+/// `kv_b_proj` expands it into `qk_nope` key and `v_head` value dims.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MlaShape {
+    pub q_lora: Option<usize>,
+    pub kv_lora: usize,
+    pub nope: usize,
+    pub rope: usize,
+    pub v_head: usize,
+    /// `(nope + rope)^-1/2`, times YaRN's `mscale²` when scaled.
+    pub softmax_scale: f32,
+}
 
 /// The model shape the twin computes, derived from the spec.
 #[derive(Clone, Debug, PartialEq)]
@@ -16,8 +32,12 @@ pub struct TwinModel {
     pub dense_layers: usize,
     pub dense_ffn: usize,
     pub heads: usize,
+    /// KV heads: GQA's, or 1 for MLA's shared latent.
     pub kv_heads: usize,
+    /// GQA's head width (MLA: the query head's, `qk_nope + qk_rope`).
     pub head_dim: usize,
+    /// Multi-head latent attention's shape, when the model uses it.
+    pub mla: Option<MlaShape>,
     pub qk_norm: bool,
     /// QK-norm over the whole projection (all heads at once, MiniMax-M2)
     /// rather than over each head.
@@ -40,8 +60,30 @@ impl TwinModel {
             let why: Vec<String> = refused.iter().map(|(u, why)| format!("{} ({why})", u.feature.name())).collect();
             return Err(format!("the CPU twin cannot run `{}`: it uses {}", m.name, why.join(", ")));
         }
-        let Attention::Gqa { heads, kv_heads, head_dim, qk_norm, qk_norm_scope, rope_dim, .. } = m.attention else {
-            return Err(format!("the CPU twin cannot run `{}`: it uses MLA attention", m.name));
+        let (heads, kv_heads, head_dim, qk_norm, qk_norm_per_layer, rope, mla) = match m.attention {
+            Attention::Gqa { heads, kv_heads, head_dim, qk_norm, qk_norm_scope, rope_dim, .. } => (
+                heads,
+                kv_heads,
+                head_dim,
+                qk_norm,
+                qk_norm && qk_norm_scope == QkNormScope::PerLayer,
+                Rope::new(rope_dim as usize, m.rope_theta, m.rope_scaling.as_ref()),
+                None,
+            ),
+            Attention::Mla { heads, q_lora, kv_lora, qk_nope, qk_rope, v_head, .. } => {
+                let scale =
+                    f64::from(qk_nope + qk_rope).powf(-0.5) * m.rope_scaling.map_or(1.0, |y| y.mla_softmax_factor());
+                let shape = MlaShape {
+                    q_lora: q_lora.map(|q| q as usize),
+                    kv_lora: kv_lora as usize,
+                    nope: qk_nope as usize,
+                    rope: qk_rope as usize,
+                    v_head: v_head as usize,
+                    softmax_scale: scale as f32,
+                };
+                let rope = Rope::new(qk_rope as usize, m.rope_theta, m.rope_scaling.as_ref()).interleaved();
+                (heads, 1, qk_nope + qk_rope, false, false, rope, Some(shape))
+            }
         };
         Ok(TwinModel {
             layers: m.layers as usize,
@@ -52,9 +94,10 @@ impl TwinModel {
             heads: heads as usize,
             kv_heads: kv_heads as usize,
             head_dim: head_dim as usize,
+            mla,
             qk_norm,
-            qk_norm_per_layer: qk_norm && qk_norm_scope == QkNormScope::PerLayer,
-            rope: Rope::new(rope_dim as usize, m.rope_theta, m.rope_scaling.as_ref()),
+            qk_norm_per_layer,
+            rope,
             rms_eps: m.rms_eps,
             tie_embeddings: m.tie_embeddings,
             experts: m.moe.experts as usize,
@@ -74,6 +117,38 @@ impl TwinModel {
         }
     }
 
+    /// Rows (dim 0) or columns (dim 1, `o_proj`) per query head of a
+    /// head-sharded tensor.
+    pub fn head_rows(&self, role: TensorRole) -> usize {
+        match (self.mla, role) {
+            (Some(a), TensorRole::QProj | TensorRole::QBProj) => a.nope + a.rope,
+            (Some(a), TensorRole::KvBProj) => a.nope + a.v_head,
+            (Some(a), TensorRole::OProj) => a.v_head,
+            _ => self.head_dim,
+        }
+    }
+
+    /// The full (unsharded) shape of a head-sharded tensor.
+    pub fn full_shape(&self, role: TensorRole) -> Vec<usize> {
+        let (h, n) = (self.hidden, self.heads * self.head_rows(role));
+        match (self.mla, role) {
+            (_, TensorRole::OProj) => vec![h, n],
+            (_, TensorRole::KProj | TensorRole::VProj) => vec![self.kv_heads * self.head_dim, h],
+            (Some(a), TensorRole::QBProj) => vec![n, a.q_lora.unwrap_or(h)],
+            (Some(a), TensorRole::KvBProj) => vec![n, a.kv_lora],
+            _ => vec![n, h],
+        }
+    }
+
+    /// Bytes one token of one layer takes in one KV head's slot: GQA's K and
+    /// V, or MLA's latent and shared rope key (bf16).
+    pub fn kv_token_bytes(&self) -> usize {
+        match self.mla {
+            Some(a) => 2 * (a.kv_lora + a.rope),
+            None => 4 * self.head_dim,
+        }
+    }
+
     pub fn selection_bias(&self) -> bool {
         matches!(self.routing, Routing::SigmoidGrouped { bias: true, .. })
     }
@@ -90,10 +165,28 @@ impl TwinModel {
             let p = format!("model.layers.{l}");
             v.push((format!("{p}.input_layernorm.weight"), vec![h]));
             v.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
-            v.push((format!("{p}.self_attn.q_proj.weight"), vec![self.heads * d, h]));
-            v.push((format!("{p}.self_attn.k_proj.weight"), vec![self.kv_heads * d, h]));
-            v.push((format!("{p}.self_attn.v_proj.weight"), vec![self.kv_heads * d, h]));
-            v.push((format!("{p}.self_attn.o_proj.weight"), vec![h, self.heads * d]));
+            let at = |r: TensorRole| r.name(TensorPart::Weight).replace("{l}", &l.to_string());
+            match self.mla {
+                Some(a) => {
+                    match a.q_lora {
+                        Some(ql) => {
+                            v.push((at(TensorRole::QAProj), vec![ql, h]));
+                            v.push((at(TensorRole::QANorm), vec![ql]));
+                            v.push((at(TensorRole::QBProj), self.full_shape(TensorRole::QBProj)));
+                        }
+                        None => v.push((at(TensorRole::QProj), self.full_shape(TensorRole::QProj))),
+                    }
+                    v.push((at(TensorRole::KvAProj), vec![a.kv_lora + a.rope, h]));
+                    v.push((at(TensorRole::KvANorm), vec![a.kv_lora]));
+                    v.push((at(TensorRole::KvBProj), self.full_shape(TensorRole::KvBProj)));
+                }
+                None => {
+                    v.push((at(TensorRole::QProj), vec![self.heads * d, h]));
+                    v.push((at(TensorRole::KProj), vec![self.kv_heads * d, h]));
+                    v.push((at(TensorRole::VProj), vec![self.kv_heads * d, h]));
+                }
+            }
+            v.push((at(TensorRole::OProj), self.full_shape(TensorRole::OProj)));
             if self.qk_norm {
                 let (qn, kn) = self.qk_norm_widths();
                 v.push((format!("{p}.self_attn.q_norm.weight"), vec![qn]));
@@ -131,14 +224,23 @@ impl TwinModel {
         let (h, d, v) = (self.hidden, self.head_dim, self.vocab);
         let tp = mode == Mode::Tp;
         let (heads, kv) = if tp { (self.heads / p, tp_kv) } else { (self.heads, self.kv_heads) };
+        let sharded = |role: TensorRole| -> Vec<usize> {
+            let mut s = self.full_shape(role);
+            let dim = usize::from(role == TensorRole::OProj);
+            s[dim] = heads * self.head_rows(role);
+            s
+        };
         let (e, i) = (self.experts, self.expert_ffn);
         let (sf, df) = (self.shared_ffn, self.dense_ffn);
         let shape: Vec<usize> = match role {
             TensorRole::Embedding | TensorRole::LmHead => vec![v, h],
             TensorRole::FinalNorm | TensorRole::InputNorm | TensorRole::PostAttentionNorm => vec![h],
-            TensorRole::QProj => vec![heads * d, h],
+            TensorRole::QProj | TensorRole::QBProj | TensorRole::KvBProj | TensorRole::OProj => sharded(role),
             TensorRole::KProj | TensorRole::VProj => vec![kv * d, h],
-            TensorRole::OProj => vec![h, heads * d],
+            TensorRole::QAProj => vec![self.mla?.q_lora?, h],
+            TensorRole::QANorm => vec![self.mla?.q_lora?],
+            TensorRole::KvAProj => vec![self.mla?.kv_lora + self.mla?.rope, h],
+            TensorRole::KvANorm => vec![self.mla?.kv_lora],
             TensorRole::QNorm => vec![self.qk_norm_widths().0],
             TensorRole::KNorm => vec![self.qk_norm_widths().1],
             TensorRole::Router => vec![e, h],
@@ -171,7 +273,12 @@ impl TwinModel {
     /// The roles the forward pass reads.
     pub fn roles(&self) -> Vec<TensorRole> {
         use TensorRole::*;
-        let mut v = vec![Embedding, FinalNorm, InputNorm, PostAttentionNorm, QProj, KProj, VProj, OProj];
+        let mut v = vec![Embedding, FinalNorm, InputNorm, PostAttentionNorm, OProj];
+        match self.mla {
+            Some(a) if a.q_lora.is_some() => v.extend([QAProj, QANorm, QBProj, KvAProj, KvANorm, KvBProj]),
+            Some(_) => v.extend([QProj, KvAProj, KvANorm, KvBProj]),
+            None => v.extend([QProj, KProj, VProj]),
+        }
         if !self.tie_embeddings {
             v.push(LmHead);
         }
