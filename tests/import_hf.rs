@@ -213,3 +213,33 @@ fn mla_without_interleaved_rope_is_refused_by_name() {
     });
     assert!(import(&explicit, "m").is_ok());
 }
+
+/// YaRN keys as transformers' standardize_rope_params resolves them: a
+/// top-level original_max_position_embeddings wins, a missing one is
+/// max_position_embeddings; an explicit attention_factor other than the
+/// derived one is refused (the spec cannot state it), the derived one passes.
+#[test]
+fn yarn_keys_resolve_as_transformers_does() {
+    let with = |f: &dyn Fn(&mut serde_json::Map<String, Value>)| import(&edited("gpt-oss-120b", f), "m");
+    let top = with(&|m| {
+        m.insert("original_max_position_embeddings".into(), serde_json::json!(8192));
+    })
+    .unwrap();
+    assert_eq!(top.model.rope_scaling.unwrap().original_max_positions, 8192);
+    let missing = with(&|m| {
+        m["rope_scaling"].as_object_mut().unwrap().remove("original_max_position_embeddings");
+    })
+    .unwrap();
+    assert_eq!(missing.model.rope_scaling.unwrap().original_max_positions, 131072, "max_position_embeddings");
+    let derived = 0.1 * 32f64.ln() + 1.0;
+    let same = with(&|m| {
+        m["rope_scaling"].as_object_mut().unwrap().insert("attention_factor".into(), serde_json::json!(derived));
+    });
+    assert!(same.is_ok());
+    let other = with(&|m| {
+        m["rope_scaling"].as_object_mut().unwrap().insert("attention_factor".into(), serde_json::json!(1.0));
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(other.contains("rope_scaling.attention_factor"), "{other}");
+}

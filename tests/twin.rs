@@ -33,7 +33,7 @@ struct Shape {
     grouped: bool,
     /// `"true"`, `"false"` or `"per_layer"` (one norm over every head).
     qk_norm: &'static str,
-    /// DeepSeek's MLA instead of GQA (q LoRA 32, latent 16, rope 8).
+    /// DeepSeek's MLA instead of GQA (q LoRA 32, latent 24, nope 16, rope 8, v 12).
     mla: bool,
 }
 
@@ -60,7 +60,7 @@ deploy tiny {{ model = tiny cluster = cpu tiles = t slo {{ ttft = 1s tpot = 50ms
 "#,
         layers = s.layers,
         attention = if s.mla {
-            "attention mla { heads = 8 q_lora = 32 kv_lora = 16 qk_nope = 16 qk_rope = 8 v_head = 16 }".to_string()
+            "attention mla { heads = 8 q_lora = 32 kv_lora = 24 qk_nope = 16 qk_rope = 8 v_head = 12 }".to_string()
         } else {
             format!("attention gqa {{ heads = 8 kv_heads = {} head_dim = 16 qk_norm = {} }}", s.kv_heads, s.qk_norm)
         },

@@ -165,12 +165,12 @@ pub fn import(config: &str, name: &str) -> Result<Imported, HfError> {
             };
             // transformers 5 writes partial_rotary_factor inside rope_parameters.
             let nested = c.get("rope_parameters").and_then(|p| p.get("partial_rotary_factor"));
-            let factor = match (c.opt_f64(&["partial_rotary_factor"])?, nested) {
-                (Some(f), _) => Some(f),
-                (None, Some(v)) => Some(
+            // transformers' standardize_rope_params only fills the nested one from the top level.
+            let factor = match (nested, c.opt_f64(&["partial_rotary_factor"])?) {
+                (Some(v), _) => Some(
                     v.as_f64().ok_or_else(|| c.bad("rope_parameters.partial_rotary_factor", v, "expected a number"))?,
                 ),
-                (None, None) => None,
+                (None, f) => f,
             };
             let rope_dim = match (c.opt_u32(&["rotary_dim"])?, factor) {
                 (Some(r), _) => r,
@@ -303,19 +303,23 @@ fn rope(c: &Cfg<'_>, notes: &mut Vec<String>) -> Result<(f64, Option<RopeScaling
     match kind {
         "default" => Ok((theta, None)),
         "yarn" => {
-            // transformers: a missing factor is max_position_embeddings / original.
-            let original = match num("original_max_position_embeddings")? {
-                Some(o) if o >= 1.0 && o.fract() == 0.0 && o <= f64::from(u32::MAX) => o,
-                Some(o) => {
-                    let v = Value::from(o);
-                    return Err(c.bad(
-                        &format!("{key}.original_max_position_embeddings"),
-                        &v,
-                        "expected a whole count",
-                    ));
-                }
-                None => return Err(c.missing(&format!("{key}.original_max_position_embeddings"))),
-            };
+            // As transformers' standardize_rope_params: a top-level
+            // original_max_position_embeddings wins (Phi-3 style), a missing
+            // one is max_position_embeddings; a missing factor is max / original.
+            let top = c.opt_f64(&["original_max_position_embeddings"])?;
+            let original =
+                match top.or(num("original_max_position_embeddings")?).or(c.opt_f64(&["max_position_embeddings"])?) {
+                    Some(o) if o >= 1.0 && o.fract() == 0.0 && o <= f64::from(u32::MAX) => o,
+                    Some(o) => {
+                        let v = Value::from(o);
+                        return Err(c.bad(
+                            &format!("{key}.original_max_position_embeddings"),
+                            &v,
+                            "expected a whole count",
+                        ));
+                    }
+                    None => return Err(c.missing(&format!("{key}.original_max_position_embeddings"))),
+                };
             let factor = match num("factor")? {
                 Some(f) => f,
                 None => {
@@ -323,27 +327,31 @@ fn rope(c: &Cfg<'_>, notes: &mut Vec<String>) -> Result<(f64, Option<RopeScaling
                         / original
                 }
             };
-            if num("attention_factor")?.is_some() {
-                notes.push(format!(
-                    "{key}.attention_factor is not part of the spec: it is derived from factor and mscale"
-                ));
-            }
             let truncate = match s.get("truncate") {
                 None | Some(Value::Null) => true,
                 Some(v) => v.as_bool().ok_or_else(|| c.bad(&format!("{key}.truncate"), v, "expected true or false"))?,
             };
-            Ok((
-                theta,
-                Some(RopeScaling {
-                    factor,
-                    original_max_positions: original as u32,
-                    beta_fast: num("beta_fast")?.filter(|b| *b != 0.0).unwrap_or(32.0),
-                    beta_slow: num("beta_slow")?.filter(|b| *b != 0.0).unwrap_or(1.0),
-                    mscale: num("mscale")?,
-                    mscale_all_dim: num("mscale_all_dim")?,
-                    truncate,
-                }),
-            ))
+            let y = RopeScaling {
+                factor,
+                original_max_positions: original as u32,
+                beta_fast: num("beta_fast")?.filter(|b| *b != 0.0).unwrap_or(32.0),
+                beta_slow: num("beta_slow")?.filter(|b| *b != 0.0).unwrap_or(1.0),
+                mscale: num("mscale")?,
+                mscale_all_dim: num("mscale_all_dim")?,
+                truncate,
+            };
+            // transformers uses an explicit attention_factor as given; the spec derives it.
+            if let Some(af) = num("attention_factor")? {
+                if (af - y.attention_factor()).abs() > 1e-9 * af.abs().max(1.0) {
+                    let v = Value::from(af);
+                    let why = format!(
+                        "the spec derives the attention factor from factor and mscale ({}); an explicit other value cannot be stated",
+                        y.attention_factor()
+                    );
+                    return Err(c.bad(&format!("{key}.attention_factor"), &v, &why));
+                }
+            }
+            Ok((theta, Some(y)))
         }
         other => {
             let mut parts = vec![other.to_string()];

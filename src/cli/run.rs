@@ -115,7 +115,15 @@ pub fn prepare(bundle: &LoadedBundle, backend: Backend, weights: &Path) -> Resul
             "run it on the cluster it was compiled for (the cpu backend runs small specs such as models/clusters.moe's `cpu4`)",
         )
     })?;
-    Checkpoint::load(weights).map_err(|e| error(e, "write weights with `moeforge init-weights SPEC -o DIR`"))
+    let ck =
+        Checkpoint::load(weights).map_err(|e| error(e, "write weights with `moeforge init-weights SPEC -o DIR`"))?;
+    if let Some(first) = ck.rounded.first() {
+        eprintln!(
+            "note: {} f32 tensor(s) rounded to bf16 for the twin's bf16 views, starting with `{first}`",
+            ck.rounded.len()
+        );
+    }
+    Ok(ck)
 }
 
 /// The twin under the switch-policy driver, starting in `start`; with

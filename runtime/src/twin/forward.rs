@@ -69,6 +69,13 @@ impl Twin {
             // Projections (parallel per rank); the all-head QK-norm's
             // sum-of-squares reduction; attention; the TP all-reduce.
             let projs: Vec<Proj> = par_ranks(&self.ranks, |rank| cx.project(rank, l, &x[rank.id]));
+            if let Some(r) =
+                projs.iter().zip(&batches).position(|(pr, b)| pr.q.len() != b.len() || pr.k.len() != b.len())
+            {
+                return Err(EngineError::Backend(format!(
+                    "rank {r}: layer {l}'s attention projections are not in its views"
+                )));
+            }
             let scales = if m.qk_norm_per_layer { cx.all_head_scales(&projs) } else { vec![vec![]; p] };
             let outs: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
                 let handles: Vec<_> = self

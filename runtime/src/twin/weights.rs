@@ -46,6 +46,11 @@ pub struct Tensor {
 #[derive(Clone, Debug, Default)]
 pub struct Checkpoint {
     pub tensors: BTreeMap<String, Tensor>,
+    /// f32 tensors (other than the selection bias) stored as bf16 because
+    /// the twin's views are bf16, whose values bf16 could not hold exactly.
+    /// transformers saves DeepSeek-V3's router in f32 (`_keep_in_fp32_modules`);
+    /// from bf16 weights that is exact and this stays empty.
+    pub rounded: Vec<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -62,6 +67,10 @@ pub enum WeightsError {
     Missing { name: String, shape: Vec<usize> },
     #[error("tensor `{name}` has shape {found:?}, the spec implies {expected:?}")]
     Shape { name: String, found: Vec<usize>, expected: Vec<usize> },
+    #[error("tensor `{name}` has shape {found:?}: a fused expert tensor is [experts, {rows}, hidden or intermediate]")]
+    Fused { name: String, found: Vec<usize>, rows: &'static str },
+    #[error("tensor `{name}` is in the checkpoint but the model computes without it ({why}); refusing rather than ignoring it")]
+    Unused { name: String, why: &'static str },
 }
 
 /// Canonical name of a checkpoint tensor name.
@@ -81,17 +90,19 @@ pub fn canonical(name: &str) -> String {
 /// The per-expert tensors of a fused expert tensor, as transformers 5 holds
 /// them (`mlp.experts.gate_up_proj` `[E, 2I, H]`, gate rows first;
 /// `mlp.experts.down_proj` `[E, H, I]`); `None` for any other tensor.
-fn unfuse(name: &str, t: &Tensor) -> Option<Vec<(String, Tensor)>> {
-    let (pre, parts): (&str, &[&str]) = if let Some(p) = name.strip_suffix(".mlp.experts.gate_up_proj") {
-        (p, &["gate_proj", "up_proj"])
-    } else if let Some(p) = name.strip_suffix(".mlp.experts.down_proj") {
-        (p, &["down_proj"])
-    } else {
-        return None;
-    };
-    let &[e, rows, cols] = t.shape.as_slice() else { return None };
+fn unfuse(name: &str, t: &Tensor) -> Result<Option<Vec<(String, Tensor)>>, WeightsError> {
+    let (pre, parts, what): (&str, &[&str], &'static str) =
+        if let Some(p) = name.strip_suffix(".mlp.experts.gate_up_proj") {
+            (p, &["gate_proj", "up_proj"], "2 × intermediate (gate rows, then up)")
+        } else if let Some(p) = name.strip_suffix(".mlp.experts.down_proj") {
+            (p, &["down_proj"], "hidden")
+        } else {
+            return Ok(None);
+        };
+    let bad = || WeightsError::Fused { name: name.to_string(), found: t.shape.clone(), rows: what };
+    let &[e, rows, cols] = t.shape.as_slice() else { return Err(bad()) };
     if rows % parts.len() != 0 {
-        return None;
+        return Err(bad());
     }
     let r = rows / parts.len();
     let elem = if t.f32 { 4 } else { 2 };
@@ -99,14 +110,14 @@ fn unfuse(name: &str, t: &Tensor) -> Option<Vec<(String, Tensor)>> {
     for x in 0..e {
         for (i, part) in parts.iter().enumerate() {
             let at = (x * rows + i * r) * cols * elem;
-            let data = t.data.get(at..at + r * cols * elem)?.to_vec();
+            let data = t.data.get(at..at + r * cols * elem).ok_or_else(bad)?.to_vec();
             out.push((
                 format!("{pre}.mlp.experts.{x}.{part}.weight"),
                 Tensor { shape: vec![r, cols], f32: t.f32, data },
             ));
         }
     }
-    Some(out)
+    Ok(Some(out))
 }
 
 fn family_name(canonical: &str, family: Family) -> String {
@@ -149,11 +160,18 @@ impl Checkpoint {
                 let canon = canonical(&name);
                 let mut t = Tensor { shape: view.shape().to_vec(), f32, data: view.data().to_vec() };
                 // The selection bias is computed in f32; a bf16 copy widens exactly.
-                if canon.ends_with("e_score_correction_bias") && !t.f32 {
+                let bias = canon.ends_with("e_score_correction_bias");
+                if bias && !t.f32 {
                     t.data = bf16s(&t.data, 0, t.data.len() / 2).flat_map(f32::to_le_bytes).collect();
                     t.f32 = true;
+                } else if !bias && t.f32 {
+                    let (data, exact) = narrow(&t.data);
+                    if !exact {
+                        out.rounded.push(canon.clone());
+                    }
+                    t = Tensor { data, f32: false, ..t };
                 }
-                match unfuse(&canon, &t) {
+                match unfuse(&canon, &t)? {
                     Some(parts) => out.tensors.extend(parts),
                     None => {
                         out.tensors.insert(canon, t);
@@ -183,16 +201,37 @@ impl Checkpoint {
     /// Checks that every tensor the model needs is present with its shape and
     /// dtype (bf16; the selection bias f32).
     pub fn validate(&self, m: &TwinModel) -> Result<(), WeightsError> {
-        for (name, shape) in m.tensor_shapes() {
-            let t = self.get(&name, &shape)?;
+        let needed = m.tensor_shapes();
+        for (name, shape) in &needed {
+            let t = self.get(name, shape)?;
             let want_f32 = name.ends_with("e_score_correction_bias");
             if t.f32 != want_f32 {
                 let dtype = if t.f32 { "F32" } else { "BF16" };
-                return Err(WeightsError::Dtype { name, dtype: dtype.into() });
+                return Err(WeightsError::Dtype { name: name.clone(), dtype: dtype.into() });
             }
+        }
+        // A bias the model does not read would change every number silently.
+        if let Some(name) = self.tensors.keys().find(|n| n.ends_with(".bias") && !needed.iter().any(|(x, _)| x == *n)) {
+            return Err(WeightsError::Unused { name: name.clone(), why: "the spec has no projection biases" });
         }
         Ok(())
     }
+}
+
+/// f32 little-endian values as bf16 (round to nearest even); whether every
+/// value was exact.
+fn narrow(f32_bytes: &[u8]) -> (Vec<u8>, bool) {
+    let mut exact = true;
+    let data = f32_bytes
+        .chunks_exact(4)
+        .flat_map(|c| {
+            let v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            let b = f32_to_bf16(v);
+            exact &= crate::reference::bf16_to_f32(b).to_bits() == v.to_bits();
+            b.to_le_bytes()
+        })
+        .collect();
+    (data, exact)
 }
 
 /// Writes a random bf16 checkpoint for `m` to `dir/model.safetensors`
