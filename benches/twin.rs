@@ -17,7 +17,7 @@ use moeforge::runtime::twin::weights::Checkpoint;
 use moeforge::runtime::twin::Twin;
 use std::path::Path;
 
-const FAMILIES: [&str; 4] = ["qwen3-moe", "mixtral", "minimax-m2", "deepseek-v3"];
+const FAMILIES: [&str; 5] = ["qwen3-moe", "mixtral", "minimax-m2", "deepseek-v3", "glm-5"];
 const PROMPTS: [&[u32]; 3] = [&[3, 17, 42, 99, 5, 64, 7], &[120, 1], &[9]];
 const NEW: usize = 8;
 

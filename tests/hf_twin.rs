@@ -292,3 +292,12 @@ fn checkpoints_the_twin_would_compute_wrongly_are_refused_by_tensor_name() {
     assert!(matches!(&e, WeightsError::Fused { name: n, .. } if n == name), "{e}");
     assert!(e.to_string().contains("[16, 64]"), "{e}");
 }
+
+/// GLM-5: MLA with DeepSeek Sparse Attention. The lightning indexer's key
+/// is cached beside the latent; each query attends to the 4 best-scoring
+/// cached keys only (index_topk = 4 on prompts of up to 15 tokens, so the
+/// selection decides which keys count from the fifth position on).
+#[test]
+fn glm_5_with_dsa_matches_transformers() {
+    against_transformers("glm-5", &[1, 2, 4]);
+}

@@ -35,6 +35,8 @@ struct Shape {
     qk_norm: &'static str,
     /// DeepSeek's MLA instead of GQA (q LoRA 32, latent 24, nope 16, rope 8, v 12).
     mla: bool,
+    /// With MLA: GLM-5's DSA indexer (4 heads of 16, top 3 keys per query).
+    dsa: bool,
 }
 
 fn spec(s: Shape, fraction: f64) -> String {
@@ -60,7 +62,8 @@ deploy tiny {{ model = tiny cluster = cpu tiles = t slo {{ ttft = 1s tpot = 50ms
 "#,
         layers = s.layers,
         attention = if s.mla {
-            "attention mla { heads = 8 q_lora = 32 kv_lora = 24 qk_nope = 16 qk_rope = 8 v_head = 12 }".to_string()
+            let dsa = if s.dsa { " index_heads = 4 index_head_dim = 16 index_topk = 3" } else { "" };
+            format!("attention mla {{ heads = 8 q_lora = 32 kv_lora = 24 qk_nope = 16 qk_rope = 8 v_head = 12{dsa} }}")
         } else {
             format!("attention gqa {{ heads = 8 kv_heads = {} head_dim = 16 qk_norm = {} }}", s.kv_heads, s.qk_norm)
         },
@@ -188,6 +191,7 @@ const QWEN: Shape = Shape {
     grouped: false,
     qk_norm: "true",
     mla: false,
+    dsa: false,
 };
 
 #[test]
@@ -224,6 +228,26 @@ fn mla_absorbed_on_8_ranks_matches_the_naive_reference() {
     equivalence(s, Family::Qwen3Moe, 7);
 }
 
+/// GLM-5's DSA on 4 ranks: each query attends to the indexer's top 3
+/// cached keys; the twin's selection over its paged cache against the
+/// reference's over its contiguous one.
+#[test]
+fn dsa_on_4_ranks_matches_the_reference() {
+    let s = Shape {
+        p: 4,
+        layers: 3,
+        dense: 1,
+        experts: 8,
+        top_k: 2,
+        shared: true,
+        grouped: true,
+        mla: true,
+        dsa: true,
+        ..QWEN
+    };
+    equivalence(s, Family::Qwen3Moe, 8);
+}
+
 #[test]
 fn shared_experts_dense_layers_and_grouped_routing() {
     let s = Shape {
@@ -237,6 +261,7 @@ fn shared_experts_dense_layers_and_grouped_routing() {
         grouped: true,
         qk_norm: "true",
         mla: false,
+        dsa: false,
     };
     equivalence(s, Family::Qwen3Moe, 4);
 }

@@ -3,7 +3,7 @@
 //! request. No buffers, views, sharding or paging: it is what the twin's
 //! TP and EP runs are compared against.
 
-use super::math::{attend, bf16s, rms_norm, round_bf16, silu, Mat};
+use super::math::{attend, bf16s, dsa_select, layer_norm, rms_norm, round_bf16, silu, Mat};
 use super::model::MlaShape;
 use super::weights::{Checkpoint, WeightsError};
 use super::TwinModel;
@@ -22,6 +22,8 @@ pub struct Generation {
 struct HeadCache {
     keys: Vec<Vec<f32>>,
     values: Vec<Vec<f32>>,
+    /// The DSA indexer's keys (MLA with an indexer).
+    index: Vec<Vec<f32>>,
 }
 
 pub struct Dense<'a> {
@@ -142,13 +144,33 @@ impl<'a> Dense<'a> {
         let m = self.m;
         let eps = m.rms_eps as f32;
         let attn = format!("{p}.self_attn");
-        let q = match a.q_lora {
+        let (q, q_resid) = match a.q_lora {
             Some(_) => {
                 let qa = self.mat(&format!("{attn}.q_a_proj.weight")).matvec(h);
                 let qa = rms_norm(&qa, &self.vec(&format!("{attn}.q_a_layernorm.weight")), eps);
-                self.mat(&format!("{attn}.q_b_proj.weight")).matvec(&qa)
+                (self.mat(&format!("{attn}.q_b_proj.weight")).matvec(&qa), qa)
             }
-            None => self.mat(&format!("{attn}.q_proj.weight")).matvec(h),
+            None => (self.mat(&format!("{attn}.q_proj.weight")).matvec(h), h.to_vec()),
+        };
+        // DSA: the positions this query attends to.
+        let selected: Vec<usize> = match a.indexer {
+            Some(ix) => {
+                let ip = format!("{attn}.indexer");
+                let kn = (self.vec(&format!("{ip}.k_norm.weight")), self.vec(&format!("{ip}.k_norm.bias")));
+                let mut k = layer_norm(&self.mat(&format!("{ip}.wk.weight")).matvec(h), &kn.0, &kn.1, 1e-6);
+                m.rope.apply(&mut k, pos);
+                cache.index.push(k.iter().map(|x| round_bf16(*x)).collect());
+                let mut iq = self.mat(&format!("{ip}.wq_b.weight")).matvec(&q_resid);
+                for head in iq.chunks_exact_mut(ix.head_dim) {
+                    m.rope.apply(head, pos);
+                }
+                let s = (ix.heads as f32).powf(-0.5);
+                let w: Vec<f32> =
+                    self.mat(&format!("{ip}.weights_proj.weight")).matvec(h).iter().map(|v| v * s).collect();
+                let keys: Vec<&[f32]> = cache.index.iter().map(Vec::as_slice).collect();
+                dsa_select(&iq, &w, &keys, ix.top_k)
+            }
+            None => (0..=pos).collect(),
         };
         let ckv = self.mat(&format!("{attn}.kv_a_proj_with_mqa.weight")).matvec(h);
         let c = rms_norm(&ckv[..a.kv_lora], &self.vec(&format!("{attn}.kv_a_layernorm.weight")), eps);
@@ -164,8 +186,9 @@ impl<'a> Dense<'a> {
         for hq in 0..m.heads {
             let mut qh = q[hq * qw..(hq + 1) * qw].to_vec();
             m.rope.apply(&mut qh[a.nope..], pos);
-            let scores: Vec<f32> = (0..=pos)
-                .map(|j| {
+            let scores: Vec<f32> = selected
+                .iter()
+                .map(|&j| {
                     let key = expanded[j][hq * kw..hq * kw + a.nope].iter().chain(&cache.values[j]);
                     key.zip(&qh).map(|(k, q)| k * q).sum::<f32>() * a.softmax_scale
                 })
@@ -174,7 +197,7 @@ impl<'a> Dense<'a> {
             let exps: Vec<f32> = scores.iter().map(|s| (s - mx).exp()).collect();
             let sum: f32 = exps.iter().sum();
             let mut o = vec![0f32; a.v_head];
-            for (j, e) in exps.iter().enumerate() {
+            for (&j, e) in selected.iter().zip(&exps) {
                 let v = &expanded[j][hq * kw + a.nope..(hq + 1) * kw];
                 o.iter_mut().zip(v).for_each(|(o, v)| *o += e / sum * v);
             }

@@ -4,7 +4,7 @@
 //! request's last position (greedy sampling). The weights come from the
 //! views of the current mode, selected by tensor role.
 
-use super::math::{attend, bf16s, put_bf16s, rms_norm, silu, Mat};
+use super::math::{attend, bf16s, dsa_select, layer_norm, put_bf16s, rms_norm, silu, Mat};
 use super::model::MlaShape;
 use super::paging::KvGeom;
 use super::{Rank, Twin, TwinError, TwinModel};
@@ -324,17 +324,43 @@ impl Ctx {
         else {
             return Proj::default();
         };
+        let indexer = match a.indexer {
+            Some(ix) => {
+                let (wq, wk, wts) = (
+                    self.mat(buf, TensorRole::IndexerQ, l),
+                    self.mat(buf, TensorRole::IndexerK, l),
+                    self.mat(buf, TensorRole::IndexerWeights, l),
+                );
+                let norm = self.vec(buf, TensorRole::IndexerKNorm, l);
+                match (wq, wk, wts) {
+                    (Some(wq), Some(wk), Some(wts)) if norm.len() == 2 * ix.head_dim => Some((ix, wq, wk, wts, norm)),
+                    _ => return Proj::default(),
+                }
+            }
+            None => None,
+        };
         let mut p = Proj::default();
         for x in xs {
             let h = rms_norm(x, in_norm, eps);
-            let q = match (&q_lora, &wq) {
-                (Some((qa, norm, qb)), _) => qb.matvec(&rms_norm(&qa.matvec(&h), norm, eps)),
-                (None, Some(wq)) => wq.matvec(&h),
+            let (q, q_resid) = match (&q_lora, &wq) {
+                (Some((qa, norm, qb)), _) => {
+                    let r = rms_norm(&qa.matvec(&h), norm, eps);
+                    (qb.matvec(&r), r)
+                }
+                (None, Some(wq)) => (wq.matvec(&h), h.clone()),
                 (None, None) => return Proj::default(),
             };
             let ckv = wkv.matvec(&h);
             let mut k = rms_norm(&ckv[..a.kv_lora], &kv_norm, eps);
             k.extend_from_slice(&ckv[a.kv_lora..]);
+            if let Some((ix, wq, wk, wts, norm)) = &indexer {
+                // The indexer key: LayerNorm (eps 1e-6, as transformers' GLM-5) of wk·h, cached after the latent.
+                let (w, b) = norm.split_at(ix.head_dim);
+                k.extend(layer_norm(&wk.matvec(&h), w, b, 1e-6));
+                p.iq.push(wq.matvec(&q_resid));
+                let s = (ix.heads as f32).powf(-0.5);
+                p.iw.push(wts.matvec(&h).into_iter().map(|v| v * s).collect());
+            }
             p.q.push(q);
             p.k.push(k);
         }
@@ -361,10 +387,18 @@ impl Ctx {
             return vec![vec![0.0; m.hidden]; batch.len()];
         }
         let geo = self.kv;
-        let width = a.kv_lora + a.rope;
+        let ix_dim = a.indexer.map_or(0, |i| i.head_dim);
+        let width = a.kv_lora + a.rope + ix_dim;
+        if a.indexer.is_some() && (proj.iq.len() != batch.len() || proj.iw.len() != batch.len()) {
+            return vec![vec![0.0; m.hidden]; batch.len()];
+        }
         for ((&(_, pos, _), &page), k) in batch.iter().zip(pages).zip(&proj.k) {
             let mut entry = k.clone();
-            m.rope.apply(&mut entry[a.kv_lora..], pos);
+            m.rope.apply(&mut entry[a.kv_lora..a.kv_lora + a.rope], pos);
+            if ix_dim > 0 {
+                // The indexer's RoPE covers the first qk_rope dims of its key.
+                m.rope.apply(&mut entry[a.kv_lora + a.rope..], pos);
+            }
             put_bf16s(&mut rank.buf, geo.slot(page, l, 0, pos % geo.page_tokens), &entry);
         }
         let [qa, qb] = self.q_heads[rank.id];
@@ -377,14 +411,25 @@ impl Ctx {
         batch
             .iter()
             .zip(proj.q)
-            .map(|(&(id, pos, _), q)| {
+            .enumerate()
+            .map(|(t, (&(id, pos, _), q))| {
                 let table = rank.tables.get(&id).cloned().unwrap_or_default();
-                let cached: Vec<Vec<f32>> = (0..=pos)
+                let mut cached: Vec<Vec<f32>> = (0..=pos)
                     .map(|j| {
                         let at = geo.slot(table[j / geo.page_tokens], l, 0, j % geo.page_tokens);
                         bf16s(&rank.buf, at, width).collect()
                     })
                     .collect();
+                // DSA: only the indexer's top-k cached keys take part.
+                if let Some(ix) = a.indexer {
+                    let mut iq = proj.iq[t].clone();
+                    for head in iq.chunks_exact_mut(ix.head_dim) {
+                        m.rope.apply(head, pos);
+                    }
+                    let keys: Vec<&[f32]> = cached.iter().map(|e| &e[a.kv_lora + a.rope..]).collect();
+                    let keep = dsa_select(&iq, &proj.iw[t], &keys, ix.top_k);
+                    cached = keep.into_iter().map(|j| std::mem::take(&mut cached[j])).collect();
+                }
                 let mut heads = Vec::with_capacity((qb - qa) as usize * a.v_head);
                 for i in 0..(qb - qa) as usize {
                     let mut qh = q[i * qw..(i + 1) * qw].to_vec();
@@ -545,4 +590,7 @@ pub(super) struct Proj {
     q: Vec<Vec<f32>>,
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
+    /// The DSA indexer's query (`heads × head_dim`) and per-head weights.
+    iq: Vec<Vec<f32>>,
+    iw: Vec<Vec<f32>>,
 }

@@ -63,6 +63,13 @@ impl Twin {
             t.data.get(a * w..b * w).map(<[u8]>::to_vec).ok_or_else(|| short(name))
         };
         Ok(match v.shard {
+            // The indexer key's LayerNorm: one view of two rows, the checkpoint's weight and bias.
+            Shard::Full if v.role == TensorRole::IndexerKNorm => {
+                let d = v.shape.get(1).copied().unwrap_or(0) as usize;
+                let mut out = ck.get(name, &[d])?.data.clone();
+                out.extend_from_slice(&ck.get(&name.replace(".weight", ".bias"), &[d])?.data);
+                out
+            }
             Shard::Full => {
                 let shape: Vec<usize> = v.shape.iter().map(|&x| x as usize).collect();
                 ck.get(name, &shape)?.data.clone()

@@ -102,6 +102,39 @@ impl Rope {
     }
 }
 
+/// LayerNorm with weight and bias (the DSA indexer's key norm).
+pub fn layer_norm(x: &[f32], weight: &[f32], bias: &[f32], eps: f32) -> Vec<f32> {
+    let n = x.len() as f32;
+    let mean = x.iter().sum::<f32>() / n;
+    let var = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+    let inv = 1.0 / (var + eps).sqrt();
+    x.iter().zip(weight.iter().zip(bias)).map(|(v, (w, b))| (v - mean) * inv * w + b).collect()
+}
+
+/// DeepSeek Sparse Attention's selection for one query: the index score of
+/// cached key j is `Σ_h w_h · ReLU(q_h · k_j / √head_dim)`; returns the
+/// positions of the `top_k` best keys (all of them when fewer), ties to the
+/// earlier position. `q` is `[heads × head_dim]` (RoPE applied), `w` the
+/// per-head weights (already scaled by `heads^-1/2`).
+pub fn dsa_select(q: &[f32], w: &[f32], keys: &[&[f32]], top_k: usize) -> Vec<usize> {
+    let d = q.len() / w.len().max(1);
+    let scale = 1.0 / (d as f32).sqrt();
+    let scores: Vec<f32> = keys
+        .iter()
+        .map(|k| {
+            w.iter()
+                .zip(q.chunks_exact(d.max(1)))
+                .map(|(wh, qh)| wh * (qh.iter().zip(k.iter()).map(|(a, b)| a * b).sum::<f32>() * scale).max(0.0))
+                .sum()
+        })
+        .collect();
+    let mut idx: Vec<usize> = (0..keys.len()).collect();
+    idx.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+    idx.truncate(top_k);
+    idx.sort_unstable();
+    idx
+}
+
 pub fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }

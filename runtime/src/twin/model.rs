@@ -21,6 +21,19 @@ pub struct MlaShape {
     pub v_head: usize,
     /// `(nope + rope)^-1/2`, times YaRN's `mscale²` when scaled.
     pub softmax_scale: f32,
+    /// DeepSeek Sparse Attention's lightning indexer (GLM-5), if any.
+    pub indexer: Option<IndexerShape>,
+}
+
+/// The DSA indexer: `heads` ReLU scoring heads of `head_dim` (RoPE on
+/// their first `qk_rope` dims, interleaved), a LayerNorm'd key of
+/// `head_dim` cached beside the latent, per-head weights from the hidden
+/// state; each query attends to the `top_k` best-scoring cached keys.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct IndexerShape {
+    pub heads: usize,
+    pub head_dim: usize,
+    pub top_k: usize,
 }
 
 /// The model shape the twin computes, derived from the spec.
@@ -70,7 +83,7 @@ impl TwinModel {
                 Rope::new(rope_dim as usize, m.rope_theta, m.rope_scaling.as_ref()),
                 None,
             ),
-            Attention::Mla { heads, q_lora, kv_lora, qk_nope, qk_rope, v_head, .. } => {
+            Attention::Mla { heads, q_lora, kv_lora, qk_nope, qk_rope, v_head, indexer } => {
                 let scale =
                     f64::from(qk_nope + qk_rope).powf(-0.5) * m.rope_scaling.map_or(1.0, |y| y.mla_softmax_factor());
                 let shape = MlaShape {
@@ -80,6 +93,11 @@ impl TwinModel {
                     rope: qk_rope as usize,
                     v_head: v_head as usize,
                     softmax_scale: scale as f32,
+                    indexer: indexer.map(|i| IndexerShape {
+                        heads: i.heads as usize,
+                        head_dim: i.head_dim as usize,
+                        top_k: i.top_k as usize,
+                    }),
                 };
                 let rope = Rope::new(qk_rope as usize, m.rope_theta, m.rope_scaling.as_ref()).interleaved();
                 (heads, 1, qk_nope + qk_rope, false, false, rope, Some(shape))
@@ -144,7 +162,7 @@ impl TwinModel {
     /// V, or MLA's latent and shared rope key (bf16).
     pub fn kv_token_bytes(&self) -> usize {
         match self.mla {
-            Some(a) => 2 * (a.kv_lora + a.rope),
+            Some(a) => 2 * (a.kv_lora + a.rope + a.indexer.map_or(0, |i| i.head_dim)),
             None => 4 * self.head_dim,
         }
     }
@@ -179,6 +197,13 @@ impl TwinModel {
                     v.push((at(TensorRole::KvAProj), vec![a.kv_lora + a.rope, h]));
                     v.push((at(TensorRole::KvANorm), vec![a.kv_lora]));
                     v.push((at(TensorRole::KvBProj), self.full_shape(TensorRole::KvBProj)));
+                    if let Some(ix) = a.indexer {
+                        v.push((at(TensorRole::IndexerQ), vec![ix.heads * ix.head_dim, a.q_lora.unwrap_or(h)]));
+                        v.push((at(TensorRole::IndexerK), vec![ix.head_dim, h]));
+                        v.push((at(TensorRole::IndexerKNorm), vec![ix.head_dim]));
+                        v.push((format!("{p}.self_attn.indexer.k_norm.bias"), vec![ix.head_dim]));
+                        v.push((at(TensorRole::IndexerWeights), vec![ix.heads, h]));
+                    }
                 }
                 None => {
                     v.push((at(TensorRole::QProj), vec![self.heads * d, h]));
@@ -241,6 +266,13 @@ impl TwinModel {
             TensorRole::QANorm => vec![self.mla?.q_lora?],
             TensorRole::KvAProj => vec![self.mla?.kv_lora + self.mla?.rope, h],
             TensorRole::KvANorm => vec![self.mla?.kv_lora],
+            TensorRole::IndexerQ => {
+                let (a, ix) = (self.mla?, self.mla?.indexer?);
+                vec![ix.heads * ix.head_dim, a.q_lora.unwrap_or(h)]
+            }
+            TensorRole::IndexerK => vec![self.mla?.indexer?.head_dim, h],
+            TensorRole::IndexerKNorm => vec![2, self.mla?.indexer?.head_dim],
+            TensorRole::IndexerWeights => vec![self.mla?.indexer?.heads, h],
             TensorRole::QNorm => vec![self.qk_norm_widths().0],
             TensorRole::KNorm => vec![self.qk_norm_widths().1],
             TensorRole::Router => vec![e, h],
@@ -278,6 +310,9 @@ impl TwinModel {
             Some(a) if a.q_lora.is_some() => v.extend([QAProj, QANorm, QBProj, KvAProj, KvANorm, KvBProj]),
             Some(_) => v.extend([QProj, KvAProj, KvANorm, KvBProj]),
             None => v.extend([QProj, KProj, VProj]),
+        }
+        if self.mla.is_some_and(|a| a.indexer.is_some()) {
+            v.extend([IndexerQ, IndexerK, IndexerKNorm, IndexerWeights]);
         }
         if !self.tie_embeddings {
             v.push(LmHead);
