@@ -224,6 +224,29 @@ pub const FFN_KERNELS: f64 = 3.0;
 pub const COMM_OVERHEAD: f64 = 25e-6;
 pub const LINK_EFFICIENCY: f64 = 0.7;
 
+/// What DeepSeek Sparse Attention (GLM-5) adds to the attention fit: the
+/// lightning indexer scores every cached token's index key
+/// (`2·index_heads·index_head_dim` FLOPs per cached token in decode: γ;
+/// `index_heads·index_head_dim` per causal token pair in prefill: δ). The
+/// index key's bytes are already in the KV bytes per token. The sparse
+/// attention itself is charged as dense MLA, which is exact while a
+/// context is at most `index_topk` tokens; beyond it the real kernel reads
+/// only `index_topk` latents, a cap the fit's polynomial in s cannot state,
+/// so long contexts are overcharged (by the latent reads past `index_topk`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DsaTerms {
+    pub decode_gamma: f64,
+    pub prefill_delta: f64,
+}
+
+pub fn dsa_terms(m: &Model, flops: f64) -> Option<DsaTerms> {
+    let moeforge_dsl::spec::Attention::Mla { indexer: Some(ix), .. } = m.attention else {
+        return None;
+    };
+    let (ih, id) = (f64::from(ix.heads), f64::from(ix.head_dim));
+    Some(DsaTerms { decode_gamma: 2.0 * ih * id / flops, prefill_delta: ih * id / flops })
+}
+
 impl CostModel {
     /// Defaults from a roofline of the spec's GPU and links.
     pub fn roofline(m: &Model, c: &Cluster, t: &Tiles) -> CostModel {
@@ -245,7 +268,7 @@ impl CostModel {
             moeforge_dsl::spec::Attention::Mla { kv_lora, qk_rope, .. } => f64::from(kv_lora + qk_rope),
         };
         let attn_weights = attn_params * welt / bw;
-        let attn_decode = Fit {
+        let mut attn_decode = Fit {
             alpha: ATTN_KERNELS * OP_OVERHEAD + attn_weights,
             beta: 2.0 * attn_params / flops,
             gamma: kv_layer / bw,
@@ -253,12 +276,16 @@ impl CostModel {
         };
         // Prefill: x requests of s tokens; projections per token (γ·x·s),
         // causal scores per token pair (δ·x·s², 4·heads·d·s²/2 FLOPs).
-        let attn_prefill = Fit {
+        let mut attn_prefill = Fit {
             alpha: ATTN_KERNELS * OP_OVERHEAD + attn_weights,
             beta: 0.0,
             gamma: 2.0 * attn_params / flops + kv_layer / bw,
             delta: 2.0 * heads * qk / flops,
         };
+        if let Some(d) = dsa_terms(m, flops) {
+            attn_decode.gamma += d.decode_gamma;
+            attn_prefill.delta += d.prefill_delta;
+        }
         // One M_t-row tile of one expert: 6·M_t·H·I FLOPs against streaming the
         // expert's weights (3·H·I·elt bytes); whichever bounds it.
         let m_t = f64::from(t.prefill.gate_up.block_m);
@@ -451,6 +478,35 @@ mod tests {
         let fit = Fit::least_squares(&samples).unwrap_or_default();
         assert!((fit.beta - 2e-6).abs() < 1e-12 && fit.gamma == 0.0 && fit.delta == 0.0);
         assert!(Fit::least_squares(&samples[..1]).is_err());
+    }
+
+    /// GLM-5's indexer (32 heads of 128) is charged on top of dense MLA:
+    /// per cached token in decode, the index key's 128 bf16 values read and
+    /// 2·32·128 FLOPs; per causal token pair in prefill, 32·128 FLOPs.
+    #[test]
+    fn dsa_charges_the_lightning_indexer() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/glm-5-h800x24.moe");
+        let checked = moeforge_dsl::check_paths(&[path], &moeforge_dsl::FsLoader)
+            .unwrap_or_else(|f| panic!("{}", f.render(false)));
+        let s = &checked.spec;
+        let d = &s.deploys[0];
+        let (m, c) = (s.model(d.model), s.cluster(d.cluster));
+        let sparse = CostModel::roofline(m, c, s.tile_set(d.tiles));
+        let mut dense_model = m.clone();
+        if let moeforge_dsl::spec::Attention::Mla { indexer, .. } = &mut dense_model.attention {
+            assert_eq!(indexer.map(|i| (i.heads, i.head_dim, i.top_k)), Some((32, 128, 2048)));
+            *indexer = None;
+        }
+        let dense = CostModel::roofline(&dense_model, c, s.tile_set(d.tiles));
+        let g = &c.gpu;
+        let fp8 = m.dtype.experts == DType::Fp8E4m3;
+        let flops = if fp8 { g.fp8_flops.unwrap_or(g.bf16_flops) } else { g.bf16_flops } * COMPUTE_EFFICIENCY;
+        let bw = g.hbm_bandwidth * MEMORY_EFFICIENCY;
+        let extra_gamma = sparse.attn_decode.gamma - dense.attn_decode.gamma;
+        let want = 128.0 * 2.0 / bw + 2.0 * 32.0 * 128.0 / flops;
+        assert!((extra_gamma / want - 1.0).abs() < 1e-9, "{extra_gamma} vs {want}");
+        let extra_delta = sparse.attn_prefill.delta - dense.attn_prefill.delta;
+        assert!((extra_delta * flops / (32.0 * 128.0) - 1.0).abs() < 1e-9);
     }
 
     #[test]
