@@ -468,12 +468,23 @@ fn check_model(m: &Model, spans: &BlockSpans, diags: &mut Diagnostics) {
                 );
             }
         }
-        Attention::Mla { qk_rope, .. } => {
+        Attention::Mla { qk_rope, indexer, .. } => {
             if qk_rope % 2 != 0 {
                 diags.push(
                     Diagnostic::new(Code::Inconsistent, format!("qk_rope = {qk_rope} must be even"))
                         .at(at(spans, "attention.qk_rope"), "odd rotary width")
                         .help("RoPE rotates pairs of dimensions"),
+                );
+            }
+            if let Some(ix) = indexer.filter(|ix| ix.head_dim < qk_rope) {
+                diags.push(
+                    Diagnostic::new(
+                        Code::Inconsistent,
+                        format!("index_head_dim = {} is below qk_rope = {qk_rope}", ix.head_dim),
+                    )
+                    .at(at(spans, "attention.index_head_dim"), "narrower than the rotary width")
+                    .also(at(spans, "attention.qk_rope"), "rotary width declared here")
+                    .help("the DSA indexer applies RoPE to the first qk_rope dims of its heads"),
                 );
             }
         }

@@ -404,3 +404,13 @@ fn rope_scaling_errors() {
         &[Code::OutOfRange],
     );
 }
+
+#[test]
+fn indexer_narrower_than_rope() {
+    check(
+        "indexer_rope",
+        "attention gqa { heads = 8  kv_heads = 2  head_dim = 32 }",
+        "attention mla { heads = 8  q_lora = 64  kv_lora = 64  qk_nope = 32  qk_rope = 16  v_head = 32  index_heads = 4  index_head_dim = 8  index_topk = 64 }",
+        &[Code::Inconsistent],
+    );
+}

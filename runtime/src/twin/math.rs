@@ -90,7 +90,7 @@ impl Rope {
 
     /// Rotates one head (its first `dim` values) at position `pos`.
     pub fn apply(&self, head: &mut [f32], pos: usize) {
-        let half = self.dim / 2;
+        let half = self.dim.min(head.len()) / 2;
         for (i, f) in self.inv_freq.iter().enumerate().take(half) {
             let angle = pos as f64 * f;
             let (s, c) = (angle.sin() as f32 * self.scale, angle.cos() as f32 * self.scale);
