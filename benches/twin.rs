@@ -8,11 +8,13 @@
 
 #![allow(clippy::expect_used)]
 
+#[path = "../tests/common/cpu_spec.rs"]
+mod cpu_spec;
+use cpu_spec::{compile_text, cpu_deployment, imported_block};
+
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use moeforge::codegen::{self, NvccMode};
 use moeforge::plan::memory::Mode;
 use moeforge::runtime::engine::{Engine, Request};
-use moeforge::runtime::load_bundle;
 use moeforge::runtime::twin::weights::Checkpoint;
 use moeforge::runtime::twin::Twin;
 use std::path::Path;
@@ -21,21 +23,6 @@ const FAMILIES: [&str; 5] = ["qwen3-moe", "mixtral", "minimax-m2", "deepseek-v3"
 const PROMPTS: [&[u32]; 3] = [&[3, 17, 42, 99, 5, 64, 7], &[120, 1], &[9]];
 const NEW: usize = 8;
 
-fn spec(model_block: &str) -> String {
-    format!(
-        r#"{model_block}
-cluster cpu {{ nodes = 1 gpus_per_node = 4
-  gpu cpu {{ arch = sm_90a sms = 4 hbm = 256MB hbm_bandwidth = 1TB/s bf16 = 100TFLOP/s smem_per_sm = 228KiB smem_per_block = 227KiB }}
-  scale_up shm {{ bandwidth = 10GB/s latency = 1us }} }}
-tiles t {{ prefill {{ gate_up {{ block_m = 64 block_n = 64 block_k = 64 stages = 2 }} down {{ block_m = 64 block_n = 64 block_k = 64 stages = 2 }} }}
-  decode {{ gate_up {{ block_m = 64 block_n = 64 block_k = 64 stages = 2 }} down {{ block_m = 64 block_n = 64 block_k = 64 stages = 2 }} }} }}
-deploy tiny {{ model = tiny cluster = cpu tiles = t slo {{ ttft = 1s tpot = 50ms }}
-  workload {{ input = sharegpt output = sharegpt arrival poisson {{ rate = 1req/s }} }}
-  switch {{ t_high = 4 t_low = 2 window = 2 cooldown = 0s }} memory_fraction = 0.25 }}
-"#
-    )
-}
-
 fn bench(c: &mut Criterion) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models");
     let mut group = c.benchmark_group("twin: 3 requests × 8 tokens, 4 ranks");
@@ -43,16 +30,8 @@ fn bench(c: &mut Criterion) {
     group.sample_size(20);
     for family in FAMILIES {
         let dir = root.join(family);
-        let config = std::fs::read_to_string(dir.join("config.json")).expect("fixture config");
-        let imported = moeforge::dsl::hf::import(&config, "tiny").expect("import");
-        let text = spec(&moeforge::dsl::hf::to_moe(&imported, "config.json"));
-        let checked = moeforge::dsl::check_str("tiny.moe", &text).expect("spec");
-        let id = moeforge::dsl::spec::DeployId(0);
-        let plan = codegen::plan_deployment(&checked, id).expect("plan");
-        let (b, _) = codegen::emit(&checked, id, &plan, &NvccMode::Off).expect("emit");
         let tmp = tempfile::tempdir().expect("tempdir");
-        b.write(tmp.path()).expect("write");
-        let bundle = load_bundle(tmp.path()).expect("load");
+        let bundle = compile_text(&cpu_deployment(&imported_block(&dir), 4, 0.25), tmp.path());
         let ck = Checkpoint::load(&dir).expect("weights");
         for mode in [Mode::Ep, Mode::Tp] {
             group.bench_function(format!("{family} {}", mode.name()), |bch| {

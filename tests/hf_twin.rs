@@ -21,11 +21,10 @@
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
+use common::cpu_spec::{compile_text, cpu_deployment, imported_block};
 use common::*;
-use moeforge::codegen::{self, NvccMode};
 use moeforge::plan::memory::Mode;
 use moeforge::runtime::engine::{Engine, Request};
-use moeforge::runtime::load_bundle;
 use moeforge::runtime::twin::weights::Checkpoint;
 use moeforge::runtime::twin::Twin;
 use serde_json::Value;
@@ -40,7 +39,6 @@ const TOLERANCE: f32 = 2e-2;
 const STORAGE_TOLERANCE: f32 = 2e-3;
 
 struct Fixture {
-    name: &'static str,
     dir: PathBuf,
     prompts: Vec<Vec<u32>>,
     tokens: Vec<Vec<u32>>,
@@ -61,7 +59,6 @@ fn fixture(name: &'static str) -> Fixture {
     let ids = |x: &Value| x.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect::<Vec<u32>>();
     let reqs = v["requests"].as_array().unwrap();
     Fixture {
-        name,
         prompts: reqs.iter().map(|r| ids(&r["prompt"])).collect(),
         tokens: reqs.iter().map(|r| ids(&r["tokens"])).collect(),
         logits: reqs.iter().map(|r| rows(&r["logits"])).collect(),
@@ -70,33 +67,9 @@ fn fixture(name: &'static str) -> Fixture {
     }
 }
 
-/// The spec a user writes around an imported model block: P simulated ranks.
-fn spec(model_block: &str, p: u32) -> String {
-    format!(
-        r#"{model_block}
-cluster cpu {{ nodes = 1 gpus_per_node = {p}
-  gpu cpu {{ arch = sm_90a sms = 4 hbm = 256MB hbm_bandwidth = 1TB/s bf16 = 100TFLOP/s smem_per_sm = 228KiB smem_per_block = 227KiB }}
-  scale_up shm {{ bandwidth = 10GB/s latency = 1us }} }}
-tiles t {{ prefill {{ gate_up {{ block_m = 64 block_n = 64 block_k = 64 stages = 2 }} down {{ block_m = 64 block_n = 64 block_k = 64 stages = 2 }} }}
-  decode {{ gate_up {{ block_m = 64 block_n = 64 block_k = 64 stages = 2 }} down {{ block_m = 64 block_n = 64 block_k = 64 stages = 2 }} }} }}
-deploy tiny {{ model = tiny cluster = cpu tiles = t slo {{ ttft = 1s tpot = 50ms }}
-  workload {{ input = sharegpt output = sharegpt arrival poisson {{ rate = 1req/s }} }}
-  switch {{ t_high = 4 t_low = 2 window = 2 cooldown = 0s }} memory_fraction = 0.25 }}
-"#
-    )
-}
-
+/// The user's path: import-hf's model block, put on P ranks, compiled.
 fn compile(f: &Fixture, p: u32, out: &Path) -> moeforge::plan::bundle::LoadedBundle {
-    let config = std::fs::read_to_string(f.dir.join("config.json")).unwrap();
-    let imported = moeforge::dsl::hf::import(&config, "tiny").unwrap_or_else(|e| panic!("{}: {e}", f.name));
-    let text = spec(&moeforge::dsl::hf::to_moe(&imported, "config.json"), p);
-    let checked = moeforge::dsl::check_str("tiny.moe", &text).unwrap_or_else(|d| panic!("{}", d.render(false)));
-    let id = moeforge::dsl::spec::DeployId(0);
-    let plan =
-        codegen::plan_deployment(&checked, id).unwrap_or_else(|d| panic!("{}", d.render(&checked.sources, false)));
-    let (b, _) = codegen::emit(&checked, id, &plan, &NvccMode::Off).unwrap();
-    b.write(out).unwrap();
-    load_bundle(out).unwrap()
+    compile_text(&cpu_deployment(&imported_block(&f.dir), p, 0.25), out)
 }
 
 fn max_rel(a: &[f32], b: &[f32]) -> f32 {

@@ -9,8 +9,8 @@
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
+use common::cpu_spec::{compile_text, cpu_deployment};
 use common::Rng;
-use moeforge::codegen::{self, NvccMode};
 use moeforge::plan::memory::Mode;
 use moeforge::plan::memory::TensorRole;
 use moeforge::runtime::engine::{Engine, Request};
@@ -18,7 +18,7 @@ use moeforge::runtime::policy::{Clock, Driver, Policy};
 use moeforge::runtime::twin::dense::Dense;
 use moeforge::runtime::twin::weights::{write_random, Checkpoint, Family};
 use moeforge::runtime::twin::{Twin, TwinModel};
-use moeforge::runtime::{load_bundle, LoadedBundle};
+use moeforge::runtime::LoadedBundle;
 use proptest::prelude::*;
 
 #[derive(Clone, Copy, Debug)]
@@ -47,19 +47,10 @@ fn spec(s: Shape, fraction: f64) -> String {
     } else {
         "routing softmax_topk { norm_topk = true }"
     };
-    format!(
+    let model = format!(
         r#"model tiny {{ layers = {layers} hidden = 64 vocab = 128 rope_theta = 10000 rms_eps = 1e-6 {dense}
   {attention}
-  moe {{ experts = {e} top_k = {k} expert_ffn = 32 {shared} {routing} }} }}
-cluster cpu {{ nodes = 1 gpus_per_node = {p}
-  gpu cpu {{ arch = sm_90a sms = 4 hbm = 256MB hbm_bandwidth = 1TB/s bf16 = 100TFLOP/s smem_per_sm = 228KiB smem_per_block = 227KiB }}
-  scale_up shm {{ bandwidth = 10GB/s latency = 1us }} }}
-tiles t {{ prefill {{ gate_up {{ block_m = 64 block_n = 64 block_k = 64 stages = 2 }} down {{ block_m = 64 block_n = 64 block_k = 64 stages = 2 }} }}
-  decode {{ gate_up {{ block_m = 64 block_n = 64 block_k = 64 stages = 2 }} down {{ block_m = 64 block_n = 64 block_k = 64 stages = 2 }} }} }}
-deploy tiny {{ model = tiny cluster = cpu tiles = t slo {{ ttft = 1s tpot = 50ms }}
-  workload {{ input = sharegpt output = sharegpt arrival poisson {{ rate = 1req/s }} }}
-  switch {{ t_high = 4 t_low = 2 window = 2 cooldown = 0s }} memory_fraction = {fraction} }}
-"#,
+  moe {{ experts = {e} top_k = {k} expert_ffn = 32 {shared} {routing} }} }}"#,
         layers = s.layers,
         attention = if s.mla {
             let dsa = if s.dsa { " index_heads = 4 index_head_dim = 16 index_topk = 3" } else { "" };
@@ -69,18 +60,8 @@ deploy tiny {{ model = tiny cluster = cpu tiles = t slo {{ ttft = 1s tpot = 50ms
         },
         e = s.experts,
         k = s.top_k,
-        p = s.p,
-    )
-}
-
-fn bundle(text: &str, dir: &std::path::Path) -> LoadedBundle {
-    let checked = moeforge::dsl::check_str("tiny.moe", text).unwrap_or_else(|f| panic!("{}", f.render(false)));
-    let id = moeforge::dsl::spec::DeployId(0);
-    let plan =
-        codegen::plan_deployment(&checked, id).unwrap_or_else(|d| panic!("{}", d.render(&checked.sources, false)));
-    let (b, _) = codegen::emit(&checked, id, &plan, &NvccMode::Off).unwrap();
-    b.write(dir).unwrap();
-    load_bundle(dir).unwrap()
+    );
+    cpu_deployment(&model, s.p, fraction)
 }
 
 struct Setup {
@@ -92,7 +73,7 @@ struct Setup {
 
 fn setup(s: Shape, family: Family, seed: u64, fraction: f64) -> Setup {
     let tmp = tempfile::tempdir().unwrap();
-    let b = bundle(&spec(s, fraction), &tmp.path().join("bundle"));
+    let b = compile_text(&spec(s, fraction), &tmp.path().join("bundle"));
     let model = TwinModel::from_spec(&b.spec.models[0]).unwrap();
     write_random(&model, seed, family, &tmp.path().join("weights")).unwrap();
     let ck = Checkpoint::load(&tmp.path().join("weights")).unwrap();
@@ -487,7 +468,7 @@ fn engine_streams_tokens_and_cancel_frees_kv() {
 fn driver_respects_the_plans_modes_and_submit_checks_sizes() {
     let tmp = tempfile::tempdir().unwrap();
     let text = spec(QWEN, 0.25).replace("switch { t_high = 4 t_low = 2 window = 2 cooldown = 0s }", "");
-    let b = bundle(&text, &tmp.path().join("bundle"));
+    let b = compile_text(&text, &tmp.path().join("bundle"));
     assert_eq!(b.plan.memory.modes, vec![Mode::Ep]);
     let model = TwinModel::from_spec(&b.spec.models[0]).unwrap();
     write_random(&model, 12, Family::Qwen3Moe, &tmp.path().join("w")).unwrap();

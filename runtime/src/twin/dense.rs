@@ -3,7 +3,7 @@
 //! request. No buffers, views, sharding or paging: it is what the twin's
 //! TP and EP runs are compared against.
 
-use super::math::{attend, bf16s, dsa_select, layer_norm, rms_norm, round_bf16, silu, Mat};
+use super::math::{attend, bf16s, dsa_select, layer_norm, rms_norm, round_bf16, silu, softmax_mix, Mat};
 use super::model::MlaShape;
 use super::weights::{Checkpoint, WeightsError};
 use super::TwinModel;
@@ -193,15 +193,7 @@ impl<'a> Dense<'a> {
                     key.zip(&qh).map(|(k, q)| k * q).sum::<f32>() * a.softmax_scale
                 })
                 .collect();
-            let mx = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let exps: Vec<f32> = scores.iter().map(|s| (s - mx).exp()).collect();
-            let sum: f32 = exps.iter().sum();
-            let mut o = vec![0f32; a.v_head];
-            for (&j, e) in selected.iter().zip(&exps) {
-                let v = &expanded[j][hq * kw + a.nope..(hq + 1) * kw];
-                o.iter_mut().zip(v).for_each(|(o, v)| *o += e / sum * v);
-            }
-            heads.extend(o);
+            heads.extend(softmax_mix(&scores, a.v_head, |i| &expanded[selected[i]][hq * kw + a.nope..(hq + 1) * kw]));
         }
         self.mat(&format!("{attn}.o_proj.weight")).matvec(&heads)
     }

@@ -4,7 +4,7 @@
 //! request's last position (greedy sampling). The weights come from the
 //! views of the current mode, selected by tensor role.
 
-use super::math::{attend, bf16s, dsa_select, layer_norm, put_bf16s, rms_norm, silu, Mat};
+use super::math::{attend, bf16s, dsa_select, layer_norm, put_bf16s, rms_norm, silu, softmax_mix, Mat};
 use super::model::MlaShape;
 use super::paging::KvGeom;
 use super::{Rank, Twin, TwinError, TwinModel};
@@ -447,13 +447,7 @@ impl Ctx {
                             (nope + rope) * a.softmax_scale
                         })
                         .collect();
-                    let mx = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    let exps: Vec<f32> = scores.iter().map(|s| (s - mx).exp()).collect();
-                    let sum: f32 = exps.iter().sum();
-                    let mut o_lat = vec![0f32; a.kv_lora];
-                    for (e, c) in exps.iter().zip(&cached) {
-                        o_lat.iter_mut().zip(&c[..a.kv_lora]).for_each(|(o, x)| *o += e / sum * x);
-                    }
+                    let o_lat = softmax_mix(&scores, a.kv_lora, |j| &cached[j][..a.kv_lora]);
                     heads.extend((0..a.v_head).map(|v| row(a.nope + v).zip(&o_lat).map(|(w, x)| w * x).sum::<f32>()));
                 }
                 o_proj.matvec(&heads)

@@ -144,13 +144,19 @@ pub fn silu(x: f32) -> f32 {
 pub fn attend(q: &[f32], n: usize, key: impl Fn(usize) -> Vec<f32>, value: impl Fn(usize) -> Vec<f32>) -> Vec<f32> {
     let scale = 1.0 / (q.len() as f32).sqrt();
     let scores: Vec<f32> = (0..n).map(|j| key(j).iter().zip(q).map(|(k, q)| k * q).sum::<f32>() * scale).collect();
+    softmax_mix(&scores, q.len(), value)
+}
+
+/// `Σ_j softmax(scores)_j · value(j)` over `width` values: the second half
+/// of every attention here (GQA, MLA's latent, the naive MLA reference).
+pub fn softmax_mix<V: AsRef<[f32]>>(scores: &[f32], width: usize, value: impl Fn(usize) -> V) -> Vec<f32> {
     let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let exps: Vec<f32> = scores.iter().map(|s| (s - m).exp()).collect();
     let sum: f32 = exps.iter().sum();
-    let mut out = vec![0f32; q.len()];
+    let mut out = vec![0f32; width];
     for (j, e) in exps.iter().enumerate() {
         let p = e / sum;
-        for (o, v) in out.iter_mut().zip(value(j)) {
+        for (o, v) in out.iter_mut().zip(value(j).as_ref()) {
             *o += p * v;
         }
     }
