@@ -386,7 +386,9 @@ pub fn layer_cost(r: &Routing, t: Topology, shape: LayerShape, cm: &CostModel, f
         .iter()
         .map(|per| {
             let ints: Vec<u64> = per.iter().map(|x| x.ceil() as u64).collect();
-            cm.moe_time(x_moe(&ints, m_t) as f64, cm.sms)
+            let active = ints.iter().filter(|&&r| r > 0).count() as f64;
+            let routed: f64 = per.iter().sum();
+            cm.moe_seconds(x_moe(&ints, m_t) as f64, active, routed, m_t as f64, 1.0, f64::from(cm.sms))
         })
         .collect();
     let nic_time: Vec<f64> = if flows.split {

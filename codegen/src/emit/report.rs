@@ -236,7 +236,7 @@ fn memory(s: &mut String, plan: &Plan, model: &moeforge_dsl::spec::Model) {
             s,
             "\nModeled time: every rank sends its share of the bytes over links at once, on the cost model's scale-up link ({} per direction at {:.0}% efficiency, plus its fixed cost); attention switches by view swap, KV moves per live page table.",
             crate::emit::report::gbs(plan.cluster.scale_up_bandwidth),
-            moeforge_plan::cost::LINK_EFFICIENCY * 100.0
+            plan.cost.calib.nvlink_efficiency * 100.0
         );
     }
     let _ = writeln!(s);

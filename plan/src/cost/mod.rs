@@ -13,7 +13,10 @@
 use moeforge_dsl::spec::{Cluster, DType, Model, Tiles};
 use serde::{Deserialize, Serialize};
 
+pub mod calib;
 pub mod step;
+
+pub use calib::Calibration;
 
 /// `t(x, s) = α + β·x + γ·x·s + δ·x·s²`, in seconds.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -132,6 +135,18 @@ pub fn expected_x_moe(routed: f64, total_experts: f64, experts: f64, m_t: f64) -
     experts * tiles
 }
 
+/// Expected number of the `experts` local experts that receive at least one
+/// of `routed` rows spread uniformly over `total_experts` (the first term
+/// of [`expected_x_moe`]'s sum: P(m > 0) = 1 − e^{−λ}).
+pub fn expected_active(routed: f64, total_experts: f64, experts: f64) -> f64 {
+    let lambda = routed / total_experts.max(1.0);
+    if lambda <= 0.0 {
+        0.0
+    } else {
+        experts * (1.0 - (-lambda).exp())
+    }
+}
+
 /// Complementary error function (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7).
 fn erfc(x: f64) -> f64 {
     let z = x.abs();
@@ -167,8 +182,21 @@ pub struct CostModel {
     pub attn_prefill: Fit,
     /// Decode attention of one layer on one GPU: x requests, s context length.
     pub attn_decode: Fit,
-    /// GateUp + Down grouped GEMMs of one MoE layer on one GPU with all SMs: x = x_moe.
+    /// GateUp + Down grouped GEMMs of one MoE layer on one GPU with all SMs:
+    /// x = x_moe, β the compute of one prefill-height (M_t) tile.
     pub moe: Fit,
+    /// Seconds one active expert's weights take to stream from HBM on the
+    /// whole GPU: its first tile costs max(β, this), its further tiles β (the
+    /// weights are then in L2). 0 under a measured profile, whose fit holds it.
+    #[serde(default)]
+    pub moe_expert_weights: f64,
+    /// Activation traffic per routed row: the row's input and its output
+    /// (seconds per row, not sliced under TP), and its GateUp output and Down
+    /// input (sliced under TP). 0 under a measured profile.
+    #[serde(default)]
+    pub moe_row_io: f64,
+    #[serde(default)]
+    pub moe_row_mid: f64,
     /// Dense FFN and shared experts of one layer: x tokens.
     pub ffn: Fit,
     /// Final norm and LM head: x tokens.
@@ -182,6 +210,10 @@ pub struct CostModel {
     /// Tile height M_t of each phase's grouped GEMM.
     pub m_t_prefill: u32,
     pub m_t_decode: u32,
+    /// The constants the components were derived with (and the
+    /// communication and iteration terms read at run time).
+    #[serde(default)]
+    pub calib: Calibration,
 }
 
 /// Q_max: the most SMs decode may hold under contention, in whole CTA
@@ -204,25 +236,11 @@ pub fn cta_cluster(c: &Cluster, t: &Tiles) -> u32 {
     }
 }
 
-/// Achieved fractions of peak the roofline assumes (DeepGEMM-class kernels
-/// reach ~70% of dense peak; copies reach ~85% of HBM bandwidth: the
-/// measured H200 here moves 4.3 of 4.8 TB/s, model-zoo.md).
-pub const COMPUTE_EFFICIENCY: f64 = 0.7;
-pub const MEMORY_EFFICIENCY: f64 = 0.85;
-/// Fixed cost of one kernel (launch under CUDA graphs, sync, tail).
-pub const OP_OVERHEAD: f64 = 5e-6;
 /// Kernels per component: attention (norm, QKV, RoPE, attention, output),
 /// MoE (router, permute, GateUp, Down, combine), FFN (norm, GateUp, Down), head.
 pub const ATTN_KERNELS: f64 = 5.0;
 pub const MOE_KERNELS: f64 = 5.0;
 pub const FFN_KERNELS: f64 = 3.0;
-/// Fixed cost of one dispatch or combine (kernel, signalling) and the
-/// fraction of link bandwidth small routed messages achieve. With these, 128
-/// decode tokens of a 7168-wide top-8 model dispatch (fp8) over H800 NVLink in
-/// ~73 µs and combine (bf16) in ~119 µs, next to DeepEP's measured 77 and
-/// 114 µs (model-zoo.md).
-pub const COMM_OVERHEAD: f64 = 25e-6;
-pub const LINK_EFFICIENCY: f64 = 0.7;
 
 /// What DeepSeek Sparse Attention (GLM-5) adds to the attention fit: the
 /// lightning indexer scores every cached token's index key
@@ -248,12 +266,23 @@ pub fn dsa_terms(m: &Model, flops: f64) -> Option<DsaTerms> {
 }
 
 impl CostModel {
-    /// Defaults from a roofline of the spec's GPU and links.
+    /// Defaults from a roofline of the spec's GPU and links with the
+    /// published constants.
     pub fn roofline(m: &Model, c: &Cluster, t: &Tiles) -> CostModel {
+        CostModel::roofline_with(m, c, t, Calibration::published())
+    }
+
+    /// The roofline with calibration `k` (the sensitivity report's perturbations).
+    pub fn roofline_with(m: &Model, c: &Cluster, t: &Tiles, k: Calibration) -> CostModel {
         let g = &c.gpu;
         let fp8 = m.dtype.experts == DType::Fp8E4m3;
-        let flops = if fp8 { g.fp8_flops.unwrap_or(g.bf16_flops) } else { g.bf16_flops } * COMPUTE_EFFICIENCY;
-        let bw = g.hbm_bandwidth * MEMORY_EFFICIENCY;
+        let flops = if fp8 { g.fp8_flops.unwrap_or(g.bf16_flops) } else { g.bf16_flops } * k.compute_efficiency;
+        // Attention's score and value products run in bf16 whatever the
+        // weights' format (FlashAttention-3 and FlashMLA as served).
+        let attn_flops = g.bf16_flops * k.compute_efficiency;
+        // Weights stream through small-M GEMMs; KV and activations are plain streams.
+        let gemm_bw = g.hbm_bandwidth * k.gemm_memory_efficiency;
+        let bw = g.hbm_bandwidth * k.stream_memory_efficiency;
         let (h, i) = (f64::from(m.hidden), f64::from(m.moe.expert_ffn));
         let elt = m.dtype.experts.bits_per_element(m.dtype.block_scale) / 8.0;
         let welt = m.dtype.weights.bits_per_element(m.dtype.block_scale) / 8.0;
@@ -267,41 +296,55 @@ impl CostModel {
             moeforge_dsl::spec::Attention::Gqa { head_dim, .. } => f64::from(head_dim),
             moeforge_dsl::spec::Attention::Mla { kv_lora, qk_rope, .. } => f64::from(kv_lora + qk_rope),
         };
-        let attn_weights = attn_params * welt / bw;
+        let attn_weights = attn_params * welt / gemm_bw;
+        let kernels = ATTN_KERNELS * k.op_overhead;
+        // Decode reads each cached token's KV and multiplies it into every
+        // head (scores and values, 4·heads·qk FLOPs: MLA's absorbed form
+        // multiplies the latent into all 128 heads, which makes it compute-bound).
         let mut attn_decode = Fit {
-            alpha: ATTN_KERNELS * OP_OVERHEAD + attn_weights,
+            alpha: kernels + attn_weights,
             beta: 2.0 * attn_params / flops,
-            gamma: kv_layer / bw,
+            gamma: (kv_layer / bw).max(4.0 * heads * qk / attn_flops),
             delta: 0.0,
         };
         // Prefill: x requests of s tokens; projections per token (γ·x·s),
         // causal scores per token pair (δ·x·s², 4·heads·d·s²/2 FLOPs).
         let mut attn_prefill = Fit {
-            alpha: ATTN_KERNELS * OP_OVERHEAD + attn_weights,
+            alpha: kernels + attn_weights,
             beta: 0.0,
             gamma: 2.0 * attn_params / flops + kv_layer / bw,
-            delta: 2.0 * heads * qk / flops,
+            delta: 2.0 * heads * qk / attn_flops,
         };
-        if let Some(d) = dsa_terms(m, flops) {
+        if let Some(d) = dsa_terms(m, attn_flops) {
             attn_decode.gamma += d.decode_gamma;
             attn_prefill.delta += d.prefill_delta;
         }
-        // One M_t-row tile of one expert: 6·M_t·H·I FLOPs against streaming the
-        // expert's weights (3·H·I·elt bytes); whichever bounds it.
+        // One M_t-row tile of one expert (6·M_t·H·I FLOPs) computes; the
+        // expert's first tile also streams its 3·H·I weights from HBM.
         let m_t = f64::from(t.prefill.gate_up.block_m);
-        let tile = (6.0 * m_t * h * i / flops).max(3.0 * h * i * elt / bw);
-        let moe = Fit { alpha: MOE_KERNELS * OP_OVERHEAD, beta: tile, gamma: 0.0, delta: 0.0 };
+        let moe = Fit { alpha: MOE_KERNELS * k.op_overhead, beta: 6.0 * m_t * h * i / flops, gamma: 0.0, delta: 0.0 };
+        let moe_expert_weights = 3.0 * h * i * elt / gemm_bw;
+        // Per routed row: its input (fp8 with one scale per 128, or bf16) is
+        // read and its bf16 output written; GateUp's activated output (I
+        // values) is written and read back by Down, in the experts' format.
+        let a_in = if fp8 { 1.0 + 4.0 / 128.0 } else { 2.0 };
+        let moe_row_io = (h * a_in + 2.0 * h) / bw;
+        let moe_row_mid = 2.0 * i * a_in / bw;
         let ffn_size =
             f64::from(m.moe.shared_experts * m.moe.shared_ffn) + m.dense.map_or(0.0, |d| f64::from(d.ffn) / layers);
         let ffn = Fit {
-            alpha: FFN_KERNELS * OP_OVERHEAD + 3.0 * h * ffn_size * welt / bw,
+            alpha: FFN_KERNELS * k.op_overhead + 3.0 * h * ffn_size * welt / gemm_bw,
             beta: 6.0 * h * ffn_size / flops,
             gamma: 0.0,
             delta: 0.0,
         };
         let vocab = f64::from(m.vocab);
-        let head =
-            Fit { alpha: OP_OVERHEAD + vocab * h * 2.0 / bw, beta: 2.0 * vocab * h / flops, gamma: 0.0, delta: 0.0 };
+        let head = Fit {
+            alpha: k.op_overhead + vocab * h * 2.0 / gemm_bw,
+            beta: 2.0 * vocab * h / flops,
+            gamma: 0.0,
+            delta: 0.0,
+        };
         let (out_bw, out_lat) = c
             .scale_out
             .as_ref()
@@ -311,6 +354,9 @@ impl CostModel {
             attn_prefill,
             attn_decode,
             moe,
+            moe_expert_weights,
+            moe_row_io,
+            moe_row_mid,
             ffn,
             head,
             links: Links {
@@ -325,13 +371,29 @@ impl CostModel {
             cluster: cta_cluster(c, t),
             m_t_prefill: t.prefill.gate_up.block_m,
             m_t_decode: t.decode.gate_up.block_m,
+            calib: k,
         }
     }
 
-    /// MoE time of one layer on one GPU for `x_moe` tiles with `q` of its SMs.
-    pub fn moe_time(&self, x_moe: f64, q: u32) -> f64 {
-        let share = f64::from(self.sms) / f64::from(q.max(1));
-        self.moe.alpha + (self.moe.eval(x_moe, 1.0) - self.moe.alpha) * share
+    /// MoE computation of one layer on one GPU with `q` of its SMs: `x`
+    /// tiles of the phase's height `m_t` (x_moe), `active` experts among
+    /// them, `rows` routed rows, every expert sliced `slice` ways (TP).
+    /// Compute scales with the SMs held; HBM streams do not (the bandwidth
+    /// is the GPU's, and a phase's tiles saturate it well before holding
+    /// every SM). Each active expert's first tile waits for its weights or
+    /// its compute, whichever is longer; its other tiles find them in L2.
+    pub fn moe_seconds(&self, x: f64, active: f64, rows: f64, m_t: f64, slice: f64, q: f64) -> f64 {
+        if x <= 0.0 {
+            return 0.0;
+        }
+        let share = f64::from(self.sms) / q.max(1.0);
+        let tile = (self.moe.eval(x, 1.0) - self.moe.alpha) / x * m_t / f64::from(self.m_t_prefill.max(1)) / slice;
+        let first = (tile * share).max(self.moe_expert_weights / slice);
+        let active = active.min(x);
+        self.moe.alpha
+            + tile * share * (x - active)
+            + first * active
+            + rows * (self.moe_row_io + self.moe_row_mid / slice)
     }
 
     /// Applies measured samples: every component with samples is refitted.
@@ -349,6 +411,12 @@ impl CostModel {
                 *fit = Fit::least_squares(&samples).map_err(|e| format!("component `{name}`: {e}"))?;
             }
         }
+        // A measured MoE fit holds the weight streams and activation traffic.
+        if profile.samples.iter().any(|s| s.component == "moe") {
+            self.moe_expert_weights = 0.0;
+            self.moe_row_io = 0.0;
+            self.moe_row_mid = 0.0;
+        }
         if let Some(s) = profile.samples.iter().find(|s| !COMPONENTS.contains(&s.component.as_str())) {
             return Err(format!("unknown component `{}` (known: {})", s.component, COMPONENTS.join(", ")));
         }
@@ -361,7 +429,9 @@ impl CostModel {
         if bytes <= 0.0 {
             0.0
         } else {
-            COMM_OVERHEAD + self.links.scale_up_latency + bytes / (self.links.scale_up_bw * LINK_EFFICIENCY)
+            self.calib.comm_floor
+                + self.links.scale_up_latency
+                + bytes / (self.links.scale_up_bw * self.calib.nvlink_efficiency)
         }
     }
 
@@ -416,7 +486,9 @@ impl CostModel {
         if bytes <= 0.0 || self.links.scale_out_bw <= 0.0 {
             0.0
         } else {
-            COMM_OVERHEAD + self.links.scale_out_latency + bytes / (self.links.scale_out_bw * LINK_EFFICIENCY)
+            self.calib.comm_floor
+                + self.links.scale_out_latency
+                + bytes / (self.links.scale_out_bw * self.calib.rdma_efficiency)
         }
     }
 }
@@ -499,26 +571,15 @@ mod tests {
         }
         let dense = CostModel::roofline(&dense_model, c, s.tile_set(d.tiles));
         let g = &c.gpu;
-        let fp8 = m.dtype.experts == DType::Fp8E4m3;
-        let flops = if fp8 { g.fp8_flops.unwrap_or(g.bf16_flops) } else { g.bf16_flops } * COMPUTE_EFFICIENCY;
-        let bw = g.hbm_bandwidth * MEMORY_EFFICIENCY;
+        let k = Calibration::published();
+        // Attention products run in bf16 (the model's experts are fp8).
+        let flops = g.bf16_flops * k.compute_efficiency;
+        let bw = g.hbm_bandwidth * k.stream_memory_efficiency;
         let extra_gamma = sparse.attn_decode.gamma - dense.attn_decode.gamma;
         let want = 128.0 * 2.0 / bw + 2.0 * 32.0 * 128.0 / flops;
         assert!((extra_gamma / want - 1.0).abs() < 1e-9, "{extra_gamma} vs {want}");
         let extra_delta = sparse.attn_prefill.delta - dense.attn_prefill.delta;
         assert!((extra_delta * flops / (32.0 * 128.0) - 1.0).abs() < 1e-9);
-    }
-
-    #[test]
-    fn low_latency_dispatch_is_near_deepep() {
-        let cm = roofline_of("minimax-m2-h800");
-        // DeepEP low-latency EP8 on H800, 128 tokens of DeepSeek-V3 (7168 wide,
-        // top-8; 7/8 of rows leave the GPU): dispatch in fp8 77 µs, combine in bf16 114 µs.
-        let rows = 128.0 * 8.0 * 7.0 / 8.0;
-        let dispatch = cm.nvlink(rows * 7168.0 * (1.0 + 4.0 / 128.0));
-        let combine = cm.nvlink(rows * 7168.0 * 2.0);
-        assert!((dispatch / 77e-6 - 1.0).abs() < 0.3, "dispatch {dispatch}");
-        assert!((combine / 114e-6 - 1.0).abs() < 0.3, "combine {combine}");
     }
 
     #[test]
@@ -529,9 +590,10 @@ mod tests {
         let direct = cm.dispatch(4096.0, row, k, 8.0, 1.0, 1.0, false);
         let dedup = cm.dispatch(4096.0, row, k, 8.0, 1.0, 1.0, true);
         let distinct = 8.0 * (1.0 - (7.0f64 / 8.0).powi(8));
-        let bw = cm.links.scale_up_bw * LINK_EFFICIENCY;
-        assert!(((direct - COMM_OVERHEAD - 2e-6) * bw / (4096.0 * row * k) - 1.0).abs() < 1e-9);
-        assert!(((dedup - COMM_OVERHEAD - 2e-6) * bw / (4096.0 * row * distinct) - 1.0).abs() < 1e-9);
+        let bw = cm.links.scale_up_bw * cm.calib.nvlink_efficiency;
+        let floor = cm.calib.comm_floor + 2e-6;
+        assert!(((direct - floor) * bw / (4096.0 * row * k) - 1.0).abs() < 1e-9);
+        assert!(((dedup - floor) * bw / (4096.0 * row * distinct) - 1.0).abs() < 1e-9);
         // Three nodes, a third local: RDMA carries one copy per remote node
         // (3(1 − (2/3)^8) − 1/3 ≈ 2.54 nodes), far less than the direct path's 2/3 of 8 copies.
         let hier = cm.dispatch(4096.0, row, k, 24.0, 3.0, 1.0 / 3.0, true);

@@ -16,7 +16,7 @@
 //! footprint x_moe = Σ⌈m_e/M_t⌉ of the rows each MoE GPU receives, executed
 //! on however many SMs the phase holds.
 
-use super::{expected_x_moe, CostModel, ATTN_KERNELS, FFN_KERNELS, OP_OVERHEAD};
+use super::{expected_active, expected_x_moe, CostModel, ATTN_KERNELS, FFN_KERNELS};
 use moeforge_dsl::spec::{Attention, Cluster, Deploy, Model, Tiles};
 
 /// What one attention group runs in an iteration: decode requests with
@@ -158,7 +158,8 @@ pub struct Env {
     /// metadata ([`crate::memory::Workspace`]).
     pub workspace: f64,
     /// One M_t × N_t tile of the prefill GateUp GEMM on one SM (seconds):
-    /// the most a decode preemption waits (§4.3).
+    /// the most a decode preemption waits (§4.3); on average it waits half
+    /// of it (each preempted cluster is at a uniformly random point of its tile).
     pub tile_seconds: f64,
     /// SMs per CTA cluster (q rounds up to a multiple).
     pub cluster: u32,
@@ -188,8 +189,11 @@ impl Env {
             usable: c.gpu.hbm as f64 * d.memory_fraction,
             workspace: workspace as f64,
             // β is one M_t-row tile of GateUp and Down (6·M_t·H·I FLOPs) across
-            // all N columns on the whole GPU; GateUp is 2/3 of it.
-            tile_seconds: cm.moe.beta * 2.0 / 3.0 * f64::from(cm.sms) / n_tiles,
+            // all N columns on the whole GPU at the GEMM's achieved efficiency;
+            // GateUp is 2/3 of it. One tile's main loop runs at the SM's
+            // tensor-core rate (the GEMM's efficiency losses are waves, tails
+            // and epilogues), so a single tile takes β·efficiency of it.
+            tile_seconds: cm.moe.beta * cm.calib.compute_efficiency * 2.0 / 3.0 * f64::from(cm.sms) / n_tiles,
             cluster: cm.cluster,
             cm: cm.clone(),
         }
@@ -230,7 +234,7 @@ impl Env {
         let rep = self.kv_fraction(width) * w;
         // Weights shard over the group; the per-kernel cost does not. A step
         // with prompts launches the prefill kernels (their fixed cost).
-        let fixed = ATTN_KERNELS * OP_OVERHEAD;
+        let fixed = ATTN_KERNELS * self.cm.calib.op_overhead;
         let alpha = if l.has_prefill() { p.alpha } else { a.alpha };
         let decode = a.beta * l.decode + (a.gamma * l.ctx + a.delta * l.ctx_sq) * rep;
         // Projections and KV writes per token, causal scores over the new
@@ -238,7 +242,7 @@ impl Env {
         let prefill = p.beta * l.prompts + p.gamma * l.prompt_tokens + p.delta * l.pairs + a.gamma * l.prefix * rep;
         let t = fixed + (alpha - fixed) / w + (decode + prefill) / w;
         let f = &self.cm.ffn;
-        let ffn_fixed = FFN_KERNELS * OP_OVERHEAD;
+        let ffn_fixed = FFN_KERNELS * self.cm.calib.op_overhead;
         let ffn = (ffn_fixed + (f.eval(l.tokens(), 0.0) - ffn_fixed) / w) / share;
         (t / share + 2.0 * self.all_reduce(l.tokens() * self.hidden * 2.0, width), ffn)
     }
@@ -255,16 +259,33 @@ impl Env {
 
     /// Dispatch + combine of one layer for an attention group sending
     /// `tokens` rows (the cost model's dispatch: hierarchical for prefill).
+    /// A prefill dispatch through receiver-count (normal-mode) kernels also
+    /// waits for the host to learn the counts; ExpertPlex's attention-initiated
+    /// one-sided writes into fixed slots (`disaggregated`) need no such exchange.
     fn moe_comm(&self, tokens: f64, width: u32, side: MoeSide, prefill: bool) -> f64 {
         match side {
             MoeSide::Tp { .. } => 0.0,
-            MoeSide::Ep { gpus, nodes, local, .. } => {
+            MoeSide::Ep { gpus, nodes, local, disaggregated, .. } => {
                 // A TP group's GPUs each send 1/width of its (replicated) rows.
                 let per_gpu = tokens / f64::from(width);
                 let (g, n) = (f64::from(gpus), f64::from(nodes.max(1)));
-                2.0 * self.cm.dispatch(per_gpu, self.hidden * 2.0, self.top_k, g, n, local, prefill)
+                let sync = if prefill && !disaggregated && tokens > 0.0 { self.cm.calib.normal_mode_sync } else { 0.0 };
+                2.0 * self.cm.dispatch(per_gpu, self.hidden * 2.0, self.top_k, g, n, local, prefill) + sync
             }
         }
+    }
+
+    /// Routed rows the busiest of `gpus` EP ranks receives when `rows` rows
+    /// spread uniformly: the maximum of `gpus` counts of mean μ = rows/gpus,
+    /// μ + √(2·ln(gpus)·μ) (the Gaussian extreme of Poisson counts), never
+    /// more than every row. Skewed expert popularity, which placement
+    /// (EPLB, Zepp) counters, comes on top and is not modeled here.
+    pub fn busiest_rows(rows: f64, gpus: u32) -> f64 {
+        if gpus <= 1 || rows <= 0.0 {
+            return rows.max(0.0);
+        }
+        let mu = rows / f64::from(gpus);
+        (mu + (2.0 * f64::from(gpus).ln() * mu).sqrt()).min(rows)
     }
 
     /// Expected decode footprint x_moe of one MoE GPU receiving from `rows` routed rows.
@@ -276,20 +297,33 @@ impl Env {
         expected_x_moe(rows, self.experts, local, f64::from(self.cm.m_t_decode))
     }
 
-    /// MoE computation of one layer on an MoE GPU with the expected footprint
-    /// (uniform routing: the busiest GPU's imbalance is not modeled).
+    /// MoE computation of one layer on the busiest MoE GPU: EP ranks hold
+    /// `experts / gpus` whole experts and the busiest receives
+    /// [`Env::busiest_rows`]; TP ranks hold a 1/width slice of every expert
+    /// and each runs all of its group's rows (balanced by construction, but
+    /// every rank reads and writes every row's activations).
     pub fn moe(&self, rows: f64, side: MoeSide, prefill: bool, sms: Sms) -> f64 {
         if rows <= 0.0 {
             return 0.0;
         }
         let cm = &self.cm;
         let m_t = f64::from(if prefill { cm.m_t_prefill } else { cm.m_t_decode });
-        let (x, slice) = match side {
-            MoeSide::Ep { gpus, .. } => (expected_x_moe(rows, self.experts, self.experts / f64::from(gpus), m_t), 1.0),
-            MoeSide::Tp { width } => (expected_x_moe(rows, self.experts, self.experts, m_t), f64::from(width)),
+        let (x, active, on_gpu, slice) = match side {
+            MoeSide::Ep { gpus, .. } => {
+                let local = self.experts / f64::from(gpus.max(1));
+                // The busiest rank's rows, as if all ranks received that many.
+                let busiest = Self::busiest_rows(rows, gpus) * f64::from(gpus.max(1));
+                let x = expected_x_moe(busiest, self.experts, local, m_t);
+                (x, expected_active(busiest, self.experts, local), busiest / f64::from(gpus.max(1)), 1.0)
+            }
+            MoeSide::Tp { width } => (
+                expected_x_moe(rows, self.experts, self.experts, m_t),
+                expected_active(rows, self.experts, self.experts),
+                rows,
+                f64::from(width),
+            ),
         };
-        let work = (cm.moe.eval(x, 1.0) - cm.moe.alpha) * f64::from(cm.sms) / slice;
-        let on = |q: f64| cm.moe.alpha + work / q.max(1.0);
+        let on = |q: f64| cm.moe_seconds(x, active, on_gpu, m_t, slice, q);
         (1.0 - sms.contention) * on(sms.alone) + sms.contention * (on(sms.shared) + sms.preempt)
     }
 
@@ -339,7 +373,8 @@ impl Env {
         let dense = attn + ffn;
         let heads = groups.iter().map(|g| g.decode + g.prompts).fold(0.0, f64::max);
         let head = self.cm.head.alpha + (self.cm.head.eval(heads, 0.0) - self.cm.head.alpha) / f64::from(width);
-        let seconds = self.moe_layers * layer + self.dense_layers * dense + head;
+        // Scheduling, sampling and the DP batch sync, once per iteration.
+        let seconds = self.moe_layers * layer + self.dense_layers * dense + head + self.cm.calib.iteration_overhead;
         // Work always takes time: a fitted profile with negative terms must not
         // stall or reverse the clock (the simulator rejects such profiles).
         Iter {

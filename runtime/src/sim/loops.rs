@@ -412,7 +412,7 @@ pub(super) fn split(
                     let q1 =
                         (f64::from(q) * x / x_star.max(1e-9) / f64::from(env.cluster)).ceil() * f64::from(env.cluster);
                     dec.last_q = q1.clamp(f64::from(env.cluster), f64::from(q_max));
-                    (1.0, Sms { alone: sms, shared: dec.last_q, contention: p_moe, preempt: env.tile_seconds }, 0.0)
+                    (1.0, Sms { alone: sms, shared: dec.last_q, contention: p_moe, preempt: env.tile_seconds / 2.0 }, 0.0)
                 }
                 Sharing::Green { prefill_share } => {
                     let q = sms * (1.0 - prefill_share);

@@ -1,0 +1,129 @@
+//! The calibrated constants of the cost model, each from a published
+//! measurement (or marked *assumed* where no published figure exists), in one
+//! value the cost model carries, the simulator reads and
+//! `moeforge simulate --sensitivity` perturbs.
+//!
+//! Sources (all H800 unless stated):
+//! - DeepGEMM README (Feb 2025, NVCC 12.8): contiguous grouped GEMMs (prefill
+//!   layout) reach 1297–1346 TFLOP/s of the 1979 TFLOP/s fp8 peak; dense
+//!   M = 64 GEMMs, memory-bound, move 1688–2668 GB/s (median 2388) of 3350.
+//! - DeepEP README (V1): intranode EP8 normal kernels 153 GB/s dispatch and
+//!   158 GB/s combine over NVLink (H800: 200 GB/s per direction); internode
+//!   EP16 43 GB/s per 50 GB/s CX7 NIC; low-latency kernels (128 tokens, 7168
+//!   wide, top-8) 77–194 µs dispatch and 114–369 µs combine over EP8–EP256.
+//! - model-zoo.md: the H200 here copies device-to-device at 4.3 of 4.8 TB/s.
+
+use serde::{Deserialize, Serialize};
+
+/// The constants; [`Calibration::published`] is the cited set.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Calibration {
+    /// Fraction of dense tensor-core peak a compute-bound grouped GEMM tile
+    /// reaches: DeepGEMM contiguous grouped 1297–1346 of 1979 TFLOP/s (0.66–0.68).
+    pub compute_efficiency: f64,
+    /// Fraction of HBM bandwidth a memory-bound GEMM streams its weights at:
+    /// DeepGEMM M = 64 dense GEMMs, median 2388 of 3350 GB/s.
+    pub gemm_memory_efficiency: f64,
+    /// Fraction of HBM bandwidth streaming reads and copies (KV, activations)
+    /// reach: 4.3 of 4.8 TB/s measured on the H200 here (model-zoo.md).
+    pub stream_memory_efficiency: f64,
+    /// Fraction of per-direction NVLink bandwidth dispatch and combine reach:
+    /// DeepEP intranode EP8 153 (dispatch) / 158 (combine) GB/s of H800's 200.
+    pub nvlink_efficiency: f64,
+    /// Fraction of a NIC's line rate cross-node dispatch and combine reach:
+    /// DeepEP internode EP16 43 GB/s of a 50 GB/s (400 Gb/s) CX7.
+    pub rdma_efficiency: f64,
+    /// Fixed cost of one dispatch or combine kernel (launch, signalling,
+    /// completion). DeepEP's low-latency table is, from EP16 to EP256, its
+    /// remote bytes at `rdma_efficiency` plus a constant: 194 µs at EP256
+    /// less 7.3 MB at 43 GB/s leaves 24 µs. The constant does not grow with
+    /// the number of destinations (EP16: 118 − 88 = 30 µs, EP128: 192 − 165 = 27).
+    pub comm_floor: f64,
+    /// Host round trip of a normal-mode (receiver-count) dispatch: DeepEP's
+    /// normal kernels make the CPU wait for the received counts before
+    /// allocating (its README), once per MoE layer of a prefill step.
+    /// *Assumed* (no published latency): one device→host→device round trip.
+    pub normal_mode_sync: f64,
+    /// Fixed cost of one kernel under CUDA graphs (launch gap, tail wave).
+    /// *Assumed*.
+    pub op_overhead: f64,
+    /// Fixed cost of one serving iteration outside the forward pass:
+    /// scheduling, sampling, the DP batch-size sync and the graph launch.
+    /// *Assumed*; SGLang's overlap scheduler hides most of the CPU work.
+    pub iteration_overhead: f64,
+}
+
+impl Default for Calibration {
+    fn default() -> Calibration {
+        Calibration::published()
+    }
+}
+
+impl Calibration {
+    /// The cited constants.
+    pub const fn published() -> Calibration {
+        Calibration {
+            compute_efficiency: 1320.0 / 1979.0,
+            gemm_memory_efficiency: 2388.0 / 3350.0,
+            stream_memory_efficiency: 4.3 / 4.8,
+            nvlink_efficiency: 153.0 / 200.0,
+            rdma_efficiency: 43.0 / 50.0,
+            comm_floor: 24e-6,
+            normal_mode_sync: 20e-6,
+            op_overhead: 5e-6,
+            iteration_overhead: 1e-3,
+        }
+    }
+
+    /// Every constant by name, with its value and where it comes from.
+    pub fn entries(&self) -> [(&'static str, f64, &'static str); 9] {
+        [
+            ("compute_efficiency", self.compute_efficiency, "DeepGEMM contiguous grouped GEMM, 1297–1346 of 1979 TFLOP/s"),
+            ("gemm_memory_efficiency", self.gemm_memory_efficiency, "DeepGEMM M=64 dense GEMMs, median 2388 of 3350 GB/s"),
+            ("stream_memory_efficiency", self.stream_memory_efficiency, "H200 device copy, 4.3 of 4.8 TB/s (model-zoo.md)"),
+            ("nvlink_efficiency", self.nvlink_efficiency, "DeepEP intranode EP8, 153 of 200 GB/s"),
+            ("rdma_efficiency", self.rdma_efficiency, "DeepEP internode EP16, 43 of 50 GB/s"),
+            ("comm_floor", self.comm_floor, "DeepEP low-latency EP256 dispatch less its bytes"),
+            ("normal_mode_sync", self.normal_mode_sync, "assumed: one host round trip per normal-mode dispatch"),
+            ("op_overhead", self.op_overhead, "assumed: one kernel under CUDA graphs"),
+            ("iteration_overhead", self.iteration_overhead, "assumed: scheduling, sampling, DP sync per step"),
+        ]
+    }
+
+    /// The same constants with `name` scaled by `factor`; `None` for an unknown name.
+    pub fn scaled(&self, name: &str, factor: f64) -> Option<Calibration> {
+        let mut c = *self;
+        let v = match name {
+            "compute_efficiency" => &mut c.compute_efficiency,
+            "gemm_memory_efficiency" => &mut c.gemm_memory_efficiency,
+            "stream_memory_efficiency" => &mut c.stream_memory_efficiency,
+            "nvlink_efficiency" => &mut c.nvlink_efficiency,
+            "rdma_efficiency" => &mut c.rdma_efficiency,
+            "comm_floor" => &mut c.comm_floor,
+            "normal_mode_sync" => &mut c.normal_mode_sync,
+            "op_overhead" => &mut c.op_overhead,
+            "iteration_overhead" => &mut c.iteration_overhead,
+            _ => return None,
+        };
+        *v *= factor;
+        Some(c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_entry_can_be_scaled_by_its_name() {
+        let c = Calibration::published();
+        for (name, value, source) in c.entries() {
+            let s = c.scaled(name, 1.2).expect(name);
+            let moved: Vec<_> = s.entries().iter().zip(c.entries()).filter(|(a, b)| a.1 != b.1).map(|(a, _)| a.0).collect();
+            assert_eq!(moved, vec![name], "{name}");
+            assert!((s.entries().iter().find(|e| e.0 == name).map_or(0.0, |e| e.1) / value - 1.2).abs() < 1e-12);
+            assert!(!source.is_empty());
+        }
+        assert!(c.scaled("l2", 2.0).is_none());
+    }
+}

@@ -1,0 +1,208 @@
+//! Anchors: published measurements the cost model and the simulator must
+//! reproduce from their mechanisms, each with the paper's setup and a stated
+//! tolerance (±20% unless argued otherwise at the test). The constants the
+//! model uses (`moeforge_plan::cost::Calibration`, each citing its source)
+//! come from *other* figures than the ones pinned here: where one table both
+//! sets a constant and is pinned, the test says which entry set it and pins
+//! only the others.
+
+#![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use moeforge::codegen::{plan_deployment, ValidPlan};
+use moeforge::dsl::spec::DeployId;
+use moeforge::dsl::{check_paths, Checked, FsLoader, Spec};
+use moeforge::plan::cost::step::{Env, Load, MoeSide, Sms};
+use moeforge::plan::memory::Workspace;
+use moeforge::plan::cost::{CostModel, Links};
+use moeforge::runtime::sim::report::Probe;
+use moeforge::runtime::sim::{Bench, System};
+
+struct Fixture {
+    spec: Spec,
+    planned: ValidPlan,
+}
+
+fn fixture(name: &str) -> Fixture {
+    let checked: Checked = check_paths(&[common::root().join(format!("examples/{name}.moe"))], &FsLoader)
+        .unwrap_or_else(|f| panic!("{}", f.render(false)));
+    let planned = plan_deployment(&checked, DeployId(0)).unwrap_or_else(|d| panic!("{d:?}"));
+    Fixture { spec: checked.spec.deployment(DeployId(0)), planned }
+}
+
+impl Fixture {
+    fn bench(&self) -> Bench<'_> {
+        Bench::new(&self.spec, self.planned.plan()).unwrap()
+    }
+    fn cost(&self) -> &CostModel {
+        &self.planned.plan().cost
+    }
+    /// The shared quantities with the papers' DeepGEMM prefill tile: ExpertPlex
+    /// §4.1, "CTA tiles of at most a 128×192 output block with a 128-wide reduction tile".
+    fn env_with_paper_tiles(&self) -> Env {
+        let d = &self.spec.deploys[0];
+        let (m, c) = (self.spec.model(d.model), self.spec.cluster(d.cluster));
+        let mut t = self.spec.tile_set(d.tiles).clone();
+        t.prefill.gate_up.block_n = 192;
+        let ws = Workspace::of(m, false).bytes();
+        Env::new(m, c, &t, d, &CostModel::roofline(m, c, &t), ws)
+    }
+}
+
+/// `got` within `tol` (a fraction) of the published `want`.
+fn near(what: &str, got: f64, want: f64, tol: f64) {
+    let err = got / want - 1.0;
+    assert!(
+        err.abs() <= tol,
+        "{what}: modeled {got:.4e}, published {want:.4e} ({:+.0}%, tolerance ±{:.0}%)",
+        err * 100.0,
+        tol * 100.0
+    );
+    eprintln!("{what}: modeled {got:.4e}, published {want:.4e} ({:+.1}%)", err * 100.0);
+}
+
+/// DeepEP V1's low-latency kernels on H800 (README): 128 tokens per rank,
+/// 7168 wide, top-8, fp8 dispatch (7168 + 56·4 scale bytes per row), bf16
+/// combine, one 400 Gb/s CX7 per GPU, each (token, expert) pair sent
+/// directly. `comm_floor` was set from the EP256 dispatch entry and
+/// `rdma_efficiency` from the normal kernels' EP16 figure; every other entry
+/// is pinned here. EP8 runs inside one node, over NVLink.
+#[test]
+fn deepep_low_latency_table() {
+    let f = fixture("glm-5-h800x24");
+    let mut cm = f.cost().clone();
+    cm.links = Links {
+        scale_up_bw: 200e9,
+        scale_up_latency: 2e-6,
+        scale_out_bw: 50e9,
+        scale_out_latency: 5e-6,
+        nodes: 1,
+        gpus_per_node: 8,
+    };
+    let (tokens, k) = (128.0, 8.0);
+    let (fp8_row, bf16_row) = (7168.0 + 56.0 * 4.0, 7168.0 * 2.0);
+    let one_way = |row: f64, ep: f64| {
+        let nodes = (ep / 8.0).max(1.0);
+        cm.dispatch(tokens, row, k, ep, nodes, 1.0 / nodes, false)
+    };
+    for (ep, dispatch, combine) in
+        [(8.0, 77e-6, 114e-6), (16.0, 118e-6, 195e-6), (32.0, 155e-6, 273e-6), (64.0, 173e-6, 314e-6), (128.0, 192e-6, 369e-6)]
+    {
+        near(&format!("DeepEP LL dispatch EP{ep}"), one_way(fp8_row, ep), dispatch, 0.2);
+        near(&format!("DeepEP LL combine EP{ep}"), one_way(bf16_row, ep), combine, 0.2);
+    }
+    near("DeepEP LL combine EP256", one_way(bf16_row, 256.0), 360e-6, 0.2);
+}
+
+/// ExpertPlex §4.1: with EP4 on MiniMax-M2, decode grouped GEMMs with eight
+/// active experts take 17.7–34.7 µs: Down (a third of an expert's weights)
+/// is the short end, GateUp (two thirds) the long one. Memory-bound, so the
+/// model's time is the weight stream at DeepGEMM's small-M bandwidth.
+#[test]
+fn expertplex_decode_gemms_with_eight_active_experts() {
+    let f = fixture("minimax-m2-h800");
+    let cm = f.cost();
+    let m_t = f64::from(cm.m_t_decode);
+    // GateUp + Down of 8 experts, 8 rows each (one tile per expert), on every SM.
+    let both = cm.moe_seconds(8.0, 8.0, 64.0, m_t, 1.0, f64::from(cm.sms)) - cm.moe.alpha;
+    near("MiniMax-M2 EP4 decode GateUp, 8 experts", both * 2.0 / 3.0, 34.7e-6, 0.2);
+    near("MiniMax-M2 EP4 decode Down, 8 experts", both / 3.0, 17.7e-6, 0.2);
+}
+
+/// ExpertPlex Fig. 15: every MiniMax-M2 MoE GEMM reaches a tile boundary
+/// within 10.7 µs: the prefill GateUp tile (the longest) on one SM, with
+/// the paper's 128×192 tile.
+#[test]
+fn expertplex_gemm_preemption_interval() {
+    let f = fixture("minimax-m2-h800");
+    near("MiniMax-M2 GEMM preemption interval", f.env_with_paper_tiles().tile_seconds, 10.7e-6, 0.2);
+}
+
+/// ExpertPlex Fig. 12: under APK, a GLM-5-shaped decode grouped GEMM (128
+/// tokens, eight active experts) launched while a prefill GEMM (8192 tokens)
+/// runs is 1.08× slower than alone. Modeled: decode's clusters join after a
+/// mean half prefill tile, and its weight stream does not slow on fewer SMs.
+/// Tolerance ±0.04 on the ratio (half the published excess, read off a bar chart).
+#[test]
+fn apk_decode_slowdown_under_sharing() {
+    let f = fixture("glm-5-h800x24");
+    let e = f.env_with_paper_tiles();
+    let cm = &e.cm;
+    let m_t = f64::from(cm.m_t_decode);
+    let x = 8.0 * (128.0 / m_t).ceil();
+    let alone = cm.moe_seconds(x, 8.0, 1024.0, m_t, 1.0, f64::from(cm.sms));
+    let q = f64::from(moeforge::plan::cost::q_max(cm.sms, cm.cluster));
+    let shared = cm.moe_seconds(x, 8.0, 1024.0, m_t, 1.0, q) + e.tile_seconds / 2.0;
+    let slowdown = shared / alone;
+    eprintln!("APK decode slowdown under sharing: modeled {slowdown:.3}, published 1.08");
+    assert!((slowdown - 1.08).abs() <= 0.04, "APK decode slowdown {slowdown:.3} (published 1.08)");
+}
+
+/// One decode iteration of `b` requests with `ctx` cached tokens each on
+/// Qwen3-235B-A22B, 8×H200: TP8 (one group), or DP8 attention + EP8.
+fn qwen3_steps(b: &Bench, batch: f64, ctx: f64) -> (f64, f64) {
+    let e = &b.env;
+    let tp = e.iteration(&[Load::decode(batch, batch * ctx)], 8, 1.0, MoeSide::Tp { width: 8 }, Sms::all(e.cm.sms), 0.0);
+    let side = MoeSide::Ep { gpus: 8, nodes: 1, replicas: 1, local: 1.0, disaggregated: false };
+    let loads: Vec<Load> = (0..8).map(|_| Load::decode(batch / 8.0, batch / 8.0 * ctx)).collect();
+    let ep = e.iteration(&loads, 1, 1.0, side, Sms::all(e.cm.sms), 0.0);
+    (tp.seconds, ep.seconds)
+}
+
+/// Moebius §2 (Fig. 1, Fig. 3): Qwen3-235B-A22B on 8×H200 crosses from TP
+/// to EP between global batch 128 and 256.
+#[test]
+fn moebius_tp_ep_crossover() {
+    let f = fixture("qwen3-235b-a22b-bursty");
+    let b = f.bench();
+    let (tp, ep) = qwen3_steps(&b, 128.0, 1000.0);
+    assert!(tp < ep, "B = 128: TP {tp} should beat EP {ep}");
+    let (tp, ep) = qwen3_steps(&b, 256.0, 1000.0);
+    assert!(ep < tp, "B = 256: EP {ep} should beat TP {tp}");
+}
+
+/// Moebius §6.2: in the bursty trace's quiet period (1–5 req/s, prompts of
+/// 300–700 tokens, outputs of 800–1200) static TP decodes at 37 ms per
+/// token. Setup: 3 req/s × ~1000 outputs × 37 ms ≈ 111 requests in flight
+/// (Little's law), each ~1000 tokens cached on average.
+///
+/// The same period's EP TPOT (52 ms) is *not* met: the model gives ~34 ms;
+/// see `moeforge simulate --sensitivity` and the cost-model section of the
+/// README for the constant that would close it.
+#[test]
+fn moebius_quiet_period_tp_tpot() {
+    let f = fixture("qwen3-235b-a22b-bursty");
+    let b = f.bench();
+    let (tp, _) = qwen3_steps(&b, 111.0, 1000.0);
+    near("Qwen3-235B TP8 quiet-period TPOT", tp, 37e-3, 0.2);
+}
+
+/// Moebius §6.4: the EP→TP expert-weight reshard of Qwen3-235B-A22B on
+/// 8×H200 takes 152 ms.
+#[test]
+fn moebius_weight_reshard() {
+    let f = fixture("qwen3-235b-a22b-h200");
+    let plan = f.planned.plan();
+    let rs = plan.memory.reshard.as_ref().expect("the dual-mode plan has a reshard");
+    near("Qwen3-235B EP→TP weight reshard", plan.cost.reshard_seconds(&rs.ep_to_tp, &plan.memory), 152e-3, 0.2);
+}
+
+/// ExpertPlex §7.2 (Fig. 7), MiniMax-M2 on ShareGPT, one 8×H800 node:
+/// ExpertPlex is ahead of instance-level PD (2.01×), colocated (2.72×) and
+/// chunked prefill (5.65×). The order is pinned; the modeled ratios are
+/// printed by `moeforge simulate` beside the published ones.
+#[test]
+fn expertplex_leads_pd_colocated_and_chunked_on_minimax_sharegpt() {
+    let f = fixture("minimax-m2-h800");
+    let b = f.bench();
+    let probe = Probe { seconds: 30.0, seed: 1 };
+    let best = |s: System| {
+        b.deployments(s).unwrap().iter().map(|d| b.goodput(d, 8.0, probe)).fold(0.0, f64::max)
+    };
+    let xp = best(System::ExpertPlex);
+    for s in [System::PdDisagg, System::Colocated, System::ChunkedPrefill] {
+        let g = best(s);
+        assert!(xp > g, "expertplex {xp:.2} req/s vs {} {g:.2}", s.name());
+    }
+}
