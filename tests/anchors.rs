@@ -14,8 +14,8 @@ use moeforge::codegen::{plan_deployment, ValidPlan};
 use moeforge::dsl::spec::DeployId;
 use moeforge::dsl::{check_paths, Checked, FsLoader, Spec};
 use moeforge::plan::cost::step::{Env, Load, MoeSide, Sms};
-use moeforge::plan::memory::Workspace;
 use moeforge::plan::cost::{CostModel, Links};
+use moeforge::plan::memory::Workspace;
 use moeforge::runtime::sim::report::Probe;
 use moeforge::runtime::sim::{Bench, System};
 
@@ -86,9 +86,13 @@ fn deepep_low_latency_table() {
         let nodes = (ep / 8.0).max(1.0);
         cm.dispatch(tokens, row, k, ep, nodes, 1.0 / nodes, false)
     };
-    for (ep, dispatch, combine) in
-        [(8.0, 77e-6, 114e-6), (16.0, 118e-6, 195e-6), (32.0, 155e-6, 273e-6), (64.0, 173e-6, 314e-6), (128.0, 192e-6, 369e-6)]
-    {
+    for (ep, dispatch, combine) in [
+        (8.0, 77e-6, 114e-6),
+        (16.0, 118e-6, 195e-6),
+        (32.0, 155e-6, 273e-6),
+        (64.0, 173e-6, 314e-6),
+        (128.0, 192e-6, 369e-6),
+    ] {
         near(&format!("DeepEP LL dispatch EP{ep}"), one_way(fp8_row, ep), dispatch, 0.2);
         near(&format!("DeepEP LL combine EP{ep}"), one_way(bf16_row, ep), combine, 0.2);
     }
@@ -143,7 +147,8 @@ fn apk_decode_slowdown_under_sharing() {
 /// Qwen3-235B-A22B, 8×H200: TP8 (one group), or DP8 attention + EP8.
 fn qwen3_steps(b: &Bench, batch: f64, ctx: f64) -> (f64, f64) {
     let e = &b.env;
-    let tp = e.iteration(&[Load::decode(batch, batch * ctx)], 8, 1.0, MoeSide::Tp { width: 8 }, Sms::all(e.cm.sms), 0.0);
+    let tp =
+        e.iteration(&[Load::decode(batch, batch * ctx)], 8, 1.0, MoeSide::Tp { width: 8 }, Sms::all(e.cm.sms), 0.0);
     let side = MoeSide::Ep { gpus: 8, nodes: 1, replicas: 1, local: 1.0, disaggregated: false };
     let loads: Vec<Load> = (0..8).map(|_| Load::decode(batch / 8.0, batch / 8.0 * ctx)).collect();
     let ep = e.iteration(&loads, 1, 1.0, side, Sms::all(e.cm.sms), 0.0);
@@ -197,9 +202,7 @@ fn expertplex_leads_pd_colocated_and_chunked_on_minimax_sharegpt() {
     let f = fixture("minimax-m2-h800");
     let b = f.bench();
     let probe = Probe { seconds: 30.0, seed: 1 };
-    let best = |s: System| {
-        b.deployments(s).unwrap().iter().map(|d| b.goodput(d, 8.0, probe)).fold(0.0, f64::max)
-    };
+    let best = |s: System| b.deployments(s).unwrap().iter().map(|d| b.goodput(d, 8.0, probe)).fold(0.0, f64::max);
     let xp = best(System::ExpertPlex);
     for s in [System::PdDisagg, System::Colocated, System::ChunkedPrefill] {
         let g = best(s);

@@ -251,3 +251,46 @@ fn a_profile_with_negative_latencies_is_refused() {
     let err = Bench::new(&spec, planned.plan()).err().unwrap_or_default();
     assert!(err.contains("`moe`") && err.contains("non-negative"), "{err}");
 }
+
+#[test]
+fn sensitivity_moves_one_constant_at_a_time_and_memory_bound_decode_follows_bandwidth() {
+    let f = fixture("minimax-m2-h800");
+    let b = f.bench();
+    let probe = Probe { seconds: 10.0, seed: 1 };
+    let rows = b.sensitivity(&[System::ExpertPlex, System::Colocated, System::StaticTp], probe, &[0.8, 1.2]).unwrap();
+    let n = moeforge::plan::cost::Calibration::published().entries().len();
+    assert_eq!(rows.len(), 1 + 2 * n);
+    // Systems that cannot run here (no TP mode) are left out, not reported as zero.
+    assert!(rows
+        .iter()
+        .all(|r| r.goodput.iter().map(|g| g.0).collect::<Vec<_>>() == [System::ExpertPlex, System::Colocated]));
+    let xp = |name: &str, factor: f64| {
+        rows.iter().find(|r| r.constant == Some(name) && r.factor == factor).unwrap().goodput[0].1
+    };
+    // ExpertPlex's decode streams expert weights: more bandwidth, more goodput.
+    assert!(xp("gemm_memory_efficiency", 1.2) > rows[0].goodput[0].1);
+    assert!(xp("gemm_memory_efficiency", 0.8) < rows[0].goodput[0].1);
+    let table = moeforge::runtime::sim::report::sensitivity_table(&rows, 1);
+    assert_eq!(table.lines().count(), rows.len() + 2, "{table}");
+}
+
+#[test]
+fn a_step_with_prompt_tokens_runs_eagerly_and_mixed_chunks_keep_decoding() {
+    let f = fixture("minimax-m2-h800");
+    let b = f.bench();
+    let e = &b.env;
+    let side = MoeSide::Ep { gpus: 8, nodes: 1, replicas: 1, local: 1.0, disaggregated: false };
+    let sms = Sms::all(e.cm.sms);
+    let decode = Load::decode(4.0, 4000.0);
+    let mixed = decode.mixed(Load::prompts(1.0, 512.0));
+    assert_eq!((mixed.decode, mixed.ctx, mixed.prompts, mixed.prompt_tokens), (4.0, 4000.0, 1.0, 512.0));
+    let graph = e.iteration(&[decode], 1, 1.0, side, sms, 0.0).seconds;
+    let eager = e.iteration(&[mixed], 1, 1.0, side, sms, 0.0).seconds;
+    let host = (e.moe_layers + e.dense_layers) * e.cm.calib.eager_layer;
+    assert!(eager >= host && graph < host, "graph {graph}, eager {eager}, host floor {host}");
+    // A prompt of eight chunks takes eight eager iterations before its first token.
+    let chunked = b.deployments(System::ChunkedPrefill).unwrap().remove(0);
+    let Phases::Unified { chunk: Some(c), .. } = chunked.phases else { panic!() };
+    let out = b.simulate(&chunked, &[req(0.0, 8 * c as u32, 2)]);
+    assert!(out[0].ttft.unwrap() >= 8.0 * host, "{:?}", out[0]);
+}

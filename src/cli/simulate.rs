@@ -38,6 +38,10 @@ pub struct Args {
     /// A measured latency profile (JSON samples) that overrides the roofline cost model.
     #[arg(long)]
     profile: Option<PathBuf>,
+    /// Also report how each headline ratio moves when each calibrated
+    /// constant of the cost model moves ±20% (writes sensitivity.txt).
+    #[arg(long)]
+    sensitivity: bool,
 }
 
 pub fn run(a: Args) -> Result<(), ExitCode> {
@@ -72,11 +76,22 @@ pub fn run(a: Args) -> Result<(), ExitCode> {
         let d = spec.deploy(moeforge::dsl::spec::DeployId(0));
         bench = bench.with_search(codegen::passes::search::search(&spec, d, &plan.plan().cost));
     }
-    let (text, files) = compare(&bench, &systems, &a);
+    let (mut text, mut files) = compare(&bench, &systems, &a);
+    if a.sensitivity {
+        let probe = Probe { seconds: a.seconds, seed: a.seed };
+        let rows = bench
+            .sensitivity(&systems, probe, &[0.8, 1.2])
+            .map_err(|e| error(e, "run --sensitivity without --profile"))?;
+        let table = report::sensitivity_table(&rows, bench.env.nodes);
+        text.push_str("\nSensitivity: each calibrated constant ×0.8 and ×1.2 (the layout stays the compiled one)\n");
+        text.push_str(&table);
+        files.push(("sensitivity.txt", table));
+    }
     moeforge::plan::bundle::write_dir(&a.output, files.iter().map(|(n, b)| (*n, b.as_bytes())))
         .map_err(|e| error(format!("cannot write {}: {e}", a.output.display()), ""))?;
     out(&text);
-    out(&format!("wrote goodput.csv, attainment.csv, attainment.svg to {}", a.output.display()));
+    let names: Vec<&str> = files.iter().map(|f| f.0).collect();
+    out(&format!("wrote {} to {}", names.join(", "), a.output.display()));
     Ok(())
 }
 
@@ -113,7 +128,9 @@ fn compare(bench: &Bench, systems: &[System], a: &Args) -> (String, Vec<(&'stati
     );
     let mut text = String::new();
     let _ = writeln!(text, "{title}\n");
-    text.push_str(&report::table(&results, nodes));
+    let model = &bench.spec.model(d.model).name;
+    let paper = report::published(model, &d.workload.input);
+    text.push_str(&report::table(&results, nodes, paper.as_ref()));
     let mut files = vec![
         ("goodput.csv", report::goodput_csv(&results, nodes)),
         ("attainment.csv", report::curves_csv(&results, nodes)),

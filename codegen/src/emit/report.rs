@@ -261,6 +261,16 @@ fn search(s: &mut String, plan: &Plan) {
     ] {
         let _ = writeln!(s, "| {name} | {xs} | {:.3e} | {:.3e} | {:.3e} | {:.3e} |", f.alpha, f.beta, f.gamma, f.delta);
     }
+    let _ = writeln!(
+        s,
+        "\nMoE beyond the fit: an active expert's first tile streams its weights ({:.3e} s on the whole GPU) when that exceeds β; every routed row moves {:.3e} s of input/output and {:.3e} s of intermediate activations (the latter sliced under TP).",
+        cm.moe_expert_weights, cm.moe_row_io, cm.moe_row_mid
+    );
+    let _ = writeln!(s, "\nCalibrated constants (`moeforge simulate --sensitivity` moves each ±20%):\n");
+    let _ = writeln!(s, "| constant | value | source |\n|---|---|---|");
+    for (name, value, source) in cm.calib.entries() {
+        let _ = writeln!(s, "| `{name}` | {value:.4e} | {source} |");
+    }
     let _ = writeln!(s);
     let Some(r) = &plan.search else {
         let _ = writeln!(s, "Layout search: not run for strategy `{:?}`.\n", plan.layout.requested);

@@ -47,6 +47,13 @@ pub struct Calibration {
     /// Fixed cost of one kernel under CUDA graphs (launch gap, tail wave).
     /// *Assumed*.
     pub op_overhead: f64,
+    /// Host time to launch one layer's kernels outside a CUDA graph (PyTorch
+    /// eager): iterations that carry prompt tokens run eagerly in SGLang
+    /// (graphs are captured for decode batches only), so such a step takes
+    /// at least its layers × this. From Moebius Fig. 12: eager decode is up
+    /// to 6.95× a graph step at low batch; this model's Qwen3-235B TP8 graph
+    /// step at batch 1 on H200 is 13.9 ms over 94 layers: 6.95 × 13.9 / 94 ≈ 1.0 ms.
+    pub eager_layer: f64,
     /// Fixed cost of one serving iteration outside the forward pass:
     /// scheduling, sampling, the DP batch-size sync and the graph launch.
     /// *Assumed*; SGLang's overlap scheduler hides most of the CPU work.
@@ -71,21 +78,35 @@ impl Calibration {
             comm_floor: 24e-6,
             normal_mode_sync: 20e-6,
             op_overhead: 5e-6,
+            eager_layer: 1.0e-3,
             iteration_overhead: 1e-3,
         }
     }
 
     /// Every constant by name, with its value and where it comes from.
-    pub fn entries(&self) -> [(&'static str, f64, &'static str); 9] {
+    pub fn entries(&self) -> [(&'static str, f64, &'static str); 10] {
         [
-            ("compute_efficiency", self.compute_efficiency, "DeepGEMM contiguous grouped GEMM, 1297–1346 of 1979 TFLOP/s"),
-            ("gemm_memory_efficiency", self.gemm_memory_efficiency, "DeepGEMM M=64 dense GEMMs, median 2388 of 3350 GB/s"),
-            ("stream_memory_efficiency", self.stream_memory_efficiency, "H200 device copy, 4.3 of 4.8 TB/s (model-zoo.md)"),
+            (
+                "compute_efficiency",
+                self.compute_efficiency,
+                "DeepGEMM contiguous grouped GEMM, 1297–1346 of 1979 TFLOP/s",
+            ),
+            (
+                "gemm_memory_efficiency",
+                self.gemm_memory_efficiency,
+                "DeepGEMM M=64 dense GEMMs, median 2388 of 3350 GB/s",
+            ),
+            (
+                "stream_memory_efficiency",
+                self.stream_memory_efficiency,
+                "H200 device copy, 4.3 of 4.8 TB/s (model-zoo.md)",
+            ),
             ("nvlink_efficiency", self.nvlink_efficiency, "DeepEP intranode EP8, 153 of 200 GB/s"),
             ("rdma_efficiency", self.rdma_efficiency, "DeepEP internode EP16, 43 of 50 GB/s"),
             ("comm_floor", self.comm_floor, "DeepEP low-latency EP256 dispatch less its bytes"),
             ("normal_mode_sync", self.normal_mode_sync, "assumed: one host round trip per normal-mode dispatch"),
             ("op_overhead", self.op_overhead, "assumed: one kernel under CUDA graphs"),
+            ("eager_layer", self.eager_layer, "Moebius Fig. 12: eager decode 6.95× a graph step at low batch"),
             ("iteration_overhead", self.iteration_overhead, "assumed: scheduling, sampling, DP sync per step"),
         ]
     }
@@ -102,6 +123,7 @@ impl Calibration {
             "comm_floor" => &mut c.comm_floor,
             "normal_mode_sync" => &mut c.normal_mode_sync,
             "op_overhead" => &mut c.op_overhead,
+            "eager_layer" => &mut c.eager_layer,
             "iteration_overhead" => &mut c.iteration_overhead,
             _ => return None,
         };
@@ -119,7 +141,8 @@ mod tests {
         let c = Calibration::published();
         for (name, value, source) in c.entries() {
             let s = c.scaled(name, 1.2).expect(name);
-            let moved: Vec<_> = s.entries().iter().zip(c.entries()).filter(|(a, b)| a.1 != b.1).map(|(a, _)| a.0).collect();
+            let moved: Vec<_> =
+                s.entries().iter().zip(c.entries()).filter(|(a, b)| a.1 != b.1).map(|(a, _)| a.0).collect();
             assert_eq!(moved, vec![name], "{name}");
             assert!((s.entries().iter().find(|e| e.0 == name).map_or(0.0, |e| e.1) / value - 1.2).abs() < 1e-12);
             assert!(!source.is_empty());

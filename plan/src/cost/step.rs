@@ -86,6 +86,19 @@ impl Load {
     pub fn is_empty(&self) -> bool {
         self.decode == 0.0 && !self.has_prefill()
     }
+    /// One batch holding both loads (SGLang's mixed chunked prefill).
+    pub fn mixed(self, other: Load) -> Load {
+        Load {
+            decode: self.decode + other.decode,
+            ctx: self.ctx + other.ctx,
+            ctx_sq: self.ctx_sq + other.ctx_sq,
+            prompts: self.prompts + other.prompts,
+            prompt_tokens: self.prompt_tokens + other.prompt_tokens,
+            pairs: self.pairs + other.pairs,
+            prefix: self.prefix + other.prefix,
+            copies: self.copies,
+        }
+    }
 }
 
 /// Where routed rows go.
@@ -374,7 +387,13 @@ impl Env {
         let heads = groups.iter().map(|g| g.decode + g.prompts).fold(0.0, f64::max);
         let head = self.cm.head.alpha + (self.cm.head.eval(heads, 0.0) - self.cm.head.alpha) / f64::from(width);
         // Scheduling, sampling and the DP batch sync, once per iteration.
-        let seconds = self.moe_layers * layer + self.dense_layers * dense + head + self.cm.calib.iteration_overhead;
+        let mut seconds = self.moe_layers * layer + self.dense_layers * dense + head + self.cm.calib.iteration_overhead;
+        // A step carrying prompt tokens runs eagerly (no CUDA graph): the host
+        // launches every layer's kernels, and the GPU cannot finish before the last launch.
+        if prefill {
+            let host = (self.moe_layers + self.dense_layers) * self.cm.calib.eager_layer;
+            seconds = seconds.max(host + self.cm.calib.iteration_overhead);
+        }
         // Work always takes time: a fitted profile with negative terms must not
         // stall or reverse the clock (the simulator rejects such profiles).
         Iter {

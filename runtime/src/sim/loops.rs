@@ -210,9 +210,19 @@ pub(super) fn unified(
         let budget = chunk.unwrap_or(MAX_PREFILL_TOKENS);
         let (loads, takes) = prefill_loads(&groups, budget, chunk.is_some(), reqs);
         let prefill = loads.iter().any(Load::has_prefill);
-        let loads = if prefill { loads } else { decode_loads(&groups, reqs) };
+        // Chunked prefill is SGLang's mixed chunking: every iteration decodes
+        // each running request and advances at most `chunk` prompt tokens per
+        // group in the same batch. Otherwise an iteration with prompts is
+        // prefill-only (prefill first) and decode waits for it.
+        let mixed = chunk.is_some();
+        let decoding = mixed || !prefill;
+        let loads = match (mixed, prefill) {
+            (true, _) => decode_loads(&groups, reqs).into_iter().zip(loads).map(|(d, p)| d.mixed(p)).collect(),
+            (false, true) => loads,
+            (false, false) => decode_loads(&groups, reqs),
+        };
         let it = env.iteration(&loads, sh.width, 1.0, sh.moe, Sms::all(env.cm.sms), 0.0);
-        if it.seconds <= 0.0 {
+        if it.seconds <= 0.0 || loads.iter().all(Load::is_empty) {
             // Nothing runnable: KV is full of nothing (cannot happen with the
             // refusal above) or requests wait for the next arrival.
             match reqs.get(next) {
@@ -222,13 +232,15 @@ pub(super) fn unified(
             continue;
         }
         t += it.seconds;
-        if prefill {
-            finish_prefill(&mut groups, &takes, t, &mut book);
-        } else {
+        // Requests already decoding gain their token before finished prompts join them.
+        if decoding {
             for g in groups.iter_mut() {
                 let freed = book.decoded(&mut g.decode, t);
                 g.reserved -= freed;
             }
+        }
+        if prefill {
+            finish_prefill(&mut groups, &takes, t, &mut book);
         }
     }
     book.out
@@ -412,7 +424,11 @@ pub(super) fn split(
                     let q1 =
                         (f64::from(q) * x / x_star.max(1e-9) / f64::from(env.cluster)).ceil() * f64::from(env.cluster);
                     dec.last_q = q1.clamp(f64::from(env.cluster), f64::from(q_max));
-                    (1.0, Sms { alone: sms, shared: dec.last_q, contention: p_moe, preempt: env.tile_seconds / 2.0 }, 0.0)
+                    (
+                        1.0,
+                        Sms { alone: sms, shared: dec.last_q, contention: p_moe, preempt: env.tile_seconds / 2.0 },
+                        0.0,
+                    )
                 }
                 Sharing::Green { prefill_share } => {
                     let q = sms * (1.0 - prefill_share);

@@ -220,11 +220,62 @@ pub fn goodput_csv(results: &[SystemResult], nodes: u32) -> String {
 }
 
 /// The goodput table: each system against the first one (the reference).
-pub fn table(results: &[SystemResult], nodes: u32) -> String {
+/// What a paper measured for one end-to-end setting: ExpertPlex's P90
+/// goodput per node where it states one, and its goodput over each
+/// baseline's (ExpertPlex §7.2, Figs. 7–10; GLM-5's PDMux "parity" is 1.0).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Published {
+    pub setting: &'static str,
+    pub goodput_per_node: Option<f64>,
+    pub ratios: &'static [(System, f64)],
+}
+
+/// The published setting a deployment reproduces, by model and input
+/// distribution: MiniMax-M2 and GLM-5 on ShareGPT and LooGLE.
+pub fn published(model: &str, input: &moeforge_dsl::spec::LengthDist) -> Option<Published> {
+    use moeforge_dsl::spec::LengthDist::{Loogle, Sharegpt};
+    use System::{ChunkedPrefill, Colocated, GreenContext, PdDisagg};
+    let family = if model.starts_with("minimax-m2") {
+        "minimax"
+    } else if model.starts_with("glm-5") {
+        "glm-5"
+    } else {
+        return None;
+    };
+    Some(match (family, input) {
+        ("minimax", Sharegpt) => Published {
+            setting: "ExpertPlex Fig. 7: MiniMax-M2.7, ShareGPT, 8×H800",
+            goodput_per_node: Some(11.3),
+            ratios: &[(PdDisagg, 2.01), (GreenContext, 1.41), (Colocated, 2.72), (ChunkedPrefill, 5.65)],
+        },
+        ("minimax", Loogle) => Published {
+            setting: "ExpertPlex Fig. 8: MiniMax-M2.7, LooGLE, 8×H800",
+            goodput_per_node: None,
+            ratios: &[(GreenContext, 1.28), (Colocated, 4.12)],
+        },
+        ("glm-5", Sharegpt) => Published {
+            setting: "ExpertPlex Fig. 9: GLM-5.1-FP8, ShareGPT, 3×8 H800",
+            goodput_per_node: Some(1.5),
+            ratios: &[(GreenContext, 1.0), (Colocated, 1.5), (ChunkedPrefill, 3.3)],
+        },
+        ("glm-5", Loogle) => Published {
+            setting: "ExpertPlex Fig. 10: GLM-5.1-FP8, LooGLE, 3×8 H800",
+            goodput_per_node: None,
+            ratios: &[(GreenContext, 1.66), (Colocated, 2.5), (ChunkedPrefill, 5.0)],
+        },
+        _ => return None,
+    })
+}
+
+/// The goodput table; with `paper`, each ratio beside the published one.
+pub fn table(results: &[SystemResult], nodes: u32, paper: Option<&Published>) -> String {
     let mut s = String::new();
     let reference = results.first();
-    let _ =
-        writeln!(s, "{:<16} {:<34} {:>12} {:>14} {:>9}", "system", "deployment", "P90 goodput", "req/s/node", "ratio");
+    let _ = writeln!(
+        s,
+        "{:<16} {:<34} {:>12} {:>14} {:>9} {:>9}",
+        "system", "deployment", "P90 goodput", "req/s/node", "ratio", "paper"
+    );
     for r in results {
         match &r.deployment {
             Ok(d) => {
@@ -232,14 +283,22 @@ pub fn table(results: &[SystemResult], nodes: u32) -> String {
                     Some(f) if r.goodput > 0.0 => format!("{:.2}×", f.goodput / r.goodput),
                     _ => "∞".into(),
                 };
+                let published = paper.and_then(|p| {
+                    if r.system == System::ExpertPlex {
+                        p.goodput_per_node.map(|g| format!("{g} /node"))
+                    } else {
+                        p.ratios.iter().find(|x| x.0 == r.system).map(|x| format!("{:.2}×", x.1))
+                    }
+                });
                 let _ = writeln!(
                     s,
-                    "{:<16} {:<34} {:>12.3} {:>14.3} {:>9}",
+                    "{:<16} {:<34} {:>12.3} {:>14.3} {:>9} {:>9}",
                     r.system.name(),
                     d.label,
                     r.goodput,
                     r.goodput / f64::from(nodes),
-                    ratio
+                    ratio,
+                    published.unwrap_or_else(|| "–".into())
                 );
             }
             Err(why) => {
@@ -249,6 +308,9 @@ pub fn table(results: &[SystemResult], nodes: u32) -> String {
     }
     if let Some(f) = reference {
         let _ = writeln!(s, "ratio = {} goodput / system goodput", f.system.name());
+    }
+    if let Some(p) = paper {
+        let _ = writeln!(s, "paper = {} (expertplex goodput / system goodput)", p.setting);
     }
     s
 }
@@ -378,4 +440,94 @@ impl Bench<'_> {
             })
             .collect()
     }
+}
+
+/// One row of the sensitivity report: the systems' goodputs with one
+/// calibrated constant scaled by `factor` (`None`: the published set).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SensitivityRow {
+    pub constant: Option<&'static str>,
+    pub factor: f64,
+    pub goodput: Vec<(System, f64)>,
+}
+
+impl Bench<'_> {
+    /// The best goodput of each system (over its tuned deployments; 0 where
+    /// it cannot run) without attainment curves.
+    pub fn goodputs(&self, systems: &[System], probe: Probe) -> Vec<(System, f64)> {
+        let start =
+            self.plan.search.as_ref().and_then(|s| s.ranked.first()).map_or(1.0, |c| (c.goodput / 4.0).max(0.05));
+        systems
+            .iter()
+            .map(|&s| {
+                let g = self
+                    .deployments(s)
+                    .map_or(0.0, |deps| deps.iter().map(|d| self.goodput(d, start, probe)).fold(0.0, f64::max));
+                (s, g)
+            })
+            .collect()
+    }
+
+    /// `moeforge simulate --sensitivity`: every calibrated constant scaled
+    /// by each of `factors` in turn, the roofline rebuilt from it and every
+    /// system re-evaluated on the same request streams. ExpertPlex keeps the
+    /// compiled layout (the search is not rerun), so a row shows how the
+    /// conclusions move with the constant, not a re-optimized deployment.
+    /// Refused for a plan whose cost model is a measured profile (it has no
+    /// roofline constants to move).
+    pub fn sensitivity(
+        &self,
+        systems: &[System],
+        probe: Probe,
+        factors: &[f64],
+    ) -> Result<Vec<SensitivityRow>, String> {
+        if self.plan.cost.source != "roofline" {
+            return Err(format!(
+                "the cost model is `{}`, not the roofline: a measured profile has no calibrated constants to perturb",
+                self.plan.cost.source
+            ));
+        }
+        let d = self.spec.deploys.first().ok_or("the bundle's spec holds no deployment")?;
+        let (m, c, t) = (self.spec.model(d.model), self.spec.cluster(d.cluster), self.spec.tile_set(d.tiles));
+        let base = self.plan.cost.calib;
+        let systems: Vec<System> = systems.iter().copied().filter(|&s| self.deployments(s).is_ok()).collect();
+        let systems = &systems[..];
+        let mut rows = vec![SensitivityRow { constant: None, factor: 1.0, goodput: self.goodputs(systems, probe) }];
+        for (name, _, _) in base.entries() {
+            for &factor in factors {
+                let k = base.scaled(name, factor).ok_or_else(|| format!("unknown constant `{name}`"))?;
+                let mut plan = self.plan.clone();
+                plan.cost = moeforge_plan::cost::CostModel::roofline_with(m, c, t, k);
+                let mut bench = Bench::new(self.spec, &plan)?;
+                bench.search = self.search.clone();
+                rows.push(SensitivityRow { constant: Some(name), factor, goodput: bench.goodputs(systems, probe) });
+            }
+        }
+        Ok(rows)
+    }
+}
+
+/// The sensitivity table: per row, the reference system's goodput per node
+/// and its ratio over every other system.
+pub fn sensitivity_table(rows: &[SensitivityRow], nodes: u32) -> String {
+    let mut s = String::new();
+    let Some(first) = rows.first() else { return s };
+    let Some(&(reference, _)) = first.goodput.first() else { return s };
+    let _ = write!(s, "{:<26} {:>6} {:>12}", "constant", "×", format!("{} /node", reference.name()));
+    for (sys, _) in first.goodput.iter().skip(1) {
+        let _ = write!(s, " {:>15}", sys.name());
+    }
+    let _ = writeln!(s);
+    for r in rows {
+        let g0 = r.goodput.first().map_or(0.0, |x| x.1);
+        let _ =
+            write!(s, "{:<26} {:>6.2} {:>12.3}", r.constant.unwrap_or("(published)"), r.factor, g0 / f64::from(nodes));
+        for &(_, g) in r.goodput.iter().skip(1) {
+            let cell = if g > 0.0 { format!("{:.2}×", g0 / g) } else { "–".into() };
+            let _ = write!(s, " {cell:>15}");
+        }
+        let _ = writeln!(s);
+    }
+    let _ = writeln!(s, "ratio = {} goodput / system goodput; – = the system cannot run here", reference.name());
+    s
 }
