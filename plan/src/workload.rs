@@ -3,7 +3,8 @@
 //!
 //! - ShareGPT-like chat: mean input 240, output 210 tokens (the ShareGPT v3
 //!   conversations vLLM's benchmarks sample).
-//! - LooGLE-like long documents: mean input 16k, output 80 tokens.
+//! - LooGLE-like long documents: mean input 24k (LooGLE's documents average
+//!   over 24k tokens, Li et al. 2023), output 80 tokens.
 //! - RL rollout (Moebius §6.3, DeepMath on Qwen3-235B): short prompts
 //!   (median 120) and heavy-tailed outputs (median 1510, p99 10386, cap 32768);
 //!   mean input 150, output 2500.
@@ -25,7 +26,7 @@ pub fn mean(d: &LengthDist, side: Side) -> f64 {
         (LengthDist::Lognormal { mean, max, .. }, _) => mean.min(f64::from(*max)),
         (LengthDist::Sharegpt, Side::Input) => 240.0,
         (LengthDist::Sharegpt, Side::Output) => 210.0,
-        (LengthDist::Loogle, Side::Input) => 16384.0,
+        (LengthDist::Loogle, Side::Input) => 24000.0,
         (LengthDist::Loogle, Side::Output) => 80.0,
         (LengthDist::Rollout, Side::Input) => 150.0,
         (LengthDist::Rollout, Side::Output) => 2500.0,

@@ -42,6 +42,10 @@ pub struct Args {
     /// constant of the cost model moves ±20% (writes sensitivity.txt).
     #[arg(long)]
     sensitivity: bool,
+    /// Also replay Moebius §6.2's bursty trace (two bursts around a quiet
+    /// period) on static TP, static EP and Moebius.
+    #[arg(long)]
+    bursty: bool,
 }
 
 pub fn run(a: Args) -> Result<(), ExitCode> {
@@ -77,6 +81,44 @@ pub fn run(a: Args) -> Result<(), ExitCode> {
         bench = bench.with_search(codegen::passes::search::search(&spec, d, &plan.plan().cost));
     }
     let (mut text, mut files) = compare(&bench, &systems, &a);
+    if a.bursty {
+        let rs = bench.bursty(a.seed);
+        text.push_str(
+            "\nMoebius bursty trace (§6.2: 375 s, bursts peaking at 80 and 120 req/s around a quiet 1–5 req/s)\n",
+        );
+        let mut csv = String::from("system,deployment,switches,burst_ttft_peak_s,quiet_tpot_s,unserved\n");
+        for r in &rs {
+            match &r.deployment {
+                Ok(dep) => {
+                    let _ = writeln!(
+                        text,
+                        "{:<12} {:<28} {} switches, burst TTFT peak {:>6.2} s, quiet TPOT {:>5.1} ms, {} unserved",
+                        r.system.name(),
+                        dep.label,
+                        r.switches,
+                        r.burst_ttft_peak,
+                        r.quiet_tpot * 1e3,
+                        r.unserved
+                    );
+                    let _ = writeln!(
+                        csv,
+                        "{},\"{}\",{},{:.4},{:.6},{}",
+                        r.system.name(),
+                        dep.label,
+                        r.switches,
+                        r.burst_ttft_peak,
+                        r.quiet_tpot,
+                        r.unserved
+                    );
+                }
+                Err(why) => {
+                    let _ = writeln!(text, "{:<12} not run: {why}", r.system.name());
+                }
+            }
+        }
+        text.push_str("paper (Moebius Fig. 9): TP TTFT 9.9 s and EP 2.0 s in the bursts, TPOT TP 37 ms and EP 52 ms in the quiet period; Moebius switches 4 times, peaks at 3.1 s TTFT and tracks TP's TPOT\n");
+        files.push(("bursty.csv", csv));
+    }
     if a.sensitivity {
         let probe = Probe { seconds: a.seconds, seed: a.seed };
         let rows = bench

@@ -210,6 +210,10 @@ pub struct CostModel {
     /// Tile height M_t of each phase's grouped GEMM.
     pub m_t_prefill: u32,
     pub m_t_decode: u32,
+    /// DeepSeek Sparse Attention's terms inside `attn_decode.gamma` and
+    /// `attn_prefill.delta` (the indexer) and its top-k; `None` for dense attention.
+    #[serde(default)]
+    pub dsa: Option<DsaTerms>,
     /// The constants the components were derived with (and the
     /// communication and iteration terms read at run time).
     #[serde(default)]
@@ -247,14 +251,13 @@ pub const FFN_KERNELS: f64 = 3.0;
 /// (`2·index_heads·index_head_dim` FLOPs per cached token in decode: γ;
 /// `index_heads·index_head_dim` per causal token pair in prefill: δ). The
 /// index key's bytes are already in the KV bytes per token. The sparse
-/// attention itself is charged as dense MLA, which is exact while a
-/// context is at most `index_topk` tokens; beyond it the real kernel reads
-/// only `index_topk` latents, a cap the fit's polynomial in s cannot state,
-/// so long contexts are overcharged (by the latent reads past `index_topk`).
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// attention reads at most `top_k` keys per query: `Env` caps the dense
+/// attention terms (the rest of γ and δ) per request at `top_k` keys.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct DsaTerms {
     pub decode_gamma: f64,
     pub prefill_delta: f64,
+    pub top_k: f64,
 }
 
 pub fn dsa_terms(m: &Model, flops: f64) -> Option<DsaTerms> {
@@ -262,7 +265,7 @@ pub fn dsa_terms(m: &Model, flops: f64) -> Option<DsaTerms> {
         return None;
     };
     let (ih, id) = (f64::from(ix.heads), f64::from(ix.head_dim));
-    Some(DsaTerms { decode_gamma: 2.0 * ih * id / flops, prefill_delta: ih * id / flops })
+    Some(DsaTerms { decode_gamma: 2.0 * ih * id / flops, prefill_delta: ih * id / flops, top_k: f64::from(ix.top_k) })
 }
 
 impl CostModel {
@@ -292,30 +295,42 @@ impl CostModel {
         // Attention: weights read once per call (α), projections per token (β),
         // KV read per cached token (γ), scores per token pair (δ).
         let heads = f64::from(m.attention.heads());
-        let qk = match m.attention {
-            moeforge_dsl::spec::Attention::Gqa { head_dim, .. } => f64::from(head_dim),
-            moeforge_dsl::spec::Attention::Mla { kv_lora, qk_rope, .. } => f64::from(kv_lora + qk_rope),
+        // FLOPs per head and (query, key) pair, scores plus values: GQA's
+        // 2·d + 2·d; MLA decode in the absorbed form multiplies the latent
+        // (2·(kv_lora + qk_rope) + 2·kv_lora), MLA prefill in the naive form
+        // (2·(qk_nope + qk_rope) + 2·v_head).
+        let (pair_decode, pair_prefill) = match m.attention {
+            moeforge_dsl::spec::Attention::Gqa { head_dim, .. } => {
+                (4.0 * f64::from(head_dim), 4.0 * f64::from(head_dim))
+            }
+            moeforge_dsl::spec::Attention::Mla { kv_lora, qk_nope, qk_rope, v_head, .. } => (
+                2.0 * f64::from(kv_lora + qk_rope) + 2.0 * f64::from(kv_lora),
+                2.0 * f64::from(qk_nope + qk_rope) + 2.0 * f64::from(v_head),
+            ),
         };
         let attn_weights = attn_params * welt / gemm_bw;
         let kernels = ATTN_KERNELS * k.op_overhead;
         // Decode reads each cached token's KV and multiplies it into every
-        // head (scores and values, 4·heads·qk FLOPs: MLA's absorbed form
-        // multiplies the latent into all 128 heads, which makes it compute-bound).
+        // head (MLA's absorbed form multiplies the latent into all heads,
+        // which makes it compute-bound).
         let mut attn_decode = Fit {
             alpha: kernels + attn_weights,
             beta: 2.0 * attn_params / flops,
-            gamma: (kv_layer / bw).max(4.0 * heads * qk / attn_flops),
+            gamma: (kv_layer / bw).max(heads * pair_decode / attn_flops),
             delta: 0.0,
         };
         // Prefill: x requests of s tokens; projections per token (γ·x·s),
-        // causal scores per token pair (δ·x·s², 4·heads·d·s²/2 FLOPs).
+        // causal token pairs (δ·x·s², half of s² pairs).
         let mut attn_prefill = Fit {
             alpha: kernels + attn_weights,
             beta: 0.0,
             gamma: 2.0 * attn_params / flops + kv_layer / bw,
-            delta: 2.0 * heads * qk / attn_flops,
+            delta: heads * pair_prefill / 2.0 / attn_flops,
         };
-        if let Some(d) = dsa_terms(m, attn_flops) {
+        // DSA: the attention reads at most `index_topk` keys per query
+        // (capped by `Env` per request); the indexer scores every key.
+        let dsa = dsa_terms(m, attn_flops);
+        if let Some(d) = &dsa {
             attn_decode.gamma += d.decode_gamma;
             attn_prefill.delta += d.prefill_delta;
         }
@@ -371,6 +386,7 @@ impl CostModel {
             cluster: cta_cluster(c, t),
             m_t_prefill: t.prefill.gate_up.block_m,
             m_t_decode: t.decode.gate_up.block_m,
+            dsa,
             calib: k,
         }
     }
@@ -575,9 +591,14 @@ mod tests {
         // Attention products run in bf16 (the model's experts are fp8).
         let flops = g.bf16_flops * k.compute_efficiency;
         let bw = g.hbm_bandwidth * k.stream_memory_efficiency;
+        // The indexer's FLOPs per cached token, on top of dense MLA's decode
+        // term (the larger of its latent read, now 128 values longer, and its FLOPs).
         let extra_gamma = sparse.attn_decode.gamma - dense.attn_decode.gamma;
-        let want = 128.0 * 2.0 / bw + 2.0 * 32.0 * 128.0 / flops;
+        let kv = |m: &Model| m.kv_bytes_per_token_layer() as f64 / bw;
+        let dense_term = |m: &Model| dense.attn_decode.gamma.max(kv(m));
+        let want = 2.0 * 32.0 * 128.0 / flops + dense_term(m) - dense.attn_decode.gamma;
         assert!((extra_gamma / want - 1.0).abs() < 1e-9, "{extra_gamma} vs {want}");
+        assert_eq!(sparse.dsa.map(|d| d.top_k), Some(2048.0));
         let extra_delta = sparse.attn_prefill.delta - dense.attn_prefill.delta;
         assert!((extra_delta * flops / (32.0 * 128.0) - 1.0).abs() < 1e-9);
     }

@@ -101,6 +101,20 @@ impl Load {
     }
 }
 
+/// Σ_{j = prefix+1}^{prefix+n} min(j, k): the keys the `n` new queries of a
+/// chunk after `prefix` cached tokens attend to when each reads at most `k`.
+pub fn capped_pairs(n: f64, prefix: f64, k: f64) -> f64 {
+    let tri = |a: f64, b: f64| if b > a { (b - a) * (a + b + 1.0) / 2.0 } else { 0.0 }; // Σ_{j=a+1}^{b} j
+    let end = prefix + n;
+    if end <= k {
+        tri(prefix, end)
+    } else if prefix >= k {
+        n * k
+    } else {
+        tri(prefix, k) + (end - k) * k
+    }
+}
+
 /// Where routed rows go.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum MoeSide {
@@ -249,10 +263,30 @@ impl Env {
         // with prompts launches the prefill kernels (their fixed cost).
         let fixed = ATTN_KERNELS * self.cm.calib.op_overhead;
         let alpha = if l.has_prefill() { p.alpha } else { a.alpha };
-        let decode = a.beta * l.decode + (a.gamma * l.ctx + a.delta * l.ctx_sq) * rep;
+        // DeepSeek Sparse Attention: the indexer scores every key, the
+        // attention reads at most top-k keys per query (per request, on the
+        // load's mean context and chunk).
+        let (ctx, pairs, ix_gamma, ix_delta) = match &self.cm.dsa {
+            Some(d) => (
+                l.decode * (l.ctx / l.decode.max(1e-9)).min(d.top_k),
+                if l.prompts > 0.0 {
+                    2.0 * l.prompts * capped_pairs(l.prompt_tokens / l.prompts, l.prefix / l.prompts, d.top_k)
+                } else {
+                    0.0
+                },
+                d.decode_gamma,
+                d.prefill_delta,
+            ),
+            None => (l.ctx, l.pairs, 0.0, 0.0),
+        };
+        let decode = a.beta * l.decode + ((a.gamma - ix_gamma) * ctx + ix_gamma * l.ctx + a.delta * l.ctx_sq) * rep;
         // Projections and KV writes per token, causal scores over the new
         // tokens and against the cached prefix, and one read of the prefix KV.
-        let prefill = p.beta * l.prompts + p.gamma * l.prompt_tokens + p.delta * l.pairs + a.gamma * l.prefix * rep;
+        let prefill = p.beta * l.prompts
+            + p.gamma * l.prompt_tokens
+            + (p.delta - ix_delta) * pairs
+            + ix_delta * l.pairs
+            + a.gamma * l.prefix * rep;
         let t = fixed + (alpha - fixed) / w + (decode + prefill) / w;
         let f = &self.cm.ffn;
         let ffn_fixed = FFN_KERNELS * self.cm.calib.op_overhead;
@@ -401,5 +435,29 @@ impl Env {
             moe_seconds: self.moe_layers * moe,
             comm_seconds: self.moe_layers * comm,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capped_pairs_counts_keys_query_by_query() {
+        for (n, prefix, k) in [(10u32, 0u32, 4u32), (10, 2, 4), (3, 7, 4), (5, 0, 100), (2048, 1000, 2048), (1, 0, 1)] {
+            let brute: u64 = (prefix + 1..=prefix + n).map(|j| u64::from(j.min(k))).sum();
+            let got = capped_pairs(f64::from(n), f64::from(prefix), f64::from(k));
+            assert_eq!(got, brute as f64, "n {n} prefix {prefix} k {k}");
+        }
+        // Uncapped, a whole prompt's pairs are the causal triangle the dense fit uses.
+        assert_eq!(2.0 * capped_pairs(100.0, 0.0, 1e9), 100.0 * 101.0);
+    }
+
+    #[test]
+    fn the_busiest_rank_gets_more_than_the_mean_and_never_more_than_all() {
+        assert_eq!(Env::busiest_rows(800.0, 1), 800.0);
+        let b = Env::busiest_rows(800.0, 8);
+        assert!(b > 100.0 && b < 200.0, "{b}");
+        assert!(Env::busiest_rows(2.0, 8) <= 2.0);
     }
 }

@@ -152,16 +152,18 @@ fn finish_prefill(groups: &mut [Group], takes: &[Vec<(usize, u32)>], t: f64, boo
     }
 }
 
-/// One engine on every GPU: colocated, chunked prefill, static TP/EP, Moebius.
+/// One engine on every GPU: colocated, chunked prefill, static TP/EP,
+/// Moebius. Returns the outcomes and the times switches completed.
 pub(super) fn unified(
     env: &Env,
     chunk: Option<f64>,
     (tp, ep): (Option<Shape>, Option<Shape>),
     switch: Option<&Switching>,
     reqs: &[Req],
-) -> Vec<Outcome> {
+) -> (Vec<Outcome>, Vec<f64>) {
     let mut book = Book { reqs, out: vec![Outcome::default(); reqs.len()], first: vec![0.0; reqs.len()] };
-    let (Some(tp_shape), Some(ep_shape)) = (tp.or(ep), ep.or(tp)) else { return book.out };
+    let mut switches = Vec::new();
+    let (Some(tp_shape), Some(ep_shape)) = (tp.or(ep), ep.or(tp)) else { return (book.out, switches) };
     let mut mode =
         if tp.is_some() && (ep.is_none() || switch.is_some_and(|s| s.start == Mode::Tp)) { Mode::Tp } else { Mode::Ep };
     let shape = |mode: Mode| if mode == Mode::Tp { tp_shape } else { ep_shape };
@@ -199,6 +201,7 @@ pub(super) fn unified(
                         groups = moved;
                         mode = target;
                         c.switched(t);
+                        switches.push(t);
                     }
                     None => c.cancelled(t),
                 }
@@ -243,7 +246,7 @@ pub(super) fn unified(
             finish_prefill(&mut groups, &takes, t, &mut book);
         }
     }
-    book.out
+    (book.out, switches)
 }
 
 /// Redistributes requests over `n` groups of capacity `cap` (Moebius §3.2:

@@ -143,6 +143,10 @@ pub struct Bench<'a> {
     /// ExpertPlex's layout: the plan's search, or one given for a plan
     /// whose strategy did not run it ([`Bench::with_search`]).
     pub search: Option<SearchResult>,
+    /// Tokens one request may hold: the KV of one PD decode GPU where PD
+    /// can run here (ExpertPlex §7.1 caps sampled lengths at PD's KV
+    /// capacity so every system serves the same requests); `None` otherwise.
+    pub length_cap: Option<f64>,
 }
 
 impl<'a> Bench<'a> {
@@ -171,7 +175,12 @@ impl<'a> Bench<'a> {
         let (m, c, t) = (spec.model(d.model), spec.cluster(d.cluster), spec.tile_set(d.tiles));
         let workspace = Workspace::of(m, plan.memory.modes.len() == 2).bytes();
         let env = Env::new(m, c, t, d, cm, workspace);
-        Ok(Bench { spec, plan, env, search: plan.search.clone() })
+        let mut bench = Bench { spec, plan, env, search: plan.search.clone(), length_cap: None };
+        bench.length_cap = bench.pd().ok().and_then(|pd| match pd.phases {
+            Phases::Split { decode, .. } => Some(decode.kv_per_group),
+            Phases::Unified { .. } => None,
+        });
+        Ok(bench)
     }
 
     /// Evaluates ExpertPlex on `search` (the layout search run for a plan
@@ -398,13 +407,36 @@ impl<'a> Bench<'a> {
 
     /// Serves `reqs` with one deployment.
     pub fn simulate(&self, dep: &Deployment, reqs: &[Req]) -> Vec<Outcome> {
+        self.simulate_traced(dep, reqs).0
+    }
+
+    /// Serves `reqs` and also returns when each mode switch completed.
+    pub fn simulate_traced(&self, dep: &Deployment, reqs: &[Req]) -> (Vec<Outcome>, Vec<f64>) {
+        let reqs = self.capped(reqs);
         match &dep.phases {
             Phases::Unified { chunk, tp, ep, switch } => {
-                loops::unified(&self.env, *chunk, (*tp, *ep), switch.as_ref(), reqs)
+                loops::unified(&self.env, *chunk, (*tp, *ep), switch.as_ref(), &reqs)
             }
             Phases::Split { prefill, decode, sharing, kv_transfer } => {
-                loops::split(&self.env, prefill, decode, *sharing, *kv_transfer, reqs)
+                (loops::split(&self.env, prefill, decode, *sharing, *kv_transfer, &reqs), Vec::new())
             }
         }
+    }
+
+    /// Requests with their lengths capped at [`Bench::length_cap`]: the
+    /// prompt gives way first, keeping at least one token and the outputs.
+    fn capped(&self, reqs: &[Req]) -> Vec<Req> {
+        let Some(cap) = self.length_cap else { return reqs.to_vec() };
+        reqs.iter()
+            .map(|r| {
+                let mut r = *r;
+                if r.reserve() > cap {
+                    let output = r.output.min((cap * 0.5) as u32).max(2);
+                    r.input = ((cap - f64::from(output)).floor() as u32).max(1);
+                    r.output = output;
+                }
+                r
+            })
+            .collect()
     }
 }

@@ -531,3 +531,73 @@ pub fn sensitivity_table(rows: &[SensitivityRow], nodes: u32) -> String {
     let _ = writeln!(s, "ratio = {} goodput / system goodput; – = the system cannot run here", reference.name());
     s
 }
+
+/// One system on Moebius §6.2's bursty trace ([`super::workload::moebius_bursty`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct BurstyResult {
+    pub system: System,
+    pub deployment: Result<Deployment, String>,
+    /// Mode switches completed.
+    pub switches: usize,
+    /// The highest mean TTFT of the requests arriving in one 5 s window of a burst.
+    pub burst_ttft_peak: f64,
+    /// Mean TPOT of the requests arriving in the quiet period, from 60 s
+    /// after the first burst (once its backlog has drained) to its end.
+    pub quiet_tpot: f64,
+    /// Requests that never got a first token (refused or unfinished).
+    pub unserved: usize,
+}
+
+impl Bench<'_> {
+    /// Static TP, static EP and Moebius on the bursty trace.
+    pub fn bursty(&self, seed: u64) -> Vec<BurstyResult> {
+        use super::workload::{moebius_bursty, BURSTY_QUIET};
+        let reqs = moebius_bursty(seed);
+        let (q0, q1) = BURSTY_QUIET;
+        [System::StaticTp, System::StaticEp, System::Moebius]
+            .into_iter()
+            .map(|system| {
+                let dep = self.deployments(system).and_then(|d| d.into_iter().next().ok_or("no deployment".into()));
+                let Ok(d) = &dep else {
+                    return BurstyResult {
+                        system,
+                        deployment: dep,
+                        switches: 0,
+                        burst_ttft_peak: 0.0,
+                        quiet_tpot: 0.0,
+                        unserved: 0,
+                    };
+                };
+                let (out, switches) = self.simulate_traced(d, &reqs);
+                let mean = |xs: Vec<f64>| if xs.is_empty() { 0.0 } else { xs.iter().sum::<f64>() / xs.len() as f64 };
+                let window = |a: f64| {
+                    mean(
+                        reqs.iter()
+                            .zip(&out)
+                            .filter(|(r, _)| r.arrival >= a && r.arrival < a + 5.0)
+                            .filter_map(|(_, o)| o.ttft)
+                            .collect(),
+                    )
+                };
+                let bursts = (0..4).map(|i| f64::from(i) * 5.0).chain((0..4).map(|i| q1 + f64::from(i) * 5.0));
+                let burst_ttft_peak = bursts.map(window).fold(0.0, f64::max);
+                let quiet_tpot = mean(
+                    reqs.iter()
+                        .zip(&out)
+                        .filter(|(r, _)| r.arrival >= q0 + 60.0 && r.arrival < q1)
+                        .filter_map(|(_, o)| o.tpot)
+                        .collect(),
+                );
+                let unserved = out.iter().filter(|o| o.ttft.is_none()).count();
+                BurstyResult {
+                    system,
+                    deployment: dep,
+                    switches: switches.len(),
+                    burst_ttft_peak,
+                    quiet_tpot,
+                    unserved,
+                }
+            })
+            .collect()
+    }
+}

@@ -10,7 +10,9 @@
 //! Length presets (means match `moeforge_plan::workload`, which the
 //! layout search uses):
 //! - ShareGPT-like: log-normal, σ = 1, means 240 in / 210 out.
-//! - LooGLE-like: inputs log-normal around 14.5k (σ = 0.5, 2k–32k), short outputs.
+//! - LooGLE-like: inputs log-normal, mean 24k (σ = 0.5, 2k–128k; LooGLE's
+//!   documents average over 24k tokens), short outputs. The simulator caps
+//!   a request at the KV one PD decode instance holds, as ExpertPlex §7.1 does.
 //! - RL rollout (Moebius §6.3): inputs median 120, outputs median 1510 with
 //!   a p99 near 10k, capped at 32768.
 
@@ -73,7 +75,8 @@ fn length(rng: &mut SplitMix64, d: &LengthDist, input: bool) -> u32 {
         // Median = mean / e^{σ²/2}.
         (LengthDist::Sharegpt, true) => lognormal(rng, 145.0, 1.0).clamp(4.0, 4096.0),
         (LengthDist::Sharegpt, false) => lognormal(rng, 127.0, 1.0).clamp(2.0, 2048.0),
-        (LengthDist::Loogle, true) => lognormal(rng, 14500.0, 0.5).clamp(2048.0, 32768.0),
+        // LooGLE's documents: over 24k tokens on average (Li et al., 2023).
+        (LengthDist::Loogle, true) => lognormal(rng, 21200.0, 0.5).clamp(2048.0, 131072.0),
         (LengthDist::Loogle, false) => lognormal(rng, 68.0, 0.6).clamp(2.0, 512.0),
         (LengthDist::Rollout, true) => lognormal(rng, 120.0, 0.6).clamp(8.0, 1352.0),
         (LengthDist::Rollout, false) => lognormal(rng, 1510.0, 0.83).clamp(2.0, 32768.0),
@@ -106,6 +109,51 @@ pub fn rollout_step(w: &Workload, n: usize, seed: u64) -> Vec<Req> {
     reqs
 }
 
+/// Moebius §6.2's bursty online trace (vLLM's bursty generator, 375 s,
+/// 3,107 requests): a 20 s burst peaking at 80 req/s, a 335 s quiet period
+/// whose rate drifts between 1 and 5 req/s, then a 20 s burst peaking at
+/// 120 req/s; prompts U(300, 700) tokens, outputs U(800, 1200). Arrivals
+/// are a non-homogeneous Poisson process drawn by thinning (expected 3,105).
+pub fn moebius_bursty(seed: u64) -> Vec<Req> {
+    let mut rng = SplitMix64(seed);
+    let peak = 120.0;
+    let mut t = 0.0;
+    let mut out = Vec::new();
+    loop {
+        t += -uniform(&mut rng).ln() / peak;
+        if t >= BURSTY_SECONDS {
+            break;
+        }
+        if uniform(&mut rng) * peak <= bursty_rate(t) {
+            let input = 300 + (uniform(&mut rng) * 400.0) as u32;
+            let output = 800 + (uniform(&mut rng) * 400.0) as u32;
+            out.push(Req { arrival: t, input, output });
+        }
+    }
+    out
+}
+
+/// Length of [`moebius_bursty`]'s trace (seconds) and its quiet period.
+pub const BURSTY_SECONDS: f64 = 375.0;
+pub const BURSTY_QUIET: (f64, f64) = (20.0, 355.0);
+
+/// The trace's rate at `t`: triangular bursts (5 → peak → 5 req/s) and a
+/// quiet rate of 3 ± 2 req/s (one slow sine period).
+pub fn bursty_rate(t: f64) -> f64 {
+    let tri = |start: f64, peak: f64| {
+        let x = (t - start) / 10.0; // 0..2 over the 20 s burst
+        5.0 + (peak - 5.0) * (1.0 - (x - 1.0).abs()).max(0.0)
+    };
+    let (q0, q1) = BURSTY_QUIET;
+    if t < q0 {
+        tri(0.0, 80.0)
+    } else if t < q1 {
+        3.0 + 2.0 * (2.0 * std::f64::consts::PI * (t - q0) / (q1 - q0)).sin()
+    } else {
+        tri(q1, 120.0)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -130,6 +178,20 @@ mod tests {
             assert!((i / pi - 1.0).abs() < 0.15, "{d:?} input mean {i} vs {pi}");
             assert!((o / po - 1.0).abs() < 0.15, "{d:?} output mean {o} vs {po}");
         }
+    }
+
+    #[test]
+    fn the_bursty_trace_has_moebius_shape() {
+        let r = moebius_bursty(7);
+        // 3,107 requests in the paper's trace; Poisson counts around 3,105.
+        assert!((2950..3260).contains(&r.len()), "{}", r.len());
+        let (q0, q1) = BURSTY_QUIET;
+        let quiet = r.iter().filter(|x| x.arrival >= q0 && x.arrival < q1).count() as f64 / (q1 - q0);
+        assert!((2.5..3.5).contains(&quiet), "quiet rate {quiet}");
+        let peak = |a: f64, b: f64| r.iter().filter(|x| x.arrival >= a && x.arrival < b).count() as f64 / (b - a);
+        assert!(peak(8.0, 12.0) > 55.0 && peak(363.0, 367.0) > 90.0, "{} {}", peak(8.0, 12.0), peak(363.0, 367.0));
+        assert!(r.iter().all(|x| (300..700).contains(&x.input) && (800..1200).contains(&x.output)));
+        assert!(r.windows(2).all(|w| w[0].arrival <= w[1].arrival));
     }
 
     #[test]
