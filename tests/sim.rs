@@ -294,3 +294,24 @@ fn a_step_with_prompt_tokens_runs_eagerly_and_mixed_chunks_keep_decoding() {
     let out = b.simulate(&chunked, &[req(0.0, 8 * c as u32, 2)]);
     assert!(out[0].ttft.unwrap() >= 8.0 * host, "{:?}", out[0]);
 }
+
+#[test]
+fn placement_is_evaluated_under_skewed_loads() {
+    use moeforge::dsl::spec::PlacementPolicy;
+    let probe = Probe { seconds: 20.0, seed: 1 };
+    let f = fixture("minimax-m2-h800");
+    let rs = f.bench().placements(probe).unwrap();
+    let get =
+        |rs: &[moeforge::runtime::sim::report::PlacementResult], p| rs.iter().find(|r| r.policy == p).unwrap().clone();
+    // Zipf popularity without replicas leaves one rank far above the mean; EPLB's replicas even it out.
+    let (uniform, none, eplb) =
+        (get(&rs, None), get(&rs, Some(PlacementPolicy::None)), get(&rs, Some(PlacementPolicy::Eplb)));
+    assert_eq!(uniform.busiest, 1.0);
+    assert!(none.busiest > 1.5 && eplb.busiest < none.busiest, "{none:?} {eplb:?}");
+    // Across nodes Zepp serves more rows on the sender's node than EPLB, and that shows in goodput.
+    let f = fixture("glm-5-h800x24");
+    let rs = f.bench().placements(probe).unwrap();
+    let (eplb, zepp) = (get(&rs, Some(PlacementPolicy::Eplb)), get(&rs, Some(PlacementPolicy::Zepp)));
+    assert!(zepp.local > eplb.local + 0.1, "{zepp:?} {eplb:?}");
+    assert!(zepp.goodput > eplb.goodput, "{zepp:?} {eplb:?}");
+}

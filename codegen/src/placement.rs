@@ -307,6 +307,31 @@ pub fn route_local(p: &Placement, loads: &[f64], t: Topology, slack: f64) -> Rou
     out
 }
 
+/// The busiest GPU's routed rows over the mean, and the fraction of rows
+/// served on their sender's node.
+pub fn routing_stats(r: &Routing, t: Topology) -> (f64, f64) {
+    let mut per_gpu = vec![0.0f64; t.world()];
+    let (mut local, mut total) = (0.0, 0.0);
+    for (src, row) in r.iter().enumerate() {
+        for demands in row {
+            for &(g, rows) in demands {
+                per_gpu[g] += rows;
+                total += rows;
+                if t.node(g) == t.node(src) {
+                    local += rows;
+                }
+            }
+        }
+    }
+    let mean = total / t.world().max(1) as f64;
+    let busiest = per_gpu.iter().copied().fold(0.0, f64::max);
+    if total <= 0.0 {
+        (1.0, 1.0)
+    } else {
+        (busiest / mean, local / total)
+    }
+}
+
 /// Modeled latency of one MoE layer and its parts (seconds).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct LayerCost {

@@ -18,4 +18,18 @@ pub struct PlacementPlan {
     pub latency_none: Option<f64>,
     pub latency_eplb: f64,
     pub latency_zepp: f64,
+    /// Every policy's routing on every layer's loads, as the serving
+    /// simulator uses them (`none` absent when experts do not stripe evenly).
+    #[serde(default)]
+    pub stats: Vec<PolicyStats>,
+}
+
+/// How one placement policy spreads the loads: the busiest GPU's routed
+/// rows over the mean, and the fraction of routed rows served on the
+/// sender's node, each averaged over the MoE layers.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PolicyStats {
+    pub policy: PlacementPolicy,
+    pub busiest: f64,
+    pub local: f64,
 }

@@ -81,6 +81,36 @@ pub fn run(a: Args) -> Result<(), ExitCode> {
         bench = bench.with_search(codegen::passes::search::search(&spec, d, &plan.plan().cost));
     }
     let (mut text, mut files) = compare(&bench, &systems, &a);
+    if bench.plan.placement.is_some() {
+        let probe = Probe { seconds: a.seconds, seed: a.seed };
+        match bench.placements(probe) {
+            Ok(rs) => {
+                let loads = bench.plan.placement.as_ref().map_or("", |p| p.loads.as_str());
+                let _ =
+                    writeln!(text, "\nExpert placement, colocated DP+EP under the placement pass's loads ({loads}):");
+                let mut csv = String::from("placement,busiest_over_mean,local_fraction,goodput\n");
+                for r in &rs {
+                    let name = r.policy.map_or("uniform popularity", |p| match p {
+                        moeforge::dsl::spec::PlacementPolicy::None => "none",
+                        moeforge::dsl::spec::PlacementPolicy::Eplb => "eplb",
+                        moeforge::dsl::spec::PlacementPolicy::Zepp => "zepp",
+                    });
+                    let _ = writeln!(
+                        text,
+                        "{name:<20} busiest rank {:>5.2}× the mean, {:>5.1}% of rows on the sender's node, goodput {:>8.3} req/s",
+                        r.busiest,
+                        r.local * 100.0,
+                        r.goodput
+                    );
+                    let _ = writeln!(csv, "{name},{:.4},{:.4},{:.4}", r.busiest, r.local, r.goodput);
+                }
+                files.push(("placement.csv", csv));
+            }
+            Err(why) => {
+                let _ = writeln!(text, "\nExpert placement: not evaluated: {why}");
+            }
+        }
+    }
     if a.bursty {
         let rs = bench.bursty(a.seed);
         text.push_str(

@@ -9,12 +9,12 @@
 
 use super::{At, Ctx, PassError};
 use crate::placement::{
-    eplb, layer_cost, none, route_local, route_uniform, zepp, zipf_loads, Flows, LayerShape, Topology,
+    eplb, layer_cost, none, route_local, route_uniform, routing_stats, zepp, zipf_loads, Flows, LayerShape, Topology,
 };
 use moeforge_dsl::spec::{Deploy, PlacementPolicy, Routing, Spec};
 use moeforge_dsl::Code;
 use moeforge_plan::cost::CostModel;
-use moeforge_plan::placement::PlacementPlan;
+use moeforge_plan::placement::{PlacementPlan, PolicyStats};
 use moeforge_plan::Plan;
 
 /// Tokens per GPU the latency comparison assumes (a mid-sized prefill batch).
@@ -88,7 +88,31 @@ fn place(
     let pz = zepp(&l0, redundant, t)?;
     let latency_zepp =
         layer_cost(&route_local(&pz, &l0, t, 0.1), t, shape, cm, Flows { merge: true, split: true }).latency;
+    // Every policy on every layer, for the serving simulator.
+    let mean = |xs: &[(f64, f64)]| {
+        let n = xs.len().max(1) as f64;
+        (xs.iter().map(|x| x.0).sum::<f64>() / n, xs.iter().map(|x| x.1).sum::<f64>() / n)
+    };
+    let mut stats = Vec::new();
+    if let Ok(p) = none(experts, t) {
+        let per: Vec<(f64, f64)> = loads.iter().map(|l| routing_stats(&route_uniform(&p, l, t), t)).collect();
+        let (busiest, local) = mean(&per);
+        stats.push(PolicyStats { policy: PlacementPolicy::None, busiest, local });
+    }
+    let mut per = Vec::new();
+    for l in &loads {
+        per.push(routing_stats(&route_uniform(&eplb(l, redundant, groups, t)?, l, t), t));
+    }
+    let (busiest, local) = mean(&per);
+    stats.push(PolicyStats { policy: PlacementPolicy::Eplb, busiest, local });
+    let mut per = Vec::new();
+    for l in &loads {
+        per.push(routing_stats(&route_local(&zepp(l, redundant, t)?, l, t, 0.1), t));
+    }
+    let (busiest, local) = mean(&per);
+    stats.push(PolicyStats { policy: PlacementPolicy::Zepp, busiest, local });
     Ok(Some(PlacementPlan {
+        stats,
         policy: d.placement.policy,
         loads: source,
         redundant_experts: d.placement.redundant_experts,

@@ -190,6 +190,10 @@ pub struct Env {
     pub tile_seconds: f64,
     /// SMs per CTA cluster (q rounds up to a multiple).
     pub cluster: u32,
+    /// The busiest EP rank's share of routed rows over the mean that
+    /// skewed expert popularity leaves after placement (1: uniform
+    /// popularity; the placement pass's routing statistics otherwise).
+    pub skew: f64,
 }
 
 impl Env {
@@ -222,6 +226,7 @@ impl Env {
             // and epilogues), so a single tile takes β·efficiency of it.
             tile_seconds: cm.moe.beta * cm.calib.compute_efficiency * 2.0 / 3.0 * f64::from(cm.sms) / n_tiles,
             cluster: cm.cluster,
+            skew: 1.0,
             cm: cm.clone(),
         }
     }
@@ -358,8 +363,9 @@ impl Env {
         let (x, active, on_gpu, slice) = match side {
             MoeSide::Ep { gpus, .. } => {
                 let local = self.experts / f64::from(gpus.max(1));
-                // The busiest rank's rows, as if all ranks received that many.
-                let busiest = Self::busiest_rows(rows, gpus) * f64::from(gpus.max(1));
+                // The busiest rank's rows (popularity skew, then routing
+                // noise), as if all ranks received that many.
+                let busiest = Self::busiest_rows(rows * self.skew.max(1.0), gpus).min(rows) * f64::from(gpus.max(1));
                 let x = expected_x_moe(busiest, self.experts, local, m_t);
                 (x, expected_active(busiest, self.experts, local), busiest / f64::from(gpus.max(1)), 1.0)
             }

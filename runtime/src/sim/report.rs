@@ -601,3 +601,54 @@ impl Bench<'_> {
             .collect()
     }
 }
+
+/// Colocated DP+EP serving under one placement policy's routing.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlacementResult {
+    /// `None`: uniform expert popularity (no skew to place against).
+    pub policy: Option<moeforge_dsl::spec::PlacementPolicy>,
+    pub busiest: f64,
+    pub local: f64,
+    pub goodput: f64,
+}
+
+impl Bench<'_> {
+    /// Colocated DP+EP (the layout the placement pass places for) under
+    /// every placement policy's routing of the plan's expert loads: the
+    /// busiest EP rank's share of rows sets the MoE time of a layer, the
+    /// fraction served on the sender's node sets how much crosses the NICs.
+    /// A first row with uniform popularity shows what the skew costs.
+    pub fn placements(&self, probe: Probe) -> Result<Vec<PlacementResult>, String> {
+        let p =
+            self.plan.placement.as_ref().ok_or("the deployment has no expert placement (`placement { policy }`)")?;
+        if p.stats.is_empty() {
+            return Err("the plan's placement holds no routing statistics (a bundle from an older moeforge)".into());
+        }
+        let base = self.deployments(System::Colocated)?.into_iter().next().ok_or("no colocated deployment")?;
+        let e = &self.env;
+        let uniform_local = f64::from(e.gpus_per_node) / f64::from(e.world);
+        let rows = std::iter::once((None, 1.0, uniform_local))
+            .chain(p.stats.iter().map(|s| (Some(s.policy), s.busiest, s.local)));
+        Ok(rows
+            .map(|(policy, busiest, local)| {
+                let mut env = self.env.clone();
+                env.skew = busiest;
+                let mut dep = base.clone();
+                if let super::Phases::Unified { ep: Some(shape), .. } = &mut dep.phases {
+                    if let moeforge_plan::cost::step::MoeSide::Ep { local: l, .. } = &mut shape.moe {
+                        *l = local;
+                    }
+                }
+                let bench = Bench {
+                    spec: self.spec,
+                    plan: self.plan,
+                    env,
+                    search: self.search.clone(),
+                    length_cap: self.length_cap,
+                };
+                let start = (self.goodputs(&[System::Colocated], probe)[0].1 / 2.0).max(0.05);
+                PlacementResult { policy, busiest, local, goodput: bench.goodput(&dep, start, probe) }
+            })
+            .collect())
+    }
+}
