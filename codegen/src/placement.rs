@@ -353,14 +353,30 @@ pub struct LayerShape {
     pub hidden: f64,
 }
 
-/// How inter-node flows are shaped.
+/// How inter-node flows are shaped and executed.
 #[derive(Clone, Copy, Debug)]
 pub struct Flows {
     /// One copy of a token per destination node (pre-reduced on combine),
-    /// fanned out over that node's NVLink.
+    /// fanned out over that node's NVLink: Zepp's merge, and the per-node
+    /// dedup DeepEP's normal kernels already do.
     pub merge: bool,
     /// A node's inter-node bytes spread over all its NICs (else each GPU uses its own).
     pub split: bool,
+    /// Expert computation scheduled around the flows (Zepp §4.2): each
+    /// source node's dispatch group is computed as it arrives and combine
+    /// groups leave as they finish, so the layer is a three-stage pipeline
+    /// over the source nodes instead of dispatch, then compute, then combine.
+    pub overlap: bool,
+}
+
+impl Flows {
+    /// NCCL all-to-allv then grouped GEMM (Zepp's A2AV+GEMM baseline): every
+    /// (token, remote GPU) pair is its own message, nothing overlaps.
+    pub const A2AV: Flows = Flows { merge: false, split: false, overlap: false };
+    /// DeepEP's normal kernels: per-node dedup, each GPU on its own NIC, serial.
+    pub const DEEPEP: Flows = Flows { merge: true, split: false, overlap: false };
+    /// Zepp's execution: merge, NIC split and overlapped scheduling.
+    pub const ZEPP: Flows = Flows { merge: true, split: true, overlap: true };
 }
 
 /// The slowest GPU's dispatch + expert computation + combine.
@@ -372,7 +388,11 @@ pub fn layer_cost(r: &Routing, t: Topology, shape: LayerShape, cm: &CostModel, f
     // Bytes each GPU sends over NVLink and over the network.
     let mut nv = vec![0.0; w];
     let mut net = vec![0.0; w];
+    // Inter-node messages each GPU's NIC issues: one per remote GPU it sends
+    // to, or one per remote node when flows merge.
+    let mut messages = vec![0usize; w];
     for (src, per_e) in r.iter().enumerate() {
+        let mut to_gpu = vec![false; w];
         let routed: f64 = per_e.iter().flatten().map(|(_, x)| x).sum();
         let tokens = routed / shape.top_k.max(1.0);
         let mut to_node = vec![0.0; t.nodes];
@@ -386,9 +406,15 @@ pub fn layer_cost(r: &Routing, t: Topology, shape: LayerShape, cm: &CostModel, f
                     nv[src] += x * row_bytes;
                 } else {
                     to_node[t.node(g)] += x;
+                    to_gpu[g] |= x > 0.0;
                 }
             }
         }
+        messages[src] = if flows.merge {
+            to_node.iter().filter(|&&x| x > 0.0).count()
+        } else {
+            to_gpu.iter().filter(|&&b| b).count()
+        };
         for (n, &x) in to_node.iter().enumerate() {
             if x <= 0.0 {
                 continue;
@@ -427,9 +453,28 @@ pub fn layer_cost(r: &Routing, t: Topology, shape: LayerShape, cm: &CostModel, f
     } else {
         net.iter().map(|&b| cm.rdma(b)).collect()
     };
+    // Each further message costs its NIC one more link latency (the cost
+    // model's floor and first latency are in `rdma`): small per-destination
+    // transfers are what makes all-to-allv latency-bound at scale (Zepp §3.2).
+    let nic_time: Vec<f64> = nic_time
+        .iter()
+        .zip(&messages)
+        .map(|(&t0, &m)| if t0 > 0.0 { t0 + m.saturating_sub(1) as f64 * cm.links.scale_out_latency } else { t0 })
+        .collect();
     let nv_time: Vec<f64> = nv.iter().map(|&b| cm.nvlink(b)).collect();
-    // dispatch and combine each cost the link time; compute in between.
-    let per_gpu: Vec<f64> = (0..w).map(|g| 2.0 * nv_time[g].max(nic_time[g]) + compute[g]).collect();
+    // Dispatch and combine each cost the link time, compute in between; with
+    // overlap, a pipeline over the source nodes' groups.
+    let groups = t.nodes.max(1) as f64;
+    let per_gpu: Vec<f64> = (0..w)
+        .map(|g| {
+            let link = nv_time[g].max(nic_time[g]);
+            if flows.overlap {
+                (2.0 * link + compute[g]) / groups + (groups - 1.0) / groups * link.max(compute[g])
+            } else {
+                2.0 * link + compute[g]
+            }
+        })
+        .collect();
     let slowest = (0..w).max_by(|&a, &b| per_gpu[a].total_cmp(&per_gpu[b])).unwrap_or(0);
     let total_rows: Vec<f64> = rows.iter().map(|r| r.iter().sum()).collect();
     let mean = total_rows.iter().sum::<f64>() / w as f64;

@@ -133,7 +133,7 @@ fn zepp_beats_the_best_baseline_on_modeled_layer_latency() {
                 let loads = zipf_loads(1, experts, rows, 1.1, nodes as u64).remove(0);
                 let redundant = t.world(); // one extra replica per GPU
                 let shape = LayerShape { experts, top_k, hidden };
-                let plain = Flows { merge: false, split: false };
+                let plain = Flows::DEEPEP;
                 let base_none = if experts % t.world() == 0 {
                     let p = none(experts, t).unwrap();
                     Some(layer_cost(&route_uniform(&p, &loads, t), t, shape, &cm, plain).latency)
@@ -143,8 +143,7 @@ fn zepp_beats_the_best_baseline_on_modeled_layer_latency() {
                 let pe = eplb(&loads, redundant, 1, t).unwrap();
                 let base_eplb = layer_cost(&route_uniform(&pe, &loads, t), t, shape, &cm, plain).latency;
                 let pz = zepp(&loads, redundant, t).unwrap();
-                let z =
-                    layer_cost(&route_local(&pz, &loads, t, 0.1), t, shape, &cm, Flows { merge: true, split: true });
+                let z = layer_cost(&route_local(&pz, &loads, t, 0.1), t, shape, &cm, Flows::ZEPP);
                 let best = base_none.map_or(base_eplb, |n| n.min(base_eplb));
                 eprintln!(
                     "{nodes:>2} nodes {name:<10} {tokens_per_gpu:>5} tok/GPU: none {:>8} us, EPLB {:>8.1} us, Zepp {:>8.1} us → {:.2}x over the best baseline",
@@ -173,17 +172,66 @@ fn zepp_mechanisms_each_help() {
     let loads = zipf_loads(1, experts, 1024.0 * top_k * 128.0, 1.1, 16).remove(0);
     let shape = LayerShape { experts, top_k, hidden: 7168.0 };
     let pz = zepp(&loads, 128, t).unwrap();
-    let plain = Flows { merge: false, split: false };
+    let plain = Flows::A2AV;
     let spread_only = layer_cost(&route_uniform(&pz, &loads, t), t, shape, &cm, plain);
     let local = layer_cost(&route_local(&pz, &loads, t, 0.1), t, shape, &cm, plain);
-    let merged = layer_cost(&route_local(&pz, &loads, t, 0.1), t, shape, &cm, Flows { merge: true, split: false });
-    let split = layer_cost(&route_local(&pz, &loads, t, 0.1), t, shape, &cm, Flows { merge: true, split: true });
-    for (name, c) in
-        [("placement only", spread_only), ("+ locality routing", local), ("+ merge", merged), ("+ NIC split", split)]
-    {
+    let merged = layer_cost(&route_local(&pz, &loads, t, 0.1), t, shape, &cm, Flows::DEEPEP);
+    let split = layer_cost(&route_local(&pz, &loads, t, 0.1), t, shape, &cm, Flows { overlap: false, ..Flows::ZEPP });
+    let overlapped = layer_cost(&route_local(&pz, &loads, t, 0.1), t, shape, &cm, Flows::ZEPP);
+    for (name, c) in [
+        ("placement only", spread_only),
+        ("+ locality routing", local),
+        ("+ merge", merged),
+        ("+ NIC split", split),
+        ("+ overlap", overlapped),
+    ] {
         eprintln!("{name:<20} {:>8.1} us, inter-node {:>7.1} MB", c.latency * 1e6, c.inter_node_bytes / 1e6);
     }
     assert!(local.inter_node_bytes < spread_only.inter_node_bytes);
     assert!(merged.inter_node_bytes <= local.inter_node_bytes);
     assert!(local.latency <= spread_only.latency && merged.latency <= local.latency && split.latency <= merged.latency);
+    assert!(overlapped.latency < split.latency, "overlap {} vs {}", overlapped.latency, split.latency);
+}
+
+/// Zepp §6.2: on 16 nodes of four A100s (BF16), Zepp's MoE layer is 6.68×
+/// (Qwen) and 5.77× (K2) faster than NCCL all-to-allv + grouped GEMM at
+/// 1 MB of input tokens per GPU, and 4.66× / 3.28× at 16 MB. The testbed's
+/// NIC is not in the summary we hold; one 200 Gb/s NIC per GPU is assumed.
+/// Pinned: Zepp wins at both volumes, by more than its merge alone gives
+/// (overlap and locality count). *Not* met: the published lead shrinks
+/// from 1 MB to 16 MB; here it grows and is about twice the published one,
+/// because the synthetic Zipf(1.1) loads put a quarter of Qwen's rows on one
+/// expert, and with no replicas the baseline's hottest GPU dominates at 16 MB.
+#[test]
+fn zepp_against_all_to_allv_plus_gemm() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/mixtral-8x7b-a100.moe");
+    let c = check_paths(&[path], &FsLoader).unwrap();
+    let d = &c.spec.deploys[0];
+    let mut cm = CostModel::roofline(c.spec.model(d.model), c.spec.cluster(d.cluster), c.spec.tile_set(d.tiles));
+    let t = Topology { nodes: 16, gpus_per_node: 4 };
+    cm.links.scale_out_bw = 25e9;
+    cm.links.scale_out_latency = 5e-6;
+    cm.links.nodes = 16;
+    cm.links.gpus_per_node = 4;
+    for (name, experts, hidden, paper_1mb, paper_16mb) in
+        [("qwen3-30b", 128usize, 2048.0, 6.68, 4.66), ("kimi-k2", 384, 7168.0, 5.77, 3.28)]
+    {
+        let speedup = |mb: f64| {
+            let tokens = mb * 1e6 / (hidden * 2.0);
+            let rows = tokens * 8.0 * t.world() as f64;
+            let loads = zipf_loads(1, experts, rows, 1.1, 16).remove(0);
+            let shape = LayerShape { experts, top_k: 8.0, hidden };
+            let base = layer_cost(&route_uniform(&none(experts, t).unwrap(), &loads, t), t, shape, &cm, Flows::A2AV);
+            let dedup = layer_cost(&route_uniform(&none(experts, t).unwrap(), &loads, t), t, shape, &cm, Flows::DEEPEP);
+            let pz = zepp(&loads, t.world(), t).unwrap();
+            let z = layer_cost(&route_local(&pz, &loads, t, 0.1), t, shape, &cm, Flows::ZEPP);
+            (base.latency / z.latency, base.latency / dedup.latency)
+        };
+        let ((small, merge_small), (large, merge_large)) = (speedup(1.0), speedup(16.0));
+        eprintln!("{name}: Zepp over A2AV+GEMM {small:.2}× at 1 MB (paper {paper_1mb}×), {large:.2}× at 16 MB (paper {paper_16mb}×)");
+        assert!(
+            small > merge_small && large > merge_large && merge_small > 1.0,
+            "{name}: {small} {merge_small} {large} {merge_large}"
+        );
+    }
 }

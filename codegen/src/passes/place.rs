@@ -80,14 +80,13 @@ fn place(
         loads[0].iter().map(|x| x * rows / total.max(1e-9)).collect()
     };
     let shape = LayerShape { experts, top_k: f64::from(m.moe.top_k), hidden: f64::from(m.hidden) };
-    let plain = Flows { merge: false, split: false };
+    // The baselines run DeepEP's normal kernels (per-node dedup, serial).
     let latency_none =
-        none(experts, t).ok().map(|p| layer_cost(&route_uniform(&p, &l0, t), t, shape, cm, plain).latency);
+        none(experts, t).ok().map(|p| layer_cost(&route_uniform(&p, &l0, t), t, shape, cm, Flows::DEEPEP).latency);
     let pe = eplb(&l0, redundant, groups, t)?;
-    let latency_eplb = layer_cost(&route_uniform(&pe, &l0, t), t, shape, cm, plain).latency;
+    let latency_eplb = layer_cost(&route_uniform(&pe, &l0, t), t, shape, cm, Flows::DEEPEP).latency;
     let pz = zepp(&l0, redundant, t)?;
-    let latency_zepp =
-        layer_cost(&route_local(&pz, &l0, t, 0.1), t, shape, cm, Flows { merge: true, split: true }).latency;
+    let latency_zepp = layer_cost(&route_local(&pz, &l0, t, 0.1), t, shape, cm, Flows::ZEPP).latency;
     // Every policy on every layer, for the serving simulator.
     let mean = |xs: &[(f64, f64)]| {
         let n = xs.len().max(1) as f64;
