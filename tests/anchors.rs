@@ -10,44 +10,26 @@
 
 mod common;
 
-use moeforge::codegen::{plan_deployment, ValidPlan};
-use moeforge::dsl::spec::DeployId;
-use moeforge::dsl::{check_paths, Checked, FsLoader, Spec};
+use common::sim_fixture::{fixture, load, Fixture};
 use moeforge::plan::cost::step::{Env, Load, MoeSide, Sms};
 use moeforge::plan::cost::{CostModel, Links};
 use moeforge::plan::memory::Workspace;
 use moeforge::runtime::sim::report::Probe;
 use moeforge::runtime::sim::{Bench, System};
 
-struct Fixture {
-    spec: Spec,
-    planned: ValidPlan,
+fn cost(f: &Fixture) -> &CostModel {
+    &f.planned.plan().cost
 }
 
-fn fixture(name: &str) -> Fixture {
-    let checked: Checked = check_paths(&[common::root().join(format!("examples/{name}.moe"))], &FsLoader)
-        .unwrap_or_else(|f| panic!("{}", f.render(false)));
-    let planned = plan_deployment(&checked, DeployId(0)).unwrap_or_else(|d| panic!("{d:?}"));
-    Fixture { spec: checked.spec.deployment(DeployId(0)), planned }
-}
-
-impl Fixture {
-    fn bench(&self) -> Bench<'_> {
-        Bench::new(&self.spec, self.planned.plan()).unwrap()
-    }
-    fn cost(&self) -> &CostModel {
-        &self.planned.plan().cost
-    }
-    /// The shared quantities with the papers' DeepGEMM prefill tile: ExpertPlex
-    /// §4.1, "CTA tiles of at most a 128×192 output block with a 128-wide reduction tile".
-    fn env_with_paper_tiles(&self) -> Env {
-        let d = &self.spec.deploys[0];
-        let (m, c) = (self.spec.model(d.model), self.spec.cluster(d.cluster));
-        let mut t = self.spec.tile_set(d.tiles).clone();
-        t.prefill.gate_up.block_n = 192;
-        let ws = Workspace::of(m, false).bytes();
-        Env::new(m, c, &t, d, &CostModel::roofline(m, c, &t), ws)
-    }
+/// The shared quantities with the papers' DeepGEMM prefill tile: ExpertPlex
+/// §4.1, "CTA tiles of at most a 128×192 output block with a 128-wide reduction tile".
+fn env_with_paper_tiles(f: &Fixture) -> Env {
+    let d = &f.spec.deploys[0];
+    let (m, c) = (f.spec.model(d.model), f.spec.cluster(d.cluster));
+    let mut t = f.spec.tile_set(d.tiles).clone();
+    t.prefill.gate_up.block_n = 192;
+    let ws = Workspace::of(m, false).bytes();
+    Env::new(m, c, &t, d, &CostModel::roofline(m, c, &t), ws)
 }
 
 /// `got` within `tol` (a fraction) of the published `want`.
@@ -71,7 +53,7 @@ fn near(what: &str, got: f64, want: f64, tol: f64) {
 #[test]
 fn deepep_low_latency_table() {
     let f = fixture("glm-5-h800x24");
-    let mut cm = f.cost().clone();
+    let mut cm = cost(&f).clone();
     cm.links = Links {
         scale_up_bw: 200e9,
         scale_up_latency: 2e-6,
@@ -106,7 +88,7 @@ fn deepep_low_latency_table() {
 #[test]
 fn expertplex_decode_gemms_with_eight_active_experts() {
     let f = fixture("minimax-m2-h800");
-    let cm = f.cost();
+    let cm = cost(&f);
     let m_t = f64::from(cm.m_t_decode);
     // GateUp + Down of 8 experts, 8 rows each (one tile per expert), on every SM.
     let both = cm.moe_seconds(8.0, 8.0, 64.0, m_t, 1.0, f64::from(cm.sms)) - cm.moe.alpha;
@@ -120,7 +102,7 @@ fn expertplex_decode_gemms_with_eight_active_experts() {
 #[test]
 fn expertplex_gemm_preemption_interval() {
     let f = fixture("minimax-m2-h800");
-    near("MiniMax-M2 GEMM preemption interval", f.env_with_paper_tiles().tile_seconds, 10.7e-6, 0.2);
+    near("MiniMax-M2 GEMM preemption interval", env_with_paper_tiles(&f).tile_seconds, 10.7e-6, 0.2);
 }
 
 /// ExpertPlex Fig. 12: under APK, a GLM-5-shaped decode grouped GEMM (128
@@ -131,7 +113,7 @@ fn expertplex_gemm_preemption_interval() {
 #[test]
 fn apk_decode_slowdown_under_sharing() {
     let f = fixture("glm-5-h800x24");
-    let e = f.env_with_paper_tiles();
+    let e = env_with_paper_tiles(&f);
     let cm = &e.cm;
     let m_t = f64::from(cm.m_t_decode);
     let x = 8.0 * (128.0 / m_t).ceil();
@@ -200,14 +182,7 @@ fn moebius_weight_reshard() {
 #[test]
 fn expertplex_leads_pd_colocated_and_chunked_on_minimax_sharegpt() {
     let f = fixture("minimax-m2-h800");
-    let b = f.bench();
-    let probe = Probe { seconds: 30.0, seed: 1 };
-    let best = |s: System| b.deployments(s).unwrap().iter().map(|d| b.goodput(d, 8.0, probe)).fold(0.0, f64::max);
-    let xp = best(System::ExpertPlex);
-    for s in [System::PdDisagg, System::Colocated, System::ChunkedPrefill] {
-        let g = best(s);
-        assert!(xp > g, "expertplex {xp:.2} req/s vs {} {g:.2}", s.name());
-    }
+    leads(&f.bench(), &[System::PdDisagg, System::Colocated, System::ChunkedPrefill]);
 }
 
 /// Moebius §6.2's bursty trace on Qwen3-235B-A22B, 8×H200: Moebius runs EP
@@ -229,20 +204,15 @@ fn moebius_bursty_trace() {
 }
 
 fn paper_fixture(name: &str) -> Fixture {
-    let checked: Checked = check_paths(&[common::root().join(format!("examples/papers/{name}.moe"))], &FsLoader)
-        .unwrap_or_else(|f| panic!("{}", f.render(false)));
-    let planned = plan_deployment(&checked, DeployId(0)).unwrap_or_else(|d| panic!("{d:?}"));
-    Fixture { spec: checked.spec.deployment(DeployId(0)), planned }
+    load(&format!("examples/papers/{name}.moe"))
 }
 
-/// ExpertPlex's goodput over each of `systems` in `b` (each system's best tuned deployment).
+/// ExpertPlex's goodput is above each of `systems`' (each system's best tuned deployment).
 fn leads(b: &Bench, systems: &[System]) {
-    let probe = Probe { seconds: 30.0, seed: 1 };
-    let best = |s: System| b.deployments(s).unwrap().iter().map(|d| b.goodput(d, 1.0, probe)).fold(0.0, f64::max);
-    let xp = best(System::ExpertPlex);
-    for &s in systems {
-        let g = best(s);
-        assert!(xp > g, "expertplex {xp:.3} req/s vs {} {g:.3}", s.name());
+    let all: Vec<System> = std::iter::once(System::ExpertPlex).chain(systems.iter().copied()).collect();
+    let g = b.goodputs(&all, Probe { seconds: 30.0, seed: 1 });
+    for &(s, gs) in &g[1..] {
+        assert!(g[0].1 > gs, "expertplex {:.3} req/s vs {} {gs:.3}", g[0].1, s.name());
     }
 }
 

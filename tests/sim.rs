@@ -5,31 +5,13 @@
 
 mod common;
 
-use moeforge::codegen::{plan_deployment, ValidPlan};
+use common::sim_fixture::fixture;
 use moeforge::dsl::spec::DeployId;
-use moeforge::dsl::{check_paths, Checked, FsLoader, Spec};
+use moeforge::dsl::{check_paths, FsLoader};
 use moeforge::plan::cost::step::{Load, MoeSide, Sms};
 use moeforge::runtime::sim::report::{attainment, Probe};
 use moeforge::runtime::sim::workload::Req;
 use moeforge::runtime::sim::{Bench, Deployment, Phases, Sharing, System};
-
-struct Fixture {
-    spec: Spec,
-    planned: ValidPlan,
-}
-
-fn fixture(name: &str) -> Fixture {
-    let checked: Checked = check_paths(&[common::root().join(format!("examples/{name}.moe"))], &FsLoader)
-        .unwrap_or_else(|f| panic!("{}", f.render(false)));
-    let planned = plan_deployment(&checked, DeployId(0)).unwrap_or_else(|d| panic!("{d:?}"));
-    Fixture { spec: checked.spec.deployment(DeployId(0)), planned }
-}
-
-impl Fixture {
-    fn bench(&self) -> Bench<'_> {
-        Bench::new(&self.spec, self.planned.plan()).unwrap()
-    }
-}
 
 fn one(b: &Bench, s: System) -> Deployment {
     b.deployments(s).unwrap_or_else(|e| panic!("{s:?}: {e}")).remove(0)

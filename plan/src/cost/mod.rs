@@ -403,7 +403,10 @@ impl CostModel {
             return 0.0;
         }
         let share = f64::from(self.sms) / q.max(1.0);
-        let tile = (self.moe.eval(x, 1.0) - self.moe.alpha) / x * m_t / f64::from(self.m_t_prefill.max(1)) / slice;
+        // The fit's slope at s = 1 (β for the roofline, any fitted γ, δ too),
+        // rescaled from the prefill tile height to this phase's.
+        let per_tile = self.moe.beta + self.moe.gamma + self.moe.delta;
+        let tile = per_tile * m_t / f64::from(self.m_t_prefill.max(1)) / slice;
         let first = (tile * share).max(self.moe_expert_weights / slice);
         let active = active.min(x);
         self.moe.alpha

@@ -123,36 +123,34 @@ impl Bench<'_> {
         lo
     }
 
+    /// Where the goodput bisection starts: a quarter of the layout search's
+    /// predicted goodput, or 1 req/s without a search.
+    fn start_rate(&self) -> f64 {
+        self.plan.search.as_ref().and_then(|s| s.ranked.first()).map_or(1.0, |c| (c.goodput / 4.0).max(0.05))
+    }
+
+    /// A system's best tuned deployment and its goodput, or why it cannot run here.
+    pub fn best(&self, system: System, start: f64, probe: Probe) -> Result<(f64, Deployment), String> {
+        let mut best: Option<(f64, Deployment)> = None;
+        for dep in self.deployments(system)? {
+            let g = self.goodput(&dep, start, probe);
+            if best.as_ref().is_none_or(|b| g > b.0) {
+                best = Some((g, dep));
+            }
+        }
+        best.ok_or_else(|| "no deployment".into())
+    }
+
     /// Evaluates systems: each system's best tuned deployment by goodput,
     /// then every system's attainment at `rates` points up to 1.5× the best
     /// goodput found.
     pub fn compare(&self, systems: &[System], rates: usize, probe: Probe) -> Vec<SystemResult> {
-        let start =
-            self.plan.search.as_ref().and_then(|s| s.ranked.first()).map_or(1.0, |c| (c.goodput / 4.0).max(0.05));
+        let start = self.start_rate();
         let mut results: Vec<SystemResult> = systems
             .iter()
-            .map(|&system| match self.deployments(system) {
+            .map(|&system| match self.best(system, start, probe) {
                 Err(why) => SystemResult { system, deployment: Err(why), goodput: 0.0, curve: Vec::new() },
-                Ok(deps) => {
-                    let mut best: Option<(f64, Deployment)> = None;
-                    for dep in deps {
-                        let g = self.goodput(&dep, start, probe);
-                        if best.as_ref().is_none_or(|b| g > b.0) {
-                            best = Some((g, dep));
-                        }
-                    }
-                    match best {
-                        Some((goodput, dep)) => {
-                            SystemResult { system, deployment: Ok(dep), goodput, curve: Vec::new() }
-                        }
-                        None => SystemResult {
-                            system,
-                            deployment: Err("no deployment".into()),
-                            goodput: 0.0,
-                            curve: Vec::new(),
-                        },
-                    }
-                }
+                Ok((goodput, dep)) => SystemResult { system, deployment: Ok(dep), goodput, curve: Vec::new() },
             })
             .collect();
         let top = results.iter().map(|r| r.goodput).fold(0.0, f64::max).max(start);
@@ -455,17 +453,8 @@ impl Bench<'_> {
     /// The best goodput of each system (over its tuned deployments; 0 where
     /// it cannot run) without attainment curves.
     pub fn goodputs(&self, systems: &[System], probe: Probe) -> Vec<(System, f64)> {
-        let start =
-            self.plan.search.as_ref().and_then(|s| s.ranked.first()).map_or(1.0, |c| (c.goodput / 4.0).max(0.05));
-        systems
-            .iter()
-            .map(|&s| {
-                let g = self
-                    .deployments(s)
-                    .map_or(0.0, |deps| deps.iter().map(|d| self.goodput(d, start, probe)).fold(0.0, f64::max));
-                (s, g)
-            })
-            .collect()
+        let start = self.start_rate();
+        systems.iter().map(|&s| (s, self.best(s, start, probe).map_or(0.0, |b| b.0))).collect()
     }
 
     /// `moeforge simulate --sensitivity`: every calibrated constant scaled
@@ -629,6 +618,7 @@ impl Bench<'_> {
         let uniform_local = f64::from(e.gpus_per_node) / f64::from(e.world);
         let rows = std::iter::once((None, 1.0, uniform_local))
             .chain(p.stats.iter().map(|s| (Some(s.policy), s.busiest, s.local)));
+        let start = (self.goodputs(&[System::Colocated], probe)[0].1 / 2.0).max(0.05);
         Ok(rows
             .map(|(policy, busiest, local)| {
                 let mut env = self.env.clone();
@@ -646,7 +636,6 @@ impl Bench<'_> {
                     search: self.search.clone(),
                     length_cap: self.length_cap,
                 };
-                let start = (self.goodputs(&[System::Colocated], probe)[0].1 / 2.0).max(0.05);
                 PlacementResult { policy, busiest, local, goodput: bench.goodput(&dep, start, probe) }
             })
             .collect())
