@@ -17,6 +17,7 @@ pub mod cost;
 pub mod memory;
 pub mod placement;
 pub mod plan;
+pub mod program;
 pub mod reshard;
 pub mod rng;
 pub mod search;

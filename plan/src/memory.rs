@@ -30,34 +30,225 @@ pub const MAX_REQUESTS: u64 = 2048;
 pub const MAX_SEQ: u64 = 32768;
 
 /// The working memory every GPU keeps besides weights and KV cache: the
-/// `comm`, `scratch` and `requests` regions of the memory plan. The memory
-/// plan sizes its regions with it, and the layout search and the simulator
-/// charge it to every GPU they place, so all three agree on what is left
-/// for KV.
+/// `comm`, `scratch` and `requests` regions of the memory plan, each the
+/// sum of its fixed [`BufferSpec`]s (the program's activations, routing
+/// metadata, communication slots and step inputs). The memory plan lays the
+/// buffers out, and the layout search and the simulator charge the same
+/// bytes to every GPU they place, so all three agree on what is left for KV.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Workspace {
     /// EP dispatch + combine rows (top-k copies of every token), or TP's
-    /// f32 all-reduce in and out when that is larger (dual mode).
+    /// f32 all-reduce slots when that is larger (dual mode): the modes alias.
     pub comm: u64,
-    /// GateUp output rows and f32 activations (residual, normed, attention).
+    /// Activations of one step: residual, normed, projections, attention,
+    /// routing, GateUp rows, FFN intermediates, logits.
     pub scratch: u64,
-    /// Token id, position, length and page table per request.
+    /// Step inputs and request metadata: token ids, positions, KV slots,
+    /// page tables, sampled rows and tokens.
     pub requests: u64,
 }
 
+/// A fixed buffer of the workspace, in rows of `row_bytes`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BufferName {
+    /// Step inputs, written by the host before the step (`requests` region).
+    TokenIds,
+    Positions,
+    /// The KV-pool slot (page × page_tokens + offset) of every token.
+    SlotMap,
+    /// Per request: length, first row, and its page table.
+    RequestMeta,
+    /// The rows whose logits are sampled (the last position of each request).
+    SampleRows,
+    /// The sampled token of each sampled row, read back by the host.
+    Sampled,
+    /// f32 residual stream.
+    Residual,
+    /// bf16 normed hidden state (the input of every projection).
+    Normed,
+    /// Every attention projection output of a token (q, k, v; MLA's
+    /// q_a / q / kv_a / kv_b; DSA's indexer q, k and head weights).
+    Qkv,
+    /// Attention output before `o_proj`.
+    Attn,
+    /// DSA: the `index_topk` keys each query attends to.
+    IndexerTopk,
+    RouterLogits,
+    TopkIds,
+    TopkWeights,
+    /// The permutation: per-expert counts and offsets, row ↔ entry maps.
+    RouteIndex,
+    /// The expert-contiguous rows the APK reads (gathered tokens).
+    Permuted,
+    /// GateUp output rows (gate ‖ up) of the routed experts.
+    GateUp,
+    /// The routed experts' output rows before the weighted combine.
+    ExpertOut,
+    /// The combined MoE output per token (f32).
+    MoeOut,
+    /// Dense FFN and shared-expert intermediates (gate ‖ up).
+    FfnMid,
+    /// The shared experts' output per token (bf16), written on their own stream.
+    SharedOut,
+    /// f32 logits of the sampled rows.
+    Logits,
+    /// EP: rows sent to and received from the expert owners (`comm`).
+    Dispatch,
+    Combine,
+    /// TP: the f32 partial sums every rank all-reduces (`comm`).
+    AllReduce,
+    /// TP with an all-head QK-norm (MiniMax-M2): per token, the partial sum
+    /// of squares of q and of k that the ranks all-reduce.
+    QkSumSq,
+}
+
+/// Which modes' programs use a buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BufferModes {
+    Both,
+    Ep,
+    Tp,
+}
+
+impl BufferModes {
+    pub fn contains(self, m: Mode) -> bool {
+        matches!((self, m), (BufferModes::Both, _) | (BufferModes::Ep, Mode::Ep) | (BufferModes::Tp, Mode::Tp))
+    }
+}
+
+/// A buffer of the workspace before layout: its region, modes and size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BufferSpec {
+    pub name: BufferName,
+    pub region: RegionKind,
+    pub modes: BufferModes,
+    pub rows: u64,
+    pub row_bytes: u64,
+}
+
+/// A laid-out buffer: `rows × row_bytes` at `offset` of the unified buffer.
+/// Buffers of one mode never overlap; EP's and TP's communication slots
+/// alias (a rank runs one mode at a time).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Buffer {
+    pub name: BufferName,
+    pub region: RegionId,
+    pub modes: BufferModes,
+    pub offset: u64,
+    pub rows: u64,
+    pub row_bytes: u64,
+}
+
+impl Buffer {
+    pub fn bytes(&self) -> u64 {
+        self.rows * self.row_bytes
+    }
+}
+
+/// Per-token bytes of every attention projection output (bf16), and of
+/// the attention output.
+fn attention_rows(m: &Model) -> (u64, u64) {
+    use moeforge_dsl::spec::Attention;
+    match m.attention {
+        Attention::Gqa { heads, kv_heads, head_dim, .. } => {
+            let (q, kv, d) = (u64::from(heads), u64::from(kv_heads), u64::from(head_dim));
+            ((q + 2 * kv) * d * 2, q * d * 2)
+        }
+        Attention::Mla { heads, q_lora, kv_lora, qk_nope, qk_rope, v_head, indexer } => {
+            let (n, nope, rope, v) = (u64::from(heads), u64::from(qk_nope), u64::from(qk_rope), u64::from(v_head));
+            let mut row =
+                u64::from(q_lora.unwrap_or(0)) + n * (nope + rope) + u64::from(kv_lora) + rope + n * (nope + v);
+            if let Some(ix) = indexer {
+                row += u64::from(ix.heads) * u64::from(ix.head_dim) + u64::from(ix.head_dim) + u64::from(ix.heads);
+            }
+            (row * 2, n * v * 2)
+        }
+    }
+}
+
 impl Workspace {
-    /// The workspace of model `m` for [`MAX_BATCH_TOKENS`] tokens per step,
-    /// with TP's all-reduce buffers when the plan holds both modes (`dual`).
-    pub fn of(m: &Model, dual: bool) -> Workspace {
-        let (h, i, k) = (u64::from(m.hidden), u64::from(m.moe.expert_ffn), u64::from(m.moe.top_k));
-        let tokens = MAX_BATCH_TOKENS;
-        let ep_comm = 2 * tokens * k * h * 2;
-        let tp_comm = if dual { 2 * tokens * h * 4 } else { 0 };
+    /// Every buffer of model `m` for [`MAX_BATCH_TOKENS`] tokens per rank
+    /// per step and [`MAX_REQUESTS`] requests, with TP's all-reduce slots
+    /// when the plan holds both modes (`dual`).
+    pub fn buffers(m: &Model, dual: bool) -> Vec<BufferSpec> {
+        use BufferModes::{Both, Ep, Tp};
+        use BufferName::*;
+        let (h, i, k, e) =
+            (u64::from(m.hidden), u64::from(m.moe.expert_ffn), u64::from(m.moe.top_k), u64::from(m.moe.experts));
+        let (t, r) = (MAX_BATCH_TOKENS, MAX_REQUESTS);
+        let entries = t * k;
         let pages_per_request = MAX_SEQ.div_ceil(u64::from(PAGE_TOKENS));
+        let (qkv, attn) = attention_rows(m);
+        let shared = u64::from(m.moe.shared_experts) * u64::from(m.moe.shared_ffn);
+        let dense = m.dense.map_or(0, |d| u64::from(d.ffn));
+        let b = |name, region, modes, rows, row_bytes| BufferSpec { name, region, modes, rows, row_bytes };
+        let (rq, sc, cm) = (RegionKind::Requests, RegionKind::Scratch, RegionKind::Comm);
+        let mut v = vec![
+            b(TokenIds, rq, Both, t, 4),
+            b(Positions, rq, Both, t, 4),
+            b(SlotMap, rq, Both, t, 4),
+            b(RequestMeta, rq, Both, r, 16 + 4 * pages_per_request),
+            b(SampleRows, rq, Both, r, 4),
+            b(Sampled, rq, Both, r, 4),
+            b(Residual, sc, Both, t, h * 4),
+            b(Normed, sc, Both, t, h * 2),
+            b(Qkv, sc, Both, t, qkv),
+            b(Attn, sc, Both, t, attn),
+        ];
+        if let moeforge_dsl::spec::Attention::Mla { indexer: Some(ix), .. } = m.attention {
+            v.push(b(IndexerTopk, sc, Both, t, u64::from(ix.top_k) * 4));
+        }
+        v.extend([
+            b(RouterLogits, sc, Both, t, e * 4),
+            b(TopkIds, sc, Both, t, k * 4),
+            b(TopkWeights, sc, Both, t, k * 4),
+            // counts and offsets per expert, then row→entry, row→expert and
+            // entry→row maps over the padded rows (≤ entries + 256 per expert).
+            b(RouteIndex, sc, Both, entries + 256 * e, 12),
+            b(Permuted, sc, Both, entries, h * 2),
+            b(GateUp, sc, Both, entries, 2 * i * 2),
+            b(ExpertOut, sc, Both, entries, h * 2),
+            b(MoeOut, sc, Both, t, h * 4),
+        ]);
+        if shared.max(dense) > 0 {
+            v.push(b(FfnMid, sc, Both, t, 2 * shared.max(dense) * 2));
+        }
+        if shared > 0 {
+            v.push(b(SharedOut, sc, Both, t, h * 2));
+        }
+        v.push(b(Logits, sc, Both, r, u64::from(m.vocab) * 4));
+        v.extend([b(Dispatch, cm, Ep, entries, h * 2), b(Combine, cm, Ep, entries, h * 2)]);
+        if dual {
+            v.push(b(AllReduce, cm, Tp, 2 * t, h * 4));
+            if let moeforge_dsl::spec::Attention::Gqa {
+                qk_norm: true,
+                qk_norm_scope: moeforge_dsl::spec::QkNormScope::PerLayer,
+                ..
+            } = m.attention
+            {
+                v.push(b(QkSumSq, cm, Tp, t, 2 * 4));
+            }
+        }
+        v
+    }
+
+    /// The workspace of model `m`: the three regions' sizes from [`Workspace::buffers`].
+    pub fn of(m: &Model, dual: bool) -> Workspace {
+        let specs = Workspace::buffers(m, dual);
+        let sum = |region: RegionKind, mode: Mode| {
+            specs
+                .iter()
+                .filter(|s| s.region == region && s.modes.contains(mode))
+                .map(|s| align(s.rows * s.row_bytes))
+                .sum::<u64>()
+        };
+        let both = |region| sum(region, Mode::Ep).max(sum(region, Mode::Tp));
         Workspace {
-            comm: ep_comm.max(tp_comm),
-            scratch: tokens * (k * 2 * i * 2 + 3 * h * 4),
-            requests: MAX_REQUESTS * (16 + 4 * pages_per_request),
+            comm: both(RegionKind::Comm),
+            scratch: both(RegionKind::Scratch),
+            requests: both(RegionKind::Requests),
         }
     }
     /// Bytes of the three regions, each aligned.
@@ -107,6 +298,10 @@ pub struct MemoryPlan {
     pub kv: KvPlan,
     pub reshard: Option<ReshardPlans>,
     pub overhead: DualModeOverhead,
+    /// The workspace's fixed buffers (activations, routing metadata, comm
+    /// slots, step inputs) inside the comm, scratch and requests regions.
+    #[serde(default)]
+    pub buffers: Vec<Buffer>,
 }
 
 /// Index of a [`Region`] in [`MemoryPlan::regions`].
@@ -201,6 +396,10 @@ impl MemoryPlan {
     /// The view of `role` (`part`) in `mode`.
     pub fn view(&self, mode: Mode, role: TensorRole, part: TensorPart) -> Option<&View> {
         self.views.iter().find(|v| v.mode == mode && v.role == role && v.part == part)
+    }
+    /// The buffer `name` that `mode`'s program uses.
+    pub fn buffer(&self, mode: Mode, name: BufferName) -> Option<&Buffer> {
+        self.buffers.iter().find(|b| b.name == name && b.modes.contains(mode))
     }
 }
 

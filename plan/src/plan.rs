@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 
 /// Bumped whenever `plan.json` or the bundle layout changes incompatibly.
-pub const FORMAT_VERSION: u32 = 3;
+pub const FORMAT_VERSION: u32 = 4;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
@@ -38,6 +38,9 @@ pub struct Plan {
     /// Replicas per layer and GPU for `placement { policy = zepp | eplb }`
     /// (advisory: the memory plan holds one replica per expert).
     pub placement: Option<crate::placement::PlacementPlan>,
+    /// What each rank launches for one forward step, per mode and phase.
+    #[serde(default)]
+    pub programs: Vec<crate::program::Program>,
 }
 
 impl Plan {
@@ -64,6 +67,7 @@ impl Plan {
             cost: crate::cost::CostModel::default(),
             search: None,
             placement: None,
+            programs: Vec::new(),
         }
     }
 }

@@ -1,6 +1,7 @@
 //! The textual form of a [`Plan`] (what `moeforge explain` prints).
 
 use crate::memory::RegionKind;
+use crate::program::{KernelRef, Program};
 use crate::{KernelParams, Plan};
 use std::fmt::{self, Display, Formatter};
 
@@ -110,6 +111,17 @@ impl Display for Plan {
             mem.overhead.overhead_bytes,
             mem.overhead.overhead_fraction * 100.0
         )?;
+        for b in &mem.buffers {
+            writeln!(
+                f,
+                "    buffer {:<13} @ {:>13} {:>6} × {:>7} B [{}]",
+                snake(&b.name),
+                b.offset,
+                b.rows,
+                b.row_bytes,
+                snake(&b.modes)
+            )?;
+        }
         if let Some(r) = &self.search {
             match r.ranked.first() {
                 Some(c) => writeln!(
@@ -153,8 +165,68 @@ impl Display for Plan {
                 writeln!(f, "    {}<<<{}, {}{smem}>>>({})", e.symbol, e.grid, e.block, e.params.join(", "))?;
             }
         }
+        for p in &self.programs {
+            write_program(f, p)?;
+        }
         writeln!(f, "}}")
     }
+}
+
+/// A program as one header line and one line of ops per block: `name`,
+/// `@stream` off the first stream, `<events>` waited on, `>event` recorded.
+fn write_program(f: &mut Formatter<'_>, p: &Program) -> fmt::Result {
+    let mut kinds = [0usize; 4];
+    for (_, op) in p.ops() {
+        kinds[match op.kernel {
+            KernelRef::Launch { .. } => 0,
+            KernelRef::Post { .. } => 1,
+            KernelRef::Transfer => 2,
+            KernelRef::Missing { .. } | KernelRef::Skip { .. } => 3,
+        }] += 1;
+    }
+    let ranks = match (p.ranks.first(), p.ranks.last()) {
+        (Some(a), Some(b)) if b - a + 1 == p.ranks.len() as u32 => format!("{a}..={b}"),
+        _ => format!("{:?}", p.ranks),
+    };
+    writeln!(
+        f,
+        "  program {} {} {} (ranks {ranks}): overlap {}, {} micro-batch(es), streams [{}], {} events; ops: {} launched, {} posted to the APK, {} transfers, {} with no emitted kernel yet",
+        snake(&p.role),
+        p.mode.name(),
+        p.phase.name(),
+        snake(&p.overlap),
+        p.micro_batches,
+        p.streams.join(", "),
+        p.events.len(),
+        kinds[0],
+        kinds[1],
+        kinds[2],
+        kinds[3]
+    )?;
+    for b in &p.blocks {
+        let ops: Vec<String> = b
+            .ops
+            .iter()
+            .map(|op| {
+                let mut t = op.name.clone();
+                if op.stream != 0 {
+                    t.push_str(&format!("@{}", p.streams.get(op.stream as usize).map_or("?", |s| s.as_str())));
+                }
+                if !op.waits.is_empty() {
+                    let w: Vec<&str> =
+                        op.waits.iter().map(|e| p.events.get(*e as usize).map_or("?", |s| s.as_str())).collect();
+                    t.push_str(&format!("<{}>", w.join(",")));
+                }
+                if let Some(e) = op.record {
+                    t.push_str(&format!(">{}", p.events.get(e as usize).map_or("?", |s| s.as_str())));
+                }
+                t
+            })
+            .collect();
+        let layers = b.layers.map_or(String::new(), |[a, e]| format!(" [{a}, {e})"));
+        writeln!(f, "    {}{layers}: {}", snake(&b.kind), ops.join(" "))?;
+    }
+    Ok(())
 }
 
 impl Plan {
@@ -206,4 +278,9 @@ impl Plan {
         t.push('\n');
         t
     }
+}
+
+/// A unit enum variant's `plan.json` name.
+fn snake<T: serde::Serialize>(x: &T) -> String {
+    serde_json::to_value(x).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default()
 }

@@ -85,6 +85,7 @@ pub fn check(plan: &Plan) -> Vec<Violation> {
     cost(&mut c, plan);
     search(&mut c, plan);
     placement(&mut c, plan);
+    programs(&mut c, plan);
     c.out
 }
 
@@ -106,6 +107,7 @@ pub fn validate(plan: Plan) -> Result<ValidPlan, Vec<Violation>> {
             "memory.reshard",
             "a dual-mode plan needs its reshard descriptors",
         ),
+        (plan.programs.is_empty(), "programs", "no per-rank programs"),
     ] {
         if empty {
             v.push(Violation { field: field.into(), message: what.into() });
@@ -666,4 +668,38 @@ pub fn memory_violations(plan: &Plan) -> Vec<String> {
     let mut c = Check::default();
     memory(&mut c, plan);
     c.out.into_iter().map(|v| v.to_string()).collect()
+}
+
+/// Every program verifies (`program::check`), and each rank has exactly one
+/// program per mode and phase.
+fn programs(c: &mut Check, p: &Plan) {
+    use crate::program::Phase;
+    if p.programs.is_empty() {
+        return;
+    }
+    for (i, prog) in p.programs.iter().enumerate() {
+        for (field, message) in crate::program::check(i, prog, &p.memory, &p.kernels, p.cluster.world, p.model.layers) {
+            c.bad(field, message);
+        }
+    }
+    for &mode in &p.memory.modes {
+        for phase in [Phase::Prefill, Phase::Decode] {
+            let mut held: Vec<u32> = p
+                .programs
+                .iter()
+                .filter(|q| q.mode == mode && q.phase == phase)
+                .flat_map(|q| q.ranks.iter().copied())
+                .collect();
+            held.sort_unstable();
+            let all: Vec<u32> = (0..p.cluster.world).collect();
+            c.ensure(held == all, "programs", || {
+                format!(
+                    "{} {} programs cover ranks {held:?}, not each of the {} ranks once",
+                    mode.name(),
+                    phase.name(),
+                    p.cluster.world
+                )
+            });
+        }
+    }
 }

@@ -71,6 +71,7 @@ pub fn render(plan: &Plan, model: &moeforge_dsl::spec::Model, toolchain: &Toolch
     memory(&mut s, plan, model);
     search(&mut s, plan);
     placement(&mut s, plan);
+    programs(&mut s, plan);
     let _ = writeln!(s, "\n## Kernels\n");
     match toolchain {
         Toolchain::Compiled { nvcc_version, .. } => {
@@ -336,4 +337,70 @@ fn placement(s: &mut String, plan: &Plan) {
         }
         let _ = writeln!(s);
     }
+}
+
+/// The per-rank programs: per mode and phase, the overlap, streams and the
+/// ops of each block with their kernels; then which ops still lack one.
+fn programs(s: &mut String, plan: &Plan) {
+    use moeforge_plan::program::KernelRef;
+    let _ = writeln!(s, "\n## Per-rank programs\n");
+    let _ = writeln!(
+        s,
+        "One forward step per role, mode and phase (`plan.json` `programs`): ops on named streams, \
+         ordered by events, over fixed buffer and view addresses. The validator unrolls each step \
+         layer by layer and proves every read follows its write and no two streams touch the same \
+         rows without an event between them.\n"
+    );
+    let _ = writeln!(s, "| role | mode | phase | ranks | overlap | micro-batches | streams | ops per MoE layer |\n|---|---|---|---|---|---|---|---|");
+    for p in &plan.programs {
+        let moe = p.blocks.iter().find(|b| b.kind == moeforge_plan::program::BlockKind::Moe).map_or(0, |b| b.ops.len());
+        let _ = writeln!(
+            s,
+            "| {:?} | {} | {} | {} | {:?} | {} | {} | {moe} |",
+            p.role,
+            p.mode.name(),
+            p.phase.name(),
+            p.ranks.len(),
+            p.overlap,
+            p.micro_batches,
+            p.streams.join(", ")
+        );
+    }
+    let mut missing: std::collections::BTreeSet<String> = std::collections::BTreeSet::new();
+    let mut launched: std::collections::BTreeSet<String> = std::collections::BTreeSet::new();
+    for p in &plan.programs {
+        for (_, op) in p.ops() {
+            match &op.kernel {
+                KernelRef::Missing { family } => {
+                    missing.insert(family.clone());
+                }
+                KernelRef::Launch { instance, entry } => {
+                    launched.insert(format!("{instance}::{entry}"));
+                }
+                KernelRef::Post { instance } => {
+                    launched.insert(format!("{instance} (posted to the persistent grid)"));
+                }
+                KernelRef::Transfer | KernelRef::Skip { .. } => {}
+            }
+        }
+    }
+    let list =
+        |v: &std::collections::BTreeSet<String>| v.iter().map(|x| format!("`{x}`")).collect::<Vec<_>>().join(", ");
+    let _ = writeln!(s, "\nOps with an emitted kernel: {}.\n", list(&launched));
+    if !missing.is_empty() {
+        let _ = writeln!(
+            s,
+            "Ops whose kernel this bundle does not emit yet (the program states them; no backend can run \
+             the step on a GPU until they exist): {}.\n",
+            list(&missing)
+        );
+    }
+    let _ = writeln!(
+        s,
+        "On colocated ranks the MoE op posts to the APK. Its persistent grid holds every SM, so \
+         attention kernels on the same GPU would starve: sizing its grid to the plan's SMs, or \
+         launching it per MoE op, is still to be decided and built (the cuda-backend issue). TP's \
+         MoE op needs its own APK instance (every expert's `1/P` slice); today's APK constants \
+         are EP's, so TP programs name it as missing."
+    );
 }

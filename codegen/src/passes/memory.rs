@@ -277,9 +277,14 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
 
     // Communication, scratch and request metadata: the shared workspace formula.
     let ws = Workspace::of(m, dual);
-    b.region(RegionKind::Comm, ws.comm, &modes);
-    b.region(RegionKind::Scratch, ws.scratch, &modes);
-    b.region(RegionKind::Requests, ws.requests, &modes);
+    let specs = Workspace::buffers(m, dual);
+    let mut buffers = Vec::new();
+    for (kind, bytes) in
+        [(RegionKind::Comm, ws.comm), (RegionKind::Scratch, ws.scratch), (RegionKind::Requests, ws.requests)]
+    {
+        let (id, base) = b.region(kind, bytes, &modes);
+        buffers.extend(lay_buffers(&specs, kind, id, base));
+    }
 
     let fixed = b.at;
     if fixed > buffer_bytes {
@@ -349,6 +354,7 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
         kv,
         reshard: None,
         overhead,
+        buffers,
     };
     Ok(())
 }
@@ -459,4 +465,27 @@ fn kv_plan(m: &Model, p: u32, dual: bool, pool: u64, region: RegionId) -> KvPlan
         tp_heads,
         replication: if dual { replication } else { 1 },
     }
+}
+
+/// The buffers of region `kind` at fixed offsets from `base`: those both
+/// modes use first, then EP's and TP's alike from the same offset (a rank
+/// runs one mode at a time, so their communication slots alias).
+fn lay_buffers(specs: &[BufferSpec], kind: RegionKind, region: RegionId, base: u64) -> Vec<Buffer> {
+    let mut out = Vec::new();
+    let mut at = base;
+    let mut place = |at: &mut u64, s: &BufferSpec| {
+        out.push(Buffer { name: s.name, region, modes: s.modes, offset: *at, rows: s.rows, row_bytes: s.row_bytes });
+        *at += align(s.rows * s.row_bytes);
+    };
+    for s in specs.iter().filter(|s| s.region == kind && s.modes == BufferModes::Both) {
+        place(&mut at, s);
+    }
+    let shared_end = at;
+    for only in [BufferModes::Ep, BufferModes::Tp] {
+        let mut at = shared_end;
+        for s in specs.iter().filter(|s| s.region == kind && s.modes == only) {
+            place(&mut at, s);
+        }
+    }
+    out
 }

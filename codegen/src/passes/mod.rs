@@ -10,6 +10,7 @@ pub mod kernels;
 pub mod layout;
 pub mod memory;
 pub mod place;
+pub mod program;
 pub mod reshard;
 pub mod search;
 pub mod support;
@@ -33,6 +34,7 @@ pub const PIPELINE: &[(&str, Pass)] = &[
     ("search", search::run),
     ("kernels", kernels::run),
     ("placement", place::run),
+    ("program", program::run),
 ];
 
 /// Everything a pass may read besides the plan: one deployment of a checked

@@ -1,0 +1,751 @@
+//! Program pass: the per-rank program of one forward step for every mode
+//! the memory plan holds and both phases (see `moeforge_plan::program`).
+//!
+//! Colocated ranks (data-parallel attention + EP, or TP for both in a
+//! switching plan) run:
+//! - EP prefill with two-batch overlap: micro-batch 1's attention runs on
+//!   `compute` while micro-batch 0's dispatch runs on `comm`, and one
+//!   micro-batch's experts run while the other's combine moves;
+//! - EP decode with single-batch overlap when the model has shared experts:
+//!   they run on `shared` beside the routed experts' dispatch, APK and
+//!   combine; the residual add waits on both (WaitDone);
+//! - TP on one stream: its all-reduces (after `o_proj`, after the experts
+//!   and, for an all-head QK-norm, of the sums of squares) sit between the
+//!   ops that need their result, so nothing is left to overlap.
+//!
+//! EP ranks holding different expert counts run different APK instances:
+//! their programs are separate.
+
+use super::{Ctx, PassError};
+use moeforge_dsl::spec::{Attention, Model, QkNormScope, Routing};
+use moeforge_plan::memory::{BufferName as Buf, MemoryPlan, Mode, TensorPart, TensorRole as W};
+use moeforge_plan::program::*;
+use moeforge_plan::{KernelParams, Plan};
+
+pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
+    let m = cx.model;
+    let world: Vec<u32> = plan.ranks.iter().map(|r| r.rank).collect();
+    let mut programs = Vec::new();
+    for &mode in &plan.memory.modes {
+        // EP ranks grouped by the APK instance their expert count selects.
+        let groups: Vec<(Vec<u32>, Option<String>)> = match mode {
+            Mode::Tp => vec![(world.clone(), None)],
+            Mode::Ep => {
+                let mut g: Vec<(Vec<u32>, Option<String>)> = plan
+                    .kernels
+                    .iter()
+                    .filter_map(|k| match &k.params {
+                        KernelParams::Apk(a) => Some((a.ranks.clone(), Some(k.name.clone()))),
+                        _ => None,
+                    })
+                    .collect();
+                // Ranks holding no routed experts (fewer experts than ranks).
+                let idle: Vec<u32> =
+                    plan.ranks.iter().filter(|r| r.experts[0] == r.experts[1]).map(|r| r.rank).collect();
+                if !idle.is_empty() {
+                    g.push((idle, None));
+                }
+                g
+            }
+        };
+        for (ranks, apk) in groups {
+            for phase in [Phase::Prefill, Phase::Decode] {
+                let cfg = Config { m, mem: &plan.memory, mode, phase, world: &world, apk: apk.as_deref() };
+                programs.push(cfg.program(ranks.clone()));
+            }
+        }
+    }
+    plan.programs = programs;
+    Ok(())
+}
+
+struct Config<'a> {
+    m: &'a Model,
+    mem: &'a MemoryPlan,
+    mode: Mode,
+    phase: Phase,
+    world: &'a [u32],
+    apk: Option<&'a str>,
+}
+
+const COMPUTE: u32 = 0;
+const COMM: u32 = 1;
+const SHARED: u32 = 2;
+
+/// Ops of one block under construction, with the program's event names.
+struct Ops<'e> {
+    events: &'e mut Vec<String>,
+    ops: Vec<Op>,
+}
+
+impl Ops<'_> {
+    fn event(&mut self, name: String) -> u32 {
+        match self.events.iter().position(|e| *e == name) {
+            Some(i) => i as u32,
+            None => {
+                self.events.push(name);
+                (self.events.len() - 1) as u32
+            }
+        }
+    }
+    #[allow(clippy::too_many_arguments)]
+    fn push(
+        &mut self,
+        name: &str,
+        kind: OpKind,
+        stream: u32,
+        mb: Option<u32>,
+        reads: Vec<Operand>,
+        writes: Vec<Operand>,
+        kernel: KernelRef,
+    ) -> &mut Op {
+        let name = match mb {
+            Some(i) => format!("{name}.{i}"),
+            None => name.to_string(),
+        };
+        let i = self.ops.len();
+        self.ops.push(Op {
+            name,
+            kind,
+            stream,
+            micro_batch: mb,
+            waits: vec![],
+            record: None,
+            reads,
+            writes,
+            kernel,
+            comm: None,
+        });
+        &mut self.ops[i]
+    }
+    /// Makes the last op record `name` and returns its id.
+    fn record(&mut self, name: String) -> u32 {
+        let e = self.event(name);
+        if let Some(op) = self.ops.last_mut() {
+            op.record = Some(e);
+        }
+        e
+    }
+    /// Makes the last op wait on `e`.
+    fn wait(&mut self, e: u32) {
+        if let Some(op) = self.ops.last_mut() {
+            op.waits.push(e);
+        }
+    }
+}
+
+fn buf(name: Buf) -> Operand {
+    Operand::Buffer { name }
+}
+
+fn missing(family: &str) -> KernelRef {
+    KernelRef::Missing { family: family.into() }
+}
+
+fn mb_name(base: &str, mb: Option<u32>) -> String {
+    match mb {
+        Some(i) => format!("{base}.{i}"),
+        None => base.to_string(),
+    }
+}
+
+impl Config<'_> {
+    /// A weight and, when the memory plan stores them, its fp8 block scales.
+    fn w(&self, role: W) -> Vec<Operand> {
+        let mut v = vec![Operand::Weight { role, part: TensorPart::Weight }];
+        if self.mem.view(self.mode, role, TensorPart::ScaleInv).is_some() {
+            v.push(Operand::Weight { role, part: TensorPart::ScaleInv });
+        }
+        v
+    }
+    fn ws(&self, roles: &[W]) -> Vec<Operand> {
+        roles.iter().flat_map(|r| self.w(*r)).collect()
+    }
+    fn tbo(&self) -> bool {
+        self.mode == Mode::Ep && self.phase == Phase::Prefill
+    }
+    fn sbo(&self) -> bool {
+        self.mode == Mode::Ep && self.phase == Phase::Decode && self.m.moe.shared_experts > 0
+    }
+
+    fn program(&self, ranks: Vec<u32>) -> Program {
+        let m = self.m;
+        let mut events = Vec::new();
+        let (micro_batches, overlap) = if self.tbo() {
+            (2, Overlap::Tbo)
+        } else if self.sbo() {
+            (1, Overlap::Sbo)
+        } else {
+            (1, Overlap::None)
+        };
+        let mut streams = vec!["compute".to_string()];
+        if self.mode == Mode::Ep {
+            streams.push("comm".into());
+        }
+        if self.sbo() {
+            streams.push("shared".into());
+        }
+        let mbs: Vec<Option<u32>> = if micro_batches > 1 { (0..micro_batches).map(Some).collect() } else { vec![None] };
+        let mut blocks = Vec::new();
+
+        let mut o = Ops { events: &mut events, ops: vec![] };
+        o.push(
+            "embed",
+            OpKind::Embedding,
+            COMPUTE,
+            None,
+            [vec![buf(Buf::TokenIds)], self.w(W::Embedding)].concat(),
+            vec![buf(Buf::Residual)],
+            missing("embedding"),
+        );
+        blocks.push(Block { kind: BlockKind::Prologue, layers: None, ops: o.ops });
+
+        let first_moe = self.mem.slots.first_moe_layer;
+        if first_moe > 0 {
+            let mut o = Ops { events: &mut events, ops: vec![] };
+            for &mb in &mbs {
+                self.attention(&mut o, mb);
+                o.push(
+                    "dense_ffn",
+                    OpKind::Ffn,
+                    COMPUTE,
+                    mb,
+                    [vec![buf(Buf::Normed)], self.ws(&[W::DenseGate, W::DenseUp, W::DenseDown])].concat(),
+                    vec![buf(Buf::FfnMid), buf(Buf::Residual)],
+                    missing("dense_ffn"),
+                );
+            }
+            blocks.push(Block { kind: BlockKind::Dense, layers: Some([0, first_moe]), ops: o.ops });
+        }
+        let mut o = Ops { events: &mut events, ops: vec![] };
+        match self.mode {
+            Mode::Ep => self.ep_moe_layer(&mut o, &mbs),
+            Mode::Tp => {
+                self.attention(&mut o, None);
+                self.tp_moe(&mut o);
+            }
+        }
+        blocks.push(Block { kind: BlockKind::Moe, layers: Some([first_moe, m.layers]), ops: o.ops });
+
+        let mut o = Ops { events: &mut events, ops: vec![] };
+        let head = if m.tie_embeddings { W::Embedding } else { W::LmHead };
+        o.push(
+            "final_norm",
+            OpKind::RmsNorm { add: false },
+            COMPUTE,
+            None,
+            [vec![buf(Buf::Residual), buf(Buf::SampleRows)], self.w(W::FinalNorm)].concat(),
+            vec![buf(Buf::Normed)],
+            missing("rmsnorm"),
+        );
+        o.push(
+            "lm_head",
+            OpKind::Gemm { accumulate: false },
+            COMPUTE,
+            None,
+            [vec![buf(Buf::Normed)], self.w(head)].concat(),
+            vec![buf(Buf::Logits)],
+            missing("dense_gemm"),
+        );
+        o.push(
+            "sample",
+            OpKind::Sample,
+            COMPUTE,
+            None,
+            vec![buf(Buf::Logits), buf(Buf::RequestMeta)],
+            vec![buf(Buf::Sampled)],
+            missing("sample"),
+        );
+        blocks.push(Block { kind: BlockKind::Epilogue, layers: None, ops: o.ops });
+
+        Program {
+            role: Role::Colocated,
+            mode: self.mode,
+            phase: self.phase,
+            ranks,
+            overlap,
+            micro_batches,
+            streams,
+            events,
+            blocks,
+        }
+    }
+
+    /// Input norm through the post-attention norm of one micro-batch: the
+    /// residual has had attention added and `normed` holds the FFN's input.
+    fn attention(&self, o: &mut Ops<'_>, mb: Option<u32>) {
+        let m = self.m;
+        let (c, tp) = (COMPUTE, self.mode == Mode::Tp);
+        let gemm = OpKind::Gemm { accumulate: false };
+        let (r, qkv) = (buf(Buf::Residual), buf(Buf::Qkv));
+        o.push(
+            "input_norm",
+            OpKind::RmsNorm { add: false },
+            c,
+            mb,
+            [vec![r], self.w(W::InputNorm)].concat(),
+            vec![buf(Buf::Normed)],
+            missing("rmsnorm"),
+        );
+        let yarn = m.rope_scaling.is_some();
+        let kind = match m.attention {
+            Attention::Gqa { qk_norm, qk_norm_scope, sinks, .. } => {
+                o.push(
+                    "qkv_proj",
+                    gemm,
+                    c,
+                    mb,
+                    [vec![buf(Buf::Normed)], self.ws(&[W::QProj, W::KProj, W::VProj])].concat(),
+                    vec![qkv],
+                    missing("dense_gemm"),
+                );
+                if qk_norm {
+                    let norms = self.ws(&[W::QNorm, W::KNorm]);
+                    let all = qk_norm_scope == QkNormScope::PerLayer;
+                    if all && tp {
+                        // Each rank holds its heads only: the all-head RMS needs
+                        // every rank's sum of squares.
+                        o.push(
+                            "qk_sumsq",
+                            OpKind::QkSumSq,
+                            c,
+                            mb,
+                            vec![qkv],
+                            vec![buf(Buf::QkSumSq)],
+                            missing("qk_norm"),
+                        );
+                        self.comm(
+                            o,
+                            "qk_sumsq_all_reduce",
+                            CommKind::AllReduce,
+                            mb,
+                            vec![buf(Buf::QkSumSq)],
+                            Buf::QkSumSq,
+                            Buf::QkSumSq,
+                            8,
+                        );
+                        o.push(
+                            "qk_norm",
+                            OpKind::QkNorm { all_heads: true, partial: true },
+                            c,
+                            mb,
+                            [vec![qkv, buf(Buf::QkSumSq)], norms].concat(),
+                            vec![qkv],
+                            missing("qk_norm"),
+                        );
+                    } else {
+                        o.push(
+                            "qk_norm",
+                            OpKind::QkNorm { all_heads: all, partial: false },
+                            c,
+                            mb,
+                            [vec![qkv], norms].concat(),
+                            vec![qkv],
+                            missing("qk_norm"),
+                        );
+                    }
+                }
+                let variant = if yarn { RopeVariant::YarnStandard } else { RopeVariant::Standard };
+                o.push(
+                    "rope",
+                    OpKind::Rope { variant },
+                    c,
+                    mb,
+                    vec![qkv, buf(Buf::Positions)],
+                    vec![qkv],
+                    missing("rope"),
+                );
+                if sinks {
+                    AttentionKind::GqaSinks
+                } else {
+                    AttentionKind::Gqa
+                }
+            }
+            Attention::Mla { q_lora, indexer, .. } => {
+                if q_lora.is_some() {
+                    o.push(
+                        "q_a_proj",
+                        gemm,
+                        c,
+                        mb,
+                        [vec![buf(Buf::Normed)], self.w(W::QAProj)].concat(),
+                        vec![qkv],
+                        missing("dense_gemm"),
+                    );
+                    o.push(
+                        "q_a_norm",
+                        OpKind::RmsNorm { add: false },
+                        c,
+                        mb,
+                        [vec![qkv], self.w(W::QANorm)].concat(),
+                        vec![qkv],
+                        missing("rmsnorm"),
+                    );
+                    o.push(
+                        "q_b_proj",
+                        gemm,
+                        c,
+                        mb,
+                        [vec![qkv], self.w(W::QBProj)].concat(),
+                        vec![qkv],
+                        missing("dense_gemm"),
+                    );
+                } else {
+                    o.push(
+                        "q_proj",
+                        gemm,
+                        c,
+                        mb,
+                        [vec![buf(Buf::Normed)], self.w(W::QProj)].concat(),
+                        vec![qkv],
+                        missing("dense_gemm"),
+                    );
+                }
+                o.push(
+                    "kv_a_proj",
+                    gemm,
+                    c,
+                    mb,
+                    [vec![buf(Buf::Normed)], self.w(W::KvAProj)].concat(),
+                    vec![qkv],
+                    missing("dense_gemm"),
+                );
+                o.push(
+                    "kv_a_norm",
+                    OpKind::RmsNorm { add: false },
+                    c,
+                    mb,
+                    [vec![qkv], self.w(W::KvANorm)].concat(),
+                    vec![qkv],
+                    missing("rmsnorm"),
+                );
+                if indexer.is_some() {
+                    let w = self.ws(&[W::IndexerQ, W::IndexerK, W::IndexerKNorm, W::IndexerWeights]);
+                    o.push(
+                        "indexer_proj",
+                        gemm,
+                        c,
+                        mb,
+                        [vec![buf(Buf::Normed), qkv], w].concat(),
+                        vec![qkv],
+                        missing("dense_gemm"),
+                    );
+                }
+                let variant = if yarn { RopeVariant::YarnInterleaved } else { RopeVariant::Interleaved };
+                o.push(
+                    "rope",
+                    OpKind::Rope { variant },
+                    c,
+                    mb,
+                    vec![qkv, buf(Buf::Positions)],
+                    vec![qkv],
+                    missing("rope"),
+                );
+                if self.phase == Phase::Prefill {
+                    // Prefill decompresses k and v (naive form); decode absorbs kv_b.
+                    o.push(
+                        "kv_b_proj",
+                        gemm,
+                        c,
+                        mb,
+                        [vec![qkv], self.w(W::KvBProj)].concat(),
+                        vec![qkv],
+                        missing("dense_gemm"),
+                    );
+                }
+                if indexer.is_some() {
+                    AttentionKind::MlaSparse
+                } else {
+                    AttentionKind::Mla
+                }
+            }
+        };
+        o.push(
+            "kv_write",
+            OpKind::KvWrite,
+            c,
+            mb,
+            vec![qkv, buf(Buf::SlotMap)],
+            vec![Operand::Kv],
+            missing("kv_write"),
+        );
+        let mut reads = vec![qkv, Operand::Kv, buf(Buf::RequestMeta)];
+        if let Attention::Mla { indexer: Some(ix), .. } = m.attention {
+            o.push(
+                "indexer",
+                OpKind::Indexer { top_k: ix.top_k },
+                c,
+                mb,
+                vec![qkv, Operand::Kv, buf(Buf::RequestMeta)],
+                vec![buf(Buf::IndexerTopk)],
+                missing("dsa_indexer"),
+            );
+            reads.push(buf(Buf::IndexerTopk));
+        }
+        if kind == AttentionKind::GqaSinks {
+            reads.extend(self.w(W::Sinks));
+        }
+        if matches!(kind, AttentionKind::Mla | AttentionKind::MlaSparse) && self.phase == Phase::Decode {
+            reads.extend(self.w(W::KvBProj));
+        }
+        let family = format!("attention_{}_{}", self.phase.name(), format!("{kind:?}").to_lowercase());
+        o.push(
+            "attention",
+            OpKind::Attention { kind, phase: self.phase },
+            c,
+            mb,
+            reads,
+            vec![buf(Buf::Attn)],
+            missing(&family),
+        );
+        if tp {
+            o.push(
+                "o_proj",
+                gemm,
+                c,
+                mb,
+                [vec![buf(Buf::Attn)], self.w(W::OProj)].concat(),
+                vec![buf(Buf::AllReduce)],
+                missing("dense_gemm"),
+            );
+            self.comm(
+                o,
+                "attn_all_reduce",
+                CommKind::AllReduce,
+                mb,
+                vec![buf(Buf::AllReduce)],
+                Buf::AllReduce,
+                Buf::AllReduce,
+                u64::from(m.hidden) * 4,
+            );
+            o.push(
+                "post_attention_norm",
+                OpKind::RmsNorm { add: true },
+                c,
+                mb,
+                [vec![buf(Buf::AllReduce), r], self.w(W::PostAttentionNorm)].concat(),
+                vec![r, buf(Buf::Normed)],
+                missing("rmsnorm"),
+            );
+        } else {
+            o.push(
+                "o_proj",
+                OpKind::Gemm { accumulate: true },
+                c,
+                mb,
+                [vec![buf(Buf::Attn), r], self.w(W::OProj)].concat(),
+                vec![r],
+                missing("dense_gemm"),
+            );
+            o.push(
+                "post_attention_norm",
+                OpKind::RmsNorm { add: false },
+                c,
+                mb,
+                [vec![r], self.w(W::PostAttentionNorm)].concat(),
+                vec![buf(Buf::Normed)],
+                missing("rmsnorm"),
+            );
+        }
+    }
+
+    /// A communication op over every rank of the plan on `comm` (EP) or
+    /// `compute` (TP, where nothing runs beside it).
+    #[allow(clippy::too_many_arguments)]
+    fn comm(
+        &self,
+        o: &mut Ops<'_>,
+        name: &str,
+        kind: CommKind,
+        mb: Option<u32>,
+        reads: Vec<Operand>,
+        from: Buf,
+        to: Buf,
+        row_bytes: u64,
+    ) {
+        let stream = if self.mode == Mode::Ep { COMM } else { COMPUTE };
+        let op = o.push(name, OpKind::Comm, stream, mb, reads, vec![buf(to)], KernelRef::Transfer);
+        op.comm = Some(Comm { kind, group: self.world.to_vec(), from, to, row_bytes });
+    }
+
+    /// The router's GEMM and top-k of one micro-batch.
+    fn route(&self, o: &mut Ops<'_>, mb: Option<u32>) {
+        let c = COMPUTE;
+        o.push(
+            "router_gemm",
+            OpKind::Gemm { accumulate: false },
+            c,
+            mb,
+            [vec![buf(Buf::Normed)], self.w(W::Router)].concat(),
+            vec![buf(Buf::RouterLogits)],
+            missing("dense_gemm"),
+        );
+        let mut reads = vec![buf(Buf::RouterLogits)];
+        if matches!(self.m.moe.routing, Routing::SigmoidGrouped { bias: true, .. }) {
+            reads.extend(self.w(W::RouterBias));
+        }
+        o.push(
+            "route",
+            OpKind::Route,
+            c,
+            mb,
+            reads,
+            vec![buf(Buf::TopkIds), buf(Buf::TopkWeights)],
+            launch("router", "moe_router"),
+        );
+    }
+
+    fn shared(&self, o: &mut Ops<'_>, stream: u32, mb: Option<u32>) {
+        let w = self.ws(&[W::SharedGate, W::SharedUp, W::SharedDown]);
+        o.push(
+            "shared_experts",
+            OpKind::Ffn,
+            stream,
+            mb,
+            [vec![buf(Buf::Normed)], w].concat(),
+            vec![buf(Buf::FfnMid), buf(Buf::SharedOut)],
+            missing("dense_ffn"),
+        );
+    }
+
+    /// Permute, gather, experts and the weighted row combine over the rows
+    /// in `input` (received rows in EP, every token in TP), into `out`.
+    fn experts(&self, o: &mut Ops<'_>, mb: Option<u32>, input: Buf, out: Buf) {
+        let (c, ep) = (COMPUTE, self.mode == Mode::Ep);
+        let ri = buf(Buf::RouteIndex);
+        let permute = |entry: &str| if ep { launch("permute", entry) } else { missing("permute (tp: every expert)") };
+        let ids = if ep { buf(input) } else { buf(Buf::TopkIds) };
+        o.push("permute_count", OpKind::Permute, c, mb, vec![ids], vec![ri], permute("moe_count"));
+        o.push("permute_offsets", OpKind::Permute, c, mb, vec![ri], vec![ri], permute("moe_offsets"));
+        o.push("permute_scatter", OpKind::Permute, c, mb, vec![ids, ri], vec![ri], permute("moe_scatter"));
+        o.push(
+            "gather",
+            OpKind::Gather,
+            c,
+            mb,
+            vec![buf(input), ri],
+            vec![buf(Buf::Permuted)],
+            launch("permute", "moe_gather"),
+        );
+        let kernel = match self.apk {
+            Some(apk) if ep => KernelRef::Post { instance: apk.to_string() },
+            None if ep => KernelRef::Skip { reason: "the rank holds no routed experts".into() },
+            _ => missing("apk (tp: every expert's 1/P of the intermediate)"),
+        };
+        o.push(
+            "experts",
+            OpKind::Experts,
+            c,
+            mb,
+            [vec![buf(Buf::Permuted)], self.ws(&[W::ExpertsW13, W::ExpertsW2])].concat(),
+            vec![buf(Buf::GateUp), buf(Buf::ExpertOut)],
+            kernel,
+        );
+        let weights = if ep { buf(input) } else { buf(Buf::TopkWeights) };
+        o.push(
+            "combine_rows",
+            OpKind::CombineRows,
+            c,
+            mb,
+            vec![buf(Buf::ExpertOut), ri, weights],
+            vec![buf(out)],
+            launch("permute", "moe_combine"),
+        );
+    }
+
+    /// One EP MoE layer: attention, routing, dispatch, experts, combine and
+    /// the residual add of every micro-batch, overlapped as the module says.
+    fn ep_moe_layer(&self, o: &mut Ops<'_>, mbs: &[Option<u32>]) {
+        let m = self.m;
+        let h = u64::from(m.hidden);
+        let k = u64::from(m.moe.top_k);
+        let has_shared = m.moe.shared_experts > 0;
+        let mut dispatched = Vec::new();
+        for &mb in mbs {
+            self.attention(o, mb);
+            let normed = if self.sbo() { Some(o.record(mb_name("normed", mb))) } else { None };
+            if let Some(e) = normed {
+                self.shared(o, SHARED, mb);
+                o.wait(e);
+                o.record(mb_name("shared_done", mb));
+            }
+            self.route(o, mb);
+            if has_shared && !self.sbo() {
+                self.shared(o, COMPUTE, mb);
+            }
+            let routed = o.record(mb_name("routed", mb));
+            let reads = vec![buf(Buf::Normed), buf(Buf::TopkIds), buf(Buf::TopkWeights)];
+            self.comm(o, "dispatch", CommKind::AllToAll, mb, reads, Buf::Normed, Buf::Dispatch, h * 2 + k * 8);
+            o.wait(routed);
+            dispatched.push(o.record(mb_name("dispatched", mb)));
+        }
+        let mut combined = Vec::new();
+        for (&mb, &d) in mbs.iter().zip(&dispatched) {
+            let before = o.ops.len();
+            self.experts(o, mb, Buf::Dispatch, Buf::Combine);
+            o.ops[before].waits.push(d);
+            let done = o.record(mb_name("experts_done", mb));
+            self.comm(o, "combine", CommKind::AllToAll, mb, vec![buf(Buf::Combine)], Buf::Combine, Buf::MoeOut, h * 2);
+            o.wait(done);
+            combined.push(o.record(mb_name("combined", mb)));
+        }
+        for (&mb, &cb) in mbs.iter().zip(&combined) {
+            let mut reads = vec![buf(Buf::MoeOut), buf(Buf::Residual)];
+            if has_shared {
+                reads.push(buf(Buf::SharedOut));
+            }
+            o.push(
+                "moe_residual",
+                OpKind::ResidualAdd,
+                COMPUTE,
+                mb,
+                reads,
+                vec![buf(Buf::Residual)],
+                missing("residual_add"),
+            );
+            o.wait(cb);
+            if self.sbo() {
+                let e = o.event(mb_name("shared_done", mb));
+                o.wait(e);
+            }
+        }
+    }
+
+    /// TP's MoE: every rank routes every token, computes every expert's
+    /// `1/P` slice, and all-reduces the partial sums.
+    fn tp_moe(&self, o: &mut Ops<'_>) {
+        let h = u64::from(self.m.hidden);
+        self.route(o, None);
+        if self.m.moe.shared_experts > 0 {
+            self.shared(o, COMPUTE, None);
+        }
+        self.experts(o, None, Buf::Normed, Buf::AllReduce);
+        self.comm(
+            o,
+            "moe_all_reduce",
+            CommKind::AllReduce,
+            None,
+            vec![buf(Buf::AllReduce)],
+            Buf::AllReduce,
+            Buf::AllReduce,
+            h * 4,
+        );
+        let mut reads = vec![buf(Buf::AllReduce), buf(Buf::Residual)];
+        if self.m.moe.shared_experts > 0 {
+            reads.push(buf(Buf::SharedOut));
+        }
+        o.push(
+            "moe_residual",
+            OpKind::ResidualAdd,
+            COMPUTE,
+            None,
+            reads,
+            vec![buf(Buf::Residual)],
+            missing("residual_add"),
+        );
+    }
+}
+
+fn launch(instance: &str, entry: &str) -> KernelRef {
+    KernelRef::Launch { instance: instance.into(), entry: entry.into() }
+}

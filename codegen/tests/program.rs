@@ -1,0 +1,265 @@
+//! The per-rank programs: every example's programs verify, they express
+//! the overlaps the papers describe (TBO, SBO, communication beside
+//! compute), TP's collectives are the ones tensor parallelism needs, and
+//! the verifier catches each kind of broken program.
+
+#![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
+
+use moeforge_codegen::plan_deployment;
+use moeforge_dsl::{check_paths, FsLoader};
+use moeforge_plan::memory::{BufferName, Mode, TensorPart, TensorRole};
+use moeforge_plan::program::*;
+use moeforge_plan::validate::check;
+use moeforge_plan::Plan;
+use std::path::{Path, PathBuf};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn plan_of(path: &Path) -> Plan {
+    let c = check_paths(&[path.to_path_buf()], &FsLoader).unwrap_or_else(|e| panic!("{}: {e:?}", path.display()));
+    let id = c.spec.deploy_ids().next().unwrap();
+    plan_deployment(&c, id).unwrap_or_else(|e| panic!("{}: {e:?}", path.display())).plan().clone()
+}
+
+fn example(name: &str) -> Plan {
+    plan_of(&root().join("examples").join(format!("{name}.moe")))
+}
+
+/// MiniMax-M2's shapes (all-head QK-norm) with bf16 weights (dual-mode
+/// expert slots need bf16) in a switching deployment, so the plan holds TP.
+fn minimax_dual() -> Plan {
+    let dir = std::env::temp_dir().join(format!("moeforge-program-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = std::fs::read_to_string(root().join("models/minimax-m2.moe")).unwrap();
+    let model = model.replace("weights = fp8_e4m3  block_scale = [128, 128]", "weights = bf16");
+    assert!(model.contains("weights = bf16"));
+    let text = format!(
+        "{model}\nuse \"{m}/clusters.moe\"\nuse \"{m}/tiles.moe\"\n\
+         deploy mm {{\n  model = minimax-m2\n  cluster = h200x8\n  tiles = hopper-bf16\n  slo {{ ttft = 1s  tpot = 50ms }}\n  \
+         workload {{ input = sharegpt  output = sharegpt  arrival poisson {{ rate = 4req/s }} }}\n  \
+         switch {{ t_high = 256  t_low = 204  window = 64  cooldown = 5s }}\n  memory_fraction = 0.9\n}}\n",
+        m = root().join("models").display()
+    );
+    let path = dir.join("mm.moe");
+    std::fs::write(&path, text).unwrap();
+    let p = plan_of(&path);
+    assert_eq!(p.memory.modes, [Mode::Tp, Mode::Ep], "{:?}", p.memory.single_mode_reason);
+    p
+}
+
+fn program(p: &Plan, mode: Mode, phase: Phase) -> &Program {
+    p.programs.iter().find(|q| q.mode == mode && q.phase == phase).unwrap()
+}
+
+fn op_index(p: &Program, name: &str) -> (usize, usize) {
+    for (bi, b) in p.blocks.iter().enumerate() {
+        if let Some(oi) = b.ops.iter().position(|o| o.name == name) {
+            return (bi, oi);
+        }
+    }
+    panic!("no op {name}")
+}
+
+/// The issued instance of op `name` at `layer`.
+fn issued<'a>(all: &'a [Issued], p: &Program, name: &str, layer: u32) -> &'a Issued {
+    let (b, o) = op_index(p, name);
+    all.iter().find(|i| i.block == b && i.op == o && i.layer == layer).unwrap()
+}
+
+fn concurrent(a: &Issued, b: &Issued) -> bool {
+    !a.happens_before(b) && !b.happens_before(a)
+}
+
+fn findings(p: &Plan) -> Vec<String> {
+    check(p).into_iter().map(|v| v.to_string()).collect()
+}
+
+#[test]
+fn every_example_has_verified_programs_for_each_mode_and_phase() {
+    let mut n = 0;
+    for e in std::fs::read_dir(root().join("examples")).unwrap() {
+        let path = e.unwrap().path();
+        if path.extension().is_none_or(|x| x != "moe") {
+            continue;
+        }
+        let p = plan_of(&path);
+        for &mode in &p.memory.modes {
+            for phase in [Phase::Prefill, Phase::Decode] {
+                let mut ranks: Vec<u32> = p
+                    .programs
+                    .iter()
+                    .filter(|q| q.mode == mode && q.phase == phase)
+                    .flat_map(|q| q.ranks.clone())
+                    .collect();
+                ranks.sort_unstable();
+                assert_eq!(ranks, (0..p.cluster.world).collect::<Vec<_>>(), "{}: {mode:?} {phase:?}", path.display());
+            }
+        }
+        assert!(findings(&p).is_empty(), "{}: {:?}", path.display(), findings(&p));
+        n += 1;
+    }
+    assert!(n >= 8, "only {n} examples");
+}
+
+/// ExpertPlex §6.3 / SGLang's TBO: micro-batch 1's attention runs while
+/// micro-batch 0's dispatch is in flight, and micro-batch 0's experts while
+/// micro-batch 1's dispatch is; a micro-batch's experts wait for its dispatch.
+#[test]
+fn prefill_two_batch_overlap_puts_communication_beside_compute() {
+    let p = example("minimax-m2-h800");
+    let pre = program(&p, Mode::Ep, Phase::Prefill);
+    assert_eq!((pre.overlap, pre.micro_batches), (Overlap::Tbo, 2));
+    let (all, unsatisfied) = unroll(pre);
+    assert!(unsatisfied.is_empty());
+    for layer in [0, 30, 61] {
+        let d0 = issued(&all, pre, "dispatch.0", layer);
+        let d1 = issued(&all, pre, "dispatch.1", layer);
+        assert!(concurrent(d0, issued(&all, pre, "attention.1", layer)), "layer {layer}");
+        assert!(concurrent(d1, issued(&all, pre, "experts.0", layer)), "layer {layer}");
+        assert!(concurrent(issued(&all, pre, "combine.0", layer), issued(&all, pre, "experts.1", layer)));
+        assert!(d0.happens_before(issued(&all, pre, "experts.0", layer)));
+        assert!(d1.happens_before(issued(&all, pre, "experts.1", layer)));
+        assert!(issued(&all, pre, "combine.1", layer).happens_before(issued(&all, pre, "moe_residual.1", layer)));
+    }
+    // The next layer starts after this one's residual: nothing runs ahead.
+    assert!(issued(&all, pre, "moe_residual.0", 0).happens_before(issued(&all, pre, "input_norm.0", 1)));
+}
+
+/// Decode's SBO (DeepSeek-V3 has a shared expert): the shared expert runs on
+/// its own stream beside dispatch, the APK and combine; WaitDone is the
+/// residual add's wait on the combine and on the shared expert.
+#[test]
+fn decode_single_batch_overlap_runs_shared_experts_beside_the_routed_path() {
+    let p = example("deepseek-v3-h100x32");
+    let dec = program(&p, Mode::Ep, Phase::Decode);
+    assert_eq!((dec.overlap, dec.micro_batches, dec.streams.len()), (Overlap::Sbo, 1, 3));
+    let (all, _) = unroll(dec);
+    let layer = 10;
+    let shared = issued(&all, dec, "shared_experts", layer);
+    for other in ["dispatch", "experts", "combine"] {
+        assert!(concurrent(shared, issued(&all, dec, other, layer)), "{other}");
+    }
+    let residual = issued(&all, dec, "moe_residual", layer);
+    assert!(shared.happens_before(residual) && issued(&all, dec, "combine", layer).happens_before(residual));
+    // MLA decode reads the absorbed kv_b in attention and has no kv_b GEMM;
+    // prefill decompresses with it (the naive form).
+    let (b, o) = op_index(dec, "attention");
+    assert!(dec.blocks[b].ops[o]
+        .reads
+        .contains(&Operand::Weight { role: TensorRole::KvBProj, part: TensorPart::Weight }));
+    assert!(dec.ops().all(|(_, o)| o.name != "kv_b_proj"));
+    assert!(program(&p, Mode::Ep, Phase::Prefill).ops().any(|(_, o)| o.name.starts_with("kv_b_proj")));
+    // The three leading dense layers have their own body.
+    assert_eq!(dec.blocks[1].kind, BlockKind::Dense);
+    assert_eq!(dec.blocks[1].layers, Some([0, 3]));
+}
+
+/// Megatron-style TP needs one all-reduce after `o_proj` and one after the
+/// experts per layer; MiniMax-M2's all-head QK-norm adds the sum of squares'
+/// (4 bytes each for q and k per token); EP has none and moves rows by two
+/// all-to-alls.
+#[test]
+fn tensor_parallel_programs_all_reduce_what_tp_splits() {
+    let count = |p: &Program, kind: CommKind| {
+        p.blocks[1].ops.iter().filter(|o| o.comm.as_ref().is_some_and(|c| c.kind == kind)).count()
+    };
+    let q = example("qwen3-235b-a22b-bursty");
+    assert_eq!(count(program(&q, Mode::Tp, Phase::Decode), CommKind::AllReduce), 2);
+    let mm = minimax_dual();
+    assert!(findings(&mm).is_empty(), "{:?}", findings(&mm));
+    let tp = program(&mm, Mode::Tp, Phase::Decode);
+    assert_eq!(count(tp, CommKind::AllReduce), 3);
+    let sumsq = tp.blocks[1].ops.iter().find(|o| o.name == "qk_sumsq_all_reduce").unwrap();
+    assert_eq!(sumsq.comm.as_ref().unwrap().row_bytes, 8);
+    let ep = program(&mm, Mode::Ep, Phase::Decode);
+    assert_eq!((count(ep, CommKind::AllReduce), count(ep, CommKind::AllToAll)), (0, 2));
+    // EP's all-head QK-norm is local (every head is on the rank).
+    let (b, o) = op_index(ep, "qk_norm");
+    assert_eq!(ep.blocks[b].ops[o].kind, OpKind::QkNorm { all_heads: true, partial: false });
+    // TP's collectives address the TP buffers; EP's the EP slots.
+    let ar = mm.memory.buffer(Mode::Tp, BufferName::AllReduce).unwrap();
+    let dispatch = mm.memory.buffer(Mode::Ep, BufferName::Dispatch).unwrap();
+    assert_eq!(ar.region, dispatch.region, "both in comm");
+    assert!(mm.memory.buffer(Mode::Ep, BufferName::AllReduce).is_none());
+}
+
+/// Edits `plan`'s program `pi` with `f` and returns the validator's findings.
+fn broken(plan: &Plan, pi: usize, f: impl FnOnce(&mut Program)) -> Vec<String> {
+    let mut p = plan.clone();
+    f(&mut p.programs[pi]);
+    findings(&p)
+}
+
+fn op_mut<'a>(p: &'a mut Program, name: &str) -> &'a mut Op {
+    let (b, o) = op_index(p, name);
+    &mut p.blocks[b].ops[o]
+}
+
+fn assert_finds(found: &[String], needle: &str) {
+    assert!(found.iter().any(|f| f.contains(needle)), "expected `{needle}` in {found:#?}");
+}
+
+#[test]
+fn the_verifier_catches_each_kind_of_broken_program() {
+    let plan = example("minimax-m2-h800");
+    let pi = plan.programs.iter().position(|q| q.mode == Mode::Ep && q.phase == Phase::Prefill).unwrap();
+    // The experts no longer wait for their dispatch: a race on the received rows.
+    let f = broken(&plan, pi, |p| op_mut(p, "permute_count.0").waits.clear());
+    assert_finds(&f, "concurrently with");
+    assert_finds(&f, "Dispatch");
+    // The residual add no longer waits for the combine (WaitDone dropped).
+    let f = broken(&plan, pi, |p| op_mut(p, "moe_residual.1").waits.clear());
+    assert_finds(&f, "MoeOut");
+    // A wait on an event nothing has recorded yet.
+    let f = broken(&plan, pi, |p| {
+        let e = op_mut(p, "combine.1").record.unwrap();
+        op_mut(p, "input_norm.0").waits.push(e);
+    });
+    assert_finds(&f, "which no earlier op of the step records");
+    // Both micro-batches' attention write the same rows.
+    let f = broken(&plan, pi, |p| {
+        op_mut(p, "dispatch.0").micro_batch = None;
+    });
+    assert_finds(&f, "concurrently with");
+    // The embedding is gone: the first norm reads a residual nobody wrote.
+    let f = broken(&plan, pi, |p| p.blocks[0].ops.clear());
+    assert_finds(&f, "reads Residual before any op of the step writes it");
+    // A weight the memory plan does not hold, a buffer of the other mode,
+    // a kernel entry that does not exist, a stream out of range.
+    let f = broken(&plan, pi, |p| {
+        op_mut(p, "attention.0").reads.push(Operand::Weight { role: TensorRole::Sinks, part: TensorPart::Weight })
+    });
+    assert_finds(&f, "no ep view of model.layers.{l}.self_attn.sinks");
+    let f = broken(&plan, pi, |p| op_mut(p, "o_proj.0").writes.push(Operand::Buffer { name: BufferName::AllReduce }));
+    assert_finds(&f, "no ep buffer AllReduce");
+    let f = broken(&plan, pi, |p| {
+        op_mut(p, "route.0").kernel = KernelRef::Launch { instance: "router".into(), entry: "moe_route".into() }
+    });
+    assert_finds(&f, "no entry `moe_route`");
+    let f = broken(&plan, pi, |p| op_mut(p, "gather.0").stream = 7);
+    assert_finds(&f, "stream 7 of 2");
+    // The step must end with the sampled tokens, after every stream.
+    let f = broken(&plan, pi, |p| {
+        p.blocks.last_mut().unwrap().ops.pop();
+    });
+    assert_finds(&f, "must write the sampled tokens");
+    // Layers skipped, and a rank without a decode program.
+    let f = broken(&plan, pi, |p| p.blocks[1].layers = Some([0, 60]));
+    assert_finds(&f, "cover layers [0, 60)");
+    let f = broken(&plan, pi, |p| {
+        p.ranks.pop();
+    });
+    assert_finds(&f, "not each of the 8 ranks once");
+    // A communication op whose statement disagrees with its operands.
+    let f = broken(&plan, pi, |p| op_mut(p, "combine.0").comm.as_mut().unwrap().to = BufferName::Residual);
+    assert_finds(&f, "but its operands or kernel say otherwise");
+}
+
+#[test]
+fn programs_are_deterministic() {
+    let a = serde_json::to_string(&example("glm-5-h800x24").programs).unwrap();
+    let b = serde_json::to_string(&example("glm-5-h800x24").programs).unwrap();
+    assert_eq!(a, b);
+}

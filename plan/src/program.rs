@@ -1,0 +1,622 @@
+//! The per-rank program of one forward step: a small dataflow graph of ops
+//! on named streams, ordered by events, over fixed plan addresses.
+//!
+//! A [`Program`] is what one role's ranks launch for one step of one
+//! [`Mode`] and [`Phase`]. Its [`Block`]s run in order: the prologue
+//! (embedding), one body per run of layers (dense or MoE), the epilogue
+//! (final norm, LM head, sampling); a body with `layers = [a, b)` is issued
+//! once per layer. Ops are issued in program order; each runs on its stream
+//! after the ops before it on that stream and after the latest record of
+//! every event it waits on (CUDA stream and event semantics). This is what
+//! lets a program state the papers' overlaps:
+//!
+//! - prefill's two-batch overlap (TBO): the step's tokens split into two
+//!   micro-batches, and one micro-batch's dispatch and combine run on the
+//!   `comm` stream while the other's attention or experts run on `compute`;
+//! - decode's single-batch overlap (SBO): the shared experts run on their
+//!   own stream while the routed experts' dispatch, experts and combine run;
+//! - WaitDone as a wait on the combine's event.
+//!
+//! Every operand is a plan address: a weight view of the program's mode
+//! (of the body's current layer), a workspace [`crate::memory::Buffer`] (the
+//! micro-batch's equal share of its rows when the op names one), or the
+//! layer's KV pages. Nothing is allocated at run time. Communication ops
+//! state what they move, between which ranks, from which buffer into which.
+//!
+//! [`check`] is the program's verifier, run by the plan validator: every
+//! operand resolves in the memory plan, every kernel in the plan's
+//! instances, every wait follows a record, no buffer is read before the step
+//! writes it, and no two ops on different streams touch the same buffer
+//! slice (one of them writing) without a happens-before path between them.
+//! It unrolls the step layer by layer and tracks happens-before with one
+//! vector clock per stream, independently of how the compiler built the
+//! program.
+
+use crate::memory::{BufferName, MemoryPlan, Mode, TensorPart, TensorRole};
+use crate::plan::{KernelInstance, KernelParams};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// What a rank does in the deployment. Colocated ranks run attention and
+/// their share of the experts (the composition issue adds attention-only
+/// and MoE-only server roles).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    Colocated,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    Prefill,
+    Decode,
+}
+
+impl Phase {
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Prefill => "prefill",
+            Phase::Decode => "decode",
+        }
+    }
+}
+
+/// The overlap a program expresses (ExpertPlex §6.3).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Overlap {
+    /// Two micro-batches: one's communication under the other's compute.
+    Tbo,
+    /// Shared experts beside the routed experts' dispatch, compute and combine.
+    Sbo,
+    /// One stream of work (nothing to overlap).
+    None,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Program {
+    pub role: Role,
+    pub mode: Mode,
+    pub phase: Phase,
+    /// The ranks that run this program.
+    pub ranks: Vec<u32>,
+    pub overlap: Overlap,
+    /// Micro-batches the step's tokens split into (op `micro_batch` indices
+    /// are below it; micro-batch m of M uses the m-th of M equal row ranges
+    /// of every buffer it names).
+    pub micro_batches: u32,
+    /// Stream names; an op's `stream` indexes this list.
+    pub streams: Vec<String>,
+    /// Event names; an op's `waits` and `record` index this list.
+    pub events: Vec<String>,
+    pub blocks: Vec<Block>,
+}
+
+/// What a block computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BlockKind {
+    /// Once per step, before the layers.
+    Prologue,
+    /// A layer with a dense FFN.
+    Dense,
+    /// A layer with routed experts.
+    Moe,
+    /// Once per step, after the layers.
+    Epilogue,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Block {
+    pub kind: BlockKind,
+    /// `[first, end)` model layers this body is issued for, in order;
+    /// absent for the prologue and the epilogue.
+    pub layers: Option<[u32; 2]>,
+    pub ops: Vec<Op>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Op {
+    pub name: String,
+    pub kind: OpKind,
+    pub stream: u32,
+    /// The micro-batch whose rows this op touches; absent: every row.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub micro_batch: Option<u32>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub waits: Vec<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub record: Option<u32>,
+    pub reads: Vec<Operand>,
+    pub writes: Vec<Operand>,
+    pub kernel: KernelRef,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comm: Option<Comm>,
+}
+
+/// What an op does (its kernel's contract).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum OpKind {
+    Embedding,
+    /// RMSNorm of the residual into `normed`; `add` first adds the
+    /// residual delta the op reads (fused residual add).
+    RmsNorm {
+        add: bool,
+    },
+    /// A dense projection (one-group GEMM) from its input buffer into its
+    /// output buffer; `accumulate` adds into the output (residual).
+    Gemm {
+        accumulate: bool,
+    },
+    /// QK-norm per head, or over all heads (MiniMax-M2); `partial` reads
+    /// the all-reduced sums of squares instead of computing them locally.
+    QkNorm {
+        all_heads: bool,
+        partial: bool,
+    },
+    /// This rank's partial sums of squares for an all-head QK-norm under TP.
+    QkSumSq,
+    Rope {
+        variant: RopeVariant,
+    },
+    /// Writes k and v (MLA: the latent and the rope key; DSA: the indexer
+    /// key too) into the layer's KV pages at the slot map's slots.
+    KvWrite,
+    /// DSA's lightning indexer: scores every cached key, keeps `top_k`.
+    Indexer {
+        top_k: u32,
+    },
+    Attention {
+        kind: AttentionKind,
+        phase: Phase,
+    },
+    /// Router logits → top-k ids and weights.
+    Route,
+    /// Counts, offsets and the row ↔ entry maps of the expert-contiguous layout.
+    Permute,
+    /// Gathers token rows into the expert-contiguous layout.
+    Gather,
+    /// GateUp → activation → Down over the routed experts (the APK).
+    Experts,
+    /// The weighted sum of each token's expert rows.
+    CombineRows,
+    /// Gate-up, activation and down of a dense FFN or the shared experts.
+    Ffn,
+    /// Adds the MoE (and shared-expert) output into the residual.
+    ResidualAdd,
+    /// Samples one token per sampled row (greedy, or temperature/top-p from
+    /// the request's seeded generator).
+    Sample,
+    Comm,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RopeVariant {
+    /// Rotate-half over the first `rope_dim` dims of each head (partial when
+    /// `rope_dim < head_dim`).
+    Standard,
+    /// DeepSeek's interleaved pairs on MLA's rope dims.
+    Interleaved,
+    /// Either form with YaRN-scaled frequencies and attention factor.
+    YarnStandard,
+    YarnInterleaved,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AttentionKind {
+    Gqa,
+    /// GQA with per-head sinks.
+    GqaSinks,
+    /// MLA: naive (decompressed k, v) for prefill, weight-absorbed over the
+    /// latent cache for decode.
+    Mla,
+    /// MLA over the indexer's top-k keys (DeepSeek Sparse Attention).
+    MlaSparse,
+}
+
+/// A plan address an op reads or writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Operand {
+    /// The program mode's view of a weight (of the body's current layer
+    /// when the tensor is per layer).
+    Weight { role: TensorRole, part: TensorPart },
+    /// A workspace buffer (the op's micro-batch's rows when it has one).
+    Buffer { name: BufferName },
+    /// The current layer's pages of the KV pool.
+    Kv,
+}
+
+/// The code an op runs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum KernelRef {
+    /// An entry of one of the bundle's kernel instances, launched with its
+    /// grid and block.
+    Launch { instance: String, entry: String },
+    /// Work posted to a running persistent kernel (the APK): its state
+    /// words, not a launch.
+    Post { instance: String },
+    /// A collective or one-sided transfer run by the communication engine.
+    Transfer,
+    /// A kernel family the op needs that this bundle does not emit yet.
+    Missing { family: String },
+    /// Nothing to run on these ranks (a rank holding no routed experts
+    /// computes none; its dispatch and combine still run).
+    Skip { reason: String },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CommKind {
+    /// Sum over the group; every rank ends with the total.
+    AllReduce,
+    /// Each rank sends each row to the ranks owning its experts (dispatch),
+    /// or returns rows to their sources (combine).
+    AllToAll,
+}
+
+/// What a communication op moves.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Comm {
+    pub kind: CommKind,
+    /// The participating ranks.
+    pub group: Vec<u32>,
+    /// From this buffer on each rank into `to` on the receivers.
+    pub from: BufferName,
+    pub to: BufferName,
+    /// Bytes a rank sends per row of `from`.
+    pub row_bytes: u64,
+}
+
+/// Host inputs: written before the step, so read without a prior op.
+pub fn is_step_input(b: BufferName) -> bool {
+    use BufferName::*;
+    matches!(b, TokenIds | Positions | SlotMap | RequestMeta | SampleRows)
+}
+
+/// A finding of [`check`]: the `plan.json` field and what is wrong.
+pub type Finding = (String, String);
+
+/// Most findings reported per program (the first ones locate the fault).
+const MAX_FINDINGS: usize = 8;
+
+/// One access of a buffer slice in the unrolled step.
+#[derive(Clone, Copy)]
+struct Access {
+    stream: usize,
+    /// The stream's clock when the access ran.
+    clock: u64,
+    slice: Option<u32>,
+    write: bool,
+    at: (usize, usize, u32),
+}
+
+fn overlaps(a: Option<u32>, b: Option<u32>) -> bool {
+    match (a, b) {
+        (Some(x), Some(y)) => x == y,
+        _ => true,
+    }
+}
+
+fn covers(w: Option<u32>, a: Option<u32>) -> bool {
+    w.is_none() || w == a
+}
+
+/// Verifies program `pi` of a plan against its memory plan, kernels and
+/// world size (see the module documentation).
+pub fn check(
+    pi: usize,
+    p: &Program,
+    mem: &MemoryPlan,
+    kernels: &[KernelInstance],
+    world: u32,
+    layers: u32,
+) -> Vec<Finding> {
+    let mut out: Vec<Finding> = Vec::new();
+    let at = |b: usize, o: usize| format!("programs[{pi}].blocks[{b}].ops[{o}]");
+    let ns = p.streams.len();
+    if ns == 0 {
+        out.push((format!("programs[{pi}].streams"), "a program needs a stream".into()));
+        return out;
+    }
+    if p.micro_batches == 0 {
+        out.push((format!("programs[{pi}].micro_batches"), "at least one micro-batch".into()));
+        return out;
+    }
+    if !mem.modes.contains(&p.mode) {
+        out.push((format!("programs[{pi}].mode"), format!("the memory plan holds no {} views", p.mode.name())));
+        return out;
+    }
+    for r in &p.ranks {
+        if *r >= world {
+            out.push((format!("programs[{pi}].ranks"), format!("rank {r} of a world of {world}")));
+        }
+    }
+    // The blocks: prologue, bodies tiling [0, layers) in order, epilogue.
+    let mut next = 0u32;
+    for (bi, b) in p.blocks.iter().enumerate() {
+        let field = format!("programs[{pi}].blocks[{bi}]");
+        match (b.kind, b.layers) {
+            (BlockKind::Prologue, None) if bi == 0 => {}
+            (BlockKind::Epilogue, None) if bi + 1 == p.blocks.len() && next == layers => {}
+            (BlockKind::Dense | BlockKind::Moe, Some([a, e])) if a == next && a < e && e <= layers => next = e,
+            _ => out.push((
+                field,
+                format!(
+                    "{:?} block with layers {:?} out of order (layers {next}.. of {layers} come next)",
+                    b.kind, b.layers
+                ),
+            )),
+        }
+    }
+    if p.blocks.len() < 2 || next != layers {
+        out.push((format!("programs[{pi}].blocks"), format!("the bodies cover layers [0, {next}) of {layers}")));
+    }
+    if !out.is_empty() {
+        return out;
+    }
+
+    // Static checks of every op.
+    for (bi, b) in p.blocks.iter().enumerate() {
+        let layer_range = b.layers.map_or(0..1, |[a, e]| a..e);
+        for (oi, op) in b.ops.iter().enumerate() {
+            let f = at(bi, oi);
+            if op.stream as usize >= ns {
+                out.push((format!("{f}.stream"), format!("stream {} of {ns}", op.stream)));
+            }
+            if op.micro_batch.is_some_and(|m| m >= p.micro_batches) {
+                out.push((
+                    format!("{f}.micro_batch"),
+                    format!("micro-batch {:?} of {}", op.micro_batch, p.micro_batches),
+                ));
+            }
+            for e in op.waits.iter().chain(op.record.iter()) {
+                if *e as usize >= p.events.len() {
+                    out.push((format!("{f}.waits"), format!("event {e} of {}", p.events.len())));
+                }
+            }
+            for (dir, list) in [("reads", &op.reads), ("writes", &op.writes)] {
+                for (k, o) in list.iter().enumerate() {
+                    let field = format!("{f}.{dir}[{k}]");
+                    match *o {
+                        Operand::Weight { role, part } => {
+                            if dir == "writes" {
+                                out.push((field, format!("writes weight {}", role.name(part))));
+                            } else if let Some(v) = mem.view(p.mode, role, part) {
+                                if b.layers.is_some() != role.per_layer()
+                                    || !layer_range.clone().all(|l| v.covers(l) || !role.per_layer())
+                                {
+                                    out.push((
+                                        field,
+                                        format!("view {} does not cover layers {:?}", v.tensor, b.layers),
+                                    ));
+                                }
+                            } else {
+                                out.push((field, format!("no {} view of {}", p.mode.name(), role.name(part))));
+                            }
+                        }
+                        Operand::Buffer { name } => {
+                            if mem.buffer(p.mode, name).is_none() {
+                                out.push((field, format!("no {} buffer {name:?} in the memory plan", p.mode.name())));
+                            }
+                        }
+                        Operand::Kv => {
+                            if b.layers.is_none() || mem.kv.ep.pages == 0 {
+                                out.push((field, "KV pages outside a layer body, or no KV pool".into()));
+                            }
+                        }
+                    }
+                }
+            }
+            let instance = |name: &str| kernels.iter().find(|k| k.name == name);
+            match &op.kernel {
+                KernelRef::Launch { instance: i, entry } => {
+                    if !instance(i).is_some_and(|k| k.entries.iter().any(|e| &e.symbol == entry)) {
+                        out.push((format!("{f}.kernel"), format!("no entry `{entry}` in kernel instance `{i}`")));
+                    }
+                }
+                KernelRef::Post { instance: i } => {
+                    if !instance(i).is_some_and(|k| matches!(k.params, KernelParams::Apk(_))) {
+                        out.push((format!("{f}.kernel"), format!("`{i}` is not a persistent kernel instance")));
+                    }
+                }
+                KernelRef::Transfer | KernelRef::Missing { .. } | KernelRef::Skip { .. } => {}
+            }
+            match (&op.comm, op.kind) {
+                (Some(c), OpKind::Comm) => {
+                    let reads = op.reads.contains(&Operand::Buffer { name: c.from });
+                    let writes = op.writes.contains(&Operand::Buffer { name: c.to });
+                    if !reads || !writes || c.row_bytes == 0 || op.kernel != KernelRef::Transfer {
+                        out.push((
+                            format!("{f}.comm"),
+                            format!("moves {:?} → {:?} but its operands or kernel say otherwise", c.from, c.to),
+                        ));
+                    }
+                    if c.group.is_empty()
+                        || c.group.iter().any(|r| *r >= world)
+                        || !p.ranks.iter().all(|r| c.group.contains(r))
+                    {
+                        out.push((
+                            format!("{f}.comm.group"),
+                            format!("group {:?} must hold the program's ranks of a world of {world}", c.group),
+                        ));
+                    }
+                }
+                (None, OpKind::Comm) | (Some(_), _) => {
+                    out.push((format!("{f}.comm"), "a communication op, and only one, states what it moves".into()))
+                }
+                (None, _) => {}
+            }
+        }
+    }
+    if !out.is_empty() {
+        out.truncate(MAX_FINDINGS);
+        return out;
+    }
+
+    // The unrolled step, and per buffer the accesses not yet superseded by
+    // an ordered write.
+    let (issued, unsatisfied) = unroll(p);
+    for (bi, oi, layer, e) in unsatisfied.into_iter().take(MAX_FINDINGS) {
+        out.push((
+            format!("{} (layer {layer})", at(bi, oi)),
+            format!("waits on `{}`, which no earlier op of the step records", p.events[e as usize]),
+        ));
+    }
+    let mut history: BTreeMap<BufferName, Vec<Access>> = BTreeMap::new();
+    let mut written: BTreeMap<BufferName, Vec<Option<u32>>> = BTreeMap::new();
+    'step: for is in &issued {
+        let (bi, oi, layer) = (is.block, is.op, is.layer);
+        let op = &p.blocks[bi].ops[oi];
+        let f = || format!("{} (layer {layer})", at(bi, oi));
+        let s = is.stream;
+        let me = &is.clock;
+        let mut touch = |name: BufferName, write: bool, out: &mut Vec<Finding>| {
+            let a = Access { stream: s, clock: me[s], slice: op.micro_batch, write, at: (bi, oi, layer) };
+            if !write && !is_step_input(name) {
+                let w = written.get(&name).map(|v| v.iter().any(|x| covers(*x, a.slice)));
+                if w != Some(true) {
+                    out.push((f(), format!("reads {name:?} before any op of the step writes it")));
+                }
+            }
+            let h = history.entry(name).or_default();
+            for prev in h.iter() {
+                let ordered = prev.stream == s || prev.clock <= me[prev.stream];
+                if (prev.write || write) && overlaps(prev.slice, a.slice) && !ordered {
+                    let (pb, po, pl) = prev.at;
+                    out.push((
+                        f(),
+                        format!(
+                            "{} {name:?} concurrently with {} (layer {pl}, stream `{}`): no event orders them",
+                            if write { "writes" } else { "reads" },
+                            at(pb, po),
+                            p.streams[prev.stream]
+                        ),
+                    ));
+                }
+            }
+            if write {
+                h.retain(|prev| !covers(a.slice, prev.slice));
+                written.entry(name).or_default().push(a.slice);
+            }
+            h.push(a);
+        };
+        for o in &op.reads {
+            if let Operand::Buffer { name } = o {
+                touch(*name, false, &mut out);
+            }
+        }
+        for o in &op.writes {
+            if let Operand::Buffer { name } = o {
+                touch(*name, true, &mut out);
+            }
+        }
+        if out.len() >= MAX_FINDINGS {
+            break 'step;
+        }
+    }
+    // The sampled tokens are the step's result: the last op must produce them
+    // after everything else (one stream joins every other before it).
+    if out.is_empty() {
+        let last = p.blocks.last().and_then(|b| b.ops.last());
+        let end = issued.last().map(|i| &i.clock);
+        let mut finals = vec![0u64; ns];
+        for i in &issued {
+            finals[i.stream] = i.clock[i.stream];
+        }
+        match (last, end) {
+            (Some(op), Some(end)) if op.writes.contains(&Operand::Buffer { name: BufferName::Sampled }) => {
+                let s = op.stream as usize;
+                for t in 0..ns {
+                    if t != s && end[t] < finals[t] {
+                        out.push((
+                            format!("programs[{pi}].blocks"),
+                            format!("the step ends before stream `{}`'s last op: nothing joins it", p.streams[t]),
+                        ));
+                    }
+                }
+            }
+            _ => {
+                out.push((format!("programs[{pi}].blocks"), "the step's last op must write the sampled tokens".into()))
+            }
+        }
+    }
+    out.truncate(MAX_FINDINGS);
+    out
+}
+
+/// A wait on an event no earlier op recorded: `(block, op, layer, event)`.
+pub type Unsatisfied = (usize, usize, u32, u32);
+
+/// One op as issued in the unrolled step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Issued {
+    pub block: usize,
+    pub op: usize,
+    /// The model layer (0 in the prologue and epilogue).
+    pub layer: u32,
+    pub stream: usize,
+    /// The vector clock when the op ran: entry `t` counts the ops of stream
+    /// `t` that happen before it (itself included on its own stream).
+    pub clock: Vec<u64>,
+}
+
+impl Issued {
+    /// Whether `self` (issued earlier) happens before `later`: program
+    /// order on one stream, or a chain of event records and waits.
+    pub fn happens_before(&self, later: &Issued) -> bool {
+        self.clock[self.stream] <= later.clock[self.stream]
+    }
+}
+
+/// The step in issue order: every op of every block, bodies once per layer,
+/// with its vector clock under CUDA stream and event semantics (a wait
+/// joins the clock of the event's latest record). Also the waits on events
+/// no earlier op recorded, as `(block, op, layer, event)`: on a GPU they
+/// would not wait at all. Streams and events out of range are skipped (the
+/// static checks report them).
+pub fn unroll(p: &Program) -> (Vec<Issued>, Vec<Unsatisfied>) {
+    let ns = p.streams.len();
+    let mut vc = vec![vec![0u64; ns]; ns];
+    let mut ev: Vec<Option<Vec<u64>>> = vec![None; p.events.len()];
+    let (mut issued, mut unsatisfied) = (Vec::new(), Vec::new());
+    for (bi, b) in p.blocks.iter().enumerate() {
+        for layer in b.layers.map_or(0..1, |[a, e]| a..e) {
+            for (oi, op) in b.ops.iter().enumerate() {
+                let s = op.stream as usize;
+                if s >= ns {
+                    continue;
+                }
+                for &e in &op.waits {
+                    match ev.get(e as usize) {
+                        Some(Some(snap)) => {
+                            for (x, y) in vc[s].iter_mut().zip(snap) {
+                                *x = (*x).max(*y);
+                            }
+                        }
+                        Some(None) => unsatisfied.push((bi, oi, layer, e)),
+                        None => {}
+                    }
+                }
+                vc[s][s] += 1;
+                if let Some(slot) = op.record.and_then(|e| ev.get_mut(e as usize)) {
+                    *slot = Some(vc[s].clone());
+                }
+                issued.push(Issued { block: bi, op: oi, layer, stream: s, clock: vc[s].clone() });
+            }
+        }
+    }
+    (issued, unsatisfied)
+}
+
+impl Program {
+    /// Every op of the program with its block, in program order.
+    pub fn ops(&self) -> impl Iterator<Item = (&Block, &Op)> {
+        self.blocks.iter().flat_map(|b| b.ops.iter().map(move |o| (b, o)))
+    }
+}
