@@ -20,6 +20,7 @@ struct Emitted {
     plan: codegen::Plan,
     files: std::collections::BTreeMap<String, Vec<u8>>,
     routing: moeforge::dsl::spec::Routing,
+    model: moeforge::dsl::spec::Model,
 }
 
 fn emit(example: &Path) -> Emitted {
@@ -28,8 +29,8 @@ fn emit(example: &Path) -> Emitted {
     let plan =
         codegen::plan_deployment(&checked, id).unwrap_or_else(|d| panic!("{}", d.render(&checked.sources, false)));
     let (bundle, _) = codegen::emit(&checked, id, &plan, &NvccMode::Off).unwrap();
-    let routing = checked.spec.model(checked.spec.deploys[0].model).moe.routing;
-    Emitted { name: stem(example), plan: plan.plan().clone(), files: bundle.files, routing }
+    let model = checked.spec.model(checked.spec.deploys[0].model).clone();
+    Emitted { name: stem(example), plan: plan.plan().clone(), files: bundle.files, routing: model.moe.routing, model }
 }
 
 /// Builds `driver` with the kernel source included; returns the binary.
@@ -171,4 +172,270 @@ fn emitted_permutation_and_combine_match_reference() {
         let combined = u16s(take(tokens * hidden * 2));
         assert_eq!(combined, reference::combine(&y, hidden, &want.entry_row, &weights, k), "{name}: combine");
     }
+}
+
+/// Relative closeness for bf16 outputs computed in a different order (or
+/// with f32 instead of f64 sine): within two bf16 ulps, or `abs` near zero.
+fn close(got: f32, want: f32, abs: f32) -> bool {
+    (got - want).abs() <= want.abs() / 128.0 + abs
+}
+
+fn bf16_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| reference::f32_to_bf16(*x).to_le_bytes()).collect()
+}
+
+/// The layer kernels (embedding, RMSNorm with and without the fused add,
+/// the MoE residual add, greedy sampling, QK-norm per head and over all
+/// heads with TP's all-reduced sums, RoPE at long positions, the paged KV
+/// write) on every GQA example and on MLA ones for the shared kernels,
+/// against the CPU twin's math (`twin::math`, which matches Hugging Face
+/// transformers) and the page layout the memory plan documents.
+#[test]
+#[allow(clippy::needless_range_loop)] // one index walks several parallel arrays
+fn emitted_layer_kernels_match_the_twin_math() {
+    use moeforge::dsl::spec::{Attention, QkNormScope};
+    use moeforge::plan::QkNormKind;
+    use moeforge::runtime::sampling::argmax;
+    use moeforge::runtime::twin::math::{rms_norm, Rope};
+    let tmp = tempfile::tempdir().unwrap();
+    let mut gqa_checked = 0;
+    for ex in examples() {
+        let e = emit(&ex);
+        let m = &e.model;
+        let KernelParams::Layer(lp) = &e.plan.kernels.iter().find(|k| k.name == "layer").unwrap().params else {
+            panic!("no layer kernels")
+        };
+        let (h, v) = (m.hidden as usize, m.vocab as usize);
+        let eps = m.rms_eps as f32;
+        let mut extra = Vec::new();
+        let gqa = lp.gqa.clone();
+        if gqa.is_some() {
+            extra.push("-DKERNEL_GQA");
+        }
+        if gqa.as_ref().is_some_and(|g| g.qk_norm != QkNormKind::None) {
+            extra.push("-DKERNEL_QK_NORM");
+        }
+        let bin = build_host_driver(
+            tmp.path(),
+            "layer_main.cpp",
+            &e.files["kernels/layer.cu"],
+            &format!("{}-layer", e.name),
+            &extra,
+        );
+        let mut rng = Rng(0x1a7e ^ h as u64);
+        let tokens = 5usize;
+        let rows = 3usize;
+        let table_rows = 11usize;
+        let ids: Vec<i32> = (0..tokens).map(|_| rng.below(table_rows) as i32).collect();
+        let table: Vec<f32> =
+            (0..table_rows * h).map(|_| reference::bf16_to_f32(reference::f32_to_bf16(rng.unit()))).collect();
+        let x: Vec<f32> = (0..tokens * h).map(|_| rng.unit() * 3.0).collect();
+        let w: Vec<f32> =
+            (0..h).map(|_| reference::bf16_to_f32(reference::f32_to_bf16(1.0 + rng.unit() * 0.5))).collect();
+        let delta: Vec<f32> = (0..tokens * h).map(|_| rng.unit()).collect();
+        let moe: Vec<f32> = (0..tokens * h).map(|_| rng.unit()).collect();
+        let shared: Vec<f32> =
+            (0..tokens * h).map(|_| reference::bf16_to_f32(reference::f32_to_bf16(rng.unit()))).collect();
+        let norm_rows: Vec<i32> = (0..tokens as i32).rev().collect();
+        let mut logits: Vec<f32> = (0..rows * v).map(|_| rng.unit() * 8.0).collect();
+        logits[7] = 50.0; // row 0: a tie at 7 and v-1 goes to 7
+        logits[v - 1] = 50.0;
+        logits[2 * v - 1] = 60.0; // row 1: the last id
+                                  // GQA: this rank holds the second half of the heads (TP over two ranks).
+        let (mut qh, mut kvh, mut qh0, mut kvh0, mut wlen, mut stride) = (0, 0, 0, 0, 0, 0);
+        let (mut page_bytes, mut pool_bytes, layer) = (0usize, 0usize, 1usize);
+        let mut qkv = Vec::new();
+        let (mut qw, mut kw) = (Vec::new(), Vec::new());
+        let positions: Vec<i32> = vec![0, 1, 4095, 30_000, 131_071];
+        let slots: Vec<i32> = vec![3, 17, -1, 40, 0];
+        let mut sums_in = vec![0f32; tokens * 2];
+        let (mut all_heads, mut heads, mut kv_heads, mut hd) = (false, 0, 0, 0);
+        if let (Some(g), Attention::Gqa { heads: gh, kv_heads: gkv, head_dim, qk_norm_scope, .. }) = (&gqa, m.attention)
+        {
+            all_heads = qk_norm_scope == QkNormScope::PerLayer;
+            (heads, kv_heads, hd) = (gh as usize, gkv as usize, head_dim as usize);
+            stride = g.qkv_stride as usize;
+            let split = if kv_heads >= 2 { 2 } else { 1 };
+            (qh, kvh) = (heads / split, kv_heads / split);
+            (qh0, kvh0) = (heads - qh, kv_heads - kvh);
+            wlen = if all_heads { heads.max(kv_heads) * hd } else { hd };
+            qkv = (0..tokens * stride)
+                .map(|_| reference::bf16_to_f32(reference::f32_to_bf16(rng.unit() * 2.0)))
+                .collect();
+            qw = (0..wlen).map(|_| reference::bf16_to_f32(reference::f32_to_bf16(1.0 + rng.unit() * 0.5))).collect();
+            kw = (0..wlen).map(|_| reference::bf16_to_f32(reference::f32_to_bf16(1.0 + rng.unit() * 0.5))).collect();
+            page_bytes = 3 * 16 * kvh * g.head_token_bytes as usize; // 3 layers of this rank's heads per page
+            pool_bytes = 4 * page_bytes;
+            // The all-reduced sums: this rank's heads plus the other rank's
+            // (which the test makes up), as the all-reduce would give.
+            for t in 0..tokens {
+                let row = &qkv[t * stride..];
+                let sq: f32 = row[..qh * hd].iter().map(|x| x * x).sum();
+                let sk: f32 = row[qh * hd..(qh + kvh) * hd].iter().map(|x| x * x).sum();
+                sums_in[2 * t] = sq * 2.0 + 1.0;
+                sums_in[2 * t + 1] = sk * 2.0 + 0.5;
+            }
+        }
+        let mut input = Vec::new();
+        for x in [tokens, h, rows, v, qh, kvh, qh0, kvh0, 1, table_rows, layer, wlen] {
+            input.extend((x as i32).to_le_bytes());
+        }
+        input.extend(0.5f32.to_le_bytes());
+        input.extend((pool_bytes as i64).to_le_bytes());
+        input.extend((page_bytes as i64).to_le_bytes());
+        ids.iter().for_each(|x| input.extend(x.to_le_bytes()));
+        input.extend(bf16_bytes(&table));
+        x.iter().for_each(|f| input.extend(f.to_le_bytes()));
+        input.extend(bf16_bytes(&w));
+        delta.iter().for_each(|f| input.extend(f.to_le_bytes()));
+        moe.iter().for_each(|f| input.extend(f.to_le_bytes()));
+        input.extend(bf16_bytes(&shared));
+        norm_rows.iter().for_each(|x| input.extend(x.to_le_bytes()));
+        logits.iter().for_each(|f| input.extend(f.to_le_bytes()));
+        if gqa.is_some() {
+            input.extend(bf16_bytes(&qkv));
+            input.extend(bf16_bytes(&qw));
+            input.extend(bf16_bytes(&kw));
+            positions.iter().for_each(|x| input.extend(x.to_le_bytes()));
+            slots.iter().for_each(|x| input.extend(x.to_le_bytes()));
+            sums_in.iter().for_each(|f| input.extend(f.to_le_bytes()));
+        }
+        let out = run(&bin, &input, tmp.path());
+        let mut at = 0;
+        let mut take = |n: usize| {
+            let s = &out[at..at + n];
+            at += n;
+            s
+        };
+        let name = &e.name;
+        // Embedding: exact.
+        let emb = f32s(take(tokens * h * 4));
+        for t in 0..tokens {
+            assert_eq!(
+                &emb[t * h..(t + 1) * h],
+                &table[ids[t] as usize * h..(ids[t] as usize + 1) * h],
+                "{name}: embed"
+            );
+        }
+        let bf = |b: &[u8]| u16s(b).into_iter().map(reference::bf16_to_f32).collect::<Vec<f32>>();
+        // RMSNorm of rows in reverse order.
+        let normed = bf(take(tokens * h * 2));
+        for r in 0..tokens {
+            let src = norm_rows[r] as usize;
+            let want = rms_norm(&x[src * h..(src + 1) * h], &w, eps);
+            for i in 0..h {
+                assert!(
+                    close(normed[r * h + i], want[i], 1e-3),
+                    "{name}: rms_norm row {r} [{i}]: {} vs {}",
+                    normed[r * h + i],
+                    want[i]
+                );
+            }
+        }
+        // Fused add + RMSNorm.
+        let res = f32s(take(tokens * h * 4));
+        let added: Vec<f32> = x.iter().zip(&delta).map(|(a, b)| a + b).collect();
+        assert_eq!(res, added, "{name}: add_rms_norm residual");
+        let normed = bf(take(tokens * h * 2));
+        for r in 0..tokens {
+            let want = rms_norm(&added[r * h..(r + 1) * h], &w, eps);
+            assert!((0..h).all(|i| close(normed[r * h + i], want[i], 1e-3)), "{name}: add_rms_norm row {r}");
+        }
+        // The MoE residual add, with and without shared experts: exact.
+        let with: Vec<f32> = (0..tokens * h).map(|i| x[i] + (moe[i] + shared[i])).collect();
+        assert_eq!(f32s(take(tokens * h * 4)), with, "{name}: residual_add with shared");
+        let without: Vec<f32> = (0..tokens * h).map(|i| x[i] + (moe[i] + 0.0)).collect();
+        assert_eq!(f32s(take(tokens * h * 4)), without, "{name}: residual_add");
+        // Greedy sampling: the twin's argmax.
+        let want: Vec<i32> = (0..rows).map(|r| argmax(&logits[r * v..(r + 1) * v]) as i32).collect();
+        assert_eq!(i32s(take(rows * 4)), want, "{name}: sample_greedy");
+        assert_eq!((want[0], want[1]), (7, v as i32 - 1));
+        let Some(g) = &gqa else {
+            continue;
+        };
+        gqa_checked += 1;
+        let head = |buf: &[f32], t: usize, k: usize| buf[t * stride + k * hd..t * stride + (k + 1) * hd].to_vec();
+        if g.qk_norm != QkNormKind::None {
+            let sums = f32s(take(tokens * 2 * 4));
+            for t in 0..tokens {
+                let row = &qkv[t * stride..];
+                let sq: f32 = row[..qh * hd].iter().map(|x| x * x).sum();
+                let sk: f32 = row[qh * hd..(qh + kvh) * hd].iter().map(|x| x * x).sum();
+                assert!((sums[2 * t] - sq).abs() <= sq * 1e-4, "{name}: qk_sumsq q: {} vs {sq}", sums[2 * t]);
+                assert!(
+                    (sums[2 * t + 1] - 0.5 * sk).abs() <= sk * 1e-4,
+                    "{name}: qk_sumsq k: {} vs {sk}",
+                    sums[2 * t + 1]
+                );
+            }
+            let normed = bf(take(tokens * stride * 2));
+            for t in 0..tokens {
+                for k in 0..qh + kvh {
+                    let is_q = k < qh;
+                    let x = head(&qkv, t, k);
+                    let want: Vec<f32> = if all_heads {
+                        // Global counts, the all-reduced sums, the head's weight slice.
+                        let (ss, n, w, g0) = if is_q {
+                            (sums_in[2 * t], heads * hd, &qw, qh0 + k)
+                        } else {
+                            (sums_in[2 * t + 1], kv_heads * hd, &kw, kvh0 + k - qh)
+                        };
+                        let inv = 1.0 / (ss / n as f32 + eps).sqrt();
+                        x.iter().enumerate().map(|(i, v)| v * inv * w[g0 * hd + i]).collect()
+                    } else {
+                        rms_norm(&x, if is_q { &qw } else { &kw }, eps)
+                    };
+                    let got = head(&normed, t, k);
+                    for i in 0..hd {
+                        assert!(
+                            close(got[i], want[i], 1e-3),
+                            "{name}: qk_norm token {t} head {k} [{i}]: {} vs {}",
+                            got[i],
+                            want[i]
+                        );
+                    }
+                }
+                // v is untouched.
+                assert_eq!(
+                    &normed[t * stride + (qh + kvh) * hd..t * stride + (qh + 2 * kvh) * hd],
+                    &qkv[t * stride + (qh + kvh) * hd..t * stride + (qh + 2 * kvh) * hd]
+                );
+            }
+        }
+        let roped = bf(take(tokens * stride * 2));
+        let rope = Rope::new(g.rope_dim as usize, m.rope_theta, m.rope_scaling.as_ref());
+        for t in 0..tokens {
+            for k in 0..qh + kvh {
+                let mut want = head(&qkv, t, k);
+                rope.apply(&mut want, positions[t] as usize);
+                let got = head(&roped, t, k);
+                for i in 0..hd {
+                    assert!(
+                        close(got[i], want[i], 4e-3),
+                        "{name}: rope token {t} (pos {}) head {k} [{i}]: {} vs {}",
+                        positions[t],
+                        got[i],
+                        want[i]
+                    );
+                }
+            }
+        }
+        let pool = take(pool_bytes);
+        let mut expect = vec![0u8; pool_bytes];
+        let htb = g.head_token_bytes as usize;
+        for t in 0..tokens {
+            if slots[t] < 0 {
+                continue;
+            }
+            let (page, tip) = (slots[t] as usize / 16, slots[t] as usize % 16);
+            for gi in 0..kvh {
+                let at = page * page_bytes + ((layer * kvh + gi) * 16 + tip) * htb;
+                expect[at..at + hd * 2].copy_from_slice(&bf16_bytes(&head(&qkv, t, qh + gi)));
+                expect[at + hd * 2..at + 4 * hd].copy_from_slice(&bf16_bytes(&head(&qkv, t, qh + kvh + gi)));
+            }
+        }
+        assert!(pool == expect.as_slice(), "{name}: kv_write");
+        assert_eq!(at, out.len(), "{name}: output size");
+    }
+    assert!(gqa_checked >= 5, "only {gqa_checked} GQA examples");
 }

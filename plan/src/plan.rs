@@ -196,6 +196,52 @@ pub enum KernelParams {
     Router(RouterParams),
     Permute(PermuteParams),
     Apk(ApkParams),
+    Layer(LayerParams),
+}
+
+/// The per-token kernels around the GEMMs and attention: embedding,
+/// RMSNorm (with the fused residual add), the residual add of the MoE
+/// output, greedy sampling, and for GQA models QK-norm, RoPE and the paged
+/// KV write. One block per token (or row); head counts, pages and layers
+/// are run-time arguments, so both modes' programs launch one instance.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LayerParams {
+    pub hidden: u32,
+    pub vocab: u32,
+    pub rms_eps: f64,
+    pub threads: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gqa: Option<GqaLayerParams>,
+}
+
+/// The GQA constants of [`LayerParams`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GqaLayerParams {
+    pub head_dim: u32,
+    /// Rotary dims per head (`< head_dim`: partial RoPE over the first ones).
+    pub rope_dim: u32,
+    /// Global query and KV heads (an all-head QK-norm divides by their size).
+    pub heads: u32,
+    pub kv_heads: u32,
+    /// Elements per row of the `qkv` buffer (its q, then k, then v heads).
+    pub qkv_stride: u32,
+    /// QK-norm: none, per head, or over all heads.
+    pub qk_norm: QkNormKind,
+    /// RoPE's inverse frequency per rotary pair (YaRN-blended when the model
+    /// scales), and the factor cos and sin are multiplied by.
+    pub inv_freq: Vec<f64>,
+    pub rope_scale: f64,
+    pub page_tokens: u32,
+    /// Bytes of one token of one KV head in one layer (K then V).
+    pub head_token_bytes: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QkNormKind {
+    None,
+    PerHead,
+    AllHeads,
 }
 
 /// The Adaptive Persistent Kernel of the MoE ranks holding `local_experts`
@@ -348,6 +394,8 @@ pub enum GridVar {
     Rows,
     /// Routed experts this rank holds.
     LocalExperts,
+    /// Rows sampled this step (one per request finishing a prompt or decoding).
+    SampledRows,
 }
 
 /// How many blocks a kernel launches.
@@ -370,6 +418,7 @@ impl fmt::Display for Grid {
             GridVar::Entries => "entries",
             GridVar::Rows => "rows",
             GridVar::LocalExperts => "num_local",
+            GridVar::SampledRows => "sampled_rows",
         };
         match self {
             Grid::Fixed { blocks } => write!(f, "{blocks}"),

@@ -572,6 +572,28 @@ fn kernels(c: &mut Check, p: &Plan) {
                     && q.block_m > 0;
                 c.ensure(ok, format!("{f}.params"), || format!("permute constants inconsistent: {q:?}"));
             }
+            KernelParams::Layer(l) => {
+                let mut ok = l.hidden == p.model.hidden
+                    && l.vocab > 0
+                    && l.threads % 32 == 0
+                    && (32..=1024).contains(&l.threads);
+                if let Some(g) = &l.gqa {
+                    let qkv = p.memory.buffers.iter().find(|b| b.name == crate::memory::BufferName::Qkv);
+                    ok &= g.head_dim > 0
+                        && g.rope_dim % 2 == 0
+                        && g.rope_dim <= g.head_dim
+                        && g.inv_freq.len() as u32 * 2 == g.rope_dim
+                        && g.kv_heads > 0
+                        && g.heads % g.kv_heads == 0
+                        && u64::from(g.qkv_stride)
+                            >= (u64::from(g.heads) + 2 * u64::from(g.kv_heads)) * u64::from(g.head_dim)
+                        && qkv.is_none_or(|b| b.row_bytes == u64::from(g.qkv_stride) * 2)
+                        && (p.memory.regions.is_empty()
+                            || (g.page_tokens == p.memory.kv.page_tokens
+                                && g.head_token_bytes == p.memory.kv.head_token_bytes));
+                }
+                c.ensure(ok, format!("{f}.params"), || format!("layer-kernel constants inconsistent: {l:?}"));
+            }
             KernelParams::Apk(a) => {
                 let tiles_ok = a.m_t_prefill > 0 && a.m_t_decode > 0 && a.n_t_gate_up % 2 == 0 && a.n_t_down > 0;
                 let shape_ok = a.local_experts > 0

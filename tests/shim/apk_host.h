@@ -46,7 +46,6 @@ inline float shim_fp8e4m3_to_float(uint8_t b) {
   }();
   return table[b];
 }
-inline float __bfloat162float(__nv_bfloat16 h) { return shim_bf16_to_float(h); }
 inline __nv_bfloat16 __float2bfloat16(float f) { return shim_float_to_bf16(f); }
 
 namespace apk_host {

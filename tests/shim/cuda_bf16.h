@@ -24,6 +24,8 @@ inline __nv_bfloat16 shim_float_to_bf16(float f) {
   u += 0x7fffu + ((u >> 16) & 1u);
   return __nv_bfloat16{static_cast<uint16_t>(u >> 16)};
 }
+inline float __bfloat162float(__nv_bfloat16 h) { return shim_bf16_to_float(h); }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) { return shim_float_to_bf16(f); }
 inline float2 __bfloat1622float2(__nv_bfloat162 h) { return float2{shim_bf16_to_float(h.x), shim_bf16_to_float(h.y)}; }
 inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
   return __nv_bfloat162{shim_float_to_bf16(a), shim_float_to_bf16(b)};

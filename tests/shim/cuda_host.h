@@ -24,6 +24,7 @@
 #define __restrict__ __restrict
 // Blocks run one at a time, so a function-local static is the block's shared memory.
 #define __shared__ static
+#define __constant__
 
 struct ShimDim3 {
   unsigned x = 1, y = 1, z = 1;
@@ -121,6 +122,11 @@ inline void __syncthreads() { shim::current->block->arrive_and_wait(); }
 [[noreturn]] inline void __trap() { std::abort(); }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline float __expf(float x) { return std::exp(x); }
+// The SFU's sine and cosine, here at full precision (the device's are
+// accurate to ~2^-21 on [-π, π], where the kernels call them).
+inline float __sinf(float x) { return std::sin(x); }
+inline float __cosf(float x) { return std::cos(x); }
+// sqrtf, rint and fma (double) come from <cmath>, as the device's do.
 
 template <typename T>
 inline T __shfl_sync(unsigned, T v, int src) {

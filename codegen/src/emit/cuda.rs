@@ -12,6 +12,7 @@ use moeforge_plan::{KernelInstance, KernelParams};
 const ROUTER: &str = include_str!("../../templates/router.cu.tera");
 const PERMUTE: &str = include_str!("../../templates/permute.cu.tera");
 const APK: &str = include_str!("../../templates/apk.cu.tera");
+const LAYER: &str = include_str!("../../templates/layer.cu.tera");
 
 #[derive(Debug, thiserror::Error)]
 #[error("template `{template}` failed: {message}")]
@@ -73,6 +74,19 @@ pub fn render(plan: &ValidPlan, k: &KernelInstance) -> Result<String, TemplateEr
         KernelParams::Permute(p) => {
             ctx.insert("p", p);
             ("permute.cu", vec![("permute.cu", PERMUTE)])
+        }
+        KernelParams::Layer(p) => {
+            ctx.insert("p", p);
+            ctx.insert("eps", &float_literal(p.rms_eps));
+            ctx.insert("gqa", &p.gqa);
+            if let Some(g) = &p.gqa {
+                ctx.insert("rope_scale", &float_literal(g.rope_scale));
+                let freqs: Vec<String> = g.inv_freq.iter().map(|f| format!("{f:?}")).collect();
+                ctx.insert("inv_freq", &freqs.join(", "));
+                ctx.insert("qk_norm", &(g.qk_norm != moeforge_plan::QkNormKind::None));
+                ctx.insert("qk_all_heads", &(g.qk_norm == moeforge_plan::QkNormKind::AllHeads));
+            }
+            ("layer.cu", vec![("layer.cu", LAYER)])
         }
         KernelParams::Apk(p) => {
             let target = crate::target::of(k.arch);

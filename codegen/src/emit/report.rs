@@ -91,6 +91,7 @@ pub fn render(plan: &Plan, model: &moeforge_dsl::spec::Model, toolchain: &Toolch
             KernelParams::Router(p) => serde_json::to_value(p),
             KernelParams::Permute(p) => serde_json::to_value(p),
             KernelParams::Apk(p) => serde_json::to_value(p),
+            KernelParams::Layer(p) => serde_json::to_value(p),
         };
         if let Ok(serde_json::Value::Object(map)) = consts {
             let row: Vec<String> = map.iter().map(|(k, v)| format!("{k} = {v}")).collect();

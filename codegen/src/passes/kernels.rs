@@ -16,8 +16,8 @@ use moeforge_plan::cost::CostModel;
 use moeforge_plan::memory::MAX_BATCH_TOKENS;
 use moeforge_plan::search::SearchResult;
 use moeforge_plan::{
-    ApkParams, EntryPoint, Grid, GridVar, KernelInstance, KernelParams, PermuteParams, Plan, RankPlan, RouterParams,
-    Scoring, WeightFormat,
+    ApkParams, EntryPoint, GqaLayerParams, Grid, GridVar, KernelInstance, KernelParams, LayerParams, PermuteParams,
+    Plan, QkNormKind, RankPlan, RouterParams, Scoring, WeightFormat,
 };
 
 const ROUTER_WARPS: u32 = 4;
@@ -25,6 +25,8 @@ const ROUTER_WARPS: u32 = 4;
 /// 12 scores per lane (384 experts) without spilling.
 const ROUTER_MIN_BLOCKS: u32 = 8;
 const PERMUTE_THREADS: u32 = 256;
+/// One block of 256 threads per token or row for the layer kernels.
+const LAYER_THREADS: u32 = 256;
 
 /// Writes `plan.kernels`: the router, the permutation and the APKs. It
 /// emits no source (that is `emit`).
@@ -46,6 +48,7 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
         .help("use a tile set whose prefill gate_up `cluster` is [1, 1], or the GPU's real SM count"),
     })?;
     kernels.extend(apks);
+    kernels.push(layer(cx, &plan.memory));
     plan.kernels = kernels;
     unused_tiles(cx);
     Ok(())
@@ -350,4 +353,167 @@ pub fn apk(
             }
         })
         .collect())
+}
+
+/// The layer kernels (embedding, norms, QK-norm, RoPE, KV write, residual
+/// add, greedy sampling) with the model's constants.
+fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstance {
+    use moeforge_dsl::spec::{Attention, QkNormScope};
+    use moeforge_plan::memory::BufferName;
+    let m = cx.model;
+    let gqa = match m.attention {
+        Attention::Gqa { heads, kv_heads, head_dim, qk_norm, qk_norm_scope, rope_dim, .. } => {
+            let inv_freq = match &m.rope_scaling {
+                Some(y) => y.inv_freq(rope_dim, m.rope_theta),
+                None => (0..rope_dim / 2)
+                    .map(|i| 1.0 / m.rope_theta.powf(2.0 * f64::from(i) / f64::from(rope_dim)))
+                    .collect(),
+            };
+            let qkv_stride =
+                mem.buffers.iter().find(|b| b.name == BufferName::Qkv).map_or(0, |b| (b.row_bytes / 2) as u32);
+            Some(GqaLayerParams {
+                head_dim,
+                rope_dim,
+                heads,
+                kv_heads,
+                qkv_stride,
+                qk_norm: match (qk_norm, qk_norm_scope) {
+                    (false, _) => QkNormKind::None,
+                    (true, QkNormScope::PerHead) => QkNormKind::PerHead,
+                    (true, QkNormScope::PerLayer) => QkNormKind::AllHeads,
+                },
+                inv_freq,
+                rope_scale: m.rope_scaling.as_ref().map_or(1.0, |y| y.attention_factor()),
+                page_tokens: mem.kv.page_tokens,
+                head_token_bytes: mem.kv.head_token_bytes,
+            })
+        }
+        Attention::Mla { .. } => None,
+    };
+    let p = |s: &str| s.to_string();
+    let t = LAYER_THREADS;
+    let entry = |symbol: &str, over: GridVar, params: Vec<String>| EntryPoint {
+        symbol: symbol.into(),
+        grid: Grid::Per { over, per: 1 },
+        block: t,
+        dynamic_smem: 0,
+        params,
+    };
+    let mut entries = vec![
+        entry(
+            "embed_rows",
+            GridVar::Tokens,
+            vec![p("const int32_t* ids"), p("const __nv_bfloat16* table"), p("int tokens"), p("float* residual")],
+        ),
+        entry(
+            "rms_norm",
+            GridVar::Tokens,
+            vec![
+                p("const float* x"),
+                p("const int32_t* rows"),
+                p("const __nv_bfloat16* weight"),
+                p("int n"),
+                p("__nv_bfloat16* out"),
+            ],
+        ),
+        entry(
+            "add_rms_norm",
+            GridVar::Tokens,
+            vec![
+                p("float* residual"),
+                p("const float* delta"),
+                p("const __nv_bfloat16* weight"),
+                p("int n"),
+                p("__nv_bfloat16* out"),
+            ],
+        ),
+        entry(
+            "residual_add",
+            GridVar::Tokens,
+            vec![p("float* residual"), p("const float* moe"), p("const __nv_bfloat16* shared"), p("int n")],
+        ),
+        entry("sample_greedy", GridVar::SampledRows, vec![p("const float* logits"), p("int rows"), p("int32_t* out")]),
+    ];
+    if let Some(g) = &gqa {
+        if g.qk_norm != QkNormKind::None {
+            entries.push(entry(
+                "qk_sumsq",
+                GridVar::Tokens,
+                vec![
+                    p("const __nv_bfloat16* qkv"),
+                    p("int tokens"),
+                    p("int q_heads"),
+                    p("int kv_heads"),
+                    p("float k_share"),
+                    p("float* sumsq"),
+                ],
+            ));
+            entries.push(entry(
+                "qk_norm",
+                GridVar::Tokens,
+                vec![
+                    p("__nv_bfloat16* qkv"),
+                    p("const __nv_bfloat16* q_weight"),
+                    p("const __nv_bfloat16* k_weight"),
+                    p("int tokens"),
+                    p("int q_heads"),
+                    p("int kv_heads"),
+                    p("int q_head0"),
+                    p("int kv_head0"),
+                    p("const float* sumsq"),
+                ],
+            ));
+        }
+        entries.push(entry(
+            "rope",
+            GridVar::Tokens,
+            vec![
+                p("__nv_bfloat16* qkv"),
+                p("const int32_t* positions"),
+                p("int tokens"),
+                p("int q_heads"),
+                p("int kv_heads"),
+            ],
+        ));
+        entries.push(entry(
+            "kv_write",
+            GridVar::Tokens,
+            vec![
+                p("const __nv_bfloat16* qkv"),
+                p("const int32_t* slot_map"),
+                p("int tokens"),
+                p("int q_heads"),
+                p("int kv_heads"),
+                p("uint8_t* pool"),
+                p("long long page_bytes"),
+                p("int layer"),
+            ],
+        ));
+    }
+    let purpose = match &gqa {
+        Some(g) => format!(
+            "embedding, RMSNorm, residual adds, greedy sampling, {}RoPE over {} of {} dims and the paged KV write",
+            match g.qk_norm {
+                QkNormKind::None => "",
+                QkNormKind::PerHead => "per-head QK-norm, ",
+                QkNormKind::AllHeads => "all-head QK-norm, ",
+            },
+            g.rope_dim,
+            g.head_dim
+        ),
+        None => "embedding, RMSNorm, residual adds and greedy sampling".into(),
+    };
+    KernelInstance {
+        name: "layer".into(),
+        purpose,
+        arch: cx.cluster.gpu.arch,
+        params: KernelParams::Layer(LayerParams {
+            hidden: m.hidden,
+            vocab: m.vocab,
+            rms_eps: m.rms_eps,
+            threads: t,
+            gqa,
+        }),
+        entries,
+    }
 }

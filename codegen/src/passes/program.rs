@@ -196,7 +196,7 @@ impl Config<'_> {
             None,
             [vec![buf(Buf::TokenIds)], self.w(W::Embedding)].concat(),
             vec![buf(Buf::Residual)],
-            missing("embedding"),
+            launch("layer", "embed_rows"),
         );
         blocks.push(Block { kind: BlockKind::Prologue, layers: None, ops: o.ops });
 
@@ -236,7 +236,7 @@ impl Config<'_> {
             None,
             [vec![buf(Buf::Residual), buf(Buf::SampleRows)], self.w(W::FinalNorm)].concat(),
             vec![buf(Buf::Normed)],
-            missing("rmsnorm"),
+            launch("layer", "rms_norm"),
         );
         o.push(
             "lm_head",
@@ -254,7 +254,7 @@ impl Config<'_> {
             None,
             vec![buf(Buf::Logits), buf(Buf::RequestMeta)],
             vec![buf(Buf::Sampled)],
-            missing("sample"),
+            launch("layer", "sample_greedy"),
         );
         blocks.push(Block { kind: BlockKind::Epilogue, layers: None, ops: o.ops });
 
@@ -285,7 +285,7 @@ impl Config<'_> {
             mb,
             [vec![r], self.w(W::InputNorm)].concat(),
             vec![buf(Buf::Normed)],
-            missing("rmsnorm"),
+            launch("layer", "rms_norm"),
         );
         let yarn = m.rope_scaling.is_some();
         let kind = match m.attention {
@@ -312,7 +312,7 @@ impl Config<'_> {
                             mb,
                             vec![qkv],
                             vec![buf(Buf::QkSumSq)],
-                            missing("qk_norm"),
+                            launch("layer", "qk_norm"),
                         );
                         self.comm(
                             o,
@@ -331,7 +331,7 @@ impl Config<'_> {
                             mb,
                             [vec![qkv, buf(Buf::QkSumSq)], norms].concat(),
                             vec![qkv],
-                            missing("qk_norm"),
+                            launch("layer", "qk_norm"),
                         );
                     } else {
                         o.push(
@@ -341,7 +341,7 @@ impl Config<'_> {
                             mb,
                             [vec![qkv], norms].concat(),
                             vec![qkv],
-                            missing("qk_norm"),
+                            launch("layer", "qk_norm"),
                         );
                     }
                 }
@@ -353,7 +353,7 @@ impl Config<'_> {
                     mb,
                     vec![qkv, buf(Buf::Positions)],
                     vec![qkv],
-                    missing("rope"),
+                    launch("layer", "rope"),
                 );
                 if sinks {
                     AttentionKind::GqaSinks
@@ -379,7 +379,7 @@ impl Config<'_> {
                         mb,
                         [vec![qkv], self.w(W::QANorm)].concat(),
                         vec![qkv],
-                        missing("rmsnorm"),
+                        missing("rmsnorm_latent"),
                     );
                     o.push(
                         "q_b_proj",
@@ -417,7 +417,7 @@ impl Config<'_> {
                     mb,
                     [vec![qkv], self.w(W::KvANorm)].concat(),
                     vec![qkv],
-                    missing("rmsnorm"),
+                    missing("rmsnorm_latent"),
                 );
                 if indexer.is_some() {
                     let w = self.ws(&[W::IndexerQ, W::IndexerK, W::IndexerKNorm, W::IndexerWeights]);
@@ -439,7 +439,7 @@ impl Config<'_> {
                     mb,
                     vec![qkv, buf(Buf::Positions)],
                     vec![qkv],
-                    missing("rope"),
+                    missing("rope_mla"),
                 );
                 if self.phase == Phase::Prefill {
                     // Prefill decompresses k and v (naive form); decode absorbs kv_b.
@@ -467,7 +467,11 @@ impl Config<'_> {
             mb,
             vec![qkv, buf(Buf::SlotMap)],
             vec![Operand::Kv],
-            missing("kv_write"),
+            if matches!(m.attention, Attention::Gqa { .. }) {
+                launch("layer", "kv_write")
+            } else {
+                missing("kv_write_mla")
+            },
         );
         let mut reads = vec![qkv, Operand::Kv, buf(Buf::RequestMeta)];
         if let Attention::Mla { indexer: Some(ix), .. } = m.attention {
@@ -525,7 +529,7 @@ impl Config<'_> {
                 mb,
                 [vec![buf(Buf::AllReduce), r], self.w(W::PostAttentionNorm)].concat(),
                 vec![r, buf(Buf::Normed)],
-                missing("rmsnorm"),
+                launch("layer", "add_rms_norm"),
             );
         } else {
             o.push(
@@ -544,7 +548,7 @@ impl Config<'_> {
                 mb,
                 [vec![r], self.w(W::PostAttentionNorm)].concat(),
                 vec![buf(Buf::Normed)],
-                missing("rmsnorm"),
+                launch("layer", "rms_norm"),
             );
         }
     }
@@ -701,7 +705,7 @@ impl Config<'_> {
                 mb,
                 reads,
                 vec![buf(Buf::Residual)],
-                missing("residual_add"),
+                launch("layer", "residual_add"),
             );
             o.wait(cb);
             if self.sbo() {
@@ -741,7 +745,7 @@ impl Config<'_> {
             None,
             reads,
             vec![buf(Buf::Residual)],
-            missing("residual_add"),
+            launch("layer", "residual_add"),
         );
     }
 }

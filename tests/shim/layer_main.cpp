@@ -1,0 +1,114 @@
+// Runs every emitted layer kernel (KERNEL_SOURCE) once on the host shim.
+// in:  header (i32 tokens, hidden, rows, vocab, q_heads, kv_heads, q_head0,
+//      kv_head0, use_sumsq, table_rows, layer, qk_weight_len; f32 k_share;
+//      i64 pool_bytes, page_bytes), then i32 ids[tokens], bf16
+//      table[table_rows*hidden], f32 x[tokens*hidden], bf16 w[hidden],
+//      f32 delta[tokens*hidden], f32 moe[tokens*hidden], bf16
+//      shared[tokens*hidden], i32 norm_rows[tokens], f32 logits[rows*vocab];
+//      with GQA: bf16 qkv[tokens*kQkvStride], bf16 qw[len], bf16 kw[len],
+//      i32 positions[tokens], i32 slot_map[tokens], f32 sumsq[tokens*2].
+// out: embed (f32), rms_norm (bf16), add_rms_norm residual (f32) and out
+//      (bf16), residual_add with shared (f32) and without (f32), sampled
+//      (i32 rows); with GQA: qk_sumsq (f32, when QK-norm), qk_norm's qkv
+//      (bf16, when QK-norm), rope's qkv (bf16), the KV pool (bytes).
+#include "cuda_host.h"
+#include "cuda_bf16.h"
+#include KERNEL_SOURCE
+
+#include <cstdio>
+
+namespace {
+FILE* in = nullptr;
+template <typename T>
+std::vector<T> take(size_t n) {
+  std::vector<T> v(n);
+  if (n && std::fread(v.data(), sizeof(T), n, in) != n) std::exit(5);
+  return v;
+}
+template <typename T>
+T one() {
+  return take<T>(1)[0];
+}
+FILE* out = nullptr;
+template <typename T>
+void put(const std::vector<T>& v) {
+  std::fwrite(v.data(), sizeof(T), v.size(), out);
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 3) return 2;
+  in = std::fopen(argv[1], "rb");
+  if (!in) return 3;
+  const int tokens = one<int32_t>(), hidden = one<int32_t>(), rows = one<int32_t>(), vocab = one<int32_t>();
+  const int q_heads = one<int32_t>(), kv_heads = one<int32_t>(), q_head0 = one<int32_t>(), kv_head0 = one<int32_t>();
+  const int use_sumsq = one<int32_t>(), table_rows = one<int32_t>(), layer = one<int32_t>(), wlen = one<int32_t>();
+  const float k_share = one<float>();
+  const long long pool_bytes = one<int64_t>(), page_bytes = one<int64_t>();
+  if (hidden != kHidden || vocab != kVocab) return 4;
+  (void)q_heads, (void)kv_heads, (void)q_head0, (void)kv_head0, (void)use_sumsq, (void)layer, (void)wlen, (void)k_share,
+      (void)pool_bytes, (void)page_bytes;
+  const size_t th = static_cast<size_t>(tokens) * hidden;
+  auto ids = take<int32_t>(tokens);
+  auto table = take<__nv_bfloat16>(static_cast<size_t>(table_rows) * hidden);
+  auto x = take<float>(th);
+  auto w = take<__nv_bfloat16>(hidden);
+  auto delta = take<float>(th);
+  auto moe = take<float>(th);
+  auto shared = take<__nv_bfloat16>(th);
+  auto norm_rows = take<int32_t>(tokens);
+  auto logits = take<float>(static_cast<size_t>(rows) * vocab);
+  out = std::fopen(argv[2], "wb");
+  if (!out) return 6;
+
+  std::vector<float> emb(th, -7.0f);
+  shim::launch(embed_rows, tokens, kThreads, ids.data(), table.data(), tokens, emb.data());
+  put(emb);
+  std::vector<__nv_bfloat16> normed(th);
+  shim::launch(rms_norm, tokens, kThreads, x.data(), norm_rows.data(), w.data(), tokens, normed.data());
+  put(normed);
+  auto res = x;
+  shim::launch(add_rms_norm, tokens, kThreads, res.data(), delta.data(), w.data(), tokens, normed.data());
+  put(res);
+  put(normed);
+  res = x;
+  shim::launch(residual_add, tokens, kThreads, res.data(), moe.data(), shared.data(), tokens);
+  put(res);
+  res = x;
+  shim::launch(residual_add, tokens, kThreads, res.data(), moe.data(), static_cast<const __nv_bfloat16*>(nullptr), tokens);
+  put(res);
+  std::vector<int32_t> sampled(rows, -7);
+  shim::launch(sample_greedy, rows, kThreads, logits.data(), rows, sampled.data());
+  put(sampled);
+#ifdef KERNEL_GQA
+  const size_t tq = static_cast<size_t>(tokens) * kQkvStride;
+  auto qkv = take<__nv_bfloat16>(tq);
+  auto qw = take<__nv_bfloat16>(wlen);
+  auto kw = take<__nv_bfloat16>(wlen);
+  auto positions = take<int32_t>(tokens);
+  auto slots = take<int32_t>(tokens);
+  auto sums_in = take<float>(static_cast<size_t>(tokens) * 2);
+#ifdef KERNEL_QK_NORM
+  std::vector<float> sums(static_cast<size_t>(tokens) * 2, -7.0f);
+  shim::launch(qk_sumsq, tokens, kThreads, static_cast<const __nv_bfloat16*>(qkv.data()), tokens, q_heads, kv_heads,
+               k_share, sums.data());
+  put(sums);
+  auto normed_qkv = qkv;
+  shim::launch(qk_norm, tokens, kThreads, normed_qkv.data(), static_cast<const __nv_bfloat16*>(qw.data()),
+               static_cast<const __nv_bfloat16*>(kw.data()), tokens, q_heads, kv_heads, q_head0, kv_head0,
+               use_sumsq ? static_cast<const float*>(sums_in.data()) : static_cast<const float*>(nullptr));
+  put(normed_qkv);
+#endif
+  auto roped = qkv;
+  shim::launch(rope, tokens, kThreads, roped.data(), static_cast<const int32_t*>(positions.data()), tokens, q_heads,
+               kv_heads);
+  put(roped);
+  std::vector<uint8_t> pool(pool_bytes, 0);
+  shim::launch(kv_write, tokens, kThreads, static_cast<const __nv_bfloat16*>(qkv.data()),
+               static_cast<const int32_t*>(slots.data()), tokens, q_heads, kv_heads, pool.data(), page_bytes, layer);
+  put(pool);
+#endif
+  std::fclose(in);
+  std::fclose(out);
+  return 0;
+}
