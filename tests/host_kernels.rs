@@ -196,7 +196,7 @@ fn emitted_layer_kernels_match_the_twin_math() {
     use moeforge::dsl::spec::{Attention, QkNormScope};
     use moeforge::plan::QkNormKind;
     use moeforge::runtime::sampling::argmax;
-    use moeforge::runtime::twin::math::{rms_norm, Rope};
+    use moeforge::runtime::twin::math::{attend, rms_norm, Rope};
     let tmp = tempfile::tempdir().unwrap();
     let mut gqa_checked = 0;
     for ex in examples() {
@@ -276,6 +276,21 @@ fn emitted_layer_kernels_match_the_twin_math() {
                 sums_in[2 * t + 1] = sk * 2.0 + 0.5;
             }
         }
+        // Paged attention: request 0 has 37 tokens cached on pages [3, 0, 2],
+        // request 1 three on page [1]; rows decode request 0 at 36, prefill
+        // request 1's three positions causally, and request 0 again at 20.
+        let meta_words = gqa.as_ref().map_or(0, |g| g.request_meta_words as usize);
+        let mut meta = vec![0i32; 2 * meta_words];
+        let row_request: Vec<i32> = vec![0, 1, 1, 1, 0];
+        let apos: Vec<i32> = vec![36, 0, 1, 2, 20];
+        let tables: [&[i32]; 2] = [&[3, 0, 2], &[1]];
+        if meta_words > 0 {
+            for (q, pages) in tables.iter().enumerate() {
+                meta[q * meta_words + 4..q * meta_words + 4 + pages.len()].copy_from_slice(pages);
+            }
+        }
+        let apool: Vec<u8> =
+            (0..pool_bytes / 2).flat_map(|_| reference::f32_to_bf16(rng.unit()).to_le_bytes()).collect();
         let mut input = Vec::new();
         for x in [tokens, h, rows, v, qh, kvh, qh0, kvh0, 1, table_rows, layer, wlen] {
             input.extend((x as i32).to_le_bytes());
@@ -299,6 +314,11 @@ fn emitted_layer_kernels_match_the_twin_math() {
             positions.iter().for_each(|x| input.extend(x.to_le_bytes()));
             slots.iter().for_each(|x| input.extend(x.to_le_bytes()));
             sums_in.iter().for_each(|f| input.extend(f.to_le_bytes()));
+            input.extend(&apool);
+            input.extend(((meta.len() / meta_words.max(1)) as i32).to_le_bytes());
+            meta.iter().for_each(|x| input.extend(x.to_le_bytes()));
+            row_request.iter().for_each(|x| input.extend(x.to_le_bytes()));
+            apos.iter().for_each(|x| input.extend(x.to_le_bytes()));
         }
         let out = run(&bin, &input, tmp.path());
         let mut at = 0;
@@ -435,6 +455,35 @@ fn emitted_layer_kernels_match_the_twin_math() {
             }
         }
         assert!(pool == expect.as_slice(), "{name}: kv_write");
+        // Paged attention against the twin's attend over the same pages.
+        let attn = bf(take(tokens * heads * hd * 2));
+        let group = heads / kv_heads;
+        let at_of =
+            |page: i32, gi: usize, j: usize| page as usize * page_bytes + ((layer * kvh + gi) * 16 + j % 16) * htb;
+        let read =
+            |at: usize| -> Vec<f32> { u16s(&apool[at..at + hd * 2]).into_iter().map(reference::bf16_to_f32).collect() };
+        for t in 0..tokens {
+            let table = tables[row_request[t] as usize];
+            for hl in 0..qh {
+                let gi = (qh0 + hl) / group - kvh0;
+                let q = head(&qkv, t, hl);
+                let want = attend(
+                    &q,
+                    apos[t] as usize + 1,
+                    |j| read(at_of(table[j / 16], gi, j)),
+                    |j| read(at_of(table[j / 16], gi, j) + hd * 2),
+                );
+                let got = &attn[t * heads * hd + hl * hd..t * heads * hd + (hl + 1) * hd];
+                for i in 0..hd {
+                    assert!(
+                        close(got[i], want[i], 2e-3),
+                        "{name}: attention row {t} head {hl} [{i}]: {} vs {}",
+                        got[i],
+                        want[i]
+                    );
+                }
+            }
+        }
         assert_eq!(at, out.len(), "{name}: output size");
     }
     assert!(gqa_checked >= 5, "only {gqa_checked} GQA examples");

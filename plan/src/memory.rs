@@ -57,8 +57,11 @@ pub enum BufferName {
     Positions,
     /// The KV-pool slot (page × page_tokens + offset) of every token.
     SlotMap,
-    /// Per request: length, first row, and its page table.
+    /// Per request: a header of four i32 (tokens cached before the step,
+    /// its first row, its rows this step, reserved), then its page table.
     RequestMeta,
+    /// The request (index into `request_meta`) of every token row.
+    RowRequest,
     /// The rows whose logits are sampled (the last position of each request).
     SampleRows,
     /// The sampled token of each sampled row, read back by the host.
@@ -190,6 +193,7 @@ impl Workspace {
             b(Positions, rq, Both, t, 4),
             b(SlotMap, rq, Both, t, 4),
             b(RequestMeta, rq, Both, r, 16 + 4 * pages_per_request),
+            b(RowRequest, rq, Both, t, 4),
             b(SampleRows, rq, Both, r, 4),
             b(Sampled, rq, Both, r, 4),
             b(Residual, sc, Both, t, h * 4),

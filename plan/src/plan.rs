@@ -234,6 +234,8 @@ pub struct GqaLayerParams {
     pub page_tokens: u32,
     /// Bytes of one token of one KV head in one layer (K then V).
     pub head_token_bytes: u64,
+    /// i32 words per request in `request_meta` (its page table starts at word 4).
+    pub request_meta_words: u32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -276,7 +276,7 @@ pub struct Comm {
 /// Host inputs: written before the step, so read without a prior op.
 pub fn is_step_input(b: BufferName) -> bool {
     use BufferName::*;
-    matches!(b, TokenIds | Positions | SlotMap | RequestMeta | SampleRows)
+    matches!(b, TokenIds | Positions | SlotMap | RequestMeta | RowRequest | SampleRows)
 }
 
 /// A finding of [`check`]: the `plan.json` field and what is wrong.

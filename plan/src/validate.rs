@@ -583,6 +583,8 @@ fn kernels(c: &mut Check, p: &Plan) {
                         && g.rope_dim % 2 == 0
                         && g.rope_dim <= g.head_dim
                         && g.inv_freq.len() as u32 * 2 == g.rope_dim
+                        && g.head_dim <= 256
+                        && g.request_meta_words > 4
                         && g.kv_heads > 0
                         && g.heads % g.kv_heads == 0
                         && u64::from(g.qkv_stride)

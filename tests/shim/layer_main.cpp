@@ -6,11 +6,15 @@
 //      f32 delta[tokens*hidden], f32 moe[tokens*hidden], bf16
 //      shared[tokens*hidden], i32 norm_rows[tokens], f32 logits[rows*vocab];
 //      with GQA: bf16 qkv[tokens*kQkvStride], bf16 qw[len], bf16 kw[len],
-//      i32 positions[tokens], i32 slot_map[tokens], f32 sumsq[tokens*2].
+//      i32 positions[tokens], i32 slot_map[tokens], f32 sumsq[tokens*2],
+//      u8 attention_pool[pool_bytes], i32 requests, i32
+//      request_meta[requests*kMetaWords], i32 row_request[tokens], i32
+//      attention_positions[tokens].
 // out: embed (f32), rms_norm (bf16), add_rms_norm residual (f32) and out
 //      (bf16), residual_add with shared (f32) and without (f32), sampled
 //      (i32 rows); with GQA: qk_sumsq (f32, when QK-norm), qk_norm's qkv
-//      (bf16, when QK-norm), rope's qkv (bf16), the KV pool (bytes).
+//      (bf16, when QK-norm), rope's qkv (bf16), the KV pool (bytes),
+//      paged_attention's output (bf16, tokens × kHeads·kHeadDim).
 #include "cuda_host.h"
 #include "cuda_bf16.h"
 #include KERNEL_SOURCE
@@ -88,6 +92,11 @@ int main(int argc, char** argv) {
   auto positions = take<int32_t>(tokens);
   auto slots = take<int32_t>(tokens);
   auto sums_in = take<float>(static_cast<size_t>(tokens) * 2);
+  auto apool = take<uint8_t>(pool_bytes);
+  const int requests = one<int32_t>();
+  auto meta = take<int32_t>(static_cast<size_t>(requests) * kMetaWords);
+  auto row_request = take<int32_t>(tokens);
+  auto apos = take<int32_t>(tokens);
 #ifdef KERNEL_QK_NORM
   std::vector<float> sums(static_cast<size_t>(tokens) * 2, -7.0f);
   shim::launch(qk_sumsq, tokens, kThreads, static_cast<const __nv_bfloat16*>(qkv.data()), tokens, q_heads, kv_heads,
@@ -107,6 +116,12 @@ int main(int argc, char** argv) {
   shim::launch(kv_write, tokens, kThreads, static_cast<const __nv_bfloat16*>(qkv.data()),
                static_cast<const int32_t*>(slots.data()), tokens, q_heads, kv_heads, pool.data(), page_bytes, layer);
   put(pool);
+  std::vector<__nv_bfloat16> attn(static_cast<size_t>(tokens) * kHeads * kHeadDim, __float2bfloat16_rn(-7.0f));
+  shim::launch(paged_attention, tokens, kThreads, static_cast<const __nv_bfloat16*>(qkv.data()),
+               static_cast<const int32_t*>(apos.data()), static_cast<const int32_t*>(row_request.data()),
+               static_cast<const int32_t*>(meta.data()), tokens, q_heads, kv_heads, q_head0, kv_head0,
+               static_cast<const uint8_t*>(apool.data()), page_bytes, layer, attn.data());
+  put(attn);
 #endif
   std::fclose(in);
   std::fclose(out);

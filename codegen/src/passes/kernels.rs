@@ -386,6 +386,11 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
                 rope_scale: m.rope_scaling.as_ref().map_or(1.0, |y| y.attention_factor()),
                 page_tokens: mem.kv.page_tokens,
                 head_token_bytes: mem.kv.head_token_bytes,
+                request_meta_words: mem
+                    .buffers
+                    .iter()
+                    .find(|b| b.name == BufferName::RequestMeta)
+                    .map_or(0, |b| (b.row_bytes / 4) as u32),
             })
         }
         Attention::Mla { .. } => None,
@@ -476,6 +481,25 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
             ],
         ));
         entries.push(entry(
+            "paged_attention",
+            GridVar::Tokens,
+            vec![
+                p("const __nv_bfloat16* qkv"),
+                p("const int32_t* positions"),
+                p("const int32_t* row_request"),
+                p("const int32_t* request_meta"),
+                p("int tokens"),
+                p("int q_heads"),
+                p("int kv_heads"),
+                p("int q_head0"),
+                p("int kv_head0"),
+                p("const uint8_t* pool"),
+                p("long long page_bytes"),
+                p("int layer"),
+                p("__nv_bfloat16* attn"),
+            ],
+        ));
+        entries.push(entry(
             "kv_write",
             GridVar::Tokens,
             vec![
@@ -492,7 +516,7 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
     }
     let purpose = match &gqa {
         Some(g) => format!(
-            "embedding, RMSNorm, residual adds, greedy sampling, {}RoPE over {} of {} dims and the paged KV write",
+            "embedding, RMSNorm, residual adds, greedy sampling, {}RoPE over {} of {} dims, the paged KV write and paged causal attention",
             match g.qk_norm {
                 QkNormKind::None => "",
                 QkNormKind::PerHead => "per-head QK-norm, ",

@@ -492,16 +492,15 @@ impl Config<'_> {
         if matches!(kind, AttentionKind::Mla | AttentionKind::MlaSparse) && self.phase == Phase::Decode {
             reads.extend(self.w(W::KvBProj));
         }
-        let family = format!("attention_{}_{}", self.phase.name(), format!("{kind:?}").to_lowercase());
-        o.push(
-            "attention",
-            OpKind::Attention { kind, phase: self.phase },
-            c,
-            mb,
-            reads,
-            vec![buf(Buf::Attn)],
-            missing(&family),
-        );
+        // GQA runs the layer instance's paged causal attention in both phases;
+        // sinks and MLA's forms have no kernel yet.
+        let kernel = if kind == AttentionKind::Gqa {
+            reads.push(buf(Buf::RowRequest));
+            launch("layer", "paged_attention")
+        } else {
+            missing(&format!("attention_{}_{}", self.phase.name(), format!("{kind:?}").to_lowercase()))
+        };
+        o.push("attention", OpKind::Attention { kind, phase: self.phase }, c, mb, reads, vec![buf(Buf::Attn)], kernel);
         if tp {
             o.push(
                 "o_proj",
