@@ -198,7 +198,7 @@ fn emitted_layer_kernels_match_the_twin_math() {
     use moeforge::runtime::sampling::argmax;
     use moeforge::runtime::twin::math::{attend, rms_norm, Rope};
     let tmp = tempfile::tempdir().unwrap();
-    let mut gqa_checked = 0;
+    let (mut gqa_checked, mut mla_checked) = (0, 0);
     for ex in examples() {
         let e = emit(&ex);
         let m = &e.model;
@@ -211,6 +211,9 @@ fn emitted_layer_kernels_match_the_twin_math() {
         let gqa = lp.gqa.clone();
         if gqa.is_some() {
             extra.push("-DKERNEL_GQA");
+        }
+        if lp.mla.is_some() {
+            extra.push("-DKERNEL_MLA");
         }
         if gqa.as_ref().is_some_and(|g| g.qk_norm != QkNormKind::None) {
             extra.push("-DKERNEL_QK_NORM");
@@ -320,6 +323,52 @@ fn emitted_layer_kernels_match_the_twin_math() {
             row_request.iter().for_each(|x| input.extend(x.to_le_bytes()));
             apos.iter().for_each(|x| input.extend(x.to_le_bytes()));
         }
+        // MLA: two local heads; one entry per token and layer, 3 layers a page.
+        let mla = lp.mla.clone();
+        let mla_local = 2usize;
+        let (mut m_qkv, mut qaw, mut kvaw, mut kv_b, mut m_pool, mut m_meta) =
+            (vec![], vec![], vec![], vec![], vec![], vec![]);
+        let mut m_page = 0usize;
+        if let Some(a) = &mla {
+            let s = a.qkv_stride as usize;
+            m_qkv = (0..tokens * s).map(|_| reference::bf16_to_f32(reference::f32_to_bf16(rng.unit() * 2.0))).collect();
+            qaw = (0..a.q_lora as usize)
+                .map(|_| reference::bf16_to_f32(reference::f32_to_bf16(1.0 + rng.unit() * 0.5)))
+                .collect();
+            kvaw = (0..a.kv_lora as usize)
+                .map(|_| reference::bf16_to_f32(reference::f32_to_bf16(1.0 + rng.unit() * 0.5)))
+                .collect();
+            let kvb = (a.nope + a.v_head) as usize;
+            kv_b = (0..mla_local * kvb * a.kv_lora as usize)
+                .map(|_| reference::bf16_to_f32(reference::f32_to_bf16(rng.unit() * 0.1)))
+                .collect();
+            m_page = 3 * 16 * a.entry_bytes as usize;
+            m_pool = (0..2 * m_page).flat_map(|_| reference::f32_to_bf16(rng.unit()).to_le_bytes()).collect();
+            m_pool.truncate(4 * m_page);
+            m_pool.resize(4 * m_page, 0);
+            let mw = a.request_meta_words as usize;
+            m_meta = vec![0i32; 2 * mw];
+            for (q, pages) in tables.iter().enumerate() {
+                m_meta[q * mw + 4..q * mw + 4 + pages.len()].copy_from_slice(pages);
+            }
+            // The header's pool and page sizes are GQA's; MLA's ride here.
+            input.extend(bf16_bytes(&m_qkv));
+            input.extend((a.q_lora as i32).to_le_bytes());
+            input.extend(bf16_bytes(&qaw));
+            input.extend(bf16_bytes(&kvaw));
+            input.extend(bf16_bytes(&kv_b));
+            positions.iter().for_each(|x| input.extend(x.to_le_bytes()));
+            slots.iter().for_each(|x| input.extend(x.to_le_bytes()));
+            input.extend(&m_pool);
+            input.extend(2i32.to_le_bytes());
+            m_meta.iter().for_each(|x| input.extend(x.to_le_bytes()));
+            row_request.iter().for_each(|x| input.extend(x.to_le_bytes()));
+            apos.iter().for_each(|x| input.extend(x.to_le_bytes()));
+            // Patch the header: q_heads, pool and page bytes are MLA's.
+            input[16..20].copy_from_slice(&(mla_local as i32).to_le_bytes());
+            input[52..60].copy_from_slice(&((4 * m_page) as i64).to_le_bytes());
+            input[60..68].copy_from_slice(&(m_page as i64).to_le_bytes());
+        }
         let out = run(&bin, &input, tmp.path());
         let mut at = 0;
         let mut take = |n: usize| {
@@ -370,7 +419,30 @@ fn emitted_layer_kernels_match_the_twin_math() {
         let want: Vec<i32> = (0..rows).map(|r| argmax(&logits[r * v..(r + 1) * v]) as i32).collect();
         assert_eq!(i32s(take(rows * 4)), want, "{name}: sample_greedy");
         assert_eq!((want[0], want[1]), (7, v as i32 - 1));
+        if let Some(a) = &mla {
+            check_mla(
+                name,
+                a,
+                m,
+                &mut take,
+                &m_qkv,
+                &qaw,
+                &kvaw,
+                &kv_b,
+                &m_pool,
+                m_page,
+                &m_meta,
+                &positions,
+                &slots,
+                &row_request,
+                &apos,
+                layer,
+                mla_local,
+            );
+            mla_checked += 1;
+        }
         let Some(g) = &gqa else {
+            assert_eq!(at, out.len(), "{name}: output size");
             continue;
         };
         gqa_checked += 1;
@@ -487,4 +559,121 @@ fn emitted_layer_kernels_match_the_twin_math() {
         assert_eq!(at, out.len(), "{name}: output size");
     }
     assert!(gqa_checked >= 5, "only {gqa_checked} GQA examples");
+    assert!(mla_checked >= 3, "only {mla_checked} MLA examples");
+}
+
+/// MLA's layer kernels against the twin's math: the latent norms
+/// (`rms_norm`), interleaved RoPE (`Rope::interleaved`), the cache entry
+/// layout, and the weight-absorbed decode attention as the twin computes it
+/// (`q_lat = W_kᵀ q_nope`, scores over latent and rope key, `softmax_mix`
+/// over the latents, `W_v · o_lat`).
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+fn check_mla<'a>(
+    name: &str,
+    a: &moeforge::plan::MlaLayerParams,
+    m: &moeforge::dsl::spec::Model,
+    take: &mut impl FnMut(usize) -> &'a [u8],
+    qkv: &[f32],
+    qaw: &[f32],
+    kvaw: &[f32],
+    kv_b: &[f32],
+    apool: &[u8],
+    page: usize,
+    meta: &[i32],
+    positions: &[i32],
+    slots: &[i32],
+    row_request: &[i32],
+    apos: &[i32],
+    layer: usize,
+    local: usize,
+) {
+    use moeforge::runtime::twin::math::{rms_norm, softmax_mix, Rope};
+    let tokens = positions.len();
+    let s = a.qkv_stride as usize;
+    let (kv_lora, nope, rope, vh) = (a.kv_lora as usize, a.nope as usize, a.rope as usize, a.v_head as usize);
+    let (qo, ko, ql) = (a.q_offset as usize, a.kv_offset as usize, a.q_lora as usize);
+    let qw = nope + rope;
+    let eps = m.rms_eps as f32;
+    let bf = |b: &[u8]| u16s(b).into_iter().map(reference::bf16_to_f32).collect::<Vec<f32>>();
+    let normed = bf(take(tokens * s * 2));
+    for t in 0..tokens {
+        let row = &qkv[t * s..(t + 1) * s];
+        let mut want = row.to_vec();
+        if ql > 0 {
+            want[..ql].copy_from_slice(&rms_norm(&row[..ql], qaw, eps));
+        }
+        want[ko..ko + kv_lora].copy_from_slice(&rms_norm(&row[ko..ko + kv_lora], kvaw, eps));
+        for i in 0..s {
+            assert!(
+                close(normed[t * s + i], want[i], 1e-3),
+                "{name}: latent_norm token {t} [{i}]: {} vs {}",
+                normed[t * s + i],
+                want[i]
+            );
+        }
+    }
+    let roped = bf(take(tokens * s * 2));
+    let r = Rope::new(rope, m.rope_theta, m.rope_scaling.as_ref()).interleaved();
+    for t in 0..tokens {
+        let mut want = qkv[t * s..(t + 1) * s].to_vec();
+        for h in 0..local {
+            r.apply(&mut want[qo + h * qw + nope..qo + (h + 1) * qw], positions[t] as usize);
+        }
+        r.apply(&mut want[ko + kv_lora..ko + kv_lora + rope], positions[t] as usize);
+        for i in 0..s {
+            assert!(
+                close(roped[t * s + i], want[i], 4e-3),
+                "{name}: mla_rope token {t} (pos {}) [{i}]: {} vs {}",
+                positions[t],
+                roped[t * s + i],
+                want[i]
+            );
+        }
+    }
+    let pool = take(4 * page);
+    let eb = a.entry_bytes as usize;
+    let mut expect = vec![0u8; 4 * page];
+    for t in 0..tokens {
+        if slots[t] < 0 {
+            continue;
+        }
+        let at = (slots[t] as usize / 16) * page + (layer * 16 + slots[t] as usize % 16) * eb;
+        expect[at..at + 2 * (kv_lora + rope)]
+            .copy_from_slice(&bf16_bytes(&qkv[t * s + ko..t * s + ko + kv_lora + rope]));
+    }
+    assert!(pool == expect, "{name}: mla_kv_write");
+    let attn = bf(take(tokens * a.heads as usize * vh * 2));
+    let kvb = nope + vh;
+    let mw = a.request_meta_words as usize;
+    for t in 0..tokens {
+        let q = row_request[t] as usize;
+        let table = &meta[q * mw + 4..];
+        let entry = |j: usize| -> Vec<f32> {
+            let at = table[j / 16] as usize * page + (layer * 16 + j % 16) * eb;
+            u16s(&apool[at..at + 2 * (kv_lora + rope)]).into_iter().map(reference::bf16_to_f32).collect()
+        };
+        let cached: Vec<Vec<f32>> = (0..=apos[t] as usize).map(entry).collect();
+        for h in 0..local {
+            let qh = &qkv[t * s + qo + h * qw..t * s + qo + (h + 1) * qw];
+            let w = |r: usize| &kv_b[(h * kvb + r) * kv_lora..(h * kvb + r + 1) * kv_lora];
+            let mut q_lat = vec![0f32; kv_lora];
+            for d in 0..nope {
+                q_lat.iter_mut().zip(w(d)).for_each(|(x, y)| *x += qh[d] * y);
+            }
+            let scores: Vec<f32> = cached
+                .iter()
+                .map(|e| {
+                    let n: f32 = q_lat.iter().zip(&e[..kv_lora]).map(|(x, y)| x * y).sum();
+                    let r: f32 = qh[nope..].iter().zip(&e[kv_lora..]).map(|(x, y)| x * y).sum();
+                    (n + r) * a.softmax_scale as f32
+                })
+                .collect();
+            let o_lat = softmax_mix(&scores, kv_lora, |j| &cached[j][..kv_lora]);
+            for v in 0..vh {
+                let want: f32 = w(nope + v).iter().zip(&o_lat).map(|(x, y)| x * y).sum();
+                let got = attn[t * a.heads as usize * vh + h * vh + v];
+                assert!(close(got, want, 2e-3), "{name}: mla attention row {t} head {h} [{v}]: {got} vs {want}");
+            }
+        }
+    }
 }

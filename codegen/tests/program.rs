@@ -134,7 +134,7 @@ fn prefill_two_batch_overlap_puts_communication_beside_compute() {
 fn decode_single_batch_overlap_runs_shared_experts_beside_the_routed_path() {
     let p = example("deepseek-v3-h100x32");
     let dec = program(&p, Mode::Ep, Phase::Decode);
-    assert_eq!((dec.overlap, dec.micro_batches, dec.streams.len()), (Overlap::Sbo, 1, 3));
+    assert_eq!((dec.overlap, dec.micro_batches, dec.streams.len()), (Overlap::Sbo, 1, 4));
     let (all, _) = unroll(dec);
     let layer = 10;
     let shared = issued(&all, dec, "shared_experts", layer);
@@ -239,7 +239,7 @@ fn the_verifier_catches_each_kind_of_broken_program() {
     });
     assert_finds(&f, "no entry `moe_route`");
     let f = broken(&plan, pi, |p| op_mut(p, "gather.0").stream = 7);
-    assert_finds(&f, "stream 7 of 2");
+    assert_finds(&f, "stream 7 of 3");
     // The step must end with the sampled tokens, after every stream.
     let f = broken(&plan, pi, |p| {
         p.blocks.last_mut().unwrap().ops.pop();
@@ -262,4 +262,28 @@ fn programs_are_deterministic() {
     let a = serde_json::to_string(&example("glm-5-h800x24").programs).unwrap();
     let b = serde_json::to_string(&example("glm-5-h800x24").programs).unwrap();
     assert_eq!(a, b);
+}
+
+/// An op launches only an entry whose contract is its own, and a
+/// communication op's row size matches the buffers it moves between.
+#[test]
+fn ops_launch_only_their_own_kernels_and_move_whole_rows() {
+    let plan = example("qwen3-235b-a22b-bursty");
+    let pi = plan.programs.iter().position(|q| q.mode == Mode::Tp && q.phase == Phase::Decode).unwrap();
+    let f = broken(&plan, pi, |p| {
+        op_mut(p, "input_norm").kernel = KernelRef::Launch { instance: "layer".into(), entry: "sample_greedy".into() }
+    });
+    assert_finds(&f, "cannot launch `sample_greedy`");
+    let f = broken(&plan, pi, |p| op_mut(p, "moe_all_reduce").comm.as_mut().unwrap().row_bytes = 2 * 4096);
+    assert_finds(&f, "bytes per row");
+    // The APK's work is posted: EP's combine waits for its record (WaitDone).
+    let ep = program(&plan, Mode::Ep, Phase::Decode);
+    let (all, _) = unroll(ep);
+    let experts = issued(&all, ep, "experts", 5);
+    assert_eq!(ep.streams[experts.stream], "apk");
+    assert!(experts.happens_before(issued(&all, ep, "combine_rows", 5)));
+    assert!(issued(&all, ep, "gather", 5).happens_before(experts));
+    let pi = plan.programs.iter().position(|q| q.mode == Mode::Ep && q.phase == Phase::Decode).unwrap();
+    let f = broken(&plan, pi, |p| op_mut(p, "combine_rows").waits.clear());
+    assert_finds(&f, "ExpertOut");
 }

@@ -96,7 +96,9 @@ pub enum BufferName {
     SharedOut,
     /// f32 logits of the sampled rows.
     Logits,
-    /// EP: rows sent to and received from the expert owners (`comm`).
+    /// EP: rows sent to the expert owners, each with its token's top-k ids
+    /// and weights (`comm`); the combine's bf16 partial sums come back into
+    /// `Combine` and are summed in f32 into `MoeOut` on arrival.
     Dispatch,
     Combine,
     /// TP: the f32 partial sums every rank all-reduces (`comm`).
@@ -211,9 +213,10 @@ impl Workspace {
             // counts and offsets per expert, then row→entry, row→expert and
             // entry→row maps over the padded rows (≤ entries + 256 per expert).
             b(RouteIndex, sc, Both, entries + 256 * e, 12),
-            b(Permuted, sc, Both, entries, h * 2),
-            b(GateUp, sc, Both, entries, 2 * i * 2),
-            b(ExpertOut, sc, Both, entries, h * 2),
+            // Expert-contiguous rows: each local expert's padded to M_t (≤ 256).
+            b(Permuted, sc, Both, entries + 256 * e, h * 2),
+            b(GateUp, sc, Both, entries + 256 * e, 2 * i * 2),
+            b(ExpertOut, sc, Both, entries + 256 * e, h * 2),
             b(MoeOut, sc, Both, t, h * 4),
         ]);
         if shared.max(dense) > 0 {
@@ -223,7 +226,8 @@ impl Workspace {
             v.push(b(SharedOut, sc, Both, t, h * 2));
         }
         v.push(b(Logits, sc, Both, r, u64::from(m.vocab) * 4));
-        v.extend([b(Dispatch, cm, Ep, entries, h * 2), b(Combine, cm, Ep, entries, h * 2)]);
+        // Dispatch rows carry their token's top-k ids and weights.
+        v.extend([b(Dispatch, cm, Ep, entries, h * 2 + k * 8), b(Combine, cm, Ep, entries, h * 2)]);
         if dual {
             v.push(b(AllReduce, cm, Tp, 2 * t, h * 4));
             if let moeforge_dsl::spec::Attention::Gqa {

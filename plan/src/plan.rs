@@ -212,6 +212,38 @@ pub struct LayerParams {
     pub threads: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gqa: Option<GqaLayerParams>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mla: Option<MlaLayerParams>,
+}
+
+/// The MLA constants of [`LayerParams`]: the `qkv` row holds q_a
+/// (`q_lora`, when the model has one) at 0, q (`heads × (nope + rope)`) at
+/// `q_offset`, kv_a (the latent `kv_lora`, then the shared rope key) at
+/// `kv_offset`; a cache entry is the normed latent and the rotated rope key
+/// (then the DSA indexer's key).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MlaLayerParams {
+    pub heads: u32,
+    pub q_lora: u32,
+    pub kv_lora: u32,
+    pub nope: u32,
+    pub rope: u32,
+    pub v_head: u32,
+    pub qkv_stride: u32,
+    pub q_offset: u32,
+    pub kv_offset: u32,
+    /// RoPE's inverse frequencies over the rope dims (interleaved pairs) and
+    /// the factor on cos and sin.
+    pub inv_freq: Vec<f64>,
+    pub rope_scale: f64,
+    /// `(nope + rope)^-1/2`, times YaRN's `mscale²` when scaled.
+    pub softmax_scale: f64,
+    pub page_tokens: u32,
+    /// Bytes of one cache entry (latent, rope key, indexer key).
+    pub entry_bytes: u64,
+    pub request_meta_words: u32,
+    /// DSA models cache an indexer key too (no kernel writes it yet).
+    pub indexer: bool,
 }
 
 /// The GQA constants of [`LayerParams`].

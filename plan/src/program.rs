@@ -256,7 +256,8 @@ pub enum CommKind {
     /// Sum over the group; every rank ends with the total.
     AllReduce,
     /// Each rank sends each row to the ranks owning its experts (dispatch),
-    /// or returns rows to their sources (combine).
+    /// or returns rows to their sources (combine), where the rows from all
+    /// owners of a token are summed in f32 into `to` on arrival.
     AllToAll,
 }
 
@@ -271,6 +272,28 @@ pub struct Comm {
     pub to: BufferName,
     /// Bytes a rank sends per row of `from`.
     pub row_bytes: u64,
+}
+
+/// The kernel entries an op of `kind` may launch: the contract of each
+/// entry is the op's (a norm op launching the sampler is refused).
+pub fn entries_for(kind: OpKind) -> &'static [&'static str] {
+    match kind {
+        OpKind::Embedding => &["embed_rows"],
+        OpKind::RmsNorm { add: false } => &["rms_norm", "latent_norm"],
+        OpKind::RmsNorm { add: true } => &["add_rms_norm"],
+        OpKind::QkNorm { .. } => &["qk_norm"],
+        OpKind::QkSumSq => &["qk_sumsq"],
+        OpKind::Rope { .. } => &["rope", "mla_rope"],
+        OpKind::KvWrite => &["kv_write", "mla_kv_write"],
+        OpKind::Attention { .. } => &["paged_attention", "mla_decode_attention"],
+        OpKind::Route => &["moe_router"],
+        OpKind::Permute => &["moe_count", "moe_offsets", "moe_scatter"],
+        OpKind::Gather => &["moe_gather"],
+        OpKind::CombineRows => &["moe_combine"],
+        OpKind::ResidualAdd => &["residual_add"],
+        OpKind::Sample => &["sample_greedy"],
+        OpKind::Gemm { .. } | OpKind::Ffn | OpKind::Experts | OpKind::Indexer { .. } | OpKind::Comm => &[],
+    }
 }
 
 /// Host inputs: written before the step, so read without a prior op.
@@ -418,6 +441,15 @@ pub fn check(
                 KernelRef::Launch { instance: i, entry } => {
                     if !instance(i).is_some_and(|k| k.entries.iter().any(|e| &e.symbol == entry)) {
                         out.push((format!("{f}.kernel"), format!("no entry `{entry}` in kernel instance `{i}`")));
+                    } else if !entries_for(op.kind).contains(&entry.as_str()) {
+                        out.push((
+                            format!("{f}.kernel"),
+                            format!(
+                                "a {:?} op cannot launch `{entry}` (it launches one of {:?})",
+                                op.kind,
+                                entries_for(op.kind)
+                            ),
+                        ));
                     }
                 }
                 KernelRef::Post { instance: i } => {
@@ -435,6 +467,16 @@ pub fn check(
                         out.push((
                             format!("{f}.comm"),
                             format!("moves {:?} → {:?} but its operands or kernel say otherwise", c.from, c.to),
+                        ));
+                    }
+                    let rows = [c.from, c.to].map(|b| mem.buffer(p.mode, b).map(|b| b.row_bytes));
+                    if rows.iter().all(|r| r.is_some_and(|r| r != c.row_bytes)) {
+                        out.push((
+                            format!("{f}.comm.row_bytes"),
+                            format!(
+                                "moves {} bytes per row, but {:?} and {:?} hold rows of {rows:?}",
+                                c.row_bytes, c.from, c.to
+                            ),
                         ));
                     }
                     if c.group.is_empty()

@@ -123,6 +123,40 @@ int main(int argc, char** argv) {
                static_cast<const uint8_t*>(apool.data()), page_bytes, layer, attn.data());
   put(attn);
 #endif
+#ifdef KERNEL_MLA
+  // MLA: qkv, q_a weight (q_lora, may be empty), kv_a weight, kv_b rows of
+  // the local heads, positions, slots, an attention pool, request tables.
+  const size_t tq = static_cast<size_t>(tokens) * kQkvStride;
+  auto qkv = take<__nv_bfloat16>(tq);
+  const int q_lora = one<int32_t>();
+  auto qaw = take<__nv_bfloat16>(q_lora);
+  auto kvaw = take<__nv_bfloat16>(kKvLora);
+  auto kv_b = take<__nv_bfloat16>(static_cast<size_t>(q_heads) * kKvb * kKvLora);
+  auto positions = take<int32_t>(tokens);
+  auto slots = take<int32_t>(tokens);
+  auto apool = take<uint8_t>(pool_bytes);
+  const int requests = one<int32_t>();
+  auto meta = take<int32_t>(static_cast<size_t>(requests) * kMetaWords);
+  auto row_request = take<int32_t>(tokens);
+  auto apos = take<int32_t>(tokens);
+  auto normed_qkv = qkv;
+  if (q_lora > 0) shim::launch(latent_norm, tokens, kThreads, normed_qkv.data(), tokens, 0, q_lora, static_cast<const __nv_bfloat16*>(qaw.data()));
+  shim::launch(latent_norm, tokens, kThreads, normed_qkv.data(), tokens, kKvOffset, kKvLora, static_cast<const __nv_bfloat16*>(kvaw.data()));
+  put(normed_qkv);
+  auto roped = qkv;
+  shim::launch(mla_rope, tokens, kThreads, roped.data(), static_cast<const int32_t*>(positions.data()), tokens, q_heads);
+  put(roped);
+  std::vector<uint8_t> pool(pool_bytes, 0);
+  shim::launch(mla_kv_write, tokens, kThreads, static_cast<const __nv_bfloat16*>(qkv.data()),
+               static_cast<const int32_t*>(slots.data()), tokens, pool.data(), page_bytes, layer);
+  put(pool);
+  std::vector<__nv_bfloat16> attn(static_cast<size_t>(tokens) * kMlaHeads * kVHead, __float2bfloat16_rn(-7.0f));
+  shim::launch(mla_decode_attention, tokens, kThreads, static_cast<const __nv_bfloat16*>(qkv.data()),
+               static_cast<const int32_t*>(apos.data()), static_cast<const int32_t*>(row_request.data()),
+               static_cast<const int32_t*>(meta.data()), tokens, q_heads, static_cast<const __nv_bfloat16*>(kv_b.data()),
+               static_cast<const uint8_t*>(apool.data()), page_bytes, layer, attn.data());
+  put(attn);
+#endif
   std::fclose(in);
   std::fclose(out);
   return 0;

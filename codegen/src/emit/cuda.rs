@@ -86,6 +86,13 @@ pub fn render(plan: &ValidPlan, k: &KernelInstance) -> Result<String, TemplateEr
                 ctx.insert("qk_norm", &(g.qk_norm != moeforge_plan::QkNormKind::None));
                 ctx.insert("qk_all_heads", &(g.qk_norm == moeforge_plan::QkNormKind::AllHeads));
             }
+            ctx.insert("mla", &p.mla);
+            if let Some(a) = &p.mla {
+                ctx.insert("rope_scale", &float_literal(a.rope_scale));
+                ctx.insert("softmax_scale", &float_literal(a.softmax_scale));
+                let freqs: Vec<String> = a.inv_freq.iter().map(|f| format!("{f:?}")).collect();
+                ctx.insert("inv_freq", &freqs.join(", "));
+            }
             ("layer.cu", vec![("layer.cu", LAYER)])
         }
         KernelParams::Apk(p) => {

@@ -16,8 +16,8 @@ use moeforge_plan::cost::CostModel;
 use moeforge_plan::memory::MAX_BATCH_TOKENS;
 use moeforge_plan::search::SearchResult;
 use moeforge_plan::{
-    ApkParams, EntryPoint, GqaLayerParams, Grid, GridVar, KernelInstance, KernelParams, LayerParams, PermuteParams,
-    Plan, QkNormKind, RankPlan, RouterParams, Scoring, WeightFormat,
+    ApkParams, EntryPoint, GqaLayerParams, Grid, GridVar, KernelInstance, KernelParams, LayerParams, MlaLayerParams,
+    PermuteParams, Plan, QkNormKind, RankPlan, RouterParams, Scoring, WeightFormat,
 };
 
 const ROUTER_WARPS: u32 = 4;
@@ -395,6 +395,43 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
         }
         Attention::Mla { .. } => None,
     };
+    let meta_words =
+        mem.buffers.iter().find(|b| b.name == BufferName::RequestMeta).map_or(0, |b| (b.row_bytes / 4) as u32);
+    let mla = match m.attention {
+        Attention::Mla { heads, q_lora, kv_lora, qk_nope, qk_rope, v_head, indexer } => {
+            let inv_freq = match &m.rope_scaling {
+                Some(y) => y.inv_freq(qk_rope, m.rope_theta),
+                None => {
+                    (0..qk_rope / 2).map(|i| 1.0 / m.rope_theta.powf(2.0 * f64::from(i) / f64::from(qk_rope))).collect()
+                }
+            };
+            let q_offset = q_lora.unwrap_or(0);
+            let factor = m.rope_scaling.as_ref().map_or(1.0, |y| y.mla_softmax_factor());
+            Some(MlaLayerParams {
+                heads,
+                q_lora: q_lora.unwrap_or(0),
+                kv_lora,
+                nope: qk_nope,
+                rope: qk_rope,
+                v_head,
+                qkv_stride: mem
+                    .buffers
+                    .iter()
+                    .find(|b| b.name == BufferName::Qkv)
+                    .map_or(0, |b| (b.row_bytes / 2) as u32),
+                q_offset,
+                kv_offset: q_offset + heads * (qk_nope + qk_rope),
+                inv_freq,
+                rope_scale: m.rope_scaling.as_ref().map_or(1.0, |y| y.attention_factor()),
+                softmax_scale: factor / f64::from(qk_nope + qk_rope).sqrt(),
+                page_tokens: mem.kv.page_tokens,
+                entry_bytes: mem.kv.head_token_bytes,
+                request_meta_words: meta_words,
+                indexer: indexer.is_some(),
+            })
+        }
+        Attention::Gqa { .. } => None,
+    };
     let p = |s: &str| s.to_string();
     let t = LAYER_THREADS;
     let entry = |symbol: &str, over: GridVar, params: Vec<String>| EntryPoint {
@@ -514,6 +551,53 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
             ],
         ));
     }
+    if mla.is_some() {
+        entries.push(entry(
+            "latent_norm",
+            GridVar::Tokens,
+            vec![
+                p("__nv_bfloat16* qkv"),
+                p("int tokens"),
+                p("int offset"),
+                p("int width"),
+                p("const __nv_bfloat16* weight"),
+            ],
+        ));
+        entries.push(entry(
+            "mla_rope",
+            GridVar::Tokens,
+            vec![p("__nv_bfloat16* qkv"), p("const int32_t* positions"), p("int tokens"), p("int q_heads")],
+        ));
+        entries.push(entry(
+            "mla_kv_write",
+            GridVar::Tokens,
+            vec![
+                p("const __nv_bfloat16* qkv"),
+                p("const int32_t* slot_map"),
+                p("int tokens"),
+                p("uint8_t* pool"),
+                p("long long page_bytes"),
+                p("int layer"),
+            ],
+        ));
+        entries.push(entry(
+            "mla_decode_attention",
+            GridVar::Tokens,
+            vec![
+                p("const __nv_bfloat16* qkv"),
+                p("const int32_t* positions"),
+                p("const int32_t* row_request"),
+                p("const int32_t* request_meta"),
+                p("int tokens"),
+                p("int q_heads"),
+                p("const __nv_bfloat16* kv_b"),
+                p("const uint8_t* pool"),
+                p("long long page_bytes"),
+                p("int layer"),
+                p("__nv_bfloat16* attn"),
+            ],
+        ));
+    }
     let purpose = match &gqa {
         Some(g) => format!(
             "embedding, RMSNorm, residual adds, greedy sampling, {}RoPE over {} of {} dims, the paged KV write and paged causal attention",
@@ -525,7 +609,7 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
             g.rope_dim,
             g.head_dim
         ),
-        None => "embedding, RMSNorm, residual adds and greedy sampling".into(),
+        None => "embedding, RMSNorm, residual adds, greedy sampling, and MLA's latent norms, interleaved RoPE, latent KV write and weight-absorbed decode attention".into(),
     };
     KernelInstance {
         name: "layer".into(),
@@ -537,6 +621,7 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
             rms_eps: m.rms_eps,
             threads: t,
             gqa,
+            mla,
         }),
         entries,
     }

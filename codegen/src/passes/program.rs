@@ -70,7 +70,8 @@ struct Config<'a> {
 
 const COMPUTE: u32 = 0;
 const COMM: u32 = 1;
-const SHARED: u32 = 2;
+const APK: u32 = 2;
+const SHARED: u32 = 3;
 
 /// Ops of one block under construction, with the program's event names.
 struct Ops<'e> {
@@ -181,6 +182,7 @@ impl Config<'_> {
         let mut streams = vec!["compute".to_string()];
         if self.mode == Mode::Ep {
             streams.push("comm".into());
+            streams.push("apk".into());
         }
         if self.sbo() {
             streams.push("shared".into());
@@ -312,7 +314,7 @@ impl Config<'_> {
                             mb,
                             vec![qkv],
                             vec![buf(Buf::QkSumSq)],
-                            launch("layer", "qk_norm"),
+                            launch("layer", "qk_sumsq"),
                         );
                         self.comm(
                             o,
@@ -379,7 +381,7 @@ impl Config<'_> {
                         mb,
                         [vec![qkv], self.w(W::QANorm)].concat(),
                         vec![qkv],
-                        missing("rmsnorm_latent"),
+                        launch("layer", "latent_norm"),
                     );
                     o.push(
                         "q_b_proj",
@@ -417,7 +419,7 @@ impl Config<'_> {
                     mb,
                     [vec![qkv], self.w(W::KvANorm)].concat(),
                     vec![qkv],
-                    missing("rmsnorm_latent"),
+                    launch("layer", "latent_norm"),
                 );
                 if indexer.is_some() {
                     let w = self.ws(&[W::IndexerQ, W::IndexerK, W::IndexerKNorm, W::IndexerWeights]);
@@ -439,7 +441,7 @@ impl Config<'_> {
                     mb,
                     vec![qkv, buf(Buf::Positions)],
                     vec![qkv],
-                    missing("rope_mla"),
+                    launch("layer", "mla_rope"),
                 );
                 if self.phase == Phase::Prefill {
                     // Prefill decompresses k and v (naive form); decode absorbs kv_b.
@@ -467,13 +469,14 @@ impl Config<'_> {
             mb,
             vec![qkv, buf(Buf::SlotMap)],
             vec![Operand::Kv],
-            if matches!(m.attention, Attention::Gqa { .. }) {
-                launch("layer", "kv_write")
-            } else {
-                missing("kv_write_mla")
+            match m.attention {
+                Attention::Gqa { .. } => launch("layer", "kv_write"),
+                // The DSA indexer's key is part of the entry: no kernel writes it yet.
+                Attention::Mla { indexer: Some(_), .. } => missing("kv_write_dsa"),
+                Attention::Mla { .. } => launch("layer", "mla_kv_write"),
             },
         );
-        let mut reads = vec![qkv, Operand::Kv, buf(Buf::RequestMeta)];
+        let mut reads = vec![qkv, Operand::Kv, buf(Buf::RequestMeta), buf(Buf::Positions)];
         if let Attention::Mla { indexer: Some(ix), .. } = m.attention {
             o.push(
                 "indexer",
@@ -492,13 +495,19 @@ impl Config<'_> {
         if matches!(kind, AttentionKind::Mla | AttentionKind::MlaSparse) && self.phase == Phase::Decode {
             reads.extend(self.w(W::KvBProj));
         }
-        // GQA runs the layer instance's paged causal attention in both phases;
-        // sinks and MLA's forms have no kernel yet.
-        let kernel = if kind == AttentionKind::Gqa {
-            reads.push(buf(Buf::RowRequest));
-            launch("layer", "paged_attention")
-        } else {
-            missing(&format!("attention_{}_{}", self.phase.name(), format!("{kind:?}").to_lowercase()))
+        // GQA runs the layer instance's paged causal attention in both phases,
+        // MLA its weight-absorbed decode attention; sinks, MLA's naive prefill
+        // and DSA's sparse attention have no kernel yet.
+        let kernel = match (kind, self.phase) {
+            (AttentionKind::Gqa, _) => {
+                reads.push(buf(Buf::RowRequest));
+                launch("layer", "paged_attention")
+            }
+            (AttentionKind::Mla, Phase::Decode) => {
+                reads.push(buf(Buf::RowRequest));
+                launch("layer", "mla_decode_attention")
+            }
+            _ => missing(&format!("attention_{}_{}", self.phase.name(), format!("{kind:?}").to_lowercase())),
         };
         o.push("attention", OpKind::Attention { kind, phase: self.phase }, c, mb, reads, vec![buf(Buf::Attn)], kernel);
         if tp {
@@ -635,16 +644,29 @@ impl Config<'_> {
             None if ep => KernelRef::Skip { reason: "the rank holds no routed experts".into() },
             _ => missing("apk (tp: every expert's 1/P of the intermediate)"),
         };
+        // EP posts the op to the persistent APK, which runs it beside this
+        // rank's streams: the `apk` stream stands for its operation queue, the
+        // post waits for the gathered rows and WaitDone is the combine's wait
+        // on its record.
+        let gathered = if ep { Some(o.record(mb_name("gathered", mb))) } else { None };
+        let stream = if ep { APK } else { c };
         o.push(
             "experts",
             OpKind::Experts,
-            c,
+            stream,
             mb,
-            [vec![buf(Buf::Permuted)], self.ws(&[W::ExpertsW13, W::ExpertsW2])].concat(),
+            [vec![buf(Buf::Permuted), ri], self.ws(&[W::ExpertsW13, W::ExpertsW2])].concat(),
             vec![buf(Buf::GateUp), buf(Buf::ExpertOut)],
             kernel,
         );
+        let expert_rows = gathered.map(|g| {
+            o.wait(g);
+            o.record(mb_name("experts_out", mb))
+        });
         let weights = if ep { buf(input) } else { buf(Buf::TopkWeights) };
+        // The emitted combine writes bf16 rows: EP's per-source partial sums;
+        // TP needs f32 partials for its all-reduce, which no kernel writes yet.
+        let combine = if ep { launch("permute", "moe_combine") } else { missing("moe_combine to f32 (tp)") };
         o.push(
             "combine_rows",
             OpKind::CombineRows,
@@ -652,8 +674,11 @@ impl Config<'_> {
             mb,
             vec![buf(Buf::ExpertOut), ri, weights],
             vec![buf(out)],
-            launch("permute", "moe_combine"),
+            combine,
         );
+        if let Some(e) = expert_rows {
+            o.wait(e);
+        }
     }
 
     /// One EP MoE layer: attention, routing, dispatch, experts, combine and
@@ -673,10 +698,12 @@ impl Config<'_> {
                 o.record(mb_name("shared_done", mb));
             }
             self.route(o, mb);
+            // The dispatch leaves as soon as the routing is known; in prefill
+            // the shared experts then run on `compute` beside it.
+            let routed = o.record(mb_name("routed", mb));
             if has_shared && !self.sbo() {
                 self.shared(o, COMPUTE, mb);
             }
-            let routed = o.record(mb_name("routed", mb));
             let reads = vec![buf(Buf::Normed), buf(Buf::TopkIds), buf(Buf::TopkWeights)];
             self.comm(o, "dispatch", CommKind::AllToAll, mb, reads, Buf::Normed, Buf::Dispatch, h * 2 + k * 8);
             o.wait(routed);
