@@ -244,6 +244,7 @@ fn emitted_layer_kernels_match_the_twin_math() {
         logits[7] = 50.0; // row 0: a tie at 7 and v-1 goes to 7
         logits[v - 1] = 50.0;
         logits[2 * v - 1] = 60.0; // row 1: the last id
+        logits[2 * v] = f32::NAN; // row 2: a NaN counts as -inf
                                   // GQA: this rank holds the second half of the heads (TP over two ranks).
         let (mut qh, mut kvh, mut qh0, mut kvh0, mut wlen, mut stride) = (0, 0, 0, 0, 0, 0);
         let (mut page_bytes, mut pool_bytes, layer) = (0usize, 0usize, 1usize);
@@ -492,6 +493,36 @@ fn emitted_layer_kernels_match_the_twin_math() {
                     &normed[t * stride + (qh + kvh) * hd..t * stride + (qh + 2 * kvh) * hd],
                     &qkv[t * stride + (qh + kvh) * hd..t * stride + (qh + 2 * kvh) * hd]
                 );
+            }
+        }
+        if g.qk_norm != QkNormKind::None {
+            // Every head on the rank, local sums (EP's path).
+            let local = bf(take(tokens * stride * 2));
+            for t in 0..tokens {
+                let row = &qkv[t * stride..];
+                let ssq: f32 = row[..heads * hd].iter().map(|x| x * x).sum();
+                let ssk: f32 = row[heads * hd..(heads + kv_heads) * hd].iter().map(|x| x * x).sum();
+                for k in 0..heads + kv_heads {
+                    let is_q = k < heads;
+                    let x = head(&qkv, t, k);
+                    let (w, g0) = if is_q { (&qw, k) } else { (&kw, k - heads) };
+                    let want: Vec<f32> = if all_heads {
+                        let (ss, n) = if is_q { (ssq, heads * hd) } else { (ssk, kv_heads * hd) };
+                        let inv = 1.0 / (ss / n as f32 + eps).sqrt();
+                        x.iter().enumerate().map(|(i, v)| v * inv * w[g0 * hd + i]).collect()
+                    } else {
+                        rms_norm(&x, w, eps)
+                    };
+                    let got = head(&local, t, k);
+                    for i in 0..hd {
+                        assert!(
+                            close(got[i], want[i], 1e-3),
+                            "{name}: local qk_norm token {t} head {k} [{i}]: {} vs {}",
+                            got[i],
+                            want[i]
+                        );
+                    }
+                }
             }
         }
         let roped = bf(take(tokens * stride * 2));

@@ -218,6 +218,9 @@ fn the_verifier_catches_each_kind_of_broken_program() {
         op_mut(p, "input_norm.0").waits.push(e);
     });
     assert_finds(&f, "which no earlier op of the step records");
+    // The KV write moved off `compute`: attention reads pages it may not have written.
+    let f = broken(&plan, pi, |p| op_mut(p, "kv_write.0").stream = 1);
+    assert_finds(&f, "the KV pages of layer 0 concurrently");
     // Both micro-batches' attention write the same rows.
     let f = broken(&plan, pi, |p| {
         op_mut(p, "dispatch.0").micro_batch = None;

@@ -429,7 +429,12 @@ pub fn check(
                             }
                         }
                         Operand::Kv => {
-                            if b.layers.is_none() || mem.kv.ep.pages == 0 {
+                            let pages = match (p.mode, &mem.kv.tp) {
+                                (Mode::Tp, Some(tp)) => tp.pages,
+                                (Mode::Tp, None) => 0,
+                                (Mode::Ep, _) => mem.kv.ep.pages,
+                            };
+                            if b.layers.is_none() || pages == 0 {
                                 out.push((field, "KV pages outside a layer body, or no KV pool".into()));
                             }
                         }
@@ -510,23 +515,33 @@ pub fn check(
             format!("waits on `{}`, which no earlier op of the step records", p.events[e as usize]),
         ));
     }
-    let mut history: BTreeMap<BufferName, Vec<Access>> = BTreeMap::new();
-    let mut written: BTreeMap<BufferName, Vec<Option<u32>>> = BTreeMap::new();
+    // Resources: the buffers, and each layer's KV pages (read before the
+    // step writes them: they hold the requests' cached tokens).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+    enum Res {
+        Buf(BufferName),
+        Kv(u32),
+    }
+    let mut history: BTreeMap<Res, Vec<Access>> = BTreeMap::new();
+    let mut written: BTreeMap<Res, Vec<Option<u32>>> = BTreeMap::new();
     'step: for is in &issued {
         let (bi, oi, layer) = (is.block, is.op, is.layer);
         let op = &p.blocks[bi].ops[oi];
         let f = || format!("{} (layer {layer})", at(bi, oi));
         let s = is.stream;
         let me = &is.clock;
-        let mut touch = |name: BufferName, write: bool, out: &mut Vec<Finding>| {
+        let mut touch = |res: Res, write: bool, out: &mut Vec<Finding>| {
             let a = Access { stream: s, clock: me[s], slice: op.micro_batch, write, at: (bi, oi, layer) };
-            if !write && !is_step_input(name) {
-                let w = written.get(&name).map(|v| v.iter().any(|x| covers(*x, a.slice)));
-                if w != Some(true) {
-                    out.push((f(), format!("reads {name:?} before any op of the step writes it")));
+            let name = match res {
+                Res::Buf(b) => format!("{b:?}"),
+                Res::Kv(l) => format!("the KV pages of layer {l}"),
+            };
+            if let (false, Res::Buf(b)) = (write, res) {
+                if !is_step_input(b) && written.get(&res).map(|v| v.iter().any(|x| covers(*x, a.slice))) != Some(true) {
+                    out.push((f(), format!("reads {name} before any op of the step writes it")));
                 }
             }
-            let h = history.entry(name).or_default();
+            let h = history.entry(res).or_default();
             for prev in h.iter() {
                 let ordered = prev.stream == s || prev.clock <= me[prev.stream];
                 if (prev.write || write) && overlaps(prev.slice, a.slice) && !ordered {
@@ -534,7 +549,7 @@ pub fn check(
                     out.push((
                         f(),
                         format!(
-                            "{} {name:?} concurrently with {} (layer {pl}, stream `{}`): no event orders them",
+                            "{} {name} concurrently with {} (layer {pl}, stream `{}`): no event orders them",
                             if write { "writes" } else { "reads" },
                             at(pb, po),
                             p.streams[prev.stream]
@@ -544,19 +559,20 @@ pub fn check(
             }
             if write {
                 h.retain(|prev| !covers(a.slice, prev.slice));
-                written.entry(name).or_default().push(a.slice);
+                written.entry(res).or_default().push(a.slice);
             }
             h.push(a);
         };
-        for o in &op.reads {
-            if let Operand::Buffer { name } = o {
-                touch(*name, false, &mut out);
-            }
+        let res = |o: &Operand| match *o {
+            Operand::Buffer { name } => Some(Res::Buf(name)),
+            Operand::Kv => Some(Res::Kv(layer)),
+            Operand::Weight { .. } => None,
+        };
+        for r in op.reads.iter().filter_map(res) {
+            touch(r, false, &mut out);
         }
-        for o in &op.writes {
-            if let Operand::Buffer { name } = o {
-                touch(*name, true, &mut out);
-            }
+        for r in op.writes.iter().filter_map(res) {
+            touch(r, true, &mut out);
         }
         if out.len() >= MAX_FINDINGS {
             break 'step;

@@ -29,11 +29,13 @@ impl Sampling {
     }
 }
 
-/// The greedy token: the highest logit, the lowest id among equals.
+/// The greedy token: the highest logit, the lowest id among equals; a NaN
+/// counts as -inf (as in the device's `sample_greedy`).
 pub fn argmax(v: &[f32]) -> u32 {
+    let key = |x: f32| if x.is_nan() { f32::NEG_INFINITY } else { x };
     let mut best = 0;
     for (i, x) in v.iter().enumerate() {
-        if *x > v[best] {
+        if key(*x) > key(v[best]) {
             best = i;
         }
     }

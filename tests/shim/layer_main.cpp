@@ -107,6 +107,12 @@ int main(int argc, char** argv) {
                static_cast<const __nv_bfloat16*>(kw.data()), tokens, q_heads, kv_heads, q_head0, kv_head0,
                use_sumsq ? static_cast<const float*>(sums_in.data()) : static_cast<const float*>(nullptr));
   put(normed_qkv);
+  // EP: this rank holds every head, and the all-head sums are local.
+  auto local_qkv = qkv;
+  shim::launch(qk_norm, tokens, kThreads, local_qkv.data(), static_cast<const __nv_bfloat16*>(qw.data()),
+               static_cast<const __nv_bfloat16*>(kw.data()), tokens, kHeads, kKvHeads, 0, 0,
+               static_cast<const float*>(nullptr));
+  put(local_qkv);
 #endif
   auto roped = qkv;
   shim::launch(rope, tokens, kThreads, roped.data(), static_cast<const int32_t*>(positions.data()), tokens, q_heads,
