@@ -195,7 +195,7 @@ fn bf16_bytes(v: &[f32]) -> Vec<u8> {
 fn emitted_layer_kernels_match_the_twin_math() {
     use moeforge::dsl::spec::{Attention, QkNormScope};
     use moeforge::plan::QkNormKind;
-    use moeforge::runtime::sampling::argmax;
+    use moeforge::runtime::sampling::{argmax, Sampler, Sampling};
     use moeforge::runtime::twin::math::{attend, rms_norm, Rope};
     let tmp = tempfile::tempdir().unwrap();
     let (mut gqa_checked, mut mla_checked) = (0, 0);
@@ -227,7 +227,7 @@ fn emitted_layer_kernels_match_the_twin_math() {
         );
         let mut rng = Rng(0x1a7e ^ h as u64);
         let tokens = 5usize;
-        let rows = 3usize;
+        let rows = 7usize;
         let table_rows = 11usize;
         let ids: Vec<i32> = (0..tokens).map(|_| rng.below(table_rows) as i32).collect();
         let table: Vec<f32> =
@@ -245,7 +245,28 @@ fn emitted_layer_kernels_match_the_twin_math() {
         logits[v - 1] = 50.0;
         logits[2 * v - 1] = 60.0; // row 1: the last id
         logits[2 * v] = f32::NAN; // row 2: a NaN counts as -inf
-                                  // GQA: this rank holds the second half of the heads (TP over two ranks).
+        logits[6 * v + 5] = 30.0; // row 6: two tied leaders
+        logits[6 * v + 9] = 30.0;
+        // Rows 0–2 greedy; 3–6 temperature and top-p from seeded generators.
+        let sampling: Vec<Sampling> = vec![
+            Sampling::default(),
+            Sampling::default(),
+            Sampling::default(),
+            Sampling { temperature: 0.8, top_p: 0.9, seed: 11 },
+            Sampling { temperature: 1.3, top_p: 1.0, seed: 12 },
+            Sampling { temperature: 0.5, top_p: 0.3, seed: 13 },
+            Sampling { temperature: 40.0, top_p: 0.95, seed: 0xdead_beef_f00d },
+        ];
+        let meta_words_all = lp.request_meta_words as usize;
+        let mut sample_meta = vec![0i32; rows * meta_words_all];
+        for (r, s) in sampling.iter().enumerate() {
+            let w = &mut sample_meta[r * meta_words_all..];
+            w[4] = s.temperature.to_bits() as i32;
+            w[5] = s.top_p.to_bits() as i32;
+            w[6] = s.seed as u32 as i32;
+            w[7] = (s.seed >> 32) as u32 as i32;
+        }
+        // GQA: this rank holds the second half of the heads (TP over two ranks).
         let (mut qh, mut kvh, mut qh0, mut kvh0, mut wlen, mut stride) = (0, 0, 0, 0, 0, 0);
         let (mut page_bytes, mut pool_bytes, layer) = (0usize, 0usize, 1usize);
         let mut qkv = Vec::new();
@@ -283,14 +304,14 @@ fn emitted_layer_kernels_match_the_twin_math() {
         // Paged attention: request 0 has 37 tokens cached on pages [3, 0, 2],
         // request 1 three on page [1]; rows decode request 0 at 36, prefill
         // request 1's three positions causally, and request 0 again at 20.
-        let meta_words = gqa.as_ref().map_or(0, |g| g.request_meta_words as usize);
+        let meta_words = gqa.as_ref().map_or(0, |_| lp.request_meta_words as usize);
         let mut meta = vec![0i32; 2 * meta_words];
         let row_request: Vec<i32> = vec![0, 1, 1, 1, 0];
         let apos: Vec<i32> = vec![36, 0, 1, 2, 20];
         let tables: [&[i32]; 2] = [&[3, 0, 2], &[1]];
         if meta_words > 0 {
             for (q, pages) in tables.iter().enumerate() {
-                meta[q * meta_words + 4..q * meta_words + 4 + pages.len()].copy_from_slice(pages);
+                meta[q * meta_words + 8..q * meta_words + 8 + pages.len()].copy_from_slice(pages);
             }
         }
         let apool: Vec<u8> =
@@ -311,6 +332,7 @@ fn emitted_layer_kernels_match_the_twin_math() {
         input.extend(bf16_bytes(&shared));
         norm_rows.iter().for_each(|x| input.extend(x.to_le_bytes()));
         logits.iter().for_each(|f| input.extend(f.to_le_bytes()));
+        sample_meta.iter().for_each(|x| input.extend(x.to_le_bytes()));
         if gqa.is_some() {
             input.extend(bf16_bytes(&qkv));
             input.extend(bf16_bytes(&qw));
@@ -347,10 +369,10 @@ fn emitted_layer_kernels_match_the_twin_math() {
             m_pool = (0..2 * m_page).flat_map(|_| reference::f32_to_bf16(rng.unit()).to_le_bytes()).collect();
             m_pool.truncate(4 * m_page);
             m_pool.resize(4 * m_page, 0);
-            let mw = a.request_meta_words as usize;
+            let mw = lp.request_meta_words as usize;
             m_meta = vec![0i32; 2 * mw];
             for (q, pages) in tables.iter().enumerate() {
-                m_meta[q * mw + 4..q * mw + 4 + pages.len()].copy_from_slice(pages);
+                m_meta[q * mw + 8..q * mw + 8 + pages.len()].copy_from_slice(pages);
             }
             // The header's pool and page sizes are GQA's; MLA's ride here.
             input.extend(bf16_bytes(&m_qkv));
@@ -416,10 +438,19 @@ fn emitted_layer_kernels_match_the_twin_math() {
         assert_eq!(f32s(take(tokens * h * 4)), with, "{name}: residual_add with shared");
         let without: Vec<f32> = (0..tokens * h).map(|i| x[i] + (moe[i] + 0.0)).collect();
         assert_eq!(f32s(take(tokens * h * 4)), without, "{name}: residual_add");
-        // Greedy sampling: the twin's argmax.
-        let want: Vec<i32> = (0..rows).map(|r| argmax(&logits[r * v..(r + 1) * v]) as i32).collect();
-        assert_eq!(i32s(take(rows * 4)), want, "{name}: sample_greedy");
+        // Sampling: the twin's sampler, greedy and seeded, and its generator state.
+        let want: Vec<i32> =
+            (0..rows).map(|r| Sampler::new(sampling[r]).sample(&logits[r * v..(r + 1) * v]) as i32).collect();
+        assert_eq!(i32s(take(rows * 4)), want, "{name}: sample_tokens");
         assert_eq!((want[0], want[1]), (7, v as i32 - 1));
+        assert_eq!(want[0], argmax(&logits[..v]) as i32);
+        let after = i32s(take(rows * meta_words_all * 4));
+        for (r, s) in sampling.iter().enumerate() {
+            let state =
+                (after[r * meta_words_all + 6] as u32 as u64) | ((after[r * meta_words_all + 7] as u32 as u64) << 32);
+            let drawn = if s.is_greedy() { s.seed } else { s.seed.wrapping_add(0x9e37_79b9_7f4a_7c15) };
+            assert_eq!(state, drawn, "{name}: row {r}'s generator state");
+        }
         if let Some(a) = &mla {
             check_mla(
                 name,
@@ -439,6 +470,7 @@ fn emitted_layer_kernels_match_the_twin_math() {
                 &apos,
                 layer,
                 mla_local,
+                lp.request_meta_words as usize,
             );
             mla_checked += 1;
         }
@@ -617,6 +649,7 @@ fn check_mla<'a>(
     apos: &[i32],
     layer: usize,
     local: usize,
+    mw: usize,
 ) {
     use moeforge::runtime::twin::math::{rms_norm, softmax_mix, Rope};
     let tokens = positions.len();
@@ -675,10 +708,9 @@ fn check_mla<'a>(
     assert!(pool == expect, "{name}: mla_kv_write");
     let attn = bf(take(tokens * a.heads as usize * vh * 2));
     let kvb = nope + vh;
-    let mw = a.request_meta_words as usize;
     for t in 0..tokens {
         let q = row_request[t] as usize;
-        let table = &meta[q * mw + 4..];
+        let table = &meta[q * mw + 8..];
         let entry = |j: usize| -> Vec<f32> {
             let at = table[j / 16] as usize * page + (layer * 16 + j % 16) * eb;
             u16s(&apool[at..at + 2 * (kv_lora + rope)]).into_iter().map(reference::bf16_to_f32).collect()

@@ -274,9 +274,9 @@ fn ops_launch_only_their_own_kernels_and_move_whole_rows() {
     let plan = example("qwen3-235b-a22b-bursty");
     let pi = plan.programs.iter().position(|q| q.mode == Mode::Tp && q.phase == Phase::Decode).unwrap();
     let f = broken(&plan, pi, |p| {
-        op_mut(p, "input_norm").kernel = KernelRef::Launch { instance: "layer".into(), entry: "sample_greedy".into() }
+        op_mut(p, "input_norm").kernel = KernelRef::Launch { instance: "layer".into(), entry: "sample_tokens".into() }
     });
-    assert_finds(&f, "cannot launch `sample_greedy`");
+    assert_finds(&f, "cannot launch `sample_tokens`");
     let f = broken(&plan, pi, |p| op_mut(p, "moe_all_reduce").comm.as_mut().unwrap().row_bytes = 2 * 4096);
     assert_finds(&f, "bytes per row");
     // The APK's work is posted: EP's combine waits for its record (WaitDone).

@@ -57,8 +57,9 @@ pub enum BufferName {
     Positions,
     /// The KV-pool slot (page × page_tokens + offset) of every token.
     SlotMap,
-    /// Per request: a header of four i32 (tokens cached before the step,
-    /// its first row, its rows this step, reserved), then its page table.
+    /// Per request: a header of eight i32 (tokens cached before the step,
+    /// its first row, its rows this step, flags, temperature and top-p as
+    /// f32, the sampler's 64-bit SplitMix64 state), then its page table.
     RequestMeta,
     /// The request (index into `request_meta`) of every token row.
     RowRequest,
@@ -194,7 +195,7 @@ impl Workspace {
             b(TokenIds, rq, Both, t, 4),
             b(Positions, rq, Both, t, 4),
             b(SlotMap, rq, Both, t, 4),
-            b(RequestMeta, rq, Both, r, 16 + 4 * pages_per_request),
+            b(RequestMeta, rq, Both, r, 32 + 4 * pages_per_request),
             b(RowRequest, rq, Both, t, 4),
             b(SampleRows, rq, Both, r, 4),
             b(Sampled, rq, Both, r, 4),

@@ -201,7 +201,7 @@ pub enum KernelParams {
 
 /// The per-token kernels around the GEMMs and attention: embedding,
 /// RMSNorm (with the fused residual add), the residual add of the MoE
-/// output, greedy sampling, and for GQA models QK-norm, RoPE and the paged
+/// output, sampling (greedy or seeded temperature/top-p), and for GQA models QK-norm, RoPE and the paged
 /// KV write. One block per token (or row); head counts, pages and layers
 /// are run-time arguments, so both modes' programs launch one instance.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -210,6 +210,10 @@ pub struct LayerParams {
     pub vocab: u32,
     pub rms_eps: f64,
     pub threads: u32,
+    /// i32 words per request in `request_meta`: the header (tokens cached,
+    /// first row, rows, flags, temperature, top-p, the generator's 64-bit
+    /// state), then the page table from word 8.
+    pub request_meta_words: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gqa: Option<GqaLayerParams>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -241,7 +245,6 @@ pub struct MlaLayerParams {
     pub page_tokens: u32,
     /// Bytes of one cache entry (latent, rope key, indexer key).
     pub entry_bytes: u64,
-    pub request_meta_words: u32,
     /// DSA models cache an indexer key too (no kernel writes it yet).
     pub indexer: bool,
 }
@@ -266,8 +269,6 @@ pub struct GqaLayerParams {
     pub page_tokens: u32,
     /// Bytes of one token of one KV head in one layer (K then V).
     pub head_token_bytes: u64,
-    /// i32 words per request in `request_meta` (its page table starts at word 4).
-    pub request_meta_words: u32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

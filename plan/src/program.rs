@@ -291,7 +291,7 @@ pub fn entries_for(kind: OpKind) -> &'static [&'static str] {
         OpKind::Gather => &["moe_gather"],
         OpKind::CombineRows => &["moe_combine"],
         OpKind::ResidualAdd => &["residual_add"],
-        OpKind::Sample => &["sample_greedy"],
+        OpKind::Sample => &["sample_tokens"],
         OpKind::Gemm { .. } | OpKind::Ffn | OpKind::Experts | OpKind::Indexer { .. } | OpKind::Comm => &[],
     }
 }

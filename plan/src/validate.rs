@@ -573,7 +573,10 @@ fn kernels(c: &mut Check, p: &Plan) {
                 c.ensure(ok, format!("{f}.params"), || format!("permute constants inconsistent: {q:?}"));
             }
             KernelParams::Layer(l) => {
-                let mut ok = l.hidden == p.model.hidden
+                let meta = p.memory.buffers.iter().find(|b| b.name == crate::memory::BufferName::RequestMeta);
+                let mut ok = meta.is_none_or(|b| b.row_bytes == u64::from(l.request_meta_words) * 4)
+                    && l.request_meta_words > 8
+                    && l.hidden == p.model.hidden
                     && l.vocab > 0
                     && l.threads % 32 == 0
                     && (32..=1024).contains(&l.threads);
@@ -584,7 +587,6 @@ fn kernels(c: &mut Check, p: &Plan) {
                         && g.rope_dim <= g.head_dim
                         && g.inv_freq.len() as u32 * 2 == g.rope_dim
                         && g.head_dim <= 256
-                        && g.request_meta_words > 4
                         && g.kv_heads > 0
                         && g.heads % g.kv_heads == 0
                         && u64::from(g.qkv_stride)

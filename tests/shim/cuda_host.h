@@ -122,6 +122,21 @@ inline void __syncthreads() { shim::current->block->arrive_and_wait(); }
 [[noreturn]] inline void __trap() { std::abort(); }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline float __expf(float x) { return std::exp(x); }
+inline float __int_as_float(int v) {
+  float f;
+  std::memcpy(&f, &v, 4);
+  return f;
+}
+inline float __uint_as_float(unsigned v) {
+  float f;
+  std::memcpy(&f, &v, 4);
+  return f;
+}
+inline unsigned __float_as_uint(float f) {
+  unsigned v;
+  std::memcpy(&v, &f, 4);
+  return v;
+}
 // The SFU's sine and cosine, here at full precision (the device's are
 // accurate to ~2^-21 on [-π, π], where the kernels call them).
 inline float __sinf(float x) { return std::sin(x); }

@@ -4,7 +4,8 @@
 //      i64 pool_bytes, page_bytes), then i32 ids[tokens], bf16
 //      table[table_rows*hidden], f32 x[tokens*hidden], bf16 w[hidden],
 //      f32 delta[tokens*hidden], f32 moe[tokens*hidden], bf16
-//      shared[tokens*hidden], i32 norm_rows[tokens], f32 logits[rows*vocab];
+//      shared[tokens*hidden], i32 norm_rows[tokens], f32 logits[rows*vocab],
+//      i32 sample_meta[rows*kMetaWords];
 //      with GQA: bf16 qkv[tokens*kQkvStride], bf16 qw[len], bf16 kw[len],
 //      i32 positions[tokens], i32 slot_map[tokens], f32 sumsq[tokens*2],
 //      u8 attention_pool[pool_bytes], i32 requests, i32
@@ -12,7 +13,7 @@
 //      attention_positions[tokens].
 // out: embed (f32), rms_norm (bf16), add_rms_norm residual (f32) and out
 //      (bf16), residual_add with shared (f32) and without (f32), sampled
-//      (i32 rows); with GQA: qk_sumsq (f32, when QK-norm), qk_norm's qkv
+//      (i32 rows) and the sampling headers after; with GQA: qk_sumsq (f32, when QK-norm), qk_norm's qkv
 //      (bf16, when QK-norm), rope's qkv (bf16), the KV pool (bytes),
 //      paged_attention's output (bf16, tokens × kHeads·kHeadDim).
 #include "cuda_host.h"
@@ -62,6 +63,8 @@ int main(int argc, char** argv) {
   auto shared = take<__nv_bfloat16>(th);
   auto norm_rows = take<int32_t>(tokens);
   auto logits = take<float>(static_cast<size_t>(rows) * vocab);
+  // Sampling: row r is request r's; its header carries temperature, top-p, seed.
+  auto sample_meta = take<int32_t>(static_cast<size_t>(rows) * kMetaWords);
   out = std::fopen(argv[2], "wb");
   if (!out) return 6;
 
@@ -81,9 +84,13 @@ int main(int argc, char** argv) {
   res = x;
   shim::launch(residual_add, tokens, kThreads, res.data(), moe.data(), static_cast<const __nv_bfloat16*>(nullptr), tokens);
   put(res);
-  std::vector<int32_t> sampled(rows, -7);
-  shim::launch(sample_greedy, rows, kThreads, logits.data(), rows, sampled.data());
+  std::vector<int32_t> sampled(rows, -7), identity(rows);
+  for (int r = 0; r < rows; ++r) identity[r] = r;
+  shim::launch(sample_tokens, rows, kThreads, static_cast<const float*>(logits.data()), rows,
+               static_cast<const int32_t*>(identity.data()), static_cast<const int32_t*>(identity.data()),
+               sample_meta.data(), sampled.data());
   put(sampled);
+  put(sample_meta);
 #ifdef KERNEL_GQA
   const size_t tq = static_cast<size_t>(tokens) * kQkvStride;
   auto qkv = take<__nv_bfloat16>(tq);

@@ -356,7 +356,7 @@ pub fn apk(
 }
 
 /// The layer kernels (embedding, norms, QK-norm, RoPE, KV write, residual
-/// add, greedy sampling) with the model's constants.
+/// add, sampling) with the model's constants.
 fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstance {
     use moeforge_dsl::spec::{Attention, QkNormScope};
     use moeforge_plan::memory::BufferName;
@@ -386,11 +386,6 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
                 rope_scale: m.rope_scaling.as_ref().map_or(1.0, |y| y.attention_factor()),
                 page_tokens: mem.kv.page_tokens,
                 head_token_bytes: mem.kv.head_token_bytes,
-                request_meta_words: mem
-                    .buffers
-                    .iter()
-                    .find(|b| b.name == BufferName::RequestMeta)
-                    .map_or(0, |b| (b.row_bytes / 4) as u32),
             })
         }
         Attention::Mla { .. } => None,
@@ -426,7 +421,6 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
                 softmax_scale: factor / f64::from(qk_nope + qk_rope).sqrt(),
                 page_tokens: mem.kv.page_tokens,
                 entry_bytes: mem.kv.head_token_bytes,
-                request_meta_words: meta_words,
                 indexer: indexer.is_some(),
             })
         }
@@ -474,7 +468,18 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
             GridVar::Tokens,
             vec![p("float* residual"), p("const float* moe"), p("const __nv_bfloat16* shared"), p("int n")],
         ),
-        entry("sample_greedy", GridVar::SampledRows, vec![p("const float* logits"), p("int rows"), p("int32_t* out")]),
+        entry(
+            "sample_tokens",
+            GridVar::SampledRows,
+            vec![
+                p("const float* logits"),
+                p("int rows"),
+                p("const int32_t* sample_rows"),
+                p("const int32_t* row_request"),
+                p("int32_t* request_meta"),
+                p("int32_t* out"),
+            ],
+        ),
     ];
     if let Some(g) = &gqa {
         if g.qk_norm != QkNormKind::None {
@@ -600,7 +605,7 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
     }
     let purpose = match &gqa {
         Some(g) => format!(
-            "embedding, RMSNorm, residual adds, greedy sampling, {}RoPE over {} of {} dims, the paged KV write and paged causal attention",
+            "embedding, RMSNorm, residual adds, sampling, {}RoPE over {} of {} dims, the paged KV write and paged causal attention",
             match g.qk_norm {
                 QkNormKind::None => "",
                 QkNormKind::PerHead => "per-head QK-norm, ",
@@ -609,7 +614,7 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
             g.rope_dim,
             g.head_dim
         ),
-        None => "embedding, RMSNorm, residual adds, greedy sampling, and MLA's latent norms, interleaved RoPE, latent KV write and weight-absorbed decode attention".into(),
+        None => "embedding, RMSNorm, residual adds, sampling, and MLA's latent norms, interleaved RoPE, latent KV write and weight-absorbed decode attention".into(),
     };
     KernelInstance {
         name: "layer".into(),
@@ -620,6 +625,7 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
             vocab: m.vocab,
             rms_eps: m.rms_eps,
             threads: t,
+            request_meta_words: meta_words,
             gqa,
             mla,
         }),

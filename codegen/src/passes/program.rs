@@ -254,9 +254,10 @@ impl Config<'_> {
             OpKind::Sample,
             COMPUTE,
             None,
-            vec![buf(Buf::Logits), buf(Buf::RequestMeta)],
-            vec![buf(Buf::Sampled)],
-            launch("layer", "sample_greedy"),
+            vec![buf(Buf::Logits), buf(Buf::SampleRows), buf(Buf::RowRequest), buf(Buf::RequestMeta)],
+            // The sampler advances each request's generator state in its header.
+            vec![buf(Buf::RequestMeta), buf(Buf::Sampled)],
+            launch("layer", "sample_tokens"),
         );
         blocks.push(Block { kind: BlockKind::Epilogue, layers: None, ops: o.ops });
 
