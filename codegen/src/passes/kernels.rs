@@ -363,12 +363,7 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
     let m = cx.model;
     let gqa = match m.attention {
         Attention::Gqa { heads, kv_heads, head_dim, qk_norm, qk_norm_scope, rope_dim, .. } => {
-            let inv_freq = match &m.rope_scaling {
-                Some(y) => y.inv_freq(rope_dim, m.rope_theta),
-                None => (0..rope_dim / 2)
-                    .map(|i| 1.0 / m.rope_theta.powf(2.0 * f64::from(i) / f64::from(rope_dim)))
-                    .collect(),
-            };
+            let inv_freq = rope_inv_freq(m, rope_dim);
             let qkv_stride =
                 mem.buffers.iter().find(|b| b.name == BufferName::Qkv).map_or(0, |b| (b.row_bytes / 2) as u32);
             Some(GqaLayerParams {
@@ -394,12 +389,7 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
         mem.buffers.iter().find(|b| b.name == BufferName::RequestMeta).map_or(0, |b| (b.row_bytes / 4) as u32);
     let mla = match m.attention {
         Attention::Mla { heads, q_lora, kv_lora, qk_nope, qk_rope, v_head, indexer } => {
-            let inv_freq = match &m.rope_scaling {
-                Some(y) => y.inv_freq(qk_rope, m.rope_theta),
-                None => {
-                    (0..qk_rope / 2).map(|i| 1.0 / m.rope_theta.powf(2.0 * f64::from(i) / f64::from(qk_rope))).collect()
-                }
-            };
+            let inv_freq = rope_inv_freq(m, qk_rope);
             let q_offset = q_lora.unwrap_or(0);
             let factor = m.rope_scaling.as_ref().map_or(1.0, |y| y.mla_softmax_factor());
             Some(MlaLayerParams {
@@ -630,5 +620,14 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
             mla,
         }),
         entries,
+    }
+}
+
+/// RoPE's inverse frequency per rotary pair over `dim` dims: `θ^(-2i/dim)`,
+/// YaRN-blended when the model scales (the dsl's `RopeScaling::inv_freq`).
+fn rope_inv_freq(m: &moeforge_dsl::spec::Model, dim: u32) -> Vec<f64> {
+    match &m.rope_scaling {
+        Some(y) => y.inv_freq(dim, m.rope_theta),
+        None => (0..dim / 2).map(|i| 1.0 / m.rope_theta.powf(2.0 * f64::from(i) / f64::from(dim))).collect(),
     }
 }
