@@ -19,8 +19,12 @@ use moeforge::plan::KernelParams;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// Every APK source of an example with its parameters.
+/// Every routed-experts APK source of an example with its parameters.
 fn apks(example: &Path) -> Vec<(String, moeforge::plan::ApkParams, Vec<u8>)> {
+    apks_of(example, moeforge::plan::ApkForm::Experts)
+}
+
+fn apks_of(example: &Path, form: moeforge::plan::ApkForm) -> Vec<(String, moeforge::plan::ApkParams, Vec<u8>)> {
     let checked = check_paths(&[example.to_path_buf()], &FsLoader).unwrap_or_else(|f| panic!("{}", f.render(false)));
     let id = moeforge::dsl::spec::DeployId(0);
     let plan =
@@ -30,7 +34,7 @@ fn apks(example: &Path) -> Vec<(String, moeforge::plan::ApkParams, Vec<u8>)> {
         .kernels
         .iter()
         .filter_map(|k| match &k.params {
-            KernelParams::Apk(p) => {
+            KernelParams::Apk(p) if p.form == form => {
                 Some((k.name.clone(), p.clone(), bundle.files[&format!("kernels/{}.cu", k.name)].clone()))
             }
             _ => None,
@@ -168,5 +172,36 @@ fn apk_publishes_an_operation_before_its_tiles_can_be_claimed() {
         let bin = build(tmp.path(), &src, &format!("widen-{name}"), false);
         let m = drive_widened(&bin, 9, p.max_clusters, 40, true, 40, 50_000);
         assert_eq!(metric(&m, "ops"), 40);
+    }
+}
+
+/// The dense form, launched per operation as colocated ranks do, on an
+/// sm_90a tile set with 2-CTA clusters and an sm_80 one: random shapes
+/// (partial tiles in rows, columns and K; x and y inside wider rows) and
+/// every epilogue, against the driver's own triple loop, with sentinels
+/// around the outputs. A grid smaller than the tile count makes clusters
+/// loop; the full grid leaves most clusters without a tile.
+#[test]
+fn dense_apk_runs_every_gemm_shape_and_epilogue_per_operation() {
+    let tmp = tempfile::tempdir().unwrap();
+    for ex in ["tiny-qwen3-cpu4", "mixtral-8x7b-a100"] {
+        let list = apks_of(&root().join(format!("examples/{ex}.moe")), moeforge::plan::ApkForm::Dense);
+        assert_eq!(list.len(), 1, "{ex}: one dense APK");
+        let (name, p, src) = &list[0];
+        let bin = build_host_driver(tmp.path(), "dense_main.cpp", src, &format!("{ex}-{name}"), &[]);
+        for (seed, clusters) in [(1, 3.min(p.max_clusters)), (2, 1), (3, p.max_clusters)] {
+            let o = Command::new(&bin).args([seed.to_string(), clusters.to_string(), "24".into()]).output().unwrap();
+            let (out, err) = (text(&o.stdout), text(&o.stderr));
+            assert!(o.status.success(), "{ex} seed {seed}: exit {}\n{out}\n{err}", o.status);
+            let m: Vec<(String, u64)> = out
+                .split_whitespace()
+                .filter_map(|kv| kv.split_once('=').map(|(k, v)| (k.to_string(), v.parse().unwrap_or(0))))
+                .collect();
+            assert_eq!(metric(&m, "ops"), 24);
+            assert!(metric(&m, "checked") > 10_000, "{m:?}");
+            for e in 0..4 {
+                assert!(metric(&m, &format!("epilogue_{e}")) > 0, "{ex} seed {seed}: epilogue {e} never drawn: {m:?}");
+            }
+        }
     }
 }

@@ -85,18 +85,50 @@ pub enum NvccError {
     Io(String),
 }
 
+/// `nvcc` as a command whose output depends on its input only: cicc's
+/// optimizer orders some work by heap address, so under address-space
+/// randomization, or with a source path or environment of another length,
+/// the same source gave one of two PTX files (and cubins) from run to run. On Linux nvcc then runs under `setarch -R` (no
+/// randomization for it and the cicc and ptxas it starts) where util-linux's
+/// `setarch` can do it (a container's seccomp profile may forbid it).
+fn deterministic(nvcc: &Path) -> Command {
+    static SETARCH: std::sync::OnceLock<Option<&'static Path>> = std::sync::OnceLock::new();
+    let setarch = SETARCH.get_or_init(|| {
+        let found = ["/usr/bin/setarch", "/bin/setarch"].into_iter().map(Path::new).find(|p| p.is_file())?;
+        let works =
+            Command::new(found).args([std::env::consts::ARCH, "-R", "true"]).output().is_ok_and(|o| o.status.success());
+        (cfg!(target_os = "linux") && works).then_some(found)
+    });
+    match setarch {
+        Some(s) => {
+            let mut c = Command::new(s);
+            c.arg(std::env::consts::ARCH).arg("-R").arg(nvcc);
+            c
+        }
+        None => Command::new(nvcc),
+    }
+}
+
 /// Compiles one kernel source. `name` is the kernel's name (the file stem).
 pub fn compile(nvcc: &Path, name: &str, source: &str, arch: &str) -> Result<Compiled, NvccError> {
     let dir = tempfile::tempdir().map_err(|e| NvccError::Io(e.to_string()))?;
     let src = dir.path().join(format!("{name}.cu"));
     let out = dir.path().join(format!("{name}.cubin"));
     std::fs::write(&src, source).map_err(|e| NvccError::Io(e.to_string()))?;
-    let output = Command::new(nvcc)
+    let output = deterministic(nvcc)
         .args(crate::target::nvcc_flags(arch))
+        // Relative names: the temporary directory's (random) path must not
+        // reach nvcc, whose output depends on its heap layout (see above).
         .arg("-o")
-        .arg(&out)
-        .arg(&src)
+        .arg(format!("{name}.cubin"))
+        .arg(format!("{name}.cu"))
         .current_dir(dir.path())
+        // A fixed environment (the heap layout depends on its size too):
+        // the search path, and nvcc's temporary files next to the source.
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("TMPDIR", dir.path())
+        .env("LC_ALL", "C")
         .output()
         .map_err(|e| NvccError::Spawn { path: nvcc.display().to_string(), err: e.to_string() })?;
     let stderr = String::from_utf8_lossy(&output.stderr).replace(&dir.path().display().to_string(), "");

@@ -137,12 +137,20 @@ fn decode_single_batch_overlap_runs_shared_experts_beside_the_routed_path() {
     assert_eq!((dec.overlap, dec.micro_batches, dec.streams.len()), (Overlap::Sbo, 1, 4));
     let (all, _) = unroll(dec);
     let layer = 10;
-    let shared = issued(&all, dec, "shared_experts", layer);
+    // The shared expert is two GEMMs (SwiGLU, then down) on the `shared` stream.
+    let (gate_up, down) = (issued(&all, dec, "shared_gate_up", layer), issued(&all, dec, "shared_down", layer));
     for other in ["dispatch", "experts", "combine"] {
-        assert!(concurrent(shared, issued(&all, dec, other, layer)), "{other}");
+        assert!(concurrent(gate_up, issued(&all, dec, other, layer)), "{other}");
+        assert!(concurrent(down, issued(&all, dec, other, layer)), "{other}");
     }
     let residual = issued(&all, dec, "moe_residual", layer);
-    assert!(shared.happens_before(residual) && issued(&all, dec, "combine", layer).happens_before(residual));
+    assert!(gate_up.happens_before(down) && down.happens_before(residual));
+    assert!(issued(&all, dec, "combine", layer).happens_before(residual));
+    // Its gate_up waits for this layer's normed rows (the post-attention norm).
+    let moe = dec.blocks.iter().position(|b| b.kind == BlockKind::Moe).unwrap();
+    let norm = dec.blocks[moe].ops.iter().position(|o| o.name == "post_attention_norm").unwrap();
+    let norm = all.iter().find(|i| i.block == moe && i.op == norm && i.layer == layer).unwrap();
+    assert!(norm.happens_before(gate_up));
     // MLA decode reads the absorbed kv_b in attention and has no kv_b GEMM;
     // prefill decompresses with it (the naive form).
     let (b, o) = op_index(dec, "attention");
@@ -289,4 +297,63 @@ fn ops_launch_only_their_own_kernels_and_move_whole_rows() {
     let pi = plan.programs.iter().position(|q| q.mode == Mode::Ep && q.phase == Phase::Decode).unwrap();
     let f = broken(&plan, pi, |p| op_mut(p, "combine_rows").waits.clear());
     assert_finds(&f, "ExpertOut");
+}
+
+/// Every projection of a bf16 model runs on the dense APK with the shape its
+/// weights give: the fused q‖k‖v GEMM of the rank's heads, o_proj adding
+/// into the residual (EP) or writing TP's f32 partial sums, the router and
+/// LM head in f32, SwiGLU halves for the dense FFN; and the verifier refuses
+/// a GEMM whose statement disagrees with its operands.
+#[test]
+fn dense_gemms_state_their_shapes_and_the_verifier_holds_them_to_their_operands() {
+    use moeforge_plan::GridVar;
+    let plan = example("qwen3-235b-a22b-bursty");
+    // Qwen3-235B-A22B's config.json: hidden 4096, vocab 151936, head_dim 128.
+    let (h, d, vocab) = (4096u32, 128u32, 151936u32);
+    let gemm = |p: &Program, name: &str| {
+        let (b, o) = op_index(p, name);
+        let op = &p.blocks[b].ops[o];
+        assert_eq!(op.kernel, KernelRef::Launch { instance: "dense".into(), entry: "apk_dense".into() }, "{name}");
+        op.gemm.unwrap()
+    };
+    // Qwen3-235B: 64 query heads, 4 KV heads, head_dim 128, 128 experts, TP = 8.
+    let ep = program(&plan, Mode::Ep, Phase::Prefill);
+    let qkv = gemm(ep, "qkv_proj.0");
+    assert_eq!((qkv.n, qkv.k, qkv.epilogue), ((64 + 2 * 4) * d, h, Epilogue::StoreBf16));
+    assert_eq!(gemm(ep, "o_proj.1").epilogue, Epilogue::AddF32);
+    assert_eq!((gemm(ep, "router_gemm.0").n, gemm(ep, "router_gemm.0").epilogue), (128, Epilogue::StoreF32));
+    let head = gemm(ep, "lm_head");
+    assert_eq!((head.n, head.rows, head.epilogue), (vocab, GridVar::SampledRows, Epilogue::StoreF32));
+    let tp = program(&plan, Mode::Tp, Phase::Decode);
+    // TP: 8 query heads and one of the 4 KV heads (replicated twice) per rank.
+    assert_eq!(gemm(tp, "qkv_proj").n, (8 + 2) * d);
+    assert_eq!((gemm(tp, "o_proj").k, gemm(tp, "o_proj").epilogue), (8 * d, Epilogue::StoreF32));
+    // GLM-4.5-Air's leading dense layer (ffn 10944, hidden 4096): SwiGLU
+    // into FfnMid, then down into the residual.
+    let glm = example("glm-4.5-air-h200");
+    let dec = program(&glm, Mode::Ep, Phase::Decode);
+    let (gu, down) = (gemm(dec, "dense_gate_up"), gemm(dec, "dense_down"));
+    assert_eq!((gu.epilogue, gu.n, gu.k), (Epilogue::SwiGlu, 10944, 4096));
+    assert_eq!((down.epilogue, down.n, down.k), (Epilogue::AddF32, 4096, 10944));
+
+    let pi = plan.programs.iter().position(|q| q.mode == Mode::Ep && q.phase == Phase::Prefill).unwrap();
+    let f = broken(&plan, pi, |p| op_mut(p, "qkv_proj.0").gemm.as_mut().unwrap().k += 8);
+    assert_finds(&f, "k = 4104 columns from column 0 of Normed");
+    let f = broken(&plan, pi, |p| op_mut(p, "router_gemm.0").gemm.as_mut().unwrap().n -= 2);
+    assert_finds(&f, "not one bf16 [126][4096]");
+    let f = broken(&plan, pi, |p| op_mut(p, "qkv_proj.0").gemm.as_mut().unwrap().x_col = 4);
+    assert_finds(&f, "multiples of 8");
+    let f = broken(&plan, pi, |p| op_mut(p, "lm_head").gemm.as_mut().unwrap().y_col = 2);
+    assert_finds(&f, "within the row");
+    // Weights out of order are no longer one matrix.
+    let f = broken(&plan, pi, |p| op_mut(p, "qkv_proj.0").reads.swap(1, 2));
+    assert_finds(&f, "back to back");
+    let f = broken(&plan, pi, |p| {
+        op_mut(p, "o_proj.0").reads.retain(|r| *r != Operand::Buffer { name: BufferName::Residual })
+    });
+    assert_finds(&f, "without reading it");
+    let f = broken(&plan, pi, |p| op_mut(p, "router_gemm.0").gemm = None);
+    assert_finds(&f, "states its shape");
+    let f = broken(&plan, pi, |p| op_mut(p, "route.0").gemm = Some(qkv));
+    assert_finds(&f, "is no GEMM");
 }

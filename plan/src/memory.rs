@@ -91,7 +91,8 @@ pub enum BufferName {
     ExpertOut,
     /// The combined MoE output per token (f32).
     MoeOut,
-    /// Dense FFN and shared-expert intermediates (gate ‖ up).
+    /// SiLU(gate)·up of the dense FFN and the shared experts (bf16; the
+    /// dense APK's SwiGLU epilogue writes it, its down projection reads it).
     FfnMid,
     /// The shared experts' output per token (bf16), written on their own stream.
     SharedOut,
@@ -221,7 +222,7 @@ impl Workspace {
             b(MoeOut, sc, Both, t, h * 4),
         ]);
         if shared.max(dense) > 0 {
-            v.push(b(FfnMid, sc, Both, t, 2 * shared.max(dense) * 2));
+            v.push(b(FfnMid, sc, Both, t, shared.max(dense) * 2));
         }
         if shared > 0 {
             v.push(b(SharedOut, sc, Both, t, h * 2));

@@ -279,10 +279,26 @@ pub enum QkNormKind {
     AllHeads,
 }
 
-/// The Adaptive Persistent Kernel of the MoE ranks holding `local_experts`
-/// experts (ExpertPlex §4): GateUp → SiLU·mul → Down for both phases.
+/// What an APK instance runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ApkForm {
+    /// The routed experts: GateUp → SiLU·mul → Down over `local_experts`
+    /// groups, shapes fixed at compile time.
+    Experts,
+    /// The one-group form every dense GEMM runs (projections, router and LM
+    /// head, dense and shared-expert FFNs): one GEMM per operation, its shape
+    /// and epilogue posted with it ([`crate::program::GemmArgs`]);
+    /// `hidden` and `inter` are 0.
+    Dense,
+}
+
+/// An Adaptive Persistent Kernel (ExpertPlex §4): the routed experts of the
+/// MoE ranks holding `local_experts` experts (GateUp → SiLU·mul → Down for
+/// both phases), or the dense form, the same tiles as a one-group GEMM.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ApkParams {
+    pub form: ApkForm,
     pub hidden: u32,
     /// Expert intermediate size I.
     pub inter: u32,
@@ -444,6 +460,10 @@ pub enum Grid {
     /// The persistent kernel: one CTA per SM, rounded down to whole
     /// `cluster`-CTA clusters, launched once per serving session.
     Persistent { cluster: u32 },
+    /// The same kernel launched per operation (the dense APK form): one CTA
+    /// per SM up to the operation's tiles, whole `cluster`-CTA clusters;
+    /// the launch posts the operation and `stop`, and returns when it is done.
+    PerOperation { cluster: u32 },
 }
 
 impl fmt::Display for Grid {
@@ -460,6 +480,9 @@ impl fmt::Display for Grid {
             Grid::Per { over, per: 1 } => write!(f, "{}", var(over)),
             Grid::Per { over, per } => write!(f, "ceil({} / {per})", var(over)),
             Grid::Persistent { cluster } => write!(f, "SMs rounded down to a multiple of {cluster} (launched once)"),
+            Grid::PerOperation { cluster } => {
+                write!(f, "SMs rounded down to a multiple of {cluster} (launched per operation)")
+            }
         }
     }
 }
@@ -471,7 +494,7 @@ impl Grid {
         match *self {
             Grid::Fixed { blocks } => Some(blocks),
             Grid::Per { per, .. } => Some(value.div_ceil(per.max(1))),
-            Grid::Persistent { .. } => None,
+            Grid::Persistent { .. } | Grid::PerOperation { .. } => None,
         }
     }
 }

@@ -133,6 +133,58 @@ pub struct Op {
     pub kernel: KernelRef,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub comm: Option<Comm>,
+    /// A GEMM op's shape and epilogue: what its launch posts to the dense APK.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gemm: Option<GemmArgs>,
+}
+
+/// One GEMM of the dense APK form: `y = x·Wᵀ` over rows of the op's first
+/// read buffer (`x`, bf16) into its first written buffer (`y`), W the op's
+/// weight reads back to back (`[n][k]`; SwiGLU: gate then up, `[2n][k]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GemmArgs {
+    /// Output columns (SwiGLU: intermediate columns) and reduction depth.
+    pub n: u32,
+    pub k: u32,
+    /// First column of x within its buffer's row, and of y within its buffer's (elements).
+    pub x_col: u32,
+    pub y_col: u32,
+    /// Which rows: the step's tokens, or the sampled rows (the LM head).
+    pub rows: crate::plan::GridVar,
+    pub epilogue: Epilogue,
+}
+
+/// How a GEMM writes its outputs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Epilogue {
+    /// bf16 outputs.
+    StoreBf16,
+    /// f32 outputs (logits, router logits, TP's partial sums).
+    StoreF32,
+    /// Added into f32 outputs (the residual).
+    AddF32,
+    /// SiLU(x·W_gateᵀ)·(x·W_upᵀ) as bf16 (dense FFNs and shared experts).
+    SwiGlu,
+}
+
+impl Epilogue {
+    /// Bytes of one output element.
+    pub fn out_bytes(self) -> u64 {
+        match self {
+            Epilogue::StoreF32 | Epilogue::AddF32 => 4,
+            Epilogue::StoreBf16 | Epilogue::SwiGlu => 2,
+        }
+    }
+    /// The value the kernel's `DenseShape::epilogue` takes.
+    pub fn code(self) -> u32 {
+        match self {
+            Epilogue::StoreBf16 => 0,
+            Epilogue::StoreF32 => 1,
+            Epilogue::AddF32 => 2,
+            Epilogue::SwiGlu => 3,
+        }
+    }
 }
 
 /// What an op does (its kernel's contract).
@@ -145,11 +197,9 @@ pub enum OpKind {
     RmsNorm {
         add: bool,
     },
-    /// A dense projection (one-group GEMM) from its input buffer into its
-    /// output buffer; `accumulate` adds into the output (residual).
-    Gemm {
-        accumulate: bool,
-    },
+    /// A dense GEMM (one-group APK): a projection, the router or LM head,
+    /// or half of a dense FFN; its [`GemmArgs`] say which.
+    Gemm,
     /// QK-norm per head, or over all heads (MiniMax-M2); `partial` reads
     /// the all-reduced sums of squares instead of computing them locally.
     QkNorm {
@@ -182,8 +232,6 @@ pub enum OpKind {
     Experts,
     /// The weighted sum of each token's expert rows.
     CombineRows,
-    /// Gate-up, activation and down of a dense FFN or the shared experts.
-    Ffn,
     /// Adds the MoE (and shared-expert) output into the residual.
     ResidualAdd,
     /// Samples one token per sampled row (greedy, or temperature/top-p from
@@ -292,8 +340,74 @@ pub fn entries_for(kind: OpKind) -> &'static [&'static str] {
         OpKind::CombineRows => &["moe_combine"],
         OpKind::ResidualAdd => &["residual_add"],
         OpKind::Sample => &["sample_tokens"],
-        OpKind::Gemm { .. } | OpKind::Ffn | OpKind::Experts | OpKind::Indexer { .. } | OpKind::Comm => &[],
+        OpKind::Gemm => &["apk_dense"],
+        OpKind::Experts | OpKind::Indexer { .. } | OpKind::Comm => &[],
     }
+}
+
+/// A GEMM's shape against its operands: x and y (the first buffer read and
+/// written) hold the columns it reads and writes at the kernel's alignment,
+/// and its weight reads are one bf16 `[n][k]` matrix (SwiGLU: `[2n][k]`),
+/// back to back in every layer.
+pub fn gemm_fits(op: &Op, g: &GemmArgs, mode: Mode, mem: &MemoryPlan) -> Result<(), String> {
+    use crate::plan::GridVar;
+    let first = |list: &[Operand]| {
+        list.iter().find_map(|o| match o {
+            Operand::Buffer { name } => Some(*name),
+            _ => None,
+        })
+    };
+    let (Some(xn), Some(yn)) = (first(&op.reads), first(&op.writes)) else {
+        return Err("a GEMM reads an input buffer and writes an output buffer".into());
+    };
+    let (Some(x), Some(y)) = (mem.buffer(mode, xn), mem.buffer(mode, yn)) else {
+        return Err(format!("no {} buffers {xn:?} and {yn:?}", mode.name()));
+    };
+    let (n, k, xc, yc) = (u64::from(g.n), u64::from(g.k), u64::from(g.x_col), u64::from(g.y_col));
+    let eb = g.epilogue.out_bytes();
+    let (ld_x, ld_y) = (x.row_bytes / 2, y.row_bytes / eb);
+    if n == 0 || k == 0 || k % 8 != 0 || xc % 8 != 0 || x.row_bytes % 16 != 0 || xc + k > ld_x {
+        return Err(format!(
+            "k = {k} columns from column {xc} of {xn:?} ({ld_x} per row): k and the first column must be multiples of 8 within the row"
+        ));
+    }
+    if n % 2 != 0 || yc % 2 != 0 || y.row_bytes % (2 * eb) != 0 || yc + n > ld_y {
+        return Err(format!(
+            "n = {n} columns from column {yc} of {yn:?} ({ld_y} per row): the epilogue writes pairs within the row"
+        ));
+    }
+    if g.epilogue == Epilogue::AddF32 && !op.reads.contains(&Operand::Buffer { name: yn }) {
+        return Err(format!("it adds into {yn:?} without reading it"));
+    }
+    if !matches!(g.rows, GridVar::Tokens | GridVar::SampledRows) {
+        return Err(format!("rows {:?}: a GEMM runs over the tokens or the sampled rows", g.rows));
+    }
+    let views: Vec<_> = op
+        .reads
+        .iter()
+        .filter_map(|o| match *o {
+            Operand::Weight { role, part: TensorPart::Weight } => mem.view(mode, role, TensorPart::Weight),
+            _ => None,
+        })
+        .collect();
+    let rows: u64 = views.iter().map(|v| v.shape.first().copied().unwrap_or(0)).sum();
+    let want = if g.epilogue == Epilogue::SwiGlu { 2 * n } else { n };
+    if views.is_empty()
+        || rows != want
+        || views.iter().any(|v| v.shape.len() != 2 || v.shape[1] != k || v.dtype != moeforge_dsl::spec::DType::Bf16)
+    {
+        return Err(format!("its weights are not one bf16 [{want}][{k}] matrix"));
+    }
+    for w in views.windows(2) {
+        let packed = w[1].region == w[0].region
+            && w[1].offset == w[0].offset + w[0].bytes()
+            && w[1].layers == w[0].layers
+            && w[1].layer_stride == w[0].layer_stride;
+        if !packed {
+            return Err(format!("{} does not follow {} back to back", w[1].tensor, w[0].tensor));
+        }
+    }
+    Ok(())
 }
 
 /// Host inputs: written before the step, so read without a prior op.
@@ -458,7 +572,8 @@ pub fn check(
                     }
                 }
                 KernelRef::Post { instance: i } => {
-                    if !instance(i).is_some_and(|k| matches!(k.params, KernelParams::Apk(_))) {
+                    let persistent = |k: &KernelInstance| matches!(&k.params, KernelParams::Apk(a) if a.form == crate::plan::ApkForm::Experts);
+                    if !instance(i).is_some_and(persistent) {
                         out.push((format!("{f}.kernel"), format!("`{i}` is not a persistent kernel instance")));
                     }
                 }
@@ -498,6 +613,20 @@ pub fn check(
                     out.push((format!("{f}.comm"), "a communication op, and only one, states what it moves".into()))
                 }
                 (None, _) => {}
+            }
+            let launched = matches!(op.kernel, KernelRef::Launch { .. });
+            match (op.kind, &op.gemm) {
+                (OpKind::Gemm, Some(g)) => {
+                    if let Err(why) = gemm_fits(op, g, p.mode, mem) {
+                        out.push((format!("{f}.gemm"), why));
+                    }
+                }
+                (OpKind::Gemm, None) if launched => {
+                    out.push((format!("{f}.gemm"), "a launched GEMM states its shape and epilogue".into()))
+                }
+                (OpKind::Gemm, None) => {}
+                (_, Some(_)) => out.push((format!("{f}.gemm"), format!("a {:?} op is no GEMM", op.kind))),
+                (_, None) => {}
             }
         }
     }

@@ -16,7 +16,7 @@
 //! `plan.json` it is about.
 
 use crate::memory::{expected_shard, Mode, RegionKind, TensorPart, TensorRole, ALIGN};
-use crate::plan::{Grid, KernelParams, MmaPath, Plan, WeightFormat};
+use crate::plan::{ApkForm, Grid, KernelParams, MmaPath, Plan, WeightFormat};
 use std::fmt;
 
 /// A plan that passed [`validate`]. Only this module constructs it.
@@ -349,7 +349,9 @@ fn views(c: &mut Check, p: &Plan) {
         c.ensure(strides_ok, format!("{f}.strides"), || {
             format!("shape {:?} with strides {:?} is not row-major", v.shape, v.strides)
         });
-        c.ensure(v.offset % ALIGN == 0, format!("{f}.offset"), || format!("{} is not {ALIGN}-byte aligned", v.offset));
+        // Packed tensors (q‖k‖v, gate‖up) follow each other unpadded: 16
+        // bytes is what TMA and cp.async need.
+        c.ensure(v.offset % 16 == 0, format!("{f}.offset"), || format!("{} is not 16-byte aligned", v.offset));
         let Some(bytes) = shape_bytes(&v.shape, crate::memory::elt_bytes(v.dtype)) else {
             c.bad(format!("{f}.shape"), format!("{:?} overflows", v.shape));
             continue;
@@ -600,10 +602,18 @@ fn kernels(c: &mut Check, p: &Plan) {
             }
             KernelParams::Apk(a) => {
                 let tiles_ok = a.m_t_prefill > 0 && a.m_t_decode > 0 && a.n_t_gate_up % 2 == 0 && a.n_t_down > 0;
-                let shape_ok = a.local_experts > 0
-                    && a.local_experts <= p.layout.max_experts_per_rank
-                    && a.hidden == p.model.hidden
-                    && a.inter == p.model.expert_ffn;
+                let shape_ok = match a.form {
+                    ApkForm::Experts => {
+                        a.local_experts > 0
+                            && a.local_experts <= p.layout.max_experts_per_rank
+                            && a.hidden == p.model.hidden
+                            && a.inter == p.model.expert_ffn
+                    }
+                    // One group, shapes per operation, bf16 weights.
+                    ApkForm::Dense => {
+                        a.local_experts == 1 && a.hidden == 0 && a.inter == 0 && a.weights == WeightFormat::Bf16
+                    }
+                };
                 let sms = p.cluster.sms;
                 let q_ok = a.cluster_size >= 1
                     && a.q >= a.cluster_size
@@ -618,7 +628,7 @@ fn kernels(c: &mut Check, p: &Plan) {
                 let act_ok = a.activation == moeforge_dsl::spec::Activation::Silu;
                 let ok = tiles_ok && shape_ok && q_ok && path_ok && fp8_ok && rows_ok && act_ok;
                 c.ensure(ok, format!("{f}.params"), || format!("APK constants inconsistent: {a:?}"));
-                for &r in &a.ranks {
+                for &r in a.ranks.iter().filter(|_| a.form == ApkForm::Experts) {
                     let held = p.ranks.get(r as usize).map(|x| x.experts[1].saturating_sub(x.experts[0]));
                     if !p.ranks.is_empty() && held != Some(a.local_experts) {
                         c.bad(
@@ -636,7 +646,7 @@ fn kernels(c: &mut Check, p: &Plan) {
             let grid_ok = match e.grid {
                 Grid::Fixed { blocks } => blocks > 0,
                 Grid::Per { per, .. } => per > 0,
-                Grid::Persistent { cluster } => cluster > 0,
+                Grid::Persistent { cluster } | Grid::PerOperation { cluster } => cluster > 0,
             };
             c.ensure(grid_ok && e.block > 0 && e.block <= 1024, format!("{f}.entries[{j}]"), || {
                 format!("`{}`: grid {:?}, {} threads", e.symbol, e.grid, e.block)

@@ -22,6 +22,7 @@
 struct float2 {
   float x, y;
 };
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
 #include "cuda_bf16.h"
 
 #define __device__

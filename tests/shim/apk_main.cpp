@@ -174,6 +174,7 @@ int main(int argc, char** argv) {
     op.done_at = apk_host::clock.load(std::memory_order_relaxed);
     if (!compute) return;
     // Reference: the same fp32 sums in the same order, rounded where the kernel rounds.
+    const apk::Shape sh = apk::shape_of(st->phase[ph]);
     for (int e = 0; e < E; ++e) {
       const uint32_t begin = row_begin(ph, op.counts, e);
       // Weights as the tensor cores see them (bf16, or fp8 × block scale rounded to bf16).
@@ -184,14 +185,14 @@ int main(int argc, char** argv) {
           float g = 0.0f, u = 0.0f;
           for (int k = 0; k < H; ++k) {
             const float xv = bf(x[ph][static_cast<size_t>(r) * H + k]);
-            g += xv * apk::weight_at(tm, false, mat, j, k);
-            u += xv * apk::weight_at(tm, false, mat, I + j, k);
+            g += xv * apk::weight_at(tm, sh, false, mat, j, k);
+            u += xv * apk::weight_at(tm, sh, false, mat, I + j, k);
           }
           a[j] = bf16_bits(g / (1.0f + std::exp(-g)) * u);
         }
         for (int h = 0; h < H; ++h) {
           float acc = 0.0f;
-          for (int k = 0; k < I; ++k) acc += bf(a[k]) * apk::weight_at(tm, true, mat, h, k);
+          for (int k = 0; k < I; ++k) acc += bf(a[k]) * apk::weight_at(tm, sh, true, mat, h, k);
           const double err = std::fabs(static_cast<double>(bf(bf16_bits(acc))) - bf(y[ph][static_cast<size_t>(r) * H + h]));
           if (err > 0.0) ++max_err_ops;
           max_err = std::max(max_err, err);

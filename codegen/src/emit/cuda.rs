@@ -100,6 +100,8 @@ pub fn render(plan: &ValidPlan, k: &KernelInstance) -> Result<String, TemplateEr
             ctx.insert("p", p);
             ctx.insert("x_star", &float_literal(p.x_star));
             ctx.insert("fp8", &(p.weights == moeforge_plan::WeightFormat::Fp8E4m3));
+            ctx.insert("dense", &(p.form == moeforge_plan::ApkForm::Dense));
+            ctx.insert("entry", &k.entries.first().map_or("moe_apk", |e| e.symbol.as_str()));
             ctx.insert("unit_name", target.unit_name());
             ctx.insert("uses_tma", if target.uses_tma() { "true" } else { "false" });
             let mut ns = vec![p.n_t_gate_up, p.n_t_down];

@@ -16,8 +16,8 @@ use moeforge_plan::cost::CostModel;
 use moeforge_plan::memory::MAX_BATCH_TOKENS;
 use moeforge_plan::search::SearchResult;
 use moeforge_plan::{
-    ApkParams, EntryPoint, GqaLayerParams, Grid, GridVar, KernelInstance, KernelParams, LayerParams, MlaLayerParams,
-    PermuteParams, Plan, QkNormKind, RankPlan, RouterParams, Scoring, WeightFormat,
+    ApkForm, ApkParams, EntryPoint, GqaLayerParams, Grid, GridVar, KernelInstance, KernelParams, LayerParams,
+    MlaLayerParams, PermuteParams, Plan, QkNormKind, RankPlan, RouterParams, Scoring, WeightFormat,
 };
 
 const ROUTER_WARPS: u32 = 4;
@@ -47,7 +47,8 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
         .label("fewer SMs than one CTA cluster")
         .help("use a tile set whose prefill gate_up `cluster` is [1, 1], or the GPU's real SM count"),
     })?;
-    kernels.extend(apks);
+    kernels.extend(apks.iter().cloned());
+    kernels.extend(dense(cx, &plan.ranks, apks.first()));
     kernels.push(layer(cx, &plan.memory));
     plan.kernels = kernels;
     unused_tiles(cx);
@@ -312,6 +313,7 @@ pub fn apk(
                 f64::from(m_t_d),
             );
             let params = ApkParams {
+                form: ApkForm::Experts,
                 hidden: m.hidden,
                 inter: m.moe.expert_ffn,
                 local_experts: local,
@@ -353,6 +355,63 @@ pub fn apk(
             }
         })
         .collect())
+}
+
+/// The dense APK: the experts' tiles, pipeline and scheduler as a one-group
+/// GEMM that every dense projection of the program launches per operation
+/// (shapes and epilogue posted with it), when the dense weights are bf16.
+/// It takes the routed experts' instance's tile heights, widths, stages and
+/// cluster shape (the spec's tiles have no separate dense block yet).
+fn dense(cx: &Ctx<'_>, ranks: &[RankPlan], experts: Option<&KernelInstance>) -> Option<KernelInstance> {
+    let m = cx.model;
+    if m.dtype.weights != moeforge_dsl::spec::DType::Bf16 {
+        return None;
+    }
+    let experts = experts?;
+    let KernelParams::Apk(e) = &experts.params else {
+        return None;
+    };
+    // bf16 weights' pipeline (the experts' may carry fp8 transform warps);
+    // its rules passed for the experts' shapes already.
+    let pipeline = target::of(experts.arch)
+        .apk_shape(&ApkInput {
+            tiles: cx.tiles,
+            cluster: e.cluster_size,
+            hidden: m.hidden,
+            inter: m.moe.expert_ffn,
+            weights: WeightFormat::Bf16,
+            smem_per_block: cx.cluster.gpu.smem_per_block,
+        })
+        .ok()?;
+    let rows = |m_t: u32| (MAX_BATCH_TOKENS as u32).div_ceil(m_t) * m_t;
+    let params = ApkParams {
+        form: ApkForm::Dense,
+        hidden: 0,
+        inter: 0,
+        local_experts: 1,
+        top_k: 1,
+        max_prefill_rows: rows(e.m_t_prefill),
+        max_decode_rows: rows(e.m_t_decode),
+        weights: WeightFormat::Bf16,
+        scale_block: 0,
+        pipeline,
+        ranks: ranks.iter().map(|r| r.rank).collect(),
+        ..e.clone()
+    };
+    let entry = EntryPoint {
+        symbol: "apk_dense".into(),
+        grid: Grid::PerOperation { cluster: params.cluster_size },
+        block: pipeline.threads,
+        dynamic_smem: pipeline.smem_bytes,
+        params: experts.entries.first()?.params.clone(),
+    };
+    Some(KernelInstance {
+        name: "dense".into(),
+        purpose: "one-group GEMMs of the dense layers (projections, router, LM head, dense and shared-expert FFNs) on the APK's tiles, launched per operation".into(),
+        arch: experts.arch,
+        params: KernelParams::Apk(params),
+        entries: vec![entry],
+    })
 }
 
 /// The layer kernels (embedding, norms, QK-norm, RoPE, KV write, residual

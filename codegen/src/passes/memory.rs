@@ -21,10 +21,25 @@ struct Tensor {
     shape: Vec<u64>,
     dtype: DType,
     shard: Shard,
+    /// The next tensor follows with no alignment padding: one GEMM reads
+    /// them as one matrix (q‖k‖v, gate‖up).
+    packed: bool,
 }
 
 fn t(role: TensorRole, shape: &[u64], dtype: DType, shard: Shard) -> Tensor {
-    Tensor { role, part: TensorPart::Weight, shape: shape.to_vec(), dtype, shard }
+    Tensor { role, part: TensorPart::Weight, shape: shape.to_vec(), dtype, shard, packed: false }
+}
+
+/// Packs the tensors of `v` from `from` on back to back (bf16 weights only:
+/// fp8 weights' scales sit between them, and their GEMMs are separate).
+fn pack(v: &mut [Tensor], from: usize) {
+    let run = &mut v[from..];
+    if run.iter().all(|x| x.dtype == DType::Bf16 && x.part == TensorPart::Weight) {
+        let n = run.len();
+        for x in run.iter_mut().take(n.saturating_sub(1)) {
+            x.packed = true;
+        }
+    }
 }
 
 /// A 2-D weight and, when it is fp8, its 128×128 block scales.
@@ -38,6 +53,7 @@ fn weight(out: &mut Vec<Tensor>, role: TensorRole, rows: u64, cols: u64, m: &Mod
             shape: vec![rows.div_ceil(u64::from(br)), cols.div_ceil(u64::from(bc))],
             dtype: DType::F32,
             shard,
+            packed: false,
         });
     }
 }
@@ -70,10 +86,20 @@ impl Builder {
         let id = RegionId(self.regions.len() as u32);
         let mut off = start;
         for ([a, b], tensors) in groups {
-            let stride: u64 = tensors.iter().map(|x| align(x.shape.iter().product::<u64>() * elt_bytes(x.dtype))).sum();
+            // A packed tensor's successor starts where its bytes end; the
+            // last of a packed run is aligned like any other.
+            let size = |x: &Tensor| {
+                let b = x.shape.iter().product::<u64>() * elt_bytes(x.dtype);
+                if x.packed {
+                    b
+                } else {
+                    align(b)
+                }
+            };
+            let stride: u64 = tensors.iter().map(size).sum();
             let mut inner = 0;
             for x in tensors {
-                let bytes = align(x.shape.iter().product::<u64>() * elt_bytes(x.dtype));
+                let bytes = size(&x);
                 for &mode in mode_views {
                     self.views.push(view(&x, mode, id, off + inner, [a, b], stride));
                 }
@@ -174,8 +200,10 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     if m.moe.shared_experts > 0 {
         let is = u64::from(m.moe.shared_experts) * u64::from(m.moe.shared_ffn);
         let sdt = m.dtype.experts;
+        let at = moe_rep.len();
         weight(&mut moe_rep, TensorRole::SharedGate, is, h, m, sdt, Shard::Full);
         weight(&mut moe_rep, TensorRole::SharedUp, is, h, m, sdt, Shard::Full);
+        pack(&mut moe_rep, at);
         weight(&mut moe_rep, TensorRole::SharedDown, h, is, m, sdt, Shard::Full);
     }
     let mut groups = vec![([0, 1], global), (all_layers, norms), (moe_layers, moe_rep)];
@@ -184,6 +212,7 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
         let mut dense = vec![];
         weight(&mut dense, TensorRole::DenseGate, f, h, m, wdt, Shard::Full);
         weight(&mut dense, TensorRole::DenseUp, f, h, m, wdt, Shard::Full);
+        pack(&mut dense, 0);
         weight(&mut dense, TensorRole::DenseDown, h, f, m, wdt, Shard::Full);
         groups.push(([0, dl.layers], dense));
     }
@@ -268,6 +297,7 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
                 shape: shape.clone(),
                 dtype: DType::F32,
                 shard: Shard::LocalExperts,
+                packed: false,
             };
             b.views.push(view(&scale(TensorRole::ExpertsW13, &s13), mode, experts, at, moe_layers, slot_bytes));
             let at2 = at + scale_bytes(&s13);
@@ -384,10 +414,12 @@ fn attention_tensors(m: &Model, p: u32) -> (Vec<Tensor>, Vec<Tensor>) {
             weight(&mut full, TensorRole::QProj, nh * d, h, m, wdt, Shard::Full);
             weight(&mut full, TensorRole::KProj, nkv * d, h, m, wdt, Shard::Full);
             weight(&mut full, TensorRole::VProj, nkv * d, h, m, wdt, Shard::Full);
+            pack(&mut full, 0);
             weight(&mut full, TensorRole::OProj, h, nh * d, m, wdt, Shard::Full);
             weight(&mut shard, TensorRole::QProj, nh / pp * d, h, m, wdt, q);
             weight(&mut shard, TensorRole::KProj, kv_local * d, h, m, wdt, kvs);
             weight(&mut shard, TensorRole::VProj, kv_local * d, h, m, wdt, kvs);
+            pack(&mut shard, 0);
             weight(&mut shard, TensorRole::OProj, h, nh / pp * d, m, wdt, cols);
             if qk_norm {
                 // Per head: one vector shared by the heads; per layer: over the whole projection.

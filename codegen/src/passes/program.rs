@@ -20,12 +20,13 @@ use super::{Ctx, PassError};
 use moeforge_dsl::spec::{Attention, Model, QkNormScope, Routing};
 use moeforge_plan::memory::{BufferName as Buf, MemoryPlan, Mode, TensorPart, TensorRole as W};
 use moeforge_plan::program::*;
-use moeforge_plan::{KernelParams, Plan};
+use moeforge_plan::{ApkForm, GridVar, KernelParams, Plan};
 
 pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     let m = cx.model;
     let world: Vec<u32> = plan.ranks.iter().map(|r| r.rank).collect();
     let mut programs = Vec::new();
+    let dense = plan.kernels.iter().any(|k| matches!(&k.params, KernelParams::Apk(a) if a.form == ApkForm::Dense));
     for &mode in &plan.memory.modes {
         // EP ranks grouped by the APK instance their expert count selects.
         let groups: Vec<(Vec<u32>, Option<String>)> = match mode {
@@ -35,7 +36,9 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
                     .kernels
                     .iter()
                     .filter_map(|k| match &k.params {
-                        KernelParams::Apk(a) => Some((a.ranks.clone(), Some(k.name.clone()))),
+                        KernelParams::Apk(a) if a.form == ApkForm::Experts => {
+                            Some((a.ranks.clone(), Some(k.name.clone())))
+                        }
                         _ => None,
                     })
                     .collect();
@@ -50,7 +53,7 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
         };
         for (ranks, apk) in groups {
             for phase in [Phase::Prefill, Phase::Decode] {
-                let cfg = Config { m, mem: &plan.memory, mode, phase, world: &world, apk: apk.as_deref() };
+                let cfg = Config { m, mem: &plan.memory, mode, phase, world: &world, apk: apk.as_deref(), dense };
                 programs.push(cfg.program(ranks.clone()));
             }
         }
@@ -66,6 +69,8 @@ struct Config<'a> {
     phase: Phase,
     world: &'a [u32],
     apk: Option<&'a str>,
+    /// The bundle has the dense APK (bf16 dense weights).
+    dense: bool,
 }
 
 const COMPUTE: u32 = 0;
@@ -116,6 +121,7 @@ impl Ops<'_> {
             writes,
             kernel,
             comm: None,
+            gemm: None,
         });
         &mut self.ops[i]
     }
@@ -162,6 +168,45 @@ impl Config<'_> {
     fn ws(&self, roles: &[W]) -> Vec<Operand> {
         roles.iter().flat_map(|r| self.w(*r)).collect()
     }
+    /// A GEMM op on the dense APK: columns `[x_col, x_col + k)` of `x`
+    /// times the weights `roles` (back to back) into `y` from `y_col`, with
+    /// n and k from the weights' views. Where the kernel cannot run it (fp8
+    /// weights, a shape off its alignment) the op names what is missing.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        o: &mut Ops<'_>,
+        name: &str,
+        stream: u32,
+        mb: Option<u32>,
+        (x, x_col): (Buf, u32),
+        roles: &[W],
+        (y, y_col): (Buf, u32),
+        epilogue: Epilogue,
+        rows: GridVar,
+    ) {
+        let views: Vec<_> = roles.iter().filter_map(|r| self.mem.view(self.mode, *r, TensorPart::Weight)).collect();
+        let rows_of: u32 = views.iter().map(|v| v.shape.first().copied().unwrap_or(0) as u32).sum();
+        let k = views.first().and_then(|v| v.shape.get(1)).copied().unwrap_or(0) as u32;
+        let n = if epilogue == Epilogue::SwiGlu { rows_of / 2 } else { rows_of };
+        let mut reads = vec![buf(x)];
+        if epilogue == Epilogue::AddF32 {
+            reads.push(buf(y));
+        }
+        reads.extend(self.ws(roles));
+        let args = GemmArgs { n, k, x_col, y_col, rows, epilogue };
+        let op = o.push(name, OpKind::Gemm, stream, mb, reads, vec![buf(y)], launch("dense", "apk_dense"));
+        op.gemm = Some(args);
+        let fits = if self.dense {
+            gemm_fits(op, &args, self.mode, self.mem)
+        } else {
+            Err(format!("{} weights; the dense APK runs bf16", self.m.dtype.weights.name()))
+        };
+        if let Err(why) = fits {
+            op.gemm = None;
+            op.kernel = missing(&format!("dense_gemm ({why})"));
+        }
+    }
     fn tbo(&self) -> bool {
         self.mode == Mode::Ep && self.phase == Phase::Prefill
     }
@@ -207,15 +252,12 @@ impl Config<'_> {
             let mut o = Ops { events: &mut events, ops: vec![] };
             for &mb in &mbs {
                 self.attention(&mut o, mb);
-                o.push(
-                    "dense_ffn",
-                    OpKind::Ffn,
-                    COMPUTE,
-                    mb,
-                    [vec![buf(Buf::Normed)], self.ws(&[W::DenseGate, W::DenseUp, W::DenseDown])].concat(),
-                    vec![buf(Buf::FfnMid), buf(Buf::Residual)],
-                    missing("dense_ffn"),
-                );
+                let t = GridVar::Tokens;
+                let gu = [W::DenseGate, W::DenseUp];
+                let (normed, mid) = ((Buf::Normed, 0), (Buf::FfnMid, 0));
+                self.gemm(&mut o, "dense_gate_up", COMPUTE, mb, normed, &gu, mid, Epilogue::SwiGlu, t);
+                let down = [W::DenseDown];
+                self.gemm(&mut o, "dense_down", COMPUTE, mb, mid, &down, (Buf::Residual, 0), Epilogue::AddF32, t);
             }
             blocks.push(Block { kind: BlockKind::Dense, layers: Some([0, first_moe]), ops: o.ops });
         }
@@ -240,15 +282,8 @@ impl Config<'_> {
             vec![buf(Buf::Normed)],
             launch("layer", "rms_norm"),
         );
-        o.push(
-            "lm_head",
-            OpKind::Gemm { accumulate: false },
-            COMPUTE,
-            None,
-            [vec![buf(Buf::Normed)], self.w(head)].concat(),
-            vec![buf(Buf::Logits)],
-            missing("dense_gemm"),
-        );
+        let (normed, logits) = ((Buf::Normed, 0), (Buf::Logits, 0));
+        self.gemm(&mut o, "lm_head", COMPUTE, None, normed, &[head], logits, Epilogue::StoreF32, GridVar::SampledRows);
         o.push(
             "sample",
             OpKind::Sample,
@@ -279,8 +314,9 @@ impl Config<'_> {
     fn attention(&self, o: &mut Ops<'_>, mb: Option<u32>) {
         let m = self.m;
         let (c, tp) = (COMPUTE, self.mode == Mode::Tp);
-        let gemm = OpKind::Gemm { accumulate: false };
         let (r, qkv) = (buf(Buf::Residual), buf(Buf::Qkv));
+        let (t, bf16) = (GridVar::Tokens, Epilogue::StoreBf16);
+        let normed = (Buf::Normed, 0);
         o.push(
             "input_norm",
             OpKind::RmsNorm { add: false },
@@ -293,15 +329,8 @@ impl Config<'_> {
         let yarn = m.rope_scaling.is_some();
         let kind = match m.attention {
             Attention::Gqa { qk_norm, qk_norm_scope, sinks, .. } => {
-                o.push(
-                    "qkv_proj",
-                    gemm,
-                    c,
-                    mb,
-                    [vec![buf(Buf::Normed)], self.ws(&[W::QProj, W::KProj, W::VProj])].concat(),
-                    vec![qkv],
-                    missing("dense_gemm"),
-                );
+                // q, k and v are one packed matrix: one GEMM.
+                self.gemm(o, "qkv_proj", c, mb, normed, &[W::QProj, W::KProj, W::VProj], (Buf::Qkv, 0), bf16, t);
                 if qk_norm {
                     let norms = self.ws(&[W::QNorm, W::KNorm]);
                     let all = qk_norm_scope == QkNormScope::PerLayer;
@@ -364,17 +393,13 @@ impl Config<'_> {
                     AttentionKind::Gqa
                 }
             }
-            Attention::Mla { q_lora, indexer, .. } => {
+            Attention::Mla { heads, q_lora, kv_lora, qk_nope, qk_rope, indexer, .. } => {
+                // The Qkv row: q_a, q, kv_a (latent ‖ rope key), kv_b (prefill's k_nope ‖ v per head).
+                let q_at = q_lora.unwrap_or(0);
+                let kv_at = q_at + heads * (qk_nope + qk_rope);
+                let kv_b_at = kv_at + kv_lora + qk_rope;
                 if q_lora.is_some() {
-                    o.push(
-                        "q_a_proj",
-                        gemm,
-                        c,
-                        mb,
-                        [vec![buf(Buf::Normed)], self.w(W::QAProj)].concat(),
-                        vec![qkv],
-                        missing("dense_gemm"),
-                    );
+                    self.gemm(o, "q_a_proj", c, mb, normed, &[W::QAProj], (Buf::Qkv, 0), bf16, t);
                     o.push(
                         "q_a_norm",
                         OpKind::RmsNorm { add: false },
@@ -384,35 +409,11 @@ impl Config<'_> {
                         vec![qkv],
                         launch("layer", "latent_norm"),
                     );
-                    o.push(
-                        "q_b_proj",
-                        gemm,
-                        c,
-                        mb,
-                        [vec![qkv], self.w(W::QBProj)].concat(),
-                        vec![qkv],
-                        missing("dense_gemm"),
-                    );
+                    self.gemm(o, "q_b_proj", c, mb, (Buf::Qkv, 0), &[W::QBProj], (Buf::Qkv, q_at), bf16, t);
                 } else {
-                    o.push(
-                        "q_proj",
-                        gemm,
-                        c,
-                        mb,
-                        [vec![buf(Buf::Normed)], self.w(W::QProj)].concat(),
-                        vec![qkv],
-                        missing("dense_gemm"),
-                    );
+                    self.gemm(o, "q_proj", c, mb, normed, &[W::QProj], (Buf::Qkv, q_at), bf16, t);
                 }
-                o.push(
-                    "kv_a_proj",
-                    gemm,
-                    c,
-                    mb,
-                    [vec![buf(Buf::Normed)], self.w(W::KvAProj)].concat(),
-                    vec![qkv],
-                    missing("dense_gemm"),
-                );
+                self.gemm(o, "kv_a_proj", c, mb, normed, &[W::KvAProj], (Buf::Qkv, kv_at), bf16, t);
                 o.push(
                     "kv_a_norm",
                     OpKind::RmsNorm { add: false },
@@ -424,14 +425,15 @@ impl Config<'_> {
                 );
                 if indexer.is_some() {
                     let w = self.ws(&[W::IndexerQ, W::IndexerK, W::IndexerKNorm, W::IndexerWeights]);
+                    // Three projections and the key's LayerNorm in one op: no kernel yet.
                     o.push(
                         "indexer_proj",
-                        gemm,
+                        OpKind::Gemm,
                         c,
                         mb,
                         [vec![buf(Buf::Normed), qkv], w].concat(),
                         vec![qkv],
-                        missing("dense_gemm"),
+                        missing("dsa_indexer_proj"),
                     );
                 }
                 let variant = if yarn { RopeVariant::YarnInterleaved } else { RopeVariant::Interleaved };
@@ -446,15 +448,8 @@ impl Config<'_> {
                 );
                 if self.phase == Phase::Prefill {
                     // Prefill decompresses k and v (naive form); decode absorbs kv_b.
-                    o.push(
-                        "kv_b_proj",
-                        gemm,
-                        c,
-                        mb,
-                        [vec![qkv], self.w(W::KvBProj)].concat(),
-                        vec![qkv],
-                        missing("dense_gemm"),
-                    );
+                    let latent = (Buf::Qkv, kv_at);
+                    self.gemm(o, "kv_b_proj", c, mb, latent, &[W::KvBProj], (Buf::Qkv, kv_b_at), bf16, t);
                 }
                 if indexer.is_some() {
                     AttentionKind::MlaSparse
@@ -512,15 +507,8 @@ impl Config<'_> {
         };
         o.push("attention", OpKind::Attention { kind, phase: self.phase }, c, mb, reads, vec![buf(Buf::Attn)], kernel);
         if tp {
-            o.push(
-                "o_proj",
-                gemm,
-                c,
-                mb,
-                [vec![buf(Buf::Attn)], self.w(W::OProj)].concat(),
-                vec![buf(Buf::AllReduce)],
-                missing("dense_gemm"),
-            );
+            let f32 = Epilogue::StoreF32;
+            self.gemm(o, "o_proj", c, mb, (Buf::Attn, 0), &[W::OProj], (Buf::AllReduce, 0), f32, t);
             self.comm(
                 o,
                 "attn_all_reduce",
@@ -541,15 +529,7 @@ impl Config<'_> {
                 launch("layer", "add_rms_norm"),
             );
         } else {
-            o.push(
-                "o_proj",
-                OpKind::Gemm { accumulate: true },
-                c,
-                mb,
-                [vec![buf(Buf::Attn), r], self.w(W::OProj)].concat(),
-                vec![r],
-                missing("dense_gemm"),
-            );
+            self.gemm(o, "o_proj", c, mb, (Buf::Attn, 0), &[W::OProj], (Buf::Residual, 0), Epilogue::AddF32, t);
             o.push(
                 "post_attention_norm",
                 OpKind::RmsNorm { add: false },
@@ -584,15 +564,8 @@ impl Config<'_> {
     /// The router's GEMM and top-k of one micro-batch.
     fn route(&self, o: &mut Ops<'_>, mb: Option<u32>) {
         let c = COMPUTE;
-        o.push(
-            "router_gemm",
-            OpKind::Gemm { accumulate: false },
-            c,
-            mb,
-            [vec![buf(Buf::Normed)], self.w(W::Router)].concat(),
-            vec![buf(Buf::RouterLogits)],
-            missing("dense_gemm"),
-        );
+        let (normed, logits) = ((Buf::Normed, 0), (Buf::RouterLogits, 0));
+        self.gemm(o, "router_gemm", c, mb, normed, &[W::Router], logits, Epilogue::StoreF32, GridVar::Tokens);
         let mut reads = vec![buf(Buf::RouterLogits)];
         if matches!(self.m.moe.routing, Routing::SigmoidGrouped { bias: true, .. }) {
             reads.extend(self.w(W::RouterBias));
@@ -609,16 +582,11 @@ impl Config<'_> {
     }
 
     fn shared(&self, o: &mut Ops<'_>, stream: u32, mb: Option<u32>) {
-        let w = self.ws(&[W::SharedGate, W::SharedUp, W::SharedDown]);
-        o.push(
-            "shared_experts",
-            OpKind::Ffn,
-            stream,
-            mb,
-            [vec![buf(Buf::Normed)], w].concat(),
-            vec![buf(Buf::FfnMid), buf(Buf::SharedOut)],
-            missing("dense_ffn"),
-        );
+        let (t, mid) = (GridVar::Tokens, (Buf::FfnMid, 0));
+        let gu = [W::SharedGate, W::SharedUp];
+        self.gemm(o, "shared_gate_up", stream, mb, (Buf::Normed, 0), &gu, mid, Epilogue::SwiGlu, t);
+        let out = (Buf::SharedOut, 0);
+        self.gemm(o, "shared_down", stream, mb, mid, &[W::SharedDown], out, Epilogue::StoreBf16, t);
     }
 
     /// Permute, gather, experts and the weighted row combine over the rows
@@ -694,8 +662,9 @@ impl Config<'_> {
             self.attention(o, mb);
             let normed = if self.sbo() { Some(o.record(mb_name("normed", mb))) } else { None };
             if let Some(e) = normed {
+                let first = o.ops.len();
                 self.shared(o, SHARED, mb);
-                o.wait(e);
+                o.ops[first].waits.push(e);
                 o.record(mb_name("shared_done", mb));
             }
             self.route(o, mb);
