@@ -19,12 +19,14 @@ use moeforge::plan::KernelParams;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// Every routed-experts APK source of an example with its parameters.
+/// Every routed-experts APK source of an example (EP's, and TP's in a dual
+/// plan) with its parameters.
 fn apks(example: &Path) -> Vec<(String, moeforge::plan::ApkParams, Vec<u8>)> {
-    apks_of(example, moeforge::plan::ApkForm::Experts)
+    use moeforge::plan::ApkForm;
+    apks_of(example, &[ApkForm::Experts, ApkForm::ExpertsTp])
 }
 
-fn apks_of(example: &Path, form: moeforge::plan::ApkForm) -> Vec<(String, moeforge::plan::ApkParams, Vec<u8>)> {
+fn apks_of(example: &Path, forms: &[moeforge::plan::ApkForm]) -> Vec<(String, moeforge::plan::ApkParams, Vec<u8>)> {
     let checked = check_paths(&[example.to_path_buf()], &FsLoader).unwrap_or_else(|f| panic!("{}", f.render(false)));
     let id = moeforge::dsl::spec::DeployId(0);
     let plan =
@@ -34,7 +36,7 @@ fn apks_of(example: &Path, form: moeforge::plan::ApkForm) -> Vec<(String, moefor
         .kernels
         .iter()
         .filter_map(|k| match &k.params {
-            KernelParams::Apk(p) if p.form == form => {
+            KernelParams::Apk(p) if forms.contains(&p.form) => {
                 Some((k.name.clone(), p.clone(), bundle.files[&format!("kernels/{}.cu", k.name)].clone()))
             }
             _ => None,
@@ -185,7 +187,7 @@ fn apk_publishes_an_operation_before_its_tiles_can_be_claimed() {
 fn dense_apk_runs_every_gemm_shape_and_epilogue_per_operation() {
     let tmp = tempfile::tempdir().unwrap();
     for ex in ["tiny-qwen3-cpu4", "mixtral-8x7b-a100"] {
-        let list = apks_of(&root().join(format!("examples/{ex}.moe")), moeforge::plan::ApkForm::Dense);
+        let list = apks_of(&root().join(format!("examples/{ex}.moe")), &[moeforge::plan::ApkForm::Dense]);
         assert_eq!(list.len(), 1, "{ex}: one dense APK");
         let (name, p, src) = &list[0];
         let bin = build_host_driver(tmp.path(), "dense_main.cpp", src, &format!("{ex}-{name}"), &[]);

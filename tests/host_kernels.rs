@@ -105,72 +105,99 @@ fn emitted_permutation_and_combine_match_reference() {
         };
         let (hidden, k, m_t) = (p.hidden as usize, p.top_k as usize, p.block_m as usize);
         let bin = build(tmp.path(), "permute_main.cpp", &e.files["kernels/permute.cu"], &format!("{}-permute", e.name));
-        // The last rank: with uneven splits (GLM-5: 256 experts on 24 GPUs) it holds fewer experts.
+        // The last rank: with uneven splits (GLM-5: 256 experts on 24 GPUs) it
+        // holds fewer experts; in a dual plan also TP's permutation, every
+        // token over every expert.
         let last = e.plan.ranks.last().unwrap();
-        let (begin, num_local) = (last.experts[0] as i32, (last.experts[1] - last.experts[0]) as usize);
-        let mut rng = Rng(0xc0ffee ^ hidden as u64);
-        let tokens = 19;
-        let experts = e.plan.model.experts as usize;
-        let mut ids = Vec::new();
-        for _ in 0..tokens {
-            // Bias towards the local range so several local experts get more than one row.
-            let mut picks: Vec<i32> = Vec::new();
-            while picks.len() < k {
-                let id =
-                    if rng.below(2) == 0 { begin + rng.below(num_local) as i32 } else { rng.below(experts) as i32 };
-                if !picks.contains(&id) {
-                    picks.push(id);
+        let mut cases = vec![(last.experts[0] as i32, (last.experts[1] - last.experts[0]) as usize)];
+        if e.plan.memory.modes.contains(&moeforge::plan::memory::Mode::Tp) {
+            cases.push((0, e.plan.model.experts as usize));
+        }
+        for (begin, num_local) in cases {
+            let mut rng = Rng(0xc0ffee ^ hidden as u64);
+            let tokens = 19;
+            let experts = e.plan.model.experts as usize;
+            let mut ids = Vec::new();
+            for _ in 0..tokens {
+                // Bias towards the local range so several local experts get more than one row.
+                let mut picks: Vec<i32> = Vec::new();
+                while picks.len() < k {
+                    let id =
+                        if rng.below(2) == 0 { begin + rng.below(num_local) as i32 } else { rng.below(experts) as i32 };
+                    if !picks.contains(&id) {
+                        picks.push(id);
+                    }
+                }
+                ids.extend(picks);
+            }
+            let weights: Vec<f32> = (0..tokens * k).map(|_| rng.unit().abs() + 0.01).collect();
+            let x: Vec<u16> = (0..tokens * hidden).map(|_| reference::f32_to_bf16(rng.unit() * 4.0)).collect();
+            let mut input = Vec::new();
+            for v in [tokens as i32, begin, num_local as i32] {
+                input.extend(v.to_le_bytes());
+            }
+            ids.iter().for_each(|v| input.extend(v.to_le_bytes()));
+            weights.iter().for_each(|v| input.extend(v.to_le_bytes()));
+            x.iter().for_each(|v| input.extend(v.to_le_bytes()));
+            let out = run(&bin, &input, tmp.path());
+
+            let want = reference::permute(&ids, begin, num_local, m_t);
+            let rows = *want.offsets.last().unwrap() as usize;
+            let mut at = 0;
+            let mut take = |n: usize| {
+                let s = &out[at..at + n];
+                at += n;
+                s
+            };
+            assert_eq!(i32s(take(num_local * 4)), want.counts, "{name}: counts");
+            assert_eq!(i32s(take((num_local + 1) * 4)), want.offsets, "{name}: offsets");
+            assert_eq!(i32s(take(4)), vec![rows as i32], "{name}: rows");
+            assert!(want.counts.iter().any(|&c| c > 1), "{name}: the test should give some expert several rows");
+            assert_eq!(i32s(take(rows * 4)), want.row_entry, "{name}: row_entry");
+            assert_eq!(i32s(take(rows * 4)), want.row_expert, "{name}: row_expert");
+            assert_eq!(i32s(take(tokens * k * 4)), want.entry_row, "{name}: entry_row");
+            let x_perm = u16s(take(rows * hidden * 2));
+            for (r, &entry) in want.row_entry.iter().enumerate() {
+                let got = &x_perm[r * hidden..(r + 1) * hidden];
+                if entry < 0 {
+                    assert!(got.iter().all(|&v| v == 0), "{name}: padding row {r} not zeroed");
+                } else {
+                    let t = entry as usize / k;
+                    assert_eq!(got, &x[t * hidden..(t + 1) * hidden], "{name}: row {r} is not token {t}");
                 }
             }
-            ids.extend(picks);
-        }
-        let weights: Vec<f32> = (0..tokens * k).map(|_| rng.unit().abs() + 0.01).collect();
-        let x: Vec<u16> = (0..tokens * hidden).map(|_| reference::f32_to_bf16(rng.unit() * 4.0)).collect();
-        let mut input = Vec::new();
-        for v in [tokens as i32, begin, num_local as i32] {
-            input.extend(v.to_le_bytes());
-        }
-        ids.iter().for_each(|v| input.extend(v.to_le_bytes()));
-        weights.iter().for_each(|v| input.extend(v.to_le_bytes()));
-        x.iter().for_each(|v| input.extend(v.to_le_bytes()));
-        let out = run(&bin, &input, tmp.path());
-
-        let want = reference::permute(&ids, begin, num_local, m_t);
-        let rows = *want.offsets.last().unwrap() as usize;
-        let mut at = 0;
-        let mut take = |n: usize| {
-            let s = &out[at..at + n];
-            at += n;
-            s
-        };
-        assert_eq!(i32s(take(num_local * 4)), want.counts, "{name}: counts");
-        assert_eq!(i32s(take((num_local + 1) * 4)), want.offsets, "{name}: offsets");
-        assert_eq!(i32s(take(4)), vec![rows as i32], "{name}: rows");
-        assert!(want.counts.iter().any(|&c| c > 1), "{name}: the test should give some expert several rows");
-        assert_eq!(i32s(take(rows * 4)), want.row_entry, "{name}: row_entry");
-        assert_eq!(i32s(take(rows * 4)), want.row_expert, "{name}: row_expert");
-        assert_eq!(i32s(take(tokens * k * 4)), want.entry_row, "{name}: entry_row");
-        let x_perm = u16s(take(rows * hidden * 2));
-        for (r, &entry) in want.row_entry.iter().enumerate() {
-            let got = &x_perm[r * hidden..(r + 1) * hidden];
-            if entry < 0 {
-                assert!(got.iter().all(|&v| v == 0), "{name}: padding row {r} not zeroed");
-            } else {
-                let t = entry as usize / k;
-                assert_eq!(got, &x[t * hidden..(t + 1) * hidden], "{name}: row {r} is not token {t}");
+            // The driver's stand-in expert: y = bf16(x_perm · (local expert + 1) · 0.5).
+            let y: Vec<u16> = x_perm
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| {
+                    let scale = (want.row_expert[i / hidden] + 1) as f32 * 0.5;
+                    reference::f32_to_bf16(reference::bf16_to_f32(v) * scale)
+                })
+                .collect();
+            let combined = u16s(take(tokens * hidden * 2));
+            assert_eq!(combined, reference::combine(&y, hidden, &want.entry_row, &weights, k), "{name}: combine");
+            // TP's f32 partial sums: the same fp32 sums unrounded (so rounding
+            // them gives the bf16 combine exactly), and an f64 sum agrees.
+            let sums: Vec<f32> =
+                take(tokens * hidden * 4).chunks(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            for t in 0..tokens {
+                for j in 0..hidden {
+                    let got = sums[t * hidden + j];
+                    assert_eq!(reference::f32_to_bf16(got), combined[t * hidden + j], "{name}: f32 combine token {t}");
+                    let exact: f64 = (0..k)
+                        .filter_map(|q| {
+                            let row = want.entry_row[t * k + q];
+                            (row >= 0).then(|| {
+                                f64::from(weights[t * k + q])
+                                    * f64::from(reference::bf16_to_f32(y[row as usize * hidden + j]))
+                            })
+                        })
+                        .sum();
+                    assert!((f64::from(got) - exact).abs() <= 1e-5 * (1.0 + exact.abs()), "{name}: {got} vs {exact}");
+                }
             }
         }
-        // The driver's stand-in expert: y = bf16(x_perm · (local expert + 1) · 0.5).
-        let y: Vec<u16> = x_perm
-            .iter()
-            .enumerate()
-            .map(|(i, &v)| {
-                let scale = (want.row_expert[i / hidden] + 1) as f32 * 0.5;
-                reference::f32_to_bf16(reference::bf16_to_f32(v) * scale)
-            })
-            .collect();
-        let combined = u16s(take(tokens * hidden * 2));
-        assert_eq!(combined, reference::combine(&y, hidden, &want.entry_row, &weights, k), "{name}: combine");
     }
 }
 

@@ -328,6 +328,19 @@ fn dense_gemms_state_their_shapes_and_the_verifier_holds_them_to_their_operands(
     // TP: 8 query heads and one of the 4 KV heads (replicated twice) per rank.
     assert_eq!(gemm(tp, "qkv_proj").n, (8 + 2) * d);
     assert_eq!((gemm(tp, "o_proj").k, gemm(tp, "o_proj").epilogue), (8 * d, Epilogue::StoreF32));
+    // TP's MoE: every expert's 1/8 slice on its own APK instance, launched per
+    // op, and the combine keeping f32 partial sums for the all-reduce.
+    let launch = |instance: &str, entry: &str| KernelRef::Launch { instance: instance.into(), entry: entry.into() };
+    let (b, o) = op_index(tp, "experts");
+    assert_eq!(tp.blocks[b].ops[o].kernel, launch("apk_tp", "moe_apk"));
+    let (b, o) = op_index(tp, "combine_rows");
+    assert_eq!(tp.blocks[b].ops[o].kernel, launch("permute", "moe_combine_f32"));
+    assert_eq!(tp.blocks[b].ops[o].writes, [Operand::Buffer { name: BufferName::AllReduce }]);
+    let apk_tp = plan.kernels.iter().find(|k| k.name == "apk_tp").unwrap();
+    let moeforge_plan::KernelParams::Apk(a) = &apk_tp.params else { panic!("apk_tp is an APK") };
+    // Qwen3-235B-A22B: 128 experts of moe_intermediate_size 1536.
+    assert_eq!((a.local_experts, a.inter), (128, 1536 / 8));
+    assert!(tp.ops().all(|(_, o)| !matches!(o.kernel, KernelRef::Missing { .. })), "a TP op without a kernel");
     // GLM-4.5-Air's leading dense layer (ffn 10944, hidden 4096): SwiGLU
     // into FfnMid, then down into the residual.
     let glm = example("glm-4.5-air-h200");

@@ -283,9 +283,12 @@ pub enum QkNormKind {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ApkForm {
-    /// The routed experts: GateUp → SiLU·mul → Down over `local_experts`
-    /// groups, shapes fixed at compile time.
+    /// EP's routed experts: GateUp → SiLU·mul → Down over the rank's
+    /// `local_experts` groups, shapes fixed at compile time.
     Experts,
+    /// TP's: every expert (`local_experts` = E) over this rank's `1/P` of
+    /// the intermediate (`inter` = I/P), launched per MoE operation.
+    ExpertsTp,
     /// The one-group form every dense GEMM runs (projections, router and LM
     /// head, dense and shared-expert FFNs): one GEMM per operation, its shape
     /// and epilogue posted with it ([`crate::program::GemmArgs`]);

@@ -337,11 +337,12 @@ pub fn entries_for(kind: OpKind) -> &'static [&'static str] {
         OpKind::Route => &["moe_router"],
         OpKind::Permute => &["moe_count", "moe_offsets", "moe_scatter"],
         OpKind::Gather => &["moe_gather"],
-        OpKind::CombineRows => &["moe_combine"],
+        OpKind::CombineRows => &["moe_combine", "moe_combine_f32"],
         OpKind::ResidualAdd => &["residual_add"],
         OpKind::Sample => &["sample_tokens"],
         OpKind::Gemm => &["apk_dense"],
-        OpKind::Experts | OpKind::Indexer { .. } | OpKind::Comm => &[],
+        OpKind::Experts => &["moe_apk"],
+        OpKind::Indexer { .. } | OpKind::Comm => &[],
     }
 }
 

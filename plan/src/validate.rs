@@ -568,7 +568,10 @@ fn kernels(c: &mut Check, p: &Plan) {
                 c.ensure(ok, format!("{f}.params"), || format!("router constants inconsistent: {r:?}"));
             }
             KernelParams::Permute(q) => {
-                let ok = q.max_local_experts == p.layout.max_experts_per_rank
+                // TP permutes over every expert.
+                let bound =
+                    if p.memory.modes.contains(&Mode::Tp) { p.model.experts } else { p.layout.max_experts_per_rank };
+                let ok = q.max_local_experts == bound
                     && q.row_vectors.checked_mul(8) == Some(q.hidden)
                     && q.hidden == p.model.hidden
                     && q.block_m > 0;
@@ -608,6 +611,13 @@ fn kernels(c: &mut Check, p: &Plan) {
                             && a.local_experts <= p.layout.max_experts_per_rank
                             && a.hidden == p.model.hidden
                             && a.inter == p.model.expert_ffn
+                    }
+                    ApkForm::ExpertsTp => {
+                        let world = p.ranks.len() as u32;
+                        p.memory.modes.contains(&Mode::Tp)
+                            && a.local_experts == p.model.experts
+                            && a.hidden == p.model.hidden
+                            && a.inter.checked_mul(world) == Some(p.model.expert_ffn)
                     }
                     // One group, shapes per operation, bf16 weights.
                     ApkForm::Dense => {

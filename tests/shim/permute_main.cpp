@@ -5,7 +5,8 @@
 //      f32 topk_weights[tokens*kTopK], u16 x[tokens*kHidden] (bf16 bits)
 // out: i32 counts[num_local], i32 offsets[num_local+1], i32 rows,
 //      i32 row_entry[rows], i32 row_expert[rows], i32 entry_row[tokens*kTopK],
-//      u16 x_perm[rows*kHidden], u16 out[tokens*kHidden]
+//      u16 x_perm[rows*kHidden], u16 out[tokens*kHidden] (moe_combine),
+//      f32 out_f32[tokens*kHidden] (moe_combine_f32)
 #include "cuda_host.h"
 #include KERNEL_SOURCE
 
@@ -54,6 +55,10 @@ int main(int argc, char** argv) {
   shim::launch(moe_combine, std::max(1, std::min(tokens, 8)), vec_threads, reinterpret_cast<const uint4*>(y.data()),
                static_cast<const int32_t*>(entry_row.data()), static_cast<const float*>(weights.data()), tokens,
                reinterpret_cast<uint4*>(out.data()));
+  std::vector<float> out_f32(static_cast<size_t>(tokens) * kHidden, -7.0f);
+  shim::launch(moe_combine_f32, std::max(1, std::min(tokens, 8)), vec_threads, reinterpret_cast<const uint4*>(y.data()),
+               static_cast<const int32_t*>(entry_row.data()), static_cast<const float*>(weights.data()), tokens,
+               reinterpret_cast<float4*>(out_f32.data()));
 
   FILE* o = std::fopen(argv[2], "wb");
   if (!o) return 6;
@@ -65,6 +70,7 @@ int main(int argc, char** argv) {
   std::fwrite(entry_row.data(), 4, entry_row.size(), o);
   std::fwrite(x_perm.data(), 2, x_perm.size(), o);
   std::fwrite(out.data(), 2, out.size(), o);
+  std::fwrite(out_f32.data(), 4, out_f32.size(), o);
   std::fclose(o);
   return 0;
 }

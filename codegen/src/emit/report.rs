@@ -398,10 +398,14 @@ fn programs(s: &mut String, plan: &Plan) {
     }
     let _ = writeln!(
         s,
-        "On colocated ranks the MoE op posts to the APK. Its persistent grid holds every SM, so \
-         attention kernels on the same GPU would starve: sizing its grid to the plan's SMs, or \
-         launching it per MoE op, is still to be decided and built (the cuda-backend issue). TP's \
-         MoE op needs its own APK instance (every expert's `1/P` slice); today's APK constants \
-         are EP's, so TP programs name it as missing."
+        "Where the APK runs. The dense GEMMs (projections, router, LM head, dense and \
+         shared-expert FFNs) run on the `dense` instance, the APK's tiles and scheduler as a \
+         one-group GEMM, launched per operation with its shape and epilogue posted (GemmArgs in \
+         plan.json; bf16 weights only: fp8 dense weights name `dense_gemm` as missing). TP's MoE op \
+         runs on `apk_tp` (every expert's `1/P` of the intermediate), also launched per operation: \
+         in TP nothing runs beside it. EP's MoE op posts to the persistent APK; its grid holds \
+         every SM, so on colocated ranks attention kernels on the same GPU would starve until it \
+         is sized to the plan's SMs or launched per op (the cuda-backend issue decides with a \
+         GPU's measurements)."
     );
 }

@@ -31,22 +31,28 @@ const LAYER_THREADS: u32 = 256;
 /// Writes `plan.kernels`: the router, the permutation and the APKs. It
 /// emits no source (that is `emit`).
 pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
-    let mut kernels = routing(cx.spec, cx.deploy, plan.layout.max_experts_per_rank);
-    let apks = apk(cx.spec, cx.deploy, &plan.ranks, &plan.cost, plan.search.as_ref()).map_err(|e| match e {
-        ApkError::Target(t) => t.into_pass_error(cx),
-        ApkError::TooFewSms { sms, cluster } => PassError::new(
-            Code::Unsupported,
-            At::Cluster("gpu.sms".into()),
-            format!(
-                "the APK runs CTA clusters of {cluster} CTAs, one per SM, but `{}` has {sms} SM{}: {} too few",
-                cx.cluster.gpu.name,
-                if sms == 1 { "" } else { "s" },
-                cluster - sms
-            ),
-        )
-        .label("fewer SMs than one CTA cluster")
-        .help("use a tile set whose prefill gate_up `cluster` is [1, 1], or the GPU's real SM count"),
-    })?;
+    // TP permutes every token over every expert; the kernels take the
+    // rank's expert count at run time, up to this bound.
+    let tp = plan.memory.modes.contains(&moeforge_plan::memory::Mode::Tp);
+    let max_local = if tp { cx.model.moe.experts } else { plan.layout.max_experts_per_rank };
+    let mut kernels = routing(cx.spec, cx.deploy, max_local);
+    let tp_world = tp.then_some(plan.ranks.len() as u32);
+    let apks =
+        apk(cx.spec, cx.deploy, &plan.ranks, &plan.cost, plan.search.as_ref(), tp_world).map_err(|e| match e {
+            ApkError::Target(t) => t.into_pass_error(cx),
+            ApkError::TooFewSms { sms, cluster } => PassError::new(
+                Code::Unsupported,
+                At::Cluster("gpu.sms".into()),
+                format!(
+                    "the APK runs CTA clusters of {cluster} CTAs, one per SM, but `{}` has {sms} SM{}: {} too few",
+                    cx.cluster.gpu.name,
+                    if sms == 1 { "" } else { "s" },
+                    cluster - sms
+                ),
+            )
+            .label("fewer SMs than one CTA cluster")
+            .help("use a tile set whose prefill gate_up `cluster` is [1, 1], or the GPU's real SM count"),
+        })?;
     kernels.extend(apks.iter().cloned());
     kernels.extend(dense(cx, &plan.ranks, apks.first()));
     kernels.push(layer(cx, &plan.memory));
@@ -228,6 +234,20 @@ fn routing(spec: &Spec, d: &Deploy, max_local: u32) -> Vec<KernelInstance> {
                         p("uint4* out"),
                     ],
                 },
+                // TP: the same sum in f32, the rank's partial sums for the all-reduce.
+                EntryPoint {
+                    symbol: "moe_combine_f32".into(),
+                    grid: Grid::Per { over: GridVar::Tokens, per: 1 },
+                    block: PERMUTE_THREADS.min(m.hidden / 8),
+                    dynamic_smem: 0,
+                    params: vec![
+                        p("const uint4* y_perm"),
+                        p("const int32_t* entry_row"),
+                        p("const float* topk_weights"),
+                        p("int tokens"),
+                        p("float4* out"),
+                    ],
+                },
             ],
         },
     ]
@@ -267,6 +287,7 @@ pub fn apk(
     ranks: &[RankPlan],
     cm: &CostModel,
     search: Option<&SearchResult>,
+    tp_world: Option<u32>,
 ) -> Result<Vec<KernelInstance>, ApkError> {
     let m = spec.model(d.model);
     let c = spec.cluster(d.cluster);
@@ -302,9 +323,28 @@ pub fn apk(
     counts.sort_unstable();
     counts.dedup();
     let many = counts.len() > 1;
-    Ok(counts
+    // (local experts, intermediate, TP) per instance: EP's per distinct
+    // count, and in a dual plan TP's over every expert's 1/P slice.
+    let mut shapes: Vec<(u32, u32, bool)> = counts.into_iter().map(|n| (n, m.moe.expert_ffn, false)).collect();
+    if let Some(p) = tp_world.filter(|&p| p > 0) {
+        let inter = m.moe.expert_ffn / p;
+        let ok = target
+            .apk_shape(&ApkInput {
+                tiles,
+                cluster: cluster_size,
+                hidden: m.hidden,
+                inter,
+                weights,
+                smem_per_block: c.gpu.smem_per_block,
+            })
+            .is_ok();
+        if ok {
+            shapes.push((m.moe.experts, inter, true));
+        }
+    }
+    Ok(shapes
         .into_iter()
-        .map(|local| {
+        .map(|(local, inter, tp)| {
             let routed_rows = MAX_BATCH_TOKENS as u32 * m.moe.top_k + local * (m_t_p - 1);
             let x_star = expected_x_moe(
                 decode_batch * f64::from(m.moe.top_k),
@@ -313,9 +353,9 @@ pub fn apk(
                 f64::from(m_t_d),
             );
             let params = ApkParams {
-                form: ApkForm::Experts,
+                form: if tp { ApkForm::ExpertsTp } else { ApkForm::Experts },
                 hidden: m.hidden,
-                inter: m.moe.expert_ffn,
+                inter,
                 local_experts: local,
                 top_k: m.moe.top_k,
                 m_t_prefill: m_t_p,
@@ -334,20 +374,46 @@ pub fn apk(
                 activation: m.moe.activation,
                 path: target.mma_path(),
                 pipeline: pipe,
-                ranks: ranks.iter().filter(|r| r.experts[1] - r.experts[0] == local).map(|r| r.rank).collect(),
+                ranks: if tp {
+                    ranks.iter().map(|r| r.rank).collect()
+                } else {
+                    ranks.iter().filter(|r| r.experts[1] - r.experts[0] == local).map(|r| r.rank).collect()
+                },
             };
             let p = |s: &str| s.to_string();
+            let fp8_note = if fp8 {
+                " (fp8 e4m3 weights with 128×128 block scales, dequantized to bf16 in shared memory)"
+            } else {
+                ""
+            };
+            // TP's MoE op runs alone on the rank's one stream: launched per
+            // operation, it holds the GPU only while it runs.
+            let (name, purpose, grid) = if tp {
+                (
+                    "apk_tp".to_string(),
+                    format!(
+                        "TP's grouped GEMMs (GateUp → SiLU·mul → Down) of every expert's 1/{} of the intermediate ({inter} columns){fp8_note}, launched per MoE operation",
+                        m.moe.expert_ffn / inter.max(1)
+                    ),
+                    Grid::PerOperation { cluster: cluster_size },
+                )
+            } else {
+                (
+                    if many { format!("apk_e{local}") } else { "apk".into() },
+                    format!(
+                        "persistent grouped GEMMs (GateUp → SiLU·mul → Down) of {local} local experts{fp8_note} for prefill and decode, tile-level preemption, decode q = {q} SMs"
+                    ),
+                    Grid::Persistent { cluster: cluster_size },
+                )
+            };
             KernelInstance {
-                name: if many { format!("apk_e{local}") } else { "apk".into() },
-                purpose: format!(
-                    "persistent grouped GEMMs (GateUp → SiLU·mul → Down) of {local} local experts{} for prefill and decode, tile-level preemption, decode q = {q} SMs",
-                    if fp8 { " (fp8 e4m3 weights with 128×128 block scales, dequantized to bf16 in shared memory)" } else { "" }
-                ),
+                name,
+                purpose,
                 arch,
                 params: KernelParams::Apk(params),
                 entries: vec![EntryPoint {
                     symbol: "moe_apk".into(),
-                    grid: Grid::Persistent { cluster: cluster_size },
+                    grid,
                     block: pipe.threads,
                     dynamic_smem: pipe.smem_bytes,
                     params: vec![p("const __grid_constant__ apk::Templates templates"), p("apk::State* state")],

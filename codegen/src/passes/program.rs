@@ -30,7 +30,13 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     for &mode in &plan.memory.modes {
         // EP ranks grouped by the APK instance their expert count selects.
         let groups: Vec<(Vec<u32>, Option<String>)> = match mode {
-            Mode::Tp => vec![(world.clone(), None)],
+            Mode::Tp => {
+                let apk = plan
+                    .kernels
+                    .iter()
+                    .find(|k| matches!(&k.params, KernelParams::Apk(a) if a.form == ApkForm::ExpertsTp));
+                vec![(world.clone(), apk.map(|k| k.name.clone()))]
+            }
             Mode::Ep => {
                 let mut g: Vec<(Vec<u32>, Option<String>)> = plan
                     .kernels
@@ -594,7 +600,8 @@ impl Config<'_> {
     fn experts(&self, o: &mut Ops<'_>, mb: Option<u32>, input: Buf, out: Buf) {
         let (c, ep) = (COMPUTE, self.mode == Mode::Ep);
         let ri = buf(Buf::RouteIndex);
-        let permute = |entry: &str| if ep { launch("permute", entry) } else { missing("permute (tp: every expert)") };
+        // TP permutes every token over every expert (num_local = E).
+        let permute = |entry: &str| launch("permute", entry);
         let ids = if ep { buf(input) } else { buf(Buf::TopkIds) };
         o.push("permute_count", OpKind::Permute, c, mb, vec![ids], vec![ri], permute("moe_count"));
         o.push("permute_offsets", OpKind::Permute, c, mb, vec![ri], vec![ri], permute("moe_offsets"));
@@ -611,7 +618,9 @@ impl Config<'_> {
         let kernel = match self.apk {
             Some(apk) if ep => KernelRef::Post { instance: apk.to_string() },
             None if ep => KernelRef::Skip { reason: "the rank holds no routed experts".into() },
-            _ => missing("apk (tp: every expert's 1/P of the intermediate)"),
+            // TP's instance runs alone on the one stream, launched per op.
+            Some(apk) => launch(apk, "moe_apk"),
+            None => missing("apk (tp: every expert's 1/P of the intermediate; its tiles do not fit this shape)"),
         };
         // EP posts the op to the persistent APK, which runs it beside this
         // rank's streams: the `apk` stream stands for its operation queue, the
@@ -633,9 +642,9 @@ impl Config<'_> {
             o.record(mb_name("experts_out", mb))
         });
         let weights = if ep { buf(input) } else { buf(Buf::TopkWeights) };
-        // The emitted combine writes bf16 rows: EP's per-source partial sums;
-        // TP needs f32 partials for its all-reduce, which no kernel writes yet.
-        let combine = if ep { launch("permute", "moe_combine") } else { missing("moe_combine to f32 (tp)") };
+        // EP's combine writes bf16 rows (per-source partial sums sent back);
+        // TP's keeps its f32 partial sums for the all-reduce.
+        let combine = launch("permute", if ep { "moe_combine" } else { "moe_combine_f32" });
         o.push(
             "combine_rows",
             OpKind::CombineRows,
