@@ -369,4 +369,19 @@ fn dense_gemms_state_their_shapes_and_the_verifier_holds_them_to_their_operands(
     assert_finds(&f, "states its shape");
     let f = broken(&plan, pi, |p| op_mut(p, "route.0").gemm = Some(qkv));
     assert_finds(&f, "is no GEMM");
+    // In place, reading and writing the same columns.
+    let f = broken(&plan, pi, |p| {
+        let op = op_mut(p, "qkv_proj.0");
+        op.reads[0] = Operand::Buffer { name: BufferName::Qkv };
+        op.gemm.as_mut().unwrap().k = 128;
+    });
+    assert_finds(&f, "while reading");
+    // SwiGLU whose gate and up halves are uneven: GLM-4.5-Air's dense layer
+    // with its down weight standing in for the up half.
+    let gi = glm.programs.iter().position(|q| q.mode == Mode::Ep && q.phase == Phase::Decode).unwrap();
+    let f = broken(&glm, gi, |p| {
+        let op = op_mut(p, "dense_gate_up");
+        op.reads[2] = Operand::Weight { role: TensorRole::DenseDown, part: TensorPart::Weight };
+    });
+    assert_finds(&f, "not one bf16");
 }

@@ -380,6 +380,11 @@ pub fn gemm_fits(op: &Op, g: &GemmArgs, mode: Mode, mem: &MemoryPlan) -> Result<
     if g.epilogue == Epilogue::AddF32 && !op.reads.contains(&Operand::Buffer { name: yn }) {
         return Err(format!("it adds into {yn:?} without reading it"));
     }
+    // In place (MLA's q_b and kv_b read and write the Qkv row): the columns
+    // it reads and those it writes are disjoint.
+    if xn == yn && xc * 2 < (yc + n) * eb && yc * eb < (xc + k) * 2 {
+        return Err(format!("it writes columns {yc}..{} of {yn:?} while reading {xc}..{}", yc + n, xc + k));
+    }
     if !matches!(g.rows, GridVar::Tokens | GridVar::SampledRows) {
         return Err(format!("rows {:?}: a GEMM runs over the tokens or the sampled rows", g.rows));
     }
@@ -393,7 +398,11 @@ pub fn gemm_fits(op: &Op, g: &GemmArgs, mode: Mode, mem: &MemoryPlan) -> Result<
         .collect();
     let rows: u64 = views.iter().map(|v| v.shape.first().copied().unwrap_or(0)).sum();
     let want = if g.epilogue == Epilogue::SwiGlu { 2 * n } else { n };
+    // SwiGLU: the gate rows, then as many up rows.
+    let split_ok = g.epilogue != Epilogue::SwiGlu
+        || (views.len() == 2 && views.iter().all(|v| v.shape.first().copied() == Some(n)));
     if views.is_empty()
+        || !split_ok
         || rows != want
         || views.iter().any(|v| v.shape.len() != 2 || v.shape[1] != k || v.dtype != moeforge_dsl::spec::DType::Bf16)
     {

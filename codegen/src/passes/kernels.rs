@@ -365,7 +365,9 @@ pub fn apk(
                 cluster_size,
                 max_clusters: clusters,
                 max_prefill_rows: routed_rows.div_ceil(m_t_p) * m_t_p,
-                max_decode_rows: DECODE_TOKENS_PER_RANK * world,
+                // TP posts every op to the contiguous phase: the masked
+                // decode layout holds nothing (one tile per expert).
+                max_decode_rows: if tp { m_t_d } else { DECODE_TOKENS_PER_RANK * world },
                 q,
                 q_max,
                 x_star: (x_star * 1000.0).round() / 1000.0,
@@ -392,7 +394,7 @@ pub fn apk(
                 (
                     "apk_tp".to_string(),
                     format!(
-                        "TP's grouped GEMMs (GateUp → SiLU·mul → Down) of every expert's 1/{} of the intermediate ({inter} columns){fp8_note}, launched per MoE operation",
+                        "TP's grouped GEMMs (GateUp → SiLU·mul → Down) of every expert's 1/{} of the intermediate ({inter} columns){fp8_note}, launched per MoE operation and posted to its contiguous phase in both steps (TP's permutation writes the contiguous layout)",
                         m.moe.expert_ffn / inter.max(1)
                     ),
                     Grid::PerOperation { cluster: cluster_size },

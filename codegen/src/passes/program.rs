@@ -17,7 +17,7 @@
 //! their programs are separate.
 
 use super::{Ctx, PassError};
-use moeforge_dsl::spec::{Attention, Model, QkNormScope, Routing};
+use moeforge_dsl::spec::{Attention, DType, Model, QkNormScope, Routing};
 use moeforge_plan::memory::{BufferName as Buf, MemoryPlan, Mode, TensorPart, TensorRole as W};
 use moeforge_plan::program::*;
 use moeforge_plan::{ApkForm, GridVar, KernelParams, Plan};
@@ -203,10 +203,10 @@ impl Config<'_> {
         let args = GemmArgs { n, k, x_col, y_col, rows, epilogue };
         let op = o.push(name, OpKind::Gemm, stream, mb, reads, vec![buf(y)], launch("dense", "apk_dense"));
         op.gemm = Some(args);
-        let fits = if self.dense {
-            gemm_fits(op, &args, self.mode, self.mem)
-        } else {
-            Err(format!("{} weights; the dense APK runs bf16", self.m.dtype.weights.name()))
+        let fits = match (self.dense, self.m.dtype.weights) {
+            (true, _) => gemm_fits(op, &args, self.mode, self.mem),
+            (false, DType::Bf16) => Err("no dense APK for this target's tiles".into()),
+            (false, w) => Err(format!("{} weights; the dense APK runs bf16", w.name())),
         };
         if let Err(why) = fits {
             op.gemm = None;
