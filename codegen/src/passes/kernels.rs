@@ -142,6 +142,20 @@ fn routing(spec: &Spec, d: &Deploy, max_local: u32) -> Vec<KernelInstance> {
         threads: PERMUTE_THREADS,
     };
     let p = |s: &str| s.to_string();
+    // The weighted combine of each token's expert rows, into `out`.
+    let combine = |symbol: &str, out: &str| EntryPoint {
+        symbol: symbol.into(),
+        grid: Grid::Per { over: GridVar::Tokens, per: 1 },
+        block: PERMUTE_THREADS.min(m.hidden / 8),
+        dynamic_smem: 0,
+        params: vec![
+            p("const uint4* y_perm"),
+            p("const int32_t* entry_row"),
+            p("const float* topk_weights"),
+            p("int tokens"),
+            p(out),
+        ],
+    };
     vec![
         KernelInstance {
             name: "router".into(),
@@ -221,33 +235,9 @@ fn routing(spec: &Spec, d: &Deploy, max_local: u32) -> Vec<KernelInstance> {
                     dynamic_smem: 0,
                     params: vec![p("const uint4* x"), p("const int32_t* row_entry"), p("int rows"), p("uint4* x_perm")],
                 },
-                EntryPoint {
-                    symbol: "moe_combine".into(),
-                    grid: Grid::Per { over: GridVar::Tokens, per: 1 },
-                    block: PERMUTE_THREADS.min(m.hidden / 8),
-                    dynamic_smem: 0,
-                    params: vec![
-                        p("const uint4* y_perm"),
-                        p("const int32_t* entry_row"),
-                        p("const float* topk_weights"),
-                        p("int tokens"),
-                        p("uint4* out"),
-                    ],
-                },
+                combine("moe_combine", "uint4* out"),
                 // TP: the same sum in f32, the rank's partial sums for the all-reduce.
-                EntryPoint {
-                    symbol: "moe_combine_f32".into(),
-                    grid: Grid::Per { over: GridVar::Tokens, per: 1 },
-                    block: PERMUTE_THREADS.min(m.hidden / 8),
-                    dynamic_smem: 0,
-                    params: vec![
-                        p("const uint4* y_perm"),
-                        p("const int32_t* entry_row"),
-                        p("const float* topk_weights"),
-                        p("int tokens"),
-                        p("float4* out"),
-                    ],
-                },
+                combine("moe_combine_f32", "float4* out"),
             ],
         },
     ]
