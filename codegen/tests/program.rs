@@ -385,3 +385,213 @@ fn dense_gemms_state_their_shapes_and_the_verifier_holds_them_to_their_operands(
     });
     assert_finds(&f, "not one bf16");
 }
+
+/// The entries' parameters as the emitted CUDA declares them: `(symbol,
+/// ["type name", …])` for every `extern "C" __global__` function of `src`,
+/// qualifiers (`__restrict__`) and launch attributes dropped.
+fn prototypes(src: &str) -> Vec<(String, Vec<String>)> {
+    fn strip_call(s: &mut String, attr: &str) {
+        while let Some(i) = s.find(attr) {
+            let open = i + attr.len();
+            let mut depth = 0;
+            let mut end = open;
+            for (j, c) in s[open..].char_indices() {
+                match c {
+                    '(' => depth += 1,
+                    ')' => {
+                        depth -= 1;
+                        if depth == 0 {
+                            end = open + j + 1;
+                            break;
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            s.replace_range(i..end, " ");
+        }
+    }
+    let mut out = Vec::new();
+    for (i, _) in src.match_indices("extern \"C\" __global__ void") {
+        let Some(len) = src[i..].find('{') else { continue };
+        let mut head = src[i..i + len].to_string();
+        // Template text around the declaration (`{%- if … %}` blocks) is rendered away.
+        strip_call(&mut head, "__cluster_dims__");
+        strip_call(&mut head, "__launch_bounds__");
+        let head = head.trim_start_matches("extern \"C\" __global__ void").replace("__restrict__", " ");
+        let open = head.find('(').unwrap();
+        let close = head.rfind(')').unwrap();
+        let name = head[..open].split_whitespace().last().unwrap().to_string();
+        let params = head[open + 1..close]
+            .split(',')
+            .map(|p| p.split_whitespace().collect::<Vec<_>>().join(" ").replace(" *", "*"))
+            .collect();
+        out.push((name, params));
+    }
+    out
+}
+
+/// Every entry a plan declares is the function its emitted source defines,
+/// parameter for parameter (the source's text is the other authority: the
+/// declarations the verifier types launch arguments against must be its),
+/// and every launch of every example's programs passes arguments the
+/// verifier accepts.
+#[test]
+fn entry_parameters_are_the_emitted_functions_and_every_launch_passes_its_arguments() {
+    let mut checked = 0;
+    for e in std::fs::read_dir(root().join("examples")).unwrap() {
+        let path = e.unwrap().path();
+        if path.extension().is_none_or(|x| x != "moe") {
+            continue;
+        }
+        let c = check_paths(std::slice::from_ref(&path), &FsLoader).unwrap();
+        let id = c.spec.deploy_ids().next().unwrap();
+        let valid = plan_deployment(&c, id).unwrap();
+        for k in &valid.plan().kernels {
+            let src = moeforge_codegen::emit::cuda::render(&valid, k).unwrap();
+            let defined = prototypes(&src);
+            for ep in &k.entries {
+                let found = defined.iter().find(|(n, _)| *n == ep.symbol);
+                let (_, params) =
+                    found.unwrap_or_else(|| panic!("{}: {} defines no `{}`", path.display(), k.name, ep.symbol));
+                assert_eq!(params, &ep.params, "{}: {}::{}", path.display(), k.name, ep.symbol);
+                checked += 1;
+            }
+        }
+        for p in &valid.plan().programs {
+            for (_, op) in p.ops() {
+                if let KernelRef::Launch { instance, entry } = &op.kernel {
+                    let ep = valid.plan().kernels.iter().find(|k| &k.name == instance).unwrap();
+                    let ep = ep.entries.iter().find(|e| &e.symbol == entry).unwrap();
+                    let flat = !ep.params.iter().any(|p| p.contains("__grid_constant__"));
+                    assert_eq!(
+                        op.args.len(),
+                        if flat { ep.params.len() } else { 0 },
+                        "{}: {}",
+                        path.display(),
+                        op.name
+                    );
+                }
+            }
+        }
+    }
+    assert!(checked > 100, "{checked} entries");
+}
+
+/// What the arguments say, against the model's published shapes: TP ranks
+/// start at their own heads (MiniMax-M2: 48 query heads and 8 KV heads over
+/// 8 ranks, config.json), EP ranks at their own experts, and the
+/// permutation's arrays lie inside its slice with room for every entry and
+/// each expert's padding.
+#[test]
+fn launch_arguments_place_each_rank_at_its_heads_experts_and_arrays() {
+    use moeforge_plan::memory::{RouteIndexParts, MAX_BATCH_TOKENS};
+    use moeforge_plan::GridVar;
+    let plan = minimax_dual();
+    let tp = program(&plan, Mode::Tp, Phase::Decode);
+    let attention = tp.ops().map(|(_, o)| o).find(|o| o.name == "attention").unwrap();
+    let per_rank = |a: &Arg| match a {
+        Arg::Ptr { .. } | Arg::Null | Arg::Count { .. } | Arg::Float { .. } | Arg::Layer => panic!("{a:?}"),
+        Arg::Int { value } => vec![*value; 8],
+        Arg::PerRank { values } => values.clone(),
+    };
+    // (…, tokens, q_heads, kv_heads, q_head0, kv_head0, …)
+    assert_eq!(attention.args[4], Arg::Count { var: GridVar::Tokens });
+    assert_eq!(per_rank(&attention.args[5]), vec![6; 8]);
+    assert_eq!(per_rank(&attention.args[6]), vec![1; 8]);
+    assert_eq!(per_rank(&attention.args[7]), (0..8).map(|r| 6 * r).collect::<Vec<_>>());
+    assert_eq!(per_rank(&attention.args[8]), (0..8).collect::<Vec<_>>());
+    // The all-head QK-norm's partial sums: every KV head is held once.
+    let sumsq = tp.ops().map(|(_, o)| o).find(|o| o.name == "qk_sumsq").unwrap();
+    assert_eq!(sumsq.args[4], Arg::Float { value: 1.0 });
+
+    // EP: MiniMax-M2's 256 experts, 32 per rank.
+    let ep = program(&plan, Mode::Ep, Phase::Prefill);
+    let count = ep.ops().map(|(_, o)| o).find(|o| o.name == "permute_count.1").unwrap();
+    assert_eq!(count.args[0], Arg::Ptr { operand: Operand::Buffer { name: BufferName::DispatchIds }, at: 0 });
+    assert_eq!(count.args[1], Arg::Count { var: GridVar::ReceivedEntries });
+    assert_eq!(per_rank(&count.args[2]), (0..8).map(|r| 32 * r).collect::<Vec<_>>());
+    assert_eq!(per_rank(&count.args[3]), vec![32; 8]);
+    let combine = ep.ops().map(|(_, o)| o).find(|o| o.name == "combine_rows.1").unwrap();
+    assert_eq!(combine.grid, Some(moeforge_plan::Grid::Per { over: GridVar::Received, per: 1 }));
+
+    // The permutation's arrays, for two micro-batches of MiniMax-M2's top-8
+    // entries: disjoint, inside the slice, each holding a slice's entries
+    // plus M_t − 1 padding rows per expert.
+    let ri = plan.memory.buffer(Mode::Ep, BufferName::RouteIndex).unwrap();
+    let slice = ri.slice_bytes(2);
+    let parts = RouteIndexParts::of(slice, 256);
+    let entries = MAX_BATCH_TOKENS * 8 / 2;
+    let block_m = plan
+        .kernels
+        .iter()
+        .find_map(|k| match &k.params {
+            moeforge_plan::KernelParams::Permute(p) => Some(u64::from(p.block_m)),
+            _ => None,
+        })
+        .unwrap();
+    assert!(parts.capacity >= entries + 32 * (block_m - 1), "{parts:?} for {entries} entries");
+    let spans = [
+        (parts.counts, 4 * 256),
+        (parts.offsets, 4 * 257),
+        (parts.row_entry, 4 * parts.capacity),
+        (parts.row_expert, 4 * parts.capacity),
+        (parts.entry_row, 4 * parts.capacity),
+    ];
+    for w in spans.windows(2) {
+        assert!(w[0].0 + w[0].1 <= w[1].0, "{spans:?}");
+    }
+    assert!(spans[4].0 + spans[4].1 <= slice && spans.iter().all(|s| s.0 % 16 == 0), "{spans:?} in {slice}");
+    let at = |o: &Op, i: usize| match o.args[i] {
+        Arg::Ptr { at, .. } => at,
+        _ => panic!(),
+    };
+    assert_eq!((at(count, 4), at(count, 5)), (parts.counts, parts.entry_row));
+}
+
+/// The verifier holds each launch's arguments to its entry's parameters and
+/// to the op's own operands.
+#[test]
+fn the_verifier_refuses_arguments_the_kernel_would_misread() {
+    use moeforge_plan::GridVar;
+    let plan = example("qwen3-235b-a22b-bursty");
+    let pi = plan.programs.iter().position(|q| q.mode == Mode::Tp && q.phase == Phase::Decode).unwrap();
+    let f = broken(&plan, pi, |p| {
+        op_mut(p, "rope").args.pop();
+    });
+    assert_finds(&f, "4 arguments for `rope`'s 5 parameters");
+    // A float for an int, an int for a pointer.
+    let f = broken(&plan, pi, |p| op_mut(p, "rope").args[3] = Arg::Float { value: 1.0 });
+    assert_finds(&f, "`int q_heads` (I32) cannot take Float");
+    let f = broken(&plan, pi, |p| op_mut(p, "rope").args[1] = Arg::Int { value: 0 });
+    assert_finds(&f, "`const int32_t* positions`");
+    // A writable pointer to a buffer the op only reads: the race checker
+    // would not see the write.
+    let f = broken(&plan, pi, |p| {
+        op_mut(p, "input_norm").args[4] = Arg::Ptr { operand: Operand::Buffer { name: BufferName::Residual }, at: 0 }
+    });
+    assert_finds(&f, "which the op does not list in its writes");
+    // An operand the op lists but never passes.
+    let f = broken(&plan, pi, |p| op_mut(p, "kv_write").writes.push(Operand::Buffer { name: BufferName::Attn }));
+    assert_finds(&f, "passes no pointer to it");
+    // A bf16 parameter given an f32 weight; a pointer past its slice.
+    let f = broken(&plan, pi, |p| {
+        op_mut(p, "input_norm").args[2] =
+            Arg::Ptr { operand: Operand::Weight { role: TensorRole::RouterBias, part: TensorPart::Weight }, at: 0 };
+        op_mut(p, "input_norm").reads.push(Operand::Weight { role: TensorRole::RouterBias, part: TensorPart::Weight });
+    });
+    assert_finds(&f, "e_score_correction_bias");
+    let f = broken(&plan, pi, |p| {
+        op_mut(p, "permute_offsets").args[2] =
+            Arg::Ptr { operand: Operand::Buffer { name: BufferName::RouteIndex }, at: 1 << 40 }
+    });
+    assert_finds(&f, "-byte slice of RouteIndex");
+    // Per-rank values for a world they do not match; a transfer with arguments.
+    let f = broken(&plan, pi, |p| op_mut(p, "attention").args[7] = Arg::PerRank { values: vec![0; 3] });
+    assert_finds(&f, "3 per-rank values for a world of 8");
+    let f = broken(&plan, pi, |p| op_mut(p, "moe_all_reduce").args.push(Arg::Count { var: GridVar::Tokens }));
+    assert_finds(&f, "only a launch has arguments");
+    // The APK takes its templates, not flat arguments.
+    let f = broken(&plan, pi, |p| op_mut(p, "qkv_proj").args.push(Arg::Layer));
+    assert_finds(&f, "takes the APK's templates and state");
+}

@@ -98,10 +98,15 @@ pub enum BufferName {
     SharedOut,
     /// f32 logits of the sampled rows.
     Logits,
-    /// EP: rows sent to the expert owners, each with its token's top-k ids
-    /// and weights (`comm`); the combine's bf16 partial sums come back into
-    /// `Combine` and are summed in f32 into `MoeOut` on arrival.
+    /// EP: token rows received from every rank for this rank's experts
+    /// (`comm`), with their tokens' top-k ids and weights beside them in
+    /// `DispatchIds` and `DispatchWeights` (row for row, so the permutation,
+    /// gather and combine read them as they read a local batch's); the
+    /// combine's bf16 partial sums go back from `Combine` and are summed in
+    /// f32 into `MoeOut` on arrival.
     Dispatch,
+    DispatchIds,
+    DispatchWeights,
     Combine,
     /// TP: the f32 partial sums every rank all-reduces (`comm`).
     AllReduce,
@@ -151,6 +156,38 @@ pub struct Buffer {
 impl Buffer {
     pub fn bytes(&self) -> u64 {
         self.rows * self.row_bytes
+    }
+    /// Bytes of one micro-batch's slice when the step splits into `m`.
+    pub fn slice_bytes(&self, m: u32) -> u64 {
+        self.rows / u64::from(m.max(1)) * self.row_bytes
+    }
+}
+
+/// Where the permutation's arrays lie inside a `RouteIndex` slice of
+/// `bytes` bytes for `experts` experts (byte offsets, 16-byte aligned): the
+/// per-expert counts and offsets (`experts + 1` words) first, then three
+/// equal arrays of `capacity` words: row → entry, row → expert and
+/// entry → row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RouteIndexParts {
+    pub counts: u64,
+    pub offsets: u64,
+    pub row_entry: u64,
+    pub row_expert: u64,
+    pub entry_row: u64,
+    /// Words in each of the three maps.
+    pub capacity: u64,
+}
+
+impl RouteIndexParts {
+    pub fn of(bytes: u64, experts: u64) -> RouteIndexParts {
+        let a16 = |x: u64| x.div_ceil(16) * 16;
+        let offsets = 4 * experts;
+        let head = a16(offsets + 4 * (experts + 1));
+        let capacity = bytes.saturating_sub(head) / 12 / 4 * 4;
+        let row_entry = head;
+        let row_expert = row_entry + 4 * capacity;
+        RouteIndexParts { counts: 0, offsets, row_entry, row_expert, entry_row: row_expert + 4 * capacity, capacity }
     }
 }
 
@@ -213,7 +250,8 @@ impl Workspace {
             b(TopkIds, sc, Both, t, k * 4),
             b(TopkWeights, sc, Both, t, k * 4),
             // counts and offsets per expert, then row→entry, row→expert and
-            // entry→row maps over the padded rows (≤ entries + 256 per expert).
+            // entry→row maps over the padded rows (≤ entries + 256 per expert;
+            // `RouteIndexParts` places them).
             b(RouteIndex, sc, Both, entries + 256 * e, 12),
             // Expert-contiguous rows: each local expert's padded to M_t (≤ 256).
             b(Permuted, sc, Both, entries + 256 * e, h * 2),
@@ -228,8 +266,13 @@ impl Workspace {
             v.push(b(SharedOut, sc, Both, t, h * 2));
         }
         v.push(b(Logits, sc, Both, r, u64::from(m.vocab) * 4));
-        // Dispatch rows carry their token's top-k ids and weights.
-        v.extend([b(Dispatch, cm, Ep, entries, h * 2 + k * 8), b(Combine, cm, Ep, entries, h * 2)]);
+        // Received rows, their top-k ids and weights, row for row.
+        v.extend([
+            b(Dispatch, cm, Ep, entries, h * 2),
+            b(DispatchIds, cm, Ep, entries, k * 4),
+            b(DispatchWeights, cm, Ep, entries, k * 4),
+            b(Combine, cm, Ep, entries, h * 2),
+        ]);
         if dual {
             v.push(b(AllReduce, cm, Tp, 2 * t, h * 4));
             if let moeforge_dsl::spec::Attention::Gqa {

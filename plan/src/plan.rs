@@ -440,16 +440,22 @@ impl Scoring {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum GridVar {
-    /// Tokens of the step on this rank.
+    /// Tokens of the step on this rank (of the op's micro-batch when it
+    /// names one; every count below is too).
     Tokens,
     /// (token, k) routing entries: tokens × top-k.
     Entries,
-    /// Rows of the expert-contiguous layout, padding included.
+    /// Rows of the expert-contiguous layout, padding included (the
+    /// permutation computes it on the device: `offsets[num_local]`).
     Rows,
     /// Routed experts this rank holds.
     LocalExperts,
     /// Rows sampled this step (one per request finishing a prompt or decoding).
     SampledRows,
+    /// EP: token rows this rank received in the step's dispatch, and their
+    /// (row, k) entries.
+    Received,
+    ReceivedEntries,
 }
 
 /// How many blocks a kernel launches.
@@ -477,6 +483,8 @@ impl fmt::Display for Grid {
             GridVar::Rows => "rows",
             GridVar::LocalExperts => "num_local",
             GridVar::SampledRows => "sampled_rows",
+            GridVar::Received => "received",
+            GridVar::ReceivedEntries => "received_entries",
         };
         match self {
             Grid::Fixed { blocks } => write!(f, "{blocks}"),

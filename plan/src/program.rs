@@ -136,6 +136,159 @@ pub struct Op {
     /// A GEMM op's shape and epilogue: what its launch posts to the dense APK.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gemm: Option<GemmArgs>,
+    /// A launched entry's arguments, in its parameter order (the APK's
+    /// entries take its templates and state instead: `gemm` and the posted
+    /// counts say what they run).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub args: Vec<Arg>,
+    /// The launch's grid where it is not the entry's (the final norm over
+    /// the sampled rows, EP's combine over the received rows).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grid: Option<crate::plan::Grid>,
+}
+
+/// One argument of a launch: what a backend passes for the entry's
+/// parameter at the same position (the `void**` of `cuLaunchKernel`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "arg", rename_all = "snake_case")]
+pub enum Arg {
+    /// The address of one of the op's operands plus `at` bytes: a weight
+    /// view of the current layer, a buffer's slice for the op's micro-batch,
+    /// or the KV pool (kernels index its pages by `layer`).
+    Ptr {
+        operand: Operand,
+        #[serde(default, skip_serializing_if = "is_zero")]
+        at: u64,
+    },
+    /// A null pointer (an optional input the op does not have).
+    Null,
+    /// A count known when the step is issued (of the op's micro-batch).
+    Count {
+        var: crate::plan::GridVar,
+    },
+    /// An integer constant (`int` or `long long`).
+    Int {
+        value: i64,
+    },
+    Float {
+        value: f32,
+    },
+    /// The model layer the body is issued for.
+    Layer,
+    /// One integer per rank of the world, indexed by rank (a TP rank's
+    /// first head, an EP rank's first expert).
+    PerRank {
+        values: Vec<i64>,
+    },
+}
+
+fn is_zero(x: &u64) -> bool {
+    *x == 0
+}
+
+/// A parameter's C type as the verifier reads it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum CType {
+    Ptr {
+        mutable: bool,
+        elem: Elem,
+    },
+    I32,
+    I64,
+    F32,
+    /// Anything else (the APK's `__grid_constant__` templates).
+    Other,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Elem {
+    Bf16,
+    F32,
+    I32,
+    Bytes,
+    Vector,
+}
+
+/// Reads `type name` (an `EntryPoint` parameter).
+fn ctype(param: &str) -> CType {
+    let ty = param.rsplit_once(' ').map_or(param, |(t, _)| t).trim();
+    if let Some(base) = ty.strip_suffix('*') {
+        let base = base.trim();
+        let (mutable, base) = match base.strip_prefix("const ") {
+            Some(b) => (false, b.trim()),
+            None => (true, base),
+        };
+        let elem = match base {
+            "__nv_bfloat16" => Elem::Bf16,
+            "float" => Elem::F32,
+            "int32_t" | "int" => Elem::I32,
+            "uint8_t" => Elem::Bytes,
+            "uint4" | "float4" => Elem::Vector,
+            _ => return CType::Other,
+        };
+        return CType::Ptr { mutable, elem };
+    }
+    match ty {
+        "int" | "int32_t" => CType::I32,
+        "long long" | "int64_t" => CType::I64,
+        "float" => CType::F32,
+        _ => CType::Other,
+    }
+}
+
+/// Whether `arg` can be passed for `param` by op `op`; the reason if not.
+fn arg_fits(arg: &Arg, param: &str, op: &Op, mode: Mode, mem: &MemoryPlan, m: u32, world: u32) -> Result<(), String> {
+    use moeforge_dsl::spec::DType;
+    let fits_i32 = |v: i64| i32::try_from(v).is_ok();
+    match (ctype(param), arg) {
+        (CType::Ptr { .. }, Arg::Null) => Ok(()),
+        (CType::Ptr { mutable, elem }, Arg::Ptr { operand, at }) => {
+            let listed = if mutable { op.writes.contains(operand) } else { op.reads.contains(operand) };
+            if !listed {
+                let dir = if mutable { "writes" } else { "reads" };
+                return Err(format!("`{param}` gets {operand:?}, which the op does not list in its {dir}"));
+            }
+            match *operand {
+                Operand::Weight { role, part } => {
+                    let v = mem.view(mode, role, part).ok_or_else(|| format!("no view of {}", role.name(part)))?;
+                    let ok = matches!(
+                        (elem, v.dtype),
+                        (Elem::Bf16, DType::Bf16) | (Elem::F32, DType::F32) | (Elem::Bytes, DType::Fp8E4m3)
+                    );
+                    if !ok || *at != 0 {
+                        return Err(format!("`{param}` gets {} ({}) at byte {at}", v.tensor, v.dtype.name()));
+                    }
+                }
+                Operand::Buffer { name } => {
+                    let b = mem.buffer(mode, name).ok_or_else(|| format!("no buffer {name:?}"))?;
+                    let align = if elem == Elem::Vector { 16 } else { 4 };
+                    if *at % align != 0 || *at >= b.slice_bytes(m) {
+                        return Err(format!(
+                            "`{param}` at byte {at} of a {}-byte slice of {name:?}, or off its {align}-byte alignment",
+                            b.slice_bytes(m)
+                        ));
+                    }
+                }
+                Operand::Kv => {
+                    if elem != Elem::Bytes || *at != 0 {
+                        return Err(format!("`{param}` gets the KV pool, which is addressed as bytes from its base"));
+                    }
+                }
+            }
+            Ok(())
+        }
+        (CType::I32, Arg::Count { .. } | Arg::Layer) => Ok(()),
+        (CType::I32, Arg::Int { value }) if fits_i32(*value) => Ok(()),
+        (CType::I64, Arg::Int { .. }) => Ok(()),
+        (CType::I32 | CType::I64, Arg::PerRank { values }) => {
+            if values.len() != world as usize || (ctype(param) == CType::I32 && !values.iter().all(|v| fits_i32(*v))) {
+                return Err(format!("`{param}` gets {} per-rank values for a world of {world}", values.len()));
+            }
+            Ok(())
+        }
+        (CType::F32, Arg::Float { value }) if value.is_finite() => Ok(()),
+        (t, a) => Err(format!("`{param}` ({t:?}) cannot take {a:?}")),
+    }
 }
 
 /// One GEMM of the dense APK form: `y = x·Wᵀ` over rows of the op's first
@@ -318,8 +471,19 @@ pub struct Comm {
     /// From this buffer on each rank into `to` on the receivers.
     pub from: BufferName,
     pub to: BufferName,
-    /// Bytes a rank sends per row of `from`.
+    /// Buffers that travel row for row with `from` (`[from, to]`: the
+    /// dispatch's top-k ids and weights).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub with: Vec<[BufferName; 2]>,
+    /// Bytes a rank sends per row, every buffer together.
     pub row_bytes: u64,
+}
+
+impl Comm {
+    /// Every `[from, to]` pair the op moves.
+    pub fn moves(&self) -> impl Iterator<Item = [BufferName; 2]> + '_ {
+        std::iter::once([self.from, self.to]).chain(self.with.iter().copied())
+    }
 }
 
 /// The kernel entries an op of `kind` may launch: the contract of each
@@ -418,6 +582,46 @@ pub fn gemm_fits(op: &Op, g: &GemmArgs, mode: Mode, mem: &MemoryPlan) -> Result<
         }
     }
     Ok(())
+}
+
+/// A launch's arguments against its entry's parameters: one per parameter,
+/// each of the parameter's type, every pointer to an operand the op lists
+/// (read-only pointers among its reads, writable ones among its writes),
+/// and every buffer, weight and KV operand the op lists passed to the
+/// kernel. An APK entry takes its templates and state: no flat arguments.
+fn check_args(op: &Op, ep: &crate::plan::EntryPoint, mode: Mode, mem: &MemoryPlan, m: u32, world: u32) -> Vec<Finding> {
+    let mut out = Vec::new();
+    if ep.params.iter().any(|p| ctype(p) == CType::Other) {
+        if !op.args.is_empty() {
+            out.push((
+                "args".into(),
+                format!("`{}` takes the APK's templates and state, not flat arguments", ep.symbol),
+            ));
+        }
+        return out;
+    }
+    if op.args.len() != ep.params.len() {
+        out.push((
+            "args".into(),
+            format!("{} arguments for `{}`'s {} parameters {:?}", op.args.len(), ep.symbol, ep.params.len(), ep.params),
+        ));
+        return out;
+    }
+    for (k, (a, param)) in op.args.iter().zip(&ep.params).enumerate() {
+        if let Err(why) = arg_fits(a, param, op, mode, mem, m, world) {
+            out.push((format!("args[{k}]"), why));
+        }
+    }
+    for o in op.reads.iter().chain(&op.writes) {
+        if !op.args.iter().any(|a| matches!(a, Arg::Ptr { operand, .. } if operand == o)) {
+            out.push(("args".into(), format!("the op lists {o:?} but passes no pointer to it")));
+        }
+    }
+    match op.grid {
+        None | Some(crate::plan::Grid::Per { .. } | crate::plan::Grid::Fixed { .. }) => {}
+        Some(g) => out.push(("grid".into(), format!("a launch's own grid is fixed or per count, not {g}"))),
+    }
+    out
 }
 
 /// Host inputs: written before the step, so read without a prior op.
@@ -568,7 +772,13 @@ pub fn check(
             let instance = |name: &str| kernels.iter().find(|k| k.name == name);
             match &op.kernel {
                 KernelRef::Launch { instance: i, entry } => {
-                    if !instance(i).is_some_and(|k| k.entries.iter().any(|e| &e.symbol == entry)) {
+                    let ep = instance(i).and_then(|k| k.entries.iter().find(|e| &e.symbol == entry));
+                    if let Some(ep) = ep {
+                        for (field, why) in check_args(op, ep, p.mode, mem, p.micro_batches, world) {
+                            out.push((format!("{f}.{field}"), why));
+                        }
+                    }
+                    if ep.is_none() {
                         out.push((format!("{f}.kernel"), format!("no entry `{entry}` in kernel instance `{i}`")));
                     } else if !entries_for(op.kind).contains(&entry.as_str()) {
                         out.push((
@@ -589,24 +799,29 @@ pub fn check(
                 }
                 KernelRef::Transfer | KernelRef::Missing { .. } | KernelRef::Skip { .. } => {}
             }
+            if !matches!(op.kernel, KernelRef::Launch { .. }) && (!op.args.is_empty() || op.grid.is_some()) {
+                out.push((format!("{f}.args"), "only a launch has arguments and a grid".into()));
+            }
             match (&op.comm, op.kind) {
                 (Some(c), OpKind::Comm) => {
-                    let reads = op.reads.contains(&Operand::Buffer { name: c.from });
-                    let writes = op.writes.contains(&Operand::Buffer { name: c.to });
-                    if !reads || !writes || c.row_bytes == 0 || op.kernel != KernelRef::Transfer {
-                        out.push((
-                            format!("{f}.comm"),
-                            format!("moves {:?} → {:?} but its operands or kernel say otherwise", c.from, c.to),
-                        ));
+                    for [from, to] in c.moves() {
+                        let reads = op.reads.contains(&Operand::Buffer { name: from });
+                        let writes = op.writes.contains(&Operand::Buffer { name: to });
+                        if !reads || !writes || c.row_bytes == 0 || op.kernel != KernelRef::Transfer {
+                            out.push((
+                                format!("{f}.comm"),
+                                format!("moves {from:?} → {to:?} but its operands or kernel say otherwise"),
+                            ));
+                        }
                     }
-                    let rows = [c.from, c.to].map(|b| mem.buffer(p.mode, b).map(|b| b.row_bytes));
-                    if rows.iter().all(|r| r.is_some_and(|r| r != c.row_bytes)) {
+                    // Per row: the sum over the moves of the narrower side
+                    // (a combine's bf16 rows arrive into f32 sums).
+                    let row = |b| mem.buffer(p.mode, b).map(|b| b.row_bytes);
+                    let sent: Option<u64> = c.moves().map(|[a, b]| Some(row(a)?.min(row(b)?))).sum();
+                    if sent.is_some_and(|s| s != c.row_bytes) {
                         out.push((
                             format!("{f}.comm.row_bytes"),
-                            format!(
-                                "moves {} bytes per row, but {:?} and {:?} hold rows of {rows:?}",
-                                c.row_bytes, c.from, c.to
-                            ),
+                            format!("moves {} bytes per row, but its buffers' rows hold {sent:?}", c.row_bytes),
                         ));
                     }
                     if c.group.is_empty()

@@ -18,13 +18,14 @@
 
 use super::{Ctx, PassError};
 use moeforge_dsl::spec::{Attention, DType, Model, QkNormScope, Routing};
-use moeforge_plan::memory::{BufferName as Buf, MemoryPlan, Mode, TensorPart, TensorRole as W};
+use moeforge_plan::memory::{BufferName as Buf, MemoryPlan, Mode, RouteIndexParts, TensorPart, TensorRole as W};
 use moeforge_plan::program::*;
-use moeforge_plan::{ApkForm, GridVar, KernelParams, Plan};
+use moeforge_plan::{ApkForm, Grid, GridVar, KernelParams, Plan};
 
 pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     let m = cx.model;
     let world: Vec<u32> = plan.ranks.iter().map(|r| r.rank).collect();
+    let experts: Vec<[u32; 2]> = plan.ranks.iter().map(|r| r.experts).collect();
     let mut programs = Vec::new();
     let dense = plan.kernels.iter().any(|k| matches!(&k.params, KernelParams::Apk(a) if a.form == ApkForm::Dense));
     for &mode in &plan.memory.modes {
@@ -59,7 +60,16 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
         };
         for (ranks, apk) in groups {
             for phase in [Phase::Prefill, Phase::Decode] {
-                let cfg = Config { m, mem: &plan.memory, mode, phase, world: &world, apk: apk.as_deref(), dense };
+                let cfg = Config {
+                    m,
+                    mem: &plan.memory,
+                    mode,
+                    phase,
+                    world: &world,
+                    experts: &experts,
+                    apk: apk.as_deref(),
+                    dense,
+                };
                 programs.push(cfg.program(ranks.clone()));
             }
         }
@@ -74,6 +84,8 @@ struct Config<'a> {
     mode: Mode,
     phase: Phase,
     world: &'a [u32],
+    /// Each rank's routed experts `[begin, end)`, indexed by rank.
+    experts: &'a [[u32; 2]],
     apk: Option<&'a str>,
     /// The bundle has the dense APK (bf16 dense weights).
     dense: bool,
@@ -128,8 +140,16 @@ impl Ops<'_> {
             kernel,
             comm: None,
             gemm: None,
+            args: vec![],
+            grid: None,
         });
         &mut self.ops[i]
+    }
+    /// Sets the last op's launch arguments.
+    fn args(&mut self, args: Vec<Arg>) {
+        if let Some(op) = self.ops.last_mut() {
+            op.args = args;
+        }
     }
     /// Makes the last op record `name` and returns its id.
     fn record(&mut self, name: String) -> u32 {
@@ -151,6 +171,27 @@ fn buf(name: Buf) -> Operand {
     Operand::Buffer { name }
 }
 
+/// Launch arguments: a buffer's slice, `at` bytes into it, a weight view,
+/// a count, a constant.
+fn ptr(name: Buf) -> Arg {
+    Arg::Ptr { operand: buf(name), at: 0 }
+}
+fn ptr_at(name: Buf, at: u64) -> Arg {
+    Arg::Ptr { operand: buf(name), at }
+}
+fn wptr(role: W) -> Arg {
+    Arg::Ptr { operand: Operand::Weight { role, part: TensorPart::Weight }, at: 0 }
+}
+fn kv() -> Arg {
+    Arg::Ptr { operand: Operand::Kv, at: 0 }
+}
+fn cnt(var: GridVar) -> Arg {
+    Arg::Count { var }
+}
+fn int(v: impl Into<i64>) -> Arg {
+    Arg::Int { value: v.into() }
+}
+
 fn missing(family: &str) -> KernelRef {
     KernelRef::Missing { family: family.into() }
 }
@@ -163,6 +204,49 @@ fn mb_name(base: &str, mb: Option<u32>) -> String {
 }
 
 impl Config<'_> {
+    /// Micro-batches of this program's step.
+    fn micro_batches(&self) -> u32 {
+        if self.tbo() {
+            2
+        } else {
+            1
+        }
+    }
+    /// The query and KV heads one rank's attention computes, and each
+    /// rank's first of each (TP shards heads; EP's data-parallel attention
+    /// holds them all).
+    fn heads(&self) -> (i64, i64, Arg, Arg) {
+        let (q, kvh) = match self.m.attention {
+            Attention::Gqa { heads, kv_heads, .. } => (heads, kv_heads),
+            Attention::Mla { heads, .. } => (heads, 1),
+        };
+        let world = self.world.len();
+        match (self.mode, &self.mem.kv.tp) {
+            (Mode::Tp, Some(tp)) => {
+                let per = i64::from(q) / world as i64;
+                let q0 = (0..world as i64).map(|r| r * per).collect();
+                let kv0 = (0..world).map(|r| self.mem.kv.tp_heads.get(r).map_or(0, |h| i64::from(h[0]))).collect();
+                (per, i64::from(tp.heads_per_rank), Arg::PerRank { values: q0 }, Arg::PerRank { values: kv0 })
+            }
+            _ => {
+                let _ = kvh;
+                let zero = Arg::PerRank { values: vec![0; world] };
+                (i64::from(q), i64::from(self.mem.kv.ep.heads_per_rank), zero.clone(), zero)
+            }
+        }
+    }
+    fn page_bytes(&self) -> i64 {
+        let kvm = match (self.mode, &self.mem.kv.tp) {
+            (Mode::Tp, Some(tp)) => tp,
+            _ => &self.mem.kv.ep,
+        };
+        kvm.page_bytes as i64
+    }
+    /// Where the permutation's arrays lie in this program's `RouteIndex` slices.
+    fn route_parts(&self) -> RouteIndexParts {
+        let bytes = self.mem.buffer(self.mode, Buf::RouteIndex).map_or(0, |b| b.slice_bytes(self.micro_batches()));
+        RouteIndexParts::of(bytes, u64::from(self.m.moe.experts))
+    }
     /// A weight and, when the memory plan stores them, its fp8 block scales.
     fn w(&self, role: W) -> Vec<Operand> {
         let mut v = vec![Operand::Weight { role, part: TensorPart::Weight }];
@@ -251,6 +335,7 @@ impl Config<'_> {
             vec![buf(Buf::Residual)],
             launch("layer", "embed_rows"),
         );
+        o.args(vec![ptr(Buf::TokenIds), wptr(W::Embedding), cnt(GridVar::Tokens), ptr(Buf::Residual)]);
         blocks.push(Block { kind: BlockKind::Prologue, layers: None, ops: o.ops });
 
         let first_moe = self.mem.slots.first_moe_layer;
@@ -287,7 +372,10 @@ impl Config<'_> {
             [vec![buf(Buf::Residual), buf(Buf::SampleRows)], self.w(W::FinalNorm)].concat(),
             vec![buf(Buf::Normed)],
             launch("layer", "rms_norm"),
-        );
+        )
+        .grid = Some(Grid::Per { over: GridVar::SampledRows, per: 1 });
+        let rows = GridVar::SampledRows;
+        o.args(vec![ptr(Buf::Residual), ptr(Buf::SampleRows), wptr(W::FinalNorm), cnt(rows), ptr(Buf::Normed)]);
         let (normed, logits) = ((Buf::Normed, 0), (Buf::Logits, 0));
         self.gemm(&mut o, "lm_head", COMPUTE, None, normed, &[head], logits, Epilogue::StoreF32, GridVar::SampledRows);
         o.push(
@@ -300,6 +388,14 @@ impl Config<'_> {
             vec![buf(Buf::RequestMeta), buf(Buf::Sampled)],
             launch("layer", "sample_tokens"),
         );
+        o.args(vec![
+            ptr(Buf::Logits),
+            cnt(GridVar::SampledRows),
+            ptr(Buf::SampleRows),
+            ptr(Buf::RowRequest),
+            ptr(Buf::RequestMeta),
+            ptr(Buf::Sampled),
+        ]);
         blocks.push(Block { kind: BlockKind::Epilogue, layers: None, ops: o.ops });
 
         Program {
@@ -332,6 +428,8 @@ impl Config<'_> {
             vec![buf(Buf::Normed)],
             launch("layer", "rms_norm"),
         );
+        o.args(vec![ptr(Buf::Residual), Arg::Null, wptr(W::InputNorm), cnt(t), ptr(Buf::Normed)]);
+        let (qh, kvh, q0, kv0) = self.heads();
         let yarn = m.rope_scaling.is_some();
         let kind = match m.attention {
             Attention::Gqa { qk_norm, qk_norm_scope, sinks, .. } => {
@@ -352,14 +450,23 @@ impl Config<'_> {
                             vec![buf(Buf::QkSumSq)],
                             launch("layer", "qk_sumsq"),
                         );
+                        let k_share = 1.0 / self.mem.kv.replication.max(1) as f32;
+                        o.args(vec![
+                            ptr(Buf::Qkv),
+                            cnt(t),
+                            int(qh),
+                            int(kvh),
+                            Arg::Float { value: k_share },
+                            ptr(Buf::QkSumSq),
+                        ]);
                         self.comm(
                             o,
                             "qk_sumsq_all_reduce",
                             CommKind::AllReduce,
                             mb,
                             vec![buf(Buf::QkSumSq)],
-                            Buf::QkSumSq,
-                            Buf::QkSumSq,
+                            (Buf::QkSumSq, Buf::QkSumSq),
+                            &[],
                             8,
                         );
                         o.push(
@@ -371,6 +478,8 @@ impl Config<'_> {
                             vec![qkv],
                             launch("layer", "qk_norm"),
                         );
+                        let sumsq = ptr(Buf::QkSumSq);
+                        o.args(self.qk_norm_args(qh, kvh, &q0, &kv0, sumsq));
                     } else {
                         o.push(
                             "qk_norm",
@@ -381,6 +490,7 @@ impl Config<'_> {
                             vec![qkv],
                             launch("layer", "qk_norm"),
                         );
+                        o.args(self.qk_norm_args(qh, kvh, &q0, &kv0, Arg::Null));
                     }
                 }
                 let variant = if yarn { RopeVariant::YarnStandard } else { RopeVariant::Standard };
@@ -393,6 +503,7 @@ impl Config<'_> {
                     vec![qkv],
                     launch("layer", "rope"),
                 );
+                o.args(vec![ptr(Buf::Qkv), ptr(Buf::Positions), cnt(t), int(qh), int(kvh)]);
                 if sinks {
                     AttentionKind::GqaSinks
                 } else {
@@ -415,6 +526,7 @@ impl Config<'_> {
                         vec![qkv],
                         launch("layer", "latent_norm"),
                     );
+                    o.args(vec![ptr(Buf::Qkv), cnt(t), int(0), int(q_at), wptr(W::QANorm)]);
                     self.gemm(o, "q_b_proj", c, mb, (Buf::Qkv, 0), &[W::QBProj], (Buf::Qkv, q_at), bf16, t);
                 } else {
                     self.gemm(o, "q_proj", c, mb, normed, &[W::QProj], (Buf::Qkv, q_at), bf16, t);
@@ -429,6 +541,7 @@ impl Config<'_> {
                     vec![qkv],
                     launch("layer", "latent_norm"),
                 );
+                o.args(vec![ptr(Buf::Qkv), cnt(t), int(kv_at), int(kv_lora), wptr(W::KvANorm)]);
                 if indexer.is_some() {
                     let w = self.ws(&[W::IndexerQ, W::IndexerK, W::IndexerKNorm, W::IndexerWeights]);
                     // Three projections and the key's LayerNorm in one op: no kernel yet.
@@ -452,6 +565,7 @@ impl Config<'_> {
                     vec![qkv],
                     launch("layer", "mla_rope"),
                 );
+                o.args(vec![ptr(Buf::Qkv), ptr(Buf::Positions), cnt(t), int(qh)]);
                 if self.phase == Phase::Prefill {
                     // Prefill decompresses k and v (naive form); decode absorbs kv_b.
                     let latent = (Buf::Qkv, kv_at);
@@ -478,6 +592,14 @@ impl Config<'_> {
                 Attention::Mla { .. } => launch("layer", "mla_kv_write"),
             },
         );
+        let (slots, pages) = (ptr(Buf::SlotMap), int(self.page_bytes()));
+        match m.attention {
+            Attention::Gqa { .. } => {
+                o.args(vec![ptr(Buf::Qkv), slots, cnt(t), int(qh), int(kvh), kv(), pages, Arg::Layer]);
+            }
+            Attention::Mla { indexer: None, .. } => o.args(vec![ptr(Buf::Qkv), slots, cnt(t), kv(), pages, Arg::Layer]),
+            Attention::Mla { indexer: Some(_), .. } => {}
+        }
         let mut reads = vec![qkv, Operand::Kv, buf(Buf::RequestMeta), buf(Buf::Positions)];
         if let Attention::Mla { indexer: Some(ix), .. } = m.attention {
             o.push(
@@ -500,18 +622,31 @@ impl Config<'_> {
         // GQA runs the layer instance's paged causal attention in both phases,
         // MLA its weight-absorbed decode attention; sinks, MLA's naive prefill
         // and DSA's sparse attention have no kernel yet.
-        let kernel = match (kind, self.phase) {
+        // The absorbed decode attention reads kv_b as bf16.
+        let kv_b_bf16 =
+            self.mem.view(self.mode, W::KvBProj, TensorPart::Weight).is_some_and(|v| v.dtype == DType::Bf16);
+        let (rows, pages) =
+            ((ptr(Buf::Positions), ptr(Buf::RowRequest), ptr(Buf::RequestMeta)), int(self.page_bytes()));
+        let (kernel, args) = match (kind, self.phase) {
             (AttentionKind::Gqa, _) => {
                 reads.push(buf(Buf::RowRequest));
-                launch("layer", "paged_attention")
+                let (pos, rr, meta) = rows;
+                let a = vec![ptr(Buf::Qkv), pos, rr, meta, cnt(t), int(qh), int(kvh), q0, kv0, kv(), pages, Arg::Layer];
+                (launch("layer", "paged_attention"), [a, vec![ptr(Buf::Attn)]].concat())
+            }
+            (AttentionKind::Mla, Phase::Decode) if kv_b_bf16 => {
+                reads.push(buf(Buf::RowRequest));
+                let (pos, rr, meta) = rows;
+                let a = vec![ptr(Buf::Qkv), pos, rr, meta, cnt(t), int(qh), wptr(W::KvBProj), kv(), pages, Arg::Layer];
+                (launch("layer", "mla_decode_attention"), [a, vec![ptr(Buf::Attn)]].concat())
             }
             (AttentionKind::Mla, Phase::Decode) => {
-                reads.push(buf(Buf::RowRequest));
-                launch("layer", "mla_decode_attention")
+                (missing("attention_decode_mla (fp8 kv_b: the kernel reads it as bf16)"), vec![])
             }
-            _ => missing(&format!("attention_{}_{}", self.phase.name(), format!("{kind:?}").to_lowercase())),
+            _ => (missing(&format!("attention_{}_{}", self.phase.name(), format!("{kind:?}").to_lowercase())), vec![]),
         };
         o.push("attention", OpKind::Attention { kind, phase: self.phase }, c, mb, reads, vec![buf(Buf::Attn)], kernel);
+        o.args(args);
         if tp {
             let f32 = Epilogue::StoreF32;
             self.gemm(o, "o_proj", c, mb, (Buf::Attn, 0), &[W::OProj], (Buf::AllReduce, 0), f32, t);
@@ -521,8 +656,8 @@ impl Config<'_> {
                 CommKind::AllReduce,
                 mb,
                 vec![buf(Buf::AllReduce)],
-                Buf::AllReduce,
-                Buf::AllReduce,
+                (Buf::AllReduce, Buf::AllReduce),
+                &[],
                 u64::from(m.hidden) * 4,
             );
             o.push(
@@ -534,6 +669,8 @@ impl Config<'_> {
                 vec![r, buf(Buf::Normed)],
                 launch("layer", "add_rms_norm"),
             );
+            let w = wptr(W::PostAttentionNorm);
+            o.args(vec![ptr(Buf::Residual), ptr(Buf::AllReduce), w, cnt(t), ptr(Buf::Normed)]);
         } else {
             self.gemm(o, "o_proj", c, mb, (Buf::Attn, 0), &[W::OProj], (Buf::Residual, 0), Epilogue::AddF32, t);
             o.push(
@@ -545,6 +682,7 @@ impl Config<'_> {
                 vec![buf(Buf::Normed)],
                 launch("layer", "rms_norm"),
             );
+            o.args(vec![ptr(Buf::Residual), Arg::Null, wptr(W::PostAttentionNorm), cnt(t), ptr(Buf::Normed)]);
         }
     }
 
@@ -558,13 +696,18 @@ impl Config<'_> {
         kind: CommKind,
         mb: Option<u32>,
         reads: Vec<Operand>,
-        from: Buf,
-        to: Buf,
+        (from, to): (Buf, Buf),
+        with: &[[Buf; 2]],
         row_bytes: u64,
     ) {
         let stream = if self.mode == Mode::Ep { COMM } else { COMPUTE };
-        let op = o.push(name, OpKind::Comm, stream, mb, reads, vec![buf(to)], KernelRef::Transfer);
-        op.comm = Some(Comm { kind, group: self.world.to_vec(), from, to, row_bytes });
+        let writes = std::iter::once(to).chain(with.iter().map(|w| w[1])).map(buf).collect();
+        let op = o.push(name, OpKind::Comm, stream, mb, reads, writes, KernelRef::Transfer);
+        op.comm = Some(Comm { kind, group: self.world.to_vec(), from, to, with: with.to_vec(), row_bytes });
+    }
+    fn qk_norm_args(&self, qh: i64, kvh: i64, q0: &Arg, kv0: &Arg, sumsq: Arg) -> Vec<Arg> {
+        let t = cnt(GridVar::Tokens);
+        vec![ptr(Buf::Qkv), wptr(W::QNorm), wptr(W::KNorm), t, int(qh), int(kvh), q0.clone(), kv0.clone(), sumsq]
     }
 
     /// The router's GEMM and top-k of one micro-batch.
@@ -573,7 +716,8 @@ impl Config<'_> {
         let (normed, logits) = ((Buf::Normed, 0), (Buf::RouterLogits, 0));
         self.gemm(o, "router_gemm", c, mb, normed, &[W::Router], logits, Epilogue::StoreF32, GridVar::Tokens);
         let mut reads = vec![buf(Buf::RouterLogits)];
-        if matches!(self.m.moe.routing, Routing::SigmoidGrouped { bias: true, .. }) {
+        let reads_bias = matches!(self.m.moe.routing, Routing::SigmoidGrouped { bias: true, .. });
+        if reads_bias {
             reads.extend(self.w(W::RouterBias));
         }
         o.push(
@@ -585,6 +729,8 @@ impl Config<'_> {
             vec![buf(Buf::TopkIds), buf(Buf::TopkWeights)],
             launch("router", "moe_router"),
         );
+        let bias = if reads_bias { wptr(W::RouterBias) } else { Arg::Null };
+        o.args(vec![ptr(Buf::RouterLogits), bias, ptr(Buf::TopkIds), ptr(Buf::TopkWeights), cnt(GridVar::Tokens)]);
     }
 
     fn shared(&self, o: &mut Ops<'_>, stream: u32, mb: Option<u32>) {
@@ -600,12 +746,37 @@ impl Config<'_> {
     fn experts(&self, o: &mut Ops<'_>, mb: Option<u32>, input: Buf, out: Buf) {
         let (c, ep) = (COMPUTE, self.mode == Mode::Ep);
         let ri = buf(Buf::RouteIndex);
-        // TP permutes every token over every expert (num_local = E).
+        // TP permutes every token over every expert (num_local = E); EP its
+        // received rows over its own experts.
         let permute = |entry: &str| launch("permute", entry);
-        let ids = if ep { buf(input) } else { buf(Buf::TopkIds) };
-        o.push("permute_count", OpKind::Permute, c, mb, vec![ids], vec![ri], permute("moe_count"));
+        let (ids, weights) =
+            if ep { (Buf::DispatchIds, Buf::DispatchWeights) } else { (Buf::TopkIds, Buf::TopkWeights) };
+        let (rows, entries) =
+            if ep { (GridVar::Received, GridVar::ReceivedEntries) } else { (GridVar::Tokens, GridVar::Entries) };
+        let e = self.m.moe.experts;
+        let (begin, local): (Vec<i64>, Vec<i64>) = self
+            .experts
+            .iter()
+            .map(|r| if ep { (i64::from(r[0]), i64::from(r[1] - r[0])) } else { (0, i64::from(e)) })
+            .unzip();
+        let (begin, local) = (Arg::PerRank { values: begin }, Arg::PerRank { values: local });
+        let parts = self.route_parts();
+        let part = |at: u64| ptr_at(Buf::RouteIndex, at);
+        o.push("permute_count", OpKind::Permute, c, mb, vec![buf(ids)], vec![ri], permute("moe_count"));
+        o.args(vec![ptr(ids), cnt(entries), begin.clone(), local.clone(), part(parts.counts), part(parts.entry_row)]);
         o.push("permute_offsets", OpKind::Permute, c, mb, vec![ri], vec![ri], permute("moe_offsets"));
-        o.push("permute_scatter", OpKind::Permute, c, mb, vec![ids, ri], vec![ri], permute("moe_scatter"));
+        o.args(vec![part(parts.counts), local, part(parts.offsets)]);
+        o.push("permute_scatter", OpKind::Permute, c, mb, vec![buf(ids), ri], vec![ri], permute("moe_scatter"));
+        o.args(vec![
+            ptr(ids),
+            cnt(entries),
+            begin,
+            part(parts.counts),
+            part(parts.offsets),
+            part(parts.row_entry),
+            part(parts.row_expert),
+            part(parts.entry_row),
+        ]);
         o.push(
             "gather",
             OpKind::Gather,
@@ -615,6 +786,7 @@ impl Config<'_> {
             vec![buf(Buf::Permuted)],
             launch("permute", "moe_gather"),
         );
+        o.args(vec![ptr(input), part(parts.row_entry), cnt(GridVar::Rows), ptr(Buf::Permuted)]);
         let kernel = match self.apk {
             Some(apk) if ep => KernelRef::Post { instance: apk.to_string() },
             None if ep => KernelRef::Skip { reason: "the rank holds no routed experts".into() },
@@ -641,7 +813,6 @@ impl Config<'_> {
             o.wait(g);
             o.record(mb_name("experts_out", mb))
         });
-        let weights = if ep { buf(input) } else { buf(Buf::TopkWeights) };
         // EP's combine writes bf16 rows (per-source partial sums sent back);
         // TP's keeps its f32 partial sums for the all-reduce.
         let combine = launch("permute", if ep { "moe_combine" } else { "moe_combine_f32" });
@@ -650,10 +821,16 @@ impl Config<'_> {
             OpKind::CombineRows,
             c,
             mb,
-            vec![buf(Buf::ExpertOut), ri, weights],
+            vec![buf(Buf::ExpertOut), ri, buf(weights)],
             vec![buf(out)],
             combine,
         );
+        o.args(vec![ptr(Buf::ExpertOut), part(parts.entry_row), ptr(weights), cnt(rows), ptr(out)]);
+        if ep {
+            if let Some(op) = o.ops.last_mut() {
+                op.grid = Some(Grid::Per { over: rows, per: 1 });
+            }
+        }
         if let Some(e) = expert_rows {
             o.wait(e);
         }
@@ -684,7 +861,9 @@ impl Config<'_> {
                 self.shared(o, COMPUTE, mb);
             }
             let reads = vec![buf(Buf::Normed), buf(Buf::TopkIds), buf(Buf::TopkWeights)];
-            self.comm(o, "dispatch", CommKind::AllToAll, mb, reads, Buf::Normed, Buf::Dispatch, h * 2 + k * 8);
+            let with = [[Buf::TopkIds, Buf::DispatchIds], [Buf::TopkWeights, Buf::DispatchWeights]];
+            let rows = (Buf::Normed, Buf::Dispatch);
+            self.comm(o, "dispatch", CommKind::AllToAll, mb, reads, rows, &with, h * 2 + k * 8);
             o.wait(routed);
             dispatched.push(o.record(mb_name("dispatched", mb)));
         }
@@ -694,7 +873,8 @@ impl Config<'_> {
             self.experts(o, mb, Buf::Dispatch, Buf::Combine);
             o.ops[before].waits.push(d);
             let done = o.record(mb_name("experts_done", mb));
-            self.comm(o, "combine", CommKind::AllToAll, mb, vec![buf(Buf::Combine)], Buf::Combine, Buf::MoeOut, h * 2);
+            let rows = (Buf::Combine, Buf::MoeOut);
+            self.comm(o, "combine", CommKind::AllToAll, mb, vec![buf(Buf::Combine)], rows, &[], h * 2);
             o.wait(done);
             combined.push(o.record(mb_name("combined", mb)));
         }
@@ -712,6 +892,8 @@ impl Config<'_> {
                 vec![buf(Buf::Residual)],
                 launch("layer", "residual_add"),
             );
+            let shared = if has_shared { ptr(Buf::SharedOut) } else { Arg::Null };
+            o.args(vec![ptr(Buf::Residual), ptr(Buf::MoeOut), shared, cnt(GridVar::Tokens)]);
             o.wait(cb);
             if self.sbo() {
                 let e = o.event(mb_name("shared_done", mb));
@@ -735,8 +917,8 @@ impl Config<'_> {
             CommKind::AllReduce,
             None,
             vec![buf(Buf::AllReduce)],
-            Buf::AllReduce,
-            Buf::AllReduce,
+            (Buf::AllReduce, Buf::AllReduce),
+            &[],
             h * 4,
         );
         let mut reads = vec![buf(Buf::AllReduce), buf(Buf::Residual)];
@@ -752,6 +934,8 @@ impl Config<'_> {
             vec![buf(Buf::Residual)],
             launch("layer", "residual_add"),
         );
+        let shared = if self.m.moe.shared_experts > 0 { ptr(Buf::SharedOut) } else { Arg::Null };
+        o.args(vec![ptr(Buf::Residual), ptr(Buf::AllReduce), shared, cnt(GridVar::Tokens)]);
     }
 }
 
