@@ -1,9 +1,9 @@
 //! Host emulation of the Adaptive Persistent Kernel: the scheduler and
 //! signalling of the emitted `apk.cu` (the same source nvcc compiles) build
-//! with g++ against tests/shim/apk_host.h (CTAs and clusters as threads,
+//! with g++ against runtime/shim/apk_host.h (CTAs and clusters as threads,
 //! scoped atomics as std::atomic_ref, distributed shared memory as a
 //! per-cluster slot table) and run a seeded random mix of prefill and decode
-//! operations. The driver (tests/shim/apk_main.cpp) checks from the trace that
+//! operations. The driver (runtime/shim/apk_main.cpp) checks from the trace that
 //! every tile runs exactly once, GateUp→Down dependencies hold, outputs equal
 //! the scalar reference bit for bit (small shapes), decode-assigned clusters
 //! start at most one prefill tile after the signal, idle clusters take the

@@ -1,5 +1,5 @@
 //! Host-emulation tier: the emitted router and permutation kernels run on the
-//! CPU through a small CUDA shim (tests/shim: CUDA threads as std::threads,
+//! CPU through a small CUDA shim (runtime/shim: CUDA threads as std::threads,
 //! warp shuffles and ballots through per-warp barriers) and must agree with
 //! the scalar references in `moeforge_runtime::reference`. This executes the
 //! very source that nvcc compiles, specialized per example deployment.

@@ -9,6 +9,8 @@
 //! plan, switching TP↔EP live. [`sim`] is the `sim` backend: a
 //! discrete-event serving simulator on the plan's cost model, comparing
 //! ExpertPlex-style sharing, Moebius-style switching and the baselines.
+//! [`device`] is the `Device` interface (memory, modules, launches) with
+//! the emulated device and the binding of a program op's plan arguments.
 //! [`batching`] is the admission rule they share. [`reference`] holds scalar
 //! references of the emitted kernels.
 //!
@@ -16,6 +18,7 @@
 //! engine.
 
 pub mod batching;
+pub mod device;
 pub mod engine;
 pub mod machine;
 pub mod policy;

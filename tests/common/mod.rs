@@ -131,13 +131,13 @@ impl Rng {
     }
 }
 
-/// Builds a host-emulation driver from tests/shim with an emitted kernel
+/// Builds a host-emulation driver from runtime/shim with an emitted kernel
 /// source included (`-DKERNEL_SOURCE`); `extra` adds flags (e.g. a sanitizer).
 pub fn build_host_driver(dir: &Path, driver: &str, kernel_src: &[u8], tag: &str, extra: &[&str]) -> PathBuf {
     let src = dir.join(format!("{tag}.cu"));
     std::fs::write(&src, kernel_src).unwrap_or_else(|e| panic!("{e}"));
     let bin = dir.join(tag);
-    let shim = root().join("tests/shim");
+    let shim = root().join("runtime/shim");
     let o = Command::new("g++")
         .args(["-std=c++20", "-O1", "-g", "-pthread", "-fno-strict-aliasing", "-ffp-contract=off"])
         .args(["-Wall", "-Wextra", "-Werror", "-Wno-unknown-pragmas", "-Wno-unused-parameter"])

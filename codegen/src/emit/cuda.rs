@@ -13,6 +13,15 @@ const ROUTER: &str = include_str!("../../templates/router.cu.tera");
 const PERMUTE: &str = include_str!("../../templates/permute.cu.tera");
 const APK: &str = include_str!("../../templates/apk.cu.tera");
 const LAYER: &str = include_str!("../../templates/layer.cu.tera");
+const EMU_LAUNCH: &str = include_str!("../../templates/emu_launch.cu.tera");
+
+/// An entry of the emulated device's launch table: its symbol and its
+/// parameters' C types, in order.
+#[derive(serde::Serialize)]
+struct EmuEntry<'a> {
+    symbol: &'a str,
+    types: Vec<&'a str>,
+}
 
 #[derive(Debug, thiserror::Error)]
 #[error("template `{template}` failed: {message}")]
@@ -63,17 +72,26 @@ pub fn render(plan: &ValidPlan, k: &KernelInstance) -> Result<String, TemplateEr
     ctx.insert("version", env!("CARGO_PKG_VERSION"));
     ctx.insert("deploy", &plan.plan().deploy);
     ctx.insert("purpose", &k.purpose);
+    let emu: Vec<EmuEntry<'_>> = k
+        .entries
+        .iter()
+        .map(|e| EmuEntry {
+            symbol: &e.symbol,
+            types: e.params.iter().map(|p| p.rsplit_once(' ').map_or(p.as_str(), |(t, _)| t)).collect(),
+        })
+        .collect();
+    ctx.insert("emu_entries", &emu);
     // (template to render, every template it needs)
     let (name, templates): (&str, Vec<(&str, &str)>) = match &k.params {
         KernelParams::Router(p) => {
             ctx.insert("p", p);
             ctx.insert("sigmoid", &(p.scoring == moeforge_plan::Scoring::Sigmoid));
             ctx.insert("scaling", &float_literal(p.scaling));
-            ("router.cu", vec![("router.cu", ROUTER)])
+            ("router.cu", vec![("router.cu", ROUTER), ("emu_launch.cu", EMU_LAUNCH)])
         }
         KernelParams::Permute(p) => {
             ctx.insert("p", p);
-            ("permute.cu", vec![("permute.cu", PERMUTE)])
+            ("permute.cu", vec![("permute.cu", PERMUTE), ("emu_launch.cu", EMU_LAUNCH)])
         }
         KernelParams::Layer(p) => {
             ctx.insert("p", p);
@@ -93,7 +111,7 @@ pub fn render(plan: &ValidPlan, k: &KernelInstance) -> Result<String, TemplateEr
                 let freqs: Vec<String> = a.inv_freq.iter().map(|f| format!("{f:?}")).collect();
                 ctx.insert("inv_freq", &freqs.join(", "));
             }
-            ("layer.cu", vec![("layer.cu", LAYER)])
+            ("layer.cu", vec![("layer.cu", LAYER), ("emu_launch.cu", EMU_LAUNCH)])
         }
         KernelParams::Apk(p) => {
             let target = crate::target::of(k.arch);

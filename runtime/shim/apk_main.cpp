@@ -1,4 +1,4 @@
-// Drives an emitted APK on the host (tests/shim/apk_host.h): CTA clusters as
+// Drives an emitted APK on the host (runtime/shim/apk_host.h): CTA clusters as
 // threads, an "attention side" posting a seeded random mix of prefill and
 // decode operations, then checks from the trace:
 //   - every tile of every operation ran exactly once;

@@ -1,5 +1,5 @@
 // Drives an emitted dense APK (the one-group GEMM form) on the host
-// (tests/shim/apk_host.h) the way a colocated rank launches it: per
+// (runtime/shim/apk_host.h) the way a colocated rank launches it: per
 // operation, with the operation and `stop` posted before the launch, CTA
 // clusters as threads, the launch returning once the operation is done.
 // Each operation has a seeded random shape: n output columns (not a multiple

@@ -1,0 +1,195 @@
+// The emulated device: one host process that holds device memory and runs a
+// bundle's kernels built for the host against the CUDA shim (cuda_host.h),
+// each kernel instance a shared library exporting `moeforge_emu_launch`
+// (the emitted launch table). The runtime drives it over stdin/stdout:
+//
+//   request: u8 op, then its fields (little-endian)
+//     1 alloc  u64 bytes                                -> u32 buffer
+//     2 write  u32 buffer, u64 offset, u64 len, bytes   -> nothing
+//     3 read   u32 buffer, u64 offset, u64 len          -> bytes
+//     4 load   u32 len, path                            -> u32 module
+//     5 launch u32 module, u32 len, entry, u32 grid, u32 block, u32 args,
+//              per argument u8 kind and its value:
+//                0 pointer (u32 buffer, u64 offset), 1 null, 2 i32, 3 i64, 4 f32
+//     0 quit
+//   reply: u8 0 and the result, or u8 1, u32 len and a message.
+//
+// Launches run to completion in the order they arrive (a launch's blocks one
+// after another, its threads as std::threads), so any order the program's
+// streams and events allow is respected. A kernel that traps aborts the
+// process: the runtime reports the launch it was running.
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+using LaunchFn = int (*)(const char*, unsigned, unsigned, void**);
+
+struct Buffer {
+  unsigned char* data;
+  uint64_t bytes;
+};
+
+std::vector<Buffer> buffers;
+std::vector<LaunchFn> modules;
+
+bool read_exact(void* dst, size_t n) { return n == 0 || std::fread(dst, 1, n, stdin) == n; }
+
+template <typename T>
+T get() {
+  T v{};
+  if (!read_exact(&v, sizeof(T))) std::exit(0);  // the runtime went away
+  return v;
+}
+
+std::string get_string() {
+  const uint32_t n = get<uint32_t>();
+  if (n > (1u << 20)) std::exit(2);
+  std::string s(n, '\0');
+  if (!read_exact(s.data(), n)) std::exit(0);
+  return s;
+}
+
+void ok() { std::fputc(0, stdout); }
+
+void fail(const std::string& why) {
+  std::fputc(1, stdout);
+  const uint32_t n = static_cast<uint32_t>(why.size());
+  std::fwrite(&n, 4, 1, stdout);
+  std::fwrite(why.data(), 1, n, stdout);
+}
+
+// A range of a buffer, or null when it lies outside.
+unsigned char* at(uint32_t id, uint64_t offset, uint64_t len) {
+  if (id >= buffers.size()) return nullptr;
+  const Buffer& b = buffers[id];
+  if (offset > b.bytes || len > b.bytes - offset) return nullptr;
+  return b.data + offset;
+}
+
+void launch() {
+  const uint32_t module = get<uint32_t>();
+  const std::string entry = get_string();
+  const uint32_t grid = get<uint32_t>(), block = get<uint32_t>(), n = get<uint32_t>();
+  if (n > 64) std::exit(2);
+  // Each argument's value; args[k] points at it (cuLaunchKernel's convention).
+  std::vector<uint64_t> values(n, 0);
+  std::vector<void*> args(n, nullptr);
+  std::string bad;
+  for (uint32_t k = 0; k < n; ++k) {
+    const uint8_t kind = get<uint8_t>();
+    switch (kind) {
+      case 0: {
+        const uint32_t id = get<uint32_t>();
+        const uint64_t off = get<uint64_t>();
+        unsigned char* p = at(id, off, 0);
+        if (!p && bad.empty()) bad = "argument " + std::to_string(k) + " points outside buffer " + std::to_string(id);
+        std::memcpy(&values[k], &p, sizeof p);
+        break;
+      }
+      case 1:
+        break;
+      case 2: {
+        const int32_t v = get<int32_t>();
+        std::memcpy(&values[k], &v, 4);
+        break;
+      }
+      case 3: {
+        const int64_t v = get<int64_t>();
+        std::memcpy(&values[k], &v, 8);
+        break;
+      }
+      case 4: {
+        const float v = get<float>();
+        std::memcpy(&values[k], &v, 4);
+        break;
+      }
+      default:
+        std::exit(2);
+    }
+    args[k] = &values[k];
+  }
+  if (module >= modules.size()) return fail("no module " + std::to_string(module));
+  if (!bad.empty()) return fail(bad);
+  if (block == 0 || block > 1024) return fail("block of " + std::to_string(block) + " threads");
+  if (modules[module](entry.c_str(), grid, block, args.data()) != 0) return fail("no entry `" + entry + "`");
+  ok();
+}
+
+}  // namespace
+
+int main() {
+  for (;;) {
+    const uint8_t op = get<uint8_t>();
+    switch (op) {
+      case 0:
+        return 0;
+      case 1: {
+        const uint64_t bytes = get<uint64_t>();
+        const uint64_t rounded = (bytes + 4095) / 4096 * 4096;
+        void* p = rounded ? std::aligned_alloc(4096, rounded) : nullptr;
+        if (rounded && !p) {
+          fail("cannot allocate " + std::to_string(bytes) + " bytes");
+          break;
+        }
+        if (p) std::memset(p, 0, rounded);
+        buffers.push_back(Buffer{static_cast<unsigned char*>(p), bytes});
+        ok();
+        const uint32_t id = static_cast<uint32_t>(buffers.size() - 1);
+        std::fwrite(&id, 4, 1, stdout);
+        break;
+      }
+      case 2: {
+        const uint32_t id = get<uint32_t>();
+        const uint64_t off = get<uint64_t>(), len = get<uint64_t>();
+        unsigned char* p = at(id, off, len);
+        std::vector<unsigned char> sink(p ? 0 : len);
+        if (!read_exact(p ? p : sink.data(), len)) return 0;
+        if (p)
+          ok();
+        else
+          fail("write outside buffer " + std::to_string(id));
+        break;
+      }
+      case 3: {
+        const uint32_t id = get<uint32_t>();
+        const uint64_t off = get<uint64_t>(), len = get<uint64_t>();
+        unsigned char* p = at(id, off, len);
+        if (!p) {
+          fail("read outside buffer " + std::to_string(id));
+          break;
+        }
+        ok();
+        std::fwrite(p, 1, len, stdout);
+        break;
+      }
+      case 4: {
+        const std::string path = get_string();
+        void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+        void* f = h ? dlsym(h, "moeforge_emu_launch") : nullptr;
+        if (!f) {
+          const char* e = dlerror();
+          fail(std::string("cannot load ") + path + ": " + (e ? e : "no launch table"));
+          break;
+        }
+        modules.push_back(reinterpret_cast<LaunchFn>(f));
+        ok();
+        const uint32_t id = static_cast<uint32_t>(modules.size() - 1);
+        std::fwrite(&id, 4, 1, stdout);
+        break;
+      }
+      case 5:
+        launch();
+        break;
+      default:
+        return 2;
+    }
+    std::fflush(stdout);
+  }
+}

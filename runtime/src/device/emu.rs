@@ -1,0 +1,329 @@
+//! The emulated device (`--backend emu`'s device): the bundle's own emitted
+//! kernel sources built for the host with g++ against the project's CUDA
+//! shim (`runtime/shim/`: CUDA threads as `std::thread`s, blocks one after
+//! another, `__syncthreads` a barrier), each kernel instance a shared
+//! library exporting the emitted launch table (`moeforge_emu_launch`),
+//! loaded by a device process (`shim/emu_device.cpp`) that owns the device
+//! memory. The runtime talks to it over a pipe: the kernels run in their
+//! own process, so a kernel that traps or faults stops that process, and
+//! the launch it was running is reported, instead of taking the runtime
+//! down (the workspace also forbids `unsafe`, which loading a library
+//! in-process would need).
+//!
+//! Builds are cached by content (the source, the shim, the flags and the
+//! compiler's version) under `MOEFORGE_EMU_CACHE`, `$XDG_CACHE_HOME/moeforge/emu`
+//! or `~/.cache/moeforge/emu`; entries are renamed into place, so
+//! concurrent builds are safe.
+
+use super::{BufferId, Device, DeviceError, KernelArg, ModuleId};
+use sha2::{Digest, Sha256};
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+
+const CUDA_HOST: &str = include_str!("../../shim/cuda_host.h");
+const CUDA_BF16: &str = include_str!("../../shim/cuda_bf16.h");
+const DEVICE_MAIN: &str = include_str!("../../shim/emu_device.cpp");
+
+/// g++ flags of the kernel libraries: the host-emulation tier's (no
+/// floating-point contraction, so f32 arithmetic rounds as written).
+const KERNEL_FLAGS: &[&str] = &[
+    "-std=c++20",
+    "-O2",
+    "-pthread",
+    "-fPIC",
+    "-shared",
+    "-fvisibility=hidden",
+    "-fvisibility-inlines-hidden",
+    "-fno-strict-aliasing",
+    "-ffp-contract=off",
+    "-Wall",
+    "-Wextra",
+    "-Werror",
+    "-Wno-unknown-pragmas",
+    "-Wno-unused-parameter",
+    "-DMOEFORGE_EMU",
+];
+
+pub struct EmuDevice {
+    child: Child,
+    tx: BufWriter<ChildStdin>,
+    rx: BufReader<ChildStdout>,
+    cache: PathBuf,
+    shim: PathBuf,
+    /// Identifies the compiler and the shim in every cache key.
+    salt: String,
+    /// Module names, for errors.
+    modules: Vec<String>,
+}
+
+/// The default build cache.
+pub fn default_cache() -> PathBuf {
+    if let Some(d) = std::env::var_os("MOEFORGE_EMU_CACHE") {
+        return PathBuf::from(d);
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir);
+    base.join("moeforge").join("emu")
+}
+
+fn other(what: impl std::fmt::Display) -> DeviceError {
+    DeviceError::Other(what.to_string())
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().take(12).map(|b| format!("{b:02x}")).collect()
+}
+
+/// Writes `data` to `path` unless it is there, through a temporary file
+/// renamed into place.
+fn put(path: &Path, data: &[u8]) -> Result<(), DeviceError> {
+    if path.exists() {
+        return Ok(());
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, data).map_err(|e| other(format!("cannot write {}: {e}", tmp.display())))?;
+    std::fs::rename(&tmp, path).map_err(|e| other(format!("cannot write {}: {e}", path.display())))
+}
+
+impl EmuDevice {
+    /// Builds (or finds) the device process and starts it.
+    pub fn start(cache: &Path) -> Result<EmuDevice, DeviceError> {
+        std::fs::create_dir_all(cache).map_err(|e| other(format!("cannot create {}: {e}", cache.display())))?;
+        let version = Command::new("g++")
+            .arg("--version")
+            .output()
+            .map_err(|e| other(format!("the emulated device needs g++ (C++20): {e}")))?;
+        let mut h = Sha256::new();
+        for part in [CUDA_HOST, CUDA_BF16, DEVICE_MAIN] {
+            h.update(part.as_bytes());
+        }
+        h.update(&version.stdout);
+        let salt = hex(&h.finalize());
+        let shim = cache.join(format!("shim-{salt}"));
+        if !shim.exists() {
+            let tmp = cache.join(format!("shim-{salt}.tmp{}", std::process::id()));
+            std::fs::create_dir_all(&tmp).map_err(|e| other(format!("cannot create {}: {e}", tmp.display())))?;
+            for (name, text) in
+                [("cuda_host.h", CUDA_HOST), ("cuda_bf16.h", CUDA_BF16), ("emu_device.cpp", DEVICE_MAIN)]
+            {
+                std::fs::write(tmp.join(name), text).map_err(|e| other(format!("cannot write {name}: {e}")))?;
+            }
+            if std::fs::rename(&tmp, &shim).is_err() && !shim.exists() {
+                return Err(other(format!("cannot create {}", shim.display())));
+            }
+            let _ = std::fs::remove_dir_all(&tmp);
+        }
+        let bin = cache.join(format!("emu_device-{salt}"));
+        if !bin.exists() {
+            let tmp = cache.join(format!("emu_device-{salt}.tmp{}", std::process::id()));
+            let o = Command::new("g++")
+                .args(["-std=c++20", "-O2", "-pthread", "-Wall", "-Wextra", "-Werror"])
+                .arg(shim.join("emu_device.cpp"))
+                .arg("-o")
+                .arg(&tmp)
+                .arg("-ldl")
+                .output()
+                .map_err(|e| other(format!("cannot run g++: {e}")))?;
+            if !o.status.success() {
+                return Err(DeviceError::Build {
+                    kernel: "emu_device".into(),
+                    device: "emulated device",
+                    message: String::from_utf8_lossy(&o.stderr).into_owned(),
+                });
+            }
+            std::fs::rename(&tmp, &bin).map_err(|e| other(format!("cannot write {}: {e}", bin.display())))?;
+        }
+        let mut child = Command::new(&bin)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| other(format!("cannot start {}: {e}", bin.display())))?;
+        let (Some(tx), Some(rx)) = (child.stdin.take(), child.stdout.take()) else {
+            return Err(other("the emulated device has no pipes"));
+        };
+        Ok(EmuDevice {
+            child,
+            tx: BufWriter::new(tx),
+            rx: BufReader::new(rx),
+            cache: cache.to_path_buf(),
+            shim,
+            salt,
+            modules: Vec::new(),
+        })
+    }
+
+    fn send(&mut self, bytes: &[u8]) -> Result<(), DeviceError> {
+        self.tx.write_all(bytes).map_err(|e| other(format!("the emulated device stopped: {e}")))
+    }
+
+    /// The reply's status; an error reply's message as `Err`. `what` names
+    /// the request for the error when the device process has stopped.
+    fn reply(&mut self, what: &str) -> Result<Result<(), String>, DeviceError> {
+        self.tx.flush().map_err(|e| other(format!("the emulated device stopped: {e}")))?;
+        let mut status = [0u8; 1];
+        if self.rx.read_exact(&mut status).is_err() {
+            let code = self.child.wait().map(|s| s.to_string()).unwrap_or_else(|e| e.to_string());
+            return Err(other(format!(
+                "the emulated device stopped during {what} ({code}): a kernel trapped or faulted"
+            )));
+        }
+        if status[0] == 0 {
+            return Ok(Ok(()));
+        }
+        let n = u32::from_le_bytes(self.read_n(4, what)?.try_into().unwrap_or_default());
+        let msg = self.read_n(n as usize, what)?;
+        Ok(Err(String::from_utf8_lossy(&msg).into_owned()))
+    }
+
+    fn read_n(&mut self, n: usize, what: &str) -> Result<Vec<u8>, DeviceError> {
+        let mut v = vec![0u8; n];
+        self.rx.read_exact(&mut v).map_err(|e| other(format!("the emulated device stopped during {what}: {e}")))?;
+        Ok(v)
+    }
+
+    fn read_u32(&mut self, what: &str) -> Result<u32, DeviceError> {
+        Ok(u32::from_le_bytes(self.read_n(4, what)?.try_into().unwrap_or_default()))
+    }
+
+    /// Builds kernel instance `name` for the host, or finds it in the cache.
+    fn build(&self, name: &str, source: &str) -> Result<PathBuf, DeviceError> {
+        let mut h = Sha256::new();
+        h.update(source.as_bytes());
+        h.update(KERNEL_FLAGS.join(" ").as_bytes());
+        h.update(self.salt.as_bytes());
+        let key = hex(&h.finalize());
+        let lib = self.cache.join(format!("{name}-{key}.so"));
+        if lib.exists() {
+            return Ok(lib);
+        }
+        let src = self.cache.join(format!("{name}-{key}.cu"));
+        put(&src, source.as_bytes())?;
+        let tmp = self.cache.join(format!("{name}-{key}.so.tmp{}", std::process::id()));
+        let o = Command::new("g++")
+            .args(KERNEL_FLAGS)
+            .arg(format!("-I{}", self.shim.display()))
+            .args(["-include", "cuda_host.h", "-x", "c++"])
+            .arg(&src)
+            .arg("-o")
+            .arg(&tmp)
+            .output()
+            .map_err(|e| other(format!("cannot run g++: {e}")))?;
+        if !o.status.success() {
+            let err = String::from_utf8_lossy(&o.stderr);
+            let lines: Vec<&str> = err.lines().take(20).collect();
+            return Err(DeviceError::Build {
+                kernel: name.into(),
+                device: "emulated device",
+                message: lines.join("\n"),
+            });
+        }
+        std::fs::rename(&tmp, &lib).map_err(|e| other(format!("cannot write {}: {e}", lib.display())))?;
+        Ok(lib)
+    }
+}
+
+impl Device for EmuDevice {
+    fn alloc(&mut self, bytes: u64) -> Result<BufferId, DeviceError> {
+        let mut m = vec![1u8];
+        m.extend(bytes.to_le_bytes());
+        self.send(&m)?;
+        self.reply("alloc")?.map_err(other)?;
+        Ok(BufferId(self.read_u32("alloc")?))
+    }
+
+    fn upload(&mut self, buffer: BufferId, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+        let mut m = vec![2u8];
+        m.extend(buffer.0.to_le_bytes());
+        m.extend(offset.to_le_bytes());
+        m.extend((data.len() as u64).to_le_bytes());
+        self.send(&m)?;
+        self.send(data)?;
+        self.reply("upload")?.map_err(other)
+    }
+
+    fn download(&mut self, buffer: BufferId, offset: u64, len: u64) -> Result<Vec<u8>, DeviceError> {
+        let mut m = vec![3u8];
+        m.extend(buffer.0.to_le_bytes());
+        m.extend(offset.to_le_bytes());
+        m.extend(len.to_le_bytes());
+        self.send(&m)?;
+        self.reply("download")?.map_err(other)?;
+        self.read_n(len as usize, "download")
+    }
+
+    fn load(&mut self, name: &str, source: &str) -> Result<ModuleId, DeviceError> {
+        let lib = self.build(name, source)?;
+        let path = lib.to_string_lossy().into_owned();
+        let mut m = vec![4u8];
+        m.extend((path.len() as u32).to_le_bytes());
+        m.extend(path.as_bytes());
+        self.send(&m)?;
+        self.reply("load")?.map_err(|message| DeviceError::Build {
+            kernel: name.into(),
+            device: "emulated device",
+            message,
+        })?;
+        let id = self.read_u32("load")?;
+        self.modules.push(name.into());
+        Ok(ModuleId(id))
+    }
+
+    fn launch(
+        &mut self,
+        module: ModuleId,
+        entry: &str,
+        grid: u32,
+        block: u32,
+        args: &[KernelArg],
+    ) -> Result<(), DeviceError> {
+        let mut m = vec![5u8];
+        m.extend(module.0.to_le_bytes());
+        m.extend((entry.len() as u32).to_le_bytes());
+        m.extend(entry.as_bytes());
+        m.extend(grid.to_le_bytes());
+        m.extend(block.to_le_bytes());
+        m.extend((args.len() as u32).to_le_bytes());
+        for a in args {
+            match *a {
+                KernelArg::Ptr { buffer, offset } => {
+                    m.push(0);
+                    m.extend(buffer.0.to_le_bytes());
+                    m.extend(offset.to_le_bytes());
+                }
+                KernelArg::Null => m.push(1),
+                KernelArg::I32(v) => {
+                    m.push(2);
+                    m.extend(v.to_le_bytes());
+                }
+                KernelArg::I64(v) => {
+                    m.push(3);
+                    m.extend(v.to_le_bytes());
+                }
+                KernelArg::F32(v) => {
+                    m.push(4);
+                    m.extend(v.to_le_bytes());
+                }
+            }
+        }
+        self.send(&m)?;
+        let module_name = self.modules.get(module.0 as usize).cloned().unwrap_or_default();
+        let what = format!("`{module_name}::{entry}`");
+        match self.reply(&what) {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(message)) => Err(DeviceError::Launch { entry: format!("{module_name}::{entry}"), message }),
+            Err(e) => Err(DeviceError::Launch { entry: format!("{module_name}::{entry}"), message: e.to_string() }),
+        }
+    }
+}
+
+impl Drop for EmuDevice {
+    fn drop(&mut self) {
+        let _ = self.tx.write_all(&[0]);
+        let _ = self.tx.flush();
+        let _ = self.child.wait();
+    }
+}

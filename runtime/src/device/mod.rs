@@ -1,0 +1,66 @@
+//! The `Device` interface: what a backend needs from a GPU (or an emulation
+//! of one) to run a bundle's programs: device memory, uploads and readbacks
+//! at offsets, kernel modules, and launches with `cuLaunchKernel`'s
+//! argument convention. [`bind`] turns a program op's plan arguments into a
+//! launch on any `Device`; [`emu`] is the emulated device.
+//!
+//! A launch here runs to completion before the call returns (the emulated
+//! device's semantics), so issuing a program's ops in program order is a
+//! legal execution of its streams and events. Streams, events and peer
+//! addresses join this interface with the CUDA device (the cuda-backend
+//! issue), where launches are asynchronous.
+
+pub mod bind;
+pub mod emu;
+
+/// Device memory: one allocation (a rank's unified buffer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BufferId(pub u32);
+
+/// A loaded kernel instance.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ModuleId(pub u32);
+
+/// One argument value of a launch.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum KernelArg {
+    /// `offset` bytes into a buffer.
+    Ptr {
+        buffer: BufferId,
+        offset: u64,
+    },
+    Null,
+    I32(i32),
+    I64(i64),
+    F32(f32),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    /// A kernel instance's source does not build for this device.
+    #[error("kernel `{kernel}` does not build for the {device}: {message}")]
+    Build { kernel: String, device: &'static str, message: String },
+    /// A launch failed or the device stopped while running it.
+    #[error("launch of `{entry}` failed: {message}")]
+    Launch { entry: String, message: String },
+    #[error("{0}")]
+    Other(String),
+}
+
+pub trait Device {
+    /// Allocates `bytes` of zeroed device memory.
+    fn alloc(&mut self, bytes: u64) -> Result<BufferId, DeviceError>;
+    fn upload(&mut self, buffer: BufferId, offset: u64, data: &[u8]) -> Result<(), DeviceError>;
+    fn download(&mut self, buffer: BufferId, offset: u64, len: u64) -> Result<Vec<u8>, DeviceError>;
+    /// Builds (or finds in its cache) and loads kernel instance `name` from its source.
+    fn load(&mut self, name: &str, source: &str) -> Result<ModuleId, DeviceError>;
+    /// Runs `entry` of `module` over `grid` blocks of `block` threads.
+    fn launch(
+        &mut self,
+        module: ModuleId,
+        entry: &str,
+        grid: u32,
+        block: u32,
+        args: &[KernelArg],
+    ) -> Result<(), DeviceError>;
+}

@@ -1,0 +1,250 @@
+//! The emulated device runs a bundle's emitted kernels from the plan's own
+//! launch arguments: a tiny Qwen3-shaped bundle's embedding, norms, KV write
+//! and paged attention ops, bound by `device::bind` at a TP rank's heads and
+//! a layer's weights and pages, launched on `device::emu` (the emitted
+//! sources built for the host, in their own process), against references
+//! written here: the embedding table's rows, `twin::math::rms_norm`, and a
+//! naive causal softmax attention over the heads a TP rank holds (derived
+//! from the model's head counts, not from the plan). Bad input: a kernel
+//! that does not build, and a kernel that traps, are errors naming it.
+
+#![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+use common::*;
+use moeforge::codegen::{self, NvccMode};
+use moeforge::dsl::{check_paths, FsLoader};
+use moeforge::plan::memory::{BufferName, Mode, TensorPart, TensorRole};
+use moeforge::plan::program::{Op, Phase, Program};
+use moeforge::runtime::device::bind::{self, Counts, Site};
+use moeforge::runtime::device::emu::EmuDevice;
+use moeforge::runtime::device::{BufferId, Device, DeviceError, ModuleId};
+use std::collections::BTreeMap;
+
+fn bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+fn f(b: u16) -> f32 {
+    f32::from_bits(u32::from(b) << 16)
+}
+fn le16(v: &[u16]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+fn le32(v: &[i32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+fn u16s(b: &[u8]) -> Vec<u16> {
+    b.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect()
+}
+fn f32s(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+struct Bundle {
+    plan: codegen::Plan,
+    files: BTreeMap<String, Vec<u8>>,
+}
+
+fn tiny() -> Bundle {
+    let path = root().join("examples/tiny-qwen3-cpu4.moe");
+    let checked = check_paths(&[path], &FsLoader).unwrap_or_else(|e| panic!("{}", e.render(false)));
+    let id = moeforge::dsl::spec::DeployId(0);
+    let plan =
+        codegen::plan_deployment(&checked, id).unwrap_or_else(|d| panic!("{}", d.render(&checked.sources, false)));
+    let (bundle, _) = codegen::emit(&checked, id, &plan, &NvccMode::Off).unwrap();
+    Bundle { plan: plan.plan().clone(), files: bundle.files }
+}
+
+fn op<'a>(p: &'a Program, name: &str) -> &'a Op {
+    p.ops().map(|(_, o)| o).find(|o| o.name == name).unwrap_or_else(|| panic!("no op {name}"))
+}
+
+struct Rig {
+    dev: EmuDevice,
+    buf: BufferId,
+    modules: BTreeMap<String, ModuleId>,
+    _cache: tempfile::TempDir,
+}
+
+fn rig(b: &Bundle) -> Rig {
+    let cache = tempfile::tempdir().unwrap();
+    let mut dev = EmuDevice::start(cache.path()).unwrap();
+    let mut modules = BTreeMap::new();
+    for k in ["layer", "router", "permute"] {
+        let src = String::from_utf8(b.files[&format!("kernels/{k}.cu")].clone()).unwrap();
+        modules.insert(k.to_string(), dev.load(k, &src).unwrap_or_else(|e| panic!("{e}")));
+    }
+    let buf = dev.alloc(b.plan.memory.buffer_bytes).unwrap();
+    Rig { dev, buf, modules, _cache: cache }
+}
+
+#[test]
+fn the_emulated_device_runs_program_ops_from_their_plan_arguments() {
+    let b = tiny();
+    let mut r = rig(&b);
+    let mem = &b.plan.memory;
+    let p = b.plan.programs.iter().find(|p| p.mode == Mode::Tp && p.phase == Phase::Prefill).unwrap();
+    let (hidden, vocab, eps) = (128usize, 512usize, 1e-6f32);
+    // Qwen3-shaped GQA: 8 query heads and 2 KV heads of 16 dims over 4 TP ranks.
+    let (heads, kv_heads, d, ranks) = (8usize, 2usize, 16usize, 4usize);
+    let (rank, layer) = (3u32, 2u32);
+    let mut rng = Rng(11);
+    let put = |r: &mut Rig, at: u64, bytes: &[u8]| r.dev.upload(r.buf, at, bytes).unwrap();
+    let view = |role, layer: u32| {
+        let v = mem.view(Mode::Tp, role, TensorPart::Weight).unwrap();
+        if role.per_layer() {
+            v.offset_of(layer)
+        } else {
+            v.offset
+        }
+    };
+    let buffer = |name| mem.buffer(Mode::Tp, name).unwrap();
+
+    // Weights: the embedding table, layer 2's input norm, the final norm.
+    let table: Vec<u16> = (0..vocab * hidden).map(|_| bf16(rng.unit())).collect();
+    let w_in: Vec<u16> = (0..hidden).map(|_| bf16(1.0 + 0.5 * rng.unit())).collect();
+    let w_out: Vec<u16> = (0..hidden).map(|_| bf16(1.0 + 0.5 * rng.unit())).collect();
+    put(&mut r, view(TensorRole::Embedding, 0), &le16(&table));
+    put(&mut r, view(TensorRole::InputNorm, layer), &le16(&w_in));
+    put(&mut r, view(TensorRole::FinalNorm, 0), &le16(&w_out));
+
+    // One request's 20-token prefill, its KV on pages 5 and 2 (crossing a page).
+    let tokens = 20usize;
+    let ids: Vec<i32> = (0..tokens).map(|_| rng.below(vocab) as i32).collect();
+    let pages = [5i32, 2];
+    let pt = mem.kv.page_tokens as usize;
+    let slots: Vec<i32> = (0..tokens).map(|t| pages[t / pt] * pt as i32 + (t % pt) as i32).collect();
+    let meta_row = buffer(BufferName::RequestMeta).row_bytes as usize / 4;
+    let mut meta = vec![0i32; meta_row];
+    meta[2] = tokens as i32;
+    meta[8] = pages[0];
+    meta[9] = pages[1];
+    put(&mut r, buffer(BufferName::TokenIds).offset, &le32(&ids));
+    put(&mut r, buffer(BufferName::Positions).offset, &le32(&(0..tokens as i32).collect::<Vec<_>>()));
+    put(&mut r, buffer(BufferName::SlotMap).offset, &le32(&slots));
+    put(&mut r, buffer(BufferName::RowRequest).offset, &le32(&vec![0; tokens]));
+    put(&mut r, buffer(BufferName::RequestMeta).offset, &le32(&meta));
+    let sample_rows = [19i32, 4];
+    put(&mut r, buffer(BufferName::SampleRows).offset, &le32(&sample_rows));
+
+    let counts = Counts { tokens: tokens as u32, sampled_rows: 2, ..Counts::default() };
+    let run = |r: &mut Rig, name: &str, layer: u32| {
+        let site = Site { mem, mode: Mode::Tp, micro_batches: p.micro_batches, rank, layer, buffer: r.buf };
+        bind::launch(&mut r.dev, &b.plan.kernels, &r.modules, &site, op(p, name), &counts)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+    };
+    let get = |r: &mut Rig, name, bytes: usize| r.dev.download(r.buf, buffer(name).offset, bytes as u64).unwrap();
+
+    // Embedding: the table's rows, exactly.
+    run(&mut r, "embed", 0);
+    let residual = f32s(&get(&mut r, BufferName::Residual, tokens * hidden * 4));
+    for t in 0..tokens {
+        for i in 0..hidden {
+            assert_eq!(residual[t * hidden + i], f(table[ids[t] as usize * hidden + i]), "token {t} dim {i}");
+        }
+    }
+    // RMSNorm with layer 2's weight, within two bf16 ulps of the twin's math.
+    run(&mut r, "input_norm", layer);
+    let normed = u16s(&get(&mut r, BufferName::Normed, tokens * hidden * 2));
+    let w: Vec<f32> = w_in.iter().map(|x| f(*x)).collect();
+    let close = |got: f32, want: f32| (got - want).abs() <= 2.0 * want.abs() / 128.0 + 1e-6;
+    for t in 0..tokens {
+        let want = moeforge::runtime::twin::math::rms_norm(&residual[t * hidden..(t + 1) * hidden], &w, eps);
+        for i in 0..hidden {
+            assert!(
+                close(f(normed[t * hidden + i]), want[i]),
+                "token {t} dim {i}: {} vs {}",
+                f(normed[t * hidden + i]),
+                want[i]
+            );
+        }
+    }
+    // The final norm over the sampled rows only (its own grid, rows through SampleRows).
+    run(&mut r, "final_norm", 0);
+    let normed = u16s(&get(&mut r, BufferName::Normed, 2 * hidden * 2));
+    let w: Vec<f32> = w_out.iter().map(|x| f(*x)).collect();
+    for (i, &row) in sample_rows.iter().enumerate() {
+        let row = row as usize;
+        let want = moeforge::runtime::twin::math::rms_norm(&residual[row * hidden..(row + 1) * hidden], &w, eps);
+        for c in 0..hidden {
+            assert!(close(f(normed[i * hidden + c]), want[c]), "sampled row {i} dim {c}");
+        }
+    }
+
+    // Attention of TP rank 3: its query heads [6, 8) and the KV head they
+    // share (8 / 2 = 4 query heads per KV head: head 1), at this rank's
+    // place in the Qkv row (its q heads, then its k and v heads).
+    let (q_local, kv_local) = (heads / ranks, 1usize);
+    let qkv_row = buffer(BufferName::Qkv).row_bytes as usize / 2;
+    let mut qkv = vec![0u16; tokens * qkv_row];
+    for x in qkv.iter_mut() {
+        *x = bf16(rng.unit());
+    }
+    put(&mut r, buffer(BufferName::Qkv).offset, &le16(&qkv));
+    run(&mut r, "kv_write", layer);
+    run(&mut r, "attention", layer);
+    let attn_row = buffer(BufferName::Attn).row_bytes as usize / 2;
+    let attn = u16s(&get(&mut r, BufferName::Attn, tokens * attn_row * 2));
+    let at = |t: usize, i: usize| f64::from(f(qkv[t * qkv_row + i]));
+    let mut worst = 0.0f64;
+    for t in 0..tokens {
+        for h in 0..q_local {
+            let global = rank as usize * q_local + h;
+            assert_eq!(global / (heads / kv_heads), 1);
+            let (kb, vb) = (q_local * d, q_local * d + kv_local * d);
+            let scores: Vec<f64> = (0..=t)
+                .map(|j| (0..d).map(|c| at(t, h * d + c) * at(j, kb + c)).sum::<f64>() / (d as f64).sqrt())
+                .collect();
+            let m = scores.iter().cloned().fold(f64::MIN, f64::max);
+            let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+            let z: f64 = e.iter().sum();
+            for c in 0..d {
+                let want = (0..=t).map(|j| e[j] * at(j, vb + c)).sum::<f64>() / z;
+                let got = f64::from(f(attn[t * attn_row + h * d + c]));
+                let err = (got - want).abs();
+                assert!(err <= 2.0 * want.abs() / 128.0 + 1e-3, "token {t} head {h} dim {c}: {got} vs {want}");
+                worst = worst.max(err);
+            }
+        }
+    }
+    eprintln!("attention: worst abs error {worst:.2e} over {tokens} tokens × {q_local} heads");
+}
+
+#[test]
+fn a_kernel_that_does_not_build_or_traps_is_an_error_naming_it() {
+    let b = tiny();
+    let cache = tempfile::tempdir().unwrap();
+    let mut dev = EmuDevice::start(cache.path()).unwrap();
+    let src = String::from_utf8(b.files["kernels/layer.cu"].clone()).unwrap();
+    let broken = src.replacen("extern \"C\" __global__ void", "extern \"C\" __global__ oops void", 1);
+    match dev.load("layer", &broken) {
+        Err(DeviceError::Build { kernel, message, .. }) => {
+            assert_eq!(kernel, "layer");
+            assert!(message.contains("oops"), "{message}");
+        }
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+    // A token id past the vocabulary: embed_rows traps; the device process
+    // stops and the launch is named.
+    let mut r = rig(&b);
+    let mem = &b.plan.memory;
+    let p = b.plan.programs.iter().find(|p| p.mode == Mode::Ep && p.phase == Phase::Decode).unwrap();
+    let ids = mem.buffer(Mode::Ep, BufferName::TokenIds).unwrap();
+    r.dev.upload(r.buf, ids.offset, &le32(&[3, 99_999])).unwrap();
+    let site = Site { mem, mode: Mode::Ep, micro_batches: 1, rank: 0, layer: 0, buffer: r.buf };
+    let counts = Counts { tokens: 2, ..Counts::default() };
+    let err = bind::launch(&mut r.dev, &b.plan.kernels, &r.modules, &site, op(p, "embed"), &counts).unwrap_err();
+    let text = err.to_string();
+    assert!(text.contains("layer::embed_rows") && text.contains("trapped"), "{text}");
+    // A pointer outside the buffer is refused before anything runs.
+    let mut r = rig(&b);
+    let mut bad = op(p, "embed").clone();
+    bad.args[0] = moeforge::plan::program::Arg::Ptr {
+        operand: moeforge::plan::program::Operand::Buffer { name: BufferName::TokenIds },
+        at: 1 << 40,
+    };
+    let site = Site { buffer: r.buf, ..site };
+    let err = bind::launch(&mut r.dev, &b.plan.kernels, &r.modules, &site, &bad, &counts).unwrap_err();
+    assert!(err.to_string().contains("points outside buffer"), "{err}");
+}
