@@ -216,31 +216,28 @@ impl Config<'_> {
     /// rank's first of each (TP shards heads; EP's data-parallel attention
     /// holds them all).
     fn heads(&self) -> (i64, i64, Arg, Arg) {
-        let (q, kvh) = match self.m.attention {
-            Attention::Gqa { heads, kv_heads, .. } => (heads, kv_heads),
-            Attention::Mla { heads, .. } => (heads, 1),
-        };
+        let (Attention::Gqa { heads, .. } | Attention::Mla { heads, .. }) = self.m.attention;
         let world = self.world.len();
+        let kv = i64::from(self.kv_mode().heads_per_rank);
+        if self.mode == Mode::Tp {
+            let per = i64::from(heads) / world as i64;
+            let q0 = (0..world as i64).map(|r| r * per).collect();
+            let kv0 = (0..world).map(|r| self.mem.kv.tp_heads.get(r).map_or(0, |h| i64::from(h[0]))).collect();
+            (per, kv, Arg::PerRank { values: q0 }, Arg::PerRank { values: kv0 })
+        } else {
+            let zero = Arg::PerRank { values: vec![0; world] };
+            (i64::from(heads), kv, zero.clone(), zero)
+        }
+    }
+    /// The KV pages of this program's mode.
+    fn kv_mode(&self) -> &moeforge_plan::memory::KvMode {
         match (self.mode, &self.mem.kv.tp) {
-            (Mode::Tp, Some(tp)) => {
-                let per = i64::from(q) / world as i64;
-                let q0 = (0..world as i64).map(|r| r * per).collect();
-                let kv0 = (0..world).map(|r| self.mem.kv.tp_heads.get(r).map_or(0, |h| i64::from(h[0]))).collect();
-                (per, i64::from(tp.heads_per_rank), Arg::PerRank { values: q0 }, Arg::PerRank { values: kv0 })
-            }
-            _ => {
-                let _ = kvh;
-                let zero = Arg::PerRank { values: vec![0; world] };
-                (i64::from(q), i64::from(self.mem.kv.ep.heads_per_rank), zero.clone(), zero)
-            }
+            (Mode::Tp, Some(tp)) => tp,
+            _ => &self.mem.kv.ep,
         }
     }
     fn page_bytes(&self) -> i64 {
-        let kvm = match (self.mode, &self.mem.kv.tp) {
-            (Mode::Tp, Some(tp)) => tp,
-            _ => &self.mem.kv.ep,
-        };
-        kvm.page_bytes as i64
+        self.kv_mode().page_bytes as i64
     }
     /// Where the permutation's arrays lie in this program's `RouteIndex` slices.
     fn route_parts(&self) -> RouteIndexParts {
