@@ -54,6 +54,15 @@ impl Sampler {
         Sampler { params, rng: SplitMix64(params.seed) }
     }
 
+    /// The generator's state (the device sampler advances it in the
+    /// request's header; the engine writes it there and reads it back).
+    pub fn state(&self) -> u64 {
+        self.rng.0
+    }
+    pub fn set_state(&mut self, state: u64) {
+        self.rng.0 = state;
+    }
+
     /// The next token from `logits`. Greedy draws nothing from the
     /// generator; otherwise one uniform draw per token: softmax of
     /// `logits / temperature` (in f64), most likely first (ties by id), cut

@@ -322,17 +322,22 @@ impl Config<'_> {
         let mbs: Vec<Option<u32>> = if micro_batches > 1 { (0..micro_batches).map(Some).collect() } else { vec![None] };
         let mut blocks = Vec::new();
 
+        // Every op of a micro-batched step works on its micro-batch's slices
+        // (its tokens, requests, sampled rows), the prologue and epilogue too:
+        // a micro-batch is a step of its own requests.
         let mut o = Ops { events: &mut events, ops: vec![] };
-        o.push(
-            "embed",
-            OpKind::Embedding,
-            COMPUTE,
-            None,
-            [vec![buf(Buf::TokenIds)], self.w(W::Embedding)].concat(),
-            vec![buf(Buf::Residual)],
-            launch("layer", "embed_rows"),
-        );
-        o.args(vec![ptr(Buf::TokenIds), wptr(W::Embedding), cnt(GridVar::Tokens), ptr(Buf::Residual)]);
+        for &mb in &mbs {
+            o.push(
+                "embed",
+                OpKind::Embedding,
+                COMPUTE,
+                mb,
+                [vec![buf(Buf::TokenIds)], self.w(W::Embedding)].concat(),
+                vec![buf(Buf::Residual)],
+                launch("layer", "embed_rows"),
+            );
+            o.args(vec![ptr(Buf::TokenIds), wptr(W::Embedding), cnt(GridVar::Tokens), ptr(Buf::Residual)]);
+        }
         blocks.push(Block { kind: BlockKind::Prologue, layers: None, ops: o.ops });
 
         let first_moe = self.mem.slots.first_moe_layer;
@@ -361,38 +366,50 @@ impl Config<'_> {
 
         let mut o = Ops { events: &mut events, ops: vec![] };
         let head = if m.tie_embeddings { W::Embedding } else { W::LmHead };
-        o.push(
-            "final_norm",
-            OpKind::RmsNorm { add: false },
-            COMPUTE,
-            None,
-            [vec![buf(Buf::Residual), buf(Buf::SampleRows)], self.w(W::FinalNorm)].concat(),
-            vec![buf(Buf::Normed)],
-            launch("layer", "rms_norm"),
-        )
-        .grid = Some(Grid::Per { over: GridVar::SampledRows, per: 1 });
-        let rows = GridVar::SampledRows;
-        o.args(vec![ptr(Buf::Residual), ptr(Buf::SampleRows), wptr(W::FinalNorm), cnt(rows), ptr(Buf::Normed)]);
-        let (normed, logits) = ((Buf::Normed, 0), (Buf::Logits, 0));
-        self.gemm(&mut o, "lm_head", COMPUTE, None, normed, &[head], logits, Epilogue::StoreF32, GridVar::SampledRows);
-        o.push(
-            "sample",
-            OpKind::Sample,
-            COMPUTE,
-            None,
-            vec![buf(Buf::Logits), buf(Buf::SampleRows), buf(Buf::RowRequest), buf(Buf::RequestMeta)],
-            // The sampler advances each request's generator state in its header.
-            vec![buf(Buf::RequestMeta), buf(Buf::Sampled)],
-            launch("layer", "sample_tokens"),
-        );
-        o.args(vec![
-            ptr(Buf::Logits),
-            cnt(GridVar::SampledRows),
-            ptr(Buf::SampleRows),
-            ptr(Buf::RowRequest),
-            ptr(Buf::RequestMeta),
-            ptr(Buf::Sampled),
-        ]);
+        for &mb in &mbs {
+            o.push(
+                "final_norm",
+                OpKind::RmsNorm { add: false },
+                COMPUTE,
+                mb,
+                [vec![buf(Buf::Residual), buf(Buf::SampleRows)], self.w(W::FinalNorm)].concat(),
+                vec![buf(Buf::Normed)],
+                launch("layer", "rms_norm"),
+            )
+            .grid = Some(Grid::Per { over: GridVar::SampledRows, per: 1 });
+            let rows = GridVar::SampledRows;
+            o.args(vec![ptr(Buf::Residual), ptr(Buf::SampleRows), wptr(W::FinalNorm), cnt(rows), ptr(Buf::Normed)]);
+            let (normed, logits) = ((Buf::Normed, 0), (Buf::Logits, 0));
+            self.gemm(
+                &mut o,
+                "lm_head",
+                COMPUTE,
+                mb,
+                normed,
+                &[head],
+                logits,
+                Epilogue::StoreF32,
+                GridVar::SampledRows,
+            );
+            o.push(
+                "sample",
+                OpKind::Sample,
+                COMPUTE,
+                mb,
+                vec![buf(Buf::Logits), buf(Buf::SampleRows), buf(Buf::RowRequest), buf(Buf::RequestMeta)],
+                // The sampler advances each request's generator state in its header.
+                vec![buf(Buf::RequestMeta), buf(Buf::Sampled)],
+                launch("layer", "sample_tokens"),
+            );
+            o.args(vec![
+                ptr(Buf::Logits),
+                cnt(GridVar::SampledRows),
+                ptr(Buf::SampleRows),
+                ptr(Buf::RowRequest),
+                ptr(Buf::RequestMeta),
+                ptr(Buf::Sampled),
+            ]);
+        }
         blocks.push(Block { kind: BlockKind::Epilogue, layers: None, ops: o.ops });
 
         Program {

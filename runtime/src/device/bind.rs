@@ -6,7 +6,7 @@
 //! counts. The same binding serves every [`Device`].
 
 use super::{BufferId, Device, DeviceError, KernelArg, ModuleId};
-use moeforge_plan::memory::{MemoryPlan, Mode};
+use moeforge_plan::memory::{BufferName, MemoryPlan, Mode};
 use moeforge_plan::program::{Arg, KernelRef, Op, Operand};
 use moeforge_plan::{EntryPoint, Grid, GridVar, KernelInstance};
 use std::collections::BTreeMap;
@@ -56,14 +56,18 @@ pub struct BindError {
     pub message: String,
 }
 
+/// The byte offset of buffer `name` (micro-batch `mb`'s slice) in the
+/// rank's unified buffer.
+pub fn buffer_address(site: &Site<'_>, mb: Option<u32>, name: BufferName) -> Option<u64> {
+    let b = site.mem.buffer(site.mode, name)?;
+    let slice = mb.map_or(0, |m| u64::from(m) * b.slice_bytes(site.micro_batches));
+    Some(b.offset + slice)
+}
+
 /// The byte offset of `operand` in the rank's unified buffer.
 pub fn address(site: &Site<'_>, op: &Op, operand: &Operand) -> Option<u64> {
     match *operand {
-        Operand::Buffer { name } => {
-            let b = site.mem.buffer(site.mode, name)?;
-            let slice = op.micro_batch.map_or(0, |m| u64::from(m) * b.slice_bytes(site.micro_batches));
-            Some(b.offset + slice)
-        }
+        Operand::Buffer { name } => buffer_address(site, op.micro_batch, name),
         Operand::Weight { role, part } => {
             let v = site.mem.view(site.mode, role, part)?;
             Some(if role.per_layer() { v.offset_of(site.layer) } else { v.offset })

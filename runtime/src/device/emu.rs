@@ -24,6 +24,14 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 const CUDA_HOST: &str = include_str!("../../shim/cuda_host.h");
 const CUDA_BF16: &str = include_str!("../../shim/cuda_bf16.h");
 const DEVICE_MAIN: &str = include_str!("../../shim/emu_device.cpp");
+const APK_HOST: &str = include_str!("../../shim/apk_host.h");
+
+/// Whether `source` is an APK instance: the APK builds for the host with
+/// `APK_HOST_EMULATION` (its scheduler and signalling against
+/// `shim/apk_host.h`, CTA clusters as threads) instead of the CUDA shim.
+fn is_apk(source: &str) -> bool {
+    source.contains("#ifdef APK_HOST_EMULATION")
+}
 
 /// g++ flags of the kernel libraries: the host-emulation tier's (no
 /// floating-point contraction, so f32 arithmetic rounds as written).
@@ -97,7 +105,7 @@ impl EmuDevice {
             .output()
             .map_err(|e| other(format!("the emulated device needs g++ (C++20): {e}")))?;
         let mut h = Sha256::new();
-        for part in [CUDA_HOST, CUDA_BF16, DEVICE_MAIN] {
+        for part in [CUDA_HOST, CUDA_BF16, DEVICE_MAIN, APK_HOST] {
             h.update(part.as_bytes());
         }
         h.update(&version.stdout);
@@ -106,9 +114,12 @@ impl EmuDevice {
         if !shim.exists() {
             let tmp = cache.join(format!("shim-{salt}.tmp{}", std::process::id()));
             std::fs::create_dir_all(&tmp).map_err(|e| other(format!("cannot create {}: {e}", tmp.display())))?;
-            for (name, text) in
-                [("cuda_host.h", CUDA_HOST), ("cuda_bf16.h", CUDA_BF16), ("emu_device.cpp", DEVICE_MAIN)]
-            {
+            for (name, text) in [
+                ("cuda_host.h", CUDA_HOST),
+                ("cuda_bf16.h", CUDA_BF16),
+                ("emu_device.cpp", DEVICE_MAIN),
+                ("apk_host.h", APK_HOST),
+            ] {
                 std::fs::write(tmp.join(name), text).map_err(|e| other(format!("cannot write {name}: {e}")))?;
             }
             if std::fs::rename(&tmp, &shim).is_err() && !shim.exists() {
@@ -203,10 +214,15 @@ impl EmuDevice {
         let src = self.cache.join(format!("{name}-{key}.cu"));
         put(&src, source.as_bytes())?;
         let tmp = self.cache.join(format!("{name}-{key}.so.tmp{}", std::process::id()));
+        let host: &[&str] = if is_apk(source) {
+            &["-DAPK_HOST_EMULATION", "-x", "c++"]
+        } else {
+            &["-include", "cuda_host.h", "-x", "c++"]
+        };
         let o = Command::new("g++")
             .args(KERNEL_FLAGS)
             .arg(format!("-I{}", self.shim.display()))
-            .args(["-include", "cuda_host.h", "-x", "c++"])
+            .args(host)
             .arg(&src)
             .arg("-o")
             .arg(&tmp)

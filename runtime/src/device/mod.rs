@@ -12,6 +12,7 @@
 
 pub mod bind;
 pub mod emu;
+pub mod exec;
 
 /// Device memory: one allocation (a rank's unified buffer).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -58,6 +58,9 @@ impl Twin {
                 batch.iter().map(|&(id, pos, _)| r.tables.get(&id).and_then(|t| t.get(pos / page)).copied()).collect();
             slot_pages.push(pages.ok_or_else(|| EngineError::Backend(format!("rank {} lost a page table", r.id)))?);
         }
+        if self.device.is_some() {
+            return self.forward_on_device(&batches, n_tokens);
+        }
         let cx = Ctx::new(self, mode)?;
         let mut x: Vec<Vec<Vec<f32>>> = self
             .ranks
@@ -133,6 +136,71 @@ impl Twin {
             produced.push((id, token));
             if self.keep_logits {
                 self.logits.entry(id).or_default().push(logits);
+            }
+        }
+        Ok((n_tokens, produced))
+    }
+}
+
+impl Twin {
+    /// The step on the device: each rank's requests (their new tokens,
+    /// cached length, page table and sampler) handed to the program
+    /// interpreter, which runs the bundle's program for the mode and phase
+    /// (decode when every request adds one token to a cached prefix).
+    fn forward_on_device(
+        &mut self,
+        batches: &[Vec<Slot>],
+        n_tokens: usize,
+    ) -> Result<(usize, Vec<(RequestId, u32)>), EngineError> {
+        use crate::device::exec::{ExecError, Work};
+        let mode = self.mode;
+        let mut ids: Vec<Vec<RequestId>> = Vec::with_capacity(batches.len());
+        let mut work: Vec<Vec<Work>> = Vec::with_capacity(batches.len());
+        for (rank, batch) in self.ranks.iter().zip(batches) {
+            let (mut ri, mut rw) = (Vec::new(), Vec::new());
+            for &id in &rank.requests {
+                let Some(q) = self.requests.get(&id) else { continue };
+                let tokens: Vec<u32> = batch.iter().filter(|s| s.0 == id).map(|s| s.2).collect();
+                if tokens.is_empty() {
+                    continue;
+                }
+                rw.push(Work {
+                    cached: q.cached as u32,
+                    tokens,
+                    pages: rank.tables.get(&id).cloned().unwrap_or_default(),
+                    sample: true,
+                    temperature: q.sampler.params.temperature,
+                    top_p: q.sampler.params.top_p,
+                    rng: q.sampler.state(),
+                });
+                ri.push(id);
+            }
+            ids.push(ri);
+            work.push(rw);
+        }
+        let decode = work.iter().flatten().all(|w| w.cached > 0 && w.tokens.len() == 1);
+        let phase = if decode { moeforge_plan::program::Phase::Decode } else { moeforge_plan::program::Phase::Prefill };
+        let dev = self.device.as_mut().ok_or_else(|| EngineError::Backend("no device".into()))?;
+        let out = dev.step(mode, phase, &work).map_err(|e| match e {
+            ExecError::Capacity(_) => EngineError::Capacity(e.to_string()),
+            _ => EngineError::Backend(e.to_string()),
+        })?;
+        // TP ranks all sample every request: rank 0's tokens are the step's.
+        let ranks: Vec<usize> = match mode {
+            Mode::Tp => vec![0],
+            Mode::Ep => (0..out.len()).collect(),
+        };
+        let mut produced = Vec::new();
+        for r in ranks {
+            for (id, s) in ids[r].iter().zip(&out[r]) {
+                let (Some(q), Some(s)) = (self.requests.get_mut(id), s) else { continue };
+                q.sampler.set_state(s.rng);
+                q.cached = q.len();
+                q.generated.push(s.token);
+                produced.push((*id, s.token));
+                if self.keep_logits {
+                    self.logits.entry(*id).or_default().push(s.logits.clone());
+                }
             }
         }
         Ok((n_tokens, produced))

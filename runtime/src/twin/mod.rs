@@ -132,6 +132,10 @@ pub struct Twin {
     /// Every switch asked of this engine, done or cancelled.
     pub events: Vec<SwitchEvent>,
     step: usize,
+    /// The device the step runs on (`--backend emu`): the bundle's programs
+    /// and kernels over the same ranks, pages and requests; none runs the
+    /// twin's own arithmetic.
+    device: Option<crate::device::exec::Executor>,
 }
 
 /// Largest total of rank buffers the twin allocates.
@@ -188,8 +192,42 @@ impl Twin {
             keep_logits: false,
             events: vec![],
             step: 0,
+            device: None,
         };
         twin.load(ck)?;
+        Ok(twin)
+    }
+
+    /// The twin's scheduling (admission, KV pages, sampling state) over
+    /// `dev`: each step runs the bundle's program for its mode and phase on
+    /// the device, every kernel the bundle's own. The weights are loaded
+    /// through the views as for the twin and uploaded once.
+    pub fn on_device(
+        bundle: &LoadedBundle,
+        ck: &Checkpoint,
+        start: Mode,
+        dev: Box<dyn crate::device::Device + Send>,
+    ) -> Result<Twin, TwinError> {
+        let mut twin = Twin::new(bundle, ck, start)?;
+        let device = |e: crate::device::exec::ExecError| TwinError::Unsupported(e.to_string());
+        let mut exec = crate::device::exec::Executor::new(dev, bundle.plan.plan(), &bundle.kernels).map_err(device)?;
+        // The weight regions (everything below the first workspace region).
+        use moeforge_plan::memory::RegionKind;
+        let weights = |k: RegionKind| {
+            matches!(
+                k,
+                RegionKind::Replicated | RegionKind::AttentionEp | RegionKind::AttentionTp | RegionKind::Experts
+            )
+        };
+        for region in twin.plan.regions.iter().filter(|r| weights(r.kind)) {
+            let (a, b) = (region.offset as usize, (region.offset + region.bytes) as usize);
+            for (r, rank) in twin.ranks.iter().enumerate() {
+                let bytes =
+                    rank.buf.get(a..b).ok_or_else(|| TwinError::Unsupported("a region outside the buffer".into()))?;
+                exec.upload(r, region.offset, bytes).map_err(device)?;
+            }
+        }
+        twin.device = Some(exec);
         Ok(twin)
     }
 

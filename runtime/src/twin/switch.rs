@@ -29,6 +29,13 @@ impl Twin {
         if target == self.mode {
             return Ok(false);
         }
+        if self.device.is_some() {
+            return Err(TwinError::Unsupported(
+                "live switches on a device (the reshard and KV migration as device transfers) are not built yet; \
+                 run with `switch { t_high = off }` or on the cpu backend"
+                    .into(),
+            ));
+        }
         if !self.plan.modes.contains(&target) {
             return Err(TwinError::NoMode(target));
         }

@@ -1,0 +1,642 @@
+//! The program interpreter: runs one forward step of a bundle's per-rank
+//! programs (`plan.json`'s `programs`) on any [`Device`], every rank's
+//! unified buffer one device allocation, op by op in program order.
+//!
+//! - Launches bind their plan arguments ([`super::bind`]); a GEMM op runs
+//!   the dense APK and an experts op the MoE APK, each launched per
+//!   operation with the operation posted before the grid starts (what a
+//!   colocated rank does; EP's post to the persistent APK runs the same way
+//!   here, since the emulated device runs launches to completion).
+//! - Communication ops move bytes between the ranks' buffers at the plan's
+//!   addresses: the TP all-reduce sums in rank order; EP's dispatch sends
+//!   each token row once to every rank owning one of its experts (sources
+//!   in rank order, tokens in order) with its top-k ids and weights, and
+//!   the combine returns each received row to its source, summed there in
+//!   f32 in rank order. The cuda backend replaces these host copies with
+//!   peer writes and NCCL/NVSHMEM.
+//! - Counts the device computes (the permutation's padded rows) are read
+//!   back where the program needs them for a grid.
+//!
+//! The ranks run in lockstep: op `i` of every rank's program, then op
+//! `i + 1`. Every rank's program for a (mode, phase) has the same ops (the
+//! programs of rank groups differ only in the experts op's kernel), which
+//! the interpreter checks.
+
+use super::bind::{self, Counts, Site};
+use super::{BufferId, Device, DeviceError, KernelArg, ModuleId};
+use moeforge_plan::memory::{BufferName, MemoryPlan, Mode, RouteIndexParts, TensorPart, TensorRole};
+use moeforge_plan::program::{CommKind, KernelRef, Op, OpKind, Operand, Phase, Program};
+use moeforge_plan::{ApkForm, KernelParams, Plan};
+use std::collections::BTreeMap;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    #[error("the bundle has no source for kernel `{0}` (kernels/{0}.cu)")]
+    NoSource(String),
+    #[error("op `{op}` needs {family}, which this bundle does not emit")]
+    Missing { op: String, family: String },
+    #[error("{0}")]
+    Plan(String),
+    #[error("the step does not fit the plan: {0}")]
+    Capacity(String),
+}
+
+/// One request's work on one rank this step.
+#[derive(Clone, Debug)]
+pub struct Work {
+    /// Tokens whose KV is cached before the step.
+    pub cached: u32,
+    /// The tokens processed this step (positions `cached..`).
+    pub tokens: Vec<u32>,
+    /// Its KV pages on this rank, in position order.
+    pub pages: Vec<u32>,
+    /// Whether its last position is sampled.
+    pub sample: bool,
+    pub temperature: f32,
+    pub top_p: f32,
+    /// The sampler's generator state.
+    pub rng: u64,
+}
+
+/// The sampled token of one request, its generator's state after the draw,
+/// and the logits it was drawn from.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    pub rng: u64,
+    pub logits: Vec<f32>,
+}
+
+/// Where a micro-batch's received row came from: (source rank, token row).
+type Routes = Vec<Vec<(usize, usize)>>;
+
+pub struct Executor {
+    dev: Box<dyn Device + Send>,
+    plan: std::sync::Arc<Plan>,
+    buffers: Vec<BufferId>,
+    modules: BTreeMap<String, ModuleId>,
+}
+
+fn le32(v: &[i32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+fn i32s(b: &[u8]) -> Vec<i32> {
+    b.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+fn f32s(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+impl Executor {
+    /// Loads every kernel instance the programs launch or post to and
+    /// allocates each rank's unified buffer.
+    pub fn new(
+        mut dev: Box<dyn Device + Send>,
+        plan: &Plan,
+        sources: &BTreeMap<String, String>,
+    ) -> Result<Executor, ExecError> {
+        let mut modules = BTreeMap::new();
+        for p in &plan.programs {
+            for (_, op) in p.ops() {
+                let (KernelRef::Launch { instance, .. } | KernelRef::Post { instance }) = &op.kernel else { continue };
+                if modules.contains_key(instance) {
+                    continue;
+                }
+                let src = sources.get(instance).ok_or_else(|| ExecError::NoSource(instance.clone()))?;
+                modules.insert(instance.clone(), dev.load(instance, src)?);
+            }
+        }
+        let buffers =
+            (0..plan.memory.group).map(|_| dev.alloc(plan.memory.buffer_bytes)).collect::<Result<Vec<_>, _>>()?;
+        Ok(Executor { dev, plan: std::sync::Arc::new(plan.clone()), buffers, modules })
+    }
+
+    pub fn ranks(&self) -> usize {
+        self.buffers.len()
+    }
+
+    /// Writes `data` at `offset` of rank `rank`'s buffer (weights).
+    pub fn upload(&mut self, rank: usize, offset: u64, data: &[u8]) -> Result<(), ExecError> {
+        let b = *self.buffers.get(rank).ok_or_else(|| ExecError::Plan(format!("no rank {rank}")))?;
+        Ok(self.dev.upload(b, offset, data)?)
+    }
+
+    pub fn download(&mut self, rank: usize, offset: u64, len: u64) -> Result<Vec<u8>, ExecError> {
+        let b = *self.buffers.get(rank).ok_or_else(|| ExecError::Plan(format!("no rank {rank}")))?;
+        Ok(self.dev.download(b, offset, len)?)
+    }
+
+    /// Runs one step of `mode`'s `phase` program: `work[r]` is rank `r`'s
+    /// requests. Returns, per rank and request, what was sampled.
+    pub fn step(
+        &mut self,
+        mode: Mode,
+        phase: Phase,
+        work: &[Vec<Work>],
+    ) -> Result<Vec<Vec<Option<Sampled>>>, ExecError> {
+        let plan = std::sync::Arc::clone(&self.plan);
+        self.step_with(&plan, mode, phase, work)
+    }
+
+    fn step_with(
+        &mut self,
+        plan: &Plan,
+        mode: Mode,
+        phase: Phase,
+        work: &[Vec<Work>],
+    ) -> Result<Vec<Vec<Option<Sampled>>>, ExecError> {
+        let mem = &plan.memory;
+        let p = self.buffers.len();
+        if work.len() != p {
+            return Err(ExecError::Plan(format!("work for {} ranks; the plan has {p}", work.len())));
+        }
+        let programs: Vec<&Program> = (0..p as u32)
+            .map(|r| {
+                plan.programs
+                    .iter()
+                    .find(|g| g.mode == mode && g.phase == phase && g.ranks.contains(&r))
+                    .ok_or_else(|| ExecError::Plan(format!("no {} {} program for rank {r}", mode.name(), phase.name())))
+            })
+            .collect::<Result<_, _>>()?;
+        let first = programs[0];
+        for g in &programs {
+            let same = g.micro_batches == first.micro_batches
+                && g.blocks.len() == first.blocks.len()
+                && g.blocks.iter().zip(&first.blocks).all(|(a, b)| {
+                    a.layers == b.layers
+                        && a.ops.len() == b.ops.len()
+                        && a.ops.iter().zip(&b.ops).all(|(x, y)| x.name == y.name)
+                });
+            if !same {
+                return Err(ExecError::Plan(format!(
+                    "the {} {} programs of ranks {:?} and {:?} do not issue the same ops",
+                    mode.name(),
+                    phase.name(),
+                    first.ranks,
+                    g.ranks
+                )));
+            }
+        }
+        let mbs = first.micro_batches.max(1) as usize;
+        let top_k = plan.model.top_k;
+        let experts = plan.model.experts;
+        // Each rank's requests split into micro-batches (whole requests, in order).
+        let split: Vec<Vec<std::ops::Range<usize>>> = work
+            .iter()
+            .map(|w| {
+                let n = w.len();
+                let per = n.div_ceil(mbs);
+                (0..mbs).map(|m| (m * per).min(n)..((m + 1) * per).min(n)).collect()
+            })
+            .collect();
+        let mut counts = vec![vec![Counts::default(); mbs]; p];
+        for r in 0..p {
+            let local = match mode {
+                Mode::Tp => experts,
+                Mode::Ep => plan.ranks.get(r).map_or(0, |x| x.experts[1] - x.experts[0]),
+            };
+            for (m, range) in split[r].iter().enumerate() {
+                let c = self.write_inputs(mem, mode, mbs as u32, r, m as u32, &work[r][range.clone()])?;
+                counts[r][m] = Counts {
+                    tokens: c.0,
+                    entries: c.0 * top_k,
+                    sampled_rows: c.1,
+                    local_experts: local,
+                    ..Counts::default()
+                };
+            }
+        }
+        let mut routes: Vec<Routes> = vec![vec![]; mbs];
+        for (bi, block) in first.blocks.iter().enumerate() {
+            for layer in block.layers.map_or(0..1, |[a, e]| a..e) {
+                for oi in 0..block.ops.len() {
+                    let op = &block.ops[oi];
+                    let m = op.micro_batch.unwrap_or(0) as usize;
+                    if let KernelRef::Transfer = op.kernel {
+                        self.comm(plan, mode, mbs as u32, op, layer, &mut counts, m, &mut routes[m])?;
+                        continue;
+                    }
+                    for r in 0..p {
+                        let op = &programs[r].blocks[bi].ops[oi];
+                        let site = Site {
+                            mem,
+                            mode,
+                            micro_batches: mbs as u32,
+                            rank: r as u32,
+                            layer,
+                            buffer: self.buffers[r],
+                        };
+                        self.run_op(plan, &site, op, phase, &mut counts[r][m])?;
+                    }
+                }
+            }
+        }
+        // Read back what was sampled.
+        let vocab = mem.buffer(mode, BufferName::Logits).map_or(0, |b| b.row_bytes / 4);
+        let mut out = Vec::with_capacity(p);
+        for r in 0..p {
+            let mut per = vec![None; work[r].len()];
+            for (m, range) in split[r].iter().enumerate() {
+                let site =
+                    Site { mem, mode, micro_batches: mbs as u32, rank: r as u32, layer: 0, buffer: self.buffers[r] };
+                let mb = Some(m as u32).filter(|_| mbs > 1);
+                let at = |name| bind::buffer_address(&site, mb, name);
+                let (Some(sampled), Some(logits), Some(meta)) =
+                    (at(BufferName::Sampled), at(BufferName::Logits), at(BufferName::RequestMeta))
+                else {
+                    return Err(ExecError::Plan("the plan has no sampled-token, logits or request buffers".into()));
+                };
+                let words = mem.buffer(mode, BufferName::RequestMeta).map_or(0, |b| b.row_bytes / 4);
+                let rows = counts[r][m].sampled_rows as u64;
+                let tokens = i32s(&self.download(r, sampled, rows * 4)?);
+                let all = f32s(&self.download(r, logits, rows * vocab * 4)?);
+                let mut j = 0usize;
+                for (i, w) in work[r][range.clone()].iter().enumerate() {
+                    if !w.sample {
+                        continue;
+                    }
+                    let hdr = i32s(&self.download(r, meta + i as u64 * words * 4, 32)?);
+                    let rng = u64::from(hdr[6] as u32) | (u64::from(hdr[7] as u32) << 32);
+                    let row = all[j * vocab as usize..(j + 1) * vocab as usize].to_vec();
+                    per[range.start + i] = Some(Sampled { token: tokens[j] as u32, rng, logits: row });
+                    j += 1;
+                }
+            }
+            out.push(per);
+        }
+        Ok(out)
+    }
+
+    /// Writes one micro-batch's step inputs on rank `r`: token ids,
+    /// positions, KV slots, request headers with page tables, each row's
+    /// request and the sampled rows. Returns (tokens, sampled rows).
+    #[allow(clippy::too_many_arguments)]
+    fn write_inputs(
+        &mut self,
+        mem: &MemoryPlan,
+        mode: Mode,
+        mbs: u32,
+        r: usize,
+        m: u32,
+        reqs: &[Work],
+    ) -> Result<(u32, u32), ExecError> {
+        let page_tokens = mem.kv.page_tokens.max(1);
+        let pages = match (mode, &mem.kv.tp) {
+            (Mode::Tp, Some(tp)) => tp.pages,
+            _ => mem.kv.ep.pages,
+        };
+        let (mut ids, mut pos, mut slots, mut row_req, mut sample) = (vec![], vec![], vec![], vec![], vec![]);
+        let words = mem.buffer(mode, BufferName::RequestMeta).map_or(0, |b| b.row_bytes / 4) as usize;
+        let mut meta = vec![0i32; words * reqs.len()];
+        for (i, w) in reqs.iter().enumerate() {
+            let first = ids.len() as i32;
+            for (j, &t) in w.tokens.iter().enumerate() {
+                let at = w.cached + j as u32;
+                let page = *w.pages.get((at / page_tokens) as usize).ok_or_else(|| {
+                    ExecError::Capacity(format!("request {i} on rank {r} has no KV page for position {at}"))
+                })?;
+                if page as u64 >= pages {
+                    return Err(ExecError::Capacity(format!("KV page {page} is outside the pool of {pages}")));
+                }
+                ids.push(t as i32);
+                pos.push(at as i32);
+                slots.push((page * page_tokens + at % page_tokens) as i32);
+                row_req.push(i as i32);
+            }
+            if w.sample && !w.tokens.is_empty() {
+                sample.push(ids.len() as i32 - 1);
+            }
+            if w.pages.len() + 8 > words {
+                return Err(ExecError::Capacity(format!("{} KV pages exceed the page table", w.pages.len())));
+            }
+            let h = &mut meta[i * words..(i + 1) * words];
+            h[0] = w.cached as i32;
+            h[1] = first;
+            h[2] = w.tokens.len() as i32;
+            h[4] = w.temperature.to_bits() as i32;
+            h[5] = w.top_p.to_bits() as i32;
+            h[6] = w.rng as u32 as i32;
+            h[7] = (w.rng >> 32) as u32 as i32;
+            for (k, &pg) in w.pages.iter().enumerate() {
+                h[8 + k] = pg as i32;
+            }
+        }
+        let mb = Some(m).filter(|_| mbs > 1);
+        for (name, data) in [
+            (BufferName::TokenIds, le32(&ids)),
+            (BufferName::Positions, le32(&pos)),
+            (BufferName::SlotMap, le32(&slots)),
+            (BufferName::RowRequest, le32(&row_req)),
+            (BufferName::SampleRows, le32(&sample)),
+            (BufferName::RequestMeta, le32(&meta)),
+        ] {
+            let b = mem
+                .buffer(mode, name)
+                .ok_or_else(|| ExecError::Plan(format!("the {} plan has no {name:?} buffer", mode.name())))?;
+            if data.len() as u64 > b.slice_bytes(mbs) {
+                return Err(ExecError::Capacity(format!(
+                    "{} bytes of {name:?} for a slice of {}",
+                    data.len(),
+                    b.slice_bytes(mbs)
+                )));
+            }
+            let site = Site { mem, mode, micro_batches: mbs, rank: r as u32, layer: 0, buffer: self.buffers[r] };
+            let at = bind::buffer_address(&site, mb, name).unwrap_or(b.offset);
+            self.dev.upload(self.buffers[r], at, &data)?;
+        }
+        Ok((ids.len() as u32, sample.len() as u32))
+    }
+
+    /// One launch, APK operation or skip on one rank.
+    fn run_op(
+        &mut self,
+        plan: &Plan,
+        site: &Site<'_>,
+        op: &Op,
+        phase: Phase,
+        counts: &mut Counts,
+    ) -> Result<(), ExecError> {
+        match &op.kernel {
+            KernelRef::Missing { family } => Err(ExecError::Missing { op: op.name.clone(), family: family.clone() }),
+            KernelRef::Skip { .. } => Ok(()),
+            KernelRef::Transfer => Ok(()),
+            KernelRef::Post { instance } => self.apk(plan, site, op, instance, phase, counts),
+            KernelRef::Launch { instance, .. } if op.gemm.is_some() || op.kind == OpKind::Experts => {
+                self.apk(plan, site, op, instance, phase, counts)
+            }
+            KernelRef::Launch { entry, .. } => {
+                bind::launch(self.dev.as_mut(), &plan.kernels, &self.modules, site, op, counts)?;
+                if entry == "moe_offsets" {
+                    // The padded rows of the layout: offsets[num_local].
+                    let parts = route_parts(site, plan);
+                    let base = bind::address(site, op, &Operand::Buffer { name: BufferName::RouteIndex })
+                        .ok_or_else(|| ExecError::Plan("no RouteIndex buffer".into()))?;
+                    let at = base + parts.offsets + u64::from(counts.local_experts) * 4;
+                    let b = self.dev.download(site.buffer, at, 4)?;
+                    counts.rows = i32s(&b).first().copied().unwrap_or(0).max(0) as u32;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// A GEMM on the dense APK or an experts op on the MoE APK, launched
+    /// for this one operation (the emulated APK launch's flat arguments:
+    /// the template pointers, the posted counts, phase, layer and shape).
+    fn apk(
+        &mut self,
+        plan: &Plan,
+        site: &Site<'_>,
+        op: &Op,
+        instance: &str,
+        phase: Phase,
+        counts: &Counts,
+    ) -> Result<(), ExecError> {
+        let bad = |m: String| ExecError::Plan(format!("op `{}`: {m}", op.name));
+        let k =
+            plan.kernels.iter().find(|k| k.name == instance).ok_or_else(|| bad(format!("no kernel `{instance}`")))?;
+        let (KernelParams::Apk(a), Some(entry)) = (&k.params, k.entries.first()) else {
+            return Err(bad(format!("`{instance}` is not an APK")));
+        };
+        let module = *self.modules.get(instance).ok_or_else(|| bad(format!("`{instance}` is not loaded")))?;
+        let addr = |o: &Operand| bind::address(site, op, o).ok_or_else(|| bad(format!("no {o:?} in the memory plan")));
+        let ptr = |offset: u64| KernelArg::Ptr { buffer: site.buffer, offset };
+        let bufname = |list: &[Operand]| {
+            list.iter().find_map(|o| match *o {
+                Operand::Buffer { name } => Some(name),
+                _ => None,
+            })
+        };
+        let weights: Vec<(TensorRole, TensorPart)> = op
+            .reads
+            .iter()
+            .filter_map(|o| match *o {
+                Operand::Weight { role, part } => Some((role, part)),
+                _ => None,
+            })
+            .collect();
+        let wptr = |part: TensorPart, nth: usize| -> Result<KernelArg, ExecError> {
+            match weights.iter().filter(|w| w.1 == part).nth(nth) {
+                Some(&(role, part)) => Ok(ptr(addr(&Operand::Weight { role, part })?)),
+                None => Ok(KernelArg::Null),
+            }
+        };
+        let clusters = a.max_clusters.clamp(1, 2);
+        let grid = clusters * a.cluster_size.max(1);
+        let i = |v: u32| KernelArg::I32(v as i32);
+        let args = if let Some(g) = op.gemm {
+            if a.form != ApkForm::Dense {
+                return Err(bad(format!("a GEMM on the {:?} APK", a.form)));
+            }
+            let (Some(xn), Some(yn)) = (bufname(&op.reads), bufname(&op.writes)) else {
+                return Err(bad("a GEMM without input and output buffers".into()));
+            };
+            let (Some(xb), Some(yb)) = (site.mem.buffer(site.mode, xn), site.mem.buffer(site.mode, yn)) else {
+                return Err(bad(format!("no {xn:?} or {yn:?} buffer")));
+            };
+            let eb = g.epilogue.out_bytes();
+            let x = addr(&Operand::Buffer { name: xn })? + u64::from(g.x_col) * 2;
+            let y = addr(&Operand::Buffer { name: yn })? + u64::from(g.y_col) * eb;
+            let w = wptr(TensorPart::Weight, 0)?;
+            let swiglu = g.epilogue == moeforge_plan::program::Epilogue::SwiGlu;
+            let rows = counts.of(g.rows);
+            if rows == 0 {
+                return Ok(());
+            }
+            // Decode tiles where the rows fit them; the one group's layout is the same.
+            let ph = u32::from(phase == Phase::Decode && rows <= a.max_decode_rows);
+            vec![
+                ptr(x),
+                KernelArg::Null,
+                ptr(y),
+                if swiglu { w } else { KernelArg::Null },
+                if swiglu { KernelArg::Null } else { w },
+                KernelArg::Null,
+                KernelArg::Null,
+                KernelArg::Null,
+                i(rows),
+                i(ph),
+                i(0),
+                i(g.n),
+                i(g.k),
+                i((xb.row_bytes / 2) as u32),
+                i((yb.row_bytes / eb) as u32),
+                i(g.epilogue.code()),
+            ]
+        } else {
+            if a.form == ApkForm::Dense {
+                return Err(bad("an experts op on the dense APK".into()));
+            }
+            if counts.rows == 0 {
+                return Ok(());
+            }
+            // The permutation's layout is contiguous, each expert padded to
+            // its block: the APK's prefill layout, which it must match.
+            let block_m = plan.kernels.iter().find_map(|k| match &k.params {
+                KernelParams::Permute(p) => Some(p.block_m),
+                _ => None,
+            });
+            if block_m != Some(a.m_t_prefill) {
+                return Err(bad(format!(
+                    "the permutation pads experts to {block_m:?} rows, the APK's contiguous layout to {}",
+                    a.m_t_prefill
+                )));
+            }
+            let parts = route_parts(site, plan);
+            let ri = addr(&Operand::Buffer { name: BufferName::RouteIndex })?;
+            let b = |name| addr(&Operand::Buffer { name });
+            let w13 = Operand::Weight { role: TensorRole::ExpertsW13, part: TensorPart::Weight };
+            let w2 = Operand::Weight { role: TensorRole::ExpertsW2, part: TensorPart::Weight };
+            vec![
+                ptr(b(BufferName::Permuted)?),
+                ptr(b(BufferName::GateUp)?),
+                ptr(b(BufferName::ExpertOut)?),
+                ptr(addr(&w13)?),
+                ptr(addr(&w2)?),
+                wptr(TensorPart::ScaleInv, 0)?,
+                wptr(TensorPart::ScaleInv, 1)?,
+                ptr(ri + parts.counts),
+                i(counts.rows),
+                i(0),
+                i(0),
+                i(0),
+                i(0),
+                i(0),
+                i(0),
+                i(0),
+            ]
+        };
+        Ok(self.dev.launch(module, &entry.symbol, grid, entry.block, &args)?)
+    }
+
+    /// A communication op across its group.
+    #[allow(clippy::too_many_arguments)]
+    fn comm(
+        &mut self,
+        plan: &Plan,
+        mode: Mode,
+        mbs: u32,
+        op: &Op,
+        layer: u32,
+        counts: &mut [Vec<Counts>],
+        m: usize,
+        routes: &mut Routes,
+    ) -> Result<(), ExecError> {
+        let mem = &plan.memory;
+        let c = op.comm.as_ref().ok_or_else(|| ExecError::Plan(format!("op `{}` moves nothing", op.name)))?;
+        let group: Vec<usize> = c.group.iter().map(|&r| r as usize).collect();
+        let buffers = self.buffers.clone();
+        let site = |r: usize| Site { mem, mode, micro_batches: mbs, rank: r as u32, layer, buffer: buffers[r] };
+        let at = |r: usize, name| {
+            bind::address(&site(r), op, &Operand::Buffer { name })
+                .ok_or_else(|| ExecError::Plan(format!("op `{}`: no {name:?} buffer", op.name)))
+        };
+        let row = |name| mem.buffer(mode, name).map_or(0, |b| b.row_bytes);
+        match c.kind {
+            CommKind::AllReduce => {
+                let tokens = counts[group[0]][m].tokens as u64;
+                let bytes = tokens * row(c.from);
+                let mut sum: Vec<f32> = vec![0.0; (bytes / 4) as usize];
+                for &r in &group {
+                    let part = f32s(&self.download(r, at(r, c.from)?, bytes)?);
+                    sum.iter_mut().zip(part).for_each(|(s, x)| *s += x);
+                }
+                let data: Vec<u8> = sum.iter().flat_map(|x| x.to_le_bytes()).collect();
+                for &r in &group {
+                    let to = at(r, c.to)?;
+                    self.upload(r, to, &data)?;
+                }
+            }
+            CommKind::AllToAll if !c.with.is_empty() => {
+                // Dispatch: each token row to every rank owning one of its experts.
+                let k = plan.model.top_k as usize;
+                let owner =
+                    |e: i32| plan.ranks.iter().position(|x| (x.experts[0] as i32..x.experts[1] as i32).contains(&e));
+                let mut to: Vec<Vec<(usize, usize)>> = vec![vec![]; self.buffers.len()];
+                let ids_name = c.with[0][0];
+                let mut rows_of: BTreeMap<(usize, BufferName), Vec<u8>> = BTreeMap::new();
+                for &s in &group {
+                    let t = counts[s][m].tokens as usize;
+                    let ids = i32s(&self.download(s, at(s, ids_name)?, (t * k * 4) as u64)?);
+                    for (tok, e) in ids.chunks(k).enumerate() {
+                        let mut dests: Vec<usize> = e.iter().filter_map(|&x| owner(x)).collect();
+                        dests.sort_unstable();
+                        dests.dedup();
+                        for d in dests {
+                            to[d].push((s, tok));
+                        }
+                    }
+                    for name in std::iter::once(c.from).chain(c.with.iter().map(|w| w[0])) {
+                        let bytes = t as u64 * row(name);
+                        rows_of.insert((s, name), self.download(s, at(s, name)?, bytes)?);
+                    }
+                }
+                let pairs: Vec<[BufferName; 2]> =
+                    std::iter::once([c.from, c.to]).chain(c.with.iter().copied()).collect();
+                for &d in &group {
+                    for [src, dst] in &pairs {
+                        let (rs, rd) = (row(*src) as usize, row(*dst) as usize);
+                        if rd < rs {
+                            return Err(ExecError::Plan(format!(
+                                "op `{}`: {dst:?} rows are narrower than {src:?}'s",
+                                op.name
+                            )));
+                        }
+                        let mut data = vec![0u8; to[d].len() * rd];
+                        for (i, &(s, tok)) in to[d].iter().enumerate() {
+                            let from = &rows_of[&(s, *src)][tok * rs..(tok + 1) * rs];
+                            data[i * rd..i * rd + rs].copy_from_slice(from);
+                        }
+                        let cap = mem.buffer(mode, *dst).map_or(0, |b| b.slice_bytes(mbs)) as usize;
+                        if data.len() > cap {
+                            return Err(ExecError::Capacity(format!(
+                                "rank {d} receives {} rows of {dst:?}; its slots hold {}",
+                                to[d].len(),
+                                cap / rd.max(1)
+                            )));
+                        }
+                        let a = at(d, *dst)?;
+                        self.upload(d, a, &data)?;
+                    }
+                    counts[d][m].received = to[d].len() as u32;
+                    counts[d][m].received_entries = (to[d].len() * k) as u32;
+                }
+                *routes = to;
+            }
+            CommKind::AllToAll => {
+                // Combine: each received row back to its source, summed in f32.
+                let h = plan.model.hidden as usize;
+                let mut sums: BTreeMap<usize, Vec<f32>> = BTreeMap::new();
+                for &s in &group {
+                    sums.insert(s, vec![0.0; counts[s][m].tokens as usize * h]);
+                }
+                let rs = row(c.from) as usize;
+                for &d in &group {
+                    let n = routes.get(d).map_or(0, Vec::len);
+                    let data = self.download(d, at(d, c.from)?, (n * rs) as u64)?;
+                    for (i, &(s, tok)) in routes[d].iter().enumerate() {
+                        let sum =
+                            sums.get_mut(&s).ok_or_else(|| ExecError::Plan("a row from outside the group".into()))?;
+                        for j in 0..h {
+                            let b = [data[i * rs + 2 * j], data[i * rs + 2 * j + 1]];
+                            sum[tok * h + j] += f32::from_bits(u32::from(u16::from_le_bytes(b)) << 16);
+                        }
+                    }
+                }
+                for (s, sum) in sums {
+                    let data: Vec<u8> = sum.iter().flat_map(|x| x.to_le_bytes()).collect();
+                    let a = at(s, c.to)?;
+                    self.upload(s, a, &data)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn route_parts(site: &Site<'_>, plan: &Plan) -> RouteIndexParts {
+    let bytes = site.mem.buffer(site.mode, BufferName::RouteIndex).map_or(0, |b| b.slice_bytes(site.micro_batches));
+    RouteIndexParts::of(bytes, u64::from(plan.model.experts))
+}
