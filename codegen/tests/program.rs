@@ -55,7 +55,9 @@ fn program(p: &Plan, mode: Mode, phase: Phase) -> &Program {
 
 fn op_index(p: &Program, name: &str) -> (usize, usize) {
     for (bi, b) in p.blocks.iter().enumerate() {
-        if let Some(oi) = b.ops.iter().position(|o| o.name == name) {
+        // A micro-batched program names its ops `name.0`, `name.1`, …: the first.
+        let first = format!("{name}.0");
+        if let Some(oi) = b.ops.iter().position(|o| o.name == name || o.name == first) {
             return (bi, oi);
         }
     }
