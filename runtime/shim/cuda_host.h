@@ -1,19 +1,21 @@
-// A host shim that runs CUDA kernels on the CPU for tests: every CUDA thread is
-// a std::thread, blocks run one after another, __syncthreads is a block-wide
-// std::barrier, and warp primitives (shuffles, ballot) exchange values through
+// A host shim that runs CUDA kernels on the CPU: every CUDA thread is a fiber
+// (a ucontext with its own stack) on the launching OS thread, blocks run one
+// after another, __syncthreads is a block-wide barrier between the fibers,
+// and warp primitives (shuffles, ballot) exchange values through
 // per-warp slots between two warp-wide barriers. Threads that return early drop
 // out of their barriers, as exited threads do on a GPU. Only the subset of CUDA
 // the emitted kernels use is provided; anything else fails to compile, which is
 // the point.
 #pragma once
 
-#include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
 #include <memory>
-#include <thread>
+#include <sys/mman.h>
+#include <ucontext.h>
 #include <vector>
 
 #define __global__
@@ -43,21 +45,61 @@ inline float4 make_float4(float x, float y, float z, float w) { return float4{x,
 
 namespace shim {
 
+// A barrier among the fibers of one block (or one warp). Fibers run one at a
+// time, so plain counters suffice; a waiting fiber is resumed once the phase
+// it waited in has completed.
+struct Barrier {
+  unsigned expected;
+  unsigned arrived = 0;
+  uint64_t phase = 0;
+  explicit Barrier(unsigned n) : expected(n) {}
+  void arrive_and_wait();
+  // An exited thread leaves the barrier; if everyone left is waiting, the
+  // phase completes.
+  void arrive_and_drop() {
+    --expected;
+    if (arrived > 0 && arrived >= expected) complete();
+  }
+  void complete() {
+    arrived = 0;
+    ++phase;
+  }
+};
+
 struct Block {
-  std::unique_ptr<std::barrier<>> block;
-  std::vector<std::unique_ptr<std::barrier<>>> warps;
+  std::unique_ptr<Barrier> block;
+  std::vector<std::unique_ptr<Barrier>> warps;
   std::vector<uint64_t> slots;  // 32 per warp
 };
 
-inline thread_local ShimDim3 tid;
-inline thread_local ShimDim3 bid;
+// One CUDA thread: a context with its own stack (guarded below), reused
+// from launch to launch.
+struct Fiber {
+  ucontext_t ctx;
+  void* map = nullptr;
+  const Barrier* wait = nullptr;
+  uint64_t wait_phase = 0;
+  bool done = false;
+  unsigned t = 0;
+};
+
+constexpr size_t kStack = 256 << 10;
+constexpr size_t kGuard = 4096;
+
+inline ShimDim3 tid;
+inline ShimDim3 bid;
 inline ShimDim3 bdim;
 inline ShimDim3 gdim;
 inline Block* current = nullptr;
+inline ucontext_t scheduler;
+inline Fiber* running = nullptr;
+inline std::vector<std::unique_ptr<Fiber>> fibers;
+inline void (*body)(void*) = nullptr;
+inline void* body_arg = nullptr;
 
 inline unsigned lane() { return tid.x & 31u; }
 inline unsigned warp() { return tid.x >> 5; }
-inline std::barrier<>& warp_barrier() { return *current->warps[warp()]; }
+inline Barrier& warp_barrier() { return *current->warps[warp()]; }
 
 template <typename T>
 inline uint64_t bits(T v) {
@@ -84,35 +126,91 @@ inline T exchange(T v, int src) {
   return out;
 }
 
-// Runs `kernel(args...)` over `grid` blocks of `block` threads.
+inline void Barrier::arrive_and_wait() {
+  const uint64_t p = phase;
+  if (++arrived >= expected) return complete();
+  running->wait = this;
+  running->wait_phase = p;
+  swapcontext(&running->ctx, &scheduler);
+}
+
+inline void trampoline() {
+  body(body_arg);
+  current->warps[tid.x >> 5]->arrive_and_drop();
+  current->block->arrive_and_drop();
+  running->done = true;
+}  // returns to `scheduler` through uc_link
+
+inline Fiber& fiber(unsigned t) {
+  while (fibers.size() <= t) {
+    auto f = std::make_unique<Fiber>();
+    f->map = mmap(nullptr, kStack + kGuard, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (f->map == MAP_FAILED) {
+      std::fprintf(stderr, "shim: cannot map a thread stack\n");
+      std::abort();
+    }
+    mprotect(f->map, kGuard, PROT_NONE);  // a stack overflow faults
+    fibers.push_back(std::move(f));
+  }
+  return *fibers[t];
+}
+
+// Runs one block: its threads as fibers on this OS thread, each run until it
+// waits on a barrier or exits, round-robin, a waiting one resumed once its
+// barrier's phase has completed. A round in which nothing can run is a
+// deadlock (on a GPU, a hang): abort.
+inline void run_block(unsigned b, unsigned block) {
+  Block blk;
+  blk.block = std::make_unique<Barrier>(block);
+  const unsigned nwarps = (block + 31) / 32;
+  for (unsigned w = 0; w < nwarps; ++w) blk.warps.push_back(std::make_unique<Barrier>(std::min(32u, block - 32 * w)));
+  blk.slots.assign(nwarps * 32, 0);
+  current = &blk;
+  bid = ShimDim3{b, 0, 0};
+  for (unsigned t = 0; t < block; ++t) {
+    Fiber& f = fiber(t);
+    f.t = t;
+    f.done = false;
+    f.wait = nullptr;
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = static_cast<char*>(f.map) + kGuard;
+    f.ctx.uc_stack.ss_size = kStack;
+    f.ctx.uc_link = &scheduler;
+    makecontext(&f.ctx, trampoline, 0);
+  }
+  for (unsigned left = block; left > 0;) {
+    bool ran = false;
+    for (unsigned t = 0; t < block; ++t) {
+      Fiber& f = *fibers[t];
+      if (f.done || (f.wait && f.wait->phase == f.wait_phase)) continue;
+      f.wait = nullptr;
+      running = &f;
+      tid = ShimDim3{t, 0, 0};
+      swapcontext(&scheduler, &f.ctx);
+      ran = true;
+      if (f.done) --left;
+    }
+    if (!ran) {
+      std::fprintf(stderr, "shim: block %u deadlocked: %u thread(s) wait on a barrier the others never reach\n", b, left);
+      std::abort();
+    }
+  }
+  running = nullptr;
+  current = nullptr;
+}
+
+// Runs `kernel(args...)` over `grid` blocks of `block` threads, blocks one
+// after another.
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), unsigned grid, unsigned block, Args... args) {
   gdim = ShimDim3{grid, 1, 1};
   bdim = ShimDim3{block, 1, 1};
-  for (unsigned b = 0; b < grid; ++b) {
-    Block blk;
-    blk.block = std::make_unique<std::barrier<>>(block);
-    const unsigned nwarps = (block + 31) / 32;
-    for (unsigned w = 0; w < nwarps; ++w) {
-      const unsigned lanes = std::min(32u, block - 32 * w);
-      blk.warps.push_back(std::make_unique<std::barrier<>>(lanes));
-    }
-    blk.slots.assign(nwarps * 32, 0);
-    current = &blk;
-    std::vector<std::thread> threads;
-    threads.reserve(block);
-    for (unsigned t = 0; t < block; ++t) {
-      threads.emplace_back([=, &blk] {
-        tid = ShimDim3{t, 0, 0};
-        bid = ShimDim3{b, 0, 0};
-        kernel(args...);
-        blk.warps[t >> 5]->arrive_and_drop();
-        blk.block->arrive_and_drop();
-      });
-    }
-    for (auto& th : threads) th.join();
-    current = nullptr;
-  }
+  auto call = [&] { kernel(args...); };
+  body = [](void* c) { (*static_cast<decltype(call)*>(c))(); };
+  body_arg = &call;
+  for (unsigned b = 0; b < grid; ++b) run_block(b, block);
+  body = nullptr;
+  body_arg = nullptr;
 }
 
 }  // namespace shim

@@ -6,7 +6,7 @@ use super::{error, out};
 use clap::ValueEnum;
 use moeforge::plan::bundle::LoadedBundle;
 use moeforge::plan::memory::Mode;
-use moeforge::runtime::engine::{Engine, Request, StepOutput};
+use moeforge::runtime::engine::{Engine, EngineError, Request, StepOutput};
 use moeforge::runtime::policy::{self, Calibration, Driver, Policy};
 use moeforge::runtime::twin::weights::Checkpoint;
 use moeforge::runtime::{machine, twin};
@@ -19,6 +19,20 @@ use std::process::ExitCode;
 pub enum Backend {
     /// The CPU twin: simulated ranks on the host, real numerics.
     Cpu,
+    /// The emulated device: every step runs the bundle's program and its own
+    /// emitted kernels (built for the host with g++, CTAs as threads) at the
+    /// plan's addresses; the twin schedules.
+    Emu,
+}
+
+impl Backend {
+    /// How the output names the backend.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Backend::Cpu => "cpu twin",
+            Backend::Emu => "emulated device",
+        }
+    }
 }
 
 /// The parallelism mode the engine starts in.
@@ -107,8 +121,8 @@ pub fn load_dir(bundle: &Path) -> Result<LoadedBundle, ExitCode> {
 
 /// Checks that the backend can run `bundle` on this machine, then loads the
 /// checkpoint.
-pub fn prepare(bundle: &LoadedBundle, backend: Backend, weights: &Path) -> Result<Checkpoint, ExitCode> {
-    let Backend::Cpu = backend;
+pub fn prepare(bundle: &LoadedBundle, weights: &Path) -> Result<Checkpoint, ExitCode> {
+    // Both backends hold every rank's unified buffer in this host's memory.
     machine::check_cpu(&bundle.plan, &machine::Host::probe()).map_err(|e| {
         error(
             format!("this machine does not fit the bundle: {e}"),
@@ -126,18 +140,42 @@ pub fn prepare(bundle: &LoadedBundle, backend: Backend, weights: &Path) -> Resul
     Ok(ck)
 }
 
-/// The twin under the switch-policy driver, starting in `start`; with
-/// `policy`, the spec's switch policy decides (calibrated when `t_high = auto`).
+/// The twin on `backend` under the switch-policy driver, starting in
+/// `start`; with `policy`, the spec's switch policy decides (calibrated when
+/// `t_high = auto`). The emulated device does not switch live yet, so there
+/// the policy stays off.
 pub fn driver(
     bundle: &LoadedBundle,
     ck: &Checkpoint,
+    backend: Backend,
     start: Mode,
     policy: bool,
 ) -> Result<(Driver<twin::Twin>, Option<Calibration>), ExitCode> {
     let deploy = bundle.spec.deploys.first();
     let vocab = deploy.map_or(1, |d| bundle.spec.model(d.model).vocab as usize);
     let switch = deploy.map(|d| &d.switch);
-    let make = |mode| twin::Twin::new(bundle, ck, mode).map_err(Into::into);
+    let policy = match backend {
+        Backend::Cpu => policy,
+        Backend::Emu => {
+            if policy && switch.is_some_and(|s| s.enabled) && bundle.plan.memory.modes.len() == 2 {
+                eprintln!(
+                    "note: the switch policy is off on the emulated device (live switches there are not built yet); \
+                     the run stays in {}",
+                    start.name()
+                );
+            }
+            false
+        }
+    };
+    let cache = moeforge::runtime::device::emu::default_cache();
+    let make = |mode| match backend {
+        Backend::Cpu => twin::Twin::new(bundle, ck, mode).map_err(Into::into),
+        Backend::Emu => {
+            let dev = moeforge::runtime::device::emu::EmuDevice::start(&cache)
+                .map_err(|e| EngineError::Backend(format!("the emulated device: {e}")))?;
+            twin::Twin::on_device(bundle, ck, mode, Box::new(dev)).map_err(Into::into)
+        }
+    };
     policy::driver(switch, &bundle.plan.memory.modes, start, policy, vocab, make).map_err(|e| error(e, ""))
 }
 
@@ -170,8 +208,14 @@ pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
         Start::Ep => Mode::Ep,
     };
     let prompts = prompts(a)?;
-    let ck = prepare(bundle, a.backend, &a.weights)?;
-    let (mut driver, calibration) = driver(bundle, &ck, start, a.switch_at.is_empty())?;
+    if matches!(a.backend, Backend::Emu) && !a.switch_at.is_empty() {
+        return Err(error(
+            "--switch-at: live switches on the emulated device are not built yet",
+            "drop --switch-at, or run the switch on `--backend cpu`",
+        ));
+    }
+    let ck = prepare(bundle, &a.weights)?;
+    let (mut driver, calibration) = driver(bundle, &ck, a.backend, start, a.switch_at.is_empty())?;
     let n = prompts.len();
     let mut arrivals: Vec<(usize, Request)> = prompts
         .into_iter()
@@ -206,7 +250,8 @@ pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
     let total = t0.elapsed().as_secs_f64();
     let plan = &bundle.plan.memory;
     out(&format!(
-        "cpu twin: {} on {} ranks, modes [{}], started in {}",
+        "{}: {} on {} ranks, modes [{}], started in {}",
+        a.backend.describe(),
         bundle.plan.model.name,
         plan.group,
         plan.modes.iter().map(|m| m.name()).collect::<Vec<_>>().join(", "),

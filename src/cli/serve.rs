@@ -58,11 +58,11 @@ pub fn serve_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> 
         Start::Tp => Mode::Tp,
         Start::Ep => Mode::Ep,
     };
-    let ck = prepare(bundle, a.backend, &a.weights)?;
+    let ck = prepare(bundle, &a.weights)?;
     let text = Text::load(&a.weights).map_err(|e| {
         error(e, "tokenizer.json must be a Hugging Face tokenizers file (or absent: token-id prompts only)")
     })?;
-    let (driver, calibration) = driver(bundle, &ck, start, true)?;
+    let (driver, calibration) = driver(bundle, &ck, a.backend, start, true)?;
     print_policy(&calibration, driver.policy());
     let name = bundle.plan.model.name.clone();
     let deploy = bundle.spec.deploys.first().map(|d| d.name.clone());
@@ -74,8 +74,9 @@ pub fn serve_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> 
     let addr = format!("{}:{}", a.host, a.port);
     let modes = plan.modes.iter().map(|m| m.name()).collect::<Vec<_>>().join(", ");
     let group = plan.group;
+    let backend = a.backend.describe();
     serve_blocking(&addr, driver, cfg, |bound| {
-        out(&format!("serving {model} on the cpu twin ({group} ranks, modes [{modes}], {tokenizer})"));
+        out(&format!("serving {model} on the {backend} ({group} ranks, modes [{modes}], {tokenizer})"));
         out(&format!("listening on http://{bound}"));
     })
     .map_err(|e| error(format!("{addr}: {e}"), "is the port in use? --port 0 picks a free one"))
