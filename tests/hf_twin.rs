@@ -312,5 +312,18 @@ fn on_the_emulated_device(name: &'static str, runs: &[(u32, Mode)]) {
 
 #[test]
 fn qwen3_moe_on_the_emulated_device_matches_transformers() {
-    on_the_emulated_device("qwen3-moe", &[(2, Mode::Tp), (4, Mode::Ep)]);
+    on_the_emulated_device("qwen3-moe", &[(1, Mode::Tp), (2, Mode::Tp), (2, Mode::Ep), (4, Mode::Ep)]);
+}
+
+/// Mixtral: no QK-norm, softmax-then-top-k routing without renormalization.
+#[test]
+fn mixtral_on_the_emulated_device_matches_transformers() {
+    on_the_emulated_device("mixtral", &[(1, Mode::Tp), (2, Mode::Ep), (4, Mode::Tp)]);
+}
+
+/// MiniMax-M2: QK-norm over all heads at once, so under TP the program
+/// all-reduces each row's sum of squares across the ranks before the norm.
+#[test]
+fn minimax_m2_on_the_emulated_device_matches_transformers() {
+    on_the_emulated_device("minimax-m2", &[(2, Mode::Tp), (4, Mode::Ep)]);
 }

@@ -15,7 +15,7 @@
 //   reply: u8 0 and the result, or u8 1, u32 len and a message.
 //
 // Launches run to completion in the order they arrive (a launch's blocks one
-// after another, its threads as std::threads), so any order the program's
+// after another, its threads as fibers), so any order the program's
 // streams and events allow is respected. A kernel that traps aborts the
 // process: the runtime reports the launch it was running.
 #include <dlfcn.h>

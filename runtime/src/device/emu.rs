@@ -1,6 +1,6 @@
 //! The emulated device (`--backend emu`'s device): the bundle's own emitted
 //! kernel sources built for the host with g++ against the project's CUDA
-//! shim (`runtime/shim/`: CUDA threads as `std::thread`s, blocks one after
+//! shim (`runtime/shim/`: CUDA threads as fibers, blocks one after
 //! another, `__syncthreads` a barrier), each kernel instance a shared
 //! library exporting the emitted launch table (`moeforge_emu_launch`),
 //! loaded by a device process (`shim/emu_device.cpp`) that owns the device
