@@ -80,7 +80,6 @@ struct Fiber {
   const Barrier* wait = nullptr;
   uint64_t wait_phase = 0;
   bool done = false;
-  unsigned t = 0;
 };
 
 constexpr size_t kStack = 256 << 10;
@@ -169,7 +168,6 @@ inline void run_block(unsigned b, unsigned block) {
   bid = ShimDim3{b, 0, 0};
   for (unsigned t = 0; t < block; ++t) {
     Fiber& f = fiber(t);
-    f.t = t;
     f.done = false;
     f.wait = nullptr;
     getcontext(&f.ctx);
