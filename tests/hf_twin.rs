@@ -83,10 +83,17 @@ fn max_rel(a: &[f32], b: &[f32]) -> f32 {
 /// cache rounded to bf16 as the twin's is) and how many switches happened
 /// mid-decode.
 fn check_run(f: &Fixture, t: &mut Twin, label: &str, switch_at: &[usize]) -> (f32, f32, usize) {
-    check_run_within(f, t, label, switch_at, STORAGE_TOLERANCE)
+    check_run_within(f, t, label, switch_at, TOLERANCE, STORAGE_TOLERANCE)
 }
 
-fn check_run_within(f: &Fixture, t: &mut Twin, label: &str, switch_at: &[usize], storage: f32) -> (f32, f32, usize) {
+fn check_run_within(
+    f: &Fixture,
+    t: &mut Twin,
+    label: &str,
+    switch_at: &[usize],
+    tolerance: f32,
+    storage: f32,
+) -> (f32, f32, usize) {
     t.keep_logits = true;
     for (i, p) in f.prompts.iter().enumerate() {
         t.submit(Request::new(i as u64, p.clone(), f.tokens[i].len())).unwrap();
@@ -113,7 +120,7 @@ fn check_run_within(f: &Fixture, t: &mut Twin, label: &str, switch_at: &[usize],
         assert_eq!(logits.len(), want.len(), "{label}: request {i}");
         for (s, (a, b)) in logits.iter().zip(&f.logits[i]).enumerate() {
             let e = max_rel(a, b);
-            assert!(e <= TOLERANCE, "{label}: request {i} step {s}: logits differ by {e:.3e} of max |logit|");
+            assert!(e <= tolerance, "{label}: request {i} step {s}: logits differ by {e:.3e} of max |logit|");
             worst = worst.max(e);
         }
         for (s, (a, b)) in logits.iter().zip(&f.logits_bf16_kv[i]).enumerate() {
@@ -285,13 +292,22 @@ fn glm_5_with_dsa_matches_transformers() {
 /// router, the permutation, the MoE APK, the combine, sampling), built for
 /// the host and run at the plan's addresses, with the all-reduces,
 /// dispatches and combines between the ranks' buffers. Tokens must be
-/// transformers' exactly and logits within the same 2e-2 of max |logit|;
-/// the device keeps activations in bf16 between kernels (the normed rows,
-/// q/k/v, attention outputs, expert rows), so the bf16-KV bound is the
-/// same 2e-2, not the twin's 2e-3.
+/// transformers' exactly. The device keeps activations in bf16 between
+/// kernels (the normed rows, q/k/v, attention outputs, expert rows), as a
+/// GPU serving bf16 does, so its logits are held to the distance at which
+/// transformers itself, with the checkpoint loaded in bf16, lands from its
+/// f32 logits (`bf16.json`, written by scripts/fixtures/models.py): an
+/// independent bf16 implementation of the same model. That bound applies
+/// against the f32 run and against the bf16-KV run alike.
 fn on_the_emulated_device(name: &'static str, runs: &[(u32, Mode)]) {
     use moeforge::runtime::device::emu::EmuDevice;
     let f = fixture(name);
+    let bf16: Value = serde_json::from_str(
+        &std::fs::read_to_string(f.dir.join("bf16.json")).unwrap_or_else(|e| panic!("{name}: bf16.json: {e}")),
+    )
+    .unwrap();
+    let bound = bf16["worst_rel_err"].as_f64().unwrap() as f32;
+    assert!(bound > 0.0 && bound <= 5e-2, "{name}: transformers' bf16 run is {bound:.3e} from f32: too loose a bound");
     let ck = Checkpoint::load(&f.dir).unwrap_or_else(|e| panic!("{name}: {e}"));
     let cache = tempfile::tempdir().unwrap();
     for &(p, start) in runs {
@@ -301,10 +317,11 @@ fn on_the_emulated_device(name: &'static str, runs: &[(u32, Mode)]) {
         let mut t = Twin::on_device(&b, &ck, start, Box::new(dev)).unwrap_or_else(|e| panic!("{name} P={p}: {e}"));
         let label = format!("{name} P={p} {start:?} on the emulated device");
         let t0 = std::time::Instant::now();
-        let (e, ekv, _) = check_run_within(&f, &mut t, &label, &[], TOLERANCE);
+        let (e, ekv, _) = check_run_within(&f, &mut t, &label, &[], bound, bound);
         let steps = t.stats().steps;
         eprintln!(
-            "{label}: worst logit error {e:.2e} ({ekv:.2e} against a bf16 KV cache), {steps} steps in {:.1} s",
+            "{label}: worst logit error {e:.2e} ({ekv:.2e} against a bf16 KV cache; transformers in bf16: \
+             {bound:.2e}), {steps} steps in {:.1} s",
             t0.elapsed().as_secs_f64()
         );
     }
@@ -326,4 +343,21 @@ fn mixtral_on_the_emulated_device_matches_transformers() {
 #[test]
 fn minimax_m2_on_the_emulated_device_matches_transformers() {
     on_the_emulated_device("minimax-m2", &[(2, Mode::Tp), (4, Mode::Ep)]);
+}
+
+/// DeepSeek-V3: MLA (the latent cache, the weight-absorbed attention in
+/// both phases, interleaved RoPE), grouped routing with a bias, a shared
+/// expert and a leading dense layer; its latent (24) is not a multiple of
+/// a warp, so the attention's per-lane split is ragged.
+#[test]
+fn deepseek_v3_on_the_emulated_device_matches_transformers() {
+    on_the_emulated_device("deepseek-v3", &[(1, Mode::Tp), (2, Mode::Tp), (4, Mode::Ep)]);
+}
+
+/// DeepSeek-V3 with YaRN (factor 40: the rotary frequencies interpolated
+/// and the softmax scale grown by mscale²) and without the q LoRA (a direct
+/// q_proj).
+#[test]
+fn deepseek_v3_with_yarn_on_the_emulated_device_matches_transformers() {
+    on_the_emulated_device("deepseek-v3-yarn", &[(1, Mode::Tp), (2, Mode::Ep)]);
 }

@@ -153,14 +153,17 @@ fn decode_single_batch_overlap_runs_shared_experts_beside_the_routed_path() {
     let norm = dec.blocks[moe].ops.iter().position(|o| o.name == "post_attention_norm").unwrap();
     let norm = all.iter().find(|i| i.block == moe && i.op == norm && i.layer == layer).unwrap();
     assert!(norm.happens_before(gate_up));
-    // MLA decode reads the absorbed kv_b in attention and has no kv_b GEMM;
-    // prefill decompresses with it (the naive form).
-    let (b, o) = op_index(dec, "attention");
-    assert!(dec.blocks[b].ops[o]
-        .reads
-        .contains(&Operand::Weight { role: TensorRole::KvBProj, part: TensorPart::Weight }));
-    assert!(dec.ops().all(|(_, o)| o.name != "kv_b_proj"));
-    assert!(program(&p, Mode::Ep, Phase::Prefill).ops().any(|(_, o)| o.name.starts_with("kv_b_proj")));
+    // MLA reads the absorbed kv_b in attention, in both phases, and never
+    // decompresses k and v with a kv_b GEMM.
+    for phase in [Phase::Decode, Phase::Prefill] {
+        let prog = program(&p, Mode::Ep, phase);
+        let att: Vec<_> = prog.ops().filter(|(_, o)| o.name.starts_with("attention")).collect();
+        assert!(!att.is_empty(), "{phase:?}");
+        for (_, o) in att {
+            assert!(o.reads.contains(&Operand::Weight { role: TensorRole::KvBProj, part: TensorPart::Weight }));
+        }
+        assert!(prog.ops().all(|(_, o)| !o.name.starts_with("kv_b_proj")), "{phase:?}");
+    }
     // The three leading dense layers have their own body.
     assert_eq!(dec.blocks[1].kind, BlockKind::Dense);
     assert_eq!(dec.blocks[1].layers, Some([0, 3]));

@@ -202,8 +202,8 @@ fn attention_rows(m: &Model) -> (u64, u64) {
         }
         Attention::Mla { heads, q_lora, kv_lora, qk_nope, qk_rope, v_head, indexer } => {
             let (n, nope, rope, v) = (u64::from(heads), u64::from(qk_nope), u64::from(qk_rope), u64::from(v_head));
-            let mut row =
-                u64::from(q_lora.unwrap_or(0)) + n * (nope + rope) + u64::from(kv_lora) + rope + n * (nope + v);
+            // The absorbed attention (both phases) never decompresses k and v.
+            let mut row = u64::from(q_lora.unwrap_or(0)) + n * (nope + rope) + u64::from(kv_lora) + rope;
             if let Some(ix) = indexer {
                 row += u64::from(ix.heads) * u64::from(ix.head_dim) + u64::from(ix.head_dim) + u64::from(ix.heads);
             }

@@ -412,8 +412,7 @@ pub enum AttentionKind {
     Gqa,
     /// GQA with per-head sinks.
     GqaSinks,
-    /// MLA: naive (decompressed k, v) for prefill, weight-absorbed over the
-    /// latent cache for decode.
+    /// MLA: weight-absorbed over the latent cache, in both phases.
     Mla,
     /// MLA over the indexer's top-k keys (DeepSeek Sparse Attention).
     MlaSparse,
@@ -497,7 +496,7 @@ pub fn entries_for(kind: OpKind) -> &'static [&'static str] {
         OpKind::QkSumSq => &["qk_sumsq"],
         OpKind::Rope { .. } => &["rope", "mla_rope"],
         OpKind::KvWrite => &["kv_write", "mla_kv_write"],
-        OpKind::Attention { .. } => &["paged_attention", "mla_decode_attention"],
+        OpKind::Attention { .. } => &["paged_attention", "mla_attention"],
         OpKind::Route => &["moe_router"],
         OpKind::Permute => &["moe_count", "moe_offsets", "moe_scatter"],
         OpKind::Gather => &["moe_gather"],

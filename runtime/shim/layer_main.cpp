@@ -164,7 +164,7 @@ int main(int argc, char** argv) {
                static_cast<const int32_t*>(slots.data()), tokens, pool.data(), page_bytes, layer);
   put(pool);
   std::vector<__nv_bfloat16> attn(static_cast<size_t>(tokens) * kMlaHeads * kVHead, __float2bfloat16_rn(-7.0f));
-  shim::launch(mla_decode_attention, tokens, kThreads, static_cast<const __nv_bfloat16*>(qkv.data()),
+  shim::launch(mla_attention, tokens, kThreads, static_cast<const __nv_bfloat16*>(qkv.data()),
                static_cast<const int32_t*>(apos.data()), static_cast<const int32_t*>(row_request.data()),
                static_cast<const int32_t*>(meta.data()), tokens, q_heads, static_cast<const __nv_bfloat16*>(kv_b.data()),
                static_cast<const uint8_t*>(apool.data()), page_bytes, layer, attn.data());

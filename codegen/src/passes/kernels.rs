@@ -693,7 +693,7 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
             ],
         ));
         entries.push(entry(
-            "mla_decode_attention",
+            "mla_attention",
             GridVar::Tokens,
             vec![
                 p("const __nv_bfloat16* qkv"),
@@ -721,7 +721,7 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
             g.rope_dim,
             g.head_dim
         ),
-        None => "embedding, RMSNorm, residual adds, sampling, and MLA's latent norms, interleaved RoPE, latent KV write and weight-absorbed decode attention".into(),
+        None => "embedding, RMSNorm, residual adds, sampling, and MLA's latent norms, interleaved RoPE, latent KV write and weight-absorbed attention".into(),
     };
     KernelInstance {
         name: "layer".into(),

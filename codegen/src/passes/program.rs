@@ -525,10 +525,9 @@ impl Config<'_> {
                 }
             }
             Attention::Mla { heads, q_lora, kv_lora, qk_nope, qk_rope, indexer, .. } => {
-                // The Qkv row: q_a, q, kv_a (latent ‖ rope key), kv_b (prefill's k_nope ‖ v per head).
+                // The Qkv row: q_a, q, kv_a (latent ‖ rope key), then the DSA indexer's q, k and weights.
                 let q_at = q_lora.unwrap_or(0);
                 let kv_at = q_at + heads * (qk_nope + qk_rope);
-                let kv_b_at = kv_at + kv_lora + qk_rope;
                 if q_lora.is_some() {
                     self.gemm(o, "q_a_proj", c, mb, normed, &[W::QAProj], (Buf::Qkv, 0), bf16, t);
                     o.push(
@@ -580,11 +579,6 @@ impl Config<'_> {
                     launch("layer", "mla_rope"),
                 );
                 o.args(vec![ptr(Buf::Qkv), ptr(Buf::Positions), cnt(t), int(qh)]);
-                if self.phase == Phase::Prefill {
-                    // Prefill decompresses k and v (naive form); decode absorbs kv_b.
-                    let latent = (Buf::Qkv, kv_at);
-                    self.gemm(o, "kv_b_proj", c, mb, latent, &[W::KvBProj], (Buf::Qkv, kv_b_at), bf16, t);
-                }
                 if indexer.is_some() {
                     AttentionKind::MlaSparse
                 } else {
@@ -630,13 +624,16 @@ impl Config<'_> {
         if kind == AttentionKind::GqaSinks {
             reads.extend(self.w(W::Sinks));
         }
-        if matches!(kind, AttentionKind::Mla | AttentionKind::MlaSparse) && self.phase == Phase::Decode {
+        if matches!(kind, AttentionKind::Mla | AttentionKind::MlaSparse) {
             reads.extend(self.w(W::KvBProj));
         }
         // GQA runs the layer instance's paged causal attention in both phases,
-        // MLA its weight-absorbed decode attention; sinks, MLA's naive prefill
-        // and DSA's sparse attention have no kernel yet.
-        // The absorbed decode attention reads kv_b as bf16.
+        // MLA its weight-absorbed attention in both phases too: the kv_b GEMM
+        // folds into the query and the output, so a prefill row attends over
+        // the latent cache like a decode row (causal, and right for extends
+        // over a cached prefix). A naive-form prefill kernel, FLOP-cheaper on
+        // long prompts, is not built. Sinks and DSA's sparse attention have
+        // no kernel yet. The absorbed attention reads kv_b as bf16.
         let kv_b_bf16 =
             self.mem.view(self.mode, W::KvBProj, TensorPart::Weight).is_some_and(|v| v.dtype == DType::Bf16);
         let (rows, pages) =
@@ -648,15 +645,16 @@ impl Config<'_> {
                 let a = vec![ptr(Buf::Qkv), pos, rr, meta, cnt(t), int(qh), int(kvh), q0, kv0, kv(), pages, Arg::Layer];
                 (launch("layer", "paged_attention"), [a, vec![ptr(Buf::Attn)]].concat())
             }
-            (AttentionKind::Mla, Phase::Decode) if kv_b_bf16 => {
+            (AttentionKind::Mla, _) if kv_b_bf16 => {
                 reads.push(buf(Buf::RowRequest));
                 let (pos, rr, meta) = rows;
                 let a = vec![ptr(Buf::Qkv), pos, rr, meta, cnt(t), int(qh), wptr(W::KvBProj), kv(), pages, Arg::Layer];
-                (launch("layer", "mla_decode_attention"), [a, vec![ptr(Buf::Attn)]].concat())
+                (launch("layer", "mla_attention"), [a, vec![ptr(Buf::Attn)]].concat())
             }
-            (AttentionKind::Mla, Phase::Decode) => {
-                (missing("attention_decode_mla (fp8 kv_b: the kernel reads it as bf16)"), vec![])
-            }
+            (AttentionKind::Mla, _) => (
+                missing(&format!("attention_{}_mla (fp8 kv_b: the kernel reads it as bf16)", self.phase.name())),
+                vec![],
+            ),
             _ => (missing(&format!("attention_{}_{}", self.phase.name(), format!("{kind:?}").to_lowercase())), vec![]),
         };
         o.push("attention", OpKind::Attention { kind, phase: self.phase }, c, mb, reads, vec![buf(Buf::Attn)], kernel);

@@ -298,7 +298,8 @@ impl CostModel {
         // FLOPs per head and (query, key) pair, scores plus values: GQA's
         // 2·d + 2·d; MLA decode in the absorbed form multiplies the latent
         // (2·(kv_lora + qk_rope) + 2·kv_lora), MLA prefill in the naive form
-        // (2·(qk_nope + qk_rope) + 2·v_head).
+        // (2·(qk_nope + qk_rope) + 2·v_head): the target stack's kernel; the
+        // emitted program attends absorbed in both phases for now.
         let (pair_decode, pair_prefill) = match m.attention {
             moeforge_dsl::spec::Attention::Gqa { head_dim, .. } => {
                 (4.0 * f64::from(head_dim), 4.0 * f64::from(head_dim))
