@@ -11,6 +11,7 @@
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
+use common::cpu_spec::{compile_text, cpu_deployment, imported_block};
 use common::*;
 use moeforge::codegen::{self, NvccMode};
 use moeforge::dsl::{check_paths, FsLoader};
@@ -247,4 +248,103 @@ fn a_kernel_that_does_not_build_or_traps_is_an_error_naming_it() {
     let site = Site { buffer: r.buf, ..site };
     let err = bind::launch(&mut r.dev, &b.plan.kernels, &r.modules, &site, &bad, &counts).unwrap_err();
     assert!(err.to_string().contains("points outside buffer"), "{err}");
+}
+
+/// DSA's lightning indexer (`dsa_indexer`, GLM-5's tiny checkpoint shape:
+/// 8 scoring heads of 16 dims, top 4) over a 700-token prompt, so that the
+/// kernel's shared-memory selection merges three chunks of keys, against
+/// `twin::math::dsa_select` (score every key, sort them all). The cache
+/// entries are written by the plan's own `kv_write` op; where the reference's
+/// 4th and 5th scores are too close for f32 summation order to decide, the
+/// row is left out (and counted).
+#[test]
+fn the_dsa_indexer_keeps_the_reference_top_k_over_several_chunks() {
+    use moeforge::plan::KernelParams;
+    use moeforge::runtime::twin::math::dsa_select;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = root().join("tests/fixtures/models/glm-5");
+    let lb = compile_text(&cpu_deployment(&imported_block(&dir), 1, 0.25), tmp.path());
+    let plan = lb.plan.plan();
+    let b = Bundle {
+        plan: plan.clone(),
+        files: lb.kernels.iter().map(|(k, v)| (format!("kernels/{k}.cu"), v.clone().into_bytes())).collect(),
+    };
+    let mut r = rig(&b);
+    let mem = &b.plan.memory;
+    let p = b.plan.programs.iter().find(|p| p.mode == Mode::Tp && p.phase == Phase::Prefill).unwrap();
+    let KernelParams::Layer(lp) = &b.plan.kernels.iter().find(|k| k.name == "layer").unwrap().params else {
+        panic!("no layer kernel")
+    };
+    let ix = lp.mla.as_ref().and_then(|a| a.indexer.clone()).expect("GLM-5 has an indexer");
+    let (heads, dim, top_k) = (ix.heads as usize, ix.head_dim as usize, ix.top_k as usize);
+    assert_eq!((heads, dim, top_k), (8, 16, 4));
+    let buffer = |name| mem.buffer(Mode::Tp, name).unwrap();
+    let put = |r: &mut Rig, at: u64, bytes: &[u8]| r.dev.upload(r.buf, at, bytes).unwrap();
+
+    let tokens = 700usize;
+    let pt = mem.kv.page_tokens as usize;
+    // The request's pages in a scrambled order.
+    let n_pages = tokens.div_ceil(pt);
+    let mut rng = Rng(0xd5a);
+    let pages: Vec<i32> = rng.permutation(n_pages).into_iter().map(|x| x as i32 + 3).collect();
+    let slots: Vec<i32> = (0..tokens).map(|t| pages[t / pt] * pt as i32 + (t % pt) as i32).collect();
+    let meta_row = buffer(BufferName::RequestMeta).row_bytes as usize / 4;
+    let mut meta = vec![0i32; meta_row];
+    meta[2] = tokens as i32;
+    meta[8..8 + n_pages].copy_from_slice(&pages);
+    let qkv_row = buffer(BufferName::Qkv).row_bytes as usize / 2;
+    let qkv: Vec<u16> = (0..tokens * qkv_row).map(|_| bf16(rng.unit())).collect();
+    put(&mut r, buffer(BufferName::Positions).offset, &le32(&(0..tokens as i32).collect::<Vec<_>>()));
+    put(&mut r, buffer(BufferName::SlotMap).offset, &le32(&slots));
+    put(&mut r, buffer(BufferName::RowRequest).offset, &le32(&vec![0; tokens]));
+    put(&mut r, buffer(BufferName::RequestMeta).offset, &le32(&meta));
+    put(&mut r, buffer(BufferName::Qkv).offset, &le16(&qkv));
+    let counts = Counts { tokens: tokens as u32, ..Counts::default() };
+    let layer = 1u32;
+    for name in ["kv_write", "indexer"] {
+        let site = Site { mem, mode: Mode::Tp, micro_batches: p.micro_batches, rank: 0, layer, buffer: r.buf };
+        bind::launch(&mut r.dev, &b.plan.kernels, &r.modules, &site, op(p, name), &counts)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
+    let got = r.dev.download(r.buf, buffer(BufferName::IndexerTopk).offset, (tokens * top_k * 4) as u64).unwrap();
+    let got: Vec<i32> = got.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+
+    let at = |t: usize, i: usize| f(qkv[t * qkv_row + i]);
+    let (kq, kk, kw) = (ix.q_offset as usize, ix.k_offset as usize, ix.w_offset as usize);
+    let (mut checked, mut near_ties) = (0, 0);
+    for t in 0..tokens {
+        let q: Vec<f32> = (0..heads * dim).map(|i| at(t, kq + i)).collect();
+        let w: Vec<f32> = (0..heads).map(|h| at(t, kw + h) / (heads as f32).sqrt()).collect();
+        let keys: Vec<Vec<f32>> = (0..=t).map(|j| (0..dim).map(|c| at(j, kk + c)).collect()).collect();
+        let refs: Vec<&[f32]> = keys.iter().map(|k| k.as_slice()).collect();
+        let want = dsa_select(&q, &w, &refs, top_k);
+        let row = &got[t * top_k..(t + 1) * top_k];
+        // Fewer keys than top_k: the selection is all of them, then -1s.
+        if t < top_k {
+            let all: Vec<i32> = (0..top_k as i32).map(|j| if j <= t as i32 { j } else { -1 }).collect();
+            assert_eq!(row, &all[..], "row {t}");
+            checked += 1;
+            continue;
+        }
+        let score = |k: &[f32]| -> f64 {
+            (0..heads)
+                .map(|h| {
+                    let d: f64 = (0..dim).map(|c| f64::from(q[h * dim + c]) * f64::from(k[c])).sum();
+                    f64::from(w[h]) * (d / (dim as f64).sqrt()).max(0.0)
+                })
+                .sum()
+        };
+        let mut s: Vec<f64> = keys.iter().map(|k| score(k)).collect();
+        s.sort_by(|a, b| b.total_cmp(a));
+        let spread = s[0] - s[s.len() - 1];
+        if s[top_k - 1] - s[top_k] <= 1e-5 * spread.max(1e-9) {
+            near_ties += 1;
+            continue;
+        }
+        let want: Vec<i32> = want.iter().map(|&j| j as i32).collect();
+        assert_eq!(row, &want[..], "row {t}: the kernel's selection vs the reference's");
+        checked += 1;
+    }
+    eprintln!("dsa_indexer: {checked} rows match the reference selection, {near_ties} near-ties left out");
+    assert!(checked >= tokens - 5, "{near_ties} near-ties of {tokens} rows");
 }

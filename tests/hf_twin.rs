@@ -299,6 +299,24 @@ fn glm_5_with_dsa_matches_transformers() {
 /// f32 logits (`bf16.json`, written by scripts/fixtures/models.py): an
 /// independent bf16 implementation of the same model. That bound applies
 /// against the f32 run and against the bf16-KV run alike.
+/// The distance of transformers' bf16 run from its f32 run over the steps
+/// where it stayed continuous. Rounding moves a step's logits by about the
+/// same amount everywhere (within 2× of the median step here); a step where
+/// bf16 flipped a discrete choice (an expert, a DSA key; GLM-5 once, at
+/// 33× the median) jumps far past that and says nothing about rounding, so
+/// steps beyond 4× the median are left out.
+fn bf16_bound(bf16: &Value) -> f32 {
+    let mut errs: Vec<f32> = bf16["requests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|r| r["rel_err"].as_array().unwrap().iter().map(|e| e.as_f64().unwrap() as f32))
+        .collect();
+    errs.sort_by(f32::total_cmp);
+    let median = errs[errs.len() / 2];
+    errs.into_iter().filter(|&e| e <= 4.0 * median).fold(0.0, f32::max)
+}
+
 fn on_the_emulated_device(name: &'static str, runs: &[(u32, Mode)]) {
     use moeforge::runtime::device::emu::EmuDevice;
     let f = fixture(name);
@@ -306,7 +324,7 @@ fn on_the_emulated_device(name: &'static str, runs: &[(u32, Mode)]) {
         &std::fs::read_to_string(f.dir.join("bf16.json")).unwrap_or_else(|e| panic!("{name}: bf16.json: {e}")),
     )
     .unwrap();
-    let bound = bf16["worst_rel_err"].as_f64().unwrap() as f32;
+    let bound = bf16_bound(&bf16);
     assert!(bound > 0.0 && bound <= 5e-2, "{name}: transformers' bf16 run is {bound:.3e} from f32: too loose a bound");
     let ck = Checkpoint::load(&f.dir).unwrap_or_else(|e| panic!("{name}: {e}"));
     let cache = tempfile::tempdir().unwrap();
@@ -360,4 +378,13 @@ fn deepseek_v3_on_the_emulated_device_matches_transformers() {
 #[test]
 fn deepseek_v3_with_yarn_on_the_emulated_device_matches_transformers() {
     on_the_emulated_device("deepseek-v3-yarn", &[(1, Mode::Tp), (2, Mode::Ep)]);
+}
+
+/// GLM-5: MLA with DeepSeek Sparse Attention. The lightning indexer's
+/// projections, its key's LayerNorm and RoPE, the key cached beside the
+/// latent, the top-k selection per query in shared memory and the absorbed
+/// attention over the selected keys only.
+#[test]
+fn glm_5_on_the_emulated_device_matches_transformers() {
+    on_the_emulated_device("glm-5", &[(1, Mode::Tp), (2, Mode::Tp), (4, Mode::Ep)]);
 }

@@ -684,6 +684,19 @@ fn check_mla<'a>(
     let (kv_lora, nope, rope, vh) = (a.kv_lora as usize, a.nope as usize, a.rope as usize, a.v_head as usize);
     let (qo, ko, ql) = (a.q_offset as usize, a.kv_offset as usize, a.q_lora as usize);
     let qw = nope + rope;
+    // The DSA indexer's key follows the rope key, then its query heads.
+    let (ix_heads, ix_dim) = match m.attention {
+        moeforge::dsl::spec::Attention::Mla { indexer: Some(ix), .. } => (ix.heads as usize, ix.head_dim as usize),
+        _ => (0, 0),
+    };
+    let (ix_k, ix_q) = (ko + kv_lora + rope, ko + kv_lora + rope + ix_dim);
+    if let Some(ix) = &a.indexer {
+        assert_eq!(
+            (ix.k_offset as usize, ix.q_offset as usize),
+            (ix_k, ix_q),
+            "{name}: the indexer's place in the row"
+        );
+    }
     let eps = m.rms_eps as f32;
     let bf = |b: &[u8]| u16s(b).into_iter().map(reference::bf16_to_f32).collect::<Vec<f32>>();
     let normed = bf(take(tokens * s * 2));
@@ -711,6 +724,13 @@ fn check_mla<'a>(
             r.apply(&mut want[qo + h * qw + nope..qo + (h + 1) * qw], positions[t] as usize);
         }
         r.apply(&mut want[ko + kv_lora..ko + kv_lora + rope], positions[t] as usize);
+        // DSA: the indexer's query heads and its key, the first `rope` dims of each.
+        for h in 0..ix_heads {
+            r.apply(&mut want[ix_q + h * ix_dim..ix_q + h * ix_dim + rope], positions[t] as usize);
+        }
+        if ix_dim > 0 {
+            r.apply(&mut want[ix_k..ix_k + rope], positions[t] as usize);
+        }
         for i in 0..s {
             assert!(
                 close(roped[t * s + i], want[i], 4e-3),
@@ -729,8 +749,8 @@ fn check_mla<'a>(
             continue;
         }
         let at = (slots[t] as usize / 16) * page + (layer * 16 + slots[t] as usize % 16) * eb;
-        expect[at..at + 2 * (kv_lora + rope)]
-            .copy_from_slice(&bf16_bytes(&qkv[t * s + ko..t * s + ko + kv_lora + rope]));
+        expect[at..at + 2 * (kv_lora + rope + ix_dim)]
+            .copy_from_slice(&bf16_bytes(&qkv[t * s + ko..t * s + ko + kv_lora + rope + ix_dim]));
     }
     assert!(pool == expect, "{name}: mla_kv_write");
     let attn = bf(take(tokens * a.heads as usize * vh * 2));

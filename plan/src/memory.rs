@@ -191,6 +191,52 @@ impl RouteIndexParts {
     }
 }
 
+/// Where each MLA projection sits in a `qkv` row (bf16 elements): the
+/// normed q latent (q LoRA only) at 0, this rank's q heads (nope ‖ rope per
+/// head) at `q`, the latent and the shared rope key at `kv`, then the DSA
+/// indexer's key at `ix_k` (right after the rope key, so a cache entry is one
+/// contiguous run), its query heads at `ix_q` and its per-head weights at
+/// `ix_w`; `width` elements in all. The absorbed attention (both phases)
+/// never decompresses k and v, so they have no place here.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MlaRow {
+    pub q: u32,
+    pub kv: u32,
+    pub ix_k: u32,
+    pub ix_q: u32,
+    pub ix_w: u32,
+    pub width: u32,
+}
+
+impl MlaRow {
+    /// `None` for a GQA model.
+    pub fn of(m: &Model) -> Option<MlaRow> {
+        use moeforge_dsl::spec::Attention;
+        let Attention::Mla { heads, q_lora, kv_lora, qk_nope, qk_rope, indexer, .. } = m.attention else {
+            return None;
+        };
+        Some(MlaRow::new(heads, q_lora, kv_lora, qk_nope, qk_rope, indexer))
+    }
+
+    /// The row of an MLA attention block with these fields.
+    pub fn new(
+        heads: u32,
+        q_lora: Option<u32>,
+        kv_lora: u32,
+        qk_nope: u32,
+        qk_rope: u32,
+        indexer: Option<moeforge_dsl::spec::Indexer>,
+    ) -> MlaRow {
+        let q = q_lora.unwrap_or(0);
+        let kv = q + heads * (qk_nope + qk_rope);
+        let ix_k = kv + kv_lora + qk_rope;
+        let (ih, id) = indexer.map_or((0, 0), |ix| (ix.heads, ix.head_dim));
+        let ix_q = ix_k + id;
+        let ix_w = ix_q + ih * id;
+        MlaRow { q, kv, ix_k, ix_q, ix_w, width: ix_w + ih }
+    }
+}
+
 /// Per-token bytes of every attention projection output (bf16), and of
 /// the attention output.
 fn attention_rows(m: &Model) -> (u64, u64) {
@@ -200,14 +246,9 @@ fn attention_rows(m: &Model) -> (u64, u64) {
             let (q, kv, d) = (u64::from(heads), u64::from(kv_heads), u64::from(head_dim));
             ((q + 2 * kv) * d * 2, q * d * 2)
         }
-        Attention::Mla { heads, q_lora, kv_lora, qk_nope, qk_rope, v_head, indexer } => {
-            let (n, nope, rope, v) = (u64::from(heads), u64::from(qk_nope), u64::from(qk_rope), u64::from(v_head));
-            // The absorbed attention (both phases) never decompresses k and v.
-            let mut row = u64::from(q_lora.unwrap_or(0)) + n * (nope + rope) + u64::from(kv_lora) + rope;
-            if let Some(ix) = indexer {
-                row += u64::from(ix.heads) * u64::from(ix.head_dim) + u64::from(ix.head_dim) + u64::from(ix.heads);
-            }
-            (row * 2, n * v * 2)
+        Attention::Mla { heads, v_head, .. } => {
+            let row = MlaRow::of(m).map_or(0, |r| u64::from(r.width));
+            (row * 2, u64::from(heads) * u64::from(v_head) * 2)
         }
     }
 }

@@ -245,8 +245,23 @@ pub struct MlaLayerParams {
     pub page_tokens: u32,
     /// Bytes of one cache entry (latent, rope key, indexer key).
     pub entry_bytes: u64,
-    /// DSA models cache an indexer key too (no kernel writes it yet).
-    pub indexer: bool,
+    /// DeepSeek Sparse Attention's lightning indexer, if the model has one.
+    pub indexer: Option<IndexerLayerParams>,
+}
+
+/// The DSA indexer's constants: `heads` ReLU scoring heads of `head_dim`
+/// (interleaved RoPE on the first `rope` dims of each, as on the key), and
+/// where its key, query and per-head weights sit in the `qkv` row. The key
+/// follows the rope key, so a cache entry (latent ‖ rope key ‖ indexer key)
+/// is one contiguous run of the row.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct IndexerLayerParams {
+    pub heads: u32,
+    pub head_dim: u32,
+    pub top_k: u32,
+    pub k_offset: u32,
+    pub q_offset: u32,
+    pub w_offset: u32,
 }
 
 /// The GQA constants of [`LayerParams`].

@@ -361,6 +361,8 @@ pub enum OpKind {
     },
     /// This rank's partial sums of squares for an all-head QK-norm under TP.
     QkSumSq,
+    /// LayerNorm with weight and bias, in place (the DSA indexer's key).
+    LayerNorm,
     Rope {
         variant: RopeVariant,
     },
@@ -494,9 +496,10 @@ pub fn entries_for(kind: OpKind) -> &'static [&'static str] {
         OpKind::RmsNorm { add: true } => &["add_rms_norm"],
         OpKind::QkNorm { .. } => &["qk_norm"],
         OpKind::QkSumSq => &["qk_sumsq"],
+        OpKind::LayerNorm => &["indexer_key_norm"],
         OpKind::Rope { .. } => &["rope", "mla_rope"],
         OpKind::KvWrite => &["kv_write", "mla_kv_write"],
-        OpKind::Attention { .. } => &["paged_attention", "mla_attention"],
+        OpKind::Attention { .. } => &["paged_attention", "mla_attention", "mla_sparse_attention"],
         OpKind::Route => &["moe_router"],
         OpKind::Permute => &["moe_count", "moe_offsets", "moe_scatter"],
         OpKind::Gather => &["moe_gather"],
@@ -505,7 +508,8 @@ pub fn entries_for(kind: OpKind) -> &'static [&'static str] {
         OpKind::Sample => &["sample_tokens"],
         OpKind::Gemm => &["apk_dense"],
         OpKind::Experts => &["moe_apk"],
-        OpKind::Indexer { .. } | OpKind::Comm => &[],
+        OpKind::Indexer { .. } => &["dsa_indexer"],
+        OpKind::Comm => &[],
     }
 }
 

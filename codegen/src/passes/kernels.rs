@@ -504,10 +504,9 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
     };
     let meta_words =
         mem.buffers.iter().find(|b| b.name == BufferName::RequestMeta).map_or(0, |b| (b.row_bytes / 4) as u32);
-    let mla = match m.attention {
-        Attention::Mla { heads, q_lora, kv_lora, qk_nope, qk_rope, v_head, indexer } => {
+    let mla = match (m.attention, moeforge_plan::memory::MlaRow::of(m)) {
+        (Attention::Mla { heads, q_lora, kv_lora, qk_nope, qk_rope, v_head, indexer }, Some(row)) => {
             let inv_freq = rope_inv_freq(m, qk_rope);
-            let q_offset = q_lora.unwrap_or(0);
             let factor = m.rope_scaling.as_ref().map_or(1.0, |y| y.mla_softmax_factor());
             Some(MlaLayerParams {
                 heads,
@@ -521,17 +520,24 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
                     .iter()
                     .find(|b| b.name == BufferName::Qkv)
                     .map_or(0, |b| (b.row_bytes / 2) as u32),
-                q_offset,
-                kv_offset: q_offset + heads * (qk_nope + qk_rope),
+                q_offset: row.q,
+                kv_offset: row.kv,
                 inv_freq,
                 rope_scale: m.rope_scaling.as_ref().map_or(1.0, |y| y.attention_factor()),
                 softmax_scale: factor / f64::from(qk_nope + qk_rope).sqrt(),
                 page_tokens: mem.kv.page_tokens,
                 entry_bytes: mem.kv.head_token_bytes,
-                indexer: indexer.is_some(),
+                indexer: indexer.map(|ix| moeforge_plan::IndexerLayerParams {
+                    heads: ix.heads,
+                    head_dim: ix.head_dim,
+                    top_k: ix.top_k,
+                    k_offset: row.ix_k,
+                    q_offset: row.ix_q,
+                    w_offset: row.ix_w,
+                }),
             })
         }
-        Attention::Gqa { .. } => None,
+        _ => None,
     };
     let p = |s: &str| s.to_string();
     let t = LAYER_THREADS;
@@ -710,6 +716,45 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
             ],
         ));
     }
+    if mla.as_ref().is_some_and(|a| a.indexer.is_some()) {
+        entries.push(entry(
+            "indexer_key_norm",
+            GridVar::Tokens,
+            vec![p("__nv_bfloat16* qkv"), p("int tokens"), p("const __nv_bfloat16* weight_bias")],
+        ));
+        entries.push(entry(
+            "dsa_indexer",
+            GridVar::Tokens,
+            vec![
+                p("const __nv_bfloat16* qkv"),
+                p("const int32_t* positions"),
+                p("const int32_t* row_request"),
+                p("const int32_t* request_meta"),
+                p("int tokens"),
+                p("const uint8_t* pool"),
+                p("long long page_bytes"),
+                p("int layer"),
+                p("int32_t* topk"),
+            ],
+        ));
+        entries.push(entry(
+            "mla_sparse_attention",
+            GridVar::Tokens,
+            vec![
+                p("const __nv_bfloat16* qkv"),
+                p("const int32_t* row_request"),
+                p("const int32_t* request_meta"),
+                p("int tokens"),
+                p("int q_heads"),
+                p("const __nv_bfloat16* kv_b"),
+                p("const uint8_t* pool"),
+                p("long long page_bytes"),
+                p("int layer"),
+                p("const int32_t* topk"),
+                p("__nv_bfloat16* attn"),
+            ],
+        ));
+    }
     let purpose = match &gqa {
         Some(g) => format!(
             "embedding, RMSNorm, residual adds, sampling, {}RoPE over {} of {} dims, the paged KV write and paged causal attention",
@@ -721,7 +766,14 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
             g.rope_dim,
             g.head_dim
         ),
-        None => "embedding, RMSNorm, residual adds, sampling, and MLA's latent norms, interleaved RoPE, latent KV write and weight-absorbed attention".into(),
+        None => format!(
+            "embedding, RMSNorm, residual adds, sampling, and MLA's latent norms, interleaved RoPE, latent KV write and weight-absorbed attention{}",
+            if mla.as_ref().is_some_and(|a| a.indexer.is_some()) {
+                "; DSA's indexer key norm, lightning indexer (top-k in shared memory) and sparse attention"
+            } else {
+                ""
+            }
+        ),
     };
     KernelInstance {
         name: "layer".into(),

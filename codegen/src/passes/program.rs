@@ -525,9 +525,9 @@ impl Config<'_> {
                 }
             }
             Attention::Mla { heads, q_lora, kv_lora, qk_nope, qk_rope, indexer, .. } => {
-                // The Qkv row: q_a, q, kv_a (latent ‖ rope key), then the DSA indexer's q, k and weights.
-                let q_at = q_lora.unwrap_or(0);
-                let kv_at = q_at + heads * (qk_nope + qk_rope);
+                // The Qkv row: q_a, q, kv_a (latent ‖ rope key), then the DSA indexer's k, q and weights.
+                let row = moeforge_plan::memory::MlaRow::new(heads, q_lora, kv_lora, qk_nope, qk_rope, indexer);
+                let (q_at, kv_at) = (row.q, row.kv);
                 if q_lora.is_some() {
                     self.gemm(o, "q_a_proj", c, mb, normed, &[W::QAProj], (Buf::Qkv, 0), bf16, t);
                     o.push(
@@ -556,17 +556,33 @@ impl Config<'_> {
                 );
                 o.args(vec![ptr(Buf::Qkv), cnt(t), int(kv_at), int(kv_lora), wptr(W::KvANorm)]);
                 if indexer.is_some() {
-                    let w = self.ws(&[W::IndexerQ, W::IndexerK, W::IndexerKNorm, W::IndexerWeights]);
-                    // Three projections and the key's LayerNorm in one op: no kernel yet.
-                    o.push(
-                        "indexer_proj",
-                        OpKind::Gemm,
+                    // The indexer's query reads the normed q latent (the
+                    // hidden rows without a q LoRA), its key and per-head
+                    // weights the hidden rows; the key is LayerNormed in place.
+                    let q_in = if q_lora.is_some() { (Buf::Qkv, 0) } else { normed };
+                    self.gemm(o, "indexer_q_proj", c, mb, q_in, &[W::IndexerQ], (Buf::Qkv, row.ix_q), bf16, t);
+                    self.gemm(o, "indexer_k_proj", c, mb, normed, &[W::IndexerK], (Buf::Qkv, row.ix_k), bf16, t);
+                    self.gemm(
+                        o,
+                        "indexer_weights_proj",
                         c,
                         mb,
-                        [vec![buf(Buf::Normed), qkv], w].concat(),
-                        vec![qkv],
-                        missing("dsa_indexer_proj"),
+                        normed,
+                        &[W::IndexerWeights],
+                        (Buf::Qkv, row.ix_w),
+                        bf16,
+                        t,
                     );
+                    o.push(
+                        "indexer_k_norm",
+                        OpKind::LayerNorm,
+                        c,
+                        mb,
+                        [vec![qkv], self.w(W::IndexerKNorm)].concat(),
+                        vec![qkv],
+                        launch("layer", "indexer_key_norm"),
+                    );
+                    o.args(vec![ptr(Buf::Qkv), cnt(t), wptr(W::IndexerKNorm)]);
                 }
                 let variant = if yarn { RopeVariant::YarnInterleaved } else { RopeVariant::Interleaved };
                 o.push(
@@ -595,8 +611,7 @@ impl Config<'_> {
             vec![Operand::Kv],
             match m.attention {
                 Attention::Gqa { .. } => launch("layer", "kv_write"),
-                // The DSA indexer's key is part of the entry: no kernel writes it yet.
-                Attention::Mla { indexer: Some(_), .. } => missing("kv_write_dsa"),
+                // DSA: the indexer key continues the entry.
                 Attention::Mla { .. } => launch("layer", "mla_kv_write"),
             },
         );
@@ -605,8 +620,7 @@ impl Config<'_> {
             Attention::Gqa { .. } => {
                 o.args(vec![ptr(Buf::Qkv), slots, cnt(t), int(qh), int(kvh), kv(), pages, Arg::Layer]);
             }
-            Attention::Mla { indexer: None, .. } => o.args(vec![ptr(Buf::Qkv), slots, cnt(t), kv(), pages, Arg::Layer]),
-            Attention::Mla { indexer: Some(_), .. } => {}
+            Attention::Mla { .. } => o.args(vec![ptr(Buf::Qkv), slots, cnt(t), kv(), pages, Arg::Layer]),
         }
         let mut reads = vec![qkv, Operand::Kv, buf(Buf::RequestMeta), buf(Buf::Positions)];
         if let Attention::Mla { indexer: Some(ix), .. } = m.attention {
@@ -615,10 +629,21 @@ impl Config<'_> {
                 OpKind::Indexer { top_k: ix.top_k },
                 c,
                 mb,
-                vec![qkv, Operand::Kv, buf(Buf::RequestMeta)],
+                vec![qkv, Operand::Kv, buf(Buf::RequestMeta), buf(Buf::Positions), buf(Buf::RowRequest)],
                 vec![buf(Buf::IndexerTopk)],
-                missing("dsa_indexer"),
+                launch("layer", "dsa_indexer"),
             );
+            o.args(vec![
+                ptr(Buf::Qkv),
+                ptr(Buf::Positions),
+                ptr(Buf::RowRequest),
+                ptr(Buf::RequestMeta),
+                cnt(t),
+                kv(),
+                int(self.page_bytes()),
+                Arg::Layer,
+                ptr(Buf::IndexerTopk),
+            ]);
             reads.push(buf(Buf::IndexerTopk));
         }
         if kind == AttentionKind::GqaSinks {
@@ -651,8 +676,20 @@ impl Config<'_> {
                 let a = vec![ptr(Buf::Qkv), pos, rr, meta, cnt(t), int(qh), wptr(W::KvBProj), kv(), pages, Arg::Layer];
                 (launch("layer", "mla_attention"), [a, vec![ptr(Buf::Attn)]].concat())
             }
-            (AttentionKind::Mla, _) => (
-                missing(&format!("attention_{}_mla (fp8 kv_b: the kernel reads it as bf16)", self.phase.name())),
+            (AttentionKind::MlaSparse, _) if kv_b_bf16 => {
+                // The selection names the keys: no positions.
+                reads.retain(|r| *r != buf(Buf::Positions));
+                reads.push(buf(Buf::RowRequest));
+                let (_, rr, meta) = rows;
+                let a = vec![ptr(Buf::Qkv), rr, meta, cnt(t), int(qh), wptr(W::KvBProj), kv(), pages, Arg::Layer];
+                (launch("layer", "mla_sparse_attention"), [a, vec![ptr(Buf::IndexerTopk), ptr(Buf::Attn)]].concat())
+            }
+            (AttentionKind::Mla | AttentionKind::MlaSparse, _) => (
+                missing(&format!(
+                    "attention_{}_{} (fp8 kv_b: the kernel reads it as bf16)",
+                    self.phase.name(),
+                    format!("{kind:?}").to_lowercase()
+                )),
                 vec![],
             ),
             _ => (missing(&format!("attention_{}_{}", self.phase.name(), format!("{kind:?}").to_lowercase())), vec![]),
