@@ -251,19 +251,31 @@ fn a_kernel_that_does_not_build_or_traps_is_an_error_naming_it() {
 }
 
 /// DSA's lightning indexer (`dsa_indexer`, GLM-5's tiny checkpoint shape:
-/// 8 scoring heads of 16 dims, top 4) over a 700-token prompt, so that the
+/// 8 scoring heads of 16 dims) over a 700-token prompt, so that the
 /// kernel's shared-memory selection merges three chunks of keys, against
-/// `twin::math::dsa_select` (score every key, sort them all). The cache
-/// entries are written by the plan's own `kv_write` op; where the reference's
-/// 4th and 5th scores are too close for f32 summation order to decide, the
-/// row is left out (and counted).
+/// `twin::math::dsa_select` (score every key, sort them all), at the
+/// checkpoint's top 4, at top 5 (a selection shorter than its power-of-two
+/// buffer) and at top 150 (the buffer twice the padded selection, as
+/// GLM-5's top 2048 has it). The cache entries are written by the plan's
+/// own `kv_write` op; where the reference's k-th and (k+1)-th scores are too
+/// close for f32 summation order to decide, the row is left out (and
+/// counted).
 #[test]
 fn the_dsa_indexer_keeps_the_reference_top_k_over_several_chunks() {
+    for top_k in [4, 5, 150] {
+        dsa_indexer_case(top_k);
+    }
+}
+
+fn dsa_indexer_case(top_k: usize) {
     use moeforge::plan::KernelParams;
     use moeforge::runtime::twin::math::dsa_select;
     let tmp = tempfile::tempdir().unwrap();
     let dir = root().join("tests/fixtures/models/glm-5");
-    let lb = compile_text(&cpu_deployment(&imported_block(&dir), 1, 0.25), tmp.path());
+    let block = imported_block(&dir);
+    assert!(block.contains("index_topk = 4"), "{block}");
+    let block = block.replace("index_topk = 4", &format!("index_topk = {top_k}"));
+    let lb = compile_text(&cpu_deployment(&block, 1, 0.25), tmp.path());
     let plan = lb.plan.plan();
     let b = Bundle {
         plan: plan.clone(),
@@ -276,8 +288,8 @@ fn the_dsa_indexer_keeps_the_reference_top_k_over_several_chunks() {
         panic!("no layer kernel")
     };
     let ix = lp.mla.as_ref().and_then(|a| a.indexer.clone()).expect("GLM-5 has an indexer");
-    let (heads, dim, top_k) = (ix.heads as usize, ix.head_dim as usize, ix.top_k as usize);
-    assert_eq!((heads, dim, top_k), (8, 16, 4));
+    let (heads, dim) = (ix.heads as usize, ix.head_dim as usize);
+    assert_eq!((heads, dim, ix.top_k as usize), (8, 16, top_k));
     let buffer = |name| mem.buffer(Mode::Tp, name).unwrap();
     let put = |r: &mut Rig, at: u64, bytes: &[u8]| r.dev.upload(r.buf, at, bytes).unwrap();
 
@@ -285,7 +297,7 @@ fn the_dsa_indexer_keeps_the_reference_top_k_over_several_chunks() {
     let pt = mem.kv.page_tokens as usize;
     // The request's pages in a scrambled order.
     let n_pages = tokens.div_ceil(pt);
-    let mut rng = Rng(0xd5a);
+    let mut rng = Rng(0xd5a ^ top_k as u64);
     let pages: Vec<i32> = rng.permutation(n_pages).into_iter().map(|x| x as i32 + 3).collect();
     let slots: Vec<i32> = (0..tokens).map(|t| pages[t / pt] * pt as i32 + (t % pt) as i32).collect();
     let meta_row = buffer(BufferName::RequestMeta).row_bytes as usize / 4;
@@ -322,7 +334,7 @@ fn the_dsa_indexer_keeps_the_reference_top_k_over_several_chunks() {
         // Fewer keys than top_k: the selection is all of them, then -1s.
         if t < top_k {
             let all: Vec<i32> = (0..top_k as i32).map(|j| if j <= t as i32 { j } else { -1 }).collect();
-            assert_eq!(row, &all[..], "row {t}");
+            assert_eq!(row, &all[..], "top {top_k}, row {t}");
             checked += 1;
             continue;
         }
@@ -342,9 +354,14 @@ fn the_dsa_indexer_keeps_the_reference_top_k_over_several_chunks() {
             continue;
         }
         let want: Vec<i32> = want.iter().map(|&j| j as i32).collect();
-        assert_eq!(row, &want[..], "row {t}: the kernel's selection vs the reference's");
+        assert_eq!(row, &want[..], "top {top_k}, row {t}: the kernel's selection vs the reference's");
         checked += 1;
     }
-    eprintln!("dsa_indexer: {checked} rows match the reference selection, {near_ties} near-ties left out");
-    assert!(checked >= tokens - 5, "{near_ties} near-ties of {tokens} rows");
+    eprintln!("dsa_indexer top {top_k}: {checked} rows match the reference selection, {near_ties} near-ties left out");
+    // Near-ties are rare (at most 6 of 700 here, the most at top 150, where
+    // the k-th score sits in the dense middle of the distribution).
+    assert!(
+        near_ties <= tokens / 50 && checked + near_ties == tokens,
+        "top {top_k}: {near_ties} near-ties of {tokens} rows"
+    );
 }

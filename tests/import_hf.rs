@@ -243,3 +243,47 @@ fn yarn_keys_resolve_as_transformers_does() {
     .to_string();
     assert!(other.contains("rope_scaling.attention_factor"), "{other}");
 }
+
+/// GLM-5's "shared" indexer layers (transformers: they reuse the previous
+/// full layer's top-k) are refused by name; explicit all-"full" layers, and
+/// the default schedule (`index_topk_freq` 1), import.
+#[test]
+fn dsa_layers_that_share_a_selection_are_refused_by_name() {
+    let with = |f: &dyn Fn(&mut serde_json::Map<String, Value>)| import(&edited("glm-5", f), "m");
+    let layers = |m: &serde_json::Map<String, Value>| m["num_hidden_layers"].as_u64().unwrap() as usize;
+    let shared = with(&|m| {
+        let mut t = vec![serde_json::json!("full"); layers(m)];
+        t[1] = serde_json::json!("shared");
+        m.insert("indexer_types".into(), Value::Array(t));
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(shared.contains("`indexer_types`") && shared.contains("reuses another's DSA selection"), "{shared}");
+    let full = with(&|m| {
+        m.insert("indexer_types".into(), Value::Array(vec![serde_json::json!("full"); layers(m)]));
+    });
+    assert!(full.is_ok(), "{:?}", full.err());
+    let pattern = with(&|m| {
+        m.insert("index_topk_pattern".into(), serde_json::json!("FFS"));
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(pattern.contains("`index_topk_pattern`"), "{pattern}");
+    let freq = with(&|m| {
+        m.insert("index_topk_freq".into(), serde_json::json!(4));
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(freq.contains("`index_topk_freq`"), "{freq}");
+    assert!(with(&|m| {
+        m.insert("index_topk_freq".into(), serde_json::json!(1));
+    })
+    .is_ok());
+    // DeepSeek-V3.2's indexer rotates half-split pairs; the kernels rotate GLM-5's interleaved ones.
+    let split = with(&|m| {
+        m.insert("indexer_rope_interleave".into(), serde_json::json!(false));
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(split.contains("`indexer_rope_interleave`"), "{split}");
+}

@@ -395,6 +395,33 @@ fn indexer(c: &Cfg<'_>, fam: Family) -> Result<Option<Indexer>, HfError> {
     if present.is_empty() {
         return if fam == Family::GlmDsa { Err(c.missing("index_topk")) } else { Ok(None) };
     }
+    // transformers' "shared" layers reuse the previous full layer's top-k
+    // instead of running their own indexer; every layer here runs its own.
+    let why = "a layer that reuses another's DSA selection is not supported: every layer runs its own indexer";
+    if let Some(v) = c.get("indexer_types") {
+        let full = |x: &Value| matches!(x.as_str(), Some("full"));
+        if !v.as_array().is_some_and(|a| a.iter().all(full)) {
+            return Err(c.bad("indexer_types", v, why));
+        }
+    }
+    if let Some(v) = c.get("index_topk_pattern") {
+        if !v.as_str().is_some_and(|p| p.chars().all(|ch| ch == 'F')) {
+            return Err(c.bad("index_topk_pattern", v, why));
+        }
+    }
+    if c.opt_bool("indexer_rope_interleave")? == Some(false) {
+        return Err(c.bad(
+            "indexer_rope_interleave",
+            &Value::Bool(false),
+            "the DSA indexer rotates interleaved pairs (x[2i], x[2i+1]), as GLM-5 does",
+        ));
+    }
+    if c.get("indexer_types").is_none()
+        && c.get("index_topk_pattern").is_none()
+        && c.opt_u32(&["index_topk_freq"])?.unwrap_or(1) > 1
+    {
+        return Err(c.bad("index_topk_freq", &c.get("index_topk_freq").cloned().unwrap_or(Value::Null), why));
+    }
     Ok(Some(Indexer {
         heads: c.u32_of(&["index_n_heads"])?,
         head_dim: c.u32_of(&["index_head_dim"])?,

@@ -250,7 +250,8 @@ pub struct MlaLayerParams {
 }
 
 /// The DSA indexer's constants: `heads` ReLU scoring heads of `head_dim`
-/// (interleaved RoPE on the first `rope` dims of each, as on the key), and
+/// (interleaved RoPE on the first [`MlaLayerParams::rope`] dims of each, as
+/// on the key), and
 /// where its key, query and per-head weights sit in the `qkv` row. The key
 /// follows the rope key, so a cache entry (latent ‖ rope key ‖ indexer key)
 /// is one contiguous run of the row.

@@ -657,8 +657,9 @@ impl Config<'_> {
         // folds into the query and the output, so a prefill row attends over
         // the latent cache like a decode row (causal, and right for extends
         // over a cached prefix). A naive-form prefill kernel, FLOP-cheaper on
-        // long prompts, is not built. Sinks and DSA's sparse attention have
-        // no kernel yet. The absorbed attention reads kv_b as bf16.
+        // long prompts, is not built. DSA's sparse attention is the same over
+        // the indexer's selection; sinks have no kernel yet. The absorbed
+        // attention reads kv_b as bf16.
         let kv_b_bf16 =
             self.mem.view(self.mode, W::KvBProj, TensorPart::Weight).is_some_and(|v| v.dtype == DType::Bf16);
         let (rows, pages) =

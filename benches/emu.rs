@@ -1,0 +1,72 @@
+//! The emulated device's speed (`--backend emu`) on the transformers
+//! fixtures (tests/fixtures/models): one iteration serves the fixture's
+//! three prompts to completion (8 tokens each, 8 steps: one prefill, seven
+//! decodes) on 4 ranks in EP and 2 in TP (at 4, the tiny DeepSeek-V3's and
+//! GLM-5's o_proj rows are 12 wide, below the dense APK's 8-column
+//! alignment), every step the bundle's own program
+//! and emitted kernels built for the host. Setup (compile, the kernels' host
+//! build, which is cached by content, and the weight upload) is outside the
+//! timing. Throughput is in generated tokens per second; steps per second
+//! are that divided by 3.
+//!
+//!     cargo bench --bench emu
+
+#![allow(clippy::expect_used)]
+
+#[path = "../tests/common/cpu_spec.rs"]
+mod cpu_spec;
+use cpu_spec::{compile_text, cpu_deployment, imported_block};
+
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
+use moeforge::plan::memory::Mode;
+use moeforge::runtime::device::emu::EmuDevice;
+use moeforge::runtime::engine::{Engine, Request};
+use moeforge::runtime::twin::weights::Checkpoint;
+use moeforge::runtime::twin::Twin;
+use std::path::Path;
+use std::time::Duration;
+
+const FAMILIES: [&str; 5] = ["qwen3-moe", "mixtral", "minimax-m2", "deepseek-v3", "glm-5"];
+const PROMPTS: [&[u32]; 3] = [&[3, 17, 42, 99, 5, 64, 7], &[120, 1], &[9]];
+const NEW: usize = 8;
+
+fn bench(c: &mut Criterion) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models");
+    let cache = tempfile::tempdir().expect("tempdir");
+    let mut group = c.benchmark_group("emu: 3 requests × 8 tokens");
+    group.throughput(Throughput::Elements((PROMPTS.len() * NEW) as u64));
+    group.sample_size(10);
+    group.warm_up_time(Duration::from_secs(1));
+    group.measurement_time(Duration::from_secs(20));
+    for family in FAMILIES {
+        let dir = root.join(family);
+        let ck = Checkpoint::load(&dir).expect("weights");
+        for (mode, ranks) in [(Mode::Ep, 4), (Mode::Tp, 2)] {
+            let tmp = tempfile::tempdir().expect("tempdir");
+            let bundle = compile_text(&cpu_deployment(&imported_block(&dir), ranks, 0.25), tmp.path());
+            group.bench_function(format!("{family} {} P={ranks}", mode.name()), |bch| {
+                bch.iter_batched(
+                    || {
+                        let dev = EmuDevice::start(cache.path()).expect("emulated device");
+                        let mut t = Twin::on_device(&bundle, &ck, mode, Box::new(dev)).expect("twin on emu");
+                        for (i, p) in PROMPTS.iter().enumerate() {
+                            t.submit(Request::new(i as u64, p.to_vec(), NEW)).expect("submit");
+                        }
+                        t
+                    },
+                    |mut t| {
+                        while !t.idle() {
+                            t.step().expect("step");
+                        }
+                        t
+                    },
+                    BatchSize::PerIteration,
+                )
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
