@@ -290,6 +290,13 @@ fn ops_launch_only_their_own_kernels_and_move_whole_rows() {
         op_mut(p, "input_norm").kernel = KernelRef::Launch { instance: "layer".into(), entry: "sample_tokens".into() }
     });
     assert_finds(&f, "cannot launch `sample_tokens`");
+    // DSA's attention launches the sparse kernel, not the dense MLA one.
+    let glm = example("glm-5-h800x24");
+    let gi = glm.programs.iter().position(|q| q.mode == Mode::Ep && q.phase == Phase::Decode).unwrap();
+    let f = broken(&glm, gi, |p| {
+        op_mut(p, "attention").kernel = KernelRef::Launch { instance: "layer".into(), entry: "mla_attention".into() }
+    });
+    assert_finds(&f, "cannot launch `mla_attention`");
     let f = broken(&plan, pi, |p| op_mut(p, "moe_all_reduce").comm.as_mut().unwrap().row_bytes = 2 * 4096);
     assert_finds(&f, "bytes per row");
     // The APK's work is posted: EP's combine waits for its record (WaitDone).

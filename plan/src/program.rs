@@ -499,7 +499,11 @@ pub fn entries_for(kind: OpKind) -> &'static [&'static str] {
         OpKind::LayerNorm => &["indexer_key_norm"],
         OpKind::Rope { .. } => &["rope", "mla_rope"],
         OpKind::KvWrite => &["kv_write", "mla_kv_write"],
-        OpKind::Attention { .. } => &["paged_attention", "mla_attention", "mla_sparse_attention"],
+        OpKind::Attention { kind: AttentionKind::Gqa, .. } => &["paged_attention"],
+        OpKind::Attention { kind: AttentionKind::Mla, .. } => &["mla_attention"],
+        OpKind::Attention { kind: AttentionKind::MlaSparse, .. } => &["mla_sparse_attention"],
+        // Sinks have no kernel yet.
+        OpKind::Attention { kind: AttentionKind::GqaSinks, .. } => &[],
         OpKind::Route => &["moe_router"],
         OpKind::Permute => &["moe_count", "moe_offsets", "moe_scatter"],
         OpKind::Gather => &["moe_gather"],
