@@ -16,19 +16,17 @@
 #[path = "../tests/common/cpu_spec.rs"]
 mod cpu_spec;
 use cpu_spec::{compile_text, cpu_deployment, imported_block};
+#[path = "common/fixtures.rs"]
+mod fixtures;
+use fixtures::{served, submitted, FAMILIES, NEW, PROMPTS};
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use moeforge::plan::memory::Mode;
 use moeforge::runtime::device::emu::EmuDevice;
-use moeforge::runtime::engine::{Engine, Request};
 use moeforge::runtime::twin::weights::Checkpoint;
 use moeforge::runtime::twin::Twin;
 use std::path::Path;
 use std::time::Duration;
-
-const FAMILIES: [&str; 5] = ["qwen3-moe", "mixtral", "minimax-m2", "deepseek-v3", "glm-5"];
-const PROMPTS: [&[u32]; 3] = [&[3, 17, 42, 99, 5, 64, 7], &[120, 1], &[9]];
-const NEW: usize = 8;
 
 fn bench(c: &mut Criterion) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models");
@@ -48,18 +46,9 @@ fn bench(c: &mut Criterion) {
                 bch.iter_batched(
                     || {
                         let dev = EmuDevice::start(cache.path()).expect("emulated device");
-                        let mut t = Twin::on_device(&bundle, &ck, mode, Box::new(dev)).expect("twin on emu");
-                        for (i, p) in PROMPTS.iter().enumerate() {
-                            t.submit(Request::new(i as u64, p.to_vec(), NEW)).expect("submit");
-                        }
-                        t
+                        submitted(Twin::on_device(&bundle, &ck, mode, Box::new(dev)).expect("twin on emu"))
                     },
-                    |mut t| {
-                        while !t.idle() {
-                            t.step().expect("step");
-                        }
-                        t
-                    },
+                    served,
                     BatchSize::PerIteration,
                 )
             });

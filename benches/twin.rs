@@ -11,17 +11,15 @@
 #[path = "../tests/common/cpu_spec.rs"]
 mod cpu_spec;
 use cpu_spec::{compile_text, cpu_deployment, imported_block};
+#[path = "common/fixtures.rs"]
+mod fixtures;
+use fixtures::{served, submitted, FAMILIES, NEW, PROMPTS};
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use moeforge::plan::memory::Mode;
-use moeforge::runtime::engine::{Engine, Request};
 use moeforge::runtime::twin::weights::Checkpoint;
 use moeforge::runtime::twin::Twin;
 use std::path::Path;
-
-const FAMILIES: [&str; 5] = ["qwen3-moe", "mixtral", "minimax-m2", "deepseek-v3", "glm-5"];
-const PROMPTS: [&[u32]; 3] = [&[3, 17, 42, 99, 5, 64, 7], &[120, 1], &[9]];
-const NEW: usize = 8;
 
 fn bench(c: &mut Criterion) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models");
@@ -36,19 +34,8 @@ fn bench(c: &mut Criterion) {
         for mode in [Mode::Ep, Mode::Tp] {
             group.bench_function(format!("{family} {}", mode.name()), |bch| {
                 bch.iter_batched(
-                    || {
-                        let mut t = Twin::new(&bundle, &ck, mode).expect("twin");
-                        for (i, p) in PROMPTS.iter().enumerate() {
-                            t.submit(Request::new(i as u64, p.to_vec(), NEW)).expect("submit");
-                        }
-                        t
-                    },
-                    |mut t| {
-                        while !t.idle() {
-                            t.step().expect("step");
-                        }
-                        t
-                    },
+                    || submitted(Twin::new(&bundle, &ck, mode).expect("twin")),
+                    served,
                     BatchSize::PerIteration,
                 )
             });
