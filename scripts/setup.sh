@@ -3,6 +3,8 @@
 # Idempotent: every step is skipped when what it installs is already there.
 #
 #   .toolchain/venv          Python venv holding NVIDIA's nvcc/ptxas/cuobjdump/nvdisasm wheels (no GPU needed)
+#                            and CUTLASS's headers (`nvidia-cutlass`, without its Python dependencies:
+#                            tests/ptx_layout.rs holds the PTX emulation to CuTe's layouts)
 #
 # Prints the path of nvcc on its last line, for `export MOEFORGE_NVCC=...`.
 set -euo pipefail
@@ -30,6 +32,12 @@ if ! complete; then
   [ -x "$venv/bin/pip" ] || python3 -m venv "$venv"
   "$venv/bin/pip" install --quiet --disable-pip-version-check "${wheels[@]}" >&2
   complete || { echo "setup: nvcc, cuobjdump or nvdisasm missing after install" >&2; exit 1; }
+fi
+# CuTe's headers (the wheel's C++ sources; its Python package is not used).
+cutlass_version=4.2.0.0
+if ! ls "$venv"/lib/python3*/site-packages/cutlass_library/source/include/cute/tensor.hpp >/dev/null 2>&1; then
+  echo "setup: installing CUTLASS headers (nvidia-cutlass $cutlass_version) into $venv" >&2
+  "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps "nvidia-cutlass==$cutlass_version" >&2
 fi
 nvcc=$(find_nvcc)
 "$nvcc" --version >/dev/null || { echo "setup: $nvcc does not run" >&2; exit 1; }

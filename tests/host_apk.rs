@@ -1,13 +1,22 @@
-//! Host emulation of the Adaptive Persistent Kernel: the scheduler and
-//! signalling of the emitted `apk.cu` (the same source nvcc compiles) build
-//! with g++ against runtime/shim/apk_host.h (CTAs and clusters as threads,
-//! scoped atomics as std::atomic_ref, distributed shared memory as a
-//! per-cluster slot table) and run a seeded random mix of prefill and decode
-//! operations. The driver (runtime/shim/apk_main.cpp) checks from the trace that
-//! every tile runs exactly once, GateUp→Down dependencies hold, outputs equal
-//! the scalar reference bit for bit (small shapes), decode-assigned clusters
-//! start at most one prefill tile after the signal, idle clusters take the
-//! other phase's tiles, and nothing deadlocks. ThreadSanitizer runs too.
+//! Host emulation of the Adaptive Persistent Kernel, in two tiers, both
+//! building the emitted `apk.cu` (the same source nvcc compiles) with g++
+//! against runtime/shim/:
+//!   - instructions: every CUDA thread a fiber, the grid resident in its CTA
+//!     clusters, the PTX layer emulated instruction by instruction
+//!     (ptx_host.h: TMA boxes with 128-byte swizzling, wgmma through its
+//!     shared-memory descriptors and fragment layout, mbarrier transaction
+//!     counts, DSMEM; cp.async, ldmatrix and mma.sync on sm_80), so the
+//!     tensor-core path computes and its outputs are held to a reference the
+//!     driver writes itself;
+//!   - protocol: each CTA role an OS thread, tiles that only signal, at the
+//!     examples' full grids and under ThreadSanitizer.
+//!
+//! The driver (runtime/shim/apk_main.cpp) posts a seeded random mix of
+//! prefill and decode operations while the persistent grid runs and checks
+//! from the trace that every tile runs exactly once, GateUp→Down
+//! dependencies hold, decode-assigned clusters start at most one prefill tile
+//! after the signal, idle clusters take the other phase's tiles, and nothing
+//! deadlocks.
 
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
 
@@ -44,28 +53,33 @@ fn apks_of(example: &Path, forms: &[moeforge::plan::ApkForm]) -> Vec<(String, mo
         .collect()
 }
 
-fn build(dir: &Path, src: &[u8], tag: &str, tsan: bool) -> PathBuf {
-    let extra: &[&str] = if tsan { &["-fsanitize=thread"] } else { &[] };
+#[derive(Clone, Copy, PartialEq)]
+enum Tier {
+    /// Every CUDA thread a fiber, the PTX layer emulated: tiles compute.
+    Instructions,
+    /// Each CTA role an OS thread, tiles only signal.
+    Protocol,
+    /// The protocol tier under ThreadSanitizer.
+    ProtocolTsan,
+}
+
+fn build(dir: &Path, src: &[u8], tag: &str, tier: Tier) -> PathBuf {
+    let extra: &[&str] = match tier {
+        Tier::Instructions => &[],
+        Tier::Protocol => &["-DAPK_PROTOCOL_TIER"],
+        Tier::ProtocolTsan => &["-DAPK_PROTOCOL_TIER", "-fsanitize=thread"],
+    };
     build_host_driver(dir, "apk_main.cpp", src, tag, extra)
 }
 
 /// Runs the driver; returns its metrics line as key → value.
-fn drive(bin: &Path, seed: u64, clusters: u32, ops: u32, compute: bool, max_rows: u32) -> Vec<(String, u64)> {
-    drive_widened(bin, seed, clusters, ops, compute, max_rows, 0)
+fn drive(bin: &Path, seed: u64, clusters: u32, ops: u32, max_rows: u32) -> Vec<(String, u64)> {
+    drive_widened(bin, seed, clusters, ops, max_rows, 0)
 }
 
-fn drive_widened(
-    bin: &Path,
-    seed: u64,
-    clusters: u32,
-    ops: u32,
-    compute: bool,
-    max_rows: u32,
-    widen_us: u32,
-) -> Vec<(String, u64)> {
+fn drive_widened(bin: &Path, seed: u64, clusters: u32, ops: u32, max_rows: u32, widen_us: u32) -> Vec<(String, u64)> {
     let o = Command::new(bin)
-        .args([seed.to_string(), clusters.to_string(), ops.to_string(), u32::from(compute).to_string()])
-        .args([max_rows.to_string(), widen_us.to_string()])
+        .args([seed.to_string(), clusters.to_string(), ops.to_string(), max_rows.to_string(), widen_us.to_string()])
         .env("TSAN_OPTIONS", "halt_on_error=1 exitcode=66")
         .output()
         .unwrap();
@@ -81,15 +95,19 @@ fn metric(m: &[(String, u64)], k: &str) -> u64 {
     m.iter().find(|(n, _)| n == k).map(|(_, v)| *v).unwrap_or_else(|| panic!("no {k} in {m:?}"))
 }
 
+/// The tensor-core path computes: EP's and TP's APK of the tiny model, the
+/// persistent grid fed concurrently by the attention side, every output row
+/// against the driver's reference.
 #[test]
 fn apk_computes_the_reference_on_small_shapes() {
     let tmp = tempfile::tempdir().unwrap();
     let ex = root().join("examples/tiny-qwen3-cpu4.moe");
     for (name, p, src) in apks(&ex) {
-        let bin = build(tmp.path(), &src, &name, false);
-        for seed in [1, 2, 3] {
-            let m = drive(&bin, seed, p.max_clusters, 120, true, 80);
+        let bin = build(tmp.path(), &src, &name, Tier::Instructions);
+        for seed in [1, 2] {
+            let m = drive(&bin, seed, p.max_clusters, 120, 80);
             assert_eq!(metric(&m, "compute"), 1);
+            assert!(metric(&m, "checked") > 1_000_000, "{m:?}");
             assert!(metric(&m, "contended_signals") > 0, "decode never contended with prefill: {m:?}");
         }
     }
@@ -103,8 +121,8 @@ fn apk_schedules_every_example_at_full_size() {
         // Every example deployment's MoE ranks get an APK (bf16 and fp8 experts).
         assert!(!list.is_empty(), "{}: no APK", stem(&ex));
         for (name, p, src) in list {
-            let bin = build(tmp.path(), &src, &format!("{}-{name}", stem(&ex)), false);
-            let m = drive(&bin, 11, p.max_clusters, 40, false, 64);
+            let bin = build(tmp.path(), &src, &format!("{}-{name}", stem(&ex)), Tier::Protocol);
+            let m = drive(&bin, 11, p.max_clusters, 40, 64);
             assert!(metric(&m, "tiles") > 0, "{}: {m:?}", stem(&ex));
             // One APK CTA per SM: the whole grid emulated, decode's q' binds.
             assert!(metric(&m, "contended_signals") > 0, "{}: never contended {m:?}", stem(&ex));
@@ -136,10 +154,11 @@ fn apk_dequantizes_fp8_weights_like_the_reference() {
     let tmp = tempfile::tempdir().unwrap();
     for (name, p, src) in apks(&tiny_fp8(tmp.path())) {
         assert!(String::from_utf8_lossy(&src).contains("kFp8Weights = true"));
-        let bin = build(tmp.path(), &src, &format!("fp8-{name}"), false);
+        let bin = build(tmp.path(), &src, &format!("fp8-{name}"), Tier::Instructions);
         for seed in [1, 2] {
-            let m = drive(&bin, seed, p.max_clusters, 60, true, 48);
+            let m = drive(&bin, seed, p.max_clusters, 60, 48);
             assert_eq!(metric(&m, "compute"), 1);
+            assert!(metric(&m, "checked") > 100_000, "{m:?}");
         }
     }
 }
@@ -148,15 +167,15 @@ fn apk_dequantizes_fp8_weights_like_the_reference() {
 fn apk_scheduler_is_race_free_under_thread_sanitizer() {
     let tmp = tempfile::tempdir().unwrap();
     let fp8 = tiny_fp8(tmp.path());
-    for (ex, compute, clusters) in [
-        (root().join("examples/tiny-qwen3-cpu4.moe"), true, None),
-        (fp8, false, None), // the transform thread's signalling; its data path is the reference on the host
-        (root().join("examples/qwen3-30b-a3b-h200.moe"), false, Some(24)),
+    for (ex, clusters) in [
+        (root().join("examples/tiny-qwen3-cpu4.moe"), None),
+        (fp8, None), // the transform thread's signalling
+        (root().join("examples/qwen3-30b-a3b-h200.moe"), Some(24)),
     ] {
         let ex_name = stem(&ex);
         for (name, p, src) in apks(&ex) {
-            let bin = build(tmp.path(), &src, &format!("tsan-{ex_name}-{name}"), true);
-            let m = drive(&bin, 5, clusters.unwrap_or(p.max_clusters), 60, compute, 40);
+            let bin = build(tmp.path(), &src, &format!("tsan-{ex_name}-{name}"), Tier::ProtocolTsan);
+            let m = drive(&bin, 5, clusters.unwrap_or(p.max_clusters), 60, 40);
             assert!(metric(&m, "tiles") > 0);
         }
     }
@@ -171,8 +190,8 @@ fn apk_publishes_an_operation_before_its_tiles_can_be_claimed() {
     let tmp = tempfile::tempdir().unwrap();
     let ex = root().join("examples/tiny-qwen3-cpu4.moe");
     for (name, p, src) in apks(&ex) {
-        let bin = build(tmp.path(), &src, &format!("widen-{name}"), false);
-        let m = drive_widened(&bin, 9, p.max_clusters, 40, true, 40, 50_000);
+        let bin = build(tmp.path(), &src, &format!("widen-{name}"), Tier::Protocol);
+        let m = drive_widened(&bin, 9, p.max_clusters, 40, 40, 50_000);
         assert_eq!(metric(&m, "ops"), 40);
     }
 }
@@ -205,5 +224,86 @@ fn dense_apk_runs_every_gemm_shape_and_epilogue_per_operation() {
                 assert!(metric(&m, &format!("epilogue_{e}")) > 0, "{ex} seed {seed}: epilogue {e} never drawn: {m:?}");
             }
         }
+    }
+}
+
+/// CUTLASS's headers from the toolchain venv (scripts/setup.sh), beside
+/// nvcc's CUDA headers: (CuTe's include dir, CUDA's include dir).
+fn cute_headers() -> Option<(PathBuf, PathBuf)> {
+    let nvcc = nvcc()?;
+    let cuda = nvcc.parent()?.parent()?.join("include");
+    let site = nvcc.ancestors().nth(4)?;
+    let cute = site.join("cutlass_library/source/include");
+    if cute.join("cute/tensor.hpp").is_file() && cuda.join("cccl").is_dir() {
+        return Some((cute, cuda));
+    }
+    if std::env::var("MOEFORGE_REQUIRE_NVCC").is_ok_and(|v| v == "1") {
+        panic!("MOEFORGE_REQUIRE_NVCC=1 but CUTLASS's headers are not in the toolchain venv: run scripts/setup.sh");
+    }
+    None
+}
+
+/// The PTX layer's emulation against a definition nobody here wrote: CuTe's
+/// GMMA shared-memory atoms (TMA boxes under 128B, 64B and 32B swizzling,
+/// the wgmma descriptor decoder in all four modes, the emitted kernel's own
+/// descriptor fields), wgmma's accumulator layout for every N, mma.sync's
+/// A/B/C and ldmatrix's fragments, and both MMA paths end to end on
+/// CuTe-laid tiles (tests/cute/).
+#[test]
+fn ptx_emulation_layouts_match_cute() {
+    let Some((cute, cuda)) = cute_headers() else {
+        eprintln!("skipped: no CUTLASS headers (run scripts/setup.sh)");
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let obj = tmp.path().join("cute_tables.o");
+    let o = Command::new("g++")
+        .args(["-std=c++17", "-O1", "-w", "-c"])
+        .arg(format!("-I{}", cute.display()))
+        .arg(format!("-I{}", cuda.display()))
+        .arg(format!("-I{}", cuda.join("cccl").display()))
+        .arg(root().join("tests/cute/cute_tables.cpp"))
+        .arg("-o")
+        .arg(&obj)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "CuTe's tables do not build:\n{}", text(&o.stderr));
+    let dense = apks_of(&root().join("examples/tiny-qwen3-cpu4.moe"), &[moeforge::plan::ApkForm::Dense]);
+    let check = root().join("tests/cute/layout_check.cpp");
+    let obj_arg = obj.display().to_string();
+    let bin = build_host_driver(tmp.path(), &check.display().to_string(), &dense[0].2, "layout_check", &[&obj_arg]);
+    let o = Command::new(&bin).output().unwrap();
+    let (out, err) = (text(&o.stdout), text(&o.stderr));
+    assert!(o.status.success(), "{out}\n{err}");
+    let n: u64 = out.trim().rsplit(' ').next().and_then(|v| v.parse().ok()).unwrap_or(0);
+    assert!(n > 100_000, "too few layout points compared: {out}");
+}
+
+/// The emulation sees layout: the same kernels with the wgmma descriptor's
+/// swizzle mode flipped from 128B to 64B, two accumulator fragment indices
+/// swapped in the epilogue, or (sm_80) ldmatrix's A-row address taken from
+/// the wrong lanes, each fail the driver's reference that the emitted
+/// sources pass (`dense_apk_runs_every_gemm_shape_and_epilogue_per_operation`).
+#[test]
+fn a_wrong_swizzle_fragment_or_ldmatrix_address_fails_the_reference() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cases = [
+        ("tiny-qwen3-cpu4", "| (64ull << 32) | (1ull << 62);", "| (64ull << 32) | (2ull << 62);"),
+        (
+            "tiny-qwen3-cpu4",
+            "store_out(op, sh, epilogue, row, col, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);",
+            "store_out(op, sh, epilogue, row, col, acc[4 * j + 2 * h + 1], acc[4 * j + 2 * h]);",
+        ),
+        ("mixtral-8x7b-a100", "static_cast<int>(lane / 16) * 8]);", "static_cast<int>((lane / 8) % 2) * 8]);"),
+    ];
+    for (i, (ex, from, to)) in cases.iter().enumerate() {
+        let list = apks_of(&root().join(format!("examples/{ex}.moe")), &[moeforge::plan::ApkForm::Dense]);
+        let src = text(&list[0].2);
+        assert_eq!(src.matches(from).count(), 1, "{ex}: the mutated line is not in the emitted kernel: {from}");
+        let bin =
+            build_host_driver(tmp.path(), "dense_main.cpp", src.replace(from, to).as_bytes(), &format!("mut{i}"), &[]);
+        let o = Command::new(&bin).args(["1", "2", "4"]).output().unwrap();
+        let err = text(&o.stderr);
+        assert!(!o.status.success() && err.contains("FAILED"), "{ex}: `{to}` passed the reference:\n{err}");
     }
 }

@@ -28,6 +28,9 @@ pub const MAX_BATCH_TOKENS: u64 = 8192;
 pub const MAX_REQUESTS: u64 = 2048;
 /// Longest sequence the page tables cover.
 pub const MAX_SEQ: u64 = 32768;
+/// KV pages a live switch moves per launch of its migration kernel (the
+/// `KvMoves` table's rows; a switch moving more issues several launches).
+pub const KV_MOVE_CHUNK: u64 = 16384;
 
 /// The working memory every GPU keeps besides weights and KV cache: the
 /// `comm`, `scratch` and `requests` regions of the memory plan, each the
@@ -113,6 +116,10 @@ pub enum BufferName {
     /// TP with an all-head QK-norm (MiniMax-M2): per token, the partial sum
     /// of squares of q and of k that the ranks all-reduce.
     QkSumSq,
+    /// Dual plans: a live switch's KV page moves into this rank, i32
+    /// (source page, destination page, tokens) per row, read by the
+    /// migration kernel (Moebius §4.3), [`KV_MOVE_CHUNK`] rows at a time.
+    KvMoves,
 }
 
 /// Which modes' programs use a buffer.
@@ -315,6 +322,7 @@ impl Workspace {
             b(Combine, cm, Ep, entries, h * 2),
         ]);
         if dual {
+            v.push(b(KvMoves, rq, Both, KV_MOVE_CHUNK, 12));
             v.push(b(AllReduce, cm, Tp, 2 * t, h * 4));
             if let moeforge_dsl::spec::Attention::Gqa {
                 qk_norm: true,
@@ -717,6 +725,23 @@ pub struct WeightReshard {
     pub interconnect_bytes_per_layer: u64,
     pub local_bytes_per_layer: u64,
     pub owner_changed_bytes_per_layer: u64,
+}
+
+impl WeightReshard {
+    /// Every copy of the reshard in execution order (MoE layer by layer in
+    /// the plan's order, each layer's descriptors in order), with the byte
+    /// offsets of its source and destination slots in the ranks' buffers.
+    pub fn schedule<'a>(&'a self, slots: &'a ExpertSlots) -> impl Iterator<Item = (&'a Copy, u64, u64)> + 'a {
+        let layers: Vec<u32> = match self.order {
+            LayerOrder::Ascending => (0..slots.moe_layers).collect(),
+            LayerOrder::Descending => (0..slots.moe_layers).rev().collect(),
+        };
+        layers.into_iter().flat_map(move |l| {
+            let src = slots.base + u64::from(l + self.src_shift) * slots.slot_bytes;
+            let dst = slots.base + u64::from(l + self.dst_shift) * slots.slot_bytes;
+            self.per_layer.iter().map(move |c| (c, src, dst))
+        })
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

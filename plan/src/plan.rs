@@ -472,6 +472,8 @@ pub enum GridVar {
     /// (row, k) entries.
     Received,
     ReceivedEntries,
+    /// A live switch's KV page moves into this rank (rows of `kv_moves` in one launch).
+    KvMoves,
 }
 
 /// How many blocks a kernel launches.
@@ -501,6 +503,7 @@ impl fmt::Display for Grid {
             GridVar::SampledRows => "sampled_rows",
             GridVar::Received => "received",
             GridVar::ReceivedEntries => "received_entries",
+            GridVar::KvMoves => "kv_moves",
         };
         match self {
             Grid::Fixed { blocks } => write!(f, "{blocks}"),

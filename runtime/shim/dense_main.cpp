@@ -1,7 +1,8 @@
-// Drives an emitted dense APK (the one-group GEMM form) on the host
-// (runtime/shim/apk_host.h) the way a colocated rank launches it: per
-// operation, with the operation and `stop` posted before the launch, CTA
-// clusters as threads, the launch returning once the operation is done.
+// Drives an emitted dense APK (the one-group GEMM form) on the host, its
+// tensor-core path through the PTX layer's emulation (runtime/shim/ptx_host.h),
+// the way a colocated rank launches it: per operation, with the operation
+// and `stop` posted before the launch, the grid resident with every CUDA
+// thread a fiber, the launch returning once the operation is done.
 // Each operation has a seeded random shape: n output columns (not a multiple
 // of the tile), k (not a multiple of the stage depth), rows (not a multiple
 // of M_t), x and y at a column offset inside wider rows, and one of the four
@@ -11,8 +12,8 @@
 //   - nothing outside those rows and columns is written (sentinels);
 //   - every tile ran exactly once, and the launch returned (no deadlock).
 // Usage: dense SEED CLUSTERS OPS
-#define APK_HOST_EMULATION 1
 #include KERNEL_SOURCE
+#include "apk_driver.h"
 
 #include <chrono>
 #include <cmath>
@@ -43,7 +44,6 @@ int main(int argc, char** argv) {
   std::mt19937_64 rng(seed);
   auto uni = [&](uint32_t lo, uint32_t hi) { return lo + static_cast<uint32_t>(rng() % (hi - lo + 1)); };
   auto rnd = [&] { return std::uniform_real_distribution<float>(-0.5f, 0.5f)(rng); };
-  apk_host::compute = true;
   double worst = 0.0;
   uint64_t checked = 0;
   std::map<uint32_t, int> epilogues;
@@ -87,50 +87,19 @@ int main(int argc, char** argv) {
     st->phase[ph].posted = 1;
     st->stop = 1;
 
-    const uint32_t ctas = clusters * apk::kClusterSize;
-    std::vector<apk_host::Cluster> cl(clusters);
-    std::vector<std::unique_ptr<apk::Smem>> smem;
-    for (uint32_t b = 0; b < ctas; ++b) {
-      smem.push_back(std::make_unique<apk::Smem>());
-      apk::init_signals(*smem.back());
-      cl[b / apk::kClusterSize].smem.push_back(smem.back().get());
+    if (!apk_driver::maps(tm, ph, apk::MapShape{rows, k, ld_x, n, k, n, k, 1})) {
+      std::fprintf(stderr, "FAILED: operation %d: a tensor map was refused\n", i);
+      return 1;
     }
-    constexpr int kRoles = 1 + apk::kUnits;
-    std::vector<std::vector<apk_host::Event>> logs(ctas * kRoles);
-    std::atomic<bool> finished{false};
-    std::thread watchdog([&] {
-      for (int t = 0; t < 600 && !finished.load(); ++t) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      if (!finished.load()) {
-        std::fprintf(stderr, "FAILED: operation %d not finished in 60 s (deadlock?)\n", i);
-        std::_Exit(3);
-      }
-    });
-    std::vector<std::thread> threads;
-    for (uint32_t b = 0; b < ctas; ++b) {
-      for (int role = 0; role < kRoles; ++role) {
-        threads.emplace_back([&, b, role] {
-          apk_host::log = &logs[b * kRoles + static_cast<uint32_t>(role)];
-          apk_host::cta = b;
-          apk_host::rank = b % apk::kClusterSize;
-          apk_host::cluster = &cl[b / apk::kClusterSize];
-          apk_host::smem = smem[b].get();
-          if (role == 0)
-            apk::producer(tm, st, *smem[b], b / apk::kClusterSize, clusters, apk_host::rank, 0);
-          else
-            apk::consumer(tm, st, *smem[b], apk_host::rank, static_cast<uint32_t>(role - 1), 0);
-        });
-      }
-    }
-    for (auto& t : threads) t.join();
-    finished = true;
-    watchdog.join();
-    if (apk::ld_acquire_sys(&st->phase[ph].done) != 1) return fail_check("the launch returned before its operation was done");
+    std::vector<apk_host::Event> log;
+    apk_driver::run(tm, st, clusters, log);
+    if (ptx::ld_acquire_sys_u32(&st->phase[ph].done) != 1)
+      return fail_check("the launch returned before its operation was done");
 
     // Every tile exactly once.
     std::map<uint32_t, int> starts;
-    for (auto& l : logs)
-      for (auto& e : l)
-        if (e.kind == apk_host::Ev::start && e.b == ph) ++starts[e.c];
+    for (auto& e : log)
+      if (e.kind == apk_host::Ev::start && e.b == ph) ++starts[e.c];
     const uint32_t m_t = ph == apk::kPrefill ? apk::kMtPrefill : apk::kMtDecode;
     const uint32_t per = (swiglu ? apk::kInterPerTile : apk::kNtDown) * apk::kClusterSize;
     const uint32_t tiles = (rows + m_t - 1) / m_t * ((n + per - 1) / per);

@@ -11,6 +11,9 @@
 //     5 launch u32 module, u32 len, entry, u32 grid, u32 block, u32 args,
 //              per argument u8 kind and its value:
 //                0 pointer (u32 buffer, u64 offset), 1 null, 2 i32, 3 i64, 4 f32
+//     6 copy   u32 src, u32 dst, u64 src offset, u64 dst offset, u64 run bytes,
+//              u64 counts[2], u64 src strides[2], u64 dst strides[2]: the runs
+//              in order, each a memmove                  -> nothing
 //     0 quit
 //   reply: u8 0 and the result, or u8 1, u32 len and a message.
 //
@@ -118,7 +121,32 @@ void launch() {
   if (module >= modules.size()) return fail("no module " + std::to_string(module));
   if (!bad.empty()) return fail(bad);
   if (block == 0 || block > 1024) return fail("block of " + std::to_string(block) + " threads");
-  if (modules[module](entry.c_str(), grid, block, args.data()) != 0) return fail("no entry `" + entry + "`");
+  const int rc = modules[module](entry.c_str(), grid, block, args.data());
+  if (rc == 1) return fail("no entry `" + entry + "`");
+  if (rc != 0) return fail("the launch was refused (code " + std::to_string(rc) + ": a tensor map the driver refuses)");
+  ok();
+}
+
+// A strided copy: counts[0] × counts[1] runs, every one inside its buffer.
+void copy() {
+  const uint32_t src = get<uint32_t>(), dst = get<uint32_t>();
+  const uint64_t so = get<uint64_t>(), dof = get<uint64_t>(), run = get<uint64_t>();
+  uint64_t counts[2], ss[2], ds[2];
+  for (auto& v : counts) v = get<uint64_t>();
+  for (auto& v : ss) v = get<uint64_t>();
+  for (auto& v : ds) v = get<uint64_t>();
+  if (counts[0] == 0 || counts[1] == 0 || run == 0) return ok();
+  // The last run lies furthest (strides are unsigned); every offset fits 64 bits.
+  auto last = [&](uint64_t base, const uint64_t* st) -> uint64_t {
+    const unsigned __int128 v = static_cast<unsigned __int128>(base) +
+                                static_cast<unsigned __int128>(counts[0] - 1) * st[0] +
+                                static_cast<unsigned __int128>(counts[1] - 1) * st[1];
+    return v > UINT64_MAX - run ? UINT64_MAX : static_cast<uint64_t>(v);
+  };
+  if (!at(src, last(so, ss), run) || !at(dst, last(dof, ds), run)) return fail("a copy outside its buffers");
+  for (uint64_t a = 0; a < counts[0]; ++a)
+    for (uint64_t b = 0; b < counts[1]; ++b)
+      std::memmove(at(dst, dof + a * ds[0] + b * ds[1], run), at(src, so + a * ss[0] + b * ss[1], run), run);
   ok();
 }
 
@@ -186,6 +214,9 @@ int main() {
       }
       case 5:
         launch();
+        break;
+      case 6:
+        copy();
         break;
       default:
         return 2;

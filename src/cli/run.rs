@@ -142,8 +142,8 @@ pub fn prepare(bundle: &LoadedBundle, weights: &Path) -> Result<Checkpoint, Exit
 
 /// The twin on `backend` under the switch-policy driver, starting in
 /// `start`; with `policy`, the spec's switch policy decides (calibrated when
-/// `t_high = auto`). The emulated device does not switch live yet, so there
-/// the policy stays off.
+/// `t_high = auto`, on the backend the run uses: the emulated device's
+/// crossover is its own).
 pub fn driver(
     bundle: &LoadedBundle,
     ck: &Checkpoint,
@@ -154,19 +154,6 @@ pub fn driver(
     let deploy = bundle.spec.deploys.first();
     let vocab = deploy.map_or(1, |d| bundle.spec.model(d.model).vocab as usize);
     let switch = deploy.map(|d| &d.switch);
-    let policy = match backend {
-        Backend::Cpu => policy,
-        Backend::Emu => {
-            if policy && switch.is_some_and(|s| s.enabled) && bundle.plan.memory.modes.len() == 2 {
-                eprintln!(
-                    "note: the switch policy is off on the emulated device (live switches there are not built yet); \
-                     the run stays in {}",
-                    start.name()
-                );
-            }
-            false
-        }
-    };
     let cache = moeforge::runtime::device::emu::default_cache();
     let make = |mode| match backend {
         Backend::Cpu => twin::Twin::new(bundle, ck, mode).map_err(Into::into),
@@ -208,12 +195,6 @@ pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
         Start::Ep => Mode::Ep,
     };
     let prompts = prompts(a)?;
-    if matches!(a.backend, Backend::Emu) && !a.switch_at.is_empty() {
-        return Err(error(
-            "--switch-at: live switches on the emulated device are not built yet",
-            "drop --switch-at, or run the switch on `--backend cpu`",
-        ));
-    }
     let ck = prepare(bundle, &a.weights)?;
     let (mut driver, calibration) = driver(bundle, &ck, a.backend, start, a.switch_at.is_empty())?;
     let n = prompts.len();

@@ -141,6 +141,7 @@ pub fn build_host_driver(dir: &Path, driver: &str, kernel_src: &[u8], tag: &str,
     let o = Command::new("g++")
         .args(["-std=c++20", "-O1", "-g", "-pthread", "-fno-strict-aliasing", "-ffp-contract=off"])
         .args(["-Wall", "-Wextra", "-Werror", "-Wno-unknown-pragmas", "-Wno-unused-parameter"])
+        .args(["-Wno-psabi", "-DMOEFORGE_HOST"])
         .args(extra)
         .arg(format!("-I{}", shim.display()))
         .arg(format!("-DKERNEL_SOURCE=\"{}\"", src.display()))

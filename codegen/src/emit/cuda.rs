@@ -12,6 +12,7 @@ use moeforge_plan::{KernelInstance, KernelParams};
 const ROUTER: &str = include_str!("../../templates/router.cu.tera");
 const PERMUTE: &str = include_str!("../../templates/permute.cu.tera");
 const APK: &str = include_str!("../../templates/apk.cu.tera");
+const PTX: &str = include_str!("../../templates/ptx.cu.tera");
 const LAYER: &str = include_str!("../../templates/layer.cu.tera");
 const EMU_LAUNCH: &str = include_str!("../../templates/emu_launch.cu.tera");
 
@@ -125,8 +126,9 @@ pub fn render(plan: &ValidPlan, k: &KernelInstance) -> Result<String, TemplateEr
             let mut ns = vec![p.n_t_gate_up, p.n_t_down];
             ns.dedup();
             ctx.insert("wgmma", &ns.iter().map(|&n| wgmma_operands(n)).collect::<Vec<_>>());
+            ctx.insert("wgmma_path", &(target.mma_path() == moeforge_plan::MmaPath::Wgmma));
             let partial = target.apk_partial();
-            (partial.0, vec![("apk.cu.tera", APK), partial])
+            (partial.0, vec![("apk.cu.tera", APK), ("ptx.cu.tera", PTX), partial])
         }
     };
     let err = |e: tera::Error| {

@@ -593,6 +593,24 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
                 p("int32_t* out"),
             ],
         ),
+        entry(
+            "kv_migrate",
+            GridVar::KvMoves,
+            vec![
+                p("const int32_t* moves"),
+                p("int rows"),
+                p("const uint8_t* src_pool"),
+                p("long long src_page_bytes"),
+                p("int src_heads"),
+                p("int src_head0"),
+                p("uint8_t* dst_pool"),
+                p("long long dst_page_bytes"),
+                p("int dst_heads"),
+                p("int dst_head0"),
+                p("int heads"),
+                p("int layers"),
+            ],
+        ),
     ];
     if let Some(g) = &gqa {
         if g.qk_norm != QkNormKind::None {

@@ -21,6 +21,7 @@ pub struct Counts {
     pub sampled_rows: u32,
     pub received: u32,
     pub received_entries: u32,
+    pub kv_moves: u32,
 }
 
 impl Counts {
@@ -33,6 +34,7 @@ impl Counts {
             GridVar::SampledRows => self.sampled_rows,
             GridVar::Received => self.received,
             GridVar::ReceivedEntries => self.received_entries,
+            GridVar::KvMoves => self.kv_moves,
         }
     }
 }

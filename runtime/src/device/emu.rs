@@ -1,7 +1,9 @@
 //! The emulated device (`--backend emu`'s device): the bundle's own emitted
 //! kernel sources built for the host with g++ against the project's CUDA
 //! shim (`runtime/shim/`: CUDA threads as fibers, blocks one after
-//! another, `__syncthreads` a barrier), each kernel instance a shared
+//! another or, for the APK, every block of the grid resident in its CTA
+//! clusters; `__syncthreads` a barrier; the APK's PTX layer emulated
+//! instruction by instruction by `ptx_host.h`), each kernel instance a shared
 //! library exporting the emitted launch table (`moeforge_emu_launch`),
 //! loaded by a device process (`shim/emu_device.cpp`) that owns the device
 //! memory. The runtime talks to it over a pipe: the kernels run in their
@@ -15,7 +17,7 @@
 //! or `~/.cache/moeforge/emu`; entries are renamed into place, so
 //! concurrent builds are safe.
 
-use super::{BufferId, Device, DeviceError, KernelArg, ModuleId};
+use super::{BufferId, Device, DeviceError, KernelArg, ModuleId, StridedCopy};
 use sha2::{Digest, Sha256};
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
@@ -25,13 +27,7 @@ const CUDA_HOST: &str = include_str!("../../shim/cuda_host.h");
 const CUDA_BF16: &str = include_str!("../../shim/cuda_bf16.h");
 const DEVICE_MAIN: &str = include_str!("../../shim/emu_device.cpp");
 const APK_HOST: &str = include_str!("../../shim/apk_host.h");
-
-/// Whether `source` is an APK instance: the APK builds for the host with
-/// `APK_HOST_EMULATION` (its scheduler and signalling against
-/// `shim/apk_host.h`, CTA clusters as threads) instead of the CUDA shim.
-fn is_apk(source: &str) -> bool {
-    source.contains("#ifdef APK_HOST_EMULATION")
-}
+const PTX_HOST: &str = include_str!("../../shim/ptx_host.h");
 
 /// g++ flags of the kernel libraries: the host-emulation tier's (no
 /// floating-point contraction, so f32 arithmetic rounds as written).
@@ -50,6 +46,8 @@ const KERNEL_FLAGS: &[&str] = &[
     "-Werror",
     "-Wno-unknown-pragmas",
     "-Wno-unused-parameter",
+    "-Wno-psabi",
+    "-DMOEFORGE_HOST",
     "-DMOEFORGE_EMU",
 ];
 
@@ -105,7 +103,7 @@ impl EmuDevice {
             .output()
             .map_err(|e| other(format!("the emulated device needs g++ (C++20): {e}")))?;
         let mut h = Sha256::new();
-        for part in [CUDA_HOST, CUDA_BF16, DEVICE_MAIN, APK_HOST] {
+        for part in [CUDA_HOST, CUDA_BF16, DEVICE_MAIN, APK_HOST, PTX_HOST] {
             h.update(part.as_bytes());
         }
         h.update(&version.stdout);
@@ -119,6 +117,7 @@ impl EmuDevice {
                 ("cuda_bf16.h", CUDA_BF16),
                 ("emu_device.cpp", DEVICE_MAIN),
                 ("apk_host.h", APK_HOST),
+                ("ptx_host.h", PTX_HOST),
             ] {
                 std::fs::write(tmp.join(name), text).map_err(|e| other(format!("cannot write {name}: {e}")))?;
             }
@@ -214,15 +213,10 @@ impl EmuDevice {
         let src = self.cache.join(format!("{name}-{key}.cu"));
         put(&src, source.as_bytes())?;
         let tmp = self.cache.join(format!("{name}-{key}.so.tmp{}", std::process::id()));
-        let host: &[&str] = if is_apk(source) {
-            &["-DAPK_HOST_EMULATION", "-x", "c++"]
-        } else {
-            &["-include", "cuda_host.h", "-x", "c++"]
-        };
         let o = Command::new("g++")
             .args(KERNEL_FLAGS)
             .arg(format!("-I{}", self.shim.display()))
-            .args(host)
+            .args(["-include", "cuda_host.h", "-x", "c++"])
             .arg(&src)
             .arg("-o")
             .arg(&tmp)
@@ -269,6 +263,20 @@ impl Device for EmuDevice {
         self.send(&m)?;
         self.reply("download")?.map_err(other)?;
         self.read_n(len as usize, "download")
+    }
+
+    fn copy(&mut self, src: BufferId, dst: BufferId, c: &StridedCopy) -> Result<(), DeviceError> {
+        let mut m = vec![6u8];
+        m.extend(src.0.to_le_bytes());
+        m.extend(dst.0.to_le_bytes());
+        for v in [c.src_offset, c.dst_offset, c.run_bytes, c.counts[0], c.counts[1]] {
+            m.extend(v.to_le_bytes());
+        }
+        for v in c.src_strides.iter().chain(&c.dst_strides) {
+            m.extend(v.to_le_bytes());
+        }
+        self.send(&m)?;
+        self.reply("copy")?.map_err(other)
     }
 
     fn load(&mut self, name: &str, source: &str) -> Result<ModuleId, DeviceError> {

@@ -17,14 +17,21 @@
 //! - Counts the device computes (the permutation's padded rows) are read
 //!   back where the program needs them for a grid.
 //!
+//! - A live switch runs here too: the weight reshard's descriptors as
+//!   strided copies between the ranks' buffers ([`Executor::reshard`]), and
+//!   the KV cache's pages by the layer kernels' `kv_migrate`, which reads the
+//!   source rank's pool through its pointer ([`Executor::migrate_kv`]).
+//!
 //! The ranks run in lockstep: op `i` of every rank's program, then op
 //! `i + 1`. Every rank's program for a (mode, phase) has the same ops (the
 //! programs of rank groups differ only in the experts op's kernel), which
 //! the interpreter checks.
 
 use super::bind::{self, Counts, Site};
-use super::{BufferId, Device, DeviceError, KernelArg, ModuleId};
-use moeforge_plan::memory::{BufferName, MemoryPlan, Mode, RouteIndexParts, TensorPart, TensorRole};
+use super::{BufferId, Device, DeviceError, KernelArg, ModuleId, StridedCopy};
+use moeforge_plan::memory::{
+    BufferName, MemoryPlan, Mode, RouteIndexParts, TensorPart, TensorRole, WeightReshard, KV_MOVE_CHUNK,
+};
 use moeforge_plan::program::{CommKind, KernelRef, Op, OpKind, Operand, Phase, Program};
 use moeforge_plan::{ApkForm, KernelParams, Plan};
 use std::collections::BTreeMap;
@@ -67,6 +74,25 @@ pub struct Sampled {
     pub token: u32,
     pub rng: u64,
     pub logits: Vec<f32>,
+}
+
+/// One side of a KV migration: its page format's page size and heads per
+/// page, and the first of the moved heads among them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvSide {
+    pub page_bytes: u64,
+    pub heads: u32,
+    pub head0: u32,
+}
+
+/// A KV migration between two page formats: `heads` consecutive heads per
+/// moved page, through the `kv_moves` table of `table_mode`'s buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvMigration {
+    pub src: KvSide,
+    pub dst: KvSide,
+    pub heads: u32,
+    pub table_mode: Mode,
 }
 
 /// Where a micro-batch's received row came from: (source rank, token row).
@@ -126,6 +152,90 @@ impl Executor {
     pub fn download(&mut self, rank: usize, offset: u64, len: u64) -> Result<Vec<u8>, ExecError> {
         let b = *self.buffers.get(rank).ok_or_else(|| ExecError::Plan(format!("no rank {rank}")))?;
         Ok(self.dev.download(b, offset, len)?)
+    }
+
+    fn buffer(&self, rank: u32) -> Result<BufferId, ExecError> {
+        self.buffers.get(rank as usize).copied().ok_or_else(|| ExecError::Plan(format!("no rank {rank}")))
+    }
+
+    /// One weight reshard (Moebius §3.1) on the device: the plan's
+    /// descriptors in their schedule, each a strided copy between the ranks'
+    /// buffers (a peer copy between GPUs). Returns the bytes that crossed
+    /// between ranks.
+    pub fn reshard(&mut self, w: &WeightReshard) -> Result<u64, ExecError> {
+        let plan = self.plan.clone();
+        let mut remote = 0;
+        for (c, src_base, dst_base) in w.schedule(&plan.memory.slots) {
+            let copy = StridedCopy {
+                src_offset: src_base + c.src_offset,
+                dst_offset: dst_base + c.dst_offset,
+                run_bytes: c.run_bytes,
+                counts: c.counts,
+                src_strides: c.src_strides,
+                dst_strides: c.dst_strides,
+            };
+            let (src, dst) = (self.buffer(c.src_rank)?, self.buffer(c.dst_rank)?);
+            self.dev.copy(src, dst, &copy)?;
+            if c.src_rank != c.dst_rank {
+                remote += c.bytes();
+            }
+        }
+        Ok(remote)
+    }
+
+    /// KV pages into rank `dst` from rank `src`'s pool (Moebius §4.3): the
+    /// layer kernels' `kv_migrate` reads the source pool through its pointer
+    /// and writes this rank's pages in the target format, by rows of
+    /// (source page, destination page, tokens) written into `dst`'s
+    /// `kv_moves` table, [`KV_MOVE_CHUNK`] rows a launch. Returns the bytes moved.
+    pub fn migrate_kv(
+        &mut self,
+        m: &KvMigration,
+        src: usize,
+        dst: usize,
+        moves: &[[i32; 3]],
+    ) -> Result<u64, ExecError> {
+        let plan = self.plan.clone();
+        let mem = &plan.memory;
+        let bad = |what: &str| ExecError::Plan(format!("KV migration: {what}"));
+        let table =
+            mem.buffer(m.table_mode, BufferName::KvMoves).ok_or_else(|| bad("the plan has no kv_moves buffer"))?;
+        let pool = mem.regions.get(mem.kv.region.index()).ok_or_else(|| bad("no KV region"))?.offset;
+        let (layer, entry) = plan
+            .kernels
+            .iter()
+            .find_map(|k| match &k.params {
+                KernelParams::Layer(_) => {
+                    Some((k.name.clone(), k.entries.iter().find(|e| e.symbol == "kv_migrate")?.clone()))
+                }
+                _ => None,
+            })
+            .ok_or_else(|| bad("no layer kernel with kv_migrate"))?;
+        let module = *self.modules.get(&layer).ok_or_else(|| bad("the layer kernels are not loaded"))?;
+        let (sb, db) = (self.buffer(src as u32)?, self.buffer(dst as u32)?);
+        let i = |v: u32| KernelArg::I32(v as i32);
+        let mut bytes = 0u64;
+        for chunk in moves.chunks(KV_MOVE_CHUNK.min(table.rows) as usize) {
+            self.dev.upload(db, table.offset, &le32(&chunk.iter().flatten().copied().collect::<Vec<_>>()))?;
+            let args = [
+                KernelArg::Ptr { buffer: db, offset: table.offset },
+                i(chunk.len() as u32),
+                KernelArg::Ptr { buffer: sb, offset: pool },
+                KernelArg::I64(m.src.page_bytes as i64),
+                i(m.src.heads),
+                i(m.src.head0),
+                KernelArg::Ptr { buffer: db, offset: pool },
+                KernelArg::I64(m.dst.page_bytes as i64),
+                i(m.dst.heads),
+                i(m.dst.head0),
+                i(m.heads),
+                i(plan.model.layers),
+            ];
+            self.dev.launch(module, &entry.symbol, chunk.len() as u32, entry.block, &args)?;
+            let tokens: u64 = chunk.iter().map(|r| r[2].max(0) as u64).sum();
+            bytes += tokens * u64::from(m.heads) * u64::from(plan.model.layers) * mem.kv.head_token_bytes;
+        }
+        Ok(bytes)
     }
 
     /// Runs one step of `mode`'s `phase` program: `work[r]` is rank `r`'s

@@ -48,11 +48,28 @@ pub enum DeviceError {
     Other(String),
 }
 
+/// A strided copy of device memory: `counts[0] × counts[1]` runs of
+/// `run_bytes`, run (a, b) read at `src_offset + a·src_strides[0] +
+/// b·src_strides[1]` and written at the same offsets with the destination's
+/// strides, in that order, each run as a memmove. The shape of the plan's
+/// reshard descriptors, and of cuMemcpy3DPeer between two GPUs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StridedCopy {
+    pub src_offset: u64,
+    pub dst_offset: u64,
+    pub run_bytes: u64,
+    pub counts: [u64; 2],
+    pub src_strides: [u64; 2],
+    pub dst_strides: [u64; 2],
+}
+
 pub trait Device {
     /// Allocates `bytes` of zeroed device memory.
     fn alloc(&mut self, bytes: u64) -> Result<BufferId, DeviceError>;
     fn upload(&mut self, buffer: BufferId, offset: u64, data: &[u8]) -> Result<(), DeviceError>;
     fn download(&mut self, buffer: BufferId, offset: u64, len: u64) -> Result<Vec<u8>, DeviceError>;
+    /// Copies between (or within) two buffers on the device; runs in order.
+    fn copy(&mut self, src: BufferId, dst: BufferId, c: &StridedCopy) -> Result<(), DeviceError>;
     /// Builds (or finds in its cache) and loads kernel instance `name` from its source.
     fn load(&mut self, name: &str, source: &str) -> Result<ModuleId, DeviceError>;
     /// Runs `entry` of `module` over `grid` blocks of `block` threads.

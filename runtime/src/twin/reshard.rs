@@ -4,7 +4,7 @@
 //! inside its slot, so no edited plan makes this index out of a buffer.
 
 use super::Rank;
-use moeforge_plan::memory::{Copy, LayerOrder, MemoryPlan, WeightReshard};
+use moeforge_plan::memory::{Copy, MemoryPlan, WeightReshard};
 
 impl AsMut<[u8]> for Rank {
     fn as_mut(&mut self) -> &mut [u8] {
@@ -16,20 +16,11 @@ impl AsMut<[u8]> for Rank {
 /// the plan's order, every descriptor, byte for byte. Returns the bytes that
 /// crossed between ranks.
 pub fn execute_reshard(plan: &MemoryPlan, w: &WeightReshard, ranks: &mut [impl AsMut<[u8]>]) -> u64 {
-    let s = &plan.slots;
-    let order: Vec<u32> = match w.order {
-        LayerOrder::Ascending => (0..s.moe_layers).collect(),
-        LayerOrder::Descending => (0..s.moe_layers).rev().collect(),
-    };
     let mut remote = 0;
-    for l in order {
-        let src_base = s.base + u64::from(l + w.src_shift) * s.slot_bytes;
-        let dst_base = s.base + u64::from(l + w.dst_shift) * s.slot_bytes;
-        for c in &w.per_layer {
-            copy_runs(c, src_base, dst_base, ranks);
-            if c.src_rank != c.dst_rank {
-                remote += c.bytes();
-            }
+    for (c, src_base, dst_base) in w.schedule(&plan.slots) {
+        copy_runs(c, src_base, dst_base, ranks);
+        if c.src_rank != c.dst_rank {
+            remote += c.bytes();
         }
     }
     remote
