@@ -67,9 +67,12 @@ fn fixture(name: &'static str) -> Fixture {
     }
 }
 
-/// The user's path: import-hf's model block, put on P ranks, compiled.
+/// The user's path: import-hf's model block, put on P ranks, compiled (the
+/// wider fp8 fixture's workspace needs more of the CPU GPU's 256 MB).
 fn compile(f: &Fixture, p: u32, out: &Path) -> moeforge::plan::bundle::LoadedBundle {
-    compile_text(&cpu_deployment(&imported_block(&f.dir), p, 0.25), out)
+    let block = imported_block(&f.dir);
+    let fraction = if block.contains("fp8_e4m3") { 0.6 } else { 0.25 };
+    compile_text(&cpu_deployment(&block, p, fraction), out)
 }
 
 fn max_rel(a: &[f32], b: &[f32]) -> f32 {
@@ -157,6 +160,29 @@ fn against_transformers(name: &'static str, ranks: &[u32]) {
                 "{label}: {switched} live switches, worst logit error {e:.2e}, {ekv:.2e} against a bf16 KV cache"
             );
         }
+    }
+}
+
+/// DeepSeek-V3 as the Hub ships it: every projection fp8 e4m3 with 128×128
+/// block scales (`weight_scale_inv`; hidden 256 spans two blocks), read
+/// as stored, each element its code times its block's scale. fp8 experts
+/// keep the plan in one mode (EP), so every rank count runs EP.
+#[test]
+fn deepseek_v3_fp8_matches_transformers() {
+    let name = "deepseek-v3-fp8";
+    let f = fixture(name);
+    let ck = Checkpoint::load(&f.dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let q = "model.layers.1.self_attn.q_b_proj.weight";
+    assert_eq!(ck.tensors[q].dtype, moeforge::runtime::twin::weights::Dtype::F8E4m3, "{q} is stored fp8");
+    assert_eq!(ck.tensors["model.layers.0.mlp.down_proj.weight_scale_inv"].shape, vec![2, 1], "two row blocks");
+    for p in [1, 2, 4] {
+        let tmp = tempfile::tempdir().unwrap();
+        let b = compile(&f, p, tmp.path());
+        assert_eq!(b.plan.memory.modes, vec![Mode::Ep], "fp8 experts plan one mode");
+        let mut t = Twin::new(&b, &ck, Mode::Ep).unwrap_or_else(|e| panic!("{name} P={p}: {e}"));
+        let label = format!("{name} P={p} Ep");
+        let (e, ekv, _) = check_run(&f, &mut t, &label, &[]);
+        eprintln!("{label}: worst logit error {e:.2e}, {ekv:.2e} against a bf16 KV cache");
     }
 }
 
@@ -261,7 +287,10 @@ fn checkpoints_the_twin_would_compute_wrongly_are_refused_by_tensor_name() {
     assert!(ck.rounded.is_empty());
     ck.validate(&model).unwrap();
     let bias = "model.layers.1.self_attn.q_proj.bias";
-    ck.tensors.insert(bias.into(), Tensor { shape: vec![128], f32: false, data: vec![0; 256] });
+    ck.tensors.insert(
+        bias.into(),
+        Tensor { shape: vec![128], dtype: moeforge::runtime::twin::weights::Dtype::Bf16, data: vec![0; 256] },
+    );
     let e = ck.validate(&model).unwrap_err();
     assert!(matches!(&e, WeightsError::Unused { name, .. } if name == bias), "{e}");
     let refused = Twin::new(&b, &ck, Mode::Ep).err().expect("the twin refuses the checkpoint");
@@ -322,8 +351,10 @@ fn bf16_bound(bf16: &Value) -> (f32, Vec<Vec<f32>>) {
 /// against the f32 run and against the bf16-KV run alike, and at a step where
 /// transformers' bf16 run itself jumped (a routing choice bf16 flips:
 /// Qwen3-MoE-YaRN's first request from step 4, GLM-5's second at step 7)
-/// to that step's distance instead.
-fn on_the_emulated_device(name: &'static str, runs: &[(u32, Mode)]) {
+/// to that step's distance instead. A run with switch steps switches mode
+/// live before them (weights by the plan's descriptors as device copies, KV
+/// by the page-indexed migration kernel), and must switch mid-decode.
+fn on_the_emulated_device(name: &'static str, runs: &[(u32, Mode, &[usize])]) {
     use moeforge::runtime::device::emu::EmuDevice;
     let f = fixture(name);
     let bf16: Value = serde_json::from_str(
@@ -334,17 +365,18 @@ fn on_the_emulated_device(name: &'static str, runs: &[(u32, Mode)]) {
     assert!(bound > 0.0 && bound <= 5e-2, "{name}: transformers' bf16 run is {bound:.3e} from f32: too loose a bound");
     let ck = Checkpoint::load(&f.dir).unwrap_or_else(|e| panic!("{name}: {e}"));
     let cache = tempfile::tempdir().unwrap();
-    for &(p, start) in runs {
+    for &(p, start, switch_at) in runs {
         let tmp = tempfile::tempdir().unwrap();
         let b = compile(&f, p, tmp.path());
         let dev = EmuDevice::start(cache.path()).unwrap_or_else(|e| panic!("{e}"));
         let mut t = Twin::on_device(&b, &ck, start, Box::new(dev)).unwrap_or_else(|e| panic!("{name} P={p}: {e}"));
-        let label = format!("{name} P={p} {start:?} on the emulated device");
+        let label = format!("{name} P={p} {start:?} switching at {switch_at:?} on the emulated device");
         let t0 = std::time::Instant::now();
         // A step is held to the continuous bound, or to transformers' own
         // bf16 distance at that step where that is larger (a fragile choice).
         let at = |i: usize, s: usize| bound.max(steps[i][s]);
-        let (e, ekv, _) = check_run_within(&f, &mut t, &label, &[], &at, &at);
+        let (e, ekv, switched) = check_run_within(&f, &mut t, &label, switch_at, &at, &at);
+        assert!(switched >= switch_at.len().min(2), "{label}: switched mid-decode only {switched} times");
         let steps = t.stats().steps;
         eprintln!(
             "{label}: worst logit error {e:.2e} ({ekv:.2e} against a bf16 KV cache; transformers in bf16: \
@@ -354,22 +386,65 @@ fn on_the_emulated_device(name: &'static str, runs: &[(u32, Mode)]) {
     }
 }
 
+/// The emulated device sees layout: the same bundle with its dense APK's
+/// wgmma descriptor flipped from 128-byte to 64-byte swizzling, or two of the
+/// epilogue's accumulator fragment indices swapped, no longer gives
+/// transformers' tokens (the emitted kernel does, above).
+#[test]
+fn a_wrong_swizzle_or_fragment_index_changes_the_emulated_tokens() {
+    use moeforge::runtime::device::emu::EmuDevice;
+    let f = fixture("qwen3-moe");
+    let ck = Checkpoint::load(&f.dir).unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let mutations = [
+        ("| (64ull << 32) | (1ull << 62);", "| (64ull << 32) | (2ull << 62);"),
+        (
+            "store_out(op, sh, epilogue, row, col, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);",
+            "store_out(op, sh, epilogue, row, col, acc[4 * j + 2 * h + 1], acc[4 * j + 2 * h]);",
+        ),
+    ];
+    for (from, to) in mutations {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut b = compile(&f, 2, tmp.path());
+        let dense = b.kernels.get_mut("dense").expect("a dense APK");
+        assert_eq!(dense.matches(from).count(), 1, "the emitted dense APK has no `{from}`");
+        *dense = dense.replace(from, to);
+        let dev = EmuDevice::start(cache.path()).unwrap_or_else(|e| panic!("{e}"));
+        let mut t = Twin::on_device(&b, &ck, Mode::Ep, Box::new(dev)).unwrap();
+        for (i, p) in f.prompts.iter().enumerate() {
+            t.submit(Request::new(i as u64, p.clone(), f.tokens[i].len())).unwrap();
+        }
+        while !t.idle() {
+            t.step().unwrap();
+        }
+        let differ = (0..f.tokens.len()).filter(|&i| t.request(i as u64).unwrap().generated != f.tokens[i]).count();
+        assert!(differ > 0, "`{to}`: the emulated device still gives transformers' tokens");
+        eprintln!("`{to}`: {differ} of {} requests' tokens differ from transformers'", f.tokens.len());
+    }
+}
+
 #[test]
 fn qwen3_moe_on_the_emulated_device_matches_transformers() {
-    on_the_emulated_device("qwen3-moe", &[(1, Mode::Tp), (2, Mode::Tp), (2, Mode::Ep), (4, Mode::Ep)]);
+    on_the_emulated_device(
+        "qwen3-moe",
+        &[(1, Mode::Tp, &[]), (2, Mode::Tp, &[]), (2, Mode::Ep, &[]), (4, Mode::Ep, &[]), (4, Mode::Ep, &[2, 4, 6])],
+    );
 }
 
 /// Mixtral: no QK-norm, softmax-then-top-k routing without renormalization.
 #[test]
 fn mixtral_on_the_emulated_device_matches_transformers() {
-    on_the_emulated_device("mixtral", &[(1, Mode::Tp), (2, Mode::Ep), (4, Mode::Tp)]);
+    on_the_emulated_device(
+        "mixtral",
+        &[(1, Mode::Tp, &[]), (2, Mode::Ep, &[]), (4, Mode::Tp, &[]), (2, Mode::Tp, &[2, 5])],
+    );
 }
 
 /// MiniMax-M2: QK-norm over all heads at once, so under TP the program
 /// all-reduces each row's sum of squares across the ranks before the norm.
 #[test]
 fn minimax_m2_on_the_emulated_device_matches_transformers() {
-    on_the_emulated_device("minimax-m2", &[(2, Mode::Tp), (4, Mode::Ep)]);
+    on_the_emulated_device("minimax-m2", &[(2, Mode::Tp, &[]), (4, Mode::Ep, &[]), (4, Mode::Ep, &[2, 5])]);
 }
 
 /// DeepSeek-V3: MLA (the latent cache, the weight-absorbed attention in
@@ -378,7 +453,10 @@ fn minimax_m2_on_the_emulated_device_matches_transformers() {
 /// a warp, so the attention's per-lane split is ragged.
 #[test]
 fn deepseek_v3_on_the_emulated_device_matches_transformers() {
-    on_the_emulated_device("deepseek-v3", &[(1, Mode::Tp), (2, Mode::Tp), (4, Mode::Ep)]);
+    on_the_emulated_device(
+        "deepseek-v3",
+        &[(1, Mode::Tp, &[]), (2, Mode::Tp, &[]), (4, Mode::Ep, &[]), (2, Mode::Ep, &[2, 5])],
+    );
     // At P = 4 TP a rank's o_proj reads 1 head × 12 value dims: the dense
     // APK's rows take k in multiples of 8 (16-byte TMA rows), so the bundle
     // has no kernel for that op, and the step says so instead of running.
@@ -398,14 +476,14 @@ fn deepseek_v3_on_the_emulated_device_matches_transformers() {
 /// q_proj).
 #[test]
 fn deepseek_v3_with_yarn_on_the_emulated_device_matches_transformers() {
-    on_the_emulated_device("deepseek-v3-yarn", &[(1, Mode::Tp), (2, Mode::Ep)]);
+    on_the_emulated_device("deepseek-v3-yarn", &[(1, Mode::Tp, &[]), (2, Mode::Ep, &[])]);
 }
 
 /// Qwen3-MoE with YaRN (factor 4 over 32 original positions): the GQA RoPE
 /// kernel's blended inverse frequencies and its cos/sin factor.
 #[test]
 fn qwen3_moe_with_yarn_on_the_emulated_device_matches_transformers() {
-    on_the_emulated_device("qwen3-moe-yarn", &[(1, Mode::Tp), (2, Mode::Ep)]);
+    on_the_emulated_device("qwen3-moe-yarn", &[(1, Mode::Tp, &[]), (2, Mode::Ep, &[])]);
 }
 
 /// GLM-5: MLA with DeepSeek Sparse Attention. The lightning indexer's
@@ -414,5 +492,8 @@ fn qwen3_moe_with_yarn_on_the_emulated_device_matches_transformers() {
 /// attention over the selected keys only.
 #[test]
 fn glm_5_on_the_emulated_device_matches_transformers() {
-    on_the_emulated_device("glm-5", &[(1, Mode::Tp), (2, Mode::Tp), (4, Mode::Ep)]);
+    on_the_emulated_device(
+        "glm-5",
+        &[(1, Mode::Tp, &[]), (2, Mode::Tp, &[]), (4, Mode::Ep, &[]), (2, Mode::Ep, &[2, 5])],
+    );
 }

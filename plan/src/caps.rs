@@ -94,10 +94,14 @@ pub fn support(component: Component, feature: Feature) -> Result<(), &'static st
         (MoeKernels, ManyExperts) => Err("the router holds a token's scores in one warp's registers"),
         (MoeKernels, ManyGroups) => Err("the router keeps the selected groups in a 32-bit mask"),
         (MoeKernels, UnalignedHidden) => Err("the permute kernels move bf16 rows as 16-byte vectors"),
-        (CpuTwin, ManyExperts | ManyGroups | UnalignedHidden | PerLayerQkNorm | MlaAttention | DsaIndexer) => Ok(()),
+        (
+            CpuTwin,
+            ManyExperts | ManyGroups | UnalignedHidden | PerLayerQkNorm | MlaAttention | DsaIndexer | Fp8Experts
+            | Fp8Weights,
+        ) => Ok(()),
         (CpuTwin, AttentionSinks | SlidingWindow) => Err("the twin's attention has no sinks or window"),
         (CpuTwin, ClampedSwiglu) => Err("the twin's experts compute SiLU(gate)·up"),
-        (CpuTwin, Fp8Experts | Fp8Weights | Mxfp4Experts) => Err("the twin runs bf16 checkpoints"),
+        (CpuTwin, Mxfp4Experts) => Err("the twin reads bf16 and fp8 e4m3 (block-scaled) checkpoints"),
         (CpuTwin, Fp8Activations) => Err("the twin exchanges f32 activations"),
     }
 }

@@ -3,9 +3,9 @@
 //! request. No buffers, views, sharding or paging: it is what the twin's
 //! TP and EP runs are compared against.
 
-use super::math::{attend, bf16s, dsa_select, layer_norm, rms_norm, round_bf16, silu, softmax_mix, Mat};
+use super::math::{attend, bf16s, dsa_select, layer_norm, rms_norm, round_bf16, silu, softmax_mix, Mat, Scales};
 use super::model::MlaShape;
-use super::weights::{Checkpoint, WeightsError};
+use super::weights::{Checkpoint, Dtype, WeightsError};
 use super::TwinModel;
 use crate::reference::{route, RoutingRule};
 use crate::sampling::argmax;
@@ -37,14 +37,19 @@ impl<'a> Dense<'a> {
         Ok(Dense { m, ck })
     }
 
+    /// A checkpoint matrix: bf16, or fp8 with its `_scale_inv` blocks.
     fn mat(&self, name: &str) -> Mat<'a> {
         let t = &self.ck.tensors[name];
-        Mat { buf: &t.data, at: 0, rows: t.shape[0], cols: t.shape[1], row_stride: t.shape[1] }
+        let scales = (t.dtype == Dtype::F8E4m3).then(|| {
+            let s = &self.ck.tensors[&format!("{name}_scale_inv")];
+            Scales { buf: &s.data, at: 0, stride: s.shape[1], block: self.m.scale_block }
+        });
+        Mat { buf: &t.data, at: 0, rows: t.shape[0], cols: t.shape[1], row_stride: t.shape[1], scales }
     }
 
     fn vec(&self, name: &str) -> Vec<f32> {
         let t = &self.ck.tensors[name];
-        if t.f32 {
+        if t.dtype == Dtype::F32 {
             t.data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
         } else {
             bf16s(&t.data, 0, t.data.len() / 2).collect()

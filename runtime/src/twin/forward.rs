@@ -4,7 +4,7 @@
 //! request's last position (greedy sampling). The weights come from the
 //! views of the current mode, selected by tensor role.
 
-use super::math::{attend, bf16s, dsa_select, layer_norm, put_bf16s, rms_norm, silu, softmax_mix, Mat};
+use super::math::{attend, bf16s, dsa_select, layer_norm, put_bf16s, rms_norm, silu, softmax_mix, Mat, Scales};
 use super::model::MlaShape;
 use super::paging::KvGeom;
 use super::{Rank, Twin, TwinError, TwinModel};
@@ -244,6 +244,8 @@ pub(super) struct Ctx {
     pub mode: Mode,
     pub m: TwinModel,
     views: BTreeMap<TensorRole, View>,
+    /// Block scales of the fp8 roles.
+    scales: BTreeMap<TensorRole, View>,
     pub p: usize,
     q_heads: Vec<[u32; 2]>,
     kv_heads: Vec<(usize, usize)>,
@@ -259,11 +261,14 @@ impl Ctx {
                 return Err(TwinError::MissingView(mode.name(), role.name(moeforge_plan::memory::TensorPart::Weight)));
             }
         }
+        let scales: BTreeMap<TensorRole, View> =
+            t.scales.iter().filter(|((md, _), _)| *md == mode).map(|((_, role), v)| (*role, v.clone())).collect();
         let p = t.ranks.len();
         Ok(Ctx {
             mode,
             m: t.model.clone(),
             views,
+            scales,
             p,
             q_heads: (0..p as u32)
                 .map(|r| match mode {
@@ -285,7 +290,15 @@ impl Ctx {
     pub fn mat<'b>(&self, buf: &'b [u8], role: TensorRole, l: usize) -> Option<Mat<'b>> {
         let (v, at) = self.at(role, l)?;
         let (rows, cols) = (*v.shape.first()? as usize, *v.shape.get(1)? as usize);
-        Some(Mat { buf, at, rows, cols, row_stride: cols })
+        Some(Mat { buf, at, rows, cols, row_stride: cols, scales: self.scales_of(buf, role, l, 0) })
+    }
+
+    /// The block scales of fp8 `role` at layer `l`, from scale row `row0`
+    /// of its view (an expert's gate or up, further in).
+    fn scales_of<'b>(&self, buf: &'b [u8], role: TensorRole, l: usize, row0: usize) -> Option<Scales<'b>> {
+        let v = self.scales.get(&role).filter(|v| v.covers(l as u32))?;
+        let stride = *v.shape.last()? as usize;
+        Some(Scales { buf, at: v.offset_of(l as u32) as usize + 4 * row0 * stride, stride, block: self.m.scale_block })
     }
 
     /// Row `i` of a 2-D bf16 view (an embedding).
@@ -342,10 +355,17 @@ impl Ctx {
             Mode::Ep => (e % (self.m.experts / self.p), i),
             Mode::Tp => (e, i / self.p),
         };
-        let gate = Mat { buf, at: w13 + 2 * local * 2 * rows * h, rows, cols: h, row_stride: h }.matvec(x);
-        let up = Mat { buf, at: w13 + 2 * (local * 2 * rows + rows) * h, rows, cols: h, row_stride: h }.matvec(x);
+        // fp8 experts: one byte an element, and each expert's gate, up and
+        // down block scales (gate's rows, then up's, per expert).
+        let (eb, b) = (if self.m.fp8_experts { 1 } else { 2 }, self.m.scale_block.max(1));
+        let (sr13, sr2) = (2 * rows.div_ceil(b), h.div_ceil(b));
+        let s13 = |r0| self.scales_of(buf, TensorRole::ExpertsW13, l, r0);
+        let mat = |at, rows, cols, scales| Mat { buf, at, rows, cols, row_stride: cols, scales };
+        let gate = mat(w13 + eb * local * 2 * rows * h, rows, h, s13(local * sr13)).matvec(x);
+        let up = mat(w13 + eb * (local * 2 * rows + rows) * h, rows, h, s13(local * sr13 + sr13 / 2)).matvec(x);
         let z: Vec<f32> = gate.iter().zip(&up).map(|(g, u)| silu(*g) * u).collect();
-        Mat { buf, at: w2 + 2 * local * h * rows, rows: h, cols: rows, row_stride: rows }.matvec(&z)
+        let s2 = self.scales_of(buf, TensorRole::ExpertsW2, l, local * sr2);
+        mat(w2 + eb * local * h * rows, h, rows, s2).matvec(&z)
     }
 
     /// The q, k and v projections of one rank's tokens in layer `l` (its
@@ -502,7 +522,7 @@ impl Ctx {
                 for i in 0..(qb - qa) as usize {
                     let mut qh = q[i * qw..(i + 1) * qw].to_vec();
                     m.rope.apply(&mut qh[a.nope..], pos);
-                    let row = |r: usize| bf16s(wkvb.buf, wkvb.at + 2 * (i * kvb + r) * a.kv_lora, a.kv_lora);
+                    let row = |r: usize| wkvb.row(i * kvb + r);
                     let mut q_lat = vec![0f32; a.kv_lora];
                     for (d, qd) in qh[..a.nope].iter().enumerate() {
                         q_lat.iter_mut().zip(row(d)).for_each(|(s, w)| *s += qd * w);
@@ -516,7 +536,9 @@ impl Ctx {
                         })
                         .collect();
                     let o_lat = softmax_mix(&scores, a.kv_lora, |j| &cached[j][..a.kv_lora]);
-                    heads.extend((0..a.v_head).map(|v| row(a.nope + v).zip(&o_lat).map(|(w, x)| w * x).sum::<f32>()));
+                    heads.extend(
+                        (0..a.v_head).map(|v| row(a.nope + v).iter().zip(&o_lat).map(|(w, x)| w * x).sum::<f32>()),
+                    );
                 }
                 o_proj.matvec(&heads)
             })

@@ -5,7 +5,7 @@
 
 use super::weights::{Checkpoint, Tensor};
 use super::{Twin, TwinError, TwinModel};
-use moeforge_plan::memory::{head_block, HeadSet, Mode, Shard, TensorRole, View};
+use moeforge_plan::memory::{head_block, HeadSet, Mode, Shard, TensorPart, TensorRole, View};
 
 impl Twin {
     /// Writes every tensor into the views that hold it: replicated and both
@@ -13,7 +13,7 @@ impl Twin {
     pub(super) fn load(&mut self, ck: &Checkpoint) -> Result<(), TwinError> {
         let m = self.model.clone();
         let p = self.ranks.len();
-        let views: Vec<View> = self.views.values().cloned().collect();
+        let views: Vec<View> = self.views.values().chain(self.scales.values()).cloned().collect();
         for v in &views {
             // TP views of full attention tensors alias the EP copy: written once.
             let aliased = self
@@ -59,9 +59,10 @@ impl Twin {
         let p = self.ranks.len();
         let short = |t: &str| TwinError::Unsupported(format!("`{t}` is smaller than its view's shard of it"));
         let rows = |t: &Tensor, a: usize, b: usize| -> Result<Vec<u8>, TwinError> {
-            let w = t.shape.get(1).copied().unwrap_or(1) * if t.f32 { 4 } else { 2 };
+            let w = t.shape.get(1).copied().unwrap_or(1) * t.dtype.bytes();
             t.data.get(a * w..b * w).map(<[u8]>::to_vec).ok_or_else(|| short(name))
         };
+        let scale = v.part == TensorPart::ScaleInv;
         Ok(match v.shard {
             // The indexer key's LayerNorm: one view of two rows, the checkpoint's weight and bias.
             Shard::Full if v.role == TensorRole::IndexerKNorm => {
@@ -73,6 +74,11 @@ impl Twin {
             Shard::Full => {
                 let shape: Vec<usize> = v.shape.iter().map(|&x| x as usize).collect();
                 ck.get(name, &shape)?.data.clone()
+            }
+            Shard::Heads { .. } if scale || m.fp8(v.role) => {
+                return Err(TwinError::Unsupported(format!(
+                    "`{name}`: the CPU twin does not shard fp8 weights and their block scales by heads (TP)"
+                )))
             }
             Shard::Heads { dim, heads } => {
                 let hd = m.head_rows(v.role);
@@ -96,10 +102,35 @@ impl Twin {
                     out
                 }
             }
+            Shard::ExpertShard { .. } if scale || m.fp8(v.role) => {
+                return Err(TwinError::Unsupported(format!(
+                    "`{name}`: the CPU twin does not slice fp8 experts' intermediate dimension (TP)"
+                )))
+            }
+            Shard::LocalExperts if scale => {
+                let (e, i, h) = (m.experts, m.expert_ffn, m.hidden);
+                let layer_pre = format!("model.layers.{l}.mlp.experts");
+                let parts: &[(&str, [usize; 2])] = if v.role == TensorRole::ExpertsW13 {
+                    &[("gate_proj", [i, h]), ("up_proj", [i, h])]
+                } else {
+                    &[("down_proj", [h, i])]
+                };
+                let mut out = Vec::with_capacity(v.bytes() as usize);
+                for g in r * e / p..(r + 1) * e / p {
+                    for &(part, [rows, cols]) in parts {
+                        let shape = m.scale_shape(rows, cols);
+                        out.extend_from_slice(
+                            &ck.get(&format!("{layer_pre}.{g}.{part}.weight_scale_inv"), &shape)?.data,
+                        );
+                    }
+                }
+                out
+            }
             Shard::LocalExperts | Shard::ExpertShard { .. } => {
                 let (e, i, h) = (m.experts, m.expert_ffn, m.hidden);
                 let layer_pre = format!("model.layers.{l}.mlp.experts");
                 let w13 = v.role == TensorRole::ExpertsW13;
+                let elem = if m.fp8(v.role) { 1 } else { 2 };
                 let mut out = Vec::with_capacity(v.bytes() as usize);
                 let (experts, slice): (Vec<usize>, (usize, usize)) = match v.shard {
                     Shard::LocalExperts => ((r * e / p..(r + 1) * e / p).collect(), (0, i)),
@@ -116,7 +147,7 @@ impl Twin {
                         for row in 0..h {
                             let cells = t
                                 .data
-                                .get(2 * (row * i + slice.0)..2 * (row * i + slice.1))
+                                .get(elem * (row * i + slice.0)..elem * (row * i + slice.1))
                                 .ok_or_else(|| short(name))?;
                             out.extend_from_slice(cells);
                         }

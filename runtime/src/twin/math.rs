@@ -20,8 +20,39 @@ pub fn round_bf16(v: f32) -> f32 {
     bf16_to_f32(f32_to_bf16(v))
 }
 
-/// A row-major bf16 matrix `[rows, cols]` stored at `at` in `buf`, with
-/// `row_stride` elements between rows (≥ cols for column slices).
+/// fp8 e4m3 (1 sign, 4 exponent bits with bias 7, 3 mantissa bits; no
+/// infinities, S.1111.111 is NaN) to f32, exactly.
+pub fn e4m3_to_f32(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (exp, man) = (i32::from((b >> 3) & 0xf), f32::from(b & 0x7));
+    match exp {
+        0xf if man == 7.0 => f32::NAN,
+        0 => sign * (man / 8.0) * 2f32.powi(-6),
+        _ => sign * (1.0 + man / 8.0) * 2f32.powi(exp - 7),
+    }
+}
+
+/// The block scales of an fp8 matrix (the Hub's `weight_scale_inv`): f32
+/// `[⌈rows/block⌉][stride]` at `at` in `buf`; element `[r][c]` of the
+/// matrix is its e4m3 code times `scale[r / block][c / block]`.
+#[derive(Clone, Copy)]
+pub struct Scales<'a> {
+    pub buf: &'a [u8],
+    pub at: usize,
+    pub stride: usize,
+    pub block: usize,
+}
+
+impl Scales<'_> {
+    fn of(&self, r: usize, c: usize) -> f32 {
+        let at = self.at + 4 * ((r / self.block) * self.stride + c / self.block);
+        f32::from_le_bytes([self.buf[at], self.buf[at + 1], self.buf[at + 2], self.buf[at + 3]])
+    }
+}
+
+/// A row-major matrix `[rows, cols]` stored at `at` in `buf`, with
+/// `row_stride` elements between rows (≥ cols for column slices): bf16, or
+/// fp8 e4m3 codes when it has block `scales`.
 #[derive(Clone, Copy)]
 pub struct Mat<'a> {
     pub buf: &'a [u8],
@@ -29,17 +60,42 @@ pub struct Mat<'a> {
     pub rows: usize,
     pub cols: usize,
     pub row_stride: usize,
+    pub scales: Option<Scales<'a>>,
 }
 
 impl Mat<'_> {
+    /// A bf16 matrix.
+    pub fn bf16(buf: &[u8], at: usize, rows: usize, cols: usize) -> Mat<'_> {
+        Mat { buf, at, rows, cols, row_stride: cols, scales: None }
+    }
+
+    /// Row `r` in f32 (fp8: each code times its block's scale).
+    pub fn row(&self, r: usize) -> Vec<f32> {
+        match &self.scales {
+            None => bf16s(self.buf, self.at + 2 * r * self.row_stride, self.cols).collect(),
+            Some(s) => {
+                let base = self.at + r * self.row_stride;
+                self.buf[base..base + self.cols].iter().enumerate().map(|(c, &b)| e4m3_to_f32(b) * s.of(r, c)).collect()
+            }
+        }
+    }
+
     /// `y[r] = Σ_c W[r, c]·x[c]` for every row r, summed in column order.
     pub fn matvec(&self, x: &[f32]) -> Vec<f32> {
         (0..self.rows)
             .map(|r| {
-                let base = self.at + 2 * r * self.row_stride;
                 let mut acc = 0f32;
-                for (w, xi) in bf16s(self.buf, base, self.cols).zip(x) {
-                    acc += w * xi;
+                match &self.scales {
+                    None => {
+                        for (w, xi) in bf16s(self.buf, self.at + 2 * r * self.row_stride, self.cols).zip(x) {
+                            acc += w * xi;
+                        }
+                    }
+                    Some(_) => {
+                        for (w, xi) in self.row(r).into_iter().zip(x) {
+                            acc += w * xi;
+                        }
+                    }
                 }
                 acc
             })

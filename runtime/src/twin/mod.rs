@@ -38,6 +38,7 @@ pub use model::TwinModel;
 
 use crate::engine::{Engine, EngineError, Request, RequestId, Stats, StepOutput, SwitchEvent};
 use crate::LoadedBundle;
+use moeforge_dsl::spec::DType;
 use moeforge_plan::memory::{MemoryPlan, Mode, TensorPart, TensorRole, View};
 use paging::{kv_pages, Pages};
 use std::collections::{BTreeMap, VecDeque};
@@ -120,6 +121,8 @@ pub struct Twin {
     plan: MemoryPlan,
     /// The weight views by mode and role.
     views: BTreeMap<(Mode, TensorRole), View>,
+    /// The block-scale views of the fp8 roles, by mode and role.
+    scales: BTreeMap<(Mode, TensorRole), View>,
     ranks: Vec<Rank>,
     mode: Mode,
     requests: BTreeMap<RequestId, Live>,
@@ -166,7 +169,7 @@ impl Twin {
                 model.experts
             )));
         }
-        let views = check_views(&model, &plan)?;
+        let (views, scales) = check_views(&model, &plan)?;
         ck.validate(&model)?;
         let pages = kv_pages(&plan, start);
         let ranks = (0..p)
@@ -182,6 +185,7 @@ impl Twin {
             model,
             plan,
             views,
+            scales,
             ranks,
             mode: start,
             requests: BTreeMap::new(),
@@ -458,13 +462,19 @@ impl Engine for Twin {
     }
 }
 
+/// The views by mode and role of every weight (and fp8 weight's block
+/// scales).
+type Views = BTreeMap<(Mode, TensorRole), View>;
+
 /// The weight views the forward pass reads, by mode and role, each with the
 /// shape and dtype the model's arithmetic needs (so no edited plan can make
-/// the twin read outside a view), and the KV geometry the model implies.
-fn check_views(m: &TwinModel, plan: &MemoryPlan) -> Result<BTreeMap<(Mode, TensorRole), View>, TwinError> {
+/// the twin read outside a view), the block-scale views of its fp8 weights,
+/// and the KV geometry the model implies.
+fn check_views(m: &TwinModel, plan: &MemoryPlan) -> Result<(Views, Views), TwinError> {
     let p = plan.group as usize;
     let tp_kv = plan.kv.tp.as_ref().map_or(0, |t| t.heads_per_rank as usize);
     let mut out = BTreeMap::new();
+    let mut scales = BTreeMap::new();
     for &mode in &plan.modes {
         for role in m.roles() {
             let v = plan
@@ -480,6 +490,19 @@ fn check_views(m: &TwinModel, plan: &MemoryPlan) -> Result<BTreeMap<(Mode, Tenso
                 });
             }
             out.insert((mode, role), v.clone());
+            let Some(shape) = m.scale_view_shape(role, mode, p, tp_kv) else { continue };
+            let s = plan
+                .view(mode, role, TensorPart::ScaleInv)
+                .ok_or_else(|| TwinError::MissingView(mode.name(), role.name(TensorPart::ScaleInv)))?;
+            if s.shape != shape || s.dtype != DType::F32 || s.layers != v.layers {
+                return Err(TwinError::ViewShape {
+                    mode: mode.name(),
+                    tensor: s.tensor.clone(),
+                    found: format!("{:?} {} for layers {:?}", s.shape, s.dtype.name(), s.layers),
+                    expected: format!("{shape:?} f32"),
+                });
+            }
+            scales.insert((mode, role), s.clone());
         }
     }
     let kv = &plan.kv;
@@ -506,5 +529,5 @@ fn check_views(m: &TwinModel, plan: &MemoryPlan) -> Result<BTreeMap<(Mode, Tenso
             expected: format!("{} bytes, {} heads", m.kv_token_bytes(), m.kv_heads),
         });
     }
-    Ok(out)
+    Ok((out, scales))
 }

@@ -64,6 +64,12 @@ pub struct TwinModel {
     /// Shared experts merged into one FFN of this size (0: none).
     pub shared_ffn: usize,
     pub routing: Routing,
+    /// fp8 e4m3 storage with block scales (the Hub's `weight_scale_inv`):
+    /// of the attention and dense projections (`weights`), of the routed
+    /// and shared experts (`experts`); `scale_block` rows and columns a scale.
+    pub fp8_weights: bool,
+    pub fp8_experts: bool,
+    pub scale_block: usize,
 }
 
 impl TwinModel {
@@ -123,6 +129,9 @@ impl TwinModel {
             expert_ffn: m.moe.expert_ffn as usize,
             shared_ffn: (m.moe.shared_experts * m.moe.shared_ffn) as usize,
             routing: m.moe.routing,
+            fp8_weights: m.dtype.weights == DType::Fp8E4m3,
+            fp8_experts: m.dtype.experts == DType::Fp8E4m3,
+            scale_block: m.dtype.block_scale.map_or(128, |[r, c]| if r == c { r as usize } else { 0 }),
         })
     }
 
@@ -167,12 +176,56 @@ impl TwinModel {
         }
     }
 
+    /// Whether `role` is stored as fp8 e4m3 with block scales (the plan's
+    /// views say the same: the memory pass gives these roles the weights'
+    /// or the experts' dtype).
+    pub fn fp8(&self, role: TensorRole) -> bool {
+        use TensorRole::*;
+        match role {
+            QProj | KProj | VProj | OProj | QAProj | QBProj | KvAProj | KvBProj | IndexerQ | IndexerK | DenseGate
+            | DenseUp | DenseDown => self.fp8_weights,
+            SharedGate | SharedUp | SharedDown | ExpertsW13 | ExpertsW2 => self.fp8_experts,
+            _ => false,
+        }
+    }
+
+    /// The block-scale shape `[⌈rows/b⌉, ⌈cols/b⌉]` of an fp8 `[rows, cols]` matrix.
+    pub fn scale_shape(&self, rows: usize, cols: usize) -> Vec<usize> {
+        let b = self.scale_block.max(1);
+        vec![rows.div_ceil(b), cols.div_ceil(b)]
+    }
+
     pub fn selection_bias(&self) -> bool {
         matches!(self.routing, Routing::SigmoidGrouped { bias: true, .. })
     }
 
-    /// Every checkpoint tensor (canonical names) and its shape.
+    /// Every checkpoint tensor (canonical names) and its shape; an fp8
+    /// matrix is followed by its block scales (`<name>_scale_inv`, f32).
     pub fn tensor_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        let mut out = Vec::new();
+        for (name, shape) in self.plain_tensor_shapes() {
+            let scales = self.fp8_tensor(&name).then(|| self.scale_shape(shape[0], shape[1]));
+            out.push((name.clone(), shape));
+            if let Some(s) = scales {
+                out.push((format!("{name}_scale_inv"), s));
+            }
+        }
+        out
+    }
+
+    /// Whether checkpoint tensor `name` (canonical) is an fp8 matrix.
+    pub fn fp8_tensor(&self, name: &str) -> bool {
+        let proj = name.ends_with("_proj.weight") || name.ends_with("proj_with_mqa.weight");
+        if name.contains(".mlp.experts.") || name.contains(".mlp.shared_experts.") {
+            proj && self.fp8_experts
+        } else if name.contains(".self_attn.indexer.") {
+            (name.ends_with(".wq_b.weight") || name.ends_with(".wk.weight")) && self.fp8_weights
+        } else {
+            proj && self.fp8_weights
+        }
+    }
+
+    fn plain_tensor_shapes(&self) -> Vec<(String, Vec<usize>)> {
         let (h, d) = (self.hidden, self.head_dim);
         let mut v = vec![("model.embed_tokens.weight".to_string(), vec![self.vocab, h])];
         if !self.tie_embeddings {
@@ -287,7 +340,29 @@ impl TwinModel {
             TensorRole::ExpertsW2 => vec![e / p, h, i],
             _ => return None,
         };
-        Some((shape.into_iter().map(|x| x as u64).collect(), DType::Bf16))
+        let dtype = if self.fp8(role) { DType::Fp8E4m3 } else { DType::Bf16 };
+        Some((shape.into_iter().map(|x| x as u64).collect(), dtype))
+    }
+
+    /// The block-scale view of an fp8 role (`weight_scale_inv`), per mode:
+    /// its shape, f32. Experts hold their gate's then up's scales per expert.
+    pub fn scale_view_shape(&self, role: TensorRole, mode: Mode, p: usize, tp_kv: usize) -> Option<Vec<u64>> {
+        if !self.fp8(role) {
+            return None;
+        }
+        let (shape, _) = self.view_shape(role, mode, p, tp_kv)?;
+        let s: Vec<usize> = match (role, shape.as_slice()) {
+            (TensorRole::ExpertsW13, &[e, rows, cols]) => {
+                let g = self.scale_shape(rows as usize / 2, cols as usize);
+                vec![e as usize, 2 * g[0], g[1]]
+            }
+            (TensorRole::ExpertsW2, &[e, rows, cols]) => {
+                [vec![e as usize], self.scale_shape(rows as usize, cols as usize)].concat()
+            }
+            (_, &[rows, cols]) => self.scale_shape(rows as usize, cols as usize),
+            _ => return None,
+        };
+        Some(s.into_iter().map(|x| x as u64).collect())
     }
 
     /// The layers `[first, end)` a role's view covers.

@@ -11,7 +11,7 @@
 //! `mlp.experts.down_proj`) are split per expert. `write_random` produces a small checkpoint in either
 //! family's naming, for tests and demos.
 
-use super::math::bf16s;
+use super::math::{bf16s, e4m3_to_f32};
 use super::TwinModel;
 use crate::reference::f32_to_bf16;
 use std::collections::BTreeMap;
@@ -34,11 +34,37 @@ impl Family {
     }
 }
 
-/// A tensor: shape, whether it is f32 (else bf16), little-endian bytes.
+/// A checkpoint tensor's element type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dtype {
+    Bf16,
+    F32,
+    /// fp8 e4m3 codes, scaled by the `<name>_scale_inv` f32 blocks beside them.
+    F8E4m3,
+}
+
+impl Dtype {
+    pub fn bytes(self) -> usize {
+        match self {
+            Dtype::Bf16 => 2,
+            Dtype::F32 => 4,
+            Dtype::F8E4m3 => 1,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::Bf16 => "BF16",
+            Dtype::F32 => "F32",
+            Dtype::F8E4m3 => "F8_E4M3",
+        }
+    }
+}
+
+/// A tensor: shape, element type, little-endian bytes.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Tensor {
     pub shape: Vec<usize>,
-    pub f32: bool,
+    pub dtype: Dtype,
     pub data: Vec<u8>,
 }
 
@@ -59,8 +85,8 @@ pub enum WeightsError {
     Io { path: String, err: String },
     #[error("{path}: not a safetensors file: {err}")]
     Format { path: String, err: String },
-    #[error("{name}: dtype {dtype}, but the CPU twin loads bf16 (and f32 bias) checkpoints")]
-    Dtype { name: String, dtype: String },
+    #[error("{name}: dtype {dtype}, but the model stores it as {expected}")]
+    Dtype { name: String, dtype: String, expected: &'static str },
     #[error("no *.safetensors file in {0}")]
     Empty(String),
     #[error("tensor `{name}` is missing from the checkpoint (expected shape {shape:?})")]
@@ -105,7 +131,7 @@ fn unfuse(name: &str, t: &Tensor) -> Result<Option<Vec<(String, Tensor)>>, Weigh
         return Err(bad());
     }
     let r = rows / parts.len();
-    let elem = if t.f32 { 4 } else { 2 };
+    let elem = t.dtype.bytes();
     let mut out = Vec::with_capacity(e * parts.len());
     for x in 0..e {
         for (i, part) in parts.iter().enumerate() {
@@ -113,7 +139,7 @@ fn unfuse(name: &str, t: &Tensor) -> Result<Option<Vec<(String, Tensor)>>, Weigh
             let data = t.data.get(at..at + r * cols * elem).ok_or_else(bad)?.to_vec();
             out.push((
                 format!("{pre}.mlp.experts.{x}.{part}.weight"),
-                Tensor { shape: vec![r, cols], f32: t.f32, data },
+                Tensor { shape: vec![r, cols], dtype: t.dtype, data },
             ));
         }
     }
@@ -152,24 +178,33 @@ impl Checkpoint {
             let st = safetensors::SafeTensors::deserialize(&bytes)
                 .map_err(|e| WeightsError::Format { path: path.clone(), err: e.to_string() })?;
             for (name, view) in st.tensors() {
-                let f32 = match view.dtype() {
-                    safetensors::Dtype::BF16 => false,
-                    safetensors::Dtype::F32 => true,
-                    other => return Err(WeightsError::Dtype { name, dtype: format!("{other:?}") }),
+                let dtype = match view.dtype() {
+                    safetensors::Dtype::BF16 => Dtype::Bf16,
+                    safetensors::Dtype::F32 => Dtype::F32,
+                    safetensors::Dtype::F8_E4M3 => Dtype::F8E4m3,
+                    other => {
+                        return Err(WeightsError::Dtype {
+                            name,
+                            dtype: format!("{other:?}"),
+                            expected: "bf16, f32 or fp8 e4m3",
+                        })
+                    }
                 };
                 let canon = canonical(&name);
-                let mut t = Tensor { shape: view.shape().to_vec(), f32, data: view.data().to_vec() };
-                // The selection bias is computed in f32; a bf16 copy widens exactly.
-                let bias = canon.ends_with("e_score_correction_bias");
-                if bias && !t.f32 {
+                let mut t = Tensor { shape: view.shape().to_vec(), dtype, data: view.data().to_vec() };
+                // The selection bias and block scales are computed in f32; a
+                // bf16 bias widens exactly. Other f32 tensors become the bf16
+                // the views hold.
+                let f32_kept = canon.ends_with("e_score_correction_bias") || canon.ends_with("_scale_inv");
+                if f32_kept && t.dtype == Dtype::Bf16 {
                     t.data = bf16s(&t.data, 0, t.data.len() / 2).flat_map(f32::to_le_bytes).collect();
-                    t.f32 = true;
-                } else if !bias && t.f32 {
+                    t.dtype = Dtype::F32;
+                } else if !f32_kept && t.dtype == Dtype::F32 {
                     let (data, exact) = narrow(&t.data);
                     if !exact {
                         out.rounded.push(canon.clone());
                     }
-                    t = Tensor { data, f32: false, ..t };
+                    t = Tensor { data, dtype: Dtype::Bf16, ..t };
                 }
                 match unfuse(&canon, &t)? {
                     Some(parts) => out.tensors.extend(parts),
@@ -199,15 +234,25 @@ impl Checkpoint {
     }
 
     /// Checks that every tensor the model needs is present with its shape and
-    /// dtype (bf16; the selection bias f32).
+    /// dtype (bf16; fp8 e4m3 where the model stores fp8, with f32 block
+    /// scales; the selection bias f32).
     pub fn validate(&self, m: &TwinModel) -> Result<(), WeightsError> {
         let needed = m.tensor_shapes();
         for (name, shape) in &needed {
             let t = self.get(name, shape)?;
-            let want_f32 = name.ends_with("e_score_correction_bias");
-            if t.f32 != want_f32 {
-                let dtype = if t.f32 { "F32" } else { "BF16" };
-                return Err(WeightsError::Dtype { name: name.clone(), dtype: dtype.into() });
+            let want = if name.ends_with("e_score_correction_bias") || name.ends_with("_scale_inv") {
+                Dtype::F32
+            } else if m.fp8_tensor(name) {
+                Dtype::F8E4m3
+            } else {
+                Dtype::Bf16
+            };
+            if t.dtype != want {
+                return Err(WeightsError::Dtype {
+                    name: name.clone(),
+                    dtype: t.dtype.name().into(),
+                    expected: want.name(),
+                });
             }
         }
         // A bias the model does not read would change every number silently.
@@ -234,6 +279,48 @@ fn narrow(f32_bytes: &[u8]) -> (Vec<u8>, bool) {
     (data, exact)
 }
 
+/// The e4m3 code nearest `x` (ties to the even code), saturating at ±448.
+pub fn f32_to_e4m3(x: f32) -> u8 {
+    if x.is_nan() {
+        return 0x7f;
+    }
+    let sign = if x.is_sign_negative() { 0x80 } else { 0 };
+    let a = x.abs();
+    // Positive codes 0..=0x7e are increasing in value.
+    let (mut lo, mut hi) = (0u8, 0x7eu8);
+    if a >= e4m3_to_f32(hi) {
+        return sign | hi;
+    }
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if e4m3_to_f32(mid) <= a {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    let (dl, dh) = (a - e4m3_to_f32(lo), e4m3_to_f32(hi) - a);
+    sign | if dl < dh || (dl == dh && lo % 2 == 0) { lo } else { hi }
+}
+
+/// A `[rows, cols]` matrix as e4m3 codes with one f32 scale per
+/// `block × block` block (its largest magnitude over 448, e4m3's largest),
+/// as DeepSeek-V3's checkpoints store weights: w ≈ code × scale.
+pub fn quantize_e4m3(w: &[f32], rows: usize, cols: usize, block: usize) -> (Vec<u8>, Vec<f32>) {
+    let b = block.max(1);
+    let (br, bc) = (rows.div_ceil(b), cols.div_ceil(b));
+    let mut scales = vec![0f32; br * bc];
+    for (i, s) in scales.iter_mut().enumerate() {
+        let (r0, c0) = (i / bc * b, i % bc * b);
+        let amax = (r0..(r0 + b).min(rows))
+            .flat_map(|r| (c0..(c0 + b).min(cols)).map(move |c| w[r * cols + c].abs()))
+            .fold(0f32, f32::max);
+        *s = (amax / 448.0).max(1e-12);
+    }
+    let codes = (0..rows * cols).map(|at| f32_to_e4m3(w[at] / scales[(at / cols / b) * bc + at % cols / b])).collect();
+    (codes, scales)
+}
+
 /// Writes a random bf16 checkpoint for `m` to `dir/model.safetensors`
 /// (scaled like a trained model: 1/√fan_in weights, unit norms).
 pub fn write_random(m: &TwinModel, seed: u64, family: Family, dir: &Path) -> Result<(), WeightsError> {
@@ -241,8 +328,13 @@ pub fn write_random(m: &TwinModel, seed: u64, family: Family, dir: &Path) -> Res
     std::fs::create_dir_all(dir).map_err(io)?;
     let mut rng = moeforge_plan::rng::SplitMix64(seed ^ 0x6d6f_6566_6f72_6765);
     let mut next = move || rng.signed_unit();
-    let mut tensors: Vec<(String, Vec<usize>, bool, Vec<u8>)> = Vec::new();
+    let mut tensors: Vec<(String, Vec<usize>, Dtype, Vec<u8>)> = Vec::new();
+    let mut scales: BTreeMap<String, Vec<u8>> = BTreeMap::new();
     for (name, shape) in m.tensor_shapes() {
+        if let Some(data) = scales.remove(&name) {
+            tensors.push((family_name(&name, family), shape, Dtype::F32, data));
+            continue;
+        }
         let n: usize = shape.iter().product();
         let values: Vec<f32> = if name.ends_with("norm.weight") {
             (0..n).map(|_| 1.0 + 0.1 * next()).collect()
@@ -253,18 +345,26 @@ pub fn write_random(m: &TwinModel, seed: u64, family: Family, dir: &Path) -> Res
             let scale = 1.0 / fan_in.sqrt();
             (0..n).map(|_| next() * scale).collect()
         };
-        let f32 = name.ends_with("e_score_correction_bias");
-        let data: Vec<u8> = if f32 {
-            values.iter().flat_map(|v| (v * 0.1).to_le_bytes()).collect()
+        let (dtype, data) = if name.ends_with("e_score_correction_bias") {
+            (Dtype::F32, values.iter().flat_map(|v| (v * 0.1).to_le_bytes()).collect())
+        } else if m.fp8_tensor(&name) {
+            // Block-quantized as the Hub's fp8 checkpoints are; the scales come next.
+            let (codes, s) = quantize_e4m3(&values, shape[0], shape[1], m.scale_block);
+            scales.insert(format!("{name}_scale_inv"), s.iter().flat_map(|v| v.to_le_bytes()).collect());
+            (Dtype::F8E4m3, codes)
         } else {
-            values.iter().flat_map(|v| f32_to_bf16(*v).to_le_bytes()).collect()
+            (Dtype::Bf16, values.iter().flat_map(|v| f32_to_bf16(*v).to_le_bytes()).collect())
         };
-        tensors.push((family_name(&name, family), shape, f32, data));
+        tensors.push((family_name(&name, family), shape, dtype, data));
     }
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
         .iter()
-        .map(|(n, s, f, d)| {
-            let dtype = if *f { safetensors::Dtype::F32 } else { safetensors::Dtype::BF16 };
+        .map(|(n, s, t, d)| {
+            let dtype = match t {
+                Dtype::F32 => safetensors::Dtype::F32,
+                Dtype::Bf16 => safetensors::Dtype::BF16,
+                Dtype::F8E4m3 => safetensors::Dtype::F8_E4M3,
+            };
             safetensors::tensor::TensorView::new(dtype, s.clone(), d)
                 .map(|v| (n.clone(), v))
                 .map_err(|e| WeightsError::Format { path: n.clone(), err: e.to_string() })
