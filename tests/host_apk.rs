@@ -197,23 +197,35 @@ fn apk_publishes_an_operation_before_its_tiles_can_be_claimed() {
 }
 
 /// The dense form, launched per operation as colocated ranks do, on an
-/// sm_90a tile set with 2-CTA clusters and an sm_80 one: random shapes
-/// (partial tiles in rows, columns and K; x and y inside wider rows) and
-/// every epilogue, against the driver's own triple loop, with sentinels
+/// sm_90a tile set with 2-CTA clusters, an sm_80 one and (fp8 weights with
+/// 128×128 block scales, W8A16) the tiny fp8 model's `dense_fp8`: random
+/// shapes (partial tiles in rows, columns and K; x and y inside wider rows)
+/// and every epilogue, against the driver's own triple loop, with sentinels
 /// around the outputs. A grid smaller than the tile count makes clusters
 /// loop; the full grid leaves most clusters without a tile.
 #[test]
 fn dense_apk_runs_every_gemm_shape_and_epilogue_per_operation() {
     let tmp = tempfile::tempdir().unwrap();
-    for ex in ["tiny-qwen3-cpu4", "mixtral-8x7b-a100"] {
-        let list = apks_of(&root().join(format!("examples/{ex}.moe")), &[moeforge::plan::ApkForm::Dense]);
-        assert_eq!(list.len(), 1, "{ex}: one dense APK");
-        let (name, p, src) = &list[0];
-        let bin = build_host_driver(tmp.path(), "dense_main.cpp", src, &format!("{ex}-{name}"), &[]);
+    let fp8 = tiny_fp8(tmp.path());
+    let mut cases = Vec::new();
+    for ex in [root().join("examples/tiny-qwen3-cpu4.moe"), root().join("examples/mixtral-8x7b-a100.moe")] {
+        let list = apks_of(&ex, &[moeforge::plan::ApkForm::Dense]);
+        assert_eq!(list.len(), 1, "{}: one dense APK", stem(&ex));
+        cases.extend(list);
+    }
+    let list = apks_of(&fp8, &[moeforge::plan::ApkForm::Dense]);
+    assert_eq!(
+        list.iter().map(|(n, _, _)| n.as_str()).collect::<Vec<_>>(),
+        ["dense", "dense_fp8"],
+        "an fp8 model gets both dense instances (its LM head and router are bf16)"
+    );
+    cases.extend(list.into_iter().filter(|(n, _, _)| n == "dense_fp8"));
+    for (i, (name, p, src)) in cases.iter().enumerate() {
+        let bin = build_host_driver(tmp.path(), "dense_main.cpp", src, &format!("dense{i}-{name}"), &[]);
         for (seed, clusters) in [(1, 3.min(p.max_clusters)), (2, 1), (3, p.max_clusters)] {
             let o = Command::new(&bin).args([seed.to_string(), clusters.to_string(), "24".into()]).output().unwrap();
             let (out, err) = (text(&o.stdout), text(&o.stderr));
-            assert!(o.status.success(), "{ex} seed {seed}: exit {}\n{out}\n{err}", o.status);
+            assert!(o.status.success(), "{name} seed {seed}: exit {}\n{out}\n{err}", o.status);
             let m: Vec<(String, u64)> = out
                 .split_whitespace()
                 .filter_map(|kv| kv.split_once('=').map(|(k, v)| (k.to_string(), v.parse().unwrap_or(0))))
@@ -221,7 +233,10 @@ fn dense_apk_runs_every_gemm_shape_and_epilogue_per_operation() {
             assert_eq!(metric(&m, "ops"), 24);
             assert!(metric(&m, "checked") > 10_000, "{m:?}");
             for e in 0..4 {
-                assert!(metric(&m, &format!("epilogue_{e}")) > 0, "{ex} seed {seed}: epilogue {e} never drawn: {m:?}");
+                assert!(
+                    metric(&m, &format!("epilogue_{e}")) > 0,
+                    "{name} seed {seed}: epilogue {e} never drawn: {m:?}"
+                );
             }
         }
     }

@@ -389,9 +389,35 @@ fn emitted_layer_kernels_match_the_twin_math() {
                 .map(|_| reference::bf16_to_f32(reference::f32_to_bf16(1.0 + rng.unit() * 0.5)))
                 .collect();
             let kvb = (a.nope + a.v_head) as usize;
-            kv_b = (0..mla_local * kvb * a.kv_lora as usize)
-                .map(|_| reference::bf16_to_f32(reference::f32_to_bf16(rng.unit() * 0.1)))
-                .collect();
+            // bf16 kv_b, or (fp8 models) e4m3 codes with 128×128 block scales:
+            // the reference multiplies code × scale, as the kernel does.
+            let (rows, cols) = (mla_local * kvb, a.kv_lora as usize);
+            let mut kv_b_input = vec![];
+            if a.kv_b_fp8 {
+                let codes: Vec<u8> = (0..rows * cols)
+                    .map(|_| loop {
+                        let b = rng.below(256) as u8;
+                        if b & 0x7f != 0x7f {
+                            break b;
+                        }
+                    })
+                    .collect();
+                let sc = cols.div_ceil(128);
+                let scales: Vec<f32> = (0..rows.div_ceil(128) * sc).map(|_| 0.002 + 0.001 * rng.unit()).collect();
+                kv_b = (0..rows * cols)
+                    .map(|j| {
+                        use moeforge::runtime::twin::math::e4m3_to_f32;
+                        e4m3_to_f32(codes[j]) * scales[(j / cols) / 128 * sc + (j % cols) / 128]
+                    })
+                    .collect();
+                kv_b_input.extend(codes);
+                scales.iter().for_each(|x| kv_b_input.extend(x.to_le_bytes()));
+            } else {
+                kv_b = (0..rows * cols)
+                    .map(|_| reference::bf16_to_f32(reference::f32_to_bf16(rng.unit() * 0.1)))
+                    .collect();
+                kv_b_input = bf16_bytes(&kv_b);
+            }
             m_page = 3 * 16 * a.entry_bytes as usize;
             m_pool = (0..2 * m_page).flat_map(|_| reference::f32_to_bf16(rng.unit()).to_le_bytes()).collect();
             m_pool.truncate(4 * m_page);
@@ -406,7 +432,7 @@ fn emitted_layer_kernels_match_the_twin_math() {
             input.extend((a.q_lora as i32).to_le_bytes());
             input.extend(bf16_bytes(&qaw));
             input.extend(bf16_bytes(&kvaw));
-            input.extend(bf16_bytes(&kv_b));
+            input.extend(&kv_b_input);
             positions.iter().for_each(|x| input.extend(x.to_le_bytes()));
             slots.iter().for_each(|x| input.extend(x.to_le_bytes()));
             input.extend(&m_pool);

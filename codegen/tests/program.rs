@@ -365,7 +365,7 @@ fn dense_gemms_state_their_shapes_and_the_verifier_holds_them_to_their_operands(
     let f = broken(&plan, pi, |p| op_mut(p, "qkv_proj.0").gemm.as_mut().unwrap().k += 8);
     assert_finds(&f, "k = 4104 columns from column 0 of Normed");
     let f = broken(&plan, pi, |p| op_mut(p, "router_gemm.0").gemm.as_mut().unwrap().n -= 2);
-    assert_finds(&f, "not one bf16 [126][4096]");
+    assert_finds(&f, "not one bf16 or fp8 [126][4096]");
     let f = broken(&plan, pi, |p| op_mut(p, "qkv_proj.0").gemm.as_mut().unwrap().x_col = 4);
     assert_finds(&f, "multiples of 8");
     let f = broken(&plan, pi, |p| op_mut(p, "lm_head").gemm.as_mut().unwrap().y_col = 2);
@@ -395,7 +395,42 @@ fn dense_gemms_state_their_shapes_and_the_verifier_holds_them_to_their_operands(
         let op = op_mut(p, "dense_gate_up");
         op.reads[2] = Operand::Weight { role: TensorRole::DenseDown, part: TensorPart::Weight };
     });
-    assert_finds(&f, "not one bf16");
+    assert_finds(&f, "not one bf16 or fp8");
+}
+
+/// DeepSeek-V3 as the Hub ships it (fp8 e4m3 projections with 128×128 block
+/// scales): its projections, dense and shared-expert FFNs launch the fp8
+/// dense APK and read every part's scales; the LM head and router stay on
+/// the bf16 one; gate‖up is one fp8 matrix whose scales follow each other.
+#[test]
+fn fp8_projections_run_on_the_fp8_dense_apk() {
+    let plan = example("deepseek-v3-h100x32");
+    assert!(findings(&plan).is_empty(), "{:?}", findings(&plan));
+    let dec = program(&plan, Mode::Ep, Phase::Decode);
+    let op = |name: &str| {
+        let (b, o) = op_index(dec, name);
+        dec.blocks[b].ops[o].clone()
+    };
+    let launch = |instance: &str, entry: &str| KernelRef::Launch { instance: instance.into(), entry: entry.into() };
+    let scales =
+        |o: &Op| o.reads.iter().filter(|r| matches!(r, Operand::Weight { part: TensorPart::ScaleInv, .. })).count();
+    for (name, parts) in [("q_a_proj", 1), ("o_proj", 1), ("dense_gate_up", 2), ("shared_gate_up", 2)] {
+        let o = op(name);
+        assert_eq!(o.kernel, launch("dense_fp8", "apk_dense_fp8"), "{name}");
+        assert_eq!(scales(&o), parts, "{name} reads its parts' scales");
+    }
+    for name in ["lm_head", "router_gemm"] {
+        assert_eq!(op(name).kernel, launch("dense", "apk_dense"), "{name}");
+    }
+    assert!(dec.ops().all(|(_, o)| !matches!(o.kernel, KernelRef::Missing { .. })), "an op without a kernel");
+    // A part's scales dropped from the reads.
+    let pi = plan.programs.iter().position(|q| q.mode == Mode::Ep && q.phase == Phase::Decode).unwrap();
+    let f = broken(&plan, pi, |p| {
+        op_mut(p, "shared_gate_up")
+            .reads
+            .retain(|r| !matches!(r, Operand::Weight { part: TensorPart::ScaleInv, role: TensorRole::SharedUp }))
+    });
+    assert_finds(&f, "every part's block scales");
 }
 
 /// The entries' parameters as the emitted CUDA declares them: `(symbol,

@@ -247,6 +247,10 @@ pub struct MlaLayerParams {
     pub entry_bytes: u64,
     /// DeepSeek Sparse Attention's lightning indexer, if the model has one.
     pub indexer: Option<IndexerLayerParams>,
+    /// `kv_b` is fp8 e4m3 with 128×128 block scales (the absorbed attention
+    /// takes its scales beside it), else bf16.
+    #[serde(default)]
+    pub kv_b_fp8: bool,
 }
 
 /// The DSA indexer's constants: `heads` ReLU scoring heads of `head_dim`

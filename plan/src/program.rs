@@ -510,7 +510,7 @@ pub fn entries_for(kind: OpKind) -> &'static [&'static str] {
         OpKind::CombineRows => &["moe_combine", "moe_combine_f32"],
         OpKind::ResidualAdd => &["residual_add"],
         OpKind::Sample => &["sample_tokens"],
-        OpKind::Gemm => &["apk_dense"],
+        OpKind::Gemm => &["apk_dense", "apk_dense_fp8"],
         OpKind::Experts => &["moe_apk"],
         OpKind::Indexer { .. } => &["dsa_indexer"],
         OpKind::Comm => &[],
@@ -572,13 +572,50 @@ pub fn gemm_fits(op: &Op, g: &GemmArgs, mode: Mode, mem: &MemoryPlan) -> Result<
     // SwiGLU: the gate rows, then as many up rows.
     let split_ok = g.epilogue != Epilogue::SwiGlu
         || (views.len() == 2 && views.iter().all(|v| v.shape.first().copied() == Some(n)));
+    use moeforge_dsl::spec::DType;
+    let dtype = views.first().map_or(DType::Bf16, |v| v.dtype);
+    let fp8 = dtype == DType::Fp8E4m3;
     if views.is_empty()
         || !split_ok
         || rows != want
-        || views.iter().any(|v| v.shape.len() != 2 || v.shape[1] != k || v.dtype != moeforge_dsl::spec::DType::Bf16)
+        || !matches!(dtype, DType::Bf16 | DType::Fp8E4m3)
+        || views.iter().any(|v| v.shape.len() != 2 || v.shape[1] != k || v.dtype != dtype)
     {
-        return Err(format!("its weights are not one bf16 [{want}][{k}] matrix"));
+        return Err(format!("its weights are not one bf16 or fp8 [{want}][{k}] matrix"));
     }
+    back_to_back(&views)?;
+    if fp8 {
+        // W8A16: 16-byte rows of fp8 codes, and one f32 scale per 128×128
+        // block of the whole matrix: the parts' scales back to back, each
+        // part but the last a whole number of block rows.
+        let scales: Vec<_> = views.iter().filter_map(|v| mem.view(mode, v.role, TensorPart::ScaleInv)).collect();
+        let blocks = |r: u64| r.div_ceil(FP8_BLOCK);
+        if k % 16 != 0 {
+            return Err(format!("k = {k}: fp8 weight rows must be whole 16-byte vectors"));
+        }
+        if scales.len() != views.len()
+            || views.iter().zip(&scales).any(|(v, s)| s.shape != [blocks(v.shape[0]), blocks(k)])
+            || views[..views.len() - 1].iter().any(|v| v.shape[0] % FP8_BLOCK != 0)
+        {
+            return Err(format!(
+                "its fp8 parts' {FP8_BLOCK}×{FP8_BLOCK} block scales do not tile one [{want}][{k}] matrix"
+            ));
+        }
+        back_to_back(&scales)?;
+        let read = op.reads.iter().filter(|o| matches!(o, Operand::Weight { part: TensorPart::ScaleInv, .. })).count();
+        if read != scales.len() {
+            return Err("it does not read every part's block scales".into());
+        }
+    }
+    Ok(())
+}
+
+/// The block of fp8 weights' scales (rows and columns), as the Hub's
+/// checkpoints and the APK's dequantization use them.
+pub const FP8_BLOCK: u64 = 128;
+
+/// Views that lie back to back (one matrix, as the dense APK reads it).
+fn back_to_back(views: &[&crate::memory::View]) -> Result<(), String> {
     for w in views.windows(2) {
         let packed = w[1].region == w[0].region
             && w[1].offset == w[0].offset + w[0].bytes()

@@ -350,8 +350,10 @@ fn views(c: &mut Check, p: &Plan) {
             format!("shape {:?} with strides {:?} is not row-major", v.shape, v.strides)
         });
         // Packed tensors (q‖k‖v, gate‖up) follow each other unpadded: 16
-        // bytes is what TMA and cp.async need.
-        c.ensure(v.offset % 16 == 0, format!("{f}.offset"), || format!("{} is not 16-byte aligned", v.offset));
+        // bytes is what TMA and cp.async need. Packed fp8 parts' block
+        // scales (f32, read one at a time) need their element's 4.
+        let align = if v.part == crate::memory::TensorPart::ScaleInv { 4 } else { 16 };
+        c.ensure(v.offset % align == 0, format!("{f}.offset"), || format!("{} is not {align}-byte aligned", v.offset));
         let Some(bytes) = shape_bytes(&v.shape, crate::memory::elt_bytes(v.dtype)) else {
             c.bad(format!("{f}.shape"), format!("{:?} overflows", v.shape));
             continue;
@@ -619,9 +621,13 @@ fn kernels(c: &mut Check, p: &Plan) {
                             && a.hidden == p.model.hidden
                             && a.inter.checked_mul(world) == Some(p.model.expert_ffn)
                     }
-                    // One group, shapes per operation, bf16 weights.
+                    // One group, shapes per operation: `dense` for bf16
+                    // weights, `dense_fp8` for fp8 ones.
                     ApkForm::Dense => {
-                        a.local_experts == 1 && a.hidden == 0 && a.inter == 0 && a.weights == WeightFormat::Bf16
+                        a.local_experts == 1
+                            && a.hidden == 0
+                            && a.inter == 0
+                            && k.name == if a.weights == WeightFormat::Bf16 { "dense" } else { "dense_fp8" }
                     }
                 };
                 let sms = p.cluster.sms;

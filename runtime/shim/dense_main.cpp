@@ -6,7 +6,10 @@
 // Each operation has a seeded random shape: n output columns (not a multiple
 // of the tile), k (not a multiple of the stage depth), rows (not a multiple
 // of M_t), x and y at a column offset inside wider rows, and one of the four
-// epilogues. Checks, against a plain triple loop written here:
+// epilogues; fp8 instances read e4m3 codes with one f32 scale per 128×128
+// block (SwiGLU's n then a multiple of 128, k of 16). Checks, against a
+// plain triple loop written here over the weights as the tensor cores see
+// them (bf16, or each code times its block's scale rounded to bf16):
 //   - every output element of the operation's rows and columns is x·Wᵀ
 //     (SwiGLU: SiLU(x·Wgᵀ)·(x·Wuᵀ)), stored as bf16 or f32, or added in f32;
 //   - nothing outside those rows and columns is written (sentinels);
@@ -53,8 +56,8 @@ int main(int argc, char** argv) {
     const uint32_t epi = static_cast<uint32_t>(rng() % 4);
     const bool swiglu = epi == apk::kSwiGlu;
     const bool f32 = epi == apk::kStoreF32 || epi == apk::kAddF32;
-    const uint32_t n = 2 * uni(1, 3 * apk::kNtDown / 2);
-    const uint32_t k = 8 * uni(1, 3 * apk::kBk / 8 + 1);
+    const uint32_t n = apk::kFp8Weights && swiglu ? 128 * uni(1, 2) : 2 * uni(1, 3 * apk::kNtDown / 2);
+    const uint32_t k = apk::kFp8Weights ? 16 * uni(1, 3 * apk::kBk / 16 + 1) : 8 * uni(1, 3 * apk::kBk / 8 + 1);
     const uint32_t x_col = 8 * uni(0, 2), y_col = 2 * uni(0, 5);
     const uint32_t ld_x = x_col + k + 8 * uni(0, 2), ld_y = y_col + n + 2 * uni(0, 3);
     const uint32_t cap = ph == apk::kPrefill ? apk::kMaxPrefillRows : apk::kMaxDecodeRows;
@@ -62,9 +65,26 @@ int main(int argc, char** argv) {
     const uint32_t buf_rows = rows + 3;  // rows past the operation's stay untouched
     ++epilogues[epi];
 
-    std::vector<uint16_t> x(static_cast<size_t>(buf_rows) * ld_x), w(static_cast<size_t>(swiglu ? 2 : 1) * n * k);
+    const uint32_t wrows = (swiglu ? 2 : 1) * n;
+    std::vector<uint16_t> x(static_cast<size_t>(buf_rows) * ld_x), w(static_cast<size_t>(wrows) * k);
     for (auto& v : x) v = bf16_bits(rnd());
-    for (auto& v : w) v = bf16_bits(rnd() * 0.3f);
+    // fp8: random codes (no NaN) and positive block scales; `w` then holds
+    // what the tensor cores multiply (code × scale, rounded to bf16).
+    std::vector<uint8_t> codes(apk::kFp8Weights ? w.size() : 0);
+    const uint32_t scale_cols = (k + 127) / 128;
+    std::vector<float> scales(apk::kFp8Weights ? static_cast<size_t>((wrows + 127) / 128) * scale_cols : 0);
+    for (auto& v : scales) v = 0.001f + 0.002f * (rnd() + 0.5f);
+    for (size_t j = 0; j < w.size(); ++j) {
+      if (!apk::kFp8Weights) {
+        w[j] = bf16_bits(rnd() * 0.3f);
+        continue;
+      }
+      uint8_t b;
+      do b = static_cast<uint8_t>(rng()); while ((b & 0x7f) == 0x7f);
+      codes[j] = b;
+      const size_t r = j / k, c = j % k;
+      w[j] = bf16_bits(ptx::e4m3_to_float(b) * scales[r / 128 * scale_cols + c / 128]);
+    }
     std::vector<uint16_t> yb(f32 ? 0 : static_cast<size_t>(buf_rows) * ld_y, kSentinelBf16);
     std::vector<float> yf(f32 ? static_cast<size_t>(buf_rows) * ld_y : 0, kSentinelF32);
     std::vector<float> base(yf.size());
@@ -76,7 +96,9 @@ int main(int argc, char** argv) {
     apk::Templates tm{};
     tm.phase[ph].x = reinterpret_cast<const __nv_bfloat16*>(x.data() + x_col);
     tm.phase[ph].y = f32 ? static_cast<void*>(yf.data() + y_col) : static_cast<void*>(yb.data() + y_col);
-    (swiglu ? tm.w13 : tm.w2) = reinterpret_cast<const apk::Weight*>(w.data());
+    (swiglu ? tm.w13 : tm.w2) = apk::kFp8Weights ? reinterpret_cast<const apk::Weight*>(codes.data())
+                                                 : reinterpret_cast<const apk::Weight*>(w.data());
+    if (apk::kFp8Weights) (swiglu ? tm.w13_scale : tm.w2_scale) = scales.data();
     auto state = std::make_unique<apk::State>();
     std::memset(state.get(), 0, sizeof(apk::State));
     apk::State* st = state.get();

@@ -144,7 +144,14 @@ int main(int argc, char** argv) {
   const int q_lora = one<int32_t>();
   auto qaw = take<__nv_bfloat16>(q_lora);
   auto kvaw = take<__nv_bfloat16>(kKvLora);
+#ifdef LAYER_KV_B_FP8
+  // fp8 kv_b: e4m3 codes, then one f32 scale per 128×128 block.
+  const size_t kvb_rows = static_cast<size_t>(q_heads) * kKvb;
+  auto kv_b = take<uint8_t>(kvb_rows * kKvLora);
+  auto kv_b_scale = take<float>((kvb_rows + kScaleBlock - 1) / kScaleBlock * kKvbScaleCols);
+#else
   auto kv_b = take<__nv_bfloat16>(static_cast<size_t>(q_heads) * kKvb * kKvLora);
+#endif
   auto positions = take<int32_t>(tokens);
   auto slots = take<int32_t>(tokens);
   auto apool = take<uint8_t>(pool_bytes);
@@ -166,7 +173,12 @@ int main(int argc, char** argv) {
   std::vector<__nv_bfloat16> attn(static_cast<size_t>(tokens) * kMlaHeads * kVHead, __float2bfloat16_rn(-7.0f));
   shim::launch(mla_attention, tokens, kThreads, static_cast<const __nv_bfloat16*>(qkv.data()),
                static_cast<const int32_t*>(apos.data()), static_cast<const int32_t*>(row_request.data()),
-               static_cast<const int32_t*>(meta.data()), tokens, q_heads, static_cast<const __nv_bfloat16*>(kv_b.data()),
+               static_cast<const int32_t*>(meta.data()), tokens, q_heads,
+#ifdef LAYER_KV_B_FP8
+               static_cast<const uint8_t*>(kv_b.data()), static_cast<const float*>(kv_b_scale.data()),
+#else
+               static_cast<const __nv_bfloat16*>(kv_b.data()),
+#endif
                static_cast<const uint8_t*>(apool.data()), page_bytes, layer, attn.data());
   put(attn);
 #endif

@@ -68,24 +68,6 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
   return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
 }
 
-// A tensor of `rank` dims (innermost first) as a TMA map: bf16 with
-// 128-byte swizzling, or plain bytes (fp8 weights, read by the transform warps).
-void encode(apk::TensorMap* out, const void* base, int rank, const cuuint64_t* dims, const cuuint64_t* strides,
-            const cuuint32_t* box, bool bytes = false) {
-  static_assert(sizeof(apk::TensorMap) == sizeof(CUtensorMap), "the kernel's opaque map is a CUtensorMap");
-  const cuuint32_t elem[3] = {1, 1, 1};
-  const CUresult r = encode_fn()(reinterpret_cast<CUtensorMap*>(out),
-                                 bytes ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                                 static_cast<cuuint32_t>(rank), const_cast<void*>(base), dims, strides, box, elem,
-                                 CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                 bytes ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B,
-                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    std::fprintf(stderr, "cuTensorMapEncodeTiled failed (%d)\n", static_cast<int>(r));
-    std::exit(2);
-  }
-}
-
 // fp8 e4m3 weights with one scale per 128×128 block of each matrix
 // ([mats][rows][cols]): bytes, scales (row-major per matrix), and the
 // dequantized values rounded to bf16 (what the kernel multiplies) for the
@@ -205,25 +187,16 @@ int main(int argc, char** argv) {
     tm.phase[p].x = ph[p].x;
     tm.phase[p].act = ph[p].act;
     tm.phase[p].y = ph[p].y;
-    if (apk::kUsesTma) {
-      const cuuint32_t slice = (p == apk::kPrefill ? apk::kMtPrefill : apk::kMtDecode) / apk::kClusterSize;
-      const cuuint64_t xd[2] = {cuuint64_t(H), rows}, xs[1] = {cuuint64_t(H) * 2};
-      const cuuint64_t ad[2] = {cuuint64_t(I), rows}, as[1] = {cuuint64_t(I) * 2};
-      const cuuint32_t box[2] = {apk::kBk, slice};
-      encode(&tm.phase[p].x_map, ph[p].x, 2, xd, xs, box);
-      encode(&tm.phase[p].act_map, ph[p].act, 2, ad, as, box);
+    // The TMA maps as every launcher encodes them (the emitted
+    // apk::encode_tensor_maps, which the emulated device runs too): every
+    // layer's matrices (layers × experts), the phase's buffer rows.
+    const apk::MapShape maps{static_cast<uint32_t>(rows), static_cast<uint32_t>(H), static_cast<uint32_t>(H),
+                             static_cast<uint32_t>(I), static_cast<uint32_t>(H), static_cast<uint32_t>(H),
+                             static_cast<uint32_t>(I), static_cast<uint32_t>(L * E)};
+    if (!apk::encode_tensor_maps(encode_fn(), tm, static_cast<uint32_t>(p), maps)) {
+      std::fprintf(stderr, "cuTensorMapEncodeTiled refused a map\n");
+      std::exit(2);
     }
-  }
-  if (apk::kUsesTma) {
-    // Matrices: layers × experts × 2 (gate, up) and layers × experts.
-    const cuuint64_t w13d[3] = {cuuint64_t(H), cuuint64_t(I), cuuint64_t(L) * E * 2};
-    const cuuint64_t w13s[2] = {cuuint64_t(H) * welt, cuuint64_t(I) * H * welt};
-    const cuuint32_t w13b[3] = {apk::kBk, apk::kNtGateUp / 2, 1};
-    encode(&tm.w13_map, d_w13, 3, w13d, w13s, w13b, apk::kFp8Weights);
-    const cuuint64_t w2d[3] = {cuuint64_t(I), cuuint64_t(H), cuuint64_t(L) * E};
-    const cuuint64_t w2s[2] = {cuuint64_t(I) * welt, cuuint64_t(H) * I * welt};
-    const cuuint32_t w2b[3] = {apk::kBk, apk::kNtDown, 1};
-    encode(&tm.w2_map, d_w2, 3, w2d, w2s, w2b, apk::kFp8Weights);
   }
   apk::State* st;
   CHECK(cudaMalloc(&st, sizeof(apk::State)));

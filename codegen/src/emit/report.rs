@@ -399,9 +399,10 @@ fn programs(s: &mut String, plan: &Plan) {
     let _ = writeln!(
         s,
         "Where the APK runs. The dense GEMMs (projections, router, LM head, dense and \
-         shared-expert FFNs) run on the `dense` instance, the APK's tiles and scheduler as a \
-         one-group GEMM, launched per operation with its shape and epilogue posted (GemmArgs in \
-         plan.json; bf16 weights only: fp8 dense weights name `dense_gemm` as missing). TP's MoE op \
+         shared-expert FFNs) run on the `dense` instance (bf16 weights) or `dense_fp8` (fp8 e4m3 \
+         weights with 128×128 block scales, dequantized to bf16 in shared memory: W8A16), the \
+         APK's tiles and scheduler as a one-group GEMM, launched per operation with its shape and \
+         epilogue posted (GemmArgs in plan.json). TP's MoE op \
          runs on `apk_tp` (every expert's `1/P` of the intermediate), also launched per operation: \
          in TP nothing runs beside it. EP's MoE op posts to the persistent APK; its grid holds \
          every SM, so on colocated ranks attention kernels on the same GPU would starve until it \

@@ -54,7 +54,10 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
             .help("use a tile set whose prefill gate_up `cluster` is [1, 1], or the GPU's real SM count"),
         })?;
     kernels.extend(apks.iter().cloned());
-    kernels.extend(dense(cx, &plan.ranks, apks.first()));
+    kernels.extend(dense(cx, &plan.ranks, apks.first(), WeightFormat::Bf16));
+    if [cx.model.dtype.weights, cx.model.dtype.experts].contains(&moeforge_dsl::spec::DType::Fp8E4m3) {
+        kernels.extend(dense(cx, &plan.ranks, apks.first(), WeightFormat::Fp8E4m3));
+    }
     kernels.push(layer(cx, &plan.memory));
     plan.kernels = kernels;
     unused_tiles(cx);
@@ -417,27 +420,33 @@ pub fn apk(
 
 /// The dense APK: the experts' tiles, pipeline and scheduler as a one-group
 /// GEMM that every dense projection of the program launches per operation
-/// (shapes and epilogue posted with it), when the dense weights are bf16.
+/// (shapes and epilogue posted with it). One instance per weight format the
+/// projections use: `dense` for bf16 weights (every model's LM head and
+/// router), `dense_fp8` for fp8 e4m3 weights with 128×128 block scales
+/// (W8A16, as the fp8 experts: the transform warps dequantize each stage).
 /// It takes the routed experts' instance's tile heights, widths, stages and
 /// cluster shape (the spec's tiles have no separate dense block yet).
-fn dense(cx: &Ctx<'_>, ranks: &[RankPlan], experts: Option<&KernelInstance>) -> Option<KernelInstance> {
+fn dense(
+    cx: &Ctx<'_>,
+    ranks: &[RankPlan],
+    experts: Option<&KernelInstance>,
+    weights: WeightFormat,
+) -> Option<KernelInstance> {
     let m = cx.model;
-    if m.dtype.weights != moeforge_dsl::spec::DType::Bf16 {
-        return None;
-    }
     let experts = experts?;
     let KernelParams::Apk(e) = &experts.params else {
         return None;
     };
-    // bf16 weights' pipeline (the experts' may carry fp8 transform warps);
-    // its rules passed for the experts' shapes already.
+    let fp8 = weights == WeightFormat::Fp8E4m3;
+    // The format's pipeline (bf16's has no transform warps); its rules
+    // passed for the experts' shapes already.
     let pipeline = target::of(experts.arch)
         .apk_shape(&ApkInput {
             tiles: cx.tiles,
             cluster: e.cluster_size,
             hidden: m.hidden,
             inter: m.moe.expert_ffn,
-            weights: WeightFormat::Bf16,
+            weights,
             smem_per_block: cx.cluster.gpu.smem_per_block,
         })
         .ok()?;
@@ -450,22 +459,31 @@ fn dense(cx: &Ctx<'_>, ranks: &[RankPlan], experts: Option<&KernelInstance>) -> 
         top_k: 1,
         max_prefill_rows: rows(e.m_t_prefill),
         max_decode_rows: rows(e.m_t_decode),
-        weights: WeightFormat::Bf16,
-        scale_block: 0,
+        weights,
+        scale_block: if fp8 { FP8_SCALE_BLOCK } else { 0 },
         pipeline,
         ranks: ranks.iter().map(|r| r.rank).collect(),
         ..e.clone()
     };
+    let (name, symbol, what) = if fp8 {
+        (
+            "dense_fp8",
+            "apk_dense_fp8",
+            "fp8 e4m3 weights with 128×128 block scales, W8A16 (projections, dense and shared-expert FFNs)",
+        )
+    } else {
+        ("dense", "apk_dense", "bf16 weights (projections, router, LM head, dense and shared-expert FFNs)")
+    };
     let entry = EntryPoint {
-        symbol: "apk_dense".into(),
+        symbol: symbol.into(),
         grid: Grid::PerOperation { cluster: params.cluster_size },
         block: pipeline.threads,
         dynamic_smem: pipeline.smem_bytes,
         params: experts.entries.first()?.params.clone(),
     };
     Some(KernelInstance {
-        name: "dense".into(),
-        purpose: "one-group GEMMs of the dense layers (projections, router, LM head, dense and shared-expert FFNs) on the APK's tiles, launched per operation".into(),
+        name: name.into(),
+        purpose: format!("one-group GEMMs of the dense layers' {what} on the APK's tiles, launched per operation"),
         arch: experts.arch,
         params: KernelParams::Apk(params),
         entries: vec![entry],
@@ -527,6 +545,7 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
                 softmax_scale: factor / f64::from(qk_nope + qk_rope).sqrt(),
                 page_tokens: mem.kv.page_tokens,
                 entry_bytes: mem.kv.head_token_bytes,
+                kv_b_fp8: m.dtype.weights == moeforge_dsl::spec::DType::Fp8E4m3,
                 indexer: indexer.map(|ix| moeforge_plan::IndexerLayerParams {
                     heads: ix.heads,
                     head_dim: ix.head_dim,
@@ -687,6 +706,12 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
             ],
         ));
     }
+    // The absorbed attention's kv_b: bf16, or fp8 codes with their block scales.
+    let kv_b = if mla.as_ref().is_some_and(|a| a.kv_b_fp8) {
+        vec![p("const uint8_t* kv_b"), p("const float* kv_b_scale")]
+    } else {
+        vec![p("const __nv_bfloat16* kv_b")]
+    };
     if mla.is_some() {
         entries.push(entry(
             "latent_norm",
@@ -719,19 +744,19 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
         entries.push(entry(
             "mla_attention",
             GridVar::Tokens,
-            vec![
-                p("const __nv_bfloat16* qkv"),
-                p("const int32_t* positions"),
-                p("const int32_t* row_request"),
-                p("const int32_t* request_meta"),
-                p("int tokens"),
-                p("int q_heads"),
-                p("const __nv_bfloat16* kv_b"),
-                p("const uint8_t* pool"),
-                p("long long page_bytes"),
-                p("int layer"),
-                p("__nv_bfloat16* attn"),
-            ],
+            [
+                vec![
+                    p("const __nv_bfloat16* qkv"),
+                    p("const int32_t* positions"),
+                    p("const int32_t* row_request"),
+                    p("const int32_t* request_meta"),
+                    p("int tokens"),
+                    p("int q_heads"),
+                ],
+                kv_b.clone(),
+                vec![p("const uint8_t* pool"), p("long long page_bytes"), p("int layer"), p("__nv_bfloat16* attn")],
+            ]
+            .concat(),
         ));
     }
     if mla.as_ref().is_some_and(|a| a.indexer.is_some()) {
@@ -758,19 +783,24 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
         entries.push(entry(
             "mla_sparse_attention",
             GridVar::Tokens,
-            vec![
-                p("const __nv_bfloat16* qkv"),
-                p("const int32_t* row_request"),
-                p("const int32_t* request_meta"),
-                p("int tokens"),
-                p("int q_heads"),
-                p("const __nv_bfloat16* kv_b"),
-                p("const uint8_t* pool"),
-                p("long long page_bytes"),
-                p("int layer"),
-                p("const int32_t* topk"),
-                p("__nv_bfloat16* attn"),
-            ],
+            [
+                vec![
+                    p("const __nv_bfloat16* qkv"),
+                    p("const int32_t* row_request"),
+                    p("const int32_t* request_meta"),
+                    p("int tokens"),
+                    p("int q_heads"),
+                ],
+                kv_b.clone(),
+                vec![
+                    p("const uint8_t* pool"),
+                    p("long long page_bytes"),
+                    p("int layer"),
+                    p("const int32_t* topk"),
+                    p("__nv_bfloat16* attn"),
+                ],
+            ]
+            .concat(),
         ));
     }
     let purpose = match &gqa {

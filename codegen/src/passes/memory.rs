@@ -30,10 +30,22 @@ fn t(role: TensorRole, shape: &[u64], dtype: DType, shard: Shard) -> Tensor {
     Tensor { role, part: TensorPart::Weight, shape: shape.to_vec(), dtype, shard, packed: false }
 }
 
-/// Packs the tensors of `v` from `from` on back to back (bf16 weights only:
-/// fp8 weights' scales sit between them, and their GEMMs are separate).
+/// Packs the weights of `v` from `from` on back to back, one matrix for one
+/// GEMM (q‖k‖v, gate‖up): bf16 weights as they are; fp8 weights (each
+/// followed by its block scales) reordered so the weights lie back to back,
+/// then their scales back to back (the scales of the whole matrix when
+/// every part but the last is a whole number of 128-row blocks).
 fn pack(v: &mut [Tensor], from: usize) {
     let run = &mut v[from..];
+    let fp8 = run.iter().all(|x| x.dtype == DType::Fp8E4m3 || x.part == TensorPart::ScaleInv);
+    if fp8 && run.iter().any(|x| x.part == TensorPart::ScaleInv) {
+        run.sort_by_key(|x| x.part == TensorPart::ScaleInv);
+        let (weights, n) = (run.iter().filter(|x| x.part == TensorPart::Weight).count(), run.len());
+        for (i, x) in run.iter_mut().enumerate() {
+            x.packed = i + 1 != weights && i + 1 != n;
+        }
+        return;
+    }
     if run.iter().all(|x| x.dtype == DType::Bf16 && x.part == TensorPart::Weight) {
         let n = run.len();
         for x in run.iter_mut().take(n.saturating_sub(1)) {
@@ -86,24 +98,23 @@ impl Builder {
         let id = RegionId(self.regions.len() as u32);
         let mut off = start;
         for ([a, b], tensors) in groups {
-            // A packed tensor's successor starts where its bytes end; the
-            // last of a packed run is aligned like any other.
-            let size = |x: &Tensor| {
-                let b = x.shape.iter().product::<u64>() * elt_bytes(x.dtype);
-                if x.packed {
-                    b
-                } else {
-                    align(b)
-                }
-            };
-            let stride: u64 = tensors.iter().map(size).sum();
+            // A packed tensor's successor starts where its bytes end; after
+            // the last of a packed run (and any other tensor) the next one
+            // starts aligned.
             let mut inner = 0;
-            for x in tensors {
-                let bytes = size(&x);
+            let mut at = Vec::with_capacity(tensors.len());
+            for x in &tensors {
+                at.push(inner);
+                inner += x.shape.iter().product::<u64>() * elt_bytes(x.dtype);
+                if !x.packed {
+                    inner = align(inner);
+                }
+            }
+            let stride = inner;
+            for (x, inner) in tensors.into_iter().zip(at) {
                 for &mode in mode_views {
                     self.views.push(view(&x, mode, id, off + inner, [a, b], stride));
                 }
-                inner += bytes;
             }
             off += stride * u64::from(b - a);
         }

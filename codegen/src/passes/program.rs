@@ -27,7 +27,13 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     let world: Vec<u32> = plan.ranks.iter().map(|r| r.rank).collect();
     let experts: Vec<[u32; 2]> = plan.ranks.iter().map(|r| r.experts).collect();
     let mut programs = Vec::new();
-    let dense = plan.kernels.iter().any(|k| matches!(&k.params, KernelParams::Apk(a) if a.form == ApkForm::Dense));
+    // The dense APK instances by the weight format they read.
+    let dense_of = |w: moeforge_plan::WeightFormat| {
+        plan.kernels
+            .iter()
+            .any(|k| matches!(&k.params, KernelParams::Apk(a) if a.form == ApkForm::Dense && a.weights == w))
+    };
+    let dense = [dense_of(moeforge_plan::WeightFormat::Bf16), dense_of(moeforge_plan::WeightFormat::Fp8E4m3)];
     for &mode in &plan.memory.modes {
         // EP ranks grouped by the APK instance their expert count selects.
         let groups: Vec<(Vec<u32>, Option<String>)> = match mode {
@@ -87,8 +93,9 @@ struct Config<'a> {
     /// Each rank's routed experts `[begin, end)`, indexed by rank.
     experts: &'a [[u32; 2]],
     apk: Option<&'a str>,
-    /// The bundle has the dense APK (bf16 dense weights).
-    dense: bool,
+    /// The bundle has the dense APK for bf16 weights (`dense`) and for fp8
+    /// e4m3 ones (`dense_fp8`).
+    dense: [bool; 2],
 }
 
 const COMPUTE: u32 = 0;
@@ -282,12 +289,15 @@ impl Config<'_> {
         }
         reads.extend(self.ws(roles));
         let args = GemmArgs { n, k, x_col, y_col, rows, epilogue };
-        let op = o.push(name, OpKind::Gemm, stream, mb, reads, vec![buf(y)], launch("dense", "apk_dense"));
+        // The instance of the weights' format: bf16, or fp8 with block scales.
+        let fp8 = views.first().is_some_and(|v| v.dtype == DType::Fp8E4m3);
+        let kernel = if fp8 { launch("dense_fp8", "apk_dense_fp8") } else { launch("dense", "apk_dense") };
+        let op = o.push(name, OpKind::Gemm, stream, mb, reads, vec![buf(y)], kernel);
         op.gemm = Some(args);
-        let fits = match (self.dense, self.m.dtype.weights) {
+        let fits = match (self.dense[usize::from(fp8)], fp8) {
             (true, _) => gemm_fits(op, &args, self.mode, self.mem),
-            (false, DType::Bf16) => Err("no dense APK for this target's tiles".into()),
-            (false, w) => Err(format!("{} weights; the dense APK runs bf16", w.name())),
+            (false, false) => Err("no dense APK for this target's tiles".into()),
+            (false, true) => Err("fp8 weights; this target's dense APK runs bf16".into()),
         };
         if let Err(why) = fits {
             op.gemm = None;
@@ -659,9 +669,15 @@ impl Config<'_> {
         // over a cached prefix). A naive-form prefill kernel, FLOP-cheaper on
         // long prompts, is not built. DSA's sparse attention is the same over
         // the indexer's selection; sinks have no kernel yet. The absorbed
-        // attention reads kv_b as bf16.
-        let kv_b_bf16 =
-            self.mem.view(self.mode, W::KvBProj, TensorPart::Weight).is_some_and(|v| v.dtype == DType::Bf16);
+        // attention reads kv_b as stored: bf16, or fp8 codes and their block
+        // scales.
+        let kv_b = match self.mem.view(self.mode, W::KvBProj, TensorPart::Weight).map(|v| v.dtype) {
+            Some(DType::Fp8E4m3) => vec![
+                wptr(W::KvBProj),
+                Arg::Ptr { operand: Operand::Weight { role: W::KvBProj, part: TensorPart::ScaleInv }, at: 0 },
+            ],
+            _ => vec![wptr(W::KvBProj)],
+        };
         let (rows, pages) =
             ((ptr(Buf::Positions), ptr(Buf::RowRequest), ptr(Buf::RequestMeta)), int(self.page_bytes()));
         let (kernel, args) = match (kind, self.phase) {
@@ -671,28 +687,22 @@ impl Config<'_> {
                 let a = vec![ptr(Buf::Qkv), pos, rr, meta, cnt(t), int(qh), int(kvh), q0, kv0, kv(), pages, Arg::Layer];
                 (launch("layer", "paged_attention"), [a, vec![ptr(Buf::Attn)]].concat())
             }
-            (AttentionKind::Mla, _) if kv_b_bf16 => {
+            (AttentionKind::Mla, _) => {
                 reads.push(buf(Buf::RowRequest));
                 let (pos, rr, meta) = rows;
-                let a = vec![ptr(Buf::Qkv), pos, rr, meta, cnt(t), int(qh), wptr(W::KvBProj), kv(), pages, Arg::Layer];
-                (launch("layer", "mla_attention"), [a, vec![ptr(Buf::Attn)]].concat())
+                let a = vec![ptr(Buf::Qkv), pos, rr, meta, cnt(t), int(qh)];
+                let tail = vec![kv(), pages, Arg::Layer, ptr(Buf::Attn)];
+                (launch("layer", "mla_attention"), [a, kv_b, tail].concat())
             }
-            (AttentionKind::MlaSparse, _) if kv_b_bf16 => {
+            (AttentionKind::MlaSparse, _) => {
                 // The selection names the keys: no positions.
                 reads.retain(|r| *r != buf(Buf::Positions));
                 reads.push(buf(Buf::RowRequest));
                 let (_, rr, meta) = rows;
-                let a = vec![ptr(Buf::Qkv), rr, meta, cnt(t), int(qh), wptr(W::KvBProj), kv(), pages, Arg::Layer];
-                (launch("layer", "mla_sparse_attention"), [a, vec![ptr(Buf::IndexerTopk), ptr(Buf::Attn)]].concat())
+                let a = vec![ptr(Buf::Qkv), rr, meta, cnt(t), int(qh)];
+                let tail = vec![kv(), pages, Arg::Layer, ptr(Buf::IndexerTopk), ptr(Buf::Attn)];
+                (launch("layer", "mla_sparse_attention"), [a, kv_b, tail].concat())
             }
-            (AttentionKind::Mla | AttentionKind::MlaSparse, _) => (
-                missing(&format!(
-                    "attention_{}_{} (fp8 kv_b: the kernel reads it as bf16)",
-                    self.phase.name(),
-                    format!("{kind:?}").to_lowercase()
-                )),
-                vec![],
-            ),
             _ => (missing(&format!("attention_{}_{}", self.phase.name(), format!("{kind:?}").to_lowercase())), vec![]),
         };
         o.push("attention", OpKind::Attention { kind, phase: self.phase }, c, mb, reads, vec![buf(Buf::Attn)], kernel);

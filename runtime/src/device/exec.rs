@@ -549,7 +549,8 @@ impl Executor {
             let eb = g.epilogue.out_bytes();
             let x = addr(&Operand::Buffer { name: xn })? + u64::from(g.x_col) * 2;
             let y = addr(&Operand::Buffer { name: yn })? + u64::from(g.y_col) * eb;
-            let w = wptr(TensorPart::Weight, 0)?;
+            // The first part's weights and block scales (fp8): the parts lie back to back.
+            let (w, sc) = (wptr(TensorPart::Weight, 0)?, wptr(TensorPart::ScaleInv, 0)?);
             let swiglu = g.epilogue == moeforge_plan::program::Epilogue::SwiGlu;
             let rows = counts.of(g.rows);
             if rows == 0 {
@@ -563,8 +564,8 @@ impl Executor {
                 ptr(y),
                 if swiglu { w } else { KernelArg::Null },
                 if swiglu { KernelArg::Null } else { w },
-                KernelArg::Null,
-                KernelArg::Null,
+                if swiglu { sc } else { KernelArg::Null },
+                if swiglu { KernelArg::Null } else { sc },
                 KernelArg::Null,
                 i(rows),
                 i(ph),
