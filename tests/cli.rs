@@ -187,19 +187,21 @@ fn mxfp4_is_declared_but_rejected_by_compile() {
     assert!(!out.exists());
 }
 
-/// GPT-OSS's clamped SwiGLU on bf16 experts: the checker accepts it, the
-/// capability table says the APK's epilogue computes plain SiLU, so compile
-/// refuses it at the `activation` field instead of emitting wrong math.
+/// fp8 activations at dispatch (a DeepEP option): the checker accepts them,
+/// the capability table says dispatch moves bf16 rows, so compile refuses
+/// them at the `activations` field instead of emitting wrong math.
 #[test]
 fn a_feature_the_kernels_lack_is_refused_where_the_spec_asks_for_it() {
     let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let oss = std::fs::read_to_string(root().join("models/gpt-oss-120b.moe")).unwrap_or_default();
-    std::fs::write(tmp.path().join("oss-bf16.moe"), oss.replace("experts = mxfp4", "experts = bf16")).ok();
+    let fp8 = oss.replace("experts = mxfp4  activations = bf16", "experts = bf16  activations = fp8_e4m3");
+    assert_ne!(fp8, oss, "models/gpt-oss-120b.moe's dtype line changed");
+    std::fs::write(tmp.path().join("oss-fp8a.moe"), fp8).ok();
     let f = write_spec(
         tmp.path(),
         "d.moe",
         &["models/clusters.moe", "models/tiles.moe"],
-        "use \"oss-bf16.moe\"
+        "use \"oss-fp8a.moe\"
          deploy oss { model = gpt-oss-120b cluster = h200x8 tiles = hopper-bf16 slo { ttft = 1s tpot = 50ms }
          workload { input = sharegpt output = sharegpt arrival poisson { rate = 1req/s } } }\n",
     );
@@ -207,8 +209,8 @@ fn a_feature_the_kernels_lack_is_refused_where_the_spec_asks_for_it() {
     let o = moeforge(&["compile", f.to_str().unwrap_or_default(), "-o", out.to_str().unwrap_or_default()], None);
     assert_eq!(o.status.code(), Some(1));
     let err = text(&o.stderr);
-    assert!(err.contains("E0200") && err.contains("swiglu_oai") && err.contains("SiLU(gate)"), "{err}");
-    assert!(err.contains("oss-bf16.moe:") && err.contains("activation = swiglu_oai"), "not located: {err}");
+    assert!(err.contains("E0200") && err.contains("dispatch moves bf16 rows"), "{err}");
+    assert!(err.contains("oss-fp8a.moe:") && err.contains("activations = fp8_e4m3"), "not located: {err}");
     assert!(!out.exists());
 }
 

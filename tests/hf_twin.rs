@@ -190,6 +190,28 @@ fn deepseek_v3_fp8_matches_transformers() {
     }
 }
 
+/// GPT-OSS: attention sinks (a per-head logit in every softmax's
+/// denominator), a sliding window on every other layer (the fixture's
+/// window, 4, is shorter than its prompts), biases on q/k/v/o, the router
+/// and the experts, GPT-OSS's clamped SwiGLU and YaRN without rounded ramp
+/// ends. Expert biases keep the plan in one mode (EP).
+#[test]
+fn gpt_oss_matches_transformers() {
+    let name = "gpt-oss";
+    let f = fixture(name);
+    let ck = Checkpoint::load(&f.dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+    assert!(ck.tensors.contains_key("model.layers.0.self_attn.sinks"), "the fixture has sinks");
+    for p in [1, 2, 4] {
+        let tmp = tempfile::tempdir().unwrap();
+        let b = compile(&f, p, tmp.path());
+        assert_eq!(b.plan.memory.modes, vec![Mode::Ep], "expert biases plan one mode");
+        let mut t = Twin::new(&b, &ck, Mode::Ep).unwrap_or_else(|e| panic!("{name} P={p}: {e}"));
+        let label = format!("{name} P={p} Ep");
+        let (e, ekv, _) = check_run(&f, &mut t, &label, &[]);
+        eprintln!("{label}: worst logit error {e:.2e}, {ekv:.2e} against a bf16 KV cache");
+    }
+}
+
 /// The fp8 DeepSeek-V3 on the emulated device: every projection on the fp8
 /// dense APK (`dense_fp8`: the transform warps dequantize each stage of
 /// codes times block scales to bf16 in shared memory, W8A16), the experts
@@ -421,8 +443,8 @@ fn a_wrong_swizzle_or_fragment_index_changes_the_emulated_tokens() {
     let mutations = [
         ("| (64ull << 32) | (1ull << 62);", "| (64ull << 32) | (2ull << 62);"),
         (
-            "store_out(op, sh, epilogue, row, col, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);",
-            "store_out(op, sh, epilogue, row, col, acc[4 * j + 2 * h + 1], acc[4 * j + 2 * h]);",
+            "store_out(op, sh, epilogue, row, col, acc[4 * j + 2 * h] + b.x, acc[4 * j + 2 * h + 1] + b.y);",
+            "store_out(op, sh, epilogue, row, col, acc[4 * j + 2 * h + 1] + b.x, acc[4 * j + 2 * h] + b.y);",
         ),
     ];
     for (from, to) in mutations {
@@ -451,6 +473,14 @@ fn qwen3_moe_on_the_emulated_device_matches_transformers() {
         "qwen3-moe",
         &[(1, Mode::Tp, &[]), (2, Mode::Tp, &[]), (2, Mode::Ep, &[]), (4, Mode::Ep, &[]), (4, Mode::Ep, &[2, 4, 6])],
     );
+}
+
+/// GPT-OSS on the emulated device: the paged attention's sinks and per-layer
+/// window, every projection's and the router's bias in the dense APK's
+/// epilogue, the MoE APK's expert biases and clamped SwiGLU.
+#[test]
+fn gpt_oss_on_the_emulated_device_matches_transformers() {
+    on_the_emulated_device("gpt-oss", &[(1, Mode::Ep, &[]), (2, Mode::Ep, &[]), (4, Mode::Ep, &[])]);
 }
 
 /// Mixtral: no QK-norm, softmax-then-top-k routing without renormalization.

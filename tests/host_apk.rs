@@ -306,8 +306,8 @@ fn a_wrong_swizzle_fragment_or_ldmatrix_address_fails_the_reference() {
         ("tiny-qwen3-cpu4", "| (64ull << 32) | (1ull << 62);", "| (64ull << 32) | (2ull << 62);"),
         (
             "tiny-qwen3-cpu4",
-            "store_out(op, sh, epilogue, row, col, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);",
-            "store_out(op, sh, epilogue, row, col, acc[4 * j + 2 * h + 1], acc[4 * j + 2 * h]);",
+            "store_out(op, sh, epilogue, row, col, acc[4 * j + 2 * h] + b.x, acc[4 * j + 2 * h + 1] + b.y);",
+            "store_out(op, sh, epilogue, row, col, acc[4 * j + 2 * h + 1] + b.x, acc[4 * j + 2 * h] + b.y);",
         ),
         ("mixtral-8x7b-a100", "static_cast<int>(lane / 16) * 8]);", "static_cast<int>((lane / 8) % 2) * 8]);"),
     ];

@@ -104,16 +104,6 @@ fn warnings(spec: &Spec, spans: &SpanTable) -> Vec<(BlockRef, Diagnostic)> {
             out.push((b, Diagnostic::warning(Code::NoEffect, msg).at(span, "no effect yet").help(help.to_string())));
         }
     };
-    for (i, m) in spec.models.iter().enumerate() {
-        if m.sliding_window.is_some() {
-            warn(
-                BlockRef::Model(ModelId(i as u32)),
-                spans.models.get(i).and_then(|s| s.field("sliding_window")),
-                format!("`sliding_window` of `{}` has no effect yet: plans and kernels treat every layer as full attention", m.name),
-                "the CPU twin refuses sliding-window models; keep the block for the attention kernels that will read it",
-            );
-        }
-    }
     for (i, c) in spec.clusters.iter().enumerate() {
         if c.scale_out.is_some() {
             warn(

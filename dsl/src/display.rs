@@ -94,14 +94,15 @@ fn write_model(f: &mut Formatter<'_>, m: &Model) -> fmt::Result {
         writeln!(f, "  dense {{ layers = {}  ffn = {} }}", d.layers, d.ffn)?;
     }
     match m.attention {
-        Attention::Gqa { heads, kv_heads, head_dim, qk_norm, qk_norm_scope, rope_dim, sinks } => {
+        Attention::Gqa { heads, kv_heads, head_dim, qk_norm, qk_norm_scope, rope_dim, sinks, bias } => {
             let norm = match (qk_norm, qk_norm_scope) {
                 (true, QkNormScope::PerLayer) => "per_layer",
                 (q, _) => b(q),
             };
+            let bias = if bias.is_none() { String::new() } else { format!("  bias = {}", bias.name()) };
             writeln!(
                 f,
-                "  attention gqa {{ heads = {heads}  kv_heads = {kv_heads}  head_dim = {head_dim}  qk_norm = {norm}  rope_dim = {rope_dim}  sinks = {} }}",
+                "  attention gqa {{ heads = {heads}  kv_heads = {kv_heads}  head_dim = {head_dim}  qk_norm = {norm}  rope_dim = {rope_dim}  sinks = {}{bias} }}",
                 b(sinks)
             )?
         }
@@ -132,6 +133,9 @@ fn write_model(f: &mut Formatter<'_>, m: &Model) -> fmt::Result {
         Activation::SwigluOai => "swiglu_oai",
     };
     writeln!(f, "    activation = {act}")?;
+    if moe.bias {
+        writeln!(f, "    bias = true")?;
+    }
     match moe.routing {
         Routing::SoftmaxTopk { norm_topk } => writeln!(f, "    routing softmax_topk {{ norm_topk = {} }}", b(norm_topk))?,
         Routing::SigmoidGrouped { groups, top_groups, scaling, norm_topk, bias } => writeln!(

@@ -39,6 +39,10 @@ pub enum HfError {
     Bad { key: String, value: String, why: String },
 }
 
+/// GPT-OSS's clamped SwiGLU constants (transformers' `GptOssExperts`: `alpha`, `limit`).
+pub const SWIGLU_OAI_ALPHA: f64 = 1.702;
+pub const SWIGLU_OAI_LIMIT: f64 = 7.0;
+
 /// The architectures [`import`] reads.
 pub const SUPPORTED: &str = "Qwen3MoeForCausalLM, MixtralForCausalLM, DeepseekV3ForCausalLM (DeepSeek-V3, Kimi-K2), \
 Glm4MoeForCausalLM (GLM-4.5), GlmMoeDsaForCausalLM (GLM-5), MiniMaxM2ForCausalLM, GptOssForCausalLM";
@@ -185,7 +189,22 @@ pub fn import(config: &str, name: &str) -> Result<Imported, HfError> {
                 (None, None) => head_dim,
             };
             let (qk_norm, qk_norm_scope) = qk_norm(&c, fam)?;
-            Attention::Gqa { heads, kv_heads, head_dim, qk_norm, qk_norm_scope, rope_dim, sinks: fam == Family::GptOss }
+            // transformers' attention_bias: q/k/v biases; GPT-OSS's o_proj has one too.
+            let bias = match (c.opt_bool("attention_bias")?, fam) {
+                (Some(true), Family::GptOss) => AttnBias::All,
+                (Some(true), _) => AttnBias::Qkv,
+                _ => AttnBias::None,
+            };
+            Attention::Gqa {
+                heads,
+                kv_heads,
+                head_dim,
+                qk_norm,
+                qk_norm_scope,
+                rope_dim,
+                sinks: fam == Family::GptOss,
+                bias,
+            }
         }
     };
 
@@ -213,8 +232,8 @@ pub fn import(config: &str, name: &str) -> Result<Imported, HfError> {
     }
     let dense =
         if dense_k > 0 { Some(DenseLayers { layers: dense_k, ffn: c.u32_of(&["intermediate_size"])? }) } else { None };
-    if c.opt_bool("attention_bias")? == Some(true) {
-        notes.push("attention_bias = true: the q/k/v projection biases are not part of the spec".into());
+    if c.opt_bool("attention_bias")? == Some(true) && matches!(attention, Attention::Mla { .. }) {
+        notes.push("attention_bias = true: MLA's projection biases are not part of the spec".into());
     }
     if let Some(n) = c.opt_u32(&["num_nextn_predict_layers"])?.filter(|&n| n > 0) {
         let what = if n == 1 { "layer is".to_string() } else { format!("{n} layers are") };
@@ -255,7 +274,19 @@ pub fn import(config: &str, name: &str) -> Result<Imported, HfError> {
         }
     };
     let activation = if fam == Family::GptOss { Activation::SwigluOai } else { Activation::Silu };
-    let moe = Moe { experts, top_k, expert_ffn, shared_experts, shared_ffn: expert_ffn, activation, routing };
+    if fam == Family::GptOss {
+        // `swiglu_oai` is GPT-OSS's gate·σ(1.702·gate)·(up+1) with both clamped at 7; other constants
+        // would be another activation.
+        for (key, want) in [("swiglu_alpha", SWIGLU_OAI_ALPHA), ("swiglu_limit", SWIGLU_OAI_LIMIT)] {
+            if let Some(v) = c.opt_f64(&[key])?.filter(|v| (v - want).abs() > 1e-9) {
+                let why = format!("swiglu_oai is defined with {key} = {want}; another value is not supported");
+                return Err(c.bad(key, &Value::from(v), &why));
+            }
+        }
+    }
+    // GPT-OSS's router and experts carry biases.
+    let bias = fam == Family::GptOss;
+    let moe = Moe { experts, top_k, expert_ffn, shared_experts, shared_ffn: expert_ffn, activation, routing, bias };
 
     let sliding_window = sliding(&c, fam)?;
     let dtype = dtypes(&c)?;

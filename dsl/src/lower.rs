@@ -133,6 +133,11 @@ fn attention_block(
             );
             let rope_dim = g.maybe_count("rope_dim", 0, 1024);
             let sinks = g.opt_bool("sinks", false);
+            let bias = g.opt_choice(
+                "bias",
+                &[("none", AttnBias::None), ("qkv", AttnBias::Qkv), ("all", AttnBias::All)],
+                AttnBias::None,
+            );
             g.finish();
             let head_dim = head_dim?;
             let (qk_norm, qk_norm_scope) = qk_norm?;
@@ -144,6 +149,7 @@ fn attention_block(
                 qk_norm_scope,
                 rope_dim: rope_dim.ok()?.unwrap_or(head_dim),
                 sinks: sinks?,
+                bias: bias?,
             })
         }
         "mla" => {
@@ -205,6 +211,7 @@ fn moe_block(b: &Block, diags: &mut Diagnostics, spans: &mut SpanMap) -> Option<
     );
     let routing = f.req_variant("routing", "routing softmax_topk { norm_topk = true }");
     let routing = routing.and_then(|(kind, blk)| routing_block(&kind, blk, f.diags, f.spans));
+    let bias = f.opt_bool("bias", false);
     f.finish();
     let expert_ffn = expert_ffn?;
     Some(Moe {
@@ -215,6 +222,7 @@ fn moe_block(b: &Block, diags: &mut Diagnostics, spans: &mut SpanMap) -> Option<
         shared_ffn: shared_ffn.ok()?.unwrap_or(expert_ffn),
         activation: activation?,
         routing: routing?,
+        bias: bias?,
     })
 }
 

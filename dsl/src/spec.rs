@@ -14,10 +14,11 @@
 //! model NAME {                       → Model
 //!   layers hidden vocab [tie_embeddings rope_theta rms_eps]
 //!   dense { layers ffn }             → Model::dense (leading dense layers)
-//!   attention gqa { heads kv_heads head_dim [qk_norm (true|false|per_head|per_layer) rope_dim sinks] }
+//!   attention gqa { heads kv_heads head_dim [qk_norm (true|false|per_head|per_layer) rope_dim sinks
+//!                   bias (none|qkv|all)] }
 //!   attention mla { heads [q_lora] kv_lora qk_nope qk_rope v_head [index_heads index_head_dim index_topk] }
 //!   sliding_window { size pattern = [sliding, full, …] }
-//!   moe { experts top_k expert_ffn [shared_experts shared_ffn activation]
+//!   moe { experts top_k expert_ffn [shared_experts shared_ffn activation bias]
 //!         routing softmax_topk { [norm_topk] }
 //!         routing sigmoid_grouped { groups top_groups scaling [norm_topk bias] } }
 //!   dtype { weights [experts activations block_scale] }
@@ -221,6 +222,9 @@ pub enum Attention {
         rope_dim: u32,
         /// Learned per-head attention sinks (GPT-OSS).
         sinks: bool,
+        /// Projection biases: q, k and v (GLM-4.5, Qwen2), or o too (GPT-OSS).
+        #[serde(default, skip_serializing_if = "AttnBias::is_none")]
+        bias: AttnBias,
     },
     /// Multi-head latent attention (`attention mla { … }`), DeepSeek-V3 style.
     Mla {
@@ -283,6 +287,35 @@ impl Attention {
     }
 }
 
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+/// Which attention projections carry a bias (`bias = none | qkv | all`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AttnBias {
+    #[default]
+    None,
+    /// q, k and v (transformers' `attention_bias` for GLM-4.5 and Qwen2).
+    Qkv,
+    /// q, k, v and o (GPT-OSS).
+    All,
+}
+
+impl AttnBias {
+    pub fn is_none(&self) -> bool {
+        *self == AttnBias::None
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            AttnBias::None => "none",
+            AttnBias::Qkv => "qkv",
+            AttnBias::All => "all",
+        }
+    }
+}
+
 /// `sliding_window { size pattern }`: layer i uses `pattern[i % len]`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SlidingWindow {
@@ -311,6 +344,10 @@ pub struct Moe {
     pub shared_ffn: u32,
     pub activation: Activation,
     pub routing: Routing,
+    /// Biases on the router's logits and on every routed expert's gate/up
+    /// and down projections (GPT-OSS).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub bias: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -428,14 +465,19 @@ impl Model {
     pub fn attention_params_per_layer(&self) -> u64 {
         let h = u64::from(self.hidden);
         match self.attention {
-            Attention::Gqa { heads, kv_heads, head_dim, qk_norm, qk_norm_scope, sinks, .. } => {
+            Attention::Gqa { heads, kv_heads, head_dim, qk_norm, qk_norm_scope, sinks, bias, .. } => {
                 let (q, kv, d) = (u64::from(heads), u64::from(kv_heads), u64::from(head_dim));
                 let norms = match (qk_norm, qk_norm_scope) {
                     (false, _) => 0,
                     (true, QkNormScope::PerHead) => 2 * d,
                     (true, QkNormScope::PerLayer) => (q + kv) * d,
                 };
-                prod(&[2, h, q, d]).saturating_add(prod(&[2, h, kv, d])) + norms + if sinks { q } else { 0 }
+                let biases = match bias {
+                    AttnBias::None => 0,
+                    AttnBias::Qkv => (q + 2 * kv) * d,
+                    AttnBias::All => (q + 2 * kv) * d + h,
+                };
+                prod(&[2, h, q, d]).saturating_add(prod(&[2, h, kv, d])) + norms + if sinks { q } else { 0 } + biases
             }
             Attention::Mla { heads, q_lora, kv_lora, qk_nope, qk_rope, v_head, indexer } => {
                 let (n, kv, nope, rope, v) =
@@ -452,9 +494,10 @@ impl Model {
         }
     }
 
-    /// Parameters of one routed expert (gate, up, down).
+    /// Parameters of one routed expert (gate, up, down, and their biases).
     pub fn expert_params(&self) -> u64 {
-        prod(&[3, u64::from(self.hidden), u64::from(self.moe.expert_ffn)])
+        let (h, i) = (u64::from(self.hidden), u64::from(self.moe.expert_ffn));
+        prod(&[3, h, i]) + if self.moe.bias { 2 * i + h } else { 0 }
     }
 
     pub fn params(&self) -> ParamCount {
@@ -469,7 +512,7 @@ impl Model {
             attention: prod(&[layers, self.attention_params_per_layer()]),
             norms: layers * 2 * h + h,
             dense_ffn: dense,
-            router: prod(&[moe_layers, e, h]),
+            router: prod(&[moe_layers, e, h + u64::from(self.moe.bias)]),
             routed_experts: prod(&[moe_layers, e, self.expert_params()]),
             shared_experts: prod(&[moe_layers, shared, 3, h, u64::from(self.moe.shared_ffn)]),
         }

@@ -86,9 +86,9 @@ pub fn support(component: Component, feature: Feature) -> Result<(), &'static st
         // The MoE kernels see the routed block only: attention features pass.
         (
             MoeKernels,
-            MlaAttention | DsaIndexer | PerLayerQkNorm | AttentionSinks | SlidingWindow | Fp8Experts | Fp8Weights,
+            MlaAttention | DsaIndexer | PerLayerQkNorm | AttentionSinks | SlidingWindow | Fp8Experts | Fp8Weights
+            | ClampedSwiglu,
         ) => Ok(()),
-        (MoeKernels, ClampedSwiglu) => Err("the APK's GateUp epilogue computes SiLU(gate)·up"),
         (MoeKernels, Mxfp4Experts) => Err("the APK reads bf16 or fp8 e4m3 experts"),
         (MoeKernels, Fp8Activations) => Err("dispatch moves bf16 rows"),
         (MoeKernels, ManyExperts) => Err("the router holds a token's scores in one warp's registers"),
@@ -97,10 +97,8 @@ pub fn support(component: Component, feature: Feature) -> Result<(), &'static st
         (
             CpuTwin,
             ManyExperts | ManyGroups | UnalignedHidden | PerLayerQkNorm | MlaAttention | DsaIndexer | Fp8Experts
-            | Fp8Weights,
+            | Fp8Weights | AttentionSinks | SlidingWindow | ClampedSwiglu,
         ) => Ok(()),
-        (CpuTwin, AttentionSinks | SlidingWindow) => Err("the twin's attention has no sinks or window"),
-        (CpuTwin, ClampedSwiglu) => Err("the twin's experts compute SiLU(gate)·up"),
         (CpuTwin, Mxfp4Experts) => Err("the twin reads bf16 and fp8 e4m3 (block-scaled) checkpoints"),
         (CpuTwin, Fp8Activations) => Err("the twin exchanges f32 activations"),
     }

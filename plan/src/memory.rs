@@ -581,12 +581,14 @@ pub enum TensorRole {
     ExpertsW2,
 }
 
-/// The weight itself, or its fp8 block scales.
+/// The weight itself, its fp8 block scales, or its bias (one value per
+/// output row: attention projections, the router and the experts of GPT-OSS).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum TensorPart {
     Weight,
     ScaleInv,
+    Bias,
 }
 
 impl TensorRole {
@@ -634,12 +636,14 @@ impl TensorRole {
                 return match part {
                     TensorPart::Weight => format!("model.layers.{{l}}.mlp.experts.{w}"),
                     TensorPart::ScaleInv => format!("model.layers.{{l}}.mlp.experts.{w}_weight_scale_inv"),
+                    TensorPart::Bias => format!("model.layers.{{l}}.mlp.experts.{w}_bias"),
                 };
             }
         };
         match part {
             TensorPart::Weight => format!("{stem}.weight"),
             TensorPart::ScaleInv => format!("{stem}.weight_scale_inv"),
+            TensorPart::Bias => format!("{stem}.bias"),
         }
     }
 
@@ -832,10 +836,14 @@ pub fn tp_kv_heads(kv_heads: u32, p: u32) -> (u32, u32, Vec<[u32; 2]>) {
 /// it out: EP holds whole tensors and its own experts; TP holds head blocks
 /// of the head-sharded projections (rows; `o_proj`'s columns), every
 /// expert's `1/P` of the intermediate dimension, and the rest whole.
-pub fn expected_shard(role: TensorRole, mode: Mode) -> Shard {
+/// How `part` of `role` is laid out in `mode`: a bias follows its weight's
+/// rows (o_proj's, one per output column of the whole projection, stays
+/// whole: TP adds it once).
+pub fn expected_shard(role: TensorRole, part: TensorPart, mode: Mode) -> Shard {
     use TensorRole::*;
     let heads = |dim, heads| Shard::Heads { dim, heads };
     match (mode, role) {
+        (Mode::Tp, OProj) if part == TensorPart::Bias => Shard::Full,
         (Mode::Ep, ExpertsW13 | ExpertsW2) => Shard::LocalExperts,
         (Mode::Tp, ExpertsW13) => Shard::ExpertShard { dim: 1 },
         (Mode::Tp, ExpertsW2) => Shard::ExpertShard { dim: 2 },

@@ -289,6 +289,10 @@ pub struct GqaLayerParams {
     pub page_tokens: u32,
     /// Bytes of one token of one KV head in one layer (K then V).
     pub head_token_bytes: u64,
+    /// Per layer, the keys a sliding-window layer attends to (0: every
+    /// key); empty when no layer slides.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layer_window: Vec<u32>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -350,7 +354,8 @@ pub struct ApkParams {
     /// warpgroup's other warps; activations and math stay bf16).
     pub weights: WeightFormat,
     pub scale_block: u32,
-    /// The GateUp epilogue's activation (the capability table admits SiLU only).
+    /// The GateUp epilogue's activation: SiLU(gate)·up, or GPT-OSS's clamped
+    /// SwiGLU. Biases, where the model has them, are pointers of the launch.
     pub activation: Activation,
     /// Tensor-core path: `wgmma` (sm_90a: TMA, warp specialization,
     /// multicast) or `mma_sync` (portable, sm_80: cp.async, ldmatrix).

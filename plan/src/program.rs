@@ -499,11 +499,9 @@ pub fn entries_for(kind: OpKind) -> &'static [&'static str] {
         OpKind::LayerNorm => &["indexer_key_norm"],
         OpKind::Rope { .. } => &["rope", "mla_rope"],
         OpKind::KvWrite => &["kv_write", "mla_kv_write"],
-        OpKind::Attention { kind: AttentionKind::Gqa, .. } => &["paged_attention"],
+        OpKind::Attention { kind: AttentionKind::Gqa | AttentionKind::GqaSinks, .. } => &["paged_attention"],
         OpKind::Attention { kind: AttentionKind::Mla, .. } => &["mla_attention"],
         OpKind::Attention { kind: AttentionKind::MlaSparse, .. } => &["mla_sparse_attention"],
-        // Sinks have no kernel yet.
-        OpKind::Attention { kind: AttentionKind::GqaSinks, .. } => &[],
         OpKind::Route => &["moe_router"],
         OpKind::Permute => &["moe_count", "moe_offsets", "moe_scatter"],
         OpKind::Gather => &["moe_gather"],
@@ -605,6 +603,21 @@ pub fn gemm_fits(op: &Op, g: &GemmArgs, mode: Mode, mem: &MemoryPlan) -> Result<
         let read = op.reads.iter().filter(|o| matches!(o, Operand::Weight { part: TensorPart::ScaleInv, .. })).count();
         if read != scales.len() {
             return Err("it does not read every part's block scales".into());
+        }
+    }
+    // Biases: none, or one bf16 value per output row of every part, back to
+    // back (the epilogue reads one vector of the whole matrix), all read.
+    let biases: Vec<_> = views.iter().filter_map(|v| mem.view(mode, v.role, TensorPart::Bias)).collect();
+    if !biases.is_empty() {
+        if biases.len() != views.len()
+            || views.iter().zip(&biases).any(|(v, b)| b.shape != [v.shape[0]] || b.dtype != DType::Bf16)
+        {
+            return Err(format!("its biases are not one bf16 vector of {want} values"));
+        }
+        back_to_back(&biases)?;
+        let read = op.reads.iter().filter(|o| matches!(o, Operand::Weight { part: TensorPart::Bias, .. })).count();
+        if read != biases.len() {
+            return Err("it does not read every part's bias".into());
         }
     }
     Ok(())

@@ -292,13 +292,13 @@ fn views(c: &mut Check, p: &Plan) {
             c.bad(&f, format!("a second {} view of `{}`", v.mode.name(), v.tensor));
             continue;
         }
-        c.ensure(v.shard == expected_shard(v.role, v.mode), format!("{f}.shard"), || {
+        c.ensure(v.shard == expected_shard(v.role, v.part, v.mode), format!("{f}.shard"), || {
             format!(
                 "{:?} is not how `{}` is laid out in {} ({:?})",
                 v.shard,
                 v.tensor,
                 v.mode.name(),
-                expected_shard(v.role, v.mode)
+                expected_shard(v.role, v.part, v.mode)
             )
         });
         c.ensure(v.tensor == v.role.name(v.part), format!("{f}.tensor"), || {
@@ -640,8 +640,8 @@ fn kernels(c: &mut Check, p: &Plan) {
                 let path_ok = (a.path == MmaPath::Wgmma) == (k.arch == moeforge_dsl::spec::Arch::Sm90a);
                 let fp8_ok = (a.weights == WeightFormat::Fp8E4m3) == (a.scale_block > 0);
                 let rows_ok = a.max_prefill_rows % a.m_t_prefill.max(1) == 0 && a.x_star > 0.0;
-                // The GateUp epilogue computes SiLU(gate)·up (caps: no clamped SwiGLU).
-                let act_ok = a.activation == moeforge_dsl::spec::Activation::Silu;
+                // The dense form's SwiGLU epilogue is SiLU's (dense and shared FFNs).
+                let act_ok = a.form == ApkForm::Experts || a.activation == moeforge_dsl::spec::Activation::Silu;
                 let ok = tiles_ok && shape_ok && q_ok && path_ok && fp8_ok && rows_ok && act_ok;
                 c.ensure(ok, format!("{f}.params"), || format!("APK constants inconsistent: {a:?}"));
                 for &r in a.ranks.iter().filter(|_| a.form == ApkForm::Experts) {

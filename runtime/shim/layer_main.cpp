@@ -133,7 +133,8 @@ int main(int argc, char** argv) {
   shim::launch(paged_attention, tokens, kThreads, static_cast<const __nv_bfloat16*>(qkv.data()),
                static_cast<const int32_t*>(apos.data()), static_cast<const int32_t*>(row_request.data()),
                static_cast<const int32_t*>(meta.data()), tokens, q_heads, kv_heads, q_head0, kv_head0,
-               static_cast<const uint8_t*>(apool.data()), page_bytes, layer, attn.data());
+               static_cast<const uint8_t*>(apool.data()), page_bytes, layer,
+               static_cast<const __nv_bfloat16*>(nullptr), attn.data());
   put(attn);
 #endif
 #ifdef KERNEL_MLA

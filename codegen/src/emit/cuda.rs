@@ -120,6 +120,9 @@ pub fn render(plan: &ValidPlan, k: &KernelInstance) -> Result<String, TemplateEr
             ctx.insert("x_star", &float_literal(p.x_star));
             ctx.insert("fp8", &(p.weights == moeforge_plan::WeightFormat::Fp8E4m3));
             ctx.insert("dense", &(p.form == moeforge_plan::ApkForm::Dense));
+            ctx.insert("swiglu_oai", &(p.activation == moeforge_dsl::spec::Activation::SwigluOai));
+            ctx.insert("swiglu_alpha", &float_literal(moeforge_dsl::hf::SWIGLU_OAI_ALPHA));
+            ctx.insert("swiglu_limit", &float_literal(moeforge_dsl::hf::SWIGLU_OAI_LIMIT));
             ctx.insert("entry", &k.entries.first().map_or("moe_apk", |e| e.symbol.as_str()));
             ctx.insert("unit_name", target.unit_name());
             ctx.insert("uses_tma", if target.uses_tma() { "true" } else { "false" });

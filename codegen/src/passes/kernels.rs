@@ -381,13 +381,18 @@ pub fn apk(
             } else {
                 ""
             };
+            let act = match m.moe.activation {
+                moeforge_dsl::spec::Activation::Silu => "SiLU·mul",
+                moeforge_dsl::spec::Activation::SwigluOai => "clamped SwiGLU",
+            };
+            let act = if m.moe.bias { format!("{act}, with biases") } else { act.to_string() };
             // TP's MoE op runs alone on the rank's one stream: launched per
             // operation, it holds the GPU only while it runs.
             let (name, purpose, grid) = if tp {
                 (
                     "apk_tp".to_string(),
                     format!(
-                        "TP's grouped GEMMs (GateUp → SiLU·mul → Down) of every expert's 1/{} of the intermediate ({inter} columns){fp8_note}, launched per MoE operation and posted to its contiguous phase in both steps (TP's permutation writes the contiguous layout)",
+                        "TP's grouped GEMMs (GateUp → {act} → Down) of every expert's 1/{} of the intermediate ({inter} columns){fp8_note}, launched per MoE operation and posted to its contiguous phase in both steps (TP's permutation writes the contiguous layout)",
                         m.moe.expert_ffn / inter.max(1)
                     ),
                     Grid::PerOperation { cluster: cluster_size },
@@ -396,7 +401,7 @@ pub fn apk(
                 (
                     if many { format!("apk_e{local}") } else { "apk".into() },
                     format!(
-                        "persistent grouped GEMMs (GateUp → SiLU·mul → Down) of {local} local experts{fp8_note} for prefill and decode, tile-level preemption, decode q = {q} SMs"
+                        "persistent grouped GEMMs (GateUp → {act} → Down) of {local} local experts{fp8_note} for prefill and decode, tile-level preemption, decode q = {q} SMs"
                     ),
                     Grid::Persistent { cluster: cluster_size },
                 )
@@ -461,6 +466,8 @@ fn dense(
         max_decode_rows: rows(e.m_t_decode),
         weights,
         scale_block: if fp8 { FP8_SCALE_BLOCK } else { 0 },
+        // Dense and shared-expert FFNs are SwiGLU's (no model here clamps them).
+        activation: moeforge_dsl::spec::Activation::Silu,
         pipeline,
         ranks: ranks.iter().map(|r| r.rank).collect(),
         ..e.clone()
@@ -516,6 +523,11 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
                 rope_scale: m.rope_scaling.as_ref().map_or(1.0, |y| y.attention_factor()),
                 page_tokens: mem.kv.page_tokens,
                 head_token_bytes: mem.kv.head_token_bytes,
+                layer_window: m.sliding_window.as_ref().map_or(vec![], |w| {
+                    let n = w.pattern.len().max(1);
+                    let slides = |l: usize| w.pattern.get(l % n) == Some(&moeforge_dsl::spec::LayerAttn::Sliding);
+                    (0..m.layers as usize).map(|l| if slides(l) { w.size } else { 0 }).collect()
+                }),
             })
         }
         Attention::Mla { .. } => None,
@@ -688,6 +700,7 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
                 p("const uint8_t* pool"),
                 p("long long page_bytes"),
                 p("int layer"),
+                p("const __nv_bfloat16* sinks"),
                 p("__nv_bfloat16* attn"),
             ],
         ));

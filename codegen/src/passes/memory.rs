@@ -10,7 +10,7 @@
 //! on live page tables; the plan gives the head ownership they are built from).
 
 use super::{At, Ctx, PassError};
-use moeforge_dsl::spec::{Attention, DType, Deploy, Model, QkNormScope, Routing, Spec};
+use moeforge_dsl::spec::{Attention, AttnBias, DType, Deploy, Model, QkNormScope, Routing, Spec};
 use moeforge_dsl::Code;
 use moeforge_plan::memory::*;
 use moeforge_plan::Plan;
@@ -30,28 +30,23 @@ fn t(role: TensorRole, shape: &[u64], dtype: DType, shard: Shard) -> Tensor {
     Tensor { role, part: TensorPart::Weight, shape: shape.to_vec(), dtype, shard, packed: false }
 }
 
-/// Packs the weights of `v` from `from` on back to back, one matrix for one
-/// GEMM (q‖k‖v, gate‖up): bf16 weights as they are; fp8 weights (each
-/// followed by its block scales) reordered so the weights lie back to back,
-/// then their scales back to back (the scales of the whole matrix when
-/// every part but the last is a whole number of 128-row blocks).
+/// Packs the tensors of `v` from `from` on into one matrix for one GEMM
+/// (q‖k‖v, gate‖up): the parts' weights back to back, then (fp8) their block
+/// scales back to back (the scales of the whole matrix when every part but
+/// the last is a whole number of 128-row blocks), then their biases back to
+/// back (one bias vector of the whole output).
 fn pack(v: &mut [Tensor], from: usize) {
     let run = &mut v[from..];
-    let fp8 = run.iter().all(|x| x.dtype == DType::Fp8E4m3 || x.part == TensorPart::ScaleInv);
-    if fp8 && run.iter().any(|x| x.part == TensorPart::ScaleInv) {
-        run.sort_by_key(|x| x.part == TensorPart::ScaleInv);
-        let (weights, n) = (run.iter().filter(|x| x.part == TensorPart::Weight).count(), run.len());
-        for (i, x) in run.iter_mut().enumerate() {
-            x.packed = i + 1 != weights && i + 1 != n;
-        }
-        return;
+    run.sort_by_key(|x| x.part);
+    let n = run.len();
+    for i in 0..n {
+        run[i].packed = i + 1 < n && run[i + 1].part == run[i].part;
     }
-    if run.iter().all(|x| x.dtype == DType::Bf16 && x.part == TensorPart::Weight) {
-        let n = run.len();
-        for x in run.iter_mut().take(n.saturating_sub(1)) {
-            x.packed = true;
-        }
-    }
+}
+
+/// A bias of `rows` values (bf16), laid out like its weight's rows.
+fn bias(out: &mut Vec<Tensor>, role: TensorRole, rows: u64, shard: Shard) {
+    out.push(Tensor { role, part: TensorPart::Bias, shape: vec![rows], dtype: DType::Bf16, shard, packed: false });
 }
 
 /// A 2-D weight and, when it is fp8, its 128×128 block scales.
@@ -158,6 +153,9 @@ fn single_mode_reason(spec: &Spec, d: &Deploy) -> Option<String> {
     if m.dtype.experts != DType::Bf16 {
         return Some(format!("dual-mode expert slots need bf16 experts, not {}", m.dtype.experts.name()));
     }
+    if m.moe.bias {
+        return Some("dual-mode expert slots hold weights only; the experts' biases are not resharded".into());
+    }
     if !m.moe.experts.is_multiple_of(p) || !m.moe.expert_ffn.is_multiple_of(p) {
         return Some(format!(
             "{} experts of FFN size {} do not shard evenly over {p} ranks",
@@ -205,6 +203,9 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
         t(TensorRole::PostAttentionNorm, &[h], DType::Bf16, Shard::Full),
     ];
     let mut moe_rep = vec![t(TensorRole::Router, &[e, h], DType::Bf16, Shard::Full)];
+    if m.moe.bias {
+        bias(&mut moe_rep, TensorRole::Router, e, Shard::Full);
+    }
     if let Routing::SigmoidGrouped { bias: true, .. } = m.moe.routing {
         moe_rep.push(t(TensorRole::RouterBias, &[e], DType::F32, Shard::Full));
     }
@@ -269,7 +270,11 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
         (vec![], vec![])
     };
     let scale_bytes = |s: &Vec<u64>| if s.is_empty() { 0 } else { align(s.iter().product::<u64>() * 4) };
-    let slot_bytes = w13_bytes + w2_bytes + scale_bytes(&s13) + scale_bytes(&s2);
+    // Expert biases (GPT-OSS; single-mode only): per local expert, gate's then
+    // up's intermediate columns, and the down projection's hidden ones (bf16).
+    let (b13, b2) = if m.moe.bias { (vec![el, 2 * i], vec![el, h]) } else { (vec![], vec![]) };
+    let bias_bytes = |s: &Vec<u64>| if s.is_empty() { 0 } else { align(s.iter().product::<u64>() * 2) };
+    let slot_bytes = w13_bytes + w2_bytes + scale_bytes(&s13) + scale_bytes(&s2) + bias_bytes(&b13) + bias_bytes(&b2);
     let slot_count = u64::from(n) + u64::from(dual);
     let (experts, base) = b.region(RegionKind::Experts, slot_bytes * slot_count, &modes);
     let slots = ExpertSlots {
@@ -313,6 +318,20 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
             b.views.push(view(&scale(TensorRole::ExpertsW13, &s13), mode, experts, at, moe_layers, slot_bytes));
             let at2 = at + scale_bytes(&s13);
             b.views.push(view(&scale(TensorRole::ExpertsW2, &s2), mode, experts, at2, moe_layers, slot_bytes));
+        }
+        if !b13.is_empty() {
+            let at = off + w13_bytes + w2_bytes + scale_bytes(&s13) + scale_bytes(&s2);
+            let bias = |role, shape: &Vec<u64>| Tensor {
+                role,
+                part: TensorPart::Bias,
+                shape: shape.clone(),
+                dtype: DType::Bf16,
+                shard: Shard::LocalExperts,
+                packed: false,
+            };
+            b.views.push(view(&bias(TensorRole::ExpertsW13, &b13), mode, experts, at, moe_layers, slot_bytes));
+            let at2 = at + bias_bytes(&b13);
+            b.views.push(view(&bias(TensorRole::ExpertsW2, &b2), mode, experts, at2, moe_layers, slot_bytes));
         }
     }
 
@@ -419,17 +438,33 @@ fn attention_tensors(m: &Model, p: u32) -> (Vec<Tensor>, Vec<Tensor>) {
     let cols = Shard::Heads { dim: 1, heads: HeadSet::Query };
     let (mut full, mut shard) = (vec![], vec![]);
     match m.attention {
-        Attention::Gqa { heads, kv_heads, head_dim, qk_norm, qk_norm_scope, sinks, .. } => {
+        Attention::Gqa { heads, kv_heads, head_dim, qk_norm, qk_norm_scope, sinks, bias: ab, .. } => {
             let (nh, nkv, d) = (u64::from(heads), u64::from(kv_heads), u64::from(head_dim));
             let kv_local = (nkv / pp).max(1);
+            let (qkv_bias, o_bias) = (ab != AttnBias::None, ab == AttnBias::All);
             weight(&mut full, TensorRole::QProj, nh * d, h, m, wdt, Shard::Full);
             weight(&mut full, TensorRole::KProj, nkv * d, h, m, wdt, Shard::Full);
             weight(&mut full, TensorRole::VProj, nkv * d, h, m, wdt, Shard::Full);
+            if qkv_bias {
+                bias(&mut full, TensorRole::QProj, nh * d, Shard::Full);
+                bias(&mut full, TensorRole::KProj, nkv * d, Shard::Full);
+                bias(&mut full, TensorRole::VProj, nkv * d, Shard::Full);
+            }
             pack(&mut full, 0);
             weight(&mut full, TensorRole::OProj, h, nh * d, m, wdt, Shard::Full);
+            // o_proj's bias is whole in both modes (TP's view aliases this one;
+            // TP adds it once).
+            if o_bias {
+                bias(&mut full, TensorRole::OProj, h, Shard::Full);
+            }
             weight(&mut shard, TensorRole::QProj, nh / pp * d, h, m, wdt, q);
             weight(&mut shard, TensorRole::KProj, kv_local * d, h, m, wdt, kvs);
             weight(&mut shard, TensorRole::VProj, kv_local * d, h, m, wdt, kvs);
+            if qkv_bias {
+                bias(&mut shard, TensorRole::QProj, nh / pp * d, q);
+                bias(&mut shard, TensorRole::KProj, kv_local * d, kvs);
+                bias(&mut shard, TensorRole::VProj, kv_local * d, kvs);
+            }
             pack(&mut shard, 0);
             weight(&mut shard, TensorRole::OProj, h, nh / pp * d, m, wdt, cols);
             if qk_norm {

@@ -251,11 +251,14 @@ impl Config<'_> {
         let bytes = self.mem.buffer(self.mode, Buf::RouteIndex).map_or(0, |b| b.slice_bytes(self.micro_batches()));
         RouteIndexParts::of(bytes, u64::from(self.m.moe.experts))
     }
-    /// A weight and, when the memory plan stores them, its fp8 block scales.
+    /// A weight and, when the memory plan stores them, its fp8 block scales
+    /// and its bias.
     fn w(&self, role: W) -> Vec<Operand> {
         let mut v = vec![Operand::Weight { role, part: TensorPart::Weight }];
-        if self.mem.view(self.mode, role, TensorPart::ScaleInv).is_some() {
-            v.push(Operand::Weight { role, part: TensorPart::ScaleInv });
+        for part in [TensorPart::ScaleInv, TensorPart::Bias] {
+            if self.mem.view(self.mode, role, part).is_some() {
+                v.push(Operand::Weight { role, part });
+            }
         }
         v
     }
@@ -294,7 +297,12 @@ impl Config<'_> {
         let kernel = if fp8 { launch("dense_fp8", "apk_dense_fp8") } else { launch("dense", "apk_dense") };
         let op = o.push(name, OpKind::Gemm, stream, mb, reads, vec![buf(y)], kernel);
         op.gemm = Some(args);
+        // A TP partial sum (o_proj into the all-reduce) would add a bias once per rank.
+        let biased = roles.iter().any(|r| self.mem.view(self.mode, *r, TensorPart::Bias).is_some());
         let fits = match (self.dense[usize::from(fp8)], fp8) {
+            _ if biased && self.mode == Mode::Tp && y == Buf::AllReduce => {
+                Err("a bias on a TP partial sum; every rank would add it".into())
+            }
             (true, _) => gemm_fits(op, &args, self.mode, self.mem),
             (false, false) => Err("no dense APK for this target's tiles".into()),
             (false, true) => Err("fp8 weights; this target's dense APK runs bf16".into()),
@@ -668,7 +676,8 @@ impl Config<'_> {
         // the latent cache like a decode row (causal, and right for extends
         // over a cached prefix). A naive-form prefill kernel, FLOP-cheaper on
         // long prompts, is not built. DSA's sparse attention is the same over
-        // the indexer's selection; sinks have no kernel yet. The absorbed
+        // the indexer's selection; GPT-OSS's sinks and sliding windows are the
+        // GQA kernel's (its sinks pointer, its per-layer window). The absorbed
         // attention reads kv_b as stored: bf16, or fp8 codes and their block
         // scales.
         let kv_b = match self.mem.view(self.mode, W::KvBProj, TensorPart::Weight).map(|v| v.dtype) {
@@ -681,11 +690,12 @@ impl Config<'_> {
         let (rows, pages) =
             ((ptr(Buf::Positions), ptr(Buf::RowRequest), ptr(Buf::RequestMeta)), int(self.page_bytes()));
         let (kernel, args) = match (kind, self.phase) {
-            (AttentionKind::Gqa, _) => {
+            (AttentionKind::Gqa | AttentionKind::GqaSinks, _) => {
                 reads.push(buf(Buf::RowRequest));
                 let (pos, rr, meta) = rows;
                 let a = vec![ptr(Buf::Qkv), pos, rr, meta, cnt(t), int(qh), int(kvh), q0, kv0, kv(), pages, Arg::Layer];
-                (launch("layer", "paged_attention"), [a, vec![ptr(Buf::Attn)]].concat())
+                let sinks = if kind == AttentionKind::GqaSinks { wptr(W::Sinks) } else { Arg::Null };
+                (launch("layer", "paged_attention"), [a, vec![sinks, ptr(Buf::Attn)]].concat())
             }
             (AttentionKind::Mla, _) => {
                 reads.push(buf(Buf::RowRequest));
@@ -703,7 +713,6 @@ impl Config<'_> {
                 let tail = vec![kv(), pages, Arg::Layer, ptr(Buf::IndexerTopk), ptr(Buf::Attn)];
                 (launch("layer", "mla_sparse_attention"), [a, kv_b, tail].concat())
             }
-            _ => (missing(&format!("attention_{}_{}", self.phase.name(), format!("{kind:?}").to_lowercase())), vec![]),
         };
         o.push("attention", OpKind::Attention { kind, phase: self.phase }, c, mb, reads, vec![buf(Buf::Attn)], kernel);
         o.args(args);

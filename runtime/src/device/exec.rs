@@ -549,8 +549,9 @@ impl Executor {
             let eb = g.epilogue.out_bytes();
             let x = addr(&Operand::Buffer { name: xn })? + u64::from(g.x_col) * 2;
             let y = addr(&Operand::Buffer { name: yn })? + u64::from(g.y_col) * eb;
-            // The first part's weights and block scales (fp8): the parts lie back to back.
-            let (w, sc) = (wptr(TensorPart::Weight, 0)?, wptr(TensorPart::ScaleInv, 0)?);
+            // The first part's weights, block scales (fp8) and bias: the parts lie back to back.
+            let (w, sc, bias) =
+                (wptr(TensorPart::Weight, 0)?, wptr(TensorPart::ScaleInv, 0)?, wptr(TensorPart::Bias, 0)?);
             let swiglu = g.epilogue == moeforge_plan::program::Epilogue::SwiGlu;
             let rows = counts.of(g.rows);
             if rows == 0 {
@@ -575,6 +576,8 @@ impl Executor {
                 i((xb.row_bytes / 2) as u32),
                 i((yb.row_bytes / eb) as u32),
                 i(g.epilogue.code()),
+                if swiglu { bias } else { KernelArg::Null },
+                if swiglu { KernelArg::Null } else { bias },
             ]
         } else {
             if a.form == ApkForm::Dense {
@@ -617,6 +620,9 @@ impl Executor {
                 i(0),
                 i(0),
                 i(0),
+                // The experts' biases: w13's, then w2's.
+                wptr(TensorPart::Bias, 0)?,
+                wptr(TensorPart::Bias, 1)?,
             ]
         };
         Ok(self.dev.launch(module, &entry.symbol, grid, entry.block, &args)?)

@@ -4,11 +4,14 @@
 //! request's last position (greedy sampling). The weights come from the
 //! views of the current mode, selected by tensor role.
 
-use super::math::{attend, bf16s, dsa_select, layer_norm, put_bf16s, rms_norm, silu, softmax_mix, Mat, Scales};
+use super::math::{
+    attend_window, bf16s, dsa_select, layer_norm, put_bf16s, rms_norm, silu, softmax_mix, swiglu_oai, Mat, Scales,
+};
 use super::model::MlaShape;
 use super::paging::KvGeom;
 use super::{Rank, Twin, TwinError, TwinModel};
 use crate::engine::{EngineError, RequestId};
+use moeforge_dsl::spec::Activation;
 use moeforge_plan::memory::{head_block, Mode, TensorRole, View};
 use std::collections::BTreeMap;
 
@@ -246,6 +249,8 @@ pub(super) struct Ctx {
     views: BTreeMap<TensorRole, View>,
     /// Block scales of the fp8 roles.
     scales: BTreeMap<TensorRole, View>,
+    /// Biases (attention projections, router, experts).
+    biases: BTreeMap<TensorRole, View>,
     pub p: usize,
     q_heads: Vec<[u32; 2]>,
     kv_heads: Vec<(usize, usize)>,
@@ -261,14 +266,17 @@ impl Ctx {
                 return Err(TwinError::MissingView(mode.name(), role.name(moeforge_plan::memory::TensorPart::Weight)));
             }
         }
-        let scales: BTreeMap<TensorRole, View> =
-            t.scales.iter().filter(|((md, _), _)| *md == mode).map(|((_, role), v)| (*role, v.clone())).collect();
+        let of_mode = |m: &BTreeMap<(Mode, TensorRole), View>| -> BTreeMap<TensorRole, View> {
+            m.iter().filter(|((md, _), _)| *md == mode).map(|((_, role), v)| (*role, v.clone())).collect()
+        };
+        let (scales, biases) = (of_mode(&t.scales), of_mode(&t.biases));
         let p = t.ranks.len();
         Ok(Ctx {
             mode,
             m: t.model.clone(),
             views,
             scales,
+            biases,
             p,
             q_heads: (0..p as u32)
                 .map(|r| match mode {
@@ -291,6 +299,14 @@ impl Ctx {
         let (v, at) = self.at(role, l)?;
         let (rows, cols) = (*v.shape.first()? as usize, *v.shape.get(1)? as usize);
         Some(Mat { buf, at, rows, cols, row_stride: cols, scales: self.scales_of(buf, role, l, 0) })
+    }
+
+    /// `role`'s bias at layer `l` from element `at` (`n` values; empty: none).
+    pub fn bias(&self, buf: &[u8], role: TensorRole, l: usize, at: usize, n: usize) -> Vec<f32> {
+        match self.biases.get(&role).filter(|v| v.covers(l as u32)) {
+            Some(v) => bf16s(buf, v.offset_of(l as u32) as usize + 2 * at, n).collect(),
+            None => vec![],
+        }
     }
 
     /// The block scales of fp8 `role` at layer `l`, from scale row `row0`
@@ -361,11 +377,19 @@ impl Ctx {
         let (sr13, sr2) = (2 * rows.div_ceil(b), h.div_ceil(b));
         let s13 = |r0| self.scales_of(buf, TensorRole::ExpertsW13, l, r0);
         let mat = |at, rows, cols, scales| Mat { buf, at, rows, cols, row_stride: cols, scales };
-        let gate = mat(w13 + eb * local * 2 * rows * h, rows, h, s13(local * sr13)).matvec(x);
-        let up = mat(w13 + eb * (local * 2 * rows + rows) * h, rows, h, s13(local * sr13 + sr13 / 2)).matvec(x);
-        let z: Vec<f32> = gate.iter().zip(&up).map(|(g, u)| silu(*g) * u).collect();
+        let mut gate = mat(w13 + eb * local * 2 * rows * h, rows, h, s13(local * sr13)).matvec(x);
+        let mut up = mat(w13 + eb * (local * 2 * rows + rows) * h, rows, h, s13(local * sr13 + sr13 / 2)).matvec(x);
+        // Biases (GPT-OSS; EP only): the local expert's gate, up and down.
+        add(&mut gate, &self.bias(buf, TensorRole::ExpertsW13, l, local * 2 * rows, rows));
+        add(&mut up, &self.bias(buf, TensorRole::ExpertsW13, l, local * 2 * rows + rows, rows));
+        let z: Vec<f32> = match self.m.activation {
+            Activation::Silu => gate.iter().zip(&up).map(|(g, u)| silu(*g) * u).collect(),
+            Activation::SwigluOai => gate.iter().zip(&up).map(|(g, u)| swiglu_oai(*g, *u)).collect(),
+        };
         let s2 = self.scales_of(buf, TensorRole::ExpertsW2, l, local * sr2);
-        mat(w2 + eb * local * h * rows, h, rows, s2).matvec(&z)
+        let mut y = mat(w2 + eb * local * h * rows, h, rows, s2).matvec(&z);
+        add(&mut y, &self.bias(buf, TensorRole::ExpertsW2, l, local * h, h));
+        y
     }
 
     /// The q, k and v projections of one rank's tokens in layer `l` (its
@@ -383,12 +407,21 @@ impl Ctx {
         ) else {
             return Proj::default();
         };
+        let (bq, bk, bv) = (
+            self.bias(&rank.buf, TensorRole::QProj, l, 0, wq.rows),
+            self.bias(&rank.buf, TensorRole::KProj, l, 0, wk.rows),
+            self.bias(&rank.buf, TensorRole::VProj, l, 0, wv.rows),
+        );
         let mut p = Proj::default();
         for x in xs {
             let h = rms_norm(x, &in_norm, eps);
-            p.q.push(wq.matvec(&h));
-            p.k.push(wk.matvec(&h));
-            p.v.push(wv.matvec(&h));
+            let (mut q, mut k, mut v) = (wq.matvec(&h), wk.matvec(&h), wv.matvec(&h));
+            add(&mut q, &bq);
+            add(&mut k, &bk);
+            add(&mut v, &bv);
+            p.q.push(q);
+            p.k.push(k);
+            p.v.push(v);
         }
         p
     }
@@ -639,6 +672,14 @@ impl Ctx {
             put_bf16s(&mut rank.buf, at + 2 * hd, &v);
         }
         let o_proj = self.mat(&rank.buf, TensorRole::OProj, l);
+        // o_proj's bias, once: every rank's in EP, rank 0's partial sum in TP.
+        let o_bias = if self.mode == Mode::Ep || rank.id == 0 {
+            self.bias(&rank.buf, TensorRole::OProj, l, 0, m.hidden)
+        } else {
+            vec![]
+        };
+        // GPT-OSS: the layer's window and the local heads' sinks.
+        let (window, sinks) = (m.window_of(l), self.vec(&rank.buf, TensorRole::Sinks, l));
         batch
             .iter()
             .zip(proj.q)
@@ -660,9 +701,12 @@ impl Ctx {
                         bf16s(&rank.buf, geo.slot(table[j / geo.page_tokens], l, g, j % geo.page_tokens) + 2 * hd, hd)
                             .collect()
                     };
-                    heads.extend(attend(&qh, pos + 1, key, value));
+                    let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                    heads.extend(attend_window(&qh, first..pos + 1, sinks.get(i).copied(), key, value));
                 }
-                o_proj.as_ref().map(|w| w.matvec(&heads)).unwrap_or_else(|| vec![0.0; m.hidden])
+                let mut out = o_proj.as_ref().map(|w| w.matvec(&heads)).unwrap_or_else(|| vec![0.0; m.hidden]);
+                add(&mut out, &o_bias);
+                out
             })
             .collect()
     }
@@ -677,4 +721,9 @@ pub(super) struct Proj {
     /// The DSA indexer's query (`heads × head_dim`) and per-head weights.
     iq: Vec<Vec<f32>>,
     iw: Vec<Vec<f32>>,
+}
+
+/// `x += b` element by element (`b` empty: nothing).
+fn add(x: &mut [f32], b: &[f32]) {
+    x.iter_mut().zip(b).for_each(|(a, b)| *a += b);
 }

@@ -13,7 +13,8 @@ impl Twin {
     pub(super) fn load(&mut self, ck: &Checkpoint) -> Result<(), TwinError> {
         let m = self.model.clone();
         let p = self.ranks.len();
-        let views: Vec<View> = self.views.values().chain(self.scales.values()).cloned().collect();
+        let views: Vec<View> =
+            self.views.values().chain(self.scales.values()).chain(self.biases.values()).cloned().collect();
         for v in &views {
             // TP views of full attention tensors alias the EP copy: written once.
             let aliased = self
@@ -63,6 +64,9 @@ impl Twin {
             t.data.get(a * w..b * w).map(<[u8]>::to_vec).ok_or_else(|| short(name))
         };
         let scale = v.part == TensorPart::ScaleInv;
+        if v.part == TensorPart::Bias {
+            return self.bias_for(ck, m, v, name, l, r);
+        }
         Ok(match v.shard {
             // The indexer key's LayerNorm: one view of two rows, the checkpoint's weight and bias.
             Shard::Full if v.role == TensorRole::IndexerKNorm => {
@@ -154,6 +158,55 @@ impl Twin {
                     }
                 }
                 out
+            }
+        })
+    }
+
+    /// The bias view `v` holds on rank `r` for layer `l`: a projection's
+    /// (its heads' rows in TP), the router's, or the local experts' gate‖up
+    /// and down biases.
+    fn bias_for(
+        &self,
+        ck: &Checkpoint,
+        m: &TwinModel,
+        v: &View,
+        name: &str,
+        l: usize,
+        r: usize,
+    ) -> Result<Vec<u8>, TwinError> {
+        let p = self.ranks.len();
+        let short = || TwinError::Unsupported(format!("`{name}` is smaller than its view's shard of it"));
+        Ok(match v.shard {
+            Shard::Full => ck.get(name, &[v.shape.iter().product::<u64>() as usize])?.data.clone(),
+            Shard::Heads { heads, .. } => {
+                let hd = m.head_rows(v.role);
+                let [a, b] = match heads {
+                    HeadSet::Query => head_block(m.heads as u32, p as u32, r as u32),
+                    HeadSet::Kv => self.plan.kv.tp_heads.get(r).copied().unwrap_or([0, 0]),
+                };
+                let t = ck.get(name, &[m.full_shape(v.role)[0]])?;
+                t.data.get(2 * a as usize * hd..2 * b as usize * hd).map(<[u8]>::to_vec).ok_or_else(short)?
+            }
+            Shard::LocalExperts => {
+                let (e, i, h) = (m.experts, m.expert_ffn, m.hidden);
+                let pre = format!("model.layers.{l}.mlp.experts");
+                let parts: &[(&str, usize)] = if v.role == TensorRole::ExpertsW13 {
+                    &[("gate_proj", i), ("up_proj", i)]
+                } else {
+                    &[("down_proj", h)]
+                };
+                let mut out = Vec::with_capacity(v.bytes() as usize);
+                for g in r * e / p..(r + 1) * e / p {
+                    for &(part, n) in parts {
+                        out.extend_from_slice(&ck.get(&format!("{pre}.{g}.{part}.bias"), &[n])?.data);
+                    }
+                }
+                out
+            }
+            Shard::ExpertShard { .. } => {
+                return Err(TwinError::Unsupported(format!(
+                    "`{name}`: the CPU twin does not slice experts' biases (TP); the plan holds them in EP only"
+                )))
             }
         })
     }

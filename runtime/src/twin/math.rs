@@ -198,9 +198,48 @@ pub fn silu(x: f32) -> f32 {
 /// Softmax-weighted sum of values for one query head over `n` cached
 /// positions; `key(j)`/`value(j)` give the j-th cached vectors.
 pub fn attend(q: &[f32], n: usize, key: impl Fn(usize) -> Vec<f32>, value: impl Fn(usize) -> Vec<f32>) -> Vec<f32> {
+    attend_window(q, 0..n, None, key, value)
+}
+
+/// [`attend`] over the keys `keys` only (a sliding window), with a learned
+/// sink logit (GPT-OSS) joining the softmax's denominator and adding no value.
+pub fn attend_window(
+    q: &[f32],
+    keys: std::ops::Range<usize>,
+    sink: Option<f32>,
+    key: impl Fn(usize) -> Vec<f32>,
+    value: impl Fn(usize) -> Vec<f32>,
+) -> Vec<f32> {
     let scale = 1.0 / (q.len() as f32).sqrt();
-    let scores: Vec<f32> = (0..n).map(|j| key(j).iter().zip(q).map(|(k, q)| k * q).sum::<f32>() * scale).collect();
-    softmax_mix(&scores, q.len(), value)
+    let first = keys.start;
+    let scores: Vec<f32> = keys.map(|j| key(j).iter().zip(q).map(|(k, q)| k * q).sum::<f32>() * scale).collect();
+    match sink {
+        None => softmax_mix(&scores, q.len(), |j| value(first + j)),
+        Some(s) => {
+            // softmax over [scores…, s], the sink's column dropped.
+            let m = scores.iter().copied().fold(s, f32::max);
+            let exps: Vec<f32> = scores.iter().map(|x| (x - m).exp()).collect();
+            let sum: f32 = exps.iter().sum::<f32>() + (s - m).exp();
+            let mut out = vec![0f32; q.len()];
+            for (j, e) in exps.iter().enumerate() {
+                let p = e / sum;
+                for (o, v) in out.iter_mut().zip(value(first + j)) {
+                    *o += p * v;
+                }
+            }
+            out
+        }
+    }
+}
+
+/// GPT-OSS's clamped SwiGLU: the gate clamped from above and the up
+/// projection both ways at `limit` (7), then `(up + 1) · gate · σ(α·gate)`, α = 1.702.
+pub fn swiglu_oai(gate: f32, up: f32) -> f32 {
+    const ALPHA: f32 = moeforge_dsl::hf::SWIGLU_OAI_ALPHA as f32;
+    const LIMIT: f32 = moeforge_dsl::hf::SWIGLU_OAI_LIMIT as f32;
+    let g = gate.min(LIMIT);
+    let u = up.clamp(-LIMIT, LIMIT);
+    (u + 1.0) * g / (1.0 + (-g * ALPHA).exp())
 }
 
 /// `Σ_j softmax(scores)_j · value(j)` over `width` values: the second half

@@ -123,6 +123,8 @@ pub struct Twin {
     views: BTreeMap<(Mode, TensorRole), View>,
     /// The block-scale views of the fp8 roles, by mode and role.
     scales: BTreeMap<(Mode, TensorRole), View>,
+    /// The bias views (attention projections, router, experts), by mode and role.
+    biases: BTreeMap<(Mode, TensorRole), View>,
     ranks: Vec<Rank>,
     mode: Mode,
     requests: BTreeMap<RequestId, Live>,
@@ -169,7 +171,7 @@ impl Twin {
                 model.experts
             )));
         }
-        let (views, scales) = check_views(&model, &plan)?;
+        let (views, scales, biases) = check_views(&model, &plan)?;
         ck.validate(&model)?;
         let pages = kv_pages(&plan, start);
         let ranks = (0..p)
@@ -186,6 +188,7 @@ impl Twin {
             plan,
             views,
             scales,
+            biases,
             ranks,
             mode: start,
             requests: BTreeMap::new(),
@@ -470,11 +473,12 @@ type Views = BTreeMap<(Mode, TensorRole), View>;
 /// shape and dtype the model's arithmetic needs (so no edited plan can make
 /// the twin read outside a view), the block-scale views of its fp8 weights,
 /// and the KV geometry the model implies.
-fn check_views(m: &TwinModel, plan: &MemoryPlan) -> Result<(Views, Views), TwinError> {
+fn check_views(m: &TwinModel, plan: &MemoryPlan) -> Result<(Views, Views, Views), TwinError> {
     let p = plan.group as usize;
     let tp_kv = plan.kv.tp.as_ref().map_or(0, |t| t.heads_per_rank as usize);
     let mut out = BTreeMap::new();
     let mut scales = BTreeMap::new();
+    let mut biases = BTreeMap::new();
     for &mode in &plan.modes {
         for role in m.roles() {
             let v = plan
@@ -490,6 +494,20 @@ fn check_views(m: &TwinModel, plan: &MemoryPlan) -> Result<(Views, Views), TwinE
                 });
             }
             out.insert((mode, role), v.clone());
+            if let Some(shape) = m.bias_shape(role, mode, p, tp_kv) {
+                let b = plan
+                    .view(mode, role, TensorPart::Bias)
+                    .ok_or_else(|| TwinError::MissingView(mode.name(), role.name(TensorPart::Bias)))?;
+                if b.shape != shape || b.dtype != DType::Bf16 || b.layers != v.layers {
+                    return Err(TwinError::ViewShape {
+                        mode: mode.name(),
+                        tensor: b.tensor.clone(),
+                        found: format!("{:?} {} for layers {:?}", b.shape, b.dtype.name(), b.layers),
+                        expected: format!("{shape:?} bf16"),
+                    });
+                }
+                biases.insert((mode, role), b.clone());
+            }
             let Some(shape) = m.scale_view_shape(role, mode, p, tp_kv) else { continue };
             let s = plan
                 .view(mode, role, TensorPart::ScaleInv)
@@ -529,5 +547,5 @@ fn check_views(m: &TwinModel, plan: &MemoryPlan) -> Result<(Views, Views), TwinE
             expected: format!("{} bytes, {} heads", m.kv_token_bytes(), m.kv_heads),
         });
     }
-    Ok((out, scales))
+    Ok((out, scales, biases))
 }

@@ -3,7 +3,7 @@
 //! the shape each of the plan's views must have for its arithmetic.
 
 use super::math::Rope;
-use moeforge_dsl::spec::{Attention, DType, Model, QkNormScope, Routing};
+use moeforge_dsl::spec::{Activation, Attention, AttnBias, DType, LayerAttn, Model, QkNormScope, Routing};
 use moeforge_plan::caps;
 use moeforge_plan::memory::{Mode, TensorPart, TensorRole};
 
@@ -70,6 +70,15 @@ pub struct TwinModel {
     pub fp8_weights: bool,
     pub fp8_experts: bool,
     pub scale_block: usize,
+    /// GPT-OSS: learned per-head sinks in every softmax, a sliding window on
+    /// the layers the pattern marks (`window`, per layer), biases on the
+    /// attention projections, the router and the experts, and the clamped
+    /// SwiGLU.
+    pub sinks: bool,
+    pub attn_bias: AttnBias,
+    pub window: Option<(usize, Vec<bool>)>,
+    pub moe_bias: bool,
+    pub activation: Activation,
 }
 
 impl TwinModel {
@@ -79,6 +88,10 @@ impl TwinModel {
             let why: Vec<String> = refused.iter().map(|(u, why)| format!("{} ({why})", u.feature.name())).collect();
             return Err(format!("the CPU twin cannot run `{}`: it uses {}", m.name, why.join(", ")));
         }
+        let (sinks, attn_bias) = match m.attention {
+            Attention::Gqa { sinks, bias, .. } => (sinks, bias),
+            Attention::Mla { .. } => (false, AttnBias::None),
+        };
         let (heads, kv_heads, head_dim, qk_norm, qk_norm_per_layer, rope, mla) = match m.attention {
             Attention::Gqa { heads, kv_heads, head_dim, qk_norm, qk_norm_scope, rope_dim, .. } => (
                 heads,
@@ -132,6 +145,17 @@ impl TwinModel {
             fp8_weights: m.dtype.weights == DType::Fp8E4m3,
             fp8_experts: m.dtype.experts == DType::Fp8E4m3,
             scale_block: m.dtype.block_scale.map_or(128, |[r, c]| if r == c { r as usize } else { 0 }),
+            sinks,
+            attn_bias,
+            window: m.sliding_window.as_ref().map(|w| {
+                let n = w.pattern.len().max(1);
+                (
+                    w.size as usize,
+                    (0..m.layers as usize).map(|l| w.pattern.get(l % n) == Some(&LayerAttn::Sliding)).collect(),
+                )
+            }),
+            moe_bias: m.moe.bias,
+            activation: m.moe.activation,
         })
     }
 
@@ -193,6 +217,32 @@ impl TwinModel {
     pub fn scale_shape(&self, rows: usize, cols: usize) -> Vec<usize> {
         let b = self.scale_block.max(1);
         vec![rows.div_ceil(b), cols.div_ceil(b)]
+    }
+
+    /// The sliding window of layer `l` (keys within `size` positions of the
+    /// query, itself included), or `None` for full attention.
+    pub fn window_of(&self, l: usize) -> Option<usize> {
+        self.window.as_ref().and_then(|(size, sliding)| sliding.get(l).copied().unwrap_or(false).then_some(*size))
+    }
+
+    /// The bias view shape of `role` in `mode` (None: it has no bias):
+    /// a projection's output rows (its rank's in TP; o_proj's whole), the
+    /// router's experts, the local experts' gate‖up and down columns.
+    pub fn bias_shape(&self, role: TensorRole, mode: Mode, p: usize, tp_kv: usize) -> Option<Vec<u64>> {
+        use TensorRole::*;
+        let tp = mode == Mode::Tp;
+        let d = self.head_dim;
+        let qkv = self.attn_bias != AttnBias::None;
+        let shape = match role {
+            QProj if qkv => vec![if tp { self.heads / p } else { self.heads } * d],
+            KProj | VProj if qkv => vec![if tp { tp_kv } else { self.kv_heads } * d],
+            OProj if self.attn_bias == AttnBias::All => vec![self.hidden],
+            Router if self.moe_bias => vec![self.experts],
+            ExpertsW13 if self.moe_bias && !tp => vec![self.experts / p, 2 * self.expert_ffn],
+            ExpertsW2 if self.moe_bias && !tp => vec![self.experts / p, self.hidden],
+            _ => return None,
+        };
+        Some(shape.into_iter().map(|x| x as u64).collect())
     }
 
     pub fn selection_bias(&self) -> bool {
@@ -265,6 +315,18 @@ impl TwinModel {
                 }
             }
             v.push((at(TensorRole::OProj), self.full_shape(TensorRole::OProj)));
+            let bias = |r: TensorRole| r.name(TensorPart::Bias).replace("{l}", &l.to_string());
+            if self.attn_bias != AttnBias::None && self.mla.is_none() {
+                v.push((bias(TensorRole::QProj), vec![self.heads * d]));
+                v.push((bias(TensorRole::KProj), vec![self.kv_heads * d]));
+                v.push((bias(TensorRole::VProj), vec![self.kv_heads * d]));
+            }
+            if self.attn_bias == AttnBias::All {
+                v.push((bias(TensorRole::OProj), vec![h]));
+            }
+            if self.sinks {
+                v.push((TensorRole::Sinks.name(TensorPart::Weight).replace("{l}", &l.to_string()), vec![self.heads]));
+            }
             if self.qk_norm {
                 let (qn, kn) = self.qk_norm_widths();
                 v.push((format!("{p}.self_attn.q_norm.weight"), vec![qn]));
@@ -275,15 +337,26 @@ impl TwinModel {
                 v.push((format!("{pre}.up_proj.weight"), vec![f, h]));
                 v.push((format!("{pre}.down_proj.weight"), vec![h, f]));
             };
+            let expert_biases = |v: &mut Vec<(String, Vec<usize>)>, pre: &str, f: usize| {
+                v.push((format!("{pre}.gate_proj.bias"), vec![f]));
+                v.push((format!("{pre}.up_proj.bias"), vec![f]));
+                v.push((format!("{pre}.down_proj.bias"), vec![h]));
+            };
             if l < self.dense_layers {
                 ffn(&mut v, &format!("{p}.mlp"), self.dense_ffn);
             } else {
                 v.push((format!("{p}.mlp.gate.weight"), vec![self.experts, h]));
+                if self.moe_bias {
+                    v.push((format!("{p}.mlp.gate.bias"), vec![self.experts]));
+                }
                 if self.selection_bias() {
                     v.push((format!("{p}.mlp.gate.e_score_correction_bias"), vec![self.experts]));
                 }
                 for e in 0..self.experts {
                     ffn(&mut v, &format!("{p}.mlp.experts.{e}"), self.expert_ffn);
+                    if self.moe_bias {
+                        expert_biases(&mut v, &format!("{p}.mlp.experts.{e}"), self.expert_ffn);
+                    }
                 }
                 if self.shared_ffn > 0 {
                     ffn(&mut v, &format!("{p}.mlp.shared_experts"), self.shared_ffn);
@@ -330,6 +403,7 @@ impl TwinModel {
             TensorRole::KNorm => vec![self.qk_norm_widths().1],
             TensorRole::Router => vec![e, h],
             TensorRole::RouterBias => return Some((vec![e as u64], DType::F32)),
+            TensorRole::Sinks => vec![heads],
             TensorRole::SharedGate | TensorRole::SharedUp => vec![sf, h],
             TensorRole::SharedDown => vec![h, sf],
             TensorRole::DenseGate | TensorRole::DenseUp => vec![df, h],
@@ -338,7 +412,6 @@ impl TwinModel {
             TensorRole::ExpertsW13 => vec![e / p, 2 * i, h],
             TensorRole::ExpertsW2 if tp => vec![e, h, i / p],
             TensorRole::ExpertsW2 => vec![e / p, h, i],
-            _ => return None,
         };
         let dtype = if self.fp8(role) { DType::Fp8E4m3 } else { DType::Bf16 };
         Some((shape.into_iter().map(|x| x as u64).collect(), dtype))
@@ -394,6 +467,9 @@ impl TwinModel {
         }
         if self.qk_norm {
             v.extend([QNorm, KNorm]);
+        }
+        if self.sinks {
+            v.push(Sinks);
         }
         v.extend([Router, ExpertsW13, ExpertsW2]);
         if self.selection_bias() {

@@ -19,7 +19,10 @@ impl Twin {
             normed[rank.id]
                 .iter()
                 .map(|h| {
-                    let logits = cx.mat(&rank.buf, TensorRole::Router, l).map(|w| w.matvec(h)).unwrap_or_default();
+                    let mut logits = cx.mat(&rank.buf, TensorRole::Router, l).map(|w| w.matvec(h)).unwrap_or_default();
+                    // GPT-OSS's router bias shifts the logits (ranking and softmax both).
+                    let b = cx.bias(&rank.buf, TensorRole::Router, l, 0, m.experts);
+                    logits.iter_mut().zip(&b).for_each(|(x, b)| *x += b);
                     let bias = m.selection_bias().then(|| cx.f32s(&rank.buf, TensorRole::RouterBias, l));
                     route(&rule, &logits, bias.as_deref())
                 })

@@ -103,6 +103,7 @@ pub enum WeightsError {
 pub fn canonical(name: &str) -> String {
     let n = name
         .replace(".block_sparse_moe.", ".mlp.")
+        .replace(".mlp.router.", ".mlp.gate.")
         .replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias");
     if n.contains(".mlp.experts.") {
         return n
@@ -146,6 +147,82 @@ fn unfuse(name: &str, t: &Tensor) -> Result<Option<Vec<(String, Tensor)>>, Weigh
     Ok(Some(out))
 }
 
+/// GPT-OSS's fused experts as its checkpoints hold them (transformers'
+/// `GptOssExperts`): `mlp.experts.gate_up_proj` `[E, H, 2I]` with gate and up
+/// interleaved along the last dimension (gate at even columns), its bias
+/// `[E, 2I]` interleaved alike, `mlp.experts.down_proj` `[E, I, H]` and its
+/// bias `[E, H]`; as per-expert `[I, H]` gate and up, `[H, I]` down and
+/// their biases. `None` for any other tensor.
+fn unfuse_gpt_oss(name: &str, t: &Tensor) -> Result<Option<Vec<(String, Tensor)>>, WeightsError> {
+    let sfx = [
+        ".mlp.experts.gate_up_proj",
+        ".mlp.experts.gate_up_proj_bias",
+        ".mlp.experts.down_proj",
+        ".mlp.experts.down_proj_bias",
+    ];
+    let Some((k, pre)) = sfx.iter().enumerate().find_map(|(k, s)| name.strip_suffix(s).map(|p| (k, p))) else {
+        return Ok(None);
+    };
+    let what = [
+        "[experts, hidden, 2 × intermediate]",
+        "[experts, 2 × intermediate]",
+        "[experts, intermediate, hidden]",
+        "[experts, hidden]",
+    ][k];
+    let bad = || WeightsError::Fused { name: name.to_string(), found: t.shape.clone(), rows: what };
+    if t.dtype != Dtype::Bf16 {
+        return Err(WeightsError::Dtype { name: name.to_string(), dtype: t.dtype.name().into(), expected: "bf16" });
+    }
+    let at = |i: usize| -> Result<[u8; 2], WeightsError> {
+        t.data.get(2 * i..2 * i + 2).map(|b| [b[0], b[1]]).ok_or_else(bad)
+    };
+    let mut out = Vec::new();
+    let tensor = |shape: Vec<usize>, data: Vec<u8>| Tensor { shape, dtype: Dtype::Bf16, data };
+    match (k, t.shape.as_slice()) {
+        (0, &[e, h, i2]) if i2 % 2 == 0 => {
+            for x in 0..e {
+                for (c, part) in ["gate_proj", "up_proj"].iter().enumerate() {
+                    // Row j of the [I, H] matrix: column 2j + c of the expert's [H, 2I].
+                    let mut data = Vec::with_capacity(i2 / 2 * h * 2);
+                    for j in 0..i2 / 2 {
+                        for r in 0..h {
+                            data.extend(at((x * h + r) * i2 + 2 * j + c)?);
+                        }
+                    }
+                    out.push((format!("{pre}.mlp.experts.{x}.{part}.weight"), tensor(vec![i2 / 2, h], data)));
+                }
+            }
+        }
+        (1, &[e, i2]) if i2 % 2 == 0 => {
+            for x in 0..e {
+                for (c, part) in ["gate_proj", "up_proj"].iter().enumerate() {
+                    let data = (0..i2 / 2).map(|j| at(x * i2 + 2 * j + c)).collect::<Result<Vec<_>, _>>()?.concat();
+                    out.push((format!("{pre}.mlp.experts.{x}.{part}.bias"), tensor(vec![i2 / 2], data)));
+                }
+            }
+        }
+        (2, &[e, i, h]) => {
+            for x in 0..e {
+                let mut data = Vec::with_capacity(h * i * 2);
+                for r in 0..h {
+                    for c in 0..i {
+                        data.extend(at((x * i + c) * h + r)?);
+                    }
+                }
+                out.push((format!("{pre}.mlp.experts.{x}.down_proj.weight"), tensor(vec![h, i], data)));
+            }
+        }
+        (3, &[e, h]) => {
+            for x in 0..e {
+                let data = t.data.get(2 * x * h..2 * (x + 1) * h).ok_or_else(bad)?.to_vec();
+                out.push((format!("{pre}.mlp.experts.{x}.down_proj.bias"), tensor(vec![h], data)));
+            }
+        }
+        _ => return Err(bad()),
+    }
+    Ok(Some(out))
+}
+
 fn family_name(canonical: &str, family: Family) -> String {
     match family {
         Family::Qwen3Moe => canonical.to_string(),
@@ -172,6 +249,11 @@ impl Checkpoint {
             return Err(WeightsError::Empty(dir.display().to_string()));
         }
         let mut out = Checkpoint::default();
+        // GPT-OSS holds its experts fused in its own layout (config.json's model_type says so).
+        let gpt_oss = std::fs::read_to_string(dir.join("config.json"))
+            .ok()
+            .and_then(|c| serde_json::from_str::<serde_json::Value>(&c).ok())
+            .is_some_and(|c| c.get("model_type").and_then(|m| m.as_str()) == Some("gpt_oss"));
         for f in files {
             let path = f.display().to_string();
             let bytes = std::fs::read(&f).map_err(|e| WeightsError::Io { path: path.clone(), err: e.to_string() })?;
@@ -206,7 +288,8 @@ impl Checkpoint {
                     }
                     t = Tensor { data, dtype: Dtype::Bf16, ..t };
                 }
-                match unfuse(&canon, &t)? {
+                let parts = if gpt_oss { unfuse_gpt_oss(&canon, &t)? } else { unfuse(&canon, &t)? };
+                match parts {
                     Some(parts) => out.tensors.extend(parts),
                     None => {
                         out.tensors.insert(canon, t);
