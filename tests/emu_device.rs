@@ -5,8 +5,10 @@
 //! sources built for the host, in their own process), against references
 //! written here: the embedding table's rows, `twin::math::rms_norm`, and a
 //! naive causal softmax attention over the heads a TP rank holds (derived
-//! from the model's head counts, not from the plan). Bad input: a kernel
-//! that does not build, and a kernel that traps, are errors naming it.
+//! from the model's head counts, not from the plan); the flash-attention
+//! prefill kernel over several tiles, requests, windows and sinks against an
+//! f64 softmax; the DSA indexer against `twin::math::dsa_select`. Bad input:
+//! a kernel that does not build, and a kernel that traps, are errors naming it.
 
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
 
@@ -364,4 +366,148 @@ fn dsa_indexer_case(top_k: usize) {
         near_ties <= tokens / 50 && checked + near_ties == tokens,
         "top {top_k}: {near_ties} near-ties of {tokens} rows"
     );
+}
+
+/// The flash-attention prefill kernel (`flash_prefill`, tensor cores under
+/// the instruction-level emulation) on GPT-OSS's tiny checkpoint shape (8
+/// query heads, 2 KV heads of 16 dims, sinks, a 4-key window on layer 0,
+/// full attention on layer 1) over one step of three requests: a 150-token
+/// prompt (three query tiles, three key steps), a 5-token prompt sharing
+/// its last tile, and a 30-token extend at positions 70…99 over a prefix
+/// cached by an earlier step, so one tile holds rows of all three. Against
+/// an f64 softmax written here over each row's visible keys, the sink
+/// joining the denominator.
+/// Once with the target's default tiles (64 × 64) and once with the spec's
+/// `tiles { attention { block_q = 32  block_kv = 16 } }` (more tiles and key
+/// steps, and the block's threads follow block_q).
+#[test]
+fn flash_prefill_matches_a_reference_over_tiles_requests_windows_and_sinks() {
+    flash_case(None, (64, 64));
+    flash_case(Some("attention { block_q = 32  block_kv = 16 }"), (32, 16));
+}
+
+fn flash_case(attention: Option<&str>, tiles: (u32, u32)) {
+    use moeforge::plan::KernelParams;
+    let tmp = tempfile::tempdir().unwrap();
+    let block = imported_block(&root().join("tests/fixtures/models/gpt-oss"));
+    let mut text = cpu_deployment(&block, 1, 0.25);
+    if let Some(a) = attention {
+        assert!(text.contains("} }\ndeploy tiny"), "{text}");
+        text = text.replacen("} }\ndeploy tiny", &format!("}} {a} }}\ndeploy tiny"), 1);
+    }
+    let lb = compile_text(&text, tmp.path());
+    let plan = lb.plan.plan();
+    let b = Bundle {
+        plan: plan.clone(),
+        files: lb.kernels.iter().map(|(k, v)| (format!("kernels/{k}.cu"), v.clone().into_bytes())).collect(),
+    };
+    let mut r = rig(&b);
+    let mem = &b.plan.memory;
+    let p = b.plan.programs.iter().find(|p| p.mode == Mode::Ep && p.phase == Phase::Prefill).unwrap();
+    // EP prefill runs two micro-batches (TBO): micro-batch 0's ops and slices.
+    assert_eq!(p.micro_batches, 2);
+    let attention = op(p, "attention.0");
+    assert!(
+        matches!(&attention.kernel, moeforge::plan::program::KernelRef::Launch { entry, .. } if entry == "flash_prefill"),
+        "prefill attention runs flash_prefill"
+    );
+    let KernelParams::Layer(lp) = &b.plan.kernels.iter().find(|k| k.name == "layer").unwrap().params else {
+        panic!("no layer kernel")
+    };
+    let g = lp.gqa.as_ref().expect("GQA");
+    let a = g.flash.expect("the layer instance has flash_prefill");
+    assert_eq!((a.block_q, a.block_kv), tiles);
+    let entry = b.plan.kernels.iter().flat_map(|k| &k.entries).find(|e| e.symbol == "flash_prefill").unwrap();
+    assert_eq!(entry.block, 2 * tiles.0, "a warp per 16 rows");
+    let (heads, kv_heads, d) = (g.heads as usize, g.kv_heads as usize, g.head_dim as usize);
+    assert_eq!((heads, kv_heads, d), (8, 2, 16));
+    let buffer = |name| mem.buffer(Mode::Ep, name).unwrap();
+    let put = |r: &mut Rig, at: u64, bytes: &[u8]| r.dev.upload(r.buf, at, bytes).unwrap();
+    let qkv_row = buffer(BufferName::Qkv).row_bytes as usize / 2;
+    let meta_row = buffer(BufferName::RequestMeta).row_bytes as usize / 4;
+    let pt = mem.kv.page_tokens as usize;
+    let mut rng = Rng(0xfa2);
+
+    // Requests: (positions of this step's rows, the prefix cached before).
+    let reqs: [(std::ops::Range<usize>, usize); 3] = [(0..150, 0), (0..5, 0), (70..100, 70)];
+    let mut free = rng.permutation(64).into_iter().map(|x| x as i32 + 1);
+    let pages: Vec<Vec<i32>> =
+        reqs.iter().map(|(pos, _)| (0..pos.end.div_ceil(pt)).map(|_| free.next().unwrap()).collect()).collect();
+    let mut meta = vec![0i32; meta_row * reqs.len()];
+    for (i, pg) in pages.iter().enumerate() {
+        meta[i * meta_row + 8..i * meta_row + 8 + pg.len()].copy_from_slice(pg);
+    }
+    // Every (request, position)'s qkv row: the prefix's and this step's.
+    let rows: Vec<Vec<u16>> =
+        reqs.iter().map(|(pos, _)| (0..pos.end * qkv_row).map(|_| bf16(rng.unit())).collect()).collect();
+    let sinks: Vec<u16> = (0..heads).map(|_| bf16(2.0 * rng.unit())).collect();
+
+    for layer in [0u32, 1] {
+        let window = g.layer_window.get(layer as usize).copied().unwrap_or(0) as usize;
+        assert_eq!(window, if layer == 0 { 4 } else { 0 }, "layer {layer}'s window");
+        let sink_at = mem.view(Mode::Ep, TensorRole::Sinks, TensorPart::Weight).unwrap().offset_of(layer);
+        put(&mut r, sink_at, &le16(&sinks));
+        // Step 1 caches the extend's prefix; step 2 runs every request's rows.
+        for step in 0..2 {
+            let (mut qkv, mut pos, mut slots, mut rr) = (vec![], vec![], vec![], vec![]);
+            for (i, (range, cached)) in reqs.iter().enumerate() {
+                let positions = if step == 0 { 0..*cached } else { range.clone() };
+                for j in positions {
+                    qkv.extend_from_slice(&rows[i][j * qkv_row..(j + 1) * qkv_row]);
+                    pos.push(j as i32);
+                    slots.push(pages[i][j / pt] * pt as i32 + (j % pt) as i32);
+                    rr.push(i as i32);
+                }
+            }
+            let tokens = pos.len();
+            put(&mut r, buffer(BufferName::Qkv).offset, &le16(&qkv));
+            put(&mut r, buffer(BufferName::Positions).offset, &le32(&pos));
+            put(&mut r, buffer(BufferName::SlotMap).offset, &le32(&slots));
+            put(&mut r, buffer(BufferName::RowRequest).offset, &le32(&rr));
+            put(&mut r, buffer(BufferName::RequestMeta).offset, &le32(&meta));
+            let counts = Counts { tokens: tokens as u32, ..Counts::default() };
+            let names: &[&str] = if step == 0 { &["kv_write.0"] } else { &["kv_write.0", "attention.0"] };
+            for name in names {
+                let site = Site { mem, mode: Mode::Ep, micro_batches: p.micro_batches, rank: 0, layer, buffer: r.buf };
+                bind::launch(&mut r.dev, &b.plan.kernels, &r.modules, &site, op(p, name), &counts)
+                    .unwrap_or_else(|e| panic!("{name}: {e}"));
+            }
+            if step == 0 {
+                continue;
+            }
+            let attn_row = buffer(BufferName::Attn).row_bytes as usize / 2;
+            let attn =
+                u16s(&r.dev.download(r.buf, buffer(BufferName::Attn).offset, (tokens * attn_row * 2) as u64).unwrap());
+            let mut worst = 0.0f64;
+            for t in 0..tokens {
+                let (i, p) = (rr[t] as usize, pos[t] as usize);
+                let at = |j: usize, c: usize| f64::from(f(rows[i][j * qkv_row + c]));
+                let first = if window > 0 { (p + 1).saturating_sub(window) } else { 0 };
+                for h in 0..heads {
+                    let kvh = h / (heads / kv_heads);
+                    let (kb, vb) = (heads * d + kvh * d, heads * d + kv_heads * d + kvh * d);
+                    let s: Vec<f64> = (first..=p)
+                        .map(|j| (0..d).map(|c| at(p, h * d + c) * at(j, kb + c)).sum::<f64>() / (d as f64).sqrt())
+                        .collect();
+                    let sink = f64::from(f(sinks[h]));
+                    let m = s.iter().copied().fold(sink, f64::max);
+                    let z = s.iter().map(|x| (x - m).exp()).sum::<f64>() + (sink - m).exp();
+                    for c in 0..d {
+                        let want =
+                            s.iter().enumerate().map(|(n, x)| (x - m).exp() * at(first + n, vb + c)).sum::<f64>() / z;
+                        let got = f64::from(f(attn[t * attn_row + h * d + c]));
+                        let err = (got - want).abs();
+                        assert!(
+                            err <= 2.0 * want.abs() / 128.0 + 2e-3,
+                            "layer {layer} row {t} (request {i}, position {p}) head {h} dim {c}: {got} vs {want}"
+                        );
+                        worst = worst.max(err);
+                    }
+                }
+            }
+            eprintln!(
+                "flash_prefill {tiles:?} layer {layer} (window {window}): {tokens} rows × {heads} heads, worst abs error {worst:.2e}"
+            );
+        }
+    }
 }

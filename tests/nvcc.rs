@@ -45,6 +45,13 @@ fn every_example_compiles_with_nvcc_without_spills() {
             }
             assert!(report.contains("SASS (cuobjdump)"), "{}: no SASS line in report.md", ex.display());
         }
+        // The prefill attention's tensor-core path: mma.sync in the layer kernels' SASS.
+        for k in b.plan.kernels.iter().filter(|k| k.entries.iter().any(|e| e.symbol == "flash_prefill")) {
+            let cubin = out.join(format!("kernels/{}.cubin", k.name));
+            let sass = moeforge::codegen::nvcc::sass_counts(&nvcc, &cubin).unwrap_or_default();
+            let hmma = sass.get("HMMA").copied().unwrap_or(0);
+            assert!(hmma > 0, "{}: {} (flash_prefill) has no HMMA: {sass:?}", ex.display(), k.name);
+        }
         for k in &b.plan.kernels {
             for e in &k.entries {
                 let row = report

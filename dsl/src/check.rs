@@ -493,6 +493,9 @@ fn check_model(m: &Model, spans: &BlockSpans, diags: &mut Diagnostics) {
     }
 }
 
+/// Static shared memory a kernel may declare (CUDA's 48 KiB without opt-in).
+pub const ATTENTION_STATIC_SMEM: u64 = 48 * 1024;
+
 fn check_deploy(spec: &Spec, d: &Deploy, spans: &SpanTable, ds: &BlockSpans, diags: &mut Diagnostics) {
     let model = spec.model(d.model);
     let cluster = spec.cluster(d.cluster);
@@ -558,6 +561,40 @@ fn check_deploy(spec: &Spec, d: &Deploy, spans: &SpanTable, ds: &BlockSpans, dia
                         .help("use [1, 1] on sm_80; on sm_90a a power of two up to 8 CTAs"),
                 );
             }
+        }
+    }
+    if let (Some(a), Attention::Gqa { head_dim, .. }) = (&tiles.attention, model.attention) {
+        // The prefill attention kernel: 16 query rows per warp (one MMA's m),
+        // keys in steps of one MMA's k, K and Vᵀ tiles in static shared memory.
+        for (dim, v) in [("block_q", a.block_q), ("block_kv", a.block_kv)] {
+            if v % 16 != 0 {
+                diags.push(
+                    Diagnostic::new(
+                        Code::TileNotMmaMultiple,
+                        format!("`attention.{dim}` = {v} is not a multiple of 16, the bf16 MMA's m and k"),
+                    )
+                    .at(at(ts, &format!("attention.{dim}")), "not a multiple of 16")
+                    .also(at(ds, "tiles"), "used by this deployment")
+                    .help("use a multiple of 16 (mma.sync m16n8k16)"),
+                );
+            }
+        }
+        let smem = a.smem_bytes(head_dim);
+        if smem > ATTENTION_STATIC_SMEM {
+            diags.push(
+                Diagnostic::new(
+                    Code::TileSmemExceeded,
+                    format!(
+                        "`attention.block_kv` = {} needs {} of static shared memory for heads of {head_dim}; a kernel has {}",
+                        a.block_kv,
+                        kib(smem),
+                        kib(ATTENTION_STATIC_SMEM)
+                    ),
+                )
+                .at(at(ts, "attention.block_kv"), "K and Vᵀ tiles")
+                .also(at(ds, "tiles"), "used by this deployment")
+                .help("lower block_kv: smem = 2 × (block_kv × (head_dim + 8) + head_dim × (block_kv + 8)) bytes"),
+            );
         }
     }
     let weights = model.weight_bytes();

@@ -206,6 +206,9 @@ fn write_tiles(f: &mut Formatter<'_>, t: &Tiles) -> fmt::Result {
         }
         writeln!(f, "  }}")?;
     }
+    if let Some(a) = &t.attention {
+        writeln!(f, "  attention {{ block_q = {}  block_kv = {} }}", a.block_q, a.block_kv)?;
+    }
     writeln!(f, "}}")
 }
 

@@ -435,8 +435,21 @@ pub fn tiles(b: &Block, name: &str, diags: &mut Diagnostics, spans: &mut SpanMap
     let decode = f
         .req_block("decode", "decode { layout = masked gate_up { … } down { … } }")
         .and_then(|p| phase_block(p, "decode", Layout::Masked, f.diags, f.spans));
+    let attention = match f.sub_block("attention") {
+        Some(ab) => {
+            let mut g = Fields::new(ab, "attention", f.diags, f.spans);
+            let block_q = g.req_count("block_q", 16, 128);
+            let block_kv = g.req_count("block_kv", 16, 128);
+            g.finish();
+            match (block_q, block_kv) {
+                (Some(block_q), Some(block_kv)) => Ok(Some(AttentionTiles { block_q, block_kv })),
+                _ => Err(()),
+            }
+        }
+        None => Ok(None),
+    };
     f.finish();
-    Some(Tiles { name: name.to_string(), prefill: prefill?, decode: decode? })
+    Some(Tiles { name: name.to_string(), prefill: prefill?, decode: decode?, attention: attention.ok()? })
 }
 
 fn phase_block(

@@ -648,12 +648,34 @@ pub struct ScaleOut {
 
 // ───────────────────────────── tiles ─────────────────────────────
 
-/// `tiles NAME { prefill { … } decode { … } }`.
+/// `tiles NAME { prefill { … } decode { … } attention { … } }`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Tiles {
     pub name: String,
     pub prefill: PhaseTiles,
     pub decode: PhaseTiles,
+    /// The prefill attention kernel's tiles; absent: the target's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention: Option<AttentionTiles>,
+}
+
+/// `attention { block_q = 64  block_kv = 64 }`: the flash-attention-style
+/// prefill kernel's query rows per block (16 per warp, one MMA's m) and the
+/// keys it stages in shared memory per step (K, and V transposed).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttentionTiles {
+    pub block_q: u32,
+    pub block_kv: u32,
+}
+
+impl AttentionTiles {
+    /// Static shared memory of a block for heads of `head_dim`: the key tile
+    /// `[block_kv][head_dim + 8]` and the transposed value tile
+    /// `[head_dim][block_kv + 8]`, bf16 (rows padded against bank conflicts).
+    pub fn smem_bytes(&self, head_dim: u32) -> u64 {
+        let (d, kv) = (u64::from(head_dim), u64::from(self.block_kv));
+        2 * (kv * (d + 8) + d * (kv + 8))
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -204,6 +204,38 @@ fn tile_not_mma_multiple() {
     );
 }
 
+/// The prefill attention's tiles: 16-row MMA steps, and K and Vᵀ tiles in
+/// 48 KiB of static shared memory (heads of 32 dims: block_kv 160 would need
+/// 2 × (160 × 40 + 32 × 168) = 23 KiB, so the range check fires first;
+/// block_kv 128 fits).
+#[test]
+fn attention_tiles() {
+    let from = "    down    { block_m = 64  block_n = 128  block_k = 64  stages = 4 }\n  }\n}";
+    let tiles = |a: &str| {
+        format!(
+            "    down    {{ block_m = 64  block_n = 128  block_k = 64  stages = 4 }}\n  }}\n  attention {{ {a} }}\n}}"
+        )
+    };
+    check("attention_tiles_mma", from, &tiles("block_q = 40  block_kv = 64"), &[Code::TileNotMmaMultiple]);
+    check("attention_tiles_range", from, &tiles("block_q = 64  block_kv = 160"), &[Code::OutOfRange]);
+    // Heads of 128 dims with 128 keys a step: 68 KiB, over the 48 KiB.
+    let wide = BASE.replacen(from, &tiles("block_q = 64  block_kv = 128"), 1).replacen(
+        "attention gqa { heads = 8  kv_heads = 2  head_dim = 32 }",
+        "attention gqa { heads = 8  kv_heads = 2  head_dim = 128 }",
+        1,
+    );
+    let failed = check_str("spec.moe", &wide).map(|_| ()).expect_err("68 KiB of tiles");
+    let codes: Vec<Code> = failed.diagnostics.iter().map(|d| d.code).collect();
+    assert_eq!(codes, vec![Code::TileSmemExceeded], "{}", failed.render(false));
+    let text = failed.render(false);
+    assert!(text.contains("68KiB") && text.contains("block_kv = 128"), "{text}");
+    let ok = BASE.replacen(from, &tiles("block_q = 32  block_kv = 128"), 1);
+    let checked = check_str("spec.moe", &ok).unwrap_or_else(|f| panic!("{}", f.render(false)));
+    let a = checked.spec.tiles[0].attention.expect("the attention tiles");
+    assert_eq!((a.block_q, a.block_kv), (32, 128));
+    assert_eq!(a.smem_bytes(32), 2 * (128 * 40 + 32 * 136));
+}
+
 #[test]
 fn tile_cluster_shape() {
     check("tile_cluster", "cluster = [2, 1]", "cluster = [3, 1]", &[Code::TileCluster]);

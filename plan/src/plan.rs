@@ -293,6 +293,11 @@ pub struct GqaLayerParams {
     /// key); empty when no layer slides.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub layer_window: Vec<u32>,
+    /// The flash-attention-style prefill kernel's tiles (`flash_prefill`);
+    /// absent where the heads do not fit it (head_dim a multiple of 16, at
+    /// most 128): prefill then runs `paged_attention`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flash: Option<moeforge_dsl::spec::AttentionTiles>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -493,6 +498,9 @@ pub enum Grid {
     Fixed { blocks: u32 },
     /// `ceil(over / per)` blocks.
     Per { over: GridVar, per: u32 },
+    /// `ceil(over / per) × times` blocks: one per tile of `per` rows and
+    /// each of `times` heads (the prefill attention's tiles × local heads).
+    Tiles { over: GridVar, per: u32, times: u32 },
     /// The persistent kernel: one CTA per SM, rounded down to whole
     /// `cluster`-CTA clusters, launched once per serving session.
     Persistent { cluster: u32 },
@@ -518,6 +526,7 @@ impl fmt::Display for Grid {
             Grid::Fixed { blocks } => write!(f, "{blocks}"),
             Grid::Per { over, per: 1 } => write!(f, "{}", var(over)),
             Grid::Per { over, per } => write!(f, "ceil({} / {per})", var(over)),
+            Grid::Tiles { over, per, times } => write!(f, "ceil({} / {per})·{times}", var(over)),
             Grid::Persistent { cluster } => write!(f, "SMs rounded down to a multiple of {cluster} (launched once)"),
             Grid::PerOperation { cluster } => {
                 write!(f, "SMs rounded down to a multiple of {cluster} (launched per operation)")
@@ -533,6 +542,7 @@ impl Grid {
         match *self {
             Grid::Fixed { blocks } => Some(blocks),
             Grid::Per { per, .. } => Some(value.div_ceil(per.max(1))),
+            Grid::Tiles { per, times, .. } => Some(value.div_ceil(per.max(1)) * times),
             Grid::Persistent { .. } | Grid::PerOperation { .. } => None,
         }
     }

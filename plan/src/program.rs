@@ -499,7 +499,9 @@ pub fn entries_for(kind: OpKind) -> &'static [&'static str] {
         OpKind::LayerNorm => &["indexer_key_norm"],
         OpKind::Rope { .. } => &["rope", "mla_rope"],
         OpKind::KvWrite => &["kv_write", "mla_kv_write"],
-        OpKind::Attention { kind: AttentionKind::Gqa | AttentionKind::GqaSinks, .. } => &["paged_attention"],
+        OpKind::Attention { kind: AttentionKind::Gqa | AttentionKind::GqaSinks, .. } => {
+            &["paged_attention", "flash_prefill"]
+        }
         OpKind::Attention { kind: AttentionKind::Mla, .. } => &["mla_attention"],
         OpKind::Attention { kind: AttentionKind::MlaSparse, .. } => &["mla_sparse_attention"],
         OpKind::Route => &["moe_router"],
@@ -675,7 +677,8 @@ fn check_args(op: &Op, ep: &crate::plan::EntryPoint, mode: Mode, mem: &MemoryPla
         }
     }
     match op.grid {
-        None | Some(crate::plan::Grid::Per { .. } | crate::plan::Grid::Fixed { .. }) => {}
+        None
+        | Some(crate::plan::Grid::Per { .. } | crate::plan::Grid::Fixed { .. } | crate::plan::Grid::Tiles { .. }) => {}
         Some(g) => out.push(("grid".into(), format!("a launch's own grid is fixed or per count, not {g}"))),
     }
     out

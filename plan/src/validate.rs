@@ -662,6 +662,7 @@ fn kernels(c: &mut Check, p: &Plan) {
             let grid_ok = match e.grid {
                 Grid::Fixed { blocks } => blocks > 0,
                 Grid::Per { per, .. } => per > 0,
+                Grid::Tiles { per, times, .. } => per > 0 && times > 0,
                 Grid::Persistent { cluster } | Grid::PerOperation { cluster } => cluster > 0,
             };
             c.ensure(grid_ok && e.block > 0 && e.block <= 1024, format!("{f}.entries[{j}]"), || {

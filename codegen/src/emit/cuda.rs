@@ -112,7 +112,11 @@ pub fn render(plan: &ValidPlan, k: &KernelInstance) -> Result<String, TemplateEr
                 let freqs: Vec<String> = a.inv_freq.iter().map(|f| format!("{f:?}")).collect();
                 ctx.insert("inv_freq", &freqs.join(", "));
             }
-            ("layer.cu", vec![("layer.cu", LAYER), ("emu_launch.cu", EMU_LAUNCH)])
+            // The PTX layer's portable half (mma.sync) for the prefill attention.
+            ctx.insert("wgmma_path", &false);
+            ctx.insert("wgmma", &Vec::<WgmmaOperands>::new());
+            ctx.insert("fp8", &false);
+            ("layer.cu", vec![("layer.cu", LAYER), ("ptx.cu.tera", PTX), ("emu_launch.cu", EMU_LAUNCH)])
         }
         KernelParams::Apk(p) => {
             let target = crate::target::of(k.arch);

@@ -528,6 +528,13 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
                     let slides = |l: usize| w.pattern.get(l % n) == Some(&moeforge_dsl::spec::LayerAttn::Sliding);
                     (0..m.layers as usize).map(|l| if slides(l) { w.size } else { 0 }).collect()
                 }),
+                // The spec's tiles (checked against the heads), else the target's.
+                flash: Some(cx.tiles.attention.unwrap_or_else(|| target::of(cx.cluster.gpu.arch).attention_tiles()))
+                    .filter(|a| {
+                        head_dim % 16 == 0
+                            && head_dim <= 128
+                            && a.smem_bytes(head_dim) <= moeforge_dsl::check::ATTENTION_STATIC_SMEM
+                    }),
             })
         }
         Attention::Mla { .. } => None,
@@ -684,26 +691,34 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
                 p("int kv_heads"),
             ],
         ));
-        entries.push(entry(
-            "paged_attention",
-            GridVar::Tokens,
-            vec![
-                p("const __nv_bfloat16* qkv"),
-                p("const int32_t* positions"),
-                p("const int32_t* row_request"),
-                p("const int32_t* request_meta"),
-                p("int tokens"),
-                p("int q_heads"),
-                p("int kv_heads"),
-                p("int q_head0"),
-                p("int kv_head0"),
-                p("const uint8_t* pool"),
-                p("long long page_bytes"),
-                p("int layer"),
-                p("const __nv_bfloat16* sinks"),
-                p("__nv_bfloat16* attn"),
-            ],
-        ));
+        let attention_params = vec![
+            p("const __nv_bfloat16* qkv"),
+            p("const int32_t* positions"),
+            p("const int32_t* row_request"),
+            p("const int32_t* request_meta"),
+            p("int tokens"),
+            p("int q_heads"),
+            p("int kv_heads"),
+            p("int q_head0"),
+            p("int kv_head0"),
+            p("const uint8_t* pool"),
+            p("long long page_bytes"),
+            p("int layer"),
+            p("const __nv_bfloat16* sinks"),
+            p("__nv_bfloat16* attn"),
+        ];
+        entries.push(entry("paged_attention", GridVar::Tokens, attention_params.clone()));
+        if let Some(a) = g.flash {
+            // One block per tile of block_q rows and local q head (the op's
+            // grid names the heads); 16 rows per warp.
+            entries.push(EntryPoint {
+                symbol: "flash_prefill".into(),
+                grid: Grid::Tiles { over: GridVar::Tokens, per: a.block_q, times: g.heads },
+                block: 32 * a.block_q / 16,
+                dynamic_smem: 0,
+                params: attention_params,
+            });
+        }
         entries.push(entry(
             "kv_write",
             GridVar::Tokens,
@@ -818,14 +833,21 @@ fn layer(cx: &Ctx<'_>, mem: &moeforge_plan::memory::MemoryPlan) -> KernelInstanc
     }
     let purpose = match &gqa {
         Some(g) => format!(
-            "embedding, RMSNorm, residual adds, sampling, {}RoPE over {} of {} dims, the paged KV write and paged causal attention",
+            "embedding, RMSNorm, residual adds, sampling, {}RoPE over {} of {} dims, the paged KV write, paged causal attention{}",
             match g.qk_norm {
                 QkNormKind::None => "",
                 QkNormKind::PerHead => "per-head QK-norm, ",
                 QkNormKind::AllHeads => "all-head QK-norm, ",
             },
             g.rope_dim,
-            g.head_dim
+            g.head_dim,
+            match g.flash {
+                Some(a) => format!(
+                    " and flash-attention prefill on mma.sync ({} rows × {} keys per step)",
+                    a.block_q, a.block_kv
+                ),
+                None => String::new(),
+            }
         ),
         None => format!(
             "embedding, RMSNorm, residual adds, sampling, and MLA's latent norms, interleaved RoPE, latent KV write and weight-absorbed attention{}",

@@ -34,6 +34,10 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
             .any(|k| matches!(&k.params, KernelParams::Apk(a) if a.form == ApkForm::Dense && a.weights == w))
     };
     let dense = [dense_of(moeforge_plan::WeightFormat::Bf16), dense_of(moeforge_plan::WeightFormat::Fp8E4m3)];
+    let flash = plan.kernels.iter().find_map(|k| match &k.params {
+        KernelParams::Layer(l) => l.gqa.as_ref().and_then(|g| g.flash),
+        _ => None,
+    });
     for &mode in &plan.memory.modes {
         // EP ranks grouped by the APK instance their expert count selects.
         let groups: Vec<(Vec<u32>, Option<String>)> = match mode {
@@ -75,6 +79,7 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
                     experts: &experts,
                     apk: apk.as_deref(),
                     dense,
+                    flash,
                 };
                 programs.push(cfg.program(ranks.clone()));
             }
@@ -96,6 +101,8 @@ struct Config<'a> {
     /// The bundle has the dense APK for bf16 weights (`dense`) and for fp8
     /// e4m3 ones (`dense_fp8`).
     dense: [bool; 2],
+    /// The layer instance's flash-attention prefill tiles, when it has the kernel.
+    flash: Option<moeforge_dsl::spec::AttentionTiles>,
 }
 
 const COMPUTE: u32 = 0;
@@ -695,7 +702,13 @@ impl Config<'_> {
                 let (pos, rr, meta) = rows;
                 let a = vec![ptr(Buf::Qkv), pos, rr, meta, cnt(t), int(qh), int(kvh), q0, kv0, kv(), pages, Arg::Layer];
                 let sinks = if kind == AttentionKind::GqaSinks { wptr(W::Sinks) } else { Arg::Null };
-                (launch("layer", "paged_attention"), [a, vec![sinks, ptr(Buf::Attn)]].concat())
+                // Prefill tiles its rows on tensor cores where the layer
+                // instance has the kernel; decode reads the pages per row.
+                let entry = match (self.phase, self.flash) {
+                    (Phase::Prefill, Some(_)) => "flash_prefill",
+                    _ => "paged_attention",
+                };
+                (launch("layer", entry), [a, vec![sinks, ptr(Buf::Attn)]].concat())
             }
             (AttentionKind::Mla, _) => {
                 reads.push(buf(Buf::RowRequest));
@@ -714,7 +727,20 @@ impl Config<'_> {
                 (launch("layer", "mla_sparse_attention"), [a, kv_b, tail].concat())
             }
         };
-        o.push("attention", OpKind::Attention { kind, phase: self.phase }, c, mb, reads, vec![buf(Buf::Attn)], kernel);
+        let flash = matches!(&kernel, KernelRef::Launch { entry, .. } if entry == "flash_prefill");
+        let op = o.push(
+            "attention",
+            OpKind::Attention { kind, phase: self.phase },
+            c,
+            mb,
+            reads,
+            vec![buf(Buf::Attn)],
+            kernel,
+        );
+        if let (true, Some(a)) = (flash, self.flash) {
+            // One block per tile of rows and local query head.
+            op.grid = Some(Grid::Tiles { over: t, per: a.block_q, times: qh as u32 });
+        }
         o.args(args);
         if tp {
             let f32 = Epilogue::StoreF32;

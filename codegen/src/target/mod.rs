@@ -15,7 +15,7 @@ mod sm90a;
 
 pub use sm90a::FP8_SCALE_BLOCK;
 
-use moeforge_dsl::spec::{Arch, DType, Tiles};
+use moeforge_dsl::spec::{Arch, AttentionTiles, DType, Tiles};
 use moeforge_plan::{ApkPipeline, MmaPath, WeightFormat};
 
 /// A GPU architecture the generators emit code for.
@@ -35,6 +35,13 @@ pub trait Target: Sync {
     fn apk_partial(&self) -> (&'static str, &'static str);
     /// SASS instruction families every MoE kernel of this target must contain.
     fn sass_families(&self) -> &'static [&'static str];
+    /// The prefill attention kernel's tiles when the spec's `tiles` block has
+    /// no `attention` sub-block: FlashAttention-2's 64 query rows (four warps
+    /// of mma.sync m16n8k16) × 64 keys per step, which fits heads of up to 128
+    /// dims in 36 KB of static shared memory on both targets.
+    fn attention_tiles(&self) -> AttentionTiles {
+        AttentionTiles { block_q: 64, block_kv: 64 }
+    }
     /// nvcc's flags for this target.
     fn nvcc_flags(&self) -> Vec<String> {
         nvcc_flags(self.arch().name())

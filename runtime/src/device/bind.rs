@@ -120,6 +120,7 @@ pub fn blocks(op: &Op, entry: &EntryPoint, counts: &Counts) -> Result<u32, BindE
     match op.grid.unwrap_or(entry.grid) {
         Grid::Fixed { blocks } => Ok(blocks),
         Grid::Per { over, per } => Ok(counts.of(over).div_ceil(per.max(1))),
+        Grid::Tiles { over, per, times } => Ok(counts.of(over).div_ceil(per.max(1)) * times),
         g => Err(BindError { op: op.name.clone(), message: format!("a {g} grid is the APK's launch, not a flat one") }),
     }
 }
