@@ -245,6 +245,39 @@ fn tiles_the_apk_cannot_use_are_a_located_error() {
     assert!(!out.exists());
 }
 
+/// A `dense` sub-block the checker accepts but the dense APK cannot use
+/// (wgmma widths stop at 256): a located error at the dense field, with the
+/// rule, nothing written.
+#[test]
+fn dense_tiles_the_dense_apk_cannot_use_are_a_located_error() {
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let tiles = std::fs::read_to_string(root().join("models/tiles.moe")).unwrap_or_default();
+    let anchor = "tiles hopper-bf16 {\n";
+    assert!(tiles.contains(anchor));
+    let wide = tiles.replacen(
+        anchor,
+        &format!("{anchor}  dense {{ block_m = 128  block_n = 272  block_k = 64  cluster = [2, 1]  stages = 3  decode_block_m = 64 }}\n"),
+        1,
+    );
+    std::fs::write(tmp.path().join("tiles.moe"), wide).ok();
+    let f = write_spec(
+        tmp.path(),
+        "d.moe",
+        &["models/qwen3-30b-a3b.moe", "models/clusters.moe"],
+        "use \"tiles.moe\"
+         deploy q { model = qwen3-30b-a3b cluster = h200x8 tiles = hopper-bf16 slo { ttft = 1s tpot = 50ms }
+         workload { input = sharegpt output = sharegpt arrival poisson { rate = 1req/s } } }\n",
+    );
+    assert!(moeforge(&["check", f.to_str().unwrap_or_default()], None).status.success());
+    let out = tmp.path().join("o");
+    let o = moeforge(&["compile", f.to_str().unwrap_or_default(), "-o", out.to_str().unwrap_or_default()], None);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
+    let err = text(&o.stderr);
+    assert!(err.contains("dense tiles") && err.contains("at most 256") && err.contains("block_n = 272"), "{err}");
+    assert!(err.contains("tiles.moe:11:26"), "not located at dense.block_n: {err}");
+    assert!(!out.exists());
+}
+
 #[test]
 fn explain_prints_spec_and_plan() {
     let o = moeforge(&["explain", "examples/glm-5-h800x24.moe"], None);

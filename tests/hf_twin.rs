@@ -74,9 +74,19 @@ fn fixture(name: &'static str) -> Fixture {
 /// The user's path: import-hf's model block, put on P ranks, compiled (the
 /// wider fp8 fixture's workspace needs more of the CPU GPU's 256 MB).
 fn compile(f: &Fixture, p: u32, out: &Path) -> moeforge::plan::bundle::LoadedBundle {
+    compile_with(f, p, out, "")
+}
+
+/// [`compile`] with `tiles` (sub-blocks) added to the deployment's tile set.
+fn compile_with(f: &Fixture, p: u32, out: &Path, tiles: &str) -> moeforge::plan::bundle::LoadedBundle {
     let block = imported_block(&f.dir);
     let fraction = if block.contains("fp8_e4m3") { 0.6 } else { 0.25 };
-    compile_text(&cpu_deployment(&block, p, fraction), out)
+    let mut text = cpu_deployment(&block, p, fraction);
+    if !tiles.is_empty() {
+        assert!(text.contains("} }\ndeploy tiny"), "{text}");
+        text = text.replacen("} }\ndeploy tiny", &format!("}} {tiles} }}\ndeploy tiny"), 1);
+    }
+    compile_text(&text, out)
 }
 
 fn max_rel(a: &[f32], b: &[f32]) -> f32 {
@@ -392,6 +402,11 @@ fn bf16_bound(bf16: &Value) -> (f32, Vec<Vec<f32>>) {
 /// live before them (weights by the plan's descriptors as device copies, KV
 /// by the page-indexed migration kernel), and must switch mid-decode.
 fn on_the_emulated_device(name: &'static str, runs: &[(u32, Mode, &[usize])]) {
+    on_the_emulated_device_with(name, runs, "");
+}
+
+/// [`on_the_emulated_device`] with `tiles` added to the tile set.
+fn on_the_emulated_device_with(name: &'static str, runs: &[(u32, Mode, &[usize])], tiles: &str) {
     use moeforge::runtime::device::emu::EmuDevice;
     let mut f = fixture(name);
     // A W8A16 device multiplies the fp8 weights dequantized to bf16: its
@@ -411,7 +426,7 @@ fn on_the_emulated_device(name: &'static str, runs: &[(u32, Mode, &[usize])]) {
     let cache = tempfile::tempdir().unwrap();
     for &(p, start, switch_at) in runs {
         let tmp = tempfile::tempdir().unwrap();
-        let b = compile(&f, p, tmp.path());
+        let b = compile_with(&f, p, tmp.path(), tiles);
         let dev = EmuDevice::start(cache.path()).unwrap_or_else(|e| panic!("{e}"));
         let mut t = Twin::on_device(&b, &ck, start, Box::new(dev)).unwrap_or_else(|e| panic!("{name} P={p}: {e}"));
         let label = format!("{name} P={p} {start:?} switching at {switch_at:?} on the emulated device");
@@ -481,6 +496,31 @@ fn qwen3_moe_on_the_emulated_device_matches_transformers() {
 #[test]
 fn gpt_oss_on_the_emulated_device_matches_transformers() {
     on_the_emulated_device("gpt-oss", &[(1, Mode::Ep, &[]), (2, Mode::Ep, &[]), (4, Mode::Ep, &[])]);
+}
+
+/// The tile set's own dense and attention tiles (dense GEMMs on 64 × 32
+/// tiles, three stages, where the experts use 64 × 64 and two; flash
+/// prefill on 32 rows × 16 keys): the kernels follow them, and the tokens
+/// stay transformers'.
+#[test]
+fn dense_and_attention_tiles_from_the_spec_run_on_the_emulated_device() {
+    use moeforge::plan::KernelParams;
+    let tiles = "dense { block_m = 64  block_n = 32  block_k = 64  stages = 3  decode_block_m = 64 }  \
+                 attention { block_q = 32  block_kv = 16 }";
+    let tmp = tempfile::tempdir().unwrap();
+    let b = compile_with(&fixture("qwen3-moe"), 2, tmp.path(), tiles);
+    let plan = b.plan.plan();
+    let kernel = |name: &str| plan.kernels.iter().find(|k| k.name == name).unwrap_or_else(|| panic!("no {name}"));
+    let (KernelParams::Apk(dense), KernelParams::Apk(experts)) = (&kernel("dense").params, &kernel("apk").params)
+    else {
+        panic!("APK params")
+    };
+    assert_eq!((dense.m_t_prefill, dense.m_t_decode, dense.n_t_gate_up, dense.n_t_down), (64, 64, 32, 32));
+    assert_eq!((experts.n_t_gate_up, experts.n_t_down), (64, 64), "the experts keep their tiles");
+    let KernelParams::Layer(layer) = &kernel("layer").params else { panic!("layer params") };
+    let flash = layer.gqa.as_ref().and_then(|g| g.flash).expect("flash tiles");
+    assert_eq!((flash.block_q, flash.block_kv), (32, 16));
+    on_the_emulated_device_with("qwen3-moe", &[(2, Mode::Ep, &[]), (2, Mode::Tp, &[])], tiles);
 }
 
 /// Mixtral: no QK-norm, softmax-then-top-k routing without renormalization.

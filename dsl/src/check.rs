@@ -502,11 +502,39 @@ fn check_deploy(spec: &Spec, d: &Deploy, spans: &SpanTable, ds: &BlockSpans, dia
     let tiles = spec.tile_set(d.tiles);
     let ts = &spans.tiles[d.tiles.index()];
     let gpu = &cluster.gpu;
-    let input = if model.dtype.experts == DType::Fp8E4m3 { DType::Fp8E4m3 } else { DType::Bf16 };
-    let mma = gpu.arch.mma_shape(input);
+    let fp8 = |d: DType| if d == DType::Fp8E4m3 { DType::Fp8E4m3 } else { DType::Bf16 };
+    // Every GEMM tile with the dtype its weights are read in: the experts'
+    // per phase and GEMM, and the dense GEMMs' when the set has them.
+    let mut gemm_tiles: Vec<(String, Tile, DType)> = Vec::new();
     for (phase, pt) in [("prefill", &tiles.prefill), ("decode", &tiles.decode)] {
         for (op, t) in [("gate_up", &pt.gate_up), ("down", &pt.down)] {
-            let path = format!("{phase}.{op}");
+            gemm_tiles.push((format!("{phase}.{op}"), *t, fp8(model.dtype.experts)));
+        }
+    }
+    if let Some(dt) = &tiles.dense {
+        gemm_tiles.push(("dense".into(), dt.tile, fp8(model.dtype.weights)));
+        let mma = gpu.arch.mma_shape(fp8(model.dtype.weights));
+        if dt.decode_block_m % mma[0] != 0 {
+            diags.push(
+                Diagnostic::new(
+                    Code::TileNotMmaMultiple,
+                    format!(
+                        "`dense.decode_block_m` = {} is not a multiple of {}, the {} MMA m",
+                        dt.decode_block_m,
+                        mma[0],
+                        gpu.arch.name()
+                    ),
+                )
+                .at(at(ts, "dense.decode_block_m"), format!("not a multiple of {}", mma[0]))
+                .also(at(ds, "tiles"), "used by this deployment")
+                .help(format!("use a multiple of {}", mma[0])),
+            );
+        }
+    }
+    for (path, t, input) in &gemm_tiles {
+        let (path, t, input) = (path.as_str(), t, *input);
+        let mma = gpu.arch.mma_shape(input);
+        {
             let smem = t.smem_bytes(input);
             if smem > gpu.smem_per_block {
                 diags.push(

@@ -209,6 +209,14 @@ fn write_tiles(f: &mut Formatter<'_>, t: &Tiles) -> fmt::Result {
     if let Some(a) = &t.attention {
         writeln!(f, "  attention {{ block_q = {}  block_kv = {} }}", a.block_q, a.block_kv)?;
     }
+    if let Some(d) = &t.dense {
+        let x = &d.tile;
+        writeln!(
+            f,
+            "  dense {{ block_m = {}  block_n = {}  block_k = {}  cluster = [{}, {}]  stages = {}  decode_block_m = {} }}",
+            x.block_m, x.block_n, x.block_k, x.cluster[0], x.cluster[1], x.stages, d.decode_block_m
+        )?;
+    }
     writeln!(f, "}}")
 }
 

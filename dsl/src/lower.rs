@@ -448,8 +448,27 @@ pub fn tiles(b: &Block, name: &str, diags: &mut Diagnostics, spans: &mut SpanMap
         }
         None => Ok(None),
     };
+    let dense = match f.sub_block("dense") {
+        Some(db) => {
+            let mut g = Fields::new(db, "dense", f.diags, f.spans);
+            let tile = tile_fields(&mut g);
+            let decode_block_m = g.req_count("decode_block_m", 1, 1024);
+            g.finish();
+            match (tile, decode_block_m) {
+                (Some(tile), Some(decode_block_m)) => Ok(Some(DenseTiles { tile, decode_block_m })),
+                _ => Err(()),
+            }
+        }
+        None => Ok(None),
+    };
     f.finish();
-    Some(Tiles { name: name.to_string(), prefill: prefill?, decode: decode?, attention: attention.ok()? })
+    Some(Tiles {
+        name: name.to_string(),
+        prefill: prefill?,
+        decode: decode?,
+        attention: attention.ok()?,
+        dense: dense.ok()?,
+    })
 }
 
 fn phase_block(
@@ -487,12 +506,18 @@ fn phase_block(
 
 fn tile_block(b: &Block, path: &str, diags: &mut Diagnostics, spans: &mut SpanMap) -> Option<Tile> {
     let mut f = Fields::new(b, path, diags, spans);
+    let tile = tile_fields(&mut f);
+    f.finish();
+    tile
+}
+
+/// A tile's fields: block sizes, CTA-cluster shape (default [1, 1]), stages.
+fn tile_fields(f: &mut Fields<'_, '_>) -> Option<Tile> {
     let m = f.req_count("block_m", 1, 1024);
     let n = f.req_count("block_n", 1, 1024);
     let k = f.req_count("block_k", 1, 1024);
     let cluster = f.count_list::<2>("cluster", 1, 16);
     let stages = f.req_count("stages", 1, 32);
-    f.finish();
     Some(Tile { block_m: m?, block_n: n?, block_k: k?, cluster: cluster.ok()?.unwrap_or([1, 1]), stages: stages? })
 }
 

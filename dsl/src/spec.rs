@@ -648,7 +648,7 @@ pub struct ScaleOut {
 
 // ───────────────────────────── tiles ─────────────────────────────
 
-/// `tiles NAME { prefill { … } decode { … } attention { … } }`.
+/// `tiles NAME { prefill { … } decode { … } attention { … } dense { … } }`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Tiles {
     pub name: String,
@@ -657,6 +657,20 @@ pub struct Tiles {
     /// The prefill attention kernel's tiles; absent: the target's default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attention: Option<AttentionTiles>,
+    /// The dense GEMMs' tiles (projections, router, LM head, dense and
+    /// shared-expert FFNs); absent: the routed experts' tiles.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dense: Option<DenseTiles>,
+}
+
+/// `dense { block_m = 128  block_n = 128  block_k = 64  cluster = [2, 1]
+/// stages = 4  decode_block_m = 64 }`: the dense APK's tile (one GEMM per
+/// operation, both phases on one stage ring and cluster shape, as the MoE
+/// APK) and the tile height of its decode operations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DenseTiles {
+    pub tile: Tile,
+    pub decode_block_m: u32,
 }
 
 /// `attention { block_q = 64  block_kv = 64 }`: the flash-attention-style
@@ -690,6 +704,34 @@ impl Tiles {
         match phase {
             Phase::Prefill => &self.prefill,
             Phase::Decode => &self.decode,
+        }
+    }
+
+    /// The dense GEMMs' tiles as a tile set (both GEMMs of a phase the
+    /// dense tile; decode's at `decode_block_m` rows); `None` without a
+    /// `dense` sub-block. [`Tiles::dense_field`] names a field of this set in
+    /// the `dense` sub-block.
+    pub fn dense_tiles(&self) -> Option<Tiles> {
+        let d = self.dense?;
+        let decode = Tile { block_m: d.decode_block_m, ..d.tile };
+        Some(Tiles {
+            name: self.name.clone(),
+            prefill: PhaseTiles { layout: Layout::Contiguous, gate_up: d.tile, down: d.tile },
+            decode: PhaseTiles { layout: Layout::Masked, gate_up: decode, down: decode },
+            attention: None,
+            dense: None,
+        })
+    }
+
+    /// The `dense` sub-block's field for `field` of [`Tiles::dense_tiles`]
+    /// (`decode.gate_up.block_m` → `dense.decode_block_m`, any other
+    /// `phase.gemm.key` → `dense.key`).
+    pub fn dense_field(field: &str) -> String {
+        let key = field.rsplit('.').next().unwrap_or(field);
+        if field.starts_with("decode.") && key == "block_m" {
+            "dense.decode_block_m".into()
+        } else {
+            format!("dense.{key}")
         }
     }
 }

@@ -229,6 +229,9 @@ fn attention_tiles() {
     assert_eq!(codes, vec![Code::TileSmemExceeded], "{}", failed.render(false));
     let text = failed.render(false);
     assert!(text.contains("68KiB") && text.contains("block_kv = 128"), "{text}");
+    // The dense GEMMs' tiles: decode's height a multiple of the MMA's m too.
+    let dense = "block_q = 32  block_kv = 16 }\n  dense { block_m = 128  block_n = 64  block_k = 64  stages = 3  decode_block_m = 48";
+    check("dense_tiles_mma", from, &tiles(dense), &[Code::TileNotMmaMultiple]);
     let ok = BASE.replacen(from, &tiles("block_q = 32  block_kv = 128"), 1);
     let checked = check_str("spec.moe", &ok).unwrap_or_else(|f| panic!("{}", f.render(false)));
     let a = checked.spec.tiles[0].attention.expect("the attention tiles");

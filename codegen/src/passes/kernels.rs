@@ -54,9 +54,9 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
             .help("use a tile set whose prefill gate_up `cluster` is [1, 1], or the GPU's real SM count"),
         })?;
     kernels.extend(apks.iter().cloned());
-    kernels.extend(dense(cx, &plan.ranks, apks.first(), WeightFormat::Bf16));
+    kernels.extend(dense(cx, &plan.ranks, apks.first(), WeightFormat::Bf16).map_err(|e| vec![e])?);
     if [cx.model.dtype.weights, cx.model.dtype.experts].contains(&moeforge_dsl::spec::DType::Fp8E4m3) {
-        kernels.extend(dense(cx, &plan.ranks, apks.first(), WeightFormat::Fp8E4m3));
+        kernels.extend(dense(cx, &plan.ranks, apks.first(), WeightFormat::Fp8E4m3).map_err(|e| vec![e])?);
     }
     kernels.push(layer(cx, &plan.memory));
     plan.kernels = kernels;
@@ -429,41 +429,76 @@ pub fn apk(
 /// projections use: `dense` for bf16 weights (every model's LM head and
 /// router), `dense_fp8` for fp8 e4m3 weights with 128×128 block scales
 /// (W8A16, as the fp8 experts: the transform warps dequantize each stage).
-/// It takes the routed experts' instance's tile heights, widths, stages and
-/// cluster shape (the spec's tiles have no separate dense block yet).
+/// Its tiles are the tile set's `dense` sub-block when it has one (a tile
+/// the target cannot use is a located error), else the routed experts'
+/// instance's tile heights, widths, stages and cluster shape.
 fn dense(
     cx: &Ctx<'_>,
     ranks: &[RankPlan],
     experts: Option<&KernelInstance>,
     weights: WeightFormat,
-) -> Option<KernelInstance> {
+) -> Result<Option<KernelInstance>, PassError> {
     let m = cx.model;
-    let experts = experts?;
+    let Some(experts) = experts else { return Ok(None) };
     let KernelParams::Apk(e) = &experts.params else {
-        return None;
+        return Ok(None);
     };
     let fp8 = weights == WeightFormat::Fp8E4m3;
-    // The format's pipeline (bf16's has no transform warps); its rules
-    // passed for the experts' shapes already.
-    let pipeline = target::of(experts.arch)
-        .apk_shape(&ApkInput {
-            tiles: cx.tiles,
-            cluster: e.cluster_size,
-            hidden: m.hidden,
-            inter: m.moe.expert_ffn,
-            weights,
-            smem_per_block: cx.cluster.gpu.smem_per_block,
-        })
-        .ok()?;
+    let own = cx.tiles.dense_tiles();
+    let tiles = own.as_ref().unwrap_or(cx.tiles);
+    let cluster = own.as_ref().map_or(e.cluster_size, |t| moeforge_plan::cost::cta_cluster(cx.cluster, t));
+    let sms = cx.cluster.gpu.sms;
+    let dense_error = |field: &str, message: String| {
+        PassError::new(
+            Code::Unsupported,
+            At::Tiles(moeforge_dsl::spec::Tiles::dense_field(field)),
+            format!(
+                "the dense tiles of tile set `{}` do not fit {}'s dense APK: {message}",
+                cx.tiles.name,
+                cx.target.arch().name()
+            ),
+        )
+        .label("not generated for this target")
+        .help("the dense sub-block follows the experts' tile rules (see `prefill.gate_up` in models/tiles.moe)")
+    };
+    if own.is_some() && cluster > sms {
+        return Err(dense_error("prefill.gate_up.cluster", format!("{cluster} CTAs per cluster on {sms} SMs")));
+    }
+    // The format's pipeline (bf16's has no transform warps); with the
+    // experts' tiles its rules passed for the experts already.
+    let shape = target::of(experts.arch).apk_shape(&ApkInput {
+        tiles,
+        cluster,
+        hidden: m.hidden,
+        inter: m.moe.expert_ffn,
+        weights,
+        smem_per_block: cx.cluster.gpu.smem_per_block,
+    });
+    let pipeline = match shape {
+        Ok(p) => p,
+        Err(err) if own.is_some() && !err.model => return Err(dense_error(&err.field, err.message)),
+        Err(_) => return Ok(None),
+    };
+    let (m_t_prefill, m_t_decode) = (tiles.prefill.gate_up.block_m, tiles.decode.gate_up.block_m);
     let rows = |m_t: u32| (MAX_BATCH_TOKENS as u32).div_ceil(m_t) * m_t;
+    // Launched per operation: no decode budget under contention applies.
+    let q = moeforge_plan::cost::q_max(sms, cluster);
     let params = ApkParams {
         form: ApkForm::Dense,
         hidden: 0,
         inter: 0,
         local_experts: 1,
         top_k: 1,
-        max_prefill_rows: rows(e.m_t_prefill),
-        max_decode_rows: rows(e.m_t_decode),
+        m_t_prefill,
+        m_t_decode,
+        n_t_gate_up: tiles.prefill.gate_up.block_n,
+        n_t_down: tiles.prefill.down.block_n,
+        cluster_size: cluster,
+        max_clusters: sms / cluster,
+        max_prefill_rows: rows(m_t_prefill),
+        max_decode_rows: rows(m_t_decode),
+        q: if own.is_some() { q } else { e.q },
+        q_max: if own.is_some() { q } else { e.q_max },
         weights,
         scale_block: if fp8 { FP8_SCALE_BLOCK } else { 0 },
         // Dense and shared-expert FFNs are SwiGLU's (no model here clamps them).
@@ -481,20 +516,22 @@ fn dense(
     } else {
         ("dense", "apk_dense", "bf16 weights (projections, router, LM head, dense and shared-expert FFNs)")
     };
+    let Some(first) = experts.entries.first() else { return Ok(None) };
     let entry = EntryPoint {
         symbol: symbol.into(),
         grid: Grid::PerOperation { cluster: params.cluster_size },
         block: pipeline.threads,
         dynamic_smem: pipeline.smem_bytes,
-        params: experts.entries.first()?.params.clone(),
+        params: first.params.clone(),
     };
-    Some(KernelInstance {
+    let whose = if own.is_some() { "the tile set's dense tiles" } else { "the routed experts' tiles" };
+    Ok(Some(KernelInstance {
         name: name.into(),
-        purpose: format!("one-group GEMMs of the dense layers' {what} on the APK's tiles, launched per operation"),
+        purpose: format!("one-group GEMMs of the dense layers' {what} on {whose}, launched per operation"),
         arch: experts.arch,
         params: KernelParams::Apk(params),
         entries: vec![entry],
-    })
+    }))
 }
 
 /// The layer kernels (embedding, norms, QK-norm, RoPE, KV write, residual
