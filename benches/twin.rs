@@ -29,9 +29,11 @@ fn bench(c: &mut Criterion) {
     for family in FAMILIES {
         let dir = root.join(family);
         let tmp = tempfile::tempdir().expect("tempdir");
-        let bundle = compile_text(&cpu_deployment(&imported_block(&dir), 4, 0.25), tmp.path());
+        let block = imported_block(&dir);
+        let fraction = if block.contains("fp8_e4m3") { 0.6 } else { 0.25 };
+        let bundle = compile_text(&cpu_deployment(&block, 4, fraction), tmp.path());
         let ck = Checkpoint::load(&dir).expect("weights");
-        for mode in [Mode::Ep, Mode::Tp] {
+        for mode in [Mode::Ep, Mode::Tp].into_iter().filter(|m| bundle.plan.memory.modes.contains(m)) {
             group.bench_function(format!("{family} {}", mode.name()), |bch| {
                 bch.iter_batched(
                     || submitted(Twin::new(&bundle, &ck, mode).expect("twin")),
