@@ -501,7 +501,7 @@ fn gpt_oss_on_the_emulated_device_matches_transformers() {
 /// The tile set's own dense and attention tiles (dense GEMMs on 64 × 32
 /// tiles, three stages, where the experts use 64 × 64 and two; flash
 /// prefill on 32 rows × 16 keys): the kernels follow them, and the tokens
-/// stay transformers'.
+/// stay transformers' (TP on two ranks).
 #[test]
 fn dense_and_attention_tiles_from_the_spec_run_on_the_emulated_device() {
     use moeforge::plan::KernelParams;
@@ -520,7 +520,8 @@ fn dense_and_attention_tiles_from_the_spec_run_on_the_emulated_device() {
     let KernelParams::Layer(layer) = &kernel("layer").params else { panic!("layer params") };
     let flash = layer.gqa.as_ref().and_then(|g| g.flash).expect("flash tiles");
     assert_eq!((flash.block_q, flash.block_kv), (32, 16));
-    on_the_emulated_device_with("qwen3-moe", &[(2, Mode::Ep, &[]), (2, Mode::Tp, &[])], tiles);
+    // TP: each rank's flash tiles over its own query heads (q_head0 > 0 on rank 1).
+    on_the_emulated_device_with("qwen3-moe", &[(2, Mode::Tp, &[])], tiles);
 }
 
 /// Mixtral: no QK-norm, softmax-then-top-k routing without renormalization.
