@@ -305,33 +305,20 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
         let x2 = t(TensorRole::ExpertsW2, &w2, edt, sh2);
         b.views.push(view(&x13, mode, experts, off, moe_layers, slot_bytes));
         b.views.push(view(&x2, mode, experts, off + w13_bytes, moe_layers, slot_bytes));
-        if !s13.is_empty() {
-            let at = off + w13_bytes + w2_bytes;
-            let scale = |role, shape: &Vec<u64>| Tensor {
-                role,
-                part: TensorPart::ScaleInv,
-                shape: shape.clone(),
-                dtype: DType::F32,
-                shard: Shard::LocalExperts,
-                packed: false,
-            };
-            b.views.push(view(&scale(TensorRole::ExpertsW13, &s13), mode, experts, at, moe_layers, slot_bytes));
-            let at2 = at + scale_bytes(&s13);
-            b.views.push(view(&scale(TensorRole::ExpertsW2, &s2), mode, experts, at2, moe_layers, slot_bytes));
-        }
-        if !b13.is_empty() {
-            let at = off + w13_bytes + w2_bytes + scale_bytes(&s13) + scale_bytes(&s2);
-            let bias = |role, shape: &Vec<u64>| Tensor {
-                role,
-                part: TensorPart::Bias,
-                shape: shape.clone(),
-                dtype: DType::Bf16,
-                shard: Shard::LocalExperts,
-                packed: false,
-            };
-            b.views.push(view(&bias(TensorRole::ExpertsW13, &b13), mode, experts, at, moe_layers, slot_bytes));
-            let at2 = at + bias_bytes(&b13);
-            b.views.push(view(&bias(TensorRole::ExpertsW2, &b2), mode, experts, at2, moe_layers, slot_bytes));
+        // After the weights: fp8 block scales (f32), then biases (bf16), each w13's then w2's.
+        let mut at = off + w13_bytes + w2_bytes;
+        for (part, dtype, elt, (x13, x2)) in
+            [(TensorPart::ScaleInv, DType::F32, 4, (&s13, &s2)), (TensorPart::Bias, DType::Bf16, 2, (&b13, &b2))]
+        {
+            for (role, shape) in [(TensorRole::ExpertsW13, x13), (TensorRole::ExpertsW2, x2)] {
+                if shape.is_empty() {
+                    continue;
+                }
+                let shard = Shard::LocalExperts;
+                let x = Tensor { role, part, shape: shape.clone(), dtype, shard, packed: false };
+                b.views.push(view(&x, mode, experts, at, moe_layers, slot_bytes));
+                at += align(shape.iter().product::<u64>() * elt);
+            }
         }
     }
 
