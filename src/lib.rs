@@ -14,6 +14,7 @@
 //!   ([`EmbeddedSpec`]); [`compile()`]: a checked spec into a bundle.
 
 pub use moeforge_codegen as codegen;
+pub use moeforge_cuda as cuda;
 pub use moeforge_dsl as dsl;
 pub use moeforge_macros::spec;
 pub use moeforge_plan as plan;

@@ -400,6 +400,25 @@ fn init_weights_compile_and_run_on_the_cpu_twin() {
     let o = moeforge(&["run", b.to_str().unwrap(), "--weights", tmp.path().to_str().unwrap(), "--prompt", "1"], None);
     assert_eq!(o.status.code(), Some(1));
     assert!(text(&o.stderr).contains("no *.safetensors"), "{}", text(&o.stderr));
+    // The cuda backend: on a machine without a driver or a GPU a clear error
+    // and exit 1 (never a panic); on a GPU machine, the same tokens.
+    let cuda: Vec<String> = args(&["--arrive-every", "1", "--start", "tp"])
+        .into_iter()
+        .map(|a| if a == "cpu" { "cuda".to_string() } else { a })
+        .collect();
+    let o = moeforge(&cuda.iter().map(String::as_str).collect::<Vec<_>>(), None);
+    match moeforge::cuda::probe() {
+        Err(why) => {
+            assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
+            let e = text(&o.stderr);
+            assert!(e.contains("--backend cuda: ") && e.contains(&why.to_string()), "{e}");
+            assert!(!e.contains("panicked"), "{e}");
+        }
+        Ok(_) => {
+            assert!(o.status.success(), "{}", text(&o.stderr));
+            assert_eq!(tokens(&s), tokens(&text(&o.stdout)));
+        }
+    }
 }
 
 #[test]

@@ -23,6 +23,10 @@ pub enum Backend {
     /// emitted kernels (built for the host with g++, CTAs as threads) at the
     /// plan's addresses; the twin schedules.
     Emu,
+    /// An NVIDIA GPU: the same program as `emu`, the kernels built with nvcc
+    /// for the GPU and launched through the CUDA driver (every rank's buffer
+    /// on one GPU for now).
+    Cuda,
 }
 
 impl Backend {
@@ -31,6 +35,7 @@ impl Backend {
         match self {
             Backend::Cpu => "cpu twin",
             Backend::Emu => "emulated device",
+            Backend::Cuda => "cuda device",
         }
     }
 }
@@ -121,14 +126,20 @@ pub fn load_dir(bundle: &Path) -> Result<LoadedBundle, ExitCode> {
 
 /// Checks that the backend can run `bundle` on this machine, then loads the
 /// checkpoint.
-pub fn prepare(bundle: &LoadedBundle, weights: &Path) -> Result<Checkpoint, ExitCode> {
-    // Both backends hold every rank's unified buffer in this host's memory.
-    machine::check_cpu(&bundle.plan, &machine::Host::probe()).map_err(|e| {
-        error(
-            format!("this machine does not fit the bundle: {e}"),
-            "run it on the cluster it was compiled for (the cpu backend runs small specs such as models/clusters.moe's `cpu4`)",
-        )
-    })?;
+pub fn prepare(bundle: &LoadedBundle, weights: &Path, backend: Backend) -> Result<Checkpoint, ExitCode> {
+    match backend {
+        // These hold every rank's unified buffer in this host's memory.
+        Backend::Cpu | Backend::Emu => machine::check_cpu(&bundle.plan, &machine::Host::probe()).map_err(|e| {
+            error(
+                format!("this machine does not fit the bundle: {e}"),
+                "run it on the cluster it was compiled for (the cpu backend runs small specs such as models/clusters.moe's `cpu4`)",
+            )
+        })?,
+        // Before the checkpoint is read: no driver or no GPU fails at once.
+        Backend::Cuda => {
+            moeforge_cuda::probe().map_err(|e| error(format!("--backend cuda: {e}"), "run it on a machine with an NVIDIA GPU, or use --backend emu"))?;
+        }
+    }
     let ck =
         Checkpoint::load(weights).map_err(|e| error(e, "write weights with `moeforge init-weights SPEC -o DIR`"))?;
     if let Some(first) = ck.rounded.first() {
@@ -160,6 +171,12 @@ pub fn driver(
         Backend::Emu => {
             let dev = moeforge::runtime::device::emu::EmuDevice::start(&cache)
                 .map_err(|e| EngineError::Backend(format!("the emulated device: {e}")))?;
+            twin::Twin::on_device(bundle, ck, mode, Box::new(dev)).map_err(Into::into)
+        }
+        Backend::Cuda => {
+            let ordinal = std::env::var("MOEFORGE_CUDA_DEVICE").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
+            let dev = moeforge_cuda::CudaDevice::open(ordinal, &moeforge_cuda::default_cache())
+                .map_err(|e| EngineError::Backend(format!("the cuda device: {e}")))?;
             twin::Twin::on_device(bundle, ck, mode, Box::new(dev)).map_err(Into::into)
         }
     };
@@ -195,7 +212,7 @@ pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
         Start::Ep => Mode::Ep,
     };
     let prompts = prompts(a)?;
-    let ck = prepare(bundle, &a.weights)?;
+    let ck = prepare(bundle, &a.weights, a.backend)?;
     let (mut driver, calibration) = driver(bundle, &ck, a.backend, start, a.switch_at.is_empty())?;
     let n = prompts.len();
     let mut arrivals: Vec<(usize, Request)> = prompts

@@ -58,7 +58,7 @@ pub fn serve_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> 
         Start::Tp => Mode::Tp,
         Start::Ep => Mode::Ep,
     };
-    let ck = prepare(bundle, &a.weights)?;
+    let ck = prepare(bundle, &a.weights, a.backend)?;
     let text = Text::load(&a.weights).map_err(|e| {
         error(e, "tokenizer.json must be a Hugging Face tokenizers file (or absent: token-id prompts only)")
     })?;

@@ -1,0 +1,156 @@
+// GPU check of the weight reshard's transfers (Moebius §4.3): one MoE layer's
+// descriptors from a bundle's plan.json (scripts/gpu-check.sh extracts them),
+// every rank's source and destination expert slot placed side by side in one
+// GPU's memory, executed three ways and timed against a plain
+// device-to-device copy of the same bytes:
+//   kernel:   one launch of the cuda backend's transfer kernel
+//             (cuda/src/transfer.cu) running every descriptor;
+//   memcpy2d: one cudaMemcpy2DAsync per descriptor row (the copy engines);
+//   d2d:      cudaMemcpyAsync of the total bytes (the ceiling).
+// Each way's result is compared byte for byte with a host execution of the
+// descriptors. Prints one JSON object.
+// Usage: copy_check DESCRIPTORS_FILE REPEATS
+//   file: "RANKS SLOT_BYTES" then one line per descriptor:
+//   src_rank dst_rank src_off dst_off run c0 c1 ss0 ss1 ds0 ds1
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#define CHECK(x)                                                                                        \
+  do {                                                                                                  \
+    cudaError_t e_ = (x);                                                                               \
+    if (e_ != cudaSuccess) {                                                                            \
+      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorName(e_), __FILE__, __LINE__, \
+                   cudaGetErrorString(e_));                                                             \
+      std::exit(2);                                                                                     \
+    }                                                                                                   \
+  } while (0)
+
+#include "../../cuda/src/transfer.cu"  // the cuda backend's transfer kernel
+
+int main(int argc, char** argv) {
+  if (argc != 3) {
+    std::fprintf(stderr, "usage: copy_check DESCRIPTORS_FILE REPEATS\n");
+    return 2;
+  }
+  FILE* f = std::fopen(argv[1], "r");
+  if (!f) {
+    std::fprintf(stderr, "cannot open %s\n", argv[1]);
+    return 2;
+  }
+  const int repeats = std::max(1, std::atoi(argv[2]));
+  unsigned long long ranks = 0, slot = 0;
+  if (std::fscanf(f, "%llu %llu", &ranks, &slot) != 2 || ranks == 0 || slot == 0) {
+    std::fprintf(stderr, "%s: no header\n", argv[1]);
+    return 2;
+  }
+  std::vector<MoeforgeCopy> ds;
+  unsigned long long sr, dr, runs = 0, bytes = 0;
+  MoeforgeCopy c{};
+  while (std::fscanf(f, "%llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu", &sr, &dr, &c.src, &c.dst, &c.run,
+                     &c.c0, &c.c1, &c.ss0, &c.ss1, &c.ds0, &c.ds1) == 11) {
+    c.src += sr * slot;
+    c.dst += dr * slot;
+    runs += c.c0 * c.c1;
+    bytes += c.run * c.c0 * c.c1;
+    ds.push_back(c);
+  }
+  std::fclose(f);
+  // The piece size every descriptor allows (the buffers are 256-byte aligned), then the prefix sums.
+  int chunk = 16;
+  for (const MoeforgeCopy& d : ds)
+    while (chunk > 1 && ((d.src | d.dst | d.run | d.ss0 | d.ss1 | d.ds0 | d.ds1) % chunk) != 0) chunk /= 2;
+  unsigned long long pieces = 0;
+  for (MoeforgeCopy& d : ds) {
+    d.first = pieces;
+    pieces += d.c0 * d.c1 * (d.run / chunk);
+  }
+  if (ds.empty()) {
+    std::fprintf(stderr, "%s: no descriptors\n", argv[1]);
+    return 2;
+  }
+  const size_t total = ranks * slot;
+  std::vector<unsigned char> host(total), expect(total, 0xa5);
+  uint64_t x = 0x2545f4914f6cdd1dull;
+  for (auto& b : host) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    b = static_cast<unsigned char>(x);
+  }
+  for (const MoeforgeCopy& d : ds)
+    for (unsigned long long a = 0; a < d.c0; ++a)
+      for (unsigned long long b = 0; b < d.c1; ++b)
+        std::memmove(&expect[d.dst + a * d.ds0 + b * d.ds1], &host[d.src + a * d.ss0 + b * d.ss1], d.run);
+  unsigned char *src, *dst, *flat;
+  MoeforgeCopy* dd;
+  CHECK(cudaMalloc(&src, total));
+  CHECK(cudaMalloc(&dst, total));
+  CHECK(cudaMalloc(&flat, std::max<size_t>(bytes, 1)));
+  CHECK(cudaMalloc(&dd, ds.size() * sizeof(MoeforgeCopy)));
+  CHECK(cudaMemcpy(src, host.data(), total, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(dd, ds.data(), ds.size() * sizeof(MoeforgeCopy), cudaMemcpyHostToDevice));
+  cudaStream_t s;
+  CHECK(cudaStreamCreate(&s));
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const unsigned grid = static_cast<unsigned>(std::min<unsigned long long>((pieces + 255) / 256, 16ull * sms));
+  auto kernel = [&] {
+    moeforge_transfer<<<grid, 256, 0, s>>>(dd, static_cast<int>(ds.size()), pieces, src, dst, chunk);
+  };
+  auto memcpy2d = [&] {
+    for (const MoeforgeCopy& d : ds)
+      for (unsigned long long a = 0; a < d.c0; ++a)
+        CHECK(cudaMemcpy2DAsync(dst + d.dst + a * d.ds0, d.c1 > 1 ? d.ds1 : d.run, src + d.src + a * d.ss0,
+                                d.c1 > 1 ? d.ss1 : d.run, d.run, d.c1, cudaMemcpyDeviceToDevice, s));
+  };
+  auto d2d = [&] { CHECK(cudaMemcpyAsync(flat, src, bytes, cudaMemcpyDeviceToDevice, s)); };
+  auto verify = [&](const char* how) {
+    std::vector<unsigned char> got(total);
+    CHECK(cudaMemcpy(got.data(), dst, total, cudaMemcpyDeviceToHost));
+    for (const MoeforgeCopy& d : ds)
+      for (unsigned long long a = 0; a < d.c0; ++a)
+        for (unsigned long long b = 0; b < d.c1; ++b) {
+          const size_t o = d.dst + a * d.ds0 + b * d.ds1;
+          if (std::memcmp(&got[o], &expect[o], d.run) != 0) {
+            std::fprintf(stderr, "%s: descriptor run at destination byte %zu differs\n", how, o);
+            std::exit(1);
+          }
+        }
+  };
+  auto time = [&](auto fn) {
+    cudaEvent_t a, b;
+    CHECK(cudaEventCreate(&a));
+    CHECK(cudaEventCreate(&b));
+    for (int i = 0; i < 3; ++i) fn();
+    std::vector<float> ms;
+    for (int i = 0; i < repeats; ++i) {
+      CHECK(cudaEventRecord(a, s));
+      fn();
+      CHECK(cudaEventRecord(b, s));
+      CHECK(cudaEventSynchronize(b));
+      float t = 0;
+      CHECK(cudaEventElapsedTime(&t, a, b));
+      ms.push_back(t);
+    }
+    CHECK(cudaGetLastError());
+    std::sort(ms.begin(), ms.end());
+    return ms[ms.size() / 2] * 1e3;
+  };
+  CHECK(cudaMemset(dst, 0xa5, total));
+  const double k_us = time(kernel);
+  verify("kernel");
+  CHECK(cudaMemset(dst, 0xa5, total));
+  const double m_us = time(memcpy2d);
+  verify("memcpy2d");
+  const double d_us = time(d2d);
+  // Bandwidth counts bytes read plus bytes written.
+  auto gbs = [&](double us) { return 2.0 * bytes / (us * 1e-6) / 1e9; };
+  std::printf(
+      "{\"descriptors\": %zu, \"chunk\": %d, \"runs\": %llu, \"bytes\": %llu, \"kernel_us\": %.1f, \"memcpy2d_us\": %.1f, "
+      "\"d2d_us\": %.1f, \"kernel_gbs\": %.1f, \"memcpy2d_gbs\": %.1f, \"d2d_gbs\": %.1f, "
+      "\"kernel_vs_d2d\": %.3f, \"memcpy2d_vs_d2d\": %.3f}\n",
+      ds.size(), chunk, runs, bytes, k_us, m_us, d_us, gbs(k_us), gbs(m_us), gbs(d_us), d_us / k_us, d_us / m_us);
+  return 0;
+}

@@ -1,0 +1,84 @@
+"""End-to-end check of one tiny Hugging Face fixture (tests/fixtures/models/NAME,
+made by transformers through scripts/fixtures/models.py) on a moeforge backend,
+the way a user runs it: import-hf writes the model block, a deployment puts it
+on RANKS ranks, `moeforge compile` emits the bundle, `moeforge run --backend B`
+serves the fixture's prompts greedily. The greedy tokens must be
+transformers' (expected.json) exactly. Prints one JSON object (tokens, match,
+median step milliseconds); exits 1 on a mismatch or a failed command.
+
+Usage: python3 e2e.py MOEFORGE BACKEND FIXTURE_DIR RANKS START WORKDIR [SWITCH_AT]
+"""
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+
+def deployment(model_block: str, ranks: int) -> str:
+    # The tests' CPU cluster (tests/common/cpu_spec.rs): small "GPUs" whose
+    # plan fits every rank's buffer on one real GPU; fp8 checkpoints take
+    # 128-deep K blocks (their scale blocks) and more of the buffer.
+    fp8 = "fp8_e4m3" in model_block
+    k = 128 if fp8 else 64
+    fraction = 0.6 if fp8 else 0.25
+    tile = f"block_m = 64 block_n = 64 block_k = {k} stages = 2"
+    return f"""{model_block}
+cluster cpu {{ nodes = 1 gpus_per_node = {ranks}
+  gpu cpu {{ arch = sm_90a sms = 4 hbm = 256MB hbm_bandwidth = 1TB/s bf16 = 100TFLOP/s smem_per_sm = 228KiB smem_per_block = 227KiB }}
+  scale_up shm {{ bandwidth = 10GB/s latency = 1us }} }}
+tiles t {{ prefill {{ gate_up {{ {tile} }} down {{ {tile} }} }}
+  decode {{ gate_up {{ {tile} }} down {{ {tile} }} }} }}
+deploy tiny {{ model = tiny cluster = cpu tiles = t slo {{ ttft = 1s tpot = 50ms }}
+  workload {{ input = sharegpt output = sharegpt arrival poisson {{ rate = 1req/s }} }}
+  switch {{ t_high = 4 t_low = 2 window = 2 cooldown = 0s }} memory_fraction = {fraction} }}
+"""
+
+
+def run(cmd: list, what: str) -> str:
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"{what} failed ({p.returncode}): {(p.stderr or p.stdout).strip()[-1500:]}")
+    return p.stdout
+
+
+def main() -> int:
+    moeforge, backend, fixture, ranks, start, work = sys.argv[1:7]
+    switch_at = sys.argv[7] if len(sys.argv) > 7 else ""
+    os.makedirs(work, exist_ok=True)
+    name = os.path.basename(os.path.normpath(fixture))
+    out = {"fixture": name, "backend": backend, "ranks": int(ranks), "start": start, "switch_at": switch_at}
+    try:
+        expected = json.load(open(os.path.join(fixture, "expected.json")))
+        reqs = expected["requests"]
+        model = os.path.join(work, "model.moe")
+        run([moeforge, "import-hf", fixture, "-o", model, "--name", "tiny"], "import-hf")
+        spec = os.path.join(work, "tiny.moe")
+        with open(spec, "w") as f:
+            f.write(deployment(open(model).read(), int(ranks)))
+        bundle = os.path.join(work, "bundle")
+        run([moeforge, "compile", spec, "-o", bundle, "--nvcc", "off"], "compile")
+        cmd = [moeforge, "run", bundle, "--backend", backend, "--weights", fixture, "--start", start,
+               "--max-new", str(max(len(r["tokens"]) for r in reqs))]
+        for r in reqs:
+            cmd += ["--prompt", " ".join(map(str, r["prompt"]))]
+        if switch_at:
+            cmd += ["--switch-at", switch_at]
+        text = run(cmd, f"run --backend {backend}")
+        got = {int(m.group(1)): [int(t) for t in m.group(2).split()]
+               for m in re.finditer(r"^request (\d+): ([\d ]*)$", text, re.M)}
+        want = {i: r["tokens"] for i, r in enumerate(reqs)}
+        steps = [float(m.group(1)) for m in re.finditer(r"^\s*\d+\s+\S+\s+\d+\s+\d+\s+([\d.]+)$", text, re.M)]
+        out.update(tokens=[got.get(i, []) for i in range(len(reqs))], expected=[want[i] for i in range(len(reqs))],
+                   match=all(got.get(i, [])[: len(w)] == w for i, w in want.items()),
+                   switches=len(re.findall(r"^switch before step", text, re.M)),
+                   median_step_ms=statistics.median(steps) if steps else None, steps=len(steps))
+    except (RuntimeError, OSError, KeyError, ValueError) as e:
+        out.update(match=False, error=str(e))
+    print(json.dumps(out))
+    return 0 if out.get("match") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
