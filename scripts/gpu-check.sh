@@ -224,20 +224,20 @@ apk_steps() {  # apk_steps BUNDLE/KERNEL
   local k="$1" ex="${1%%/*}" name="${1##*/}"
   local bin="$BUILD/${ex}-${name}"
   [[ -x "$bin" ]] || return 0  # its build step failed, and says so
-  read -r top_k experts hidden inter <<<"$(python3 - "$BUNDLES/$ex/plan.json" "$name" <<'PY'
+  read -r top_k experts hidden inter x_star <<<"$(python3 - "$BUNDLES/$ex/plan.json" "$name" <<'PY'
 import json, sys
 p = json.load(open(sys.argv[1]))
 k = next(k for k in p["kernels"] if k["name"] == sys.argv[2])["params"]
-print(p["model"]["top_k"], p["model"]["experts"], k["hidden"], k["inter"])
+print(p["model"]["top_k"], p["model"]["experts"], k["hidden"], k["inter"], k["x_star"])
 PY
 )"
   # ExpertPlex §7.3: 8192 prefill tokens and 128 decode tokens (the tiny model: 512 and 16).
   local tp=8192 td=128 limit=150
   [[ "$ex" == tiny-* ]] && { tp=512; td=16; limit=60; }
   run_step apk "$k" "$limit" "$bin" "$tp" "$td" "$top_k" "$experts" 20 "$BUILD/$ex-$name.counts" \
-    "$OUT_DIR/profiles/$ex-$name.json"
+    "$OUT_DIR/profiles/$ex-$name.json" "$x_star"
   [[ -x "$bin-static" ]] && run_step static "$k" 90 "$bin-static" "$tp" "$td" "$top_k" "$experts" 20 \
-    "$BUILD/$ex-$name.static-counts" /dev/null
+    "$BUILD/$ex-$name.static-counts" /dev/null "$x_star"
   [[ -f "$BUILD/$ex-$name.counts" && "$ex" != tiny-* ]] && run_step torch "$k" 120 env PYTHONUNBUFFERED=1 python3 \
     scripts/gpu/torch_grouped.py "$hidden" "$inter" "$BUILD/$ex-$name.counts" 20
   return 0
@@ -306,7 +306,7 @@ fi
 if [[ $have_gpu -eq 1 && -x "$SAN" ]]; then
   tiny="$BUILD/tiny-qwen3-cpu4-apk"
   [[ -x "$tiny" ]] && run_step sanitizer "racecheck apk tiny" 180 "$SAN" --tool racecheck --error-exitcode 9 \
-    --print-limit 20 "$tiny" 64 8 4 16 1 "$BUILD/san.counts" /dev/null
+    --print-limit 20 "$tiny" 64 8 4 16 1 "$BUILD/san.counts" /dev/null 4
 fi
 
 python3 - "$STEPS" "$OUT_DIR/gpu-check.json" "$EMU" <<'PY'
@@ -347,6 +347,8 @@ for k in ("glm-5-h800x24/apk_e10", "minimax-m2-h800/apk"):
     a = report["apk"].get(k)
     if a and "decode_slowdown" in a:
         goals[f"{k}: decode slowdown (<= 1.05)"] = a["decode_slowdown"]
+        if "decode_slowdown_xstar" in a:
+            goals[f"{k}: decode slowdown at the plan's x* = {a['x_star']} (<= 1.05)"] = a["decode_slowdown_xstar"]
         goals[f"{k}: prefill slowdown (<= 1.10)"] = a["prefill_slowdown"]
         goals[f"{k}: preemption delay us (<= one tile, {a.get('mean_tile_us')} us)"] = a["preemption_delay_us"]
 for s in steps:

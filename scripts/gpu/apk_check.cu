@@ -20,7 +20,11 @@
 // Timing (%globaltimer stamps written by the kernel: t_instantiated,
 // t_first_claim, t_done): prefill alone (TFLOP/s), decode alone, decode
 // posted ~10 µs after a prefill (ExpertPlex §7.3) and both slowdowns, and the
-// preemption delay (decode instantiated → its first tile claimed).
+// preemption delay (decode instantiated → its first tile claimed). The
+// sharing is timed twice: with TOKENS_DECODE routed tokens, and with a decode
+// whose footprint is the plan's expected x*_moe (X_STAR), the one the decode
+// SM budget q was searched for: Eq. 4 scales the decode's clusters by
+// x_moe / x*, so a decode far below x* gets few of them.
 // -DAPK_STATIC_TILES builds the static-schedule baseline (tiles dealt
 // round-robin); this driver then prints {"static_prefill_us", …} only.
 // A sweep of prefill sizes gives the APK's measured latency profile (the
@@ -28,7 +32,7 @@
 // The routed prefill counts are written to COUNTS for the torch baseline.
 // A watchdog (alarm) names the step that hung and exits 3.
 //
-// Usage: apk_check TOKENS_PREFILL TOKENS_DECODE TOP_K EXPERTS_TOTAL REPEATS COUNTS PROFILE
+// Usage: apk_check TOKENS_PREFILL TOKENS_DECODE TOP_K EXPERTS_TOTAL REPEATS COUNTS PROFILE X_STAR
 #include KERNEL_SOURCE
 
 #include <cuda.h>          // CUtensorMap and its enums
@@ -178,9 +182,10 @@ struct Case {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 8) {
+  if (argc != 9) {
     std::fprintf(stderr,
-                 "usage: apk_check TOKENS_PREFILL TOKENS_DECODE TOP_K EXPERTS_TOTAL REPEATS COUNTS_OUT PROFILE_OUT\n");
+                 "usage: apk_check TOKENS_PREFILL TOKENS_DECODE TOP_K EXPERTS_TOTAL REPEATS COUNTS_OUT PROFILE_OUT "
+                 "X_STAR\n");
     return 2;
   }
   std::signal(SIGALRM, on_alarm);
@@ -188,6 +193,7 @@ int main(int argc, char** argv) {
   const int tokens_p = std::atoi(argv[1]), tokens_d = std::atoi(argv[2]), top_k = std::atoi(argv[3]);
   const int experts_total = std::atoi(argv[4]), repeats = std::max(1, std::atoi(argv[5]));
   const char *counts_out = argv[6], *profile_out = argv[7];
+  const double x_star = std::atof(argv[8]);
   const int H = apk::kHidden, I = apk::kInter, E = apk::kLocalExperts;
   std::mt19937_64 rng(20261204);
   cudaDeviceProp prop{};
@@ -410,6 +416,13 @@ int main(int argc, char** argv) {
 
   const auto cp = fit_prefill(counts_for(tokens_p, apk::kMaxPrefillRows));
   const auto cd = counts_for(tokens_d, apk::kMaxDecodeRows);
+  // A decode of footprint x* (whole M_t tiles spread over the local experts, capped by the masked rows).
+  std::vector<uint32_t> cx(E, 0);
+  {
+    const uint32_t tiles = static_cast<uint32_t>(std::max(1.0, std::round(x_star)));
+    for (uint32_t t = 0; t < tiles; ++t)
+      cx[t % E] = std::min<uint32_t>(cx[t % E] + apk::kMtDecode, apk::kMaxDecodeRows);
+  }
 
 #ifdef APK_STATIC_TILES
   {
@@ -469,6 +482,10 @@ int main(int argc, char** argv) {
       wait(apk::kDecode);
     }
     keep("decode re-instantiated x3", apk::kDecode, cd);
+    fill(apk::kDecode, cx);
+    post(apk::kDecode, cx);
+    wait(apk::kDecode);
+    keep("decode at x*", apk::kDecode, cx);
   }
 
   // 2. Prefill alone and decode alone (medians over repeats).
@@ -492,6 +509,20 @@ int main(int argc, char** argv) {
     decode_shared.push_back(d.inst_to_done_us);
     prefill_shared.push_back(p.inst_to_done_us);
     if (d.t_inst > p.t_inst && d.t_inst < p.t_done) preempt.push_back(d.first_claim_us);
+  }
+  // 3b. The same with the decode at the plan's expected footprint x*.
+  fill(apk::kDecode, cx);
+  std::vector<double> xs_alone, xs_shared, xs_prefill;
+  for (int r = 0; r < repeats; ++r) {
+    post(apk::kDecode, cx);
+    xs_alone.push_back(wait(apk::kDecode).inst_to_done_us);
+    post(apk::kPrefill, cp);
+    std::this_thread::sleep_for(std::chrono::microseconds(10));
+    post(apk::kDecode, cx);
+    const Run d = wait(apk::kDecode);
+    const Run p = wait(apk::kPrefill);
+    xs_shared.push_back(d.inst_to_done_us);
+    xs_prefill.push_back(p.inst_to_done_us);
   }
   // 4. The measured profile: prefill operations of growing size (x_moe = Σ ⌈m_e / M_t⌉).
   step("profile", 240);
@@ -615,10 +646,13 @@ int main(int argc, char** argv) {
       "\"prefill_alone_us\": %.1f, \"prefill_tflops\": %.3f, "
       "\"decode_alone_us\": %.1f, \"decode_shared_us\": %.1f, "
       "\"decode_slowdown\": %.3f, \"prefill_shared_us\": %.1f, \"prefill_slowdown\": %.3f, "
-      "\"preemption_delay_us\": %.2f, \"mean_tile_us\": %.2f, \"preemption_samples\": %zu}\n",
+      "\"preemption_delay_us\": %.2f, \"mean_tile_us\": %.2f, \"preemption_samples\": %zu, "
+      "\"x_star\": %.1f, \"decode_xstar_rows\": %.0f, \"decode_xstar_alone_us\": %.1f, "
+      "\"decode_slowdown_xstar\": %.3f, \"prefill_slowdown_xstar\": %.3f}\n",
       prop.name, prop.multiProcessorCount, clusters, apk::kClusterSize, H, I, E, apk::kFp8Weights ? "true" : "false",
       flops(cp) / (2.0 * H * 2 * I + 2.0 * I * H), flops(cd) / (2.0 * H * 2 * I + 2.0 * I * H), errs.c_str(),
       rows_checked, worst, ref_vs_f64, bad ? "false" : "true", pa, flops(cp) / (pa * 1e-6) / 1e12, da, ds, ds / da, ps,
-      ps / pa, median(preempt), tile_us, preempt.size());
+      ps / pa, median(preempt), tile_us, preempt.size(), x_star, flops(cx) / (2.0 * H * 2 * I + 2.0 * I * H),
+      median(xs_alone), median(xs_shared) / median(xs_alone), median(xs_prefill) / pa);
   return bad ? 1 : 0;
 }
