@@ -247,10 +247,10 @@ PY
 backend=cuda
 [[ $EMU -eq 1 ]] && backend=emu
 export MOEFORGE_NVCC="$NVCC"
-e2e() {  # e2e FIXTURE RANKS START [SWITCH_AT]
+e2e() {  # e2e FIXTURE RANKS START [SWITCH_AT [TILES]]
   [[ -n "$MOEFORGE" ]] || return 0
-  run_step e2e "$1 P=$2 $3${4:+ switch@$4}" 240 python3 scripts/gpu/e2e.py "$MOEFORGE" "$backend" \
-    "tests/fixtures/models/$1" "$2" "$3" "$BUILD/e2e-$1-$2-$3" "${4:-}"
+  run_step e2e "$1 P=$2 $3${4:+ switch@$4}${5:+ $5}" 240 python3 scripts/gpu/e2e.py "$MOEFORGE" "$backend" \
+    "tests/fixtures/models/$1" "$2" "$3" "$BUILD/e2e-$1-$2-$3${5:+-$5}" "${4:-}" "${5:-}"
 }
 
 # Tiny first, then the model end to end, then the large shapes.
@@ -266,6 +266,7 @@ if [[ $have_gpu -eq 1 || $EMU -eq 1 ]]; then
     e2e deepseek-v3-fp8 2 ep
     e2e minimax-m2 4 ep 2,5
     e2e gpt-oss 2 ep
+    e2e qwen3-moe 2 tp 3 hopper-bf16  # the default bf16 tiles (256 columns) on the tiny shapes
   fi
 fi
 # (e) compute-sanitizer memcheck: the first end-to-end run's bundle served again (a few tokens).

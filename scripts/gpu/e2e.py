@@ -6,7 +6,8 @@ serves the fixture's prompts greedily. The greedy tokens must be
 transformers' (expected.json) exactly. Prints one JSON object (tokens, match,
 median step milliseconds); exits 1 on a mismatch or a failed command.
 
-Usage: python3 e2e.py MOEFORGE BACKEND FIXTURE_DIR RANKS START WORKDIR [SWITCH_AT]
+Usage: python3 e2e.py MOEFORGE BACKEND FIXTURE_DIR RANKS START WORKDIR [SWITCH_AT [TILES]]
+TILES names a tile set of models/tiles.moe (default: 64×64 tiles sized for the tiny models).
 """
 import json
 import os
@@ -16,7 +17,7 @@ import subprocess
 import sys
 
 
-def deployment(model_block: str, ranks: int) -> str:
+def deployment(model_block: str, ranks: int, tiles: str = "") -> str:
     # The tests' CPU cluster (tests/common/cpu_spec.rs): small "GPUs" whose
     # plan fits every rank's buffer on one real GPU; fp8 checkpoints take
     # 128-deep K blocks (their scale blocks) and more of the buffer.
@@ -24,13 +25,15 @@ def deployment(model_block: str, ranks: int) -> str:
     k = 128 if fp8 else 64
     fraction = 0.6 if fp8 else 0.25
     tile = f"block_m = 64 block_n = 64 block_k = {k} stages = 2"
-    return f"""{model_block}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    using = f'use "{root}/models/tiles.moe"\n' if tiles else ""
+    return using + f"""{model_block}
 cluster cpu {{ nodes = 1 gpus_per_node = {ranks}
   gpu cpu {{ arch = sm_90a sms = 4 hbm = 256MB hbm_bandwidth = 1TB/s bf16 = 100TFLOP/s smem_per_sm = 228KiB smem_per_block = 227KiB }}
   scale_up shm {{ bandwidth = 10GB/s latency = 1us }} }}
 tiles t {{ prefill {{ gate_up {{ {tile} }} down {{ {tile} }} }}
   decode {{ gate_up {{ {tile} }} down {{ {tile} }} }} }}
-deploy tiny {{ model = tiny cluster = cpu tiles = t slo {{ ttft = 1s tpot = 50ms }}
+deploy tiny {{ model = tiny cluster = cpu tiles = {tiles or "t"} slo {{ ttft = 1s tpot = 50ms }}
   workload {{ input = sharegpt output = sharegpt arrival poisson {{ rate = 1req/s }} }}
   switch {{ t_high = 4 t_low = 2 window = 2 cooldown = 0s }} memory_fraction = {fraction} }}
 """
@@ -46,9 +49,11 @@ def run(cmd: list, what: str) -> str:
 def main() -> int:
     moeforge, backend, fixture, ranks, start, work = sys.argv[1:7]
     switch_at = sys.argv[7] if len(sys.argv) > 7 else ""
+    tiles = sys.argv[8] if len(sys.argv) > 8 else ""
     os.makedirs(work, exist_ok=True)
     name = os.path.basename(os.path.normpath(fixture))
-    out = {"fixture": name, "backend": backend, "ranks": int(ranks), "start": start, "switch_at": switch_at}
+    out = {"fixture": name, "backend": backend, "ranks": int(ranks), "start": start, "switch_at": switch_at,
+           "tiles": tiles or "t"}
     try:
         expected = json.load(open(os.path.join(fixture, "expected.json")))
         reqs = expected["requests"]
@@ -56,7 +61,7 @@ def main() -> int:
         run([moeforge, "import-hf", fixture, "-o", model, "--name", "tiny"], "import-hf")
         spec = os.path.join(work, "tiny.moe")
         with open(spec, "w") as f:
-            f.write(deployment(open(model).read(), int(ranks)))
+            f.write(deployment(open(model).read(), int(ranks), tiles))
         bundle = os.path.join(work, "bundle")
         run([moeforge, "compile", spec, "-o", bundle, "--nvcc", "off"], "compile")
         cmd = [moeforge, "run", bundle, "--backend", backend, "--weights", fixture, "--start", start,

@@ -9,25 +9,34 @@
 #   scripts/gpu/tile_sweep.sh                     # on the GPU machine
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-# variant: gate_up block_n, down block_n, cluster, stages
-VARIANTS=("n128-c2-s4 128 128 2 4" "n256-c2-s3 256 256 2 3" "n128-c1-s4 128 128 1 4" "n128-c2-s6 128 128 2 6"
+# variant: gate_up block_n, down block_n, cluster, stages (block_k 64 for bf16
+# experts; 128, one scale block, for fp8, whose down tile must lie in one
+# 128-row scale block).
+BF16_VARIANTS=("n128-c2-s4 128 128 2 4" "n256-c2-s3 256 256 2 3" "n128-c1-s4 128 128 1 4" "n128-c2-s6 128 128 2 6"
   "n256-c1-s3 256 256 1 3" "n64-c2-s8 64 64 2 8")
+FP8_VARIANTS=("n128-c2-s5 128 128 2 5" "n128-c1-s5 128 128 1 5" "n256x128-c1-s3 256 128 1 3" "n256x128-c2-s3 256 128 2 3")
 if [[ "${1:-}" == "--prepare" ]]; then
   ex="${2:?usage: tile_sweep.sh --prepare EXAMPLE}"
   rm -rf gpu-bundles/sweep && mkdir -p gpu-bundles/sweep
-  for v in "${VARIANTS[@]}"; do
+  set_name="$(sed -n 's/^ *tiles = \(hopper-[a-z0-9]*\).*/\1/p' "examples/$ex.moe" | head -1)"
+  case "$set_name" in
+    hopper-bf16) variants=("${BF16_VARIANTS[@]}"); k=64 ;;
+    hopper-fp8) variants=("${FP8_VARIANTS[@]}"); k=128 ;;
+    *) echo "examples/$ex.moe uses tiles \`$set_name\`; the sweep knows hopper-bf16 and hopper-fp8" >&2; exit 1 ;;
+  esac
+  for v in "${variants[@]}"; do
     read -r name ngu nd c s <<<"$v"
     spec="gpu-bundles/sweep/$name.moe"
-    sed -e "s|\"../models/|\"$PWD/models/|g" -e "s|tiles = hopper-bf16|tiles = sweep|" "examples/$ex.moe" >"$spec"
+    sed -e "s|\"../models/|\"$PWD/models/|g" -e "s|tiles = $set_name|tiles = sweep|" "examples/$ex.moe" >"$spec"
     cat >>"$spec" <<MOE
 tiles sweep {
   prefill {
-    gate_up { block_m = 128  block_n = $ngu  block_k = 64  cluster = [$c, 1]  stages = $s }
-    down    { block_m = 128  block_n = $nd  block_k = 64  cluster = [$c, 1]  stages = $s }
+    gate_up { block_m = 128  block_n = $ngu  block_k = $k  cluster = [$c, 1]  stages = $s }
+    down    { block_m = 128  block_n = $nd  block_k = $k  cluster = [$c, 1]  stages = $s }
   }
   decode {
-    gate_up { block_m = 64  block_n = $ngu  block_k = 64  cluster = [$c, 1]  stages = $s }
-    down    { block_m = 64  block_n = $nd  block_k = 64  cluster = [$c, 1]  stages = $s }
+    gate_up { block_m = 64  block_n = $ngu  block_k = $k  cluster = [$c, 1]  stages = $s }
+    down    { block_m = 64  block_n = $nd  block_k = $k  cluster = [$c, 1]  stages = $s }
   }
 }
 MOE
