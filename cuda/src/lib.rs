@@ -172,6 +172,8 @@ const COPY_WORDS: usize = 10;
 
 /// Recorded encode calls per `_prepare`: a count word, then at most four maps.
 const MAX_MAPS: usize = 4;
+/// The APK's per-operation launch arguments (apk::FlatOp).
+const APK_ARGS: usize = 18;
 
 pub struct CudaDevice {
     gpu: Gpu,
@@ -183,8 +185,10 @@ pub struct CudaDevice {
     cache: PathBuf,
     arch: String,
     watchdog: Duration,
-    /// The transfer kernel and its one-descriptor argument, loaded at the first copy.
+    /// The transfer kernel and its one-descriptor argument, loaded with the first module.
     transfer: Option<(sys::CUmodule, sys::CUfunction, sys::CUdeviceptr)>,
+    /// The launch a watchdog gave up on: the GPU may still run it.
+    poisoned: std::cell::OnceCell<String>,
 }
 
 // SAFETY: the handles are the driver's; every method first makes the
@@ -217,7 +221,8 @@ impl CudaDevice {
             .ok()
             .and_then(|s| s.parse::<f64>().ok())
             .filter(|s| *s > 0.0)
-            .map_or(Duration::from_secs(60), Duration::from_secs_f64);
+            .and_then(|s| Duration::try_from_secs_f64(s).ok())
+            .unwrap_or(Duration::from_secs(60));
         Ok(CudaDevice {
             gpu,
             ctx,
@@ -229,6 +234,7 @@ impl CudaDevice {
             arch,
             watchdog,
             transfer: None,
+            poisoned: std::cell::OnceCell::new(),
         })
     }
 
@@ -241,8 +247,30 @@ impl CudaDevice {
         unsafe { result::ctx::set_current(self.ctx) }.map_err(|e| driver("cuCtxSetCurrent", e))
     }
 
-    /// Waits for the stream, polling so that a hung kernel is an error.
+    /// Host to device on the work stream (after everything issued before it), waited for.
+    fn h2d<T>(&self, at: sys::CUdeviceptr, data: &[T], what: &str) -> Result<(), DeviceError> {
+        // SAFETY: the caller checked that `at` holds `size_of_val(data)` bytes;
+        // `data` outlives the copy, which `finish` waits for.
+        unsafe { result::memcpy_htod_async(at, data, self.stream) }
+            .map_err(|e| driver(&format!("{what}: cuMemcpyHtoDAsync"), e))?;
+        self.finish(what)
+    }
+
+    /// Device to host on the work stream (after everything issued before it), waited for.
+    fn d2h<T>(&self, out: &mut [T], at: sys::CUdeviceptr, what: &str) -> Result<(), DeviceError> {
+        // SAFETY: the caller checked that `at` holds `size_of_val(out)` bytes;
+        // `out` outlives the copy, which `finish` waits for.
+        unsafe { result::memcpy_dtoh_async(out, at, self.stream) }
+            .map_err(|e| driver(&format!("{what}: cuMemcpyDtoHAsync"), e))?;
+        self.finish(what)
+    }
+
+    /// Waits for the stream, polling so that a hung kernel is an error. After
+    /// a hang the device is poisoned: every later call fails at once.
     fn finish(&self, what: &str) -> Result<(), DeviceError> {
+        if let Some(hung) = self.poisoned.get() {
+            return Err(other(format!("the GPU is still running `{hung}`, which hung: restart the process")));
+        }
         let t0 = Instant::now();
         let mut spins = 0u32;
         loop {
@@ -253,6 +281,7 @@ impl CudaDevice {
                 e => return Err(driver(what, result::DriverError(e))),
             }
             if t0.elapsed() > self.watchdog {
+                let _ = self.poisoned.set(what.to_string());
                 return Err(DeviceError::Launch {
                     entry: what.to_string(),
                     message: format!(
@@ -302,7 +331,8 @@ impl CudaDevice {
         if let Ok(bytes) = std::fs::read(&cubin) {
             return Ok(bytes);
         }
-        let src = self.cache.join(format!("{name}-{key}.cu"));
+        // Per-process names until the cubin is renamed into place: concurrent builds are safe.
+        let src = self.cache.join(format!("{name}-{key}.{}.cu", std::process::id()));
         std::fs::write(&src, source).map_err(|e| other(format!("cannot write {}: {e}", src.display())))?;
         let tmp = self.cache.join(format!("{name}-{key}.cubin.tmp{}", std::process::id()));
         let o = Command::new(&nvcc)
@@ -312,6 +342,7 @@ impl CudaDevice {
             .arg(&tmp)
             .output()
             .map_err(|e| other(format!("cannot run nvcc: {e}")))?;
+        let _ = std::fs::remove_file(&src);
         if !o.status.success() {
             let err = String::from_utf8_lossy(&o.stderr);
             return Err(DeviceError::Build {
@@ -380,14 +411,14 @@ impl CudaDevice {
         };
         let out = alloc(16 * 8)?;
         let mut out_ptr = out;
-        self.raw_launch(layout, 1, 32, 0, &mut [(&raw mut out_ptr).cast()])
-            .map_err(|e| driver(&format!("{entry}_layout"), e))?;
-        self.finish(&format!("{entry}_layout"))?;
         let mut words = [0u64; 9];
-        // SAFETY: `out` holds 16 words the kernel wrote; the stream is idle.
-        unsafe { result::memcpy_dtoh_sync(&mut words, out) }.map_err(|e| driver("cuMemcpyDtoH", e))?;
-        // SAFETY: `out` is not used again.
-        unsafe { result::free_sync(out) }.map_err(|e| driver("cuMemFree", e))?;
+        let read = self
+            .raw_launch(layout, 1, 32, 0, &mut [(&raw mut out_ptr).cast()])
+            .map_err(|e| driver(&format!("{entry}_layout"), e))
+            .and_then(|()| self.d2h(&mut words, out, &format!("{entry}_layout")));
+        // SAFETY: `out` is not used again (the stream finished, or failed).
+        let _ = unsafe { result::free_sync(out) };
+        read?;
         let [templates_bytes, state_bytes, smem, threads, cluster, max_clusters, done0, done1, call_words] = words;
         let f = self.function(module, entry)?;
         // SAFETY: `f` is valid; the attribute raises the dynamic shared memory limit.
@@ -467,6 +498,12 @@ impl CudaDevice {
         values: &mut [[u8; 8]],
     ) -> Result<bool, DeviceError> {
         let Some(apk) = self.apk(module, entry)? else { return Ok(false) };
+        if values.len() != APK_ARGS {
+            return Err(DeviceError::Launch {
+                entry: entry.into(),
+                message: format!("an APK launch takes {APK_ARGS} arguments (apk::FlatOp), not {}", values.len()),
+            });
+        }
         let (prepare, tb, words, calls_ptr, tm_ptr, st_ptr) =
             (apk.prepare, apk.templates_bytes, apk.call_words, apk.calls, apk.templates, apk.state);
         let (smem, threads, cluster, clusters, done_offset) =
@@ -477,13 +514,11 @@ impl CudaDevice {
         let mut params: Vec<*mut c_void> = values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
         params.extend(scratch.iter_mut().map(|p| (p as *mut u64).cast::<c_void>()));
         self.raw_launch(prepare, 1, 256, 0, &mut params).map_err(|e| driver(&name, e))?;
-        self.finish(&name)?;
         let mut calls = vec![0u64; (1 + MAX_MAPS) * words];
-        // SAFETY: the stream is idle; both regions were written by `_prepare`.
-        unsafe { result::memcpy_dtoh_sync(&mut calls, calls_ptr) }.map_err(|e| driver("cuMemcpyDtoH", e))?;
+        self.d2h(&mut calls, calls_ptr, &name)?;
+        // Whole words of the templates: the allocation was rounded up to 256 bytes.
         let mut templates = vec![0u64; tb.div_ceil(8)];
-        // SAFETY: as above; `templates` holds at least `tb` bytes.
-        unsafe { result::memcpy_dtoh_sync(&mut templates[..], tm_ptr) }.map_err(|e| driver("cuMemcpyDtoH", e))?;
+        self.d2h(&mut templates, tm_ptr, &name)?;
         let count = calls[0];
         if count > MAX_MAPS as u64 {
             return Err(DeviceError::Launch {
@@ -511,8 +546,7 @@ impl CudaDevice {
         let phase = u32::from_le_bytes(values.get(9).map_or([0; 4], |v| [v[0], v[1], v[2], v[3]]));
         let mut done = [0u32; 1];
         let at = st_ptr + done_offset[(phase as usize).min(1)];
-        // SAFETY: the grid finished; `at` lies in the state allocation.
-        unsafe { result::memcpy_dtoh_sync(&mut done, at) }.map_err(|e| driver("cuMemcpyDtoH", e))?;
+        self.d2h(&mut done, at, entry)?;
         if done[0] != 1 {
             return Err(DeviceError::Launch {
                 entry: entry.into(),
@@ -613,27 +647,25 @@ impl Device for CudaDevice {
         let ptr = unsafe { result::malloc_sync(bytes.max(1) as usize) }.map_err(|e| {
             driver(&format!("cuMemAlloc of {bytes} bytes (a rank's unified buffer on {})", self.gpu.name), e)
         })?;
-        // SAFETY: `ptr` holds `bytes` bytes.
-        unsafe { result::memset_d8_sync(ptr, 0, bytes as usize) }.map_err(|e| driver("cuMemsetD8", e))?;
         self.buffers.push((ptr, bytes));
+        // SAFETY: `ptr` holds `bytes` bytes; the memset is ordered on the work stream.
+        unsafe { result::memset_d8_async(ptr, 0, bytes as usize, self.stream) }
+            .map_err(|e| driver("cuMemsetD8Async", e))?;
+        self.finish("zeroing a rank buffer")?;
         Ok(BufferId(self.buffers.len() as u32 - 1))
     }
 
     fn upload(&mut self, buffer: BufferId, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
         self.current()?;
-        let at = self.address(buffer, offset, data.len() as u64)?;
-        self.finish("upload")?;
-        // SAFETY: `at..at + len` lies in the buffer (checked); the copy is synchronous.
-        unsafe { result::memcpy_htod_sync(at, data) }.map_err(|e| driver("cuMemcpyHtoD", e))
+        let at = self.address(buffer, offset, data.len() as u64).map_err(|e| other(format!("upload: {e}")))?;
+        self.h2d(at, data, "upload")
     }
 
     fn download(&mut self, buffer: BufferId, offset: u64, len: u64) -> Result<Vec<u8>, DeviceError> {
         self.current()?;
-        let at = self.address(buffer, offset, len)?;
-        self.finish("download")?;
+        let at = self.address(buffer, offset, len).map_err(|e| other(format!("download: {e}")))?;
         let mut v = vec![0u8; len as usize];
-        // SAFETY: as in upload.
-        unsafe { result::memcpy_dtoh_sync(&mut v, at) }.map_err(|e| driver("cuMemcpyDtoH", e))?;
+        self.d2h(&mut v, at, "download")?;
         Ok(v)
     }
 
@@ -642,23 +674,33 @@ impl Device for CudaDevice {
         if c.run_bytes == 0 || c.counts[0] == 0 || c.counts[1] == 0 {
             return Ok(());
         }
-        // The extents: the last run's end on each side.
-        let last = |off: u64, s: [u64; 2]| {
+        // The extents: the end of the last run on each side (strides are unsigned).
+        let end = |off: u64, s: [u64; 2]| {
             (c.counts[0] - 1)
                 .checked_mul(s[0])
                 .and_then(|a| (c.counts[1] - 1).checked_mul(s[1]).and_then(|b| a.checked_add(b)))
                 .and_then(|x| x.checked_add(off))
+                .and_then(|x| x.checked_add(c.run_bytes))
         };
-        let (Some(s_end), Some(d_end)) = (last(c.src_offset, c.src_strides), last(c.dst_offset, c.dst_strides)) else {
-            return Err(other("a strided copy's extent overflows"));
+        let (Some(s_end), Some(d_end)) = (end(c.src_offset, c.src_strides), end(c.dst_offset, c.dst_strides)) else {
+            return Err(other("strided copy: its extent overflows"));
         };
-        let s0 = self.address(src, 0, s_end + c.run_bytes)?;
-        let d0 = self.address(dst, 0, d_end + c.run_bytes)?;
-        if src == dst {
-            // Strides are unsigned: each side spans [offset, last run's end).
-            if c.src_offset < d_end + c.run_bytes && c.dst_offset < s_end + c.run_bytes {
-                return Err(other("a strided copy whose source and destination overlap in one buffer"));
-            }
+        // The runs execute in parallel here: their destinations must be disjoint.
+        let disjoint = |inner: usize| {
+            let outer = 1 - inner;
+            let (n_in, s_in, n_out, s_out) =
+                (c.counts[inner], c.dst_strides[inner], c.counts[outer], c.dst_strides[outer]);
+            (n_in == 1 || s_in >= c.run_bytes)
+                && (n_out == 1 || s_out >= (n_in - 1).saturating_mul(s_in).saturating_add(c.run_bytes))
+        };
+        if !(disjoint(1) || disjoint(0)) {
+            return Err(other("strided copy: its destination runs overlap"));
+        }
+        let s0 = self.address(src, 0, s_end).map_err(|e| other(format!("strided copy source: {e}")))?;
+        let d0 = self.address(dst, 0, d_end).map_err(|e| other(format!("strided copy destination: {e}")))?;
+        if src == dst && c.src_offset < d_end && c.dst_offset < s_end {
+            // Whole spans are compared: interleaved runs that never touch are refused too.
+            return Err(other("strided copy: its source and destination overlap in one buffer"));
         }
         let (function, desc) = self.transfer_kernel()?;
         // The largest piece every address, stride and run length allows.
@@ -672,7 +714,8 @@ impl Device for CudaDevice {
             | c.dst_strides[0]
             | c.dst_strides[1];
         let chunk = [16u64, 8, 4, 1].into_iter().find(|k| all.is_multiple_of(*k)).unwrap_or(1);
-        let pieces = c.counts[0] * c.counts[1] * (c.run_bytes / chunk);
+        // Disjoint runs inside a buffer: this cannot overflow.
+        let pieces = c.counts[0].saturating_mul(c.counts[1]).saturating_mul(c.run_bytes / chunk);
         let words: [u64; COPY_WORDS] = [
             c.src_offset,
             c.dst_offset,
@@ -685,9 +728,8 @@ impl Device for CudaDevice {
             c.dst_strides[1],
             0,
         ];
-        self.finish("strided copy")?;
-        // SAFETY: `desc` holds COPY_WORDS words; the stream is idle.
-        unsafe { result::memcpy_htod_sync(desc, &words) }.map_err(|e| driver("cuMemcpyHtoD", e))?;
+        // `desc` holds COPY_WORDS words.
+        self.h2d(desc, &words, "strided copy")?;
         let grid = pieces.div_ceil(256).min(16 * u64::from(self.gpu.sms)) as u32;
         let (mut d, mut n, mut p, mut sp, mut dp, mut ch) = (desc, 1i32, pieces, s0, d0, chunk as i32);
         let mut params: [*mut c_void; 6] = [
@@ -711,6 +753,10 @@ impl Device for CudaDevice {
             device: "cuda device",
             message: format!("cuModuleLoadData: {e:?}"),
         })?;
+        if self.transfer.is_none() {
+            // Built now, so the first switch's time is the transfer's, not nvcc's.
+            self.transfer_kernel()?;
+        }
         self.modules.push(Module {
             name: name.into(),
             module,
@@ -758,10 +804,10 @@ impl Device for CudaDevice {
 
 impl Drop for CudaDevice {
     fn drop(&mut self) {
-        if self.current().is_err() {
+        // A hung kernel may still use everything: leave it to the process's exit.
+        if self.poisoned.get().is_some() || self.current().is_err() || self.finish("teardown").is_err() {
             return;
         }
-        let _ = self.finish("teardown");
         for m in &self.modules {
             for apk in m.apk.values() {
                 for p in [apk.templates, apk.state, apk.calls] {

@@ -146,14 +146,16 @@ pub fn driver<E: Engine>(
     vocab: usize,
     mut make: impl FnMut(Mode) -> Result<E, EngineError>,
 ) -> Result<(Driver<E>, Option<Calibration>), EngineError> {
-    let engine = make(start)?;
     let mut chosen = switch.filter(|s| use_policy && s.enabled && modes.len() == 2).map(Policy::from_spec);
     let mut calibration = None;
+    // Calibration first: its engines are gone before the serving one exists
+    // (a device backend then never holds two engines' buffers at once).
     if let Some(p) = chosen.clone().filter(|p| p.calibrate) {
         let costs = calibrate(&mut make, vocab, &CALIBRATION_BATCHES, 3)?;
         chosen = Some(p.with_t_high(crossover(&costs), switch.and_then(|s| s.t_low)));
         calibration = Some(costs);
     }
+    let engine = make(start)?;
     Ok((Driver::new(engine, chosen).with_clock(Clock::Wall(Instant::now())), calibration))
 }
 

@@ -124,6 +124,16 @@ pub fn load_dir(bundle: &Path) -> Result<LoadedBundle, ExitCode> {
     moeforge::runtime::load_bundle(bundle).map_err(|e| error(e, "compile the spec again with `moeforge compile`"))
 }
 
+/// The GPU `--backend cuda` runs on: `MOEFORGE_CUDA_DEVICE`, else 0.
+fn cuda_ordinal() -> Result<usize, ExitCode> {
+    match std::env::var("MOEFORGE_CUDA_DEVICE") {
+        Err(_) => Ok(0),
+        Ok(v) => v.trim().parse().map_err(|_| {
+            error(format!("MOEFORGE_CUDA_DEVICE = `{v}` is not a GPU index"), "give an index such as 0, or unset it")
+        }),
+    }
+}
+
 /// Checks that the backend can run `bundle` on this machine, then loads the
 /// checkpoint.
 pub fn prepare(bundle: &LoadedBundle, weights: &Path, backend: Backend) -> Result<Checkpoint, ExitCode> {
@@ -135,9 +145,42 @@ pub fn prepare(bundle: &LoadedBundle, weights: &Path, backend: Backend) -> Resul
                 "run it on the cluster it was compiled for (the cpu backend runs small specs such as models/clusters.moe's `cpu4`)",
             )
         })?,
-        // Before the checkpoint is read: no driver or no GPU fails at once.
+        // Before the checkpoint is read: no driver or no GPU, a GPU of another
+        // architecture, or one too small for every rank's buffer fails at once.
         Backend::Cuda => {
-            moeforge_cuda::probe().map_err(|e| error(format!("--backend cuda: {e}"), "run it on a machine with an NVIDIA GPU, or use --backend emu"))?;
+            let gpus = moeforge_cuda::probe().map_err(|e| {
+                error(format!("--backend cuda: {e}"), "run it on a machine with an NVIDIA GPU, or use --backend emu")
+            })?;
+            let ordinal = cuda_ordinal()?;
+            let gpu = gpus.get(ordinal).ok_or_else(|| {
+                error(
+                    format!("--backend cuda: MOEFORGE_CUDA_DEVICE = {ordinal}, but the driver sees {} GPU(s)", gpus.len()),
+                    "set MOEFORGE_CUDA_DEVICE to one of them (0 is the default)",
+                )
+            })?;
+            // sm_90a code (wgmma, TMA, clusters) runs on compute capability 9.0 only.
+            if bundle.plan.cluster.arch == moeforge::dsl::spec::Arch::Sm90a && gpu.capability != (9, 0) {
+                return Err(error(
+                    format!(
+                        "--backend cuda: the bundle is compiled for sm_90a (Hopper) but GPU {} ({}) is compute \
+                         capability {}.{}",
+                        gpu.ordinal, gpu.name, gpu.capability.0, gpu.capability.1
+                    ),
+                    "compile the spec for a cluster of this GPU's architecture",
+                ));
+            }
+            let mem = &bundle.plan.memory;
+            let need = u64::from(mem.group).saturating_mul(mem.buffer_bytes);
+            if need > gpu.memory_bytes {
+                return Err(error(
+                    format!(
+                        "--backend cuda: every rank's buffer lives on GPU {} here: {} × {} bytes = {need} bytes, \
+                         more than its {} bytes",
+                        gpu.ordinal, mem.group, mem.buffer_bytes, gpu.memory_bytes
+                    ),
+                    "this backend runs small plans on one GPU (a smaller `hbm` or `memory_fraction` in the spec)",
+                ));
+            }
         }
     }
     let ck =
@@ -174,7 +217,8 @@ pub fn driver(
             twin::Twin::on_device(bundle, ck, mode, Box::new(dev)).map_err(Into::into)
         }
         Backend::Cuda => {
-            let ordinal = std::env::var("MOEFORGE_CUDA_DEVICE").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
+            let ordinal =
+                cuda_ordinal().map_err(|_| EngineError::Backend("MOEFORGE_CUDA_DEVICE is not an index".into()))?;
             let dev = moeforge_cuda::CudaDevice::open(ordinal, &moeforge_cuda::default_cache())
                 .map_err(|e| EngineError::Backend(format!("the cuda device: {e}")))?;
             twin::Twin::on_device(bundle, ck, mode, Box::new(dev)).map_err(Into::into)
