@@ -557,6 +557,36 @@ impl CudaDevice {
     }
 }
 
+/// A strided copy's source and destination extents (the end of each side's
+/// last run), or why the transfer kernel cannot run it: an extent that
+/// overflows, or destination runs that may overlap (the kernel copies runs in
+/// parallel, where the interface's order would decide). The disjointness
+/// test is sufficient, not necessary: runs laid out along one axis with
+/// strides of at least a run, rows of them at least a row apart.
+fn copy_extents(c: &StridedCopy) -> Result<(u64, u64), &'static str> {
+    let end = |off: u64, s: [u64; 2]| {
+        c.counts[0]
+            .checked_sub(1)?
+            .checked_mul(s[0])
+            .and_then(|a| c.counts[1].checked_sub(1)?.checked_mul(s[1]).and_then(|b| a.checked_add(b)))
+            .and_then(|x| x.checked_add(off))
+            .and_then(|x| x.checked_add(c.run_bytes))
+    };
+    let (Some(s_end), Some(d_end)) = (end(c.src_offset, c.src_strides), end(c.dst_offset, c.dst_strides)) else {
+        return Err("its extent overflows");
+    };
+    let disjoint = |inner: usize| {
+        let outer = 1 - inner;
+        let (n_in, s_in, n_out, s_out) = (c.counts[inner], c.dst_strides[inner], c.counts[outer], c.dst_strides[outer]);
+        (n_in == 1 || s_in >= c.run_bytes)
+            && (n_out == 1 || s_out >= (n_in - 1).saturating_mul(s_in).saturating_add(c.run_bytes))
+    };
+    if !(disjoint(1) || disjoint(0)) {
+        return Err("its destination runs overlap");
+    }
+    Ok((s_end, d_end))
+}
+
 /// `cuTensorMapEncodeTiled` of one recorded call (27 words: offset, data
 /// type, rank, base, dims[5], strides[4], box[5], element strides[5],
 /// interleave, swizzle, L2 promotion, OOB fill).
@@ -674,28 +704,7 @@ impl Device for CudaDevice {
         if c.run_bytes == 0 || c.counts[0] == 0 || c.counts[1] == 0 {
             return Ok(());
         }
-        // The extents: the end of the last run on each side (strides are unsigned).
-        let end = |off: u64, s: [u64; 2]| {
-            (c.counts[0] - 1)
-                .checked_mul(s[0])
-                .and_then(|a| (c.counts[1] - 1).checked_mul(s[1]).and_then(|b| a.checked_add(b)))
-                .and_then(|x| x.checked_add(off))
-                .and_then(|x| x.checked_add(c.run_bytes))
-        };
-        let (Some(s_end), Some(d_end)) = (end(c.src_offset, c.src_strides), end(c.dst_offset, c.dst_strides)) else {
-            return Err(other("strided copy: its extent overflows"));
-        };
-        // The runs execute in parallel here: their destinations must be disjoint.
-        let disjoint = |inner: usize| {
-            let outer = 1 - inner;
-            let (n_in, s_in, n_out, s_out) =
-                (c.counts[inner], c.dst_strides[inner], c.counts[outer], c.dst_strides[outer]);
-            (n_in == 1 || s_in >= c.run_bytes)
-                && (n_out == 1 || s_out >= (n_in - 1).saturating_mul(s_in).saturating_add(c.run_bytes))
-        };
-        if !(disjoint(1) || disjoint(0)) {
-            return Err(other("strided copy: its destination runs overlap"));
-        }
+        let (s_end, d_end) = copy_extents(c).map_err(|m| other(format!("strided copy: {m}")))?;
         let s0 = self.address(src, 0, s_end).map_err(|e| other(format!("strided copy source: {e}")))?;
         let d0 = self.address(dst, 0, d_end).map_err(|e| other(format!("strided copy destination: {e}")))?;
         if src == dst && c.src_offset < d_end && c.dst_offset < s_end {
@@ -865,6 +874,61 @@ mod tests {
             }
             Ok(gpus) => assert!(!gpus.is_empty() && gpus.iter().all(|g| g.sms > 0 && g.capability.0 >= 7)),
         }
+    }
+
+    /// The copy check against brute force: every pair of destination runs
+    /// compared byte range by byte range, over small random copies. What
+    /// `copy_extents` accepts never overlaps, and its extents are the last
+    /// byte any run touches.
+    #[test]
+    fn accepted_copies_have_disjoint_destination_runs_and_exact_extents() {
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        let (mut accepted, mut refused_overlapping) = (0, 0);
+        for _ in 0..20_000 {
+            let c = StridedCopy {
+                src_offset: next(64),
+                dst_offset: next(64),
+                run_bytes: 1 + next(12),
+                counts: [1 + next(4), 1 + next(4)],
+                src_strides: [next(40), next(16)],
+                dst_strides: [next(40), next(16)],
+            };
+            let runs: Vec<(u64, u64)> = (0..c.counts[0])
+                .flat_map(|a| (0..c.counts[1]).map(move |b| (a, b)))
+                .map(|(a, b)| c.dst_offset + a * c.dst_strides[0] + b * c.dst_strides[1])
+                .map(|d| (d, d + c.run_bytes))
+                .collect();
+            let overlap = runs.iter().enumerate().any(|(i, r)| runs[i + 1..].iter().any(|q| r.0 < q.1 && q.0 < r.1));
+            let src_last = (0..c.counts[0])
+                .flat_map(|a| (0..c.counts[1]).map(move |b| c.src_offset + a * c.src_strides[0] + b * c.src_strides[1]))
+                .max()
+                .unwrap()
+                + c.run_bytes;
+            match copy_extents(&c) {
+                Ok((s_end, d_end)) => {
+                    accepted += 1;
+                    assert!(!overlap, "{c:?}");
+                    assert_eq!((s_end, d_end), (src_last, runs.iter().map(|r| r.1).max().unwrap()), "{c:?}");
+                }
+                Err(_) => refused_overlapping += usize::from(overlap),
+            }
+        }
+        assert!(accepted > 2_000 && refused_overlapping > 2_000, "{accepted} accepted, {refused_overlapping} refused");
+        let huge = StridedCopy {
+            src_offset: u64::MAX - 10,
+            dst_offset: 0,
+            run_bytes: 100,
+            counts: [1, 1],
+            src_strides: [0, 0],
+            dst_strides: [0, 0],
+        };
+        assert_eq!(copy_extents(&huge), Err("its extent overflows"));
     }
 
     /// A recorded map the backend cannot encode is refused before the
