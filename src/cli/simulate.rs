@@ -39,7 +39,9 @@ pub struct Args {
     #[arg(long)]
     profile: Option<PathBuf>,
     /// Also report how each headline ratio moves when each calibrated
-    /// constant of the cost model moves ±20% (writes sensitivity.txt).
+    /// constant of the cost model moves ±20%, and, for a setting the papers
+    /// measured, which one-constant move (×1/8 … ×8) would change each of
+    /// their conclusions (writes sensitivity.txt).
     #[arg(long)]
     sensitivity: bool,
     /// Also replay Moebius §6.2's bursty trace (two bursts around a quiet
@@ -151,12 +153,29 @@ pub fn run(a: Args) -> Result<(), ExitCode> {
     }
     if a.sensitivity {
         let probe = Probe { seconds: a.seconds, seed: a.seed };
-        let rows = bench
-            .sensitivity(&systems, probe, &[0.8, 1.2])
-            .map_err(|e| error(e, "run --sensitivity without --profile"))?;
-        let table = report::sensitivity_table(&rows, bench.env.nodes);
+        let d = &bench.spec.deploys[0];
+        let paper = report::published(&bench.spec.model(d.model).name, &d.workload.input);
+        // A published setting also gets the wider sweep its claims are checked on.
+        let factors: &[f64] = if paper.is_some() { &report::CLAIM_FACTORS } else { &report::SENSITIVITY_FACTORS };
+        let rows =
+            bench.sensitivity(&systems, probe, factors).map_err(|e| error(e, "run --sensitivity without --profile"))?;
+        let near: Vec<report::SensitivityRow> = rows
+            .iter()
+            .filter(|r| r.constant.is_none() || report::SENSITIVITY_FACTORS.contains(&r.factor))
+            .cloned()
+            .collect();
+        let mut table = report::sensitivity_table(&near, bench.env.nodes);
         text.push_str("\nSensitivity: each calibrated constant ×0.8 and ×1.2 (the layout stays the compiled one)\n");
         text.push_str(&table);
+        if let Some(p) = paper {
+            let results = report::claims(&rows, &report::Claim::of(&p), bench.env.nodes);
+            let claims = report::claims_table(&results, &bench.plan.cost.calib, factors);
+            let head = format!("\nThe paper's conclusions ({}) under one-constant moves\n", p.setting);
+            text.push_str(&head);
+            text.push_str(&claims);
+            table.push_str(&head);
+            table.push_str(&claims);
+        }
         files.push(("sensitivity.txt", table));
     }
     moeforge::plan::bundle::write_dir(&a.output, files.iter().map(|(n, b)| (*n, b.as_bytes())))

@@ -111,6 +111,29 @@ impl Calibration {
         ]
     }
 
+    /// Where the published measurements put a constant (lowest, highest),
+    /// for the sensitivity report's "would close the gap at ×f" lines;
+    /// `None` for an *assumed* constant (nothing published bounds it).
+    pub fn published_range(name: &str) -> Option<(f64, f64)> {
+        Some(match name {
+            // DeepGEMM contiguous grouped GEMMs, 1297–1346 of 1979 TFLOP/s.
+            "compute_efficiency" => (1297.0 / 1979.0, 1346.0 / 1979.0),
+            // DeepGEMM M = 64 dense GEMMs, 1688–2668 of 3350 GB/s.
+            "gemm_memory_efficiency" => (1688.0 / 3350.0, 2668.0 / 3350.0),
+            // One measurement: 4.3 of 4.8 TB/s.
+            "stream_memory_efficiency" => (4.3 / 4.8, 4.3 / 4.8),
+            // DeepEP intranode EP8: 153 (dispatch) and 158 (combine) of 200 GB/s.
+            "nvlink_efficiency" => (153.0 / 200.0, 158.0 / 200.0),
+            // DeepEP internode EP16: 43 of 50 GB/s.
+            "rdma_efficiency" => (43.0 / 50.0, 43.0 / 50.0),
+            // DeepEP low-latency entries less their bytes: 24 µs (EP256) to 30 µs (EP16).
+            "comm_floor" => (24e-6, 30e-6),
+            // Moebius Fig. 12's 6.95× is the largest eager slowdown: at most 1 ms.
+            "eager_layer" => (0.0, 1.0e-3),
+            _ => return None,
+        })
+    }
+
     /// The same constants with `name` scaled by `factor`; `None` for an unknown name.
     pub fn scaled(&self, name: &str, factor: f64) -> Option<Calibration> {
         let mut c = *self;
@@ -148,5 +171,25 @@ mod tests {
             assert!(!source.is_empty());
         }
         assert!(c.scaled("l2", 2.0).is_none());
+    }
+
+    #[test]
+    fn published_constants_lie_in_their_published_ranges() {
+        let c = Calibration::published();
+        let mut ranged = 0;
+        for (name, value, source) in c.entries() {
+            match Calibration::published_range(name) {
+                Some((lo, hi)) => {
+                    ranged += 1;
+                    assert!(
+                        lo <= value * (1.0 + 1e-12) && value <= hi * (1.0 + 1e-12),
+                        "{name} {value} not in {lo}–{hi}"
+                    );
+                    assert!(!source.starts_with("assumed"), "{name} has a range but says it is assumed");
+                }
+                None => assert!(source.starts_with("assumed"), "{name} cites a source but has no range"),
+            }
+        }
+        assert_eq!(ranged, 7);
     }
 }

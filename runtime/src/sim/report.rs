@@ -521,6 +521,175 @@ pub fn sensitivity_table(rows: &[SensitivityRow], nodes: u32) -> String {
     s
 }
 
+/// Factors of the sensitivity sweep: the ±20% table's, and the wider ones
+/// the claims report searches for the move that would change a conclusion:
+/// ×1/8 to ×8 in steps of √2 (a step moves a goodput by at most about √2,
+/// so no sweep steps over the factor-of-4 band of [`GOODPUT_WITHIN`]).
+pub const SENSITIVITY_FACTORS: [f64; 2] = [0.8, 1.2];
+pub const CLAIM_FACTORS: [f64; 14] = [
+    0.125,
+    0.176_776_695_296_636_9,
+    0.25,
+    0.353_553_390_593_273_8,
+    0.5,
+    std::f64::consts::FRAC_1_SQRT_2,
+    0.8,
+    1.2,
+    std::f64::consts::SQRT_2,
+    2.0,
+    2.828_427_124_746_190_3,
+    4.0,
+    5.656_854_249_492_381,
+    8.0,
+];
+/// "Within 2×" of a published goodput (the bar for the absolute figure).
+pub const GOODPUT_WITHIN: f64 = 2.0;
+/// A published parity ("similar goodput") holds when the modeled ratio is within ±20%.
+pub const PARITY: f64 = 1.2;
+
+/// A published end-to-end conclusion the model should reproduce, checked
+/// under every perturbation of the sensitivity sweep.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Claim {
+    /// ExpertPlex's goodput per node within [`GOODPUT_WITHIN`] of the measured `per_node`.
+    Goodput { per_node: f64 },
+    /// ExpertPlex ahead of `system` where the paper measured it ahead
+    /// (`paper` > 1), or at parity with it (`paper` = 1, within [`PARITY`]).
+    Leads { system: System, paper: f64 },
+}
+
+impl Claim {
+    /// The claims of one published setting: its goodput, then each baseline's ratio.
+    pub fn of(p: &Published) -> Vec<Claim> {
+        p.goodput_per_node
+            .map(|g| Claim::Goodput { per_node: g })
+            .into_iter()
+            .chain(p.ratios.iter().map(|&(system, paper)| Claim::Leads { system, paper }))
+            .collect()
+    }
+
+    pub fn describe(&self) -> String {
+        match *self {
+            Claim::Goodput { per_node } => format!("expertplex within {GOODPUT_WITHIN}× of {per_node} req/s/node"),
+            Claim::Leads { system, paper } if paper <= 1.0 => {
+                format!("expertplex at parity with {} (±{:.0}%)", system.name(), (PARITY - 1.0) * 100.0)
+            }
+            Claim::Leads { system, paper } => format!("expertplex ahead of {} (paper {paper:.2}×)", system.name()),
+        }
+    }
+
+    /// Whether the claim holds for one set of goodputs; `None` when a system
+    /// it names did not run.
+    pub fn holds(&self, goodput: &[(System, f64)], nodes: u32) -> Option<bool> {
+        let of = |s: System| goodput.iter().find(|g| g.0 == s).map(|g| g.1);
+        let xp = of(System::ExpertPlex)?;
+        Some(match *self {
+            Claim::Goodput { per_node } => {
+                let ratio = xp / f64::from(nodes.max(1)) / per_node;
+                (1.0 / GOODPUT_WITHIN..=GOODPUT_WITHIN).contains(&ratio)
+            }
+            Claim::Leads { system, paper } => {
+                let other = of(system)?;
+                if other <= 0.0 {
+                    xp > 0.0 && paper > 1.0
+                } else if paper <= 1.0 {
+                    (1.0 / PARITY..=PARITY).contains(&(xp / other))
+                } else {
+                    xp > other
+                }
+            }
+        })
+    }
+}
+
+/// One claim under the sweep: whether it holds with the published
+/// constants, and for each constant that changes that, the factor nearest
+/// ×1 (in log distance) at which it does.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ClaimResult {
+    pub claim: Claim,
+    pub now: Option<bool>,
+    pub changes: Vec<(&'static str, f64)>,
+}
+
+/// Every claim against every row of a sensitivity sweep.
+pub fn claims(rows: &[SensitivityRow], claims: &[Claim], nodes: u32) -> Vec<ClaimResult> {
+    let now_row = rows.iter().find(|r| r.constant.is_none());
+    claims
+        .iter()
+        .map(|&claim| {
+            let now = now_row.and_then(|r| claim.holds(&r.goodput, nodes));
+            let mut changes: Vec<(&'static str, f64)> = Vec::new();
+            for r in rows {
+                let Some(name) = r.constant else { continue };
+                let Some(h) = claim.holds(&r.goodput, nodes) else { continue };
+                if now.is_some_and(|n| n == h) {
+                    continue;
+                }
+                match changes.iter_mut().find(|c| c.0 == name) {
+                    Some(c) if r.factor.ln().abs() < c.1.ln().abs() => c.1 = r.factor,
+                    Some(_) => {}
+                    None => changes.push((name, r.factor)),
+                }
+            }
+            ClaimResult { claim, now, changes }
+        })
+        .collect()
+}
+
+/// The claims report: per claim, whether it holds and the one-constant moves
+/// that would change it, each with the constant's value there and where
+/// published measurements put it.
+pub fn claims_table(results: &[ClaimResult], base: &moeforge_plan::cost::Calibration, factors: &[f64]) -> String {
+    use moeforge_plan::cost::Calibration;
+    let mut s = String::new();
+    let (lo, hi) = factors.iter().fold((f64::INFINITY, 0.0f64), |(a, b), &f| (a.min(f), b.max(f)));
+    let _ = writeln!(s, "{:<52} {:>4}  one-constant moves (×{} … ×{}) that change it", "claim", "now", lo, hi);
+    let value = |name: &str| base.entries().iter().find(|e| e.0 == name).map_or(0.0, |e| e.1);
+    for r in results {
+        let now = match r.now {
+            Some(true) => "yes",
+            Some(false) => "no",
+            None => "–",
+        };
+        let verb = if r.now == Some(true) { "breaks" } else { "holds" };
+        let _ = write!(s, "{:<52} {now:>4}  ", r.claim.describe());
+        if r.now.is_none() {
+            let _ = writeln!(s, "a system it names did not run");
+            continue;
+        }
+        if r.changes.is_empty() {
+            let _ = writeln!(s, "none");
+            continue;
+        }
+        for (i, &(name, f)) in r.changes.iter().enumerate() {
+            let v = value(name) * f;
+            let range = match Calibration::published_range(name) {
+                Some((a, b)) if (a..=b).contains(&v) => format!("inside published {}–{}", sig(a), sig(b)),
+                Some((a, b)) => format!("outside published {}–{}", sig(a), sig(b)),
+                None => "assumed, nothing published".into(),
+            };
+            let lead = if i == 0 { String::new() } else { format!("{:<58}", "") };
+            let _ = writeln!(s, "{lead}{verb} at {name} ×{} = {} ({range})", sig(f), sig(v));
+        }
+    }
+    let _ = writeln!(
+        s,
+        "one constant moves at a time; ExpertPlex keeps the compiled layout; the nearest factor to ×1 is shown"
+    );
+    s
+}
+
+/// Four significant digits.
+fn sig(v: f64) -> String {
+    if v == 0.0 {
+        "0".into()
+    } else {
+        let digits = (3 - v.abs().log10().floor() as i32).max(0) as usize;
+        format!("{v:.digits$}")
+    }
+}
+
 /// One system on Moebius §6.2's bursty trace ([`super::workload::moebius_bursty`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct BurstyResult {
@@ -639,5 +808,87 @@ impl Bench<'_> {
                 PlacementResult { policy, busiest, local, goodput: bench.goodput(&dep, start, probe) }
             })
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use moeforge_plan::cost::Calibration;
+
+    fn row(constant: Option<&'static str>, factor: f64, xp: f64, green: f64) -> SensitivityRow {
+        SensitivityRow { constant, factor, goodput: vec![(System::ExpertPlex, xp), (System::GreenContext, green)] }
+    }
+
+    #[test]
+    fn a_claim_holds_by_its_published_rule() {
+        let g = |xp: f64, other: f64| vec![(System::ExpertPlex, xp), (System::GreenContext, other)];
+        let goodput = Claim::Goodput { per_node: 10.0 };
+        // Within 2× either way, per node.
+        assert_eq!(goodput.holds(&g(20.0, 1.0), 1), Some(true));
+        assert_eq!(goodput.holds(&g(20.1, 1.0), 1), Some(false));
+        assert_eq!(goodput.holds(&g(5.0, 1.0), 1), Some(true));
+        assert_eq!(goodput.holds(&g(4.9, 1.0), 1), Some(false));
+        assert_eq!(goodput.holds(&g(40.0, 1.0), 2), Some(true));
+        let ahead = Claim::Leads { system: System::GreenContext, paper: 1.41 };
+        assert_eq!(ahead.holds(&g(2.0, 1.9), 1), Some(true));
+        assert_eq!(ahead.holds(&g(1.9, 2.0), 1), Some(false));
+        // A baseline that cannot serve at all is behind.
+        assert_eq!(ahead.holds(&g(1.0, 0.0), 1), Some(true));
+        let parity = Claim::Leads { system: System::GreenContext, paper: 1.0 };
+        assert_eq!(parity.holds(&g(1.19, 1.0), 1), Some(true));
+        assert_eq!(parity.holds(&g(1.0, 1.25), 1), Some(false));
+        // A system the claim names that did not run: no verdict.
+        assert_eq!(Claim::Leads { system: System::Colocated, paper: 2.0 }.holds(&g(1.0, 1.0), 1), None);
+    }
+
+    #[test]
+    fn the_nearest_move_that_changes_a_claim_is_reported_per_constant() {
+        // Hand-built sweep: with the published constants ExpertPlex is behind
+        // Green Context (40 vs 50) and 4× a paper's 10 req/s/node: both claims fail.
+        let rows = vec![
+            row(None, 1.0, 40.0, 50.0),
+            // comm_floor: ahead at ×4 and ×8 (×4 is nearer ×1), never within 2×.
+            row(Some("comm_floor"), 2.0, 35.0, 45.0),
+            row(Some("comm_floor"), 4.0, 30.0, 27.0),
+            row(Some("comm_floor"), 8.0, 25.0, 20.0),
+            // gemm_memory_efficiency: within 2× at ×0.25 and ×0.5 (nearer), never ahead.
+            row(Some("gemm_memory_efficiency"), 0.25, 8.0, 12.0),
+            row(Some("gemm_memory_efficiency"), 0.5, 19.0, 25.0),
+            row(Some("gemm_memory_efficiency"), 2.0, 80.0, 90.0),
+        ];
+        let got = claims(
+            &rows,
+            &[Claim::Goodput { per_node: 10.0 }, Claim::Leads { system: System::GreenContext, paper: 1.41 }],
+            1,
+        );
+        assert_eq!(got[0].now, Some(false));
+        assert_eq!(got[0].changes, vec![("gemm_memory_efficiency", 0.5)]);
+        assert_eq!(got[1].now, Some(false));
+        assert_eq!(got[1].changes, vec![("comm_floor", 4.0)]);
+        // A claim that holds lists the moves that break it.
+        let ahead_now = vec![row(None, 1.0, 40.0, 30.0), row(Some("op_overhead"), 2.0, 40.0, 41.0)];
+        let got_ahead = claims(&ahead_now, &[Claim::Leads { system: System::GreenContext, paper: 1.41 }], 1);
+        assert_eq!((got_ahead[0].now, got_ahead[0].changes.clone()), (Some(true), vec![("op_overhead", 2.0)]));
+        let table = claims_table(&got, &Calibration::published(), &CLAIM_FACTORS);
+        assert!(
+            table.contains("holds at gemm_memory_efficiency ×0.5000 = 0.3564 (outside published 0.5039–0.7964)"),
+            "{table}"
+        );
+        assert!(table.contains("holds at comm_floor ×4.000 = 0.00009600 (outside published"), "{table}");
+        let table = claims_table(&got_ahead, &Calibration::published(), &CLAIM_FACTORS);
+        assert!(table.contains("breaks at op_overhead ×2.000 = 0.00001000 (assumed, nothing published)"), "{table}");
+    }
+
+    #[test]
+    fn every_published_setting_has_its_claims() {
+        use moeforge_dsl::spec::LengthDist;
+        let p = published("minimax-m2", &LengthDist::Sharegpt).unwrap_or_else(|| panic!("minimax sharegpt"));
+        let c = Claim::of(&p);
+        assert_eq!(c.len(), 5);
+        assert_eq!(c[0], Claim::Goodput { per_node: 11.3 });
+        assert!(c.contains(&Claim::Leads { system: System::GreenContext, paper: 1.41 }));
+        let glm = published("glm-5", &LengthDist::Sharegpt).unwrap_or_else(|| panic!("glm sharegpt"));
+        assert!(Claim::of(&glm)[1].describe().contains("parity"));
     }
 }
