@@ -501,7 +501,7 @@ fn simulate_writes_curves_and_a_goodput_table_deterministically() {
     };
     let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
     let stdout = run(&a);
-    assert!(stdout.contains("expertplex") && stdout.contains("1P3D4E"), "{stdout}");
+    assert!(stdout.contains("expertplex") && stdout.contains("1P2D5E"), "{stdout}");
     assert!(stdout.contains("moebius          not run: the plan is EP-only"), "{stdout}");
     let csv = std::fs::read_to_string(a.join("attainment.csv")).unwrap_or_default();
     // Header + 4 rates × 2 systems that ran.

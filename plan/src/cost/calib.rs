@@ -12,6 +12,8 @@
 //!   EP16 43 GB/s per 50 GB/s CX7 NIC; low-latency kernels (128 tokens, 7168
 //!   wide, top-8) 77–194 µs dispatch and 114–369 µs combine over EP8–EP256.
 //! - model-zoo.md: the H200 here copies device-to-device at 4.3 of 4.8 TB/s.
+//! - ExpertPlex Fig. 12: under Green Context and MPS a decode GEMM beside a
+//!   prefill GEMM slows 1.24× and 1.34× while the prefill slows 4.07× and 3.33×.
 
 use serde::{Deserialize, Serialize};
 
@@ -58,6 +60,20 @@ pub struct Calibration {
     /// scheduling, sampling, the DP batch-size sync and the graph launch.
     /// *Assumed*; SGLang's overlap scheduler hides most of the CPU work.
     pub iteration_overhead: f64,
+    /// Fraction of the SMs a memory-bound grouped GEMM needs to reach its
+    /// full HBM bandwidth; with fewer, each SM streams its own share
+    /// (outstanding loads per SM bound the bandwidth), so the weight and
+    /// activation streams slow by this / (SMs held / SMs). From ExpertPlex
+    /// Fig. 12 (GLM-5 decode GEMM beside a prefill GEMM): Green Context
+    /// slows the compute-bound prefill GEMM 4.07×, so prefill held 1/4.07
+    /// of the SMs and decode 0.754, and the decode GEMM 1.24×:
+    /// 1.24 × 0.754 = 0.935.
+    #[serde(default = "default_stream_sm_saturation")]
+    pub stream_sm_saturation: f64,
+}
+
+fn default_stream_sm_saturation() -> f64 {
+    Calibration::published().stream_sm_saturation
 }
 
 impl Default for Calibration {
@@ -80,11 +96,12 @@ impl Calibration {
             op_overhead: 5e-6,
             eager_layer: 1.0e-3,
             iteration_overhead: 1e-3,
+            stream_sm_saturation: 1.24 * (1.0 - 1.0 / 4.07),
         }
     }
 
     /// Every constant by name, with its value and where it comes from.
-    pub fn entries(&self) -> [(&'static str, f64, &'static str); 10] {
+    pub fn entries(&self) -> [(&'static str, f64, &'static str); 11] {
         [
             (
                 "compute_efficiency",
@@ -108,6 +125,11 @@ impl Calibration {
             ("op_overhead", self.op_overhead, "assumed: one kernel under CUDA graphs"),
             ("eager_layer", self.eager_layer, "Moebius Fig. 12: eager decode 6.95× a graph step at low batch"),
             ("iteration_overhead", self.iteration_overhead, "assumed: scheduling, sampling, DP sync per step"),
+            (
+                "stream_sm_saturation",
+                self.stream_sm_saturation,
+                "ExpertPlex Fig. 12: Green Context's decode GEMM 1.24× on the 0.754 of SMs prefill's 4.07× leaves",
+            ),
         ]
     }
 
@@ -130,6 +152,9 @@ impl Calibration {
             "comm_floor" => (24e-6, 30e-6),
             // Moebius Fig. 12's 6.95× is the largest eager slowdown: at most 1 ms.
             "eager_layer" => (0.0, 1.0e-3),
+            // Fig. 12's two partitions: Green Context (4.07×, 1.24×) 0.935 and
+            // MPS (3.33×, 1.34×) 0.938.
+            "stream_sm_saturation" => (1.24 * (1.0 - 1.0 / 4.07), 1.34 * (1.0 - 1.0 / 3.33)),
             _ => return None,
         })
     }
@@ -148,6 +173,7 @@ impl Calibration {
             "op_overhead" => &mut c.op_overhead,
             "eager_layer" => &mut c.eager_layer,
             "iteration_overhead" => &mut c.iteration_overhead,
+            "stream_sm_saturation" => &mut c.stream_sm_saturation,
             _ => return None,
         };
         *v *= factor;
@@ -190,6 +216,6 @@ mod tests {
                 None => assert!(source.starts_with("assumed"), "{name} cites a source but has no range"),
             }
         }
-        assert_eq!(ranged, 7);
+        assert_eq!(ranged, 8);
     }
 }

@@ -395,25 +395,27 @@ impl CostModel {
     /// MoE computation of one layer on one GPU with `q` of its SMs: `x`
     /// tiles of the phase's height `m_t` (x_moe), `active` experts among
     /// them, `rows` routed rows, every expert sliced `slice` ways (TP).
-    /// Compute scales with the SMs held; HBM streams do not (the bandwidth
-    /// is the GPU's, and a phase's tiles saturate it well before holding
-    /// every SM). Each active expert's first tile waits for its weights or
-    /// its compute, whichever is longer; its other tiles find them in L2.
+    /// Compute scales with the SMs held; HBM streams scale with them only
+    /// below the share that saturates the bandwidth
+    /// ([`Calibration::stream_sm_saturation`]). Each active expert's first
+    /// tile waits for its weights or its compute, whichever is longer; its
+    /// other tiles find them in L2.
     pub fn moe_seconds(&self, x: f64, active: f64, rows: f64, m_t: f64, slice: f64, q: f64) -> f64 {
         if x <= 0.0 {
             return 0.0;
         }
         let share = f64::from(self.sms) / q.max(1.0);
+        let stream = (self.calib.stream_sm_saturation * share).max(1.0);
         // The fit's slope at s = 1 (β for the roofline, any fitted γ, δ too),
         // rescaled from the prefill tile height to this phase's.
         let per_tile = self.moe.beta + self.moe.gamma + self.moe.delta;
         let tile = per_tile * m_t / f64::from(self.m_t_prefill.max(1)) / slice;
-        let first = (tile * share).max(self.moe_expert_weights / slice);
+        let first = (tile * share).max(self.moe_expert_weights * stream / slice);
         let active = active.min(x);
         self.moe.alpha
             + tile * share * (x - active)
             + first * active
-            + rows * (self.moe_row_io + self.moe_row_mid / slice)
+            + rows * (self.moe_row_io + self.moe_row_mid / slice) * stream
     }
 
     /// Applies measured samples: every component with samples is refitted.
