@@ -118,29 +118,31 @@ pub fn run(a: Args) -> Result<(), ExitCode> {
         text.push_str(
             "\nMoebius bursty trace (§6.2: 375 s, bursts peaking at 80 and 120 req/s around a quiet 1–5 req/s)\n",
         );
-        let mut csv = String::from("system,deployment,switches,burst_ttft_peak_s,quiet_tpot_s,unserved\n");
+        let mut csv = String::from("system,deployment,switches,burst_ttft_peak_s,quiet_tpot_s,unserved,retractions\n");
         for r in &rs {
             match &r.deployment {
                 Ok(dep) => {
                     let _ = writeln!(
                         text,
-                        "{:<12} {:<28} {} switches, burst TTFT peak {:>6.2} s, quiet TPOT {:>5.1} ms, {} unserved",
+                        "{:<12} {:<28} {} switches, burst TTFT peak {:>6.2} s, quiet TPOT {:>5.1} ms, {} unserved, {} retractions",
                         r.system.name(),
                         dep.label,
                         r.switches,
                         r.burst_ttft_peak,
                         r.quiet_tpot * 1e3,
-                        r.unserved
+                        r.unserved,
+                        r.retractions
                     );
                     let _ = writeln!(
                         csv,
-                        "{},\"{}\",{},{:.4},{:.6},{}",
+                        "{},\"{}\",{},{:.4},{:.6},{},{}",
                         r.system.name(),
                         dep.label,
                         r.switches,
                         r.burst_ttft_peak,
                         r.quiet_tpot,
-                        r.unserved
+                        r.unserved,
+                        r.retractions
                     );
                 }
                 Err(why) => {

@@ -4,9 +4,13 @@
 //! *split* engine runs a prefill side and a decode side concurrently, each
 //! iterating on its own attention groups: instance-level PD
 //! disaggregation, Green-Context partitioning and ExpertPlex. Admission is
-//! the backends' shared rule ([`crate::batching::admit_fifo`]) against the
-//! decode groups' KV capacity; Moebius consults the same [`Coordinator`] the
-//! CPU twin runs.
+//! in arrival order ([`crate::batching::admit_fifo`]). The unified engine
+//! admits as SGLang's scheduler does ([`TokenRatio`]): running requests are
+//! charged an estimated share of their remaining outputs, and a decode step
+//! that would overflow a group's KV first retracts requests, which later
+//! prefill their prompt and generated tokens again. The split engines reserve
+//! each request's whole output on the decode side before its prefill.
+//! Moebius consults the same [`Coordinator`] the CPU twin runs.
 
 use super::workload::Req;
 use super::{Outcome, Shape, Switching};
@@ -20,12 +24,51 @@ use std::collections::VecDeque;
 /// (SGLang's default `max_prefill_tokens`).
 pub const MAX_PREFILL_TOKENS: f64 = 16384.0;
 
-/// A request on a group: prompt tokens done, outputs left, cached tokens.
+/// A request on a group: prompt tokens to prefill (its prompt, or prompt
+/// and generated tokens after a retraction), those done, outputs left.
 #[derive(Clone, Copy, Debug)]
 struct Run {
     id: usize,
+    target: u32,
     prefilled: u32,
     left: u32,
+}
+
+/// SGLang's admission estimate (`global_config.py`, `scheduler.py`,
+/// `schedule_policy.py`): a running request is charged `ratio` × its
+/// remaining outputs (at most [`CLIP_MAX_NEW_TOKENS`]); a request admitted in
+/// this round is charged its prompt and whole output. The ratio starts at
+/// 0.7, decays linearly to 0.7 × 0.14 over 600 decode steps, and after a
+/// retraction is reset to (tokens decoded + 20 per running request) / their
+/// outputs, at most 1.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TokenRatio(pub f64);
+
+pub const INIT_NEW_TOKEN_RATIO: f64 = 0.7;
+pub const MIN_NEW_TOKEN_RATIO: f64 = INIT_NEW_TOKEN_RATIO * 0.14;
+pub const NEW_TOKEN_RATIO_DECAY_STEPS: f64 = 600.0;
+pub const RETRACT_DECODE_STEPS: f64 = 20.0;
+pub const CLIP_MAX_NEW_TOKENS: f64 = 4096.0;
+
+impl TokenRatio {
+    fn decayed(self) -> TokenRatio {
+        let step = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / NEW_TOKEN_RATIO_DECAY_STEPS;
+        TokenRatio((self.0 - step).max(MIN_NEW_TOKEN_RATIO))
+    }
+    /// After a retraction: the running requests' decoded share, padded.
+    fn after_retraction(groups: &[Group], reqs: &[Req]) -> TokenRatio {
+        let (mut decoded, mut outputs, mut n) = (0.0, 0.0, 0.0);
+        for r in groups.iter().flat_map(|g| &g.decode) {
+            let out = f64::from(reqs[r.id].output - 1);
+            decoded += out - f64::from(r.left);
+            outputs += out;
+            n += 1.0;
+        }
+        if outputs <= 0.0 {
+            return TokenRatio(INIT_NEW_TOKEN_RATIO);
+        }
+        TokenRatio(((decoded + RETRACT_DECODE_STEPS * n) / outputs).min(1.0))
+    }
 }
 
 #[derive(Clone, Debug, Default)]
@@ -46,6 +89,84 @@ impl Group {
     fn requests(&self) -> usize {
         self.prefill.len() + self.decode.len()
     }
+    /// Tokens the group's KV will hold after its next step: prompts being
+    /// prefilled in full, decoding requests with their next token.
+    fn used(&self, reqs: &[Req]) -> f64 {
+        self.prefill.iter().map(|r| f64::from(r.target) + 1.0).sum::<f64>()
+            + self.decode.iter().map(|r| f64::from(reqs[r.id].input + reqs[r.id].output - r.left)).sum::<f64>()
+    }
+    /// SGLang's charge for the running requests' future outputs.
+    fn future(&self, ratio: TokenRatio) -> f64 {
+        self.prefill.iter().chain(&self.decode).map(|r| f64::from(r.left).min(CLIP_MAX_NEW_TOKENS)).sum::<f64>()
+            * ratio.0
+    }
+}
+
+/// One SGLang admission round on a unified engine: each waiting request (a
+/// retracted one resumes with its prompt and generated tokens to prefill)
+/// goes to the least-loaded group where its prompt and whole output fit
+/// beside what the group holds, the running requests' estimated outputs and
+/// the requests admitted before it in this round.
+fn admit_estimated(
+    groups: &mut [Group],
+    cap: f64,
+    waiting: &mut VecDeque<usize>,
+    resume: &[Option<u32>],
+    ratio: TokenRatio,
+    reqs: &[Req],
+) {
+    let mut charged: Vec<f64> = groups.iter().map(|g| g.used(reqs) + g.future(ratio)).collect();
+    admit_fifo(waiting, |id| {
+        let r = &reqs[id];
+        let left = resume[id].unwrap_or(r.output - 1);
+        let target = r.input + (r.output - 1 - left);
+        let need = f64::from(target) + 1.0 + f64::from(left).min(CLIP_MAX_NEW_TOKENS);
+        let best = (0..groups.len())
+            .filter(|&g| charged[g] + need <= cap)
+            .min_by(|&a, &b| groups[a].tokens(reqs).total_cmp(&groups[b].tokens(reqs)).then(a.cmp(&b)));
+        match best {
+            Some(g) => {
+                charged[g] += need;
+                groups[g].prefill.push(Run { id, target, prefilled: 0, left });
+                true
+            }
+            None => false,
+        }
+    });
+}
+
+/// Before a decode step: while a group's KV cannot take every decoding
+/// request's next token, retracts the request SGLang's `retract_decode`
+/// picks (the fewest generated tokens, then the longest prompt) back to the
+/// front of the queue. Returns whether any was retracted.
+fn retract(
+    groups: &mut [Group],
+    cap: f64,
+    waiting: &mut VecDeque<usize>,
+    resume: &mut [Option<u32>],
+    reqs: &[Req],
+) -> bool {
+    let mut any = false;
+    for g in groups.iter_mut() {
+        while g.used(reqs) > cap && !g.decode.is_empty() {
+            let generated = |r: &Run| reqs[r.id].output - 1 - r.left;
+            let Some(i) = (0..g.decode.len()).min_by(|&a, &b| {
+                let (x, y) = (&g.decode[a], &g.decode[b]);
+                generated(x).cmp(&generated(y)).then(reqs[y.id].input.cmp(&reqs[x.id].input)).then(y.id.cmp(&x.id))
+            }) else {
+                break;
+            };
+            let r = g.decode.remove(i);
+            resume[r.id] = Some(r.left);
+            waiting.push_front(r.id);
+            any = true;
+        }
+    }
+    if any {
+        // Earlier arrivals first, as the queue was.
+        waiting.make_contiguous().sort_unstable();
+    }
+    any
 }
 
 /// Per-request results being filled in.
@@ -88,10 +209,11 @@ fn place(groups: &mut [Group], cap: f64, id: usize, reqs: &[Req], prefilled: boo
         Some(g) => {
             groups[g].reserved += need;
             let left = reqs[id].output - 1;
+            let target = reqs[id].input;
             if prefilled {
-                groups[g].decode.push(Run { id, prefilled: reqs[id].input, left });
+                groups[g].decode.push(Run { id, target, prefilled: target, left });
             } else {
-                groups[g].prefill.push(Run { id, prefilled: 0, left });
+                groups[g].prefill.push(Run { id, target, prefilled: 0, left });
             }
             true
         }
@@ -102,13 +224,13 @@ fn place(groups: &mut [Group], cap: f64, id: usize, reqs: &[Req], prefilled: boo
 /// Builds one prefill iteration: each group takes its admitted prompts in
 /// order, up to `budget` new tokens (a prompt longer than the budget is
 /// split into chunks when `chunked`, else taken whole by an empty group).
-fn prefill_loads(groups: &[Group], budget: f64, chunked: bool, reqs: &[Req]) -> (Vec<Load>, Vec<Vec<(usize, u32)>>) {
+fn prefill_loads(groups: &[Group], budget: f64, chunked: bool) -> (Vec<Load>, Vec<Vec<(usize, u32)>>) {
     let mut loads = vec![Load::default(); groups.len()];
     let mut takes = vec![Vec::new(); groups.len()];
     for (g, group) in groups.iter().enumerate() {
         let mut left = budget;
         for (i, r) in group.prefill.iter().enumerate() {
-            let rest = f64::from(reqs[r.id].input - r.prefilled);
+            let rest = f64::from(r.target - r.prefilled);
             let take = if rest <= left || (!chunked && !loads[g].has_prefill()) {
                 rest
             } else if chunked {
@@ -135,35 +257,45 @@ fn decode_loads(groups: &[Group], reqs: &[Req]) -> Vec<Load> {
 }
 
 /// Applies a prefill iteration that ended at `t`: finished prompts emit
-/// their first token and move to decode.
+/// their first token (a resumed request already has) and move to decode.
 fn finish_prefill(groups: &mut [Group], takes: &[Vec<(usize, u32)>], t: f64, book: &mut Book) {
     for (g, takes) in takes.iter().enumerate() {
         for &(i, n) in takes {
             groups[g].prefill[i].prefilled += n;
         }
-        let reqs = book.reqs;
-        let (done, rest): (Vec<Run>, Vec<Run>) =
-            groups[g].prefill.iter().partition(|r| r.prefilled >= reqs[r.id].input);
+        let (done, rest): (Vec<Run>, Vec<Run>) = groups[g].prefill.iter().partition(|r| r.prefilled >= r.target);
         groups[g].prefill = rest;
         for r in done {
-            book.first_token(r.id, t);
+            if book.out[r.id].ttft.is_none() {
+                book.first_token(r.id, t);
+            }
             groups[g].decode.push(r);
         }
     }
 }
 
-/// One engine on every GPU: colocated, chunked prefill, static TP/EP,
-/// Moebius. Returns the outcomes and the times switches completed.
+/// What a unified engine did: per-request outcomes, when each switch
+/// completed, and how many times a request was retracted.
+pub(super) struct Served {
+    pub out: Vec<Outcome>,
+    pub switches: Vec<f64>,
+    pub retractions: usize,
+}
+
+/// One engine on every GPU: colocated, chunked prefill, static TP/EP, Moebius.
 pub(super) fn unified(
     env: &Env,
     chunk: Option<f64>,
     (tp, ep): (Option<Shape>, Option<Shape>),
     switch: Option<&Switching>,
     reqs: &[Req],
-) -> (Vec<Outcome>, Vec<f64>) {
+) -> Served {
     let mut book = Book { reqs, out: vec![Outcome::default(); reqs.len()], first: vec![0.0; reqs.len()] };
     let mut switches = Vec::new();
-    let (Some(tp_shape), Some(ep_shape)) = (tp.or(ep), ep.or(tp)) else { return (book.out, switches) };
+    let mut retractions = 0;
+    let (Some(tp_shape), Some(ep_shape)) = (tp.or(ep), ep.or(tp)) else {
+        return Served { out: book.out, switches, retractions };
+    };
     let mut mode =
         if tp.is_some() && (ep.is_none() || switch.is_some_and(|s| s.start == Mode::Tp)) { Mode::Tp } else { Mode::Ep };
     let shape = |mode: Mode| if mode == Mode::Tp { tp_shape } else { ep_shape };
@@ -173,6 +305,9 @@ pub(super) fn unified(
     // switches), or it could block the queue in the mode it does not fit.
     let max_cap = [tp, ep].iter().filter_map(|s| s.map(|s| s.kv_per_group)).fold(f64::INFINITY, f64::min);
     let mut waiting: VecDeque<usize> = VecDeque::new();
+    // Outputs left of each retracted request waiting to resume.
+    let mut resume: Vec<Option<u32>> = vec![None; reqs.len()];
+    let mut ratio = TokenRatio(INIT_NEW_TOKEN_RATIO);
     let (mut t, mut next) = (0.0, 0usize);
     loop {
         while next < reqs.len() && reqs[next].arrival <= t {
@@ -209,9 +344,12 @@ pub(super) fn unified(
         }
         let sh = shape(mode);
         let cap = sh.kv_per_group;
-        admit_fifo(&mut waiting, |id| place(&mut groups, cap, id, reqs, false));
+        admit_estimated(&mut groups, cap, &mut waiting, &resume, ratio, reqs);
+        for id in groups.iter().flat_map(|g| &g.prefill).map(|r| r.id) {
+            resume[id] = None;
+        }
         let budget = chunk.unwrap_or(MAX_PREFILL_TOKENS);
-        let (loads, takes) = prefill_loads(&groups, budget, chunk.is_some(), reqs);
+        let (loads, takes) = prefill_loads(&groups, budget, chunk.is_some());
         let prefill = loads.iter().any(Load::has_prefill);
         // Chunked prefill is SGLang's mixed chunking: every iteration decodes
         // each running request and advances at most `chunk` prompt tokens per
@@ -219,6 +357,17 @@ pub(super) fn unified(
         // prefill-only (prefill first) and decode waits for it.
         let mixed = chunk.is_some();
         let decoding = mixed || !prefill;
+        if decoding {
+            // The step writes every decoding request's next token: make room first.
+            let before = waiting.len();
+            if retract(&mut groups, cap, &mut waiting, &mut resume, reqs) {
+                retractions += waiting.len() - before;
+                ratio = TokenRatio::after_retraction(&groups, reqs);
+            } else {
+                ratio = ratio.decayed();
+            }
+        }
+        debug_assert!(groups.iter().all(|g| g.used(reqs) <= cap), "a group's KV overflows");
         let loads = match (mixed, prefill) {
             (true, _) => decode_loads(&groups, reqs).into_iter().zip(loads).map(|(d, p)| d.mixed(p)).collect(),
             (false, true) => loads,
@@ -238,33 +387,39 @@ pub(super) fn unified(
         // Requests already decoding gain their token before finished prompts join them.
         if decoding {
             for g in groups.iter_mut() {
-                let freed = book.decoded(&mut g.decode, t);
-                g.reserved -= freed;
+                book.decoded(&mut g.decode, t);
             }
         }
         if prefill {
             finish_prefill(&mut groups, &takes, t, &mut book);
         }
     }
-    (book.out, switches)
+    Served { out: book.out, switches, retractions }
 }
 
 /// Redistributes requests over `n` groups of capacity `cap` (Moebius §3.2:
-/// all onto every rank for TP; longest-first to the least-loaded group for
-/// EP); `None` when they do not fit (the switch is cancelled).
+/// all onto every rank for TP; largest first to the least-loaded group for
+/// EP) by the KV they hold; `None` when they do not fit (the switch is
+/// cancelled). Later outputs are the admission estimate's and retraction's business.
 fn regroup(groups: &[Group], n: usize, cap: f64, reqs: &[Req]) -> Option<Vec<Group>> {
+    let held = |pre: bool, r: &Run| {
+        if pre {
+            f64::from(r.target) + 1.0
+        } else {
+            f64::from(reqs[r.id].input + reqs[r.id].output - r.left)
+        }
+    };
     let mut runs: Vec<(bool, Run)> = groups
         .iter()
         .flat_map(|g| g.prefill.iter().map(|r| (true, *r)).chain(g.decode.iter().map(|r| (false, *r))))
         .collect();
-    runs.sort_by(|a, b| reqs[b.1.id].reserve().total_cmp(&reqs[a.1.id].reserve()).then(a.1.id.cmp(&b.1.id)));
+    runs.sort_by(|a, b| held(b.0, &b.1).total_cmp(&held(a.0, &a.1)).then(a.1.id.cmp(&b.1.id)));
     let mut out = vec![Group::default(); n];
+    let mut used = vec![0.0; n];
     for (pre, r) in runs {
-        let need = reqs[r.id].reserve();
-        let g = (0..n)
-            .filter(|&g| out[g].reserved + need <= cap)
-            .min_by(|&a, &b| out[a].reserved.total_cmp(&out[b].reserved))?;
-        out[g].reserved += need;
+        let need = held(pre, &r);
+        let g = (0..n).filter(|&g| used[g] + need <= cap).min_by(|&a, &b| used[a].total_cmp(&used[b]))?;
+        used[g] += need;
         if pre {
             out[g].prefill.push(r);
         } else {
@@ -361,7 +516,7 @@ pub(super) fn split(
                 committed += reqs[id].reserve();
                 place(&mut pre.groups, f64::INFINITY, id, reqs, false)
             });
-            let (loads, takes) = prefill_loads(&pre.groups, MAX_PREFILL_TOKENS, false, reqs);
+            let (loads, takes) = prefill_loads(&pre.groups, MAX_PREFILL_TOKENS, false);
             if !loads.iter().any(Load::has_prefill) {
                 // Idle until the next arrival, or, when prompts wait for decode
                 // KV, until the decode side's next iteration frees some.
@@ -464,4 +619,92 @@ pub enum Sharing {
     /// Shared MoE GPUs under APK: decode holds q' SMs while prefill has MoE
     /// work, every SM otherwise; prefill takes the rest (§4.3, §6.4).
     Apk { q: u32, x_star: f64, q_max: u32 },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use moeforge_plan::cost::step::MoeSide;
+    use moeforge_plan::cost::CostModel;
+
+    fn req(input: u32, output: u32) -> Req {
+        Req { arrival: 0.0, input, output }
+    }
+
+    /// Qwen3-235B-A22B on one 8×H200 node (the bursty example), roofline costs.
+    fn env() -> Env {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/qwen3-235b-a22b-bursty.moe");
+        let checked = moeforge_dsl::check_paths(&[path], &moeforge_dsl::FsLoader)
+            .unwrap_or_else(|f| panic!("{}", f.render(false)));
+        let s = &checked.spec;
+        let d = &s.deploys[0];
+        let (m, c, t) = (s.model(d.model), s.cluster(d.cluster), s.tile_set(d.tiles));
+        Env::new(m, c, t, d, &CostModel::roofline(m, c, t), 0)
+    }
+
+    #[test]
+    fn retraction_takes_the_fewest_generated_tokens_then_the_longest_prompt() {
+        // SGLang's retract_decode sorts by (generated, −prompt) and retracts from the small end.
+        let reqs = [req(100, 50), req(300, 50), req(200, 50), req(100, 50)];
+        let run = |id: usize, left: u32| Run { id, target: reqs[id].input, prefilled: reqs[id].input, left };
+        // Generated: 10, 5, 5, 30 tokens; ids 1 and 2 tie on 5, id 1 has the longer prompt.
+        let mut groups =
+            vec![Group { decode: vec![run(0, 39), run(1, 44), run(2, 44), run(3, 19)], ..Group::default() }];
+        let used = groups[0].used(&reqs);
+        // Prompt, generated tokens and the next one.
+        assert_eq!(used, f64::from((100 + 10 + 1) + (300 + 5 + 1) + (200 + 5 + 1) + (100 + 30 + 1)));
+        let (mut waiting, mut resume) = (VecDeque::from([7usize]), vec![None; 8]);
+        // One token short: one retraction (id 1) frees 306 tokens.
+        assert!(retract(&mut groups, used - 1.0, &mut waiting, &mut resume, &reqs));
+        assert_eq!(groups[0].decode.iter().map(|r| r.id).collect::<Vec<_>>(), [0, 2, 3]);
+        assert_eq!(resume[1], Some(44));
+        // The queue stays in arrival order.
+        assert_eq!(waiting, [1, 7]);
+        // Room to spare: nothing moves.
+        assert!(!retract(&mut groups, 1e9, &mut waiting, &mut resume, &reqs));
+    }
+
+    #[test]
+    fn the_ratio_decays_to_its_floor_in_600_steps_and_is_reset_by_a_retraction() {
+        let mut r = TokenRatio(INIT_NEW_TOKEN_RATIO);
+        for _ in 0..599 {
+            r = r.decayed();
+        }
+        assert!(r.0 > MIN_NEW_TOKEN_RATIO + 1e-9);
+        r = r.decayed();
+        assert!((r.0 - 0.098).abs() < 1e-9, "{}", r.0);
+        assert_eq!(r.decayed(), r);
+        // Two running requests with 10 and 30 of 99 and 199 outputs generated:
+        // (40 + 20·2) / 298.
+        let reqs = [req(8, 100), req(8, 200)];
+        let groups = vec![Group {
+            decode: vec![
+                Run { id: 0, target: 8, prefilled: 8, left: 89 },
+                Run { id: 1, target: 8, prefilled: 8, left: 169 },
+            ],
+            ..Group::default()
+        }];
+        assert!((TokenRatio::after_retraction(&groups, &reqs).0 - 80.0 / 298.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn estimated_admission_overcommits_retracts_within_kv_and_finishes_every_request() {
+        let env = env();
+        let side = MoeSide::Ep { gpus: 8, nodes: 1, replicas: 1, local: 1.0, disaggregated: false };
+        // Two groups of 20k tokens; 80 requests of 200 + 800 tokens at once:
+        // the whole-output reservation would run 20 per group at a time.
+        let cap = 20_000.0;
+        let shape = Shape { groups: 2, width: 1, moe: side, kv_per_group: cap };
+        let reqs: Vec<Req> = (0..80).map(|_| req(200, 800)).collect();
+        let served = unified(&env, None, (None, Some(shape)), None, &reqs);
+        // Every request finishes with all its outputs (debug builds also
+        // check, step by step, that no group's KV overflows).
+        assert!(served.out.iter().all(|o| o.ttft.is_some() && o.tpot.is_some() && o.finish.is_some()));
+        let first_finish = served.out.iter().filter_map(|o| o.finish).fold(f64::INFINITY, f64::min);
+        let started = served.out.iter().filter(|o| o.ttft.is_some_and(|t| t < first_finish)).count();
+        let whole_output = 2 * (cap / 1000.0) as usize;
+        assert!(started > whole_output, "{started} started before the first finish, whole-output bound {whole_output}");
+        // The estimate overcommits: KV runs out mid-decode and requests are retracted.
+        assert!(served.retractions > 0);
+    }
 }

@@ -13,8 +13,11 @@
 //! | `moebius` | the dual-mode plan, switching by the §4.5 coordinator | | each switch pays the reshard |
 //!
 //! Differences between systems come only from these mechanisms: the same
-//! request stream (seeded), cost model, admission rule and metrics serve
-//! them all. Metrics: TTFT, TPOT (mean over a request's outputs), SLO
+//! request stream (seeded), cost model and metrics serve them all. The
+//! admission differs by engine, as the served systems' do: a unified engine
+//! is SGLang's scheduler (estimated outputs, retraction when KV runs out);
+//! a split engine commits each request's whole output on its decode side
+//! before prefilling it. Metrics: TTFT, TPOT (mean over a request's outputs), SLO
 //! attainment (both met; refused requests miss) and P90 goodput, the highest
 //! rate at which ≥ 90% of requests meet both SLOs.
 
@@ -74,6 +77,15 @@ impl System {
     pub fn parse(s: &str) -> Option<System> {
         System::ALL.into_iter().find(|x| x.name() == s)
     }
+}
+
+/// One simulated run: per-request outcomes, the times mode switches
+/// completed, and the requests retracted to make KV room (each time counted).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Trace {
+    pub outcomes: Vec<Outcome>,
+    pub switches: Vec<f64>,
+    pub retractions: usize,
 }
 
 /// Per-request result; `None` for requests that never got that far (refused).
@@ -407,19 +419,23 @@ impl<'a> Bench<'a> {
 
     /// Serves `reqs` with one deployment.
     pub fn simulate(&self, dep: &Deployment, reqs: &[Req]) -> Vec<Outcome> {
-        self.simulate_traced(dep, reqs).0
+        self.simulate_traced(dep, reqs).outcomes
     }
 
-    /// Serves `reqs` and also returns when each mode switch completed.
-    pub fn simulate_traced(&self, dep: &Deployment, reqs: &[Req]) -> (Vec<Outcome>, Vec<f64>) {
+    /// Serves `reqs` and also returns when each mode switch completed and
+    /// how many times a request was retracted to make KV room.
+    pub fn simulate_traced(&self, dep: &Deployment, reqs: &[Req]) -> Trace {
         let reqs = self.capped(reqs);
         match &dep.phases {
             Phases::Unified { chunk, tp, ep, switch } => {
-                loops::unified(&self.env, *chunk, (*tp, *ep), switch.as_ref(), &reqs)
+                let served = loops::unified(&self.env, *chunk, (*tp, *ep), switch.as_ref(), &reqs);
+                Trace { outcomes: served.out, switches: served.switches, retractions: served.retractions }
             }
-            Phases::Split { prefill, decode, sharing, kv_transfer } => {
-                (loops::split(&self.env, prefill, decode, *sharing, *kv_transfer, &reqs), Vec::new())
-            }
+            Phases::Split { prefill, decode, sharing, kv_transfer } => Trace {
+                outcomes: loops::split(&self.env, prefill, decode, *sharing, *kv_transfer, &reqs),
+                switches: Vec::new(),
+                retractions: 0,
+            },
         }
     }
 

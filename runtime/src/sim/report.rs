@@ -704,6 +704,8 @@ pub struct BurstyResult {
     pub quiet_tpot: f64,
     /// Requests that never got a first token (refused or unfinished).
     pub unserved: usize,
+    /// Requests retracted to make KV room (SGLang's `retract_decode`), each time counted.
+    pub retractions: usize,
 }
 
 impl Bench<'_> {
@@ -724,14 +726,16 @@ impl Bench<'_> {
                         burst_ttft_peak: 0.0,
                         quiet_tpot: 0.0,
                         unserved: 0,
+                        retractions: 0,
                     };
                 };
-                let (out, switches) = self.simulate_traced(d, &reqs);
+                let trace = self.simulate_traced(d, &reqs);
+                let out = &trace.outcomes;
                 let mean = |xs: Vec<f64>| if xs.is_empty() { 0.0 } else { xs.iter().sum::<f64>() / xs.len() as f64 };
                 let window = |a: f64| {
                     mean(
                         reqs.iter()
-                            .zip(&out)
+                            .zip(out)
                             .filter(|(r, _)| r.arrival >= a && r.arrival < a + 5.0)
                             .filter_map(|(_, o)| o.ttft)
                             .collect(),
@@ -741,7 +745,7 @@ impl Bench<'_> {
                 let burst_ttft_peak = bursts.map(window).fold(0.0, f64::max);
                 let quiet_tpot = mean(
                     reqs.iter()
-                        .zip(&out)
+                        .zip(out)
                         .filter(|(r, _)| r.arrival >= q0 + 60.0 && r.arrival < q1)
                         .filter_map(|(_, o)| o.tpot)
                         .collect(),
@@ -750,10 +754,11 @@ impl Bench<'_> {
                 BurstyResult {
                     system,
                     deployment: dep,
-                    switches: switches.len(),
+                    switches: trace.switches.len(),
                     burst_ttft_peak,
                     quiet_tpot,
                     unserved,
+                    retractions: trace.retractions,
                 }
             })
             .collect()
