@@ -191,7 +191,7 @@ fn expertplex_leads_pd_colocated_and_chunked_on_minimax_sharegpt() {
 /// burst TTFT stays below TP's. The published burst TTFTs (TP 9.9 s, EP 2.0
 /// s, Moebius 3.1 s) are *not* met: with SGLang's estimated admission EP
 /// and Moebius admit a burst at once (0.1–0.2 s), while TP, with half the KV,
-/// retracts and re-prefills hundreds of requests (~57 s; README, "Simulate serving").
+/// queues the burst behind its KV (~97 s; README, "Simulate serving").
 #[test]
 fn moebius_bursty_trace() {
     let f = fixture("qwen3-235b-a22b-bursty");

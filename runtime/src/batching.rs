@@ -1,9 +1,10 @@
-//! The admission rule every backend shares: waiting requests are admitted
-//! in arrival order while the head request's full KV reservation (prompt +
-//! maximum output) fits somewhere; the first that does not fit stops
-//! admission, so a large request is never overtaken and starved by small
-//! ones behind it. The CPU twin places on simulated ranks, the simulator on
-//! modeled ones; both call [`admit_fifo`].
+//! The admission order every backend shares: waiting requests are admitted
+//! in arrival order while the head request fits somewhere; the first that
+//! does not fit stops admission, so a large request is never overtaken and
+//! starved by small ones behind it. What "fits" means is the caller's: the
+//! CPU twin and the simulator's split engines reserve the full KV (prompt +
+//! maximum output); the simulator's unified engine charges SGLang's
+//! estimate and retracts when KV runs out. All call [`admit_fifo`].
 
 use std::collections::VecDeque;
 

@@ -405,7 +405,9 @@ impl CostModel {
             return 0.0;
         }
         let share = f64::from(self.sms) / q.max(1.0);
-        let stream = (self.calib.stream_sm_saturation * share).max(1.0);
+        // No phase needs more than every SM to saturate HBM (the clamp keeps a
+        // perturbed constant physical).
+        let stream = (self.calib.stream_sm_saturation.min(1.0) * share).max(1.0);
         // The fit's slope at s = 1 (β for the roofline, any fitted γ, δ too),
         // rescaled from the prefill tile height to this phase's.
         let per_tile = self.moe.beta + self.moe.gamma + self.moe.delta;

@@ -44,6 +44,12 @@ struct Run {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct TokenRatio(pub f64);
 
+impl Default for TokenRatio {
+    fn default() -> TokenRatio {
+        TokenRatio(INIT_NEW_TOKEN_RATIO)
+    }
+}
+
 pub const INIT_NEW_TOKEN_RATIO: f64 = 0.7;
 pub const MIN_NEW_TOKEN_RATIO: f64 = INIT_NEW_TOKEN_RATIO * 0.14;
 pub const NEW_TOKEN_RATIO_DECAY_STEPS: f64 = 600.0;
@@ -55,18 +61,19 @@ impl TokenRatio {
         let step = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / NEW_TOKEN_RATIO_DECAY_STEPS;
         TokenRatio((self.0 - step).max(MIN_NEW_TOKEN_RATIO))
     }
-    /// After a retraction: the running requests' decoded share, padded.
-    fn after_retraction(groups: &[Group], reqs: &[Req]) -> TokenRatio {
-        let (mut decoded, mut outputs, mut n) = (0.0, 0.0, 0.0);
-        for r in groups.iter().flat_map(|g| &g.decode) {
-            let out = f64::from(reqs[r.id].output - 1);
+    /// After a retraction on a group: its running requests' decoded share,
+    /// padded: (Σ len(output_ids) + 20 per request) / Σ max_new_tokens, at most 1.
+    fn after_retraction(g: &Group, reqs: &[Req]) -> TokenRatio {
+        let (mut decoded, mut outputs) = (0.0, 0.0);
+        for r in &g.decode {
+            let out = f64::from(reqs[r.id].output);
             decoded += out - f64::from(r.left);
             outputs += out;
-            n += 1.0;
         }
         if outputs <= 0.0 {
             return TokenRatio(INIT_NEW_TOKEN_RATIO);
         }
+        let n = g.decode.len() as f64;
         TokenRatio(((decoded + RETRACT_DECODE_STEPS * n) / outputs).min(1.0))
     }
 }
@@ -77,6 +84,8 @@ struct Group {
     prefill: Vec<Run>,
     decode: Vec<Run>,
     reserved: f64,
+    /// The group's own admission estimate (SGLang runs one scheduler per DP rank).
+    ratio: TokenRatio,
 }
 
 impl Group {
@@ -96,37 +105,49 @@ impl Group {
             + self.decode.iter().map(|r| f64::from(reqs[r.id].input + reqs[r.id].output - r.left)).sum::<f64>()
     }
     /// SGLang's charge for the running requests' future outputs.
-    fn future(&self, ratio: TokenRatio) -> f64 {
+    fn future(&self) -> f64 {
         self.prefill.iter().chain(&self.decode).map(|r| f64::from(r.left).min(CLIP_MAX_NEW_TOKENS)).sum::<f64>()
-            * ratio.0
+            * self.ratio.0
     }
 }
 
-/// One SGLang admission round on a unified engine: each waiting request (a
-/// retracted one resumes with its prompt and generated tokens to prefill)
-/// goes to the least-loaded group where its prompt and whole output fit
-/// beside what the group holds, the running requests' estimated outputs and
-/// the requests admitted before it in this round.
+/// One SGLang admission round on a unified engine (`PrefillAdder`): each
+/// waiting request in arrival order goes to the least-loaded group where
+/// its prompt (a retracted request's prompt and outputs so far) and whole
+/// output fit beside what the group holds, its running requests' estimated
+/// outputs and the requests admitted before it in this round, and where the
+/// round's prompt tokens stay within `budget` (the first prompt of an idle
+/// group always fits, as one prefill step takes it whole or in chunks).
 fn admit_estimated(
     groups: &mut [Group],
     cap: f64,
+    budget: f64,
     waiting: &mut VecDeque<usize>,
     resume: &[Option<u32>],
-    ratio: TokenRatio,
     reqs: &[Req],
 ) {
-    let mut charged: Vec<f64> = groups.iter().map(|g| g.used(reqs) + g.future(ratio)).collect();
+    let mut charged: Vec<f64> = groups.iter().map(|g| g.used(reqs) + g.future()).collect();
+    let mut room: Vec<f64> = groups
+        .iter()
+        .map(|g| budget - g.prefill.iter().map(|r| f64::from(r.target - r.prefilled)).sum::<f64>())
+        .collect();
     admit_fifo(waiting, |id| {
         let r = &reqs[id];
+        // A resumed request re-prefills its prompt and every output so far.
         let left = resume[id].unwrap_or(r.output - 1);
-        let target = r.input + (r.output - 1 - left);
+        let target = match resume[id] {
+            Some(left) => r.input + r.output - left,
+            None => r.input,
+        };
         let need = f64::from(target) + 1.0 + f64::from(left).min(CLIP_MAX_NEW_TOKENS);
         let best = (0..groups.len())
             .filter(|&g| charged[g] + need <= cap)
+            .filter(|&g| f64::from(target) <= room[g] || groups[g].prefill.is_empty())
             .min_by(|&a, &b| groups[a].tokens(reqs).total_cmp(&groups[b].tokens(reqs)).then(a.cmp(&b)));
         match best {
             Some(g) => {
                 charged[g] += need;
+                room[g] -= f64::from(target);
                 groups[g].prefill.push(Run { id, target, prefilled: 0, left });
                 true
             }
@@ -135,21 +156,23 @@ fn admit_estimated(
     });
 }
 
-/// Before a decode step: while a group's KV cannot take every decoding
-/// request's next token, retracts the request SGLang's `retract_decode`
-/// picks (the fewest generated tokens, then the longest prompt) back to the
-/// front of the queue. Returns whether any was retracted.
+/// Before a step that decodes: while a group's KV cannot take every
+/// decoding request's next token, retracts the request SGLang's
+/// `retract_decode` picks (the fewest generated tokens, then the longest
+/// prompt) to the back of the queue, and resets that group's estimate.
+/// Returns how many were retracted.
 fn retract(
     groups: &mut [Group],
     cap: f64,
     waiting: &mut VecDeque<usize>,
     resume: &mut [Option<u32>],
     reqs: &[Req],
-) -> bool {
-    let mut any = false;
+) -> usize {
+    let mut n = 0;
     for g in groups.iter_mut() {
+        let mut any = false;
         while g.used(reqs) > cap && !g.decode.is_empty() {
-            let generated = |r: &Run| reqs[r.id].output - 1 - r.left;
+            let generated = |r: &Run| reqs[r.id].output - r.left;
             let Some(i) = (0..g.decode.len()).min_by(|&a, &b| {
                 let (x, y) = (&g.decode[a], &g.decode[b]);
                 generated(x).cmp(&generated(y)).then(reqs[y.id].input.cmp(&reqs[x.id].input)).then(y.id.cmp(&x.id))
@@ -158,15 +181,15 @@ fn retract(
             };
             let r = g.decode.remove(i);
             resume[r.id] = Some(r.left);
-            waiting.push_front(r.id);
+            waiting.push_back(r.id);
             any = true;
+            n += 1;
+        }
+        if any {
+            g.ratio = TokenRatio::after_retraction(g, reqs);
         }
     }
-    if any {
-        // Earlier arrivals first, as the queue was.
-        waiting.make_contiguous().sort_unstable();
-    }
-    any
+    n
 }
 
 /// Per-request results being filled in.
@@ -265,12 +288,19 @@ fn finish_prefill(groups: &mut [Group], takes: &[Vec<(usize, u32)>], t: f64, boo
         }
         let (done, rest): (Vec<Run>, Vec<Run>) = groups[g].prefill.iter().partition(|r| r.prefilled >= r.target);
         groups[g].prefill = rest;
+        let mut resumed = Vec::new();
         for r in done {
             if book.out[r.id].ttft.is_none() {
                 book.first_token(r.id, t);
+                groups[g].decode.push(r);
+            } else {
+                // A resumed request's prefill samples its next token, as a decode step would.
+                resumed.push(r);
             }
-            groups[g].decode.push(r);
         }
+        let freed = book.decoded(&mut resumed, t);
+        groups[g].reserved -= freed;
+        groups[g].decode.extend(resumed);
     }
 }
 
@@ -307,7 +337,6 @@ pub(super) fn unified(
     let mut waiting: VecDeque<usize> = VecDeque::new();
     // Outputs left of each retracted request waiting to resume.
     let mut resume: Vec<Option<u32>> = vec![None; reqs.len()];
-    let mut ratio = TokenRatio(INIT_NEW_TOKEN_RATIO);
     let (mut t, mut next) = (0.0, 0usize);
     loop {
         while next < reqs.len() && reqs[next].arrival <= t {
@@ -319,6 +348,10 @@ pub(super) fn unified(
         }
         let inflight = waiting.len() + groups.iter().map(Group::requests).sum::<usize>();
         if inflight == 0 {
+            // An idle scheduler starts its estimate over (SGLang resets it with no batch to run).
+            for g in groups.iter_mut() {
+                g.ratio = TokenRatio::default();
+            }
             if next == reqs.len() {
                 break;
             }
@@ -344,11 +377,11 @@ pub(super) fn unified(
         }
         let sh = shape(mode);
         let cap = sh.kv_per_group;
-        admit_estimated(&mut groups, cap, &mut waiting, &resume, ratio, reqs);
+        let budget = chunk.unwrap_or(MAX_PREFILL_TOKENS);
+        admit_estimated(&mut groups, cap, budget, &mut waiting, &resume, reqs);
         for id in groups.iter().flat_map(|g| &g.prefill).map(|r| r.id) {
             resume[id] = None;
         }
-        let budget = chunk.unwrap_or(MAX_PREFILL_TOKENS);
         let (loads, takes) = prefill_loads(&groups, budget, chunk.is_some());
         let prefill = loads.iter().any(Load::has_prefill);
         // Chunked prefill is SGLang's mixed chunking: every iteration decodes
@@ -358,13 +391,15 @@ pub(super) fn unified(
         let mixed = chunk.is_some();
         let decoding = mixed || !prefill;
         if decoding {
-            // The step writes every decoding request's next token: make room first.
-            let before = waiting.len();
-            if retract(&mut groups, cap, &mut waiting, &mut resume, reqs) {
-                retractions += waiting.len() - before;
-                ratio = TokenRatio::after_retraction(&groups, reqs);
-            } else {
-                ratio = ratio.decayed();
+            // The step writes every decoding request's next token: make room
+            // first. A group's estimate decays on its decode-only steps
+            // (SGLang's `update_running_batch`; a batch carrying prompt
+            // tokens does not decay it).
+            retractions += retract(&mut groups, cap, &mut waiting, &mut resume, reqs);
+            for (g, l) in groups.iter_mut().zip(&loads) {
+                if !l.has_prefill() && l.decode > 0.0 {
+                    g.ratio = g.ratio.decayed();
+                }
             }
         }
         debug_assert!(groups.iter().all(|g| g.used(reqs) <= cap), "a group's KV overflows");
@@ -655,13 +690,16 @@ mod tests {
         assert_eq!(used, f64::from((100 + 10 + 1) + (300 + 5 + 1) + (200 + 5 + 1) + (100 + 30 + 1)));
         let (mut waiting, mut resume) = (VecDeque::from([7usize]), vec![None; 8]);
         // One token short: one retraction (id 1) frees 306 tokens.
-        assert!(retract(&mut groups, used - 1.0, &mut waiting, &mut resume, &reqs));
+        assert_eq!(retract(&mut groups, used - 1.0, &mut waiting, &mut resume, &reqs), 1);
         assert_eq!(groups[0].decode.iter().map(|r| r.id).collect::<Vec<_>>(), [0, 2, 3]);
         assert_eq!(resume[1], Some(44));
-        // The queue stays in arrival order.
-        assert_eq!(waiting, [1, 7]);
+        // To the back of the queue, as SGLang appends retracted requests.
+        assert_eq!(waiting, [7, 1]);
+        // The group's estimate resets to (Σ outputs so far + 20 each) / Σ outputs:
+        // (11 + 6 + 31 + 60) / 150.
+        assert!((groups[0].ratio.0 - 108.0 / 150.0).abs() < 1e-12, "{:?}", groups[0].ratio);
         // Room to spare: nothing moves.
-        assert!(!retract(&mut groups, 1e9, &mut waiting, &mut resume, &reqs));
+        assert_eq!(retract(&mut groups, 1e9, &mut waiting, &mut resume, &reqs), 0);
     }
 
     #[test]
@@ -674,17 +712,18 @@ mod tests {
         r = r.decayed();
         assert!((r.0 - 0.098).abs() < 1e-9, "{}", r.0);
         assert_eq!(r.decayed(), r);
-        // Two running requests with 10 and 30 of 99 and 199 outputs generated:
-        // (40 + 20·2) / 298.
+        // Two running requests with 11 and 31 of 100 and 200 outputs so far:
+        // (42 + 20·2) / 300.
         let reqs = [req(8, 100), req(8, 200)];
-        let groups = vec![Group {
+        let group = Group {
             decode: vec![
                 Run { id: 0, target: 8, prefilled: 8, left: 89 },
                 Run { id: 1, target: 8, prefilled: 8, left: 169 },
             ],
             ..Group::default()
-        }];
-        assert!((TokenRatio::after_retraction(&groups, &reqs).0 - 80.0 / 298.0).abs() < 1e-12);
+        };
+        assert!((TokenRatio::after_retraction(&group, &reqs).0 - 82.0 / 300.0).abs() < 1e-12);
+        assert_eq!(Group::default().ratio, TokenRatio(0.7));
     }
 
     #[test]

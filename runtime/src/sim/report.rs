@@ -523,8 +523,10 @@ pub fn sensitivity_table(rows: &[SensitivityRow], nodes: u32) -> String {
 
 /// Factors of the sensitivity sweep: the ±20% table's, and the wider ones
 /// the claims report searches for the move that would change a conclusion:
-/// ×1/8 to ×8 in steps of √2 (a step moves a goodput by at most about √2,
-/// so no sweep steps over the factor-of-4 band of [`GOODPUT_WITHIN`]).
+/// ×1/8 to ×8 in steps of √2. Where a goodput moves smoothly with a
+/// constant, a step moves it by about √2 at most, well inside the factor-4
+/// band of [`GOODPUT_WITHIN`]; where it falls off an SLO cliff (to 0), the
+/// band may be stepped over, and the report then shows no move for it.
 pub const SENSITIVITY_FACTORS: [f64; 2] = [0.8, 1.2];
 pub const CLAIM_FACTORS: [f64; 14] = [
     0.125,
@@ -590,8 +592,11 @@ impl Claim {
             }
             Claim::Leads { system, paper } => {
                 let other = of(system)?;
-                if other <= 0.0 {
-                    xp > 0.0 && paper > 1.0
+                if other <= 0.0 && xp <= 0.0 {
+                    // Neither serves: no verdict on their order.
+                    return None;
+                } else if other <= 0.0 {
+                    paper > 1.0
                 } else if paper <= 1.0 {
                     (1.0 / PARITY..=PARITY).contains(&(xp / other))
                 } else {
@@ -603,13 +608,21 @@ impl Claim {
 }
 
 /// One claim under the sweep: whether it holds with the published
-/// constants, and for each constant that changes that, the factor nearest
-/// ×1 (in log distance) at which it does.
+/// constants, and for each constant that changes that, the factors nearest
+/// ×1 below and above at which it does (`None` on a side where none does).
 #[derive(Clone, Debug, PartialEq)]
 pub struct ClaimResult {
     pub claim: Claim,
     pub now: Option<bool>,
-    pub changes: Vec<(&'static str, f64)>,
+    pub changes: Vec<Change>,
+}
+
+/// The nearest downward and upward moves of one constant that change a claim.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Change {
+    pub constant: &'static str,
+    pub down: Option<f64>,
+    pub up: Option<f64>,
 }
 
 /// Every claim against every row of a sensitivity sweep.
@@ -619,17 +632,23 @@ pub fn claims(rows: &[SensitivityRow], claims: &[Claim], nodes: u32) -> Vec<Clai
         .iter()
         .map(|&claim| {
             let now = now_row.and_then(|r| claim.holds(&r.goodput, nodes));
-            let mut changes: Vec<(&'static str, f64)> = Vec::new();
+            let mut changes: Vec<Change> = Vec::new();
             for r in rows {
                 let Some(name) = r.constant else { continue };
                 let Some(h) = claim.holds(&r.goodput, nodes) else { continue };
-                if now.is_some_and(|n| n == h) {
+                if now.is_none_or(|n| n == h) {
                     continue;
                 }
-                match changes.iter_mut().find(|c| c.0 == name) {
-                    Some(c) if r.factor.ln().abs() < c.1.ln().abs() => c.1 = r.factor,
-                    Some(_) => {}
-                    None => changes.push((name, r.factor)),
+                let i = match changes.iter().position(|c| c.constant == name) {
+                    Some(i) => i,
+                    None => {
+                        changes.push(Change { constant: name, down: None, up: None });
+                        changes.len() - 1
+                    }
+                };
+                let side = if r.factor < 1.0 { &mut changes[i].down } else { &mut changes[i].up };
+                if side.is_none_or(|f| r.factor.ln().abs() < f.ln().abs()) {
+                    *side = Some(r.factor);
                 }
             }
             ClaimResult { claim, now, changes }
@@ -662,7 +681,8 @@ pub fn claims_table(results: &[ClaimResult], base: &moeforge_plan::cost::Calibra
             let _ = writeln!(s, "none");
             continue;
         }
-        for (i, &(name, f)) in r.changes.iter().enumerate() {
+        let moves = r.changes.iter().flat_map(|c| [c.down, c.up].into_iter().flatten().map(move |f| (c.constant, f)));
+        for (i, (name, f)) in moves.enumerate() {
             let v = value(name) * f;
             let range = match Calibration::published_range(name) {
                 Some((a, b)) if (a..=b).contains(&v) => format!("inside published {}–{}", sig(a), sig(b)),
@@ -675,7 +695,7 @@ pub fn claims_table(results: &[ClaimResult], base: &moeforge_plan::cost::Calibra
     }
     let _ = writeln!(
         s,
-        "one constant moves at a time; ExpertPlex keeps the compiled layout; the nearest factor to ×1 is shown"
+        "one constant moves at a time; ExpertPlex keeps the compiled layout; the nearest factor below and above ×1 is shown"
     );
     s
 }
@@ -843,6 +863,8 @@ mod tests {
         let parity = Claim::Leads { system: System::GreenContext, paper: 1.0 };
         assert_eq!(parity.holds(&g(1.19, 1.0), 1), Some(true));
         assert_eq!(parity.holds(&g(1.0, 1.25), 1), Some(false));
+        // Neither serves: no verdict on their order.
+        assert_eq!(ahead.holds(&g(0.0, 0.0), 1), None);
         // A system the claim names that did not run: no verdict.
         assert_eq!(Claim::Leads { system: System::Colocated, paper: 2.0 }.holds(&g(1.0, 1.0), 1), None);
     }
@@ -868,13 +890,23 @@ mod tests {
             1,
         );
         assert_eq!(got[0].now, Some(false));
-        assert_eq!(got[0].changes, vec![("gemm_memory_efficiency", 0.5)]);
+        let change = |constant, down, up| Change { constant, down, up };
+        assert_eq!(got[0].changes, vec![change("gemm_memory_efficiency", Some(0.5), None)]);
         assert_eq!(got[1].now, Some(false));
-        assert_eq!(got[1].changes, vec![("comm_floor", 4.0)]);
+        assert_eq!(got[1].changes, vec![change("comm_floor", None, Some(4.0))]);
         // A claim that holds lists the moves that break it.
-        let ahead_now = vec![row(None, 1.0, 40.0, 30.0), row(Some("op_overhead"), 2.0, 40.0, 41.0)];
+        // Moves on both sides are reported, each the nearest on its side.
+        let ahead_now = vec![
+            row(None, 1.0, 40.0, 30.0),
+            row(Some("op_overhead"), 0.25, 40.0, 45.0),
+            row(Some("op_overhead"), 0.5, 40.0, 41.0),
+            row(Some("op_overhead"), 2.0, 40.0, 41.0),
+        ];
         let got_ahead = claims(&ahead_now, &[Claim::Leads { system: System::GreenContext, paper: 1.41 }], 1);
-        assert_eq!((got_ahead[0].now, got_ahead[0].changes.clone()), (Some(true), vec![("op_overhead", 2.0)]));
+        assert_eq!(
+            (got_ahead[0].now, got_ahead[0].changes.clone()),
+            (Some(true), vec![change("op_overhead", Some(0.5), Some(2.0))])
+        );
         let table = claims_table(&got, &Calibration::published(), &CLAIM_FACTORS);
         assert!(
             table.contains("holds at gemm_memory_efficiency ×0.5000 = 0.3564 (outside published 0.5039–0.7964)"),
