@@ -98,16 +98,26 @@ impl Group {
     fn requests(&self) -> usize {
         self.prefill.len() + self.decode.len()
     }
-    /// Tokens the group's KV will hold after its next step: prompts being
-    /// prefilled in full, decoding requests with their next token.
+    /// Tokens the group's KV will hold after its next step.
     fn used(&self, reqs: &[Req]) -> f64 {
-        self.prefill.iter().map(|r| f64::from(r.target) + 1.0).sum::<f64>()
-            + self.decode.iter().map(|r| f64::from(reqs[r.id].input + reqs[r.id].output - r.left)).sum::<f64>()
+        self.prefill.iter().map(|r| held(r, true, reqs)).sum::<f64>()
+            + self.decode.iter().map(|r| held(r, false, reqs)).sum::<f64>()
     }
     /// SGLang's charge for the running requests' future outputs.
     fn future(&self) -> f64 {
         self.prefill.iter().chain(&self.decode).map(|r| f64::from(r.left).min(CLIP_MAX_NEW_TOKENS)).sum::<f64>()
             * self.ratio.0
+    }
+}
+
+/// Tokens one request's KV holds after its group's next step: a prompt
+/// being prefilled in full (with the token it samples), a decoding request
+/// with its next token.
+fn held(r: &Run, prefilling: bool, reqs: &[Req]) -> f64 {
+    if prefilling {
+        f64::from(r.target) + 1.0
+    } else {
+        f64::from(reqs[r.id].input + reqs[r.id].output - r.left)
     }
 }
 
@@ -123,7 +133,7 @@ fn admit_estimated(
     cap: f64,
     budget: f64,
     waiting: &mut VecDeque<usize>,
-    resume: &[Option<u32>],
+    resume: &mut [Option<u32>],
     reqs: &[Req],
 ) {
     let mut charged: Vec<f64> = groups.iter().map(|g| g.used(reqs) + g.future()).collect();
@@ -149,6 +159,7 @@ fn admit_estimated(
                 charged[g] += need;
                 room[g] -= f64::from(target);
                 groups[g].prefill.push(Run { id, target, prefilled: 0, left });
+                resume[id] = None;
                 true
             }
             None => false,
@@ -298,8 +309,8 @@ fn finish_prefill(groups: &mut [Group], takes: &[Vec<(usize, u32)>], t: f64, boo
                 resumed.push(r);
             }
         }
-        let freed = book.decoded(&mut resumed, t);
-        groups[g].reserved -= freed;
+        // (Only the unified engine resumes; it keeps no reservations to free.)
+        book.decoded(&mut resumed, t);
         groups[g].decode.extend(resumed);
     }
 }
@@ -378,10 +389,7 @@ pub(super) fn unified(
         let sh = shape(mode);
         let cap = sh.kv_per_group;
         let budget = chunk.unwrap_or(MAX_PREFILL_TOKENS);
-        admit_estimated(&mut groups, cap, budget, &mut waiting, &resume, reqs);
-        for id in groups.iter().flat_map(|g| &g.prefill).map(|r| r.id) {
-            resume[id] = None;
-        }
+        admit_estimated(&mut groups, cap, budget, &mut waiting, &mut resume, reqs);
         let (loads, takes) = prefill_loads(&groups, budget, chunk.is_some());
         let prefill = loads.iter().any(Load::has_prefill);
         // Chunked prefill is SGLang's mixed chunking: every iteration decodes
@@ -437,22 +445,15 @@ pub(super) fn unified(
 /// EP) by the KV they hold; `None` when they do not fit (the switch is
 /// cancelled). Later outputs are the admission estimate's and retraction's business.
 fn regroup(groups: &[Group], n: usize, cap: f64, reqs: &[Req]) -> Option<Vec<Group>> {
-    let held = |pre: bool, r: &Run| {
-        if pre {
-            f64::from(r.target) + 1.0
-        } else {
-            f64::from(reqs[r.id].input + reqs[r.id].output - r.left)
-        }
-    };
     let mut runs: Vec<(bool, Run)> = groups
         .iter()
         .flat_map(|g| g.prefill.iter().map(|r| (true, *r)).chain(g.decode.iter().map(|r| (false, *r))))
         .collect();
-    runs.sort_by(|a, b| held(b.0, &b.1).total_cmp(&held(a.0, &a.1)).then(a.1.id.cmp(&b.1.id)));
+    runs.sort_by(|a, b| held(&b.1, b.0, reqs).total_cmp(&held(&a.1, a.0, reqs)).then(a.1.id.cmp(&b.1.id)));
     let mut out = vec![Group::default(); n];
     let mut used = vec![0.0; n];
     for (pre, r) in runs {
-        let need = held(pre, &r);
+        let need = held(&r, pre, reqs);
         let g = (0..n).filter(|&g| used[g] + need <= cap).min_by(|&a, &b| used[a].total_cmp(&used[b]))?;
         used[g] += need;
         if pre {
