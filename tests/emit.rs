@@ -68,3 +68,36 @@ fn templates_choose_no_code_by_string() {
         }
     }
 }
+
+/// Replicas and a live TP↔EP switch do not combine in this version: the
+/// compiler says so at the deployment's `placement` field, with why.
+#[test]
+fn replicas_with_a_switching_deployment_are_refused_at_the_placement() {
+    let block = std::fs::read_to_string(root().join("models/tiny-qwen3.moe")).unwrap().replace("tiny-qwen3", "tiny");
+    let text = common::cpu_spec::cpu_cluster_deployment(
+        &block,
+        1,
+        4,
+        0.6,
+        "placement { policy = zepp redundant_experts = 4 }",
+    );
+    let checked = moeforge::dsl::check_str("switching.moe", &text).unwrap_or_else(|f| panic!("{}", f.render(false)));
+    let diags = codegen::plan_deployment(&checked, moeforge::dsl::spec::DeployId(0))
+        .err()
+        .unwrap_or_else(|| panic!("a switching deployment with replicas planned"));
+    let rendered = diags.render(&checked.sources, false);
+    assert!(
+        rendered.contains("switching.moe:")
+            && rendered.contains("expert replicas cannot be combined with TP↔EP switching")
+            && rendered.contains("per-layer descriptors")
+            && rendered.contains("remove the `switch` block"),
+        "{rendered}"
+    );
+    // Without the switch the same placement plans: single-mode EP with 5 slots per rank.
+    let text = text.replace("switch { t_high = 4 t_low = 2 window = 2 cooldown = 0s }", "");
+    let checked = moeforge::dsl::check_str("ep.moe", &text).unwrap_or_else(|f| panic!("{}", f.render(false)));
+    let plan = codegen::plan_deployment(&checked, moeforge::dsl::spec::DeployId(0))
+        .unwrap_or_else(|d| panic!("{}", d.render(&checked.sources, false)));
+    assert_eq!(plan.plan().layout.max_experts_per_rank, 5);
+    assert_eq!(plan.plan().memory.modes, vec![moeforge::plan::memory::Mode::Ep]);
+}

@@ -15,7 +15,8 @@
 //!   of an expert on a different node (so tokens find a local one), packed to
 //!   the least-loaded node then GPU; locality-preferred routing by greedy
 //!   water-filling within per-replica load bounds (own GPU, then own node,
-//!   then remote); merged inter-node transfers (one copy per token per
+//!   then remote; `moeforge_plan::placement::route_local`, which the runtime
+//!   runs every iteration); merged inter-node transfers (one copy per token per
 //!   destination node, node-local pre-reduction on combine) split evenly
 //!   over the node's NICs.
 //!
@@ -23,6 +24,9 @@
 //! dispatch + expert computation + combine under the cost model.
 
 use moeforge_plan::cost::{x_moe, CostModel};
+pub use moeforge_plan::placement::{
+    intra_node_swaps, route, route_local, route_uniform, routing_stats, Routing, Swap, Topology,
+};
 use serde::{Deserialize, Serialize};
 
 /// A placement: for each GPU, the experts of its replica slots.
@@ -34,28 +38,7 @@ pub struct Placement {
 impl Placement {
     /// Replicas of each expert: `(gpu)` list.
     pub fn replicas(&self, experts: usize) -> Vec<Vec<usize>> {
-        let mut r = vec![Vec::new(); experts];
-        for (g, es) in self.gpus.iter().enumerate() {
-            for &e in es {
-                r[e as usize].push(g);
-            }
-        }
-        r
-    }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Topology {
-    pub nodes: usize,
-    pub gpus_per_node: usize,
-}
-
-impl Topology {
-    pub fn world(&self) -> usize {
-        self.nodes * self.gpus_per_node
-    }
-    pub fn node(&self, gpu: usize) -> usize {
-        gpu / self.gpus_per_node
+        moeforge_plan::placement::replicas_of(&self.gpus, experts)
     }
 }
 
@@ -113,7 +96,11 @@ fn slots_per_gpu(experts: usize, redundant: usize, t: Topology) -> Result<usize,
             t.world()
         ));
     }
-    Ok(total / t.world())
+    let per = total / t.world();
+    if per > experts {
+        return Err(format!("{per} slots per GPU exceed the {experts} experts: a GPU would hold one expert twice"));
+    }
+    Ok(per)
 }
 
 /// One replica per expert, striped contiguously (needs E divisible by W).
@@ -123,11 +110,13 @@ pub fn none(experts: usize, t: Topology) -> Result<Placement, String> {
 }
 
 /// Replica counts: start at one, then repeatedly give one more replica to the
-/// expert with the highest load per replica (EPLB's rule).
-fn replica_counts(loads: &[f64], slots: usize) -> Vec<usize> {
+/// expert with the highest load per replica (EPLB's rule), at most `cap`
+/// replicas an expert (one per GPU they can go to).
+fn replica_counts(loads: &[f64], slots: usize, cap: usize) -> Vec<usize> {
     let mut count = vec![1usize; loads.len()];
     for _ in loads.len()..slots {
         let e = (0..loads.len())
+            .filter(|&e| count[e] < cap.max(1))
             .max_by(|&a, &b| (loads[a] / count[a] as f64).total_cmp(&(loads[b] / count[b] as f64)).then(b.cmp(&a)))
             .unwrap_or(0);
         count[e] += 1;
@@ -136,18 +125,25 @@ fn replica_counts(loads: &[f64], slots: usize) -> Vec<usize> {
 }
 
 /// Packs weighted items into `bins` of `cap` items each, heaviest first to
-/// the lightest bin with room. Returns the bin of each item.
-fn pack(weights: &[f64], bins: usize, cap: usize) -> Vec<usize> {
+/// the lightest bin with room, never two items of one `kind` in a bin while
+/// another bin with room lacks that kind (two replicas of an expert on one
+/// GPU would be one replica's work in two slots). Returns the bin of each item.
+fn pack(weights: &[f64], kinds: &[usize], bins: usize, cap: usize) -> Vec<usize> {
     let mut order: Vec<usize> = (0..weights.len()).collect();
     order.sort_by(|&a, &b| weights[b].total_cmp(&weights[a]).then(a.cmp(&b)));
     let mut load = vec![0.0f64; bins];
     let mut used = vec![0usize; bins];
+    let mut held: Vec<Vec<usize>> = vec![Vec::new(); bins];
     let mut out = vec![0; weights.len()];
     for i in order {
         let b = (0..bins)
             .filter(|&b| used[b] < cap)
-            .min_by(|&a, &b| load[a].total_cmp(&load[b]).then(a.cmp(&b)))
+            .min_by(|&a, &b| {
+                let dup = |x: usize| held[x].contains(&kinds[i]);
+                dup(a).cmp(&dup(b)).then(load[a].total_cmp(&load[b])).then(a.cmp(&b))
+            })
             .unwrap_or(0);
+        held[b].push(kinds[i]);
         out[i] = b;
         load[b] += weights[i];
         used[b] += 1;
@@ -166,22 +162,22 @@ pub fn eplb(loads: &[f64], redundant: usize, groups: usize, t: Topology) -> Resu
         // 1. groups to nodes, balancing group load.
         let gsize = e / groups;
         let gload: Vec<f64> = (0..groups).map(|g| loads[g * gsize..(g + 1) * gsize].iter().sum()).collect();
-        let node_of_group = pack(&gload, t.nodes, groups / t.nodes);
+        let node_of_group = pack(&gload, &(0..groups).collect::<Vec<_>>(), t.nodes, groups / t.nodes);
         for n in 0..t.nodes {
             let experts: Vec<usize> = (0..e).filter(|x| node_of_group[x / gsize] == n).collect();
             let local: Vec<f64> = experts.iter().map(|&x| loads[x]).collect();
             // 2. replicate inside the node, 3. pack replicas to its GPUs.
-            let counts = replica_counts(&local, per_gpu * t.gpus_per_node);
+            let counts = replica_counts(&local, per_gpu * t.gpus_per_node, t.gpus_per_node);
             let (items, weights) = expand(&experts, &local, &counts);
-            for (i, b) in pack(&weights, t.gpus_per_node, per_gpu).into_iter().enumerate() {
+            for (i, b) in pack(&weights, &items, t.gpus_per_node, per_gpu).into_iter().enumerate() {
                 gpus[n * t.gpus_per_node + b].push(items[i] as u32);
             }
         }
     } else {
         let all: Vec<usize> = (0..e).collect();
-        let counts = replica_counts(loads, e + redundant);
+        let counts = replica_counts(loads, e + redundant, t.world());
         let (items, weights) = expand(&all, loads, &counts);
-        for (i, b) in pack(&weights, t.world(), per_gpu).into_iter().enumerate() {
+        for (i, b) in pack(&weights, &items, t.world(), per_gpu).into_iter().enumerate() {
             gpus[b].push(items[i] as u32);
         }
     }
@@ -208,7 +204,7 @@ fn expand(experts: &[usize], loads: &[f64], counts: &[usize]) -> (Vec<usize>, Ve
 pub fn zepp(loads: &[f64], redundant: usize, t: Topology) -> Result<Placement, String> {
     let e = loads.len();
     let per_gpu = slots_per_gpu(e, redundant, t)?;
-    let counts = replica_counts(loads, e + redundant);
+    let counts = replica_counts(loads, e + redundant, t.world());
     let (items, weights) = expand(&(0..e).collect::<Vec<_>>(), loads, &counts);
     let mut order: Vec<usize> = (0..items.len()).collect();
     order.sort_by(|&a, &b| weights[b].total_cmp(&weights[a]).then(items[a].cmp(&items[b])));
@@ -218,10 +214,20 @@ pub fn zepp(loads: &[f64], redundant: usize, t: Topology) -> Result<Placement, S
         let x = items[i] as u32;
         let node_load = |n: usize| (0..t.gpus_per_node).map(|g| gpu_load[n * t.gpus_per_node + g]).sum::<f64>();
         let free = |n: usize| (0..t.gpus_per_node).any(|g| gpus[n * t.gpus_per_node + g].len() < per_gpu);
+        // A node with a free slot on a GPU that lacks x (else any free slot).
+        let takes = |n: usize| {
+            (0..t.gpus_per_node)
+                .any(|g| gpus[n * t.gpus_per_node + g].len() < per_gpu && !gpus[n * t.gpus_per_node + g].contains(&x))
+        };
         let holds = |n: usize| (0..t.gpus_per_node).any(|g| gpus[n * t.gpus_per_node + g].contains(&x));
         let node = (0..t.nodes)
             .filter(|&n| free(n))
-            .min_by(|&a, &b| holds(a).cmp(&holds(b)).then(node_load(a).total_cmp(&node_load(b))).then(a.cmp(&b)))
+            .min_by(|&a, &b| {
+                (!takes(a), holds(a))
+                    .cmp(&(!takes(b), holds(b)))
+                    .then(node_load(a).total_cmp(&node_load(b)))
+                    .then(a.cmp(&b))
+            })
             .ok_or("no free replica slot")?;
         let g = (0..t.gpus_per_node)
             .map(|g| node * t.gpus_per_node + g)
@@ -236,100 +242,11 @@ pub fn zepp(loads: &[f64], redundant: usize, t: Topology) -> Result<Placement, S
     Ok(Placement { gpus })
 }
 
-/// Which replica serves each (source GPU, expert) demand: `route[src][e]` = list of (gpu, rows).
-pub type Routing = Vec<Vec<Vec<(usize, f64)>>>;
-
-/// Splits each expert's rows evenly over its replicas (what EPLB and the
-/// single-replica baseline do: no locality preference).
-pub fn route_uniform(p: &Placement, loads: &[f64], t: Topology) -> Routing {
-    let reps = p.replicas(loads.len());
-    let w = t.world() as f64;
-    (0..t.world())
-        .map(|_| {
-            (0..loads.len())
-                .map(|e| {
-                    let share = loads[e] / w / reps[e].len().max(1) as f64;
-                    reps[e].iter().map(|&g| (g, share)).collect()
-                })
-                .collect()
-        })
-        .collect()
-}
-
-/// Zepp's locality-preferred routing: every source GPU holds `1/W` of each
-/// expert's rows; demands fill replicas on the same GPU, then the same node,
-/// then remote ones (least loaded first), each replica up to its bound
-/// `(1 + slack) · rows_e / replicas_e` (water-filling). Rows no bound admits
-/// go to the least-loaded replica.
-pub fn route_local(p: &Placement, loads: &[f64], t: Topology, slack: f64) -> Routing {
-    let reps = p.replicas(loads.len());
+/// Every source GPU holding `1/W` of each expert's rows: the demand the
+/// modeled comparison routes (the run-time routing gets the live counts).
+pub fn even_demand(loads: &[f64], t: Topology) -> Vec<Vec<f64>> {
     let w = t.world();
-    let mut used = vec![vec![0.0f64; w]; loads.len()]; // used[e][gpu]
-    let mut out: Routing = vec![vec![Vec::new(); loads.len()]; w];
-    for e in 0..loads.len() {
-        if reps[e].is_empty() {
-            continue;
-        }
-        let bound = (1.0 + slack) * loads[e] / reps[e].len() as f64;
-        for (src, row) in out.iter_mut().enumerate() {
-            let mut need = loads[e] / w as f64;
-            let mut pref: Vec<usize> = reps[e].clone();
-            pref.sort_by(|&a, &b| {
-                let tier = |g: usize| {
-                    if g == src {
-                        0
-                    } else if t.node(g) == t.node(src) {
-                        1
-                    } else {
-                        2
-                    }
-                };
-                tier(a).cmp(&tier(b)).then(used[e][a].total_cmp(&used[e][b])).then(a.cmp(&b))
-            });
-            for &g in &pref {
-                if need <= 0.0 {
-                    break;
-                }
-                let take = need.min((bound - used[e][g]).max(0.0));
-                if take > 0.0 {
-                    row[e].push((g, take));
-                    used[e][g] += take;
-                    need -= take;
-                }
-            }
-            if need > 1e-12 {
-                let g = *pref.iter().min_by(|&&a, &&b| used[e][a].total_cmp(&used[e][b])).unwrap_or(&pref[0]);
-                row[e].push((g, need));
-                used[e][g] += need;
-            }
-        }
-    }
-    out
-}
-
-/// The busiest GPU's routed rows over the mean, and the fraction of rows
-/// served on their sender's node.
-pub fn routing_stats(r: &Routing, t: Topology) -> (f64, f64) {
-    let mut per_gpu = vec![0.0f64; t.world()];
-    let (mut local, mut total) = (0.0, 0.0);
-    for (src, row) in r.iter().enumerate() {
-        for demands in row {
-            for &(g, rows) in demands {
-                per_gpu[g] += rows;
-                total += rows;
-                if t.node(g) == t.node(src) {
-                    local += rows;
-                }
-            }
-        }
-    }
-    let mean = total / t.world().max(1) as f64;
-    let busiest = per_gpu.iter().copied().fold(0.0, f64::max);
-    if total <= 0.0 {
-        (1.0, 1.0)
-    } else {
-        (busiest / mean, local / total)
-    }
+    vec![loads.iter().map(|x| x / w as f64).collect(); w]
 }
 
 /// Modeled latency of one MoE layer and its parts (seconds).
@@ -486,43 +403,4 @@ pub fn layer_cost(r: &Routing, t: Topology, shape: LayerShape, cm: &CostModel, f
         inter_node_bytes: net.iter().sum(),
         gpu_imbalance: total_rows.iter().copied().fold(0.0, f64::max) / mean.max(1e-9),
     }
-}
-
-/// Greedy intra-node swaps for a drifted histogram: exchange two replicas
-/// between the heaviest and the lightest GPU of a node while that lowers the
-/// pair's maximum load. Node-level expert coverage is unchanged.
-pub fn intra_node_swaps(p: &Placement, loads: &[f64], t: Topology) -> (Placement, usize) {
-    let reps = p.replicas(loads.len());
-    let rep_load = |e: u32| loads[e as usize] / reps[e as usize].len().max(1) as f64;
-    let mut gpus = p.gpus.clone();
-    let mut swaps = 0;
-    for n in 0..t.nodes {
-        let ids: Vec<usize> = (0..t.gpus_per_node).map(|i| n * t.gpus_per_node + i).collect();
-        for _ in 0..64 {
-            let load = |g: usize, gpus: &Vec<Vec<u32>>| gpus[g].iter().map(|&e| rep_load(e)).sum::<f64>();
-            let hi = *ids.iter().max_by(|&&a, &&b| load(a, &gpus).total_cmp(&load(b, &gpus))).unwrap_or(&ids[0]);
-            let lo = *ids.iter().min_by(|&&a, &&b| load(a, &gpus).total_cmp(&load(b, &gpus))).unwrap_or(&ids[0]);
-            let (lh, ll) = (load(hi, &gpus), load(lo, &gpus));
-            let mut best: Option<(usize, usize, f64)> = None;
-            for (i, &a) in gpus[hi].iter().enumerate() {
-                for (j, &b) in gpus[lo].iter().enumerate() {
-                    if gpus[lo].contains(&a) || gpus[hi].contains(&b) {
-                        continue;
-                    }
-                    let d = rep_load(a) - rep_load(b);
-                    let new_max = (lh - d).max(ll + d);
-                    if new_max < lh - 1e-12 && best.is_none_or(|x| new_max < x.2) {
-                        best = Some((i, j, new_max));
-                    }
-                }
-            }
-            let Some((i, j, _)) = best else { break };
-            let (a, b) = (gpus[hi][i], gpus[lo][j]);
-            gpus[hi][i] = b;
-            gpus[lo][j] = a;
-            swaps += 1;
-        }
-    }
-    gpus.iter_mut().for_each(|g| g.sort_unstable());
-    (Placement { gpus }, swaps)
 }

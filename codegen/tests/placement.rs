@@ -65,14 +65,14 @@ fn locality_routing_conserves_rows_and_respects_bounds() {
     let t = Topology { nodes: 4, gpus_per_node: 4 };
     let loads = zipf_loads(1, 64, 64_000.0, 1.2, 11).remove(0);
     let p = zepp(&loads, 16, t).unwrap();
-    let r = route_local(&p, &loads, t, 0.1);
+    let r = route_local(&p.gpus, &even_demand(&loads, t), t, 0.1);
     let reps = p.replicas(64);
     for e in 0..64 {
         let total: f64 = r.iter().map(|src| src[e].iter().map(|x| x.1).sum::<f64>()).sum();
         assert!((total - loads[e]).abs() < 1e-6 * loads[e].max(1.0), "expert {e}: {total} vs {}", loads[e]);
         for &g in &reps[e] {
             let on: f64 = r.iter().map(|src| src[e].iter().filter(|x| x.0 == g).map(|x| x.1).sum::<f64>()).sum();
-            assert!(on <= 1.1 * loads[e] / reps[e].len() as f64 + 1e-6, "replica bound exceeded");
+            assert!(on <= (1.1 * loads[e] / reps[e].len() as f64).ceil() + 1e-6, "replica bound exceeded");
         }
         for src in &r {
             assert!(src[e].iter().all(|x| reps[e].contains(&x.0)), "routed to a GPU without the expert");
@@ -86,8 +86,19 @@ fn intra_node_swaps_keep_coverage_and_lower_load() {
     let loads = zipf_loads(1, 128, 1e5, 1.2, 5).remove(0);
     let p = zepp(&loads, 16, t).unwrap();
     let drifted = drift(&loads, 17);
-    let (q, swaps) = intra_node_swaps(&p, &drifted, t);
-    assert!(swaps > 0);
+    let (gpus, swaps) = intra_node_swaps(&p.gpus, &drifted, t);
+    let q = Placement { gpus };
+    assert!(!swaps.is_empty());
+    // Each exchange is within a node and the table is the old one with the
+    // exchanges applied, slot by slot.
+    let mut replay = p.gpus.clone();
+    for s in &swaps {
+        assert_eq!(t.node(s.a), t.node(s.b), "{s:?} crosses nodes");
+        let (x, y) = (replay[s.a][s.slot_a], replay[s.b][s.slot_b]);
+        replay[s.a][s.slot_a] = y;
+        replay[s.b][s.slot_b] = x;
+    }
+    assert_eq!(replay, q.gpus);
     let max_load = |p: &Placement| {
         let reps = p.replicas(128);
         p.gpus
@@ -136,14 +147,15 @@ fn zepp_beats_the_best_baseline_on_modeled_layer_latency() {
                 let plain = Flows::DEEPEP;
                 let base_none = if experts % t.world() == 0 {
                     let p = none(experts, t).unwrap();
-                    Some(layer_cost(&route_uniform(&p, &loads, t), t, shape, &cm, plain).latency)
+                    Some(layer_cost(&route_uniform(&p.gpus, &even_demand(&loads, t)), t, shape, &cm, plain).latency)
                 } else {
                     None
                 };
                 let pe = eplb(&loads, redundant, 1, t).unwrap();
-                let base_eplb = layer_cost(&route_uniform(&pe, &loads, t), t, shape, &cm, plain).latency;
+                let base_eplb =
+                    layer_cost(&route_uniform(&pe.gpus, &even_demand(&loads, t)), t, shape, &cm, plain).latency;
                 let pz = zepp(&loads, redundant, t).unwrap();
-                let z = layer_cost(&route_local(&pz, &loads, t, 0.1), t, shape, &cm, Flows::ZEPP);
+                let z = layer_cost(&route_local(&pz.gpus, &even_demand(&loads, t), t, 0.1), t, shape, &cm, Flows::ZEPP);
                 let best = base_none.map_or(base_eplb, |n| n.min(base_eplb));
                 eprintln!(
                     "{nodes:>2} nodes {name:<10} {tokens_per_gpu:>5} tok/GPU: none {:>8} us, EPLB {:>8.1} us, Zepp {:>8.1} us → {:.2}x over the best baseline",
@@ -173,11 +185,17 @@ fn zepp_mechanisms_each_help() {
     let shape = LayerShape { experts, top_k, hidden: 7168.0 };
     let pz = zepp(&loads, 128, t).unwrap();
     let plain = Flows::A2AV;
-    let spread_only = layer_cost(&route_uniform(&pz, &loads, t), t, shape, &cm, plain);
-    let local = layer_cost(&route_local(&pz, &loads, t, 0.1), t, shape, &cm, plain);
-    let merged = layer_cost(&route_local(&pz, &loads, t, 0.1), t, shape, &cm, Flows::DEEPEP);
-    let split = layer_cost(&route_local(&pz, &loads, t, 0.1), t, shape, &cm, Flows { overlap: false, ..Flows::ZEPP });
-    let overlapped = layer_cost(&route_local(&pz, &loads, t, 0.1), t, shape, &cm, Flows::ZEPP);
+    let spread_only = layer_cost(&route_uniform(&pz.gpus, &even_demand(&loads, t)), t, shape, &cm, plain);
+    let local = layer_cost(&route_local(&pz.gpus, &even_demand(&loads, t), t, 0.1), t, shape, &cm, plain);
+    let merged = layer_cost(&route_local(&pz.gpus, &even_demand(&loads, t), t, 0.1), t, shape, &cm, Flows::DEEPEP);
+    let split = layer_cost(
+        &route_local(&pz.gpus, &even_demand(&loads, t), t, 0.1),
+        t,
+        shape,
+        &cm,
+        Flows { overlap: false, ..Flows::ZEPP },
+    );
+    let overlapped = layer_cost(&route_local(&pz.gpus, &even_demand(&loads, t), t, 0.1), t, shape, &cm, Flows::ZEPP);
     for (name, c) in [
         ("placement only", spread_only),
         ("+ locality routing", local),
@@ -221,10 +239,22 @@ fn zepp_against_all_to_allv_plus_gemm() {
             let rows = tokens * 8.0 * t.world() as f64;
             let loads = zipf_loads(1, experts, rows, 1.1, 16).remove(0);
             let shape = LayerShape { experts, top_k: 8.0, hidden };
-            let base = layer_cost(&route_uniform(&none(experts, t).unwrap(), &loads, t), t, shape, &cm, Flows::A2AV);
-            let dedup = layer_cost(&route_uniform(&none(experts, t).unwrap(), &loads, t), t, shape, &cm, Flows::DEEPEP);
+            let base = layer_cost(
+                &route_uniform(&none(experts, t).unwrap().gpus, &even_demand(&loads, t)),
+                t,
+                shape,
+                &cm,
+                Flows::A2AV,
+            );
+            let dedup = layer_cost(
+                &route_uniform(&none(experts, t).unwrap().gpus, &even_demand(&loads, t)),
+                t,
+                shape,
+                &cm,
+                Flows::DEEPEP,
+            );
             let pz = zepp(&loads, t.world(), t).unwrap();
-            let z = layer_cost(&route_local(&pz, &loads, t, 0.1), t, shape, &cm, Flows::ZEPP);
+            let z = layer_cost(&route_local(&pz.gpus, &even_demand(&loads, t), t, 0.1), t, shape, &cm, Flows::ZEPP);
             (base.latency / z.latency, base.latency / dedup.latency)
         };
         let ((small, merge_small), (large, merge_large)) = (speedup(1.0), speedup(16.0));

@@ -44,6 +44,24 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// The routed experts GPU `rank`'s EP expert slots hold in MoE layer
+    /// `moe_layer`, in slot order: the placement's replicas when the plan has
+    /// one, the layout's stripe otherwise.
+    pub fn slot_experts(&self, moe_layer: usize, rank: usize) -> Vec<u32> {
+        match &self.placement {
+            Some(p) => p.replicas.get(moe_layer).and_then(|l| l.get(rank)).cloned().unwrap_or_default(),
+            None => self.ranks.get(rank).map(|r| (r.experts[0]..r.experts[1]).collect()).unwrap_or_default(),
+        }
+    }
+
+    /// Expert slots GPU `rank` holds per MoE layer (the same in every layer).
+    pub fn local_experts(&self, rank: usize) -> u32 {
+        match &self.placement {
+            Some(p) => p.slots_per_gpu() as u32,
+            None => self.ranks.get(rank).map_or(0, |r| r.experts[1].saturating_sub(r.experts[0])),
+        }
+    }
+
     /// A plan with its facts and nothing planned yet: the passes fill in
     /// the layout, memory plan, cost model, search, kernels and placement.
     pub fn new(deploy: &str, spec_hash: String, model: ModelFacts, cluster: ClusterFacts, requested: Strategy) -> Plan {
@@ -172,7 +190,9 @@ pub struct RankPlan {
     pub rank: u32,
     pub node: u32,
     pub local_rank: u32,
-    /// Global ids of the routed experts this rank holds, `[begin, end)`.
+    /// The stripe of routed experts `[begin, end)` this rank holds when the
+    /// plan has no placement; with one, its slots hold the placement's
+    /// replicas instead ([`Plan::slot_experts`] answers either way).
     pub experts: [u32; 2],
 }
 

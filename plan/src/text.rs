@@ -43,11 +43,26 @@ impl Display for Plan {
             writeln!(f, "    note: {n}")?;
         }
         for r in &self.ranks {
-            writeln!(
-                f,
-                "  rank {} (node {}, gpu {}): experts [{}, {})",
-                r.rank, r.node, r.local_rank, r.experts[0], r.experts[1]
-            )?;
+            match &self.placement {
+                None => writeln!(
+                    f,
+                    "  rank {} (node {}, gpu {}): experts [{}, {})",
+                    r.rank, r.node, r.local_rank, r.experts[0], r.experts[1]
+                )?,
+                Some(p) => {
+                    let slots: Vec<String> = self.slot_experts(0, r.rank as usize).iter().map(u32::to_string).collect();
+                    writeln!(
+                        f,
+                        "  rank {} (node {}, gpu {}): {} slots, MoE layer 0 holds {} ({:?} placement)",
+                        r.rank,
+                        r.node,
+                        r.local_rank,
+                        slots.len(),
+                        slots.join(" "),
+                        p.policy
+                    )?
+                }
+            }
         }
         let mem = &self.memory;
         let modes: Vec<&str> = mem.modes.iter().map(|m| m.name()).collect();

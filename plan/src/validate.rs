@@ -645,7 +645,7 @@ fn kernels(c: &mut Check, p: &Plan) {
                 let ok = tiles_ok && shape_ok && q_ok && path_ok && fp8_ok && rows_ok && act_ok;
                 c.ensure(ok, format!("{f}.params"), || format!("APK constants inconsistent: {a:?}"));
                 for &r in a.ranks.iter().filter(|_| a.form == ApkForm::Experts) {
-                    let held = p.ranks.get(r as usize).map(|x| x.experts[1].saturating_sub(x.experts[0]));
+                    let held = (r < p.cluster.world).then(|| p.local_experts(r as usize));
                     if !p.ranks.is_empty() && held != Some(a.local_experts) {
                         c.bad(
                             format!("{f}.params.ranks"),
@@ -700,17 +700,49 @@ fn search(c: &mut Check, p: &Plan) {
     }
 }
 
+/// A realized placement: every MoE layer gives each GPU exactly the slots
+/// its EP expert views hold, distinct experts per GPU, and every expert at
+/// least one replica (a row routed to an expert must find it somewhere).
 fn placement(c: &mut Check, p: &Plan) {
     let Some(pl) = &p.placement else { return };
+    c.ensure(pl.slack.is_finite() && (0.0..=10.0).contains(&pl.slack), "placement.slack", || {
+        format!("{} is not a load-bound relaxation in [0, 10]", pl.slack)
+    });
     c.ensure(pl.replicas.len() == p.model.moe_layers as usize, "placement.replicas", || {
         format!("{} layers for {} MoE layers", pl.replicas.len(), p.model.moe_layers)
     });
+    let slots = pl.slots_per_gpu();
+    c.ensure(slots as u32 == p.layout.max_experts_per_rank, "layout.max_experts_per_rank", || {
+        format!("{} for a placement of {slots} slots per GPU", p.layout.max_experts_per_rank)
+    });
     for (l, gpus) in pl.replicas.iter().enumerate() {
-        let ok = gpus.len() == p.cluster.world as usize && gpus.iter().flatten().all(|&e| e < p.model.experts);
-        if !c.ensure(ok, format!("placement.replicas[{l}]"), || {
-            format!("{} GPUs or an expert id ≥ {}", gpus.len(), p.model.experts)
+        let mut covered = vec![false; p.model.experts as usize];
+        let mut ok = gpus.len() == p.cluster.world as usize;
+        for es in gpus {
+            ok &= es.len() == slots;
+            for (j, &e) in es.iter().enumerate() {
+                ok &= e < p.model.experts && !es[..j].contains(&e);
+                if let Some(x) = covered.get_mut(e as usize) {
+                    *x = true;
+                }
+            }
+        }
+        let missing = covered.iter().position(|x| !x);
+        if !c.ensure(ok && missing.is_none(), format!("placement.replicas[{l}]"), || match missing {
+            Some(e) => format!("expert {e} has no replica"),
+            None => {
+                format!("not {} GPUs of {slots} distinct experts < {} each: {gpus:?}", p.cluster.world, p.model.experts)
+            }
         }) {
             break;
+        }
+    }
+    // The EP expert views hold one slot per replica.
+    for (i, v) in p.memory.views.iter().enumerate() {
+        if v.mode == Mode::Ep && matches!(v.role, TensorRole::ExpertsW13 | TensorRole::ExpertsW2) {
+            c.ensure(v.shape.first() == Some(&(slots as u64)), format!("memory.views[{i}].shape"), || {
+                format!("{:?} for {slots} expert slots per GPU", v.shape)
+            });
         }
     }
 }

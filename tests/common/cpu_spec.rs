@@ -11,17 +11,30 @@ use std::path::Path;
 /// `model_block` (a model named `tiny`) on `ranks` CPU ranks. fp8 models
 /// get 128-deep stages (one scale block of K each).
 pub fn cpu_deployment(model_block: &str, ranks: u32, memory_fraction: f64) -> String {
+    cpu_cluster_deployment(model_block, 1, ranks, memory_fraction, "")
+}
+
+/// [`cpu_deployment`] on `nodes` × `per_node` ranks, with `extra` (say a
+/// `placement` block) added to the deployment.
+pub fn cpu_cluster_deployment(
+    model_block: &str,
+    nodes: u32,
+    per_node: u32,
+    memory_fraction: f64,
+    extra: &str,
+) -> String {
     let k = if model_block.contains("fp8_e4m3") { 128 } else { 64 };
+    let scale_out = if nodes > 1 { "scale_out net { nics_per_node = 2 bandwidth = 10Gb/s latency = 5us }" } else { "" };
     format!(
         r#"{model_block}
-cluster cpu {{ nodes = 1 gpus_per_node = {ranks}
+cluster cpu {{ nodes = {nodes} gpus_per_node = {per_node}
   gpu cpu {{ arch = sm_90a sms = 4 hbm = 256MB hbm_bandwidth = 1TB/s bf16 = 100TFLOP/s smem_per_sm = 228KiB smem_per_block = 227KiB }}
-  scale_up shm {{ bandwidth = 10GB/s latency = 1us }} }}
+  scale_up shm {{ bandwidth = 10GB/s latency = 1us }} {scale_out} }}
 tiles t {{ prefill {{ gate_up {{ block_m = 64 block_n = 64 block_k = {k} stages = 2 }} down {{ block_m = 64 block_n = 64 block_k = {k} stages = 2 }} }}
   decode {{ gate_up {{ block_m = 64 block_n = 64 block_k = {k} stages = 2 }} down {{ block_m = 64 block_n = 64 block_k = {k} stages = 2 }} }} }}
 deploy tiny {{ model = tiny cluster = cpu tiles = t slo {{ ttft = 1s tpot = 50ms }}
   workload {{ input = sharegpt output = sharegpt arrival poisson {{ rate = 1req/s }} }}
-  switch {{ t_high = 4 t_low = 2 window = 2 cooldown = 0s }} memory_fraction = {memory_fraction} }}
+  switch {{ t_high = 4 t_low = 2 window = 2 cooldown = 0s }} {extra} memory_fraction = {memory_fraction} }}
 "#
     )
 }

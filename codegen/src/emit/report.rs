@@ -330,8 +330,31 @@ fn placement(s: &mut String, plan: &Plan) {
         us(p.latency_eplb),
         us(p.latency_zepp)
     );
+    let _ = writeln!(
+        s,
+        "Realized: each GPU's EP expert views hold {} slots per MoE layer, loaded with the replicas below \
+         (every layer's table is in `plan.json` `placement.replicas`). Every iteration the runtime routes \
+         the live routed counts per (source GPU, expert) with {}; a replica of expert e takes at most \
+         ⌈{:.2} · rows_e / replicas_e⌉ of the iteration's rows_e (slack {}).\n",
+        per_gpu,
+        match p.policy {
+            moeforge_dsl::spec::PlacementPolicy::Zepp => {
+                "Zepp's locality-preferred water-filling (own GPU, then own node, then remote) and its consolidation of remote requests"
+            }
+            _ => "an even split over the replicas",
+        },
+        1.0 + p.slack,
+        p.slack
+    );
+    if !p.stats.is_empty() {
+        let _ = writeln!(s, "| routing | busiest GPU / mean | rows served on the sender's node |\n|---|---|---|");
+        for st in &p.stats {
+            let _ = writeln!(s, "| {:?} | {:.3} | {:.3} |", st.policy, st.busiest, st.local);
+        }
+        let _ = writeln!(s);
+    }
     if let Some(l0) = p.replicas.first() {
-        let _ = writeln!(s, "Layer 0 replicas per GPU:\n");
+        let _ = writeln!(s, "Layer 0 slots per GPU (slot order):\n");
         for (g, es) in l0.iter().enumerate() {
             let list: Vec<String> = es.iter().map(u32::to_string).collect();
             let _ = writeln!(s, "- GPU {g}: {}", list.join(" "));

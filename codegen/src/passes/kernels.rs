@@ -37,8 +37,8 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     let max_local = if tp { cx.model.moe.experts } else { plan.layout.max_experts_per_rank };
     let mut kernels = routing(cx.spec, cx.deploy, max_local);
     let tp_world = tp.then_some(plan.ranks.len() as u32);
-    let apks =
-        apk(cx.spec, cx.deploy, &plan.ranks, &plan.cost, plan.search.as_ref(), tp_world).map_err(|e| match e {
+    let apks = apk(cx.spec, cx.deploy, &local_experts(plan), &plan.cost, plan.search.as_ref(), tp_world).map_err(
+        |e| match e {
             ApkError::Target(t) => t.into_pass_error(cx),
             ApkError::TooFewSms { sms, cluster } => PassError::new(
                 Code::Unsupported,
@@ -52,7 +52,8 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
             )
             .label("fewer SMs than one CTA cluster")
             .help("use a tile set whose prefill gate_up `cluster` is [1, 1], or the GPU's real SM count"),
-        })?;
+        },
+    )?;
     kernels.extend(apks.iter().cloned());
     kernels.extend(dense(cx, &plan.ranks, apks.first(), WeightFormat::Bf16).map_err(|e| vec![e])?);
     if [cx.model.dtype.weights, cx.model.dtype.experts].contains(&moeforge_dsl::spec::DType::Fp8E4m3) {
@@ -268,6 +269,11 @@ impl From<TileError> for ApkError {
     }
 }
 
+/// Expert slots per MoE layer on each rank: its stripe, or the placement's slots.
+fn local_experts(plan: &Plan) -> Vec<u32> {
+    (0..plan.ranks.len()).map(|r| plan.local_experts(r)).collect()
+}
+
 /// One APK per distinct local expert count (ranks with the same count share
 /// a kernel; a rank's first expert is a run-time offset of its weights).
 /// Decode's SM budget q and x*_moe come from the layout search's best
@@ -277,7 +283,7 @@ impl From<TileError> for ApkError {
 pub fn apk(
     spec: &Spec,
     d: &Deploy,
-    ranks: &[RankPlan],
+    held: &[u32],
     cm: &CostModel,
     search: Option<&SearchResult>,
     tp_world: Option<u32>,
@@ -312,7 +318,7 @@ pub fn apk(
     let best = search.and_then(|s| s.ranked.first());
     let q = best.map_or(round(c.gpu.sms / 2), |b| round(b.q)).clamp(cluster_size, q_max);
     let decode_batch = best.map_or(NOMINAL_DECODE_PER_RANK * f64::from(world), |b| f64::from(b.decode_batch));
-    let mut counts: Vec<u32> = ranks.iter().map(|r| r.experts[1] - r.experts[0]).filter(|&n| n > 0).collect();
+    let mut counts: Vec<u32> = held.iter().copied().filter(|&n| n > 0).collect();
     counts.sort_unstable();
     counts.dedup();
     let many = counts.len() > 1;
@@ -370,9 +376,9 @@ pub fn apk(
                 path: target.mma_path(),
                 pipeline: pipe,
                 ranks: if tp {
-                    ranks.iter().map(|r| r.rank).collect()
+                    (0..held.len() as u32).collect()
                 } else {
-                    ranks.iter().filter(|r| r.experts[1] - r.experts[0] == local).map(|r| r.rank).collect()
+                    (0..held.len() as u32).filter(|&r| held[r as usize] == local).collect()
                 },
             };
             let p = |s: &str| s.to_string();

@@ -140,7 +140,7 @@ fn view(x: &Tensor, mode: Mode, region: RegionId, offset: u64, layers: [u32; 2],
 }
 
 /// Why dual mode is not possible, if it is not.
-fn single_mode_reason(spec: &Spec, d: &Deploy) -> Option<String> {
+pub(crate) fn single_mode_reason(spec: &Spec, d: &Deploy) -> Option<String> {
     let m = spec.model(d.model);
     let c = spec.cluster(d.cluster);
     let p = c.gpus_per_node;
@@ -257,8 +257,9 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
 
     // Expert slots: N+1 in dual mode, N otherwise.
     let elt = elt_bytes(m.dtype.experts);
-    // The most experts any rank holds (the layout gives the first E mod P ranks one more).
-    let el = e.div_ceil(pp);
+    // The most experts any rank holds: the layout's stripes (the first E mod P
+    // ranks one more), or the placement's slots per GPU.
+    let el = u64::from(plan.layout.max_experts_per_rank);
     let w13_bytes = align(el * 2 * i * h * elt);
     let w2_bytes = align(el * h * i * elt);
     // fp8 experts carry f32 block scales after the weights (single-mode only).

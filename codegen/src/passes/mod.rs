@@ -28,12 +28,12 @@ pub type Pass = fn(&Ctx<'_>, &mut Plan) -> Result<(), Vec<PassError>>;
 pub const PIPELINE: &[(&str, Pass)] = &[
     ("support", support::run),
     ("layout", layout::run),
+    ("cost", cost::run),
+    ("placement", place::run),
     ("memory", memory::run),
     ("reshard", reshard::run),
-    ("cost", cost::run),
     ("search", search::run),
     ("kernels", kernels::run),
-    ("placement", place::run),
     ("program", program::run),
 ];
 

@@ -4,25 +4,52 @@
 //! statistics) or, without one, a seeded Zipf(1.1) histogram per layer. The
 //! pass places replicas per layer with the chosen policy, and records the
 //! modeled MoE-layer latency of the chosen placement next to the baselines
-//! (no replication, EPLB, Zepp) on the same loads. Advisory in this version:
-//! the memory plan and kernels hold one replica per expert.
+//! (no replication, EPLB, Zepp) on the same loads.
+//!
+//! The placement is realized: it runs before the memory pass, which gives
+//! each GPU's EP expert view one slot per replica it holds
+//! (`layout.max_experts_per_rank` = slots per GPU), and the runtime loads
+//! slot `j` of layer `l` on GPU `g` with expert `replicas[l][g][j]` and
+//! routes every iteration's rows to replicas (`moeforge_plan::placement::route`).
+//! A plan with replicas is single-mode: the TP↔EP reshard descriptors are
+//! one per-layer-invariant set over striped experts, so dual mode with a
+//! placement is refused here, at the deployment's `placement` field.
 
 use super::{At, Ctx, PassError};
 use crate::placement::{
-    eplb, layer_cost, none, route_local, route_uniform, routing_stats, zepp, zipf_loads, Flows, LayerShape, Topology,
+    eplb, even_demand, layer_cost, none, route_local, route_uniform, routing_stats, zepp, zipf_loads, Flows,
+    LayerShape, Topology,
 };
 use moeforge_dsl::spec::{Deploy, PlacementPolicy, Routing, Spec};
 use moeforge_dsl::Code;
 use moeforge_plan::cost::CostModel;
-use moeforge_plan::placement::{PlacementPlan, PolicyStats};
+use moeforge_plan::placement::{PlacementPlan, PolicyStats, SLACK};
 use moeforge_plan::Plan;
 
 /// Tokens per GPU the latency comparison assumes (a mid-sized prefill batch).
 pub const TOKENS_PER_GPU: f64 = 256.0;
 
-/// Writes `plan.placement` for `zepp` and `eplb`. It does not put replicas
-/// into the memory plan.
+/// Writes `plan.placement` for `zepp` and `eplb`, and the slots per GPU into
+/// `plan.layout.max_experts_per_rank`; refuses a placement in a deployment
+/// that switches TP↔EP.
 pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
+    if cx.deploy.placement.policy != PlacementPolicy::None
+        && super::memory::single_mode_reason(cx.spec, cx.deploy).is_none()
+    {
+        let why =
+            "a live TP↔EP switch moves each expert once by reshard descriptors that are the same for every layer \
+                   over striped experts; replicated slots differ per layer and would need per-layer descriptors that \
+                   fan each expert out to its replicas, which this version does not generate";
+        return Err(vec![PassError::new(
+            Code::Unsupported,
+            At::Deploy("placement".into()),
+            format!("expert replicas cannot be combined with TP↔EP switching: {why}"),
+        )
+        .label("placement with a `switch` block")
+        .help(
+            "remove the `switch` block to serve with replicas in EP, or set `placement { policy = none }` to switch",
+        )]);
+    }
     let measured = cx.opts.loads.as_ref().map(|(l, digest)| (l.as_slice(), digest.as_str()));
     plan.placement = place(cx.spec, cx.deploy, &plan.cost, measured).map_err(|e| {
         // Statistics that do not match the model point at the placement block that reads them.
@@ -32,6 +59,9 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
             "(experts + redundant_experts) must be a multiple of the GPU count; measured loads must match the model",
         )
     })?;
+    if let Some(p) = &plan.placement {
+        plan.layout.max_experts_per_rank = p.slots_per_gpu() as u32;
+    }
     Ok(())
 }
 
@@ -81,12 +111,14 @@ fn place(
     };
     let shape = LayerShape { experts, top_k: f64::from(m.moe.top_k), hidden: f64::from(m.hidden) };
     // The baselines run DeepEP's normal kernels (per-node dedup, serial).
-    let latency_none =
-        none(experts, t).ok().map(|p| layer_cost(&route_uniform(&p, &l0, t), t, shape, cm, Flows::DEEPEP).latency);
+    let latency_none = none(experts, t)
+        .ok()
+        .map(|p| layer_cost(&route_uniform(&p.gpus, &even_demand(&l0, t)), t, shape, cm, Flows::DEEPEP).latency);
     let pe = eplb(&l0, redundant, groups, t)?;
-    let latency_eplb = layer_cost(&route_uniform(&pe, &l0, t), t, shape, cm, Flows::DEEPEP).latency;
+    let latency_eplb = layer_cost(&route_uniform(&pe.gpus, &even_demand(&l0, t)), t, shape, cm, Flows::DEEPEP).latency;
     let pz = zepp(&l0, redundant, t)?;
-    let latency_zepp = layer_cost(&route_local(&pz, &l0, t, 0.1), t, shape, cm, Flows::ZEPP).latency;
+    let latency_zepp =
+        layer_cost(&route_local(&pz.gpus, &even_demand(&l0, t), t, SLACK), t, shape, cm, Flows::ZEPP).latency;
     // Every policy on every layer, for the serving simulator.
     let mean = |xs: &[(f64, f64)]| {
         let n = xs.len().max(1) as f64;
@@ -94,19 +126,20 @@ fn place(
     };
     let mut stats = Vec::new();
     if let Ok(p) = none(experts, t) {
-        let per: Vec<(f64, f64)> = loads.iter().map(|l| routing_stats(&route_uniform(&p, l, t), t)).collect();
+        let per: Vec<(f64, f64)> =
+            loads.iter().map(|l| routing_stats(&route_uniform(&p.gpus, &even_demand(l, t)), t)).collect();
         let (busiest, local) = mean(&per);
         stats.push(PolicyStats { policy: PlacementPolicy::None, busiest, local });
     }
     let mut per = Vec::new();
     for l in &loads {
-        per.push(routing_stats(&route_uniform(&eplb(l, redundant, groups, t)?, l, t), t));
+        per.push(routing_stats(&route_uniform(&eplb(l, redundant, groups, t)?.gpus, &even_demand(l, t)), t));
     }
     let (busiest, local) = mean(&per);
     stats.push(PolicyStats { policy: PlacementPolicy::Eplb, busiest, local });
     let mut per = Vec::new();
     for l in &loads {
-        per.push(routing_stats(&route_local(&zepp(l, redundant, t)?, l, t, 0.1), t));
+        per.push(routing_stats(&route_local(&zepp(l, redundant, t)?.gpus, &even_demand(l, t), t, SLACK), t));
     }
     let (busiest, local) = mean(&per);
     stats.push(PolicyStats { policy: PlacementPolicy::Zepp, busiest, local });
@@ -116,6 +149,7 @@ fn place(
         loads: source,
         redundant_experts: d.placement.redundant_experts,
         replicas,
+        slack: SLACK,
         latency_none,
         latency_eplb,
         latency_zepp,

@@ -61,7 +61,7 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
                     .collect();
                 // Ranks holding no routed experts (fewer experts than ranks).
                 let idle: Vec<u32> =
-                    plan.ranks.iter().filter(|r| r.experts[0] == r.experts[1]).map(|r| r.rank).collect();
+                    plan.ranks.iter().filter(|r| plan.local_experts(r.rank as usize) == 0).map(|r| r.rank).collect();
                 if !idle.is_empty() {
                     g.push((idle, None));
                 }

@@ -123,6 +123,13 @@ impl Executor {
         plan: &Plan,
         sources: &BTreeMap<String, String>,
     ) -> Result<Executor, ExecError> {
+        if let Some(p) = &plan.placement {
+            return Err(ExecError::Plan(format!(
+                "the plan places {} expert replicas ({:?}); the emitted router and dispatch kernels route each row \
+                 to its expert's stripe owner, so replicated slots run on the cpu backend only (`--backend cpu`)",
+                p.redundant_experts, p.policy
+            )));
+        }
         let mut modules = BTreeMap::new();
         for p in &plan.programs {
             for (_, op) in p.ops() {
@@ -305,7 +312,7 @@ impl Executor {
         for r in 0..p {
             let local = match mode {
                 Mode::Tp => experts,
-                Mode::Ep => plan.ranks.get(r).map_or(0, |x| x.experts[1] - x.experts[0]),
+                Mode::Ep => plan.local_experts(r),
             };
             for (m, range) in split[r].iter().enumerate() {
                 let c = self.write_inputs(mem, mode, mbs as u32, r, m as u32, &work[r][range.clone()])?;

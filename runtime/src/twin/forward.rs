@@ -361,6 +361,8 @@ impl Ctx {
 
     /// Global expert `e` of MoE layer `l` on `x`: EP the whole expert (this
     /// rank owns it); TP this rank's `I/P` slice (a partial sum).
+    /// Expert `e` of layer `l` applied to `x`: in TP `e` is the expert id
+    /// (every rank holds every expert's slice), in EP the rank's slot.
     pub fn expert(&self, buf: &[u8], l: usize, e: usize, x: &[f32]) -> Vec<f32> {
         let (h, i) = (self.m.hidden, self.m.expert_ffn);
         let (Some((_, w13)), Some((_, w2))) = (self.at(TensorRole::ExpertsW13, l), self.at(TensorRole::ExpertsW2, l))
@@ -368,7 +370,7 @@ impl Ctx {
             return vec![0.0; h];
         };
         let (local, rows) = match self.mode {
-            Mode::Ep => (e % (self.m.experts / self.p), i),
+            Mode::Ep => (e, i),
             Mode::Tp => (e, i / self.p),
         };
         // fp8 experts: one byte an element, and each expert's gate, up and

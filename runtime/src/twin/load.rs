@@ -112,7 +112,7 @@ impl Twin {
                 )))
             }
             Shard::LocalExperts if scale => {
-                let (e, i, h) = (m.experts, m.expert_ffn, m.hidden);
+                let (i, h) = (m.expert_ffn, m.hidden);
                 let layer_pre = format!("model.layers.{l}.mlp.experts");
                 let parts: &[(&str, [usize; 2])] = if v.role == TensorRole::ExpertsW13 {
                     &[("gate_proj", [i, h]), ("up_proj", [i, h])]
@@ -120,7 +120,7 @@ impl Twin {
                     &[("down_proj", [h, i])]
                 };
                 let mut out = Vec::with_capacity(v.bytes() as usize);
-                for g in r * e / p..(r + 1) * e / p {
+                for &g in self.slots.experts(l, r) {
                     for &(part, [rows, cols]) in parts {
                         let shape = m.scale_shape(rows, cols);
                         out.extend_from_slice(
@@ -137,7 +137,7 @@ impl Twin {
                 let elem = if m.fp8(v.role) { 1 } else { 2 };
                 let mut out = Vec::with_capacity(v.bytes() as usize);
                 let (experts, slice): (Vec<usize>, (usize, usize)) = match v.shard {
-                    Shard::LocalExperts => ((r * e / p..(r + 1) * e / p).collect(), (0, i)),
+                    Shard::LocalExperts => (self.slots.experts(l, r).iter().map(|&g| g as usize).collect(), (0, i)),
                     _ => ((0..e).collect(), (r * i / p, (r + 1) * i / p)),
                 };
                 for g in experts {
@@ -188,7 +188,7 @@ impl Twin {
                 t.data.get(2 * a as usize * hd..2 * b as usize * hd).map(<[u8]>::to_vec).ok_or_else(short)?
             }
             Shard::LocalExperts => {
-                let (e, i, h) = (m.experts, m.expert_ffn, m.hidden);
+                let (i, h) = (m.expert_ffn, m.hidden);
                 let pre = format!("model.layers.{l}.mlp.experts");
                 let parts: &[(&str, usize)] = if v.role == TensorRole::ExpertsW13 {
                     &[("gate_proj", i), ("up_proj", i)]
@@ -196,7 +196,7 @@ impl Twin {
                     &[("down_proj", h)]
                 };
                 let mut out = Vec::with_capacity(v.bytes() as usize);
-                for g in r * e / p..(r + 1) * e / p {
+                for &g in self.slots.experts(l, r) {
                     for &(part, n) in parts {
                         out.extend_from_slice(&ck.get(&format!("{pre}.{g}.{part}.bias"), &[n])?.data);
                     }

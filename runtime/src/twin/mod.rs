@@ -28,7 +28,7 @@ mod forward;
 mod load;
 pub mod math;
 pub mod model;
-mod moe;
+pub mod moe;
 mod paging;
 pub mod reshard;
 mod switch;
@@ -141,6 +141,10 @@ pub struct Twin {
     /// and kernels over the same ranks, pages and requests; none runs the
     /// twin's own arithmetic.
     device: Option<crate::device::exec::Executor>,
+    /// Which experts each rank's EP slots hold, and the routing policy.
+    slots: moe::Slots,
+    /// Where EP's routed rows were computed so far.
+    routed: std::sync::Mutex<moe::Routed>,
 }
 
 /// Largest total of rank buffers the twin allocates.
@@ -155,7 +159,9 @@ impl Twin {
     pub fn new(bundle: &LoadedBundle, ck: &Checkpoint, start: Mode) -> Result<Twin, TwinError> {
         let spec = &bundle.spec;
         let m = spec.models.first().ok_or_else(|| TwinError::Unsupported("the bundle's spec has no model".into()))?;
-        let model = TwinModel::from_spec(m).map_err(TwinError::Unsupported)?;
+        let mut model = TwinModel::from_spec(m).map_err(TwinError::Unsupported)?;
+        let full = bundle.plan.plan();
+        model.ep_slots = full.layout.max_experts_per_rank as usize;
         let plan = bundle.plan.memory.clone();
         if !plan.modes.contains(&start) {
             return Err(TwinError::NoMode(start));
@@ -165,7 +171,7 @@ impl Twin {
             return Err(TwinError::TooLarge { need, ranks: plan.group, limit: MAX_TWIN_BYTES });
         }
         let p = plan.group as usize;
-        if model.experts % p != 0 {
+        if full.placement.is_none() && model.experts % p != 0 {
             return Err(TwinError::Unsupported(format!(
                 "{} experts do not split evenly over {p} ranks; the CPU twin needs E mod P = 0",
                 model.experts
@@ -200,6 +206,8 @@ impl Twin {
             events: vec![],
             step: 0,
             device: None,
+            slots: moe::Slots::of(full),
+            routed: Default::default(),
         };
         twin.load(ck)?;
         Ok(twin)
@@ -240,6 +248,48 @@ impl Twin {
 
     pub fn mode(&self) -> Mode {
         self.mode
+    }
+    /// Where EP's routed (token, k) rows were computed so far.
+    pub fn routed(&self) -> moe::Routed {
+        self.routed.lock().map(|r| *r).unwrap_or_default()
+    }
+    /// Slot exchanges the drift re-planning executed so far.
+    pub fn swaps(&self) -> u64 {
+        self.slots.swaps
+    }
+    /// When a Zepp placement is re-planned on drifted loads.
+    pub fn set_swap_policy(&mut self, policy: moe::SwapPolicy) {
+        self.slots.policy_swap = policy;
+    }
+
+    /// Exchanges the contents of two EP expert slots of `layer` between the
+    /// two ranks (weights, block scales and biases): a direct transfer of
+    /// each slot's bytes, the slots' addresses unchanged, so every view,
+    /// descriptor and kernel argument stays valid.
+    fn exchange_slots(&mut self, layer: usize, s: moeforge_plan::placement::Swap) {
+        let views: Vec<View> = self
+            .views
+            .iter()
+            .chain(&self.scales)
+            .chain(&self.biases)
+            .filter(|((mode, role), _)| *mode == Mode::Ep && role.is_routed_expert())
+            .map(|(_, v)| v.clone())
+            .collect();
+        for v in views {
+            let slots = v.shape.first().copied().unwrap_or(1).max(1);
+            let per = (v.bytes() / slots) as usize;
+            let base = v.offset_of(layer as u32) as usize;
+            let (a, b) = (base + s.slot_a * per, base + s.slot_b * per);
+            if s.a == s.b || s.a >= self.ranks.len() || s.b >= self.ranks.len() {
+                continue;
+            }
+            let staged = self.ranks[s.a].buf.get(a..a + per).map(<[u8]>::to_vec);
+            let other = self.ranks[s.b].buf.get(b..b + per).map(<[u8]>::to_vec);
+            if let (Some(x), Some(y)) = (staged, other) {
+                self.ranks[s.a].buf[a..a + per].copy_from_slice(&y);
+                self.ranks[s.b].buf[b..b + per].copy_from_slice(&x);
+            }
+        }
     }
     pub fn plan(&self) -> &MemoryPlan {
         &self.plan
@@ -399,6 +449,11 @@ impl Engine for Twin {
             Mode::Ep => self.ranks.iter().map(|r| r.requests.len()).sum(),
         };
         let (tokens, produced) = self.forward()?;
+        if self.mode == Mode::Ep && self.device.is_none() {
+            for (layer, s) in self.slots.end_step() {
+                self.exchange_slots(layer, s);
+            }
+        }
         let finished = self.retire();
         let out = StepOutput {
             step: self.step,

@@ -59,6 +59,9 @@ pub struct TwinModel {
     pub rms_eps: f64,
     pub tie_embeddings: bool,
     pub experts: usize,
+    /// Expert slots an EP rank holds per MoE layer as the plan lays them out
+    /// (0 until a plan sets it: `E / P` striped). See [`TwinModel::ep_local`].
+    pub ep_slots: usize,
     pub top_k: usize,
     pub expert_ffn: usize,
     /// Shared experts merged into one FFN of this size (0: none).
@@ -156,7 +159,18 @@ impl TwinModel {
             }),
             moe_bias: m.moe.bias,
             activation: m.moe.activation,
+            ep_slots: 0,
         })
+    }
+
+    /// Expert slots an EP rank holds per MoE layer: the plan's (one per
+    /// replica under a placement), or `E / P` striped.
+    pub fn ep_local(&self, p: usize) -> usize {
+        if self.ep_slots > 0 {
+            self.ep_slots
+        } else {
+            self.experts / p.max(1)
+        }
     }
 
     /// The lengths of the q and k norm weights: one head, or every head.
@@ -238,8 +252,8 @@ impl TwinModel {
             KProj | VProj if qkv => vec![if tp { tp_kv } else { self.kv_heads } * d],
             OProj if self.attn_bias == AttnBias::All => vec![self.hidden],
             Router if self.moe_bias => vec![self.experts],
-            ExpertsW13 if self.moe_bias && !tp => vec![self.experts / p, 2 * self.expert_ffn],
-            ExpertsW2 if self.moe_bias && !tp => vec![self.experts / p, self.hidden],
+            ExpertsW13 if self.moe_bias && !tp => vec![self.ep_local(p), 2 * self.expert_ffn],
+            ExpertsW2 if self.moe_bias && !tp => vec![self.ep_local(p), self.hidden],
             _ => return None,
         };
         Some(shape.into_iter().map(|x| x as u64).collect())
@@ -409,9 +423,9 @@ impl TwinModel {
             TensorRole::DenseGate | TensorRole::DenseUp => vec![df, h],
             TensorRole::DenseDown => vec![h, df],
             TensorRole::ExpertsW13 if tp => vec![e, 2 * i / p, h],
-            TensorRole::ExpertsW13 => vec![e / p, 2 * i, h],
+            TensorRole::ExpertsW13 => vec![self.ep_local(p), 2 * i, h],
             TensorRole::ExpertsW2 if tp => vec![e, h, i / p],
-            TensorRole::ExpertsW2 => vec![e / p, h, i],
+            TensorRole::ExpertsW2 => vec![self.ep_local(p), h, i],
         };
         let dtype = if self.fp8(role) { DType::Fp8E4m3 } else { DType::Bf16 };
         Some((shape.into_iter().map(|x| x as u64).collect(), dtype))

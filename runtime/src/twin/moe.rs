@@ -1,13 +1,143 @@
 //! The MoE block of one layer on every rank: routing (the router weights
 //! are replicated; each rank routes the tokens it holds), then TP (every
 //! rank's `I/P` slice of every expert, all-reduced) or EP (dispatch each
-//! (token, k) to the expert's owner, combine back in k order), plus the
+//! (token, k) to a replica of its expert, combine back in k order), plus the
 //! replicated shared experts.
+//!
+//! EP's dispatch is the plan's placement at work: every step, the routed
+//! counts per (source rank, expert) go through the placement policy's
+//! routing (`moeforge_plan::placement::route`: Zepp's locality-preferred
+//! water-filling within the per-replica bounds and its consolidation of
+//! remote requests, or an even split over the replicas), and each source's
+//! rows of an expert take the replicas it was given in token order. Without
+//! a placement every expert has one replica, its stripe's owner. A replica
+//! holds the same bytes as any other, so where a row is computed never
+//! changes what it computes.
 
 use super::forward::{all_reduce, par_ranks, Ctx};
 use super::{Rank, Twin};
 use crate::reference::{route, RoutingRule};
+use moeforge_dsl::spec::PlacementPolicy;
 use moeforge_plan::memory::{Mode, TensorRole};
+use moeforge_plan::placement::{self, Topology};
+use moeforge_plan::Plan;
+
+/// Which experts each rank's EP slots hold in every MoE layer, and how
+/// routed rows find a replica: the plan's placement, or the stripes.
+#[derive(Debug)]
+pub(super) struct Slots {
+    /// `table[moe layer][rank]` = experts in slot order.
+    table: Vec<Vec<Vec<u32>>>,
+    first_moe_layer: usize,
+    policy: PlacementPolicy,
+    topo: Topology,
+    slack: f64,
+    /// Routed rows per MoE layer and expert in the current window.
+    window: std::sync::Mutex<Vec<Vec<f64>>>,
+    steps: usize,
+    pub(super) policy_swap: SwapPolicy,
+    /// Slot exchanges executed so far.
+    pub(super) swaps: u64,
+}
+
+impl Slots {
+    pub(super) fn of(plan: &Plan) -> Slots {
+        let world = plan.ranks.len();
+        let layers = plan.model.moe_layers as usize;
+        Slots {
+            table: (0..layers).map(|l| (0..world).map(|r| plan.slot_experts(l, r)).collect()).collect(),
+            first_moe_layer: plan.memory.slots.first_moe_layer as usize,
+            policy: plan.placement.as_ref().map_or(PlacementPolicy::None, |p| p.policy),
+            topo: Topology { nodes: plan.cluster.nodes as usize, gpus_per_node: plan.cluster.gpus_per_node as usize },
+            slack: plan.placement.as_ref().map_or(0.0, |p| p.slack),
+            window: std::sync::Mutex::new(vec![vec![0.0; plan.model.experts as usize]; layers]),
+            steps: 0,
+            policy_swap: SwapPolicy::default_for(plan.placement.as_ref().map_or(0.0, |p| p.slack)),
+            swaps: 0,
+        }
+    }
+
+    /// Ends a step: at a window's end, the intra-node swaps each drifted
+    /// layer needs (Zepp placements only), with the table updated; the
+    /// caller moves the bytes.
+    pub(super) fn end_step(&mut self) -> Vec<(usize, placement::Swap)> {
+        if self.policy != PlacementPolicy::Zepp {
+            return vec![];
+        }
+        self.steps += 1;
+        if self.steps < self.policy_swap.window.max(1) {
+            return vec![];
+        }
+        self.steps = 0;
+        let loads = match self.window.get_mut() {
+            Ok(w) => std::mem::replace(w, vec![vec![0.0; w.first().map_or(0, Vec::len)]; w.len()]),
+            Err(_) => return vec![],
+        };
+        let mut out = Vec::new();
+        for (l, (table, loads)) in self.table.iter_mut().zip(&loads).enumerate() {
+            if placement::imbalance(table, loads) <= self.policy_swap.threshold {
+                continue;
+            }
+            let (next, swaps) = placement::intra_node_swaps(table, loads, self.topo);
+            *table = next;
+            self.swaps += swaps.len() as u64;
+            out.extend(swaps.into_iter().map(|s| (l + self.first_moe_layer, s)));
+        }
+        out
+    }
+
+    /// The slot table of (absolute) layer `l`.
+    fn layer(&self, l: usize) -> &[Vec<u32>] {
+        self.table.get(l.wrapping_sub(self.first_moe_layer)).map_or(&[], Vec::as_slice)
+    }
+
+    /// The experts of rank `r`'s slots in (absolute) layer `l`.
+    pub(super) fn experts(&self, l: usize, r: usize) -> &[u32] {
+        self.layer(l).get(r).map_or(&[], Vec::as_slice)
+    }
+}
+
+/// When the twin re-plans a Zepp placement on drifted expert loads.
+///
+/// The runtime sums each MoE layer's routed rows per expert over `window`
+/// steps. At a window's end, a layer whose busiest GPU would carry more than
+/// `threshold` × the mean (each expert's rows split evenly over its
+/// replicas) gets Zepp's greedy intra-node swaps, executed as slot-content
+/// exchanges between the two GPUs' buffers (addresses unchanged).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SwapPolicy {
+    pub window: usize,
+    pub threshold: f64,
+}
+
+impl SwapPolicy {
+    /// 64 steps, and 1 + 2·slack: the routing may load a replica up to
+    /// `1 + slack` of its even share, so imbalance up to there is the
+    /// routing's to absorb; twice that margin is placement drift, not one
+    /// window's noise, and the swap (a few slots' bytes over NVLink) then
+    /// pays for itself over the next windows.
+    pub fn default_for(slack: f64) -> SwapPolicy {
+        SwapPolicy { window: 64, threshold: 1.0 + 2.0 * slack }
+    }
+}
+
+/// Where EP's routed (token, k) rows were computed over a run: on the
+/// rank that holds the token, elsewhere on its node, or on another node;
+/// and the (source rank, destination node) messages the remote rows took,
+/// one per layer and step with rows to send.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Routed {
+    pub own_rank: u64,
+    pub own_node: u64,
+    pub remote: u64,
+    pub remote_messages: u64,
+}
+
+impl Routed {
+    pub fn rows(&self) -> u64 {
+        self.own_rank + self.own_node + self.remote
+    }
+}
 
 impl Twin {
     pub(super) fn moe(&self, cx: &Ctx, l: usize, normed: &[Vec<Vec<f32>>]) -> Vec<Vec<Vec<f32>>> {
@@ -59,18 +189,78 @@ impl Twin {
                 reduced
             }
             Mode::Ep => {
-                // Dispatch: (source rank, token, k) to the expert's owner.
-                let per = m.experts / p;
-                let mut inbox: Vec<Vec<(usize, usize, usize, usize)>> = vec![vec![]; p];
+                // Route: this step's counts per (source rank, expert) through
+                // the placement's routing, then each source's rows of an
+                // expert to the replicas it was given, in token order.
+                let table = self.slots.layer(l);
+                let mut demand = vec![vec![0f64; m.experts]; p];
                 for (src, rs) in routes.iter().enumerate() {
-                    for (t, (ids, _)) in rs.iter().enumerate() {
-                        for (k, &e) in ids.iter().enumerate() {
-                            inbox[e as usize / per].push((src, t, k, e as usize));
+                    for (ids, _) in rs {
+                        for &e in ids {
+                            demand[src][e as usize] += 1.0;
                         }
                     }
                 }
+                let plan = placement::route(self.slots.policy, table, &demand, self.slots.topo, self.slots.slack);
+                if let Ok(mut w) = self.slots.window.lock() {
+                    if let Some(w) = w.get_mut(l.wrapping_sub(self.slots.first_moe_layer)) {
+                        for d in &demand {
+                            w.iter_mut().zip(d).for_each(|(a, b)| *a += b);
+                        }
+                    }
+                }
+                let topo = self.slots.topo;
+                let mut counted = Routed::default();
+                // inbox[gpu] = (source rank, token, k, slot on gpu).
+                let mut inbox: Vec<Vec<(usize, usize, usize, usize)>> = vec![vec![]; p];
+                for (src, rs) in routes.iter().enumerate() {
+                    // The replica each of this source's rows of expert e takes, in order.
+                    let mut take: Vec<std::vec::IntoIter<usize>> = plan[src]
+                        .iter()
+                        .map(|reps| {
+                            reps.iter().flat_map(|&(g, n)| std::iter::repeat_n(g, n as usize)).collect::<Vec<_>>()
+                        })
+                        .map(Vec::into_iter)
+                        .collect();
+                    let mut to_node = vec![false; topo.nodes.max(1)];
+                    for (t, (ids, _)) in rs.iter().enumerate() {
+                        for (k, &e) in ids.iter().enumerate() {
+                            let e = e as usize;
+                            // Routing conserves rows (tested), so the fallback, a
+                            // rank holding the expert, is never taken.
+                            let Some(g) = take[e].next().or_else(|| table.iter().position(|s| s.contains(&(e as u32))))
+                            else {
+                                continue;
+                            };
+                            let Some(slot) = table.get(g).and_then(|s| s.iter().position(|&x| x as usize == e)) else {
+                                continue;
+                            };
+                            inbox[g].push((src, t, k, slot));
+                            if g == src {
+                                counted.own_rank += 1;
+                            } else if topo.node(g) == topo.node(src) {
+                                counted.own_node += 1;
+                            } else {
+                                counted.remote += 1;
+                                if let Some(x) = to_node.get_mut(topo.node(g)) {
+                                    *x = true;
+                                }
+                            }
+                        }
+                    }
+                    counted.remote_messages += to_node.iter().filter(|&&x| x).count() as u64;
+                }
+                if let Ok(mut r) = self.routed.lock() {
+                    r.own_rank += counted.own_rank;
+                    r.own_node += counted.own_node;
+                    r.remote += counted.remote;
+                    r.remote_messages += counted.remote_messages;
+                }
                 let results: Vec<Vec<Vec<f32>>> = par_ranks(&self.ranks, |rank| {
-                    inbox[rank.id].iter().map(|&(src, t, _, e)| cx.expert(&rank.buf, l, e, &normed[src][t])).collect()
+                    inbox[rank.id]
+                        .iter()
+                        .map(|&(src, t, _, slot)| cx.expert(&rank.buf, l, slot, &normed[src][t]))
+                        .collect()
                 });
                 // Combine: back to the source, summed in k order.
                 let mut ys: Vec<Vec<Vec<Vec<f32>>>> =
