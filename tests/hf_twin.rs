@@ -515,6 +515,32 @@ fn on_the_emulated_device_with(name: &'static str, runs: &[(u32, Mode, &[usize])
     }
 }
 
+/// Replicated expert slots on the emulated device: the 2 nodes × 2 ranks
+/// Zepp plan of `replicated_expert_slots_give_transformers_tokens`, every
+/// step through the bundle's kernels. The dispatch routes each (token, k)
+/// entry with the placement's routing and rewrites its id to the physical
+/// slot it chose, which the emitted permutation matches (`Plan::ep_ids`);
+/// a replica computed twice or never would change the tokens. Held to the
+/// bounds of `on_the_emulated_device`.
+#[test]
+fn replicated_expert_slots_on_the_emulated_device_give_transformers_tokens() {
+    use moeforge::runtime::device::emu::EmuDevice;
+    let f = fixture("qwen3-moe");
+    let bf16: Value = serde_json::from_str(&std::fs::read_to_string(f.dir.join("bf16.json")).unwrap()).unwrap();
+    let (bound, steps) = bf16_bound(&bf16);
+    let ck = Checkpoint::load(&f.dir).unwrap();
+    let block = imported_block(&f.dir);
+    let (cache, tmp) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let text = cpu_cluster_deployment(&block, 2, 2, 0.25, "placement { policy = zepp redundant_experts = 4 }");
+    let b = compile_text(&text, tmp.path());
+    assert!(b.plan.plan().placement.is_some());
+    let dev = EmuDevice::start(cache.path()).unwrap_or_else(|e| panic!("{e}"));
+    let mut t = Twin::on_device(&b, &ck, Mode::Ep, Box::new(dev)).unwrap_or_else(|e| panic!("{e}"));
+    let at = |i: usize, s: usize| bound.max(steps[i][s]);
+    let (e, ekv, _) = check_run_within(&f, &mut t, "zepp replicas on the emulated device", &[], &at, &at);
+    eprintln!("zepp replicas on the emulated device: worst logit error {e:.2e} ({ekv:.2e} against a bf16 KV cache)");
+}
+
 /// The emulated device sees layout: the same bundle with its dense APK's
 /// wgmma descriptor flipped from 128-byte to 64-byte swizzling, or two of the
 /// epilogue's accumulator fragment indices swapped, no longer gives

@@ -150,6 +150,15 @@ pub fn route_uniform(slots: &[Vec<u32>], demand: &[Vec<f64>]) -> Routing {
         .collect()
 }
 
+/// One source's routing as whole rows: for each expert, the replica each of
+/// its rows takes, in order (the runtime hands a source's rows of an expert
+/// to these in token order, so the twin and the devices agree row by row).
+pub fn row_queues(row: &[Vec<(usize, f64)>]) -> Vec<std::vec::IntoIter<usize>> {
+    row.iter()
+        .map(|reps| reps.iter().flat_map(|&(g, n)| std::iter::repeat_n(g, n as usize)).collect::<Vec<_>>().into_iter())
+        .collect()
+}
+
 /// Zepp's locality-preferred routing (§4.1, §5): `demand[src][e]` rows of
 /// expert `e` are held on source GPU `src`. Each replica of `e` takes at most
 /// `bound_e = ⌈(1 + slack) · rows_e / replicas_e⌉`. Greedy water-filling in

@@ -54,6 +54,21 @@ impl Plan {
         }
     }
 
+    /// The expert ids GPU `rank`'s EP permutation matches, `[begin, end)`:
+    /// its stripe's (logical) ids without a placement; with one, the
+    /// physical slot ids `rank·S .. (rank+1)·S` (S slots per GPU), because
+    /// the dispatch rewrites each routed entry's logical id to the physical
+    /// slot the routing chose (as SGLang maps logical to physical experts).
+    pub fn ep_ids(&self, rank: usize) -> [u32; 2] {
+        match &self.placement {
+            Some(p) => {
+                let s = p.slots_per_gpu() as u32;
+                [rank as u32 * s, (rank as u32 + 1) * s]
+            }
+            None => self.ranks.get(rank).map_or([0, 0], |r| r.experts),
+        }
+    }
+
     /// Expert slots GPU `rank` holds per MoE layer (the same in every layer).
     pub fn local_experts(&self, rank: usize) -> u32 {
         match &self.placement {

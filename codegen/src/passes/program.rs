@@ -25,7 +25,7 @@ use moeforge_plan::{ApkForm, Grid, GridVar, KernelParams, Plan};
 pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     let m = cx.model;
     let world: Vec<u32> = plan.ranks.iter().map(|r| r.rank).collect();
-    let experts: Vec<[u32; 2]> = plan.ranks.iter().map(|r| r.experts).collect();
+    let experts: Vec<[u32; 2]> = (0..plan.ranks.len()).map(|r| plan.ep_ids(r)).collect();
     let mut programs = Vec::new();
     // The dense APK instances by the weight format they read.
     let dense_of = |w: moeforge_plan::WeightFormat| {
@@ -95,7 +95,8 @@ struct Config<'a> {
     mode: Mode,
     phase: Phase,
     world: &'a [u32],
-    /// Each rank's routed experts `[begin, end)`, indexed by rank.
+    /// The expert ids each rank's EP permutation matches `[begin, end)`
+    /// (`Plan::ep_ids`: its stripe, or its physical slots), indexed by rank.
     experts: &'a [[u32; 2]],
     apk: Option<&'a str>,
     /// The bundle has the dense APK for bf16 weights (`dense`) and for fp8

@@ -123,13 +123,6 @@ impl Executor {
         plan: &Plan,
         sources: &BTreeMap<String, String>,
     ) -> Result<Executor, ExecError> {
-        if let Some(p) = &plan.placement {
-            return Err(ExecError::Plan(format!(
-                "the plan places {} expert replicas ({:?}); the emitted router and dispatch kernels route each row \
-                 to its expert's stripe owner, so replicated slots run on the cpu backend only (`--backend cpu`)",
-                p.redundant_experts, p.policy
-            )));
-        }
         let mut modules = BTreeMap::new();
         for p in &plan.programs {
             for (_, op) in p.ops() {
@@ -674,18 +667,28 @@ impl Executor {
                 }
             }
             CommKind::AllToAll if !c.with.is_empty() => {
-                // Dispatch: each token row to every rank owning one of its experts.
+                // Dispatch: each token row to every rank holding one of its
+                // (token, k) entries. Striped: the expert's owner. Replicated:
+                // the replica the placement's routing chose for the entry
+                // (`moeforge_plan::placement::route` on this layer's counts per
+                // source and expert, as the cpu twin routes), and the row's ids
+                // are rewritten per destination: the entries it serves carry
+                // their physical slot id (`Plan::ep_ids`), the others -1.
                 let k = plan.model.top_k as usize;
-                let owner =
-                    |e: i32| plan.ranks.iter().position(|x| (x.experts[0] as i32..x.experts[1] as i32).contains(&e));
-                let mut to: Vec<Vec<(usize, usize)>> = vec![vec![]; self.buffers.len()];
                 let ids_name = c.with[0][0];
+                let mut ids_of: BTreeMap<usize, Vec<i32>> = BTreeMap::new();
+                for &s in &group {
+                    let t = counts[s][m].tokens as usize;
+                    ids_of.insert(s, i32s(&self.download(s, at(s, ids_name)?, (t * k * 4) as u64)?));
+                }
+                let assigned = assign_entries(plan, layer, &ids_of, k);
+                let mut to: Vec<Vec<(usize, usize)>> = vec![vec![]; self.buffers.len()];
                 let mut rows_of: BTreeMap<(usize, BufferName), Vec<u8>> = BTreeMap::new();
                 for &s in &group {
                     let t = counts[s][m].tokens as usize;
-                    let ids = i32s(&self.download(s, at(s, ids_name)?, (t * k * 4) as u64)?);
-                    for (tok, e) in ids.chunks(k).enumerate() {
-                        let mut dests: Vec<usize> = e.iter().filter_map(|&x| owner(x)).collect();
+                    for tok in 0..t {
+                        let mut dests: Vec<usize> =
+                            (0..k).filter_map(|j| assigned.get(&(s, tok * k + j)).map(|x| x.0)).collect();
                         dests.sort_unstable();
                         dests.dedup();
                         for d in dests {
@@ -712,6 +715,16 @@ impl Executor {
                         for (i, &(s, tok)) in to[d].iter().enumerate() {
                             let from = &rows_of[&(s, *src)][tok * rs..(tok + 1) * rs];
                             data[i * rd..i * rd + rs].copy_from_slice(from);
+                            if *src == ids_name && plan.placement.is_some() {
+                                // This destination's view of the row's entries.
+                                for j in 0..k.min(rs / 4) {
+                                    let id = match assigned.get(&(s, tok * k + j)) {
+                                        Some(&(g, phys)) if g == d => phys,
+                                        _ => -1,
+                                    };
+                                    data[i * rd + 4 * j..i * rd + 4 * j + 4].copy_from_slice(&id.to_le_bytes());
+                                }
+                            }
                         }
                         let cap = mem.buffer(mode, *dst).map_or(0, |b| b.slice_bytes(mbs)) as usize;
                         if data.len() > cap {
@@ -763,4 +776,59 @@ impl Executor {
 fn route_parts(site: &Site<'_>, plan: &Plan) -> RouteIndexParts {
     let bytes = site.mem.buffer(site.mode, BufferName::RouteIndex).map_or(0, |b| b.slice_bytes(site.micro_batches));
     RouteIndexParts::of(bytes, u64::from(plan.model.experts))
+}
+
+/// Where each (source rank, entry) of a dispatch goes: `(destination rank,
+/// the id its permutation matches)`. Striped plans: the owner of the
+/// expert's stripe and the logical id. Replicated plans: the placement's
+/// routing over this layer's counts per (source, expert), each source's
+/// entries of an expert taking the replicas it was given in entry order (the
+/// cpu twin's order), and the physical slot id `rank·S + slot`.
+fn assign_entries(
+    plan: &Plan,
+    layer: u32,
+    ids_of: &BTreeMap<usize, Vec<i32>>,
+    k: usize,
+) -> BTreeMap<(usize, usize), (usize, i32)> {
+    let mut out = BTreeMap::new();
+    let experts = plan.model.experts as usize;
+    let Some(p) = &plan.placement else {
+        let owner = |e: i32| plan.ranks.iter().position(|x| (x.experts[0] as i32..x.experts[1] as i32).contains(&e));
+        for (&s, ids) in ids_of {
+            for (i, &e) in ids.iter().enumerate() {
+                if let Some(d) = owner(e) {
+                    out.insert((s, i), (d, e));
+                }
+            }
+        }
+        return out;
+    };
+    let world = plan.ranks.len();
+    let moe_layer = layer.saturating_sub(plan.memory.slots.first_moe_layer) as usize;
+    let table: Vec<Vec<u32>> = (0..world).map(|r| plan.slot_experts(moe_layer, r)).collect();
+    let mut demand = vec![vec![0f64; experts]; world];
+    for (&s, ids) in ids_of {
+        for &e in ids.iter().take(ids.len() / k.max(1) * k) {
+            if let Some(x) = demand.get_mut(s).and_then(|d| d.get_mut(e as usize)) {
+                *x += 1.0;
+            }
+        }
+    }
+    let topo = moeforge_plan::placement::Topology {
+        nodes: plan.cluster.nodes as usize,
+        gpus_per_node: plan.cluster.gpus_per_node as usize,
+    };
+    let routing = moeforge_plan::placement::route(p.policy, &table, &demand, topo, p.slack);
+    let per = p.slots_per_gpu();
+    for (&s, ids) in ids_of {
+        let Some(row) = routing.get(s) else { continue };
+        let mut take = moeforge_plan::placement::row_queues(row);
+        for (i, &e) in ids.iter().enumerate() {
+            let Some(g) = take.get_mut(e as usize).and_then(Iterator::next) else { continue };
+            if let Some(slot) = table[g].iter().position(|&x| x as i32 == e) {
+                out.insert((s, i), (g, (g * per + slot) as i32));
+            }
+        }
+    }
+    out
 }
