@@ -184,6 +184,7 @@ pub fn route_local(slots: &[Vec<u32>], demand: &[Vec<f64>], t: Topology, slack: 
     let mut out: Routing = vec![vec![Vec::new(); experts]; w];
     let mut bounds = vec![0.0; experts];
     let mut used = vec![vec![0.0f64; t.world().max(w)]; experts];
+    let (mut need, mut cands) = (Vec::with_capacity(w), Vec::new());
     for e in 0..experts {
         if reps[e].is_empty() {
             continue;
@@ -191,17 +192,36 @@ pub fn route_local(slots: &[Vec<u32>], demand: &[Vec<f64>], t: Topology, slack: 
         let rows: f64 = demand.iter().map(|d| d[e]).sum();
         let bound = ((1.0 + slack.max(0.0)) * rows / reps[e].len() as f64).ceil();
         bounds[e] = bound;
-        let mut need: Vec<f64> = demand.iter().map(|d| d[e]).collect();
+        need.clear();
+        need.extend(demand.iter().map(|d| d[e]));
         for level in 0..3 {
             for src in 0..w {
-                let cands: Vec<usize> = reps[e].iter().copied().filter(|&g| tier(src, g) == level).collect();
-                let mut levels: Vec<f64> = cands.iter().map(|&g| used[e][g]).collect();
-                let takes = water_fill(&mut levels, bound, need[src]);
-                for (&g, take) in cands.iter().zip(takes) {
-                    if take > 0.0 {
-                        add(&mut out[src][e], g, take);
-                        used[e][g] += take;
-                        need[src] -= take;
+                if need[src] <= 0.0 {
+                    continue;
+                }
+                cands.clear();
+                cands.extend(reps[e].iter().copied().filter(|&g| tier(src, g) == level));
+                match cands.as_slice() {
+                    [] => {}
+                    // One candidate (most experts have one replica per tier).
+                    &[g] => {
+                        let take = need[src].min((bound - used[e][g]).max(0.0));
+                        if take > 0.0 {
+                            add(&mut out[src][e], g, take);
+                            used[e][g] += take;
+                            need[src] -= take;
+                        }
+                    }
+                    _ => {
+                        let mut levels: Vec<f64> = cands.iter().map(|&g| used[e][g]).collect();
+                        let takes = water_fill(&mut levels, bound, need[src]);
+                        for (&g, take) in cands.iter().zip(takes) {
+                            if take > 0.0 {
+                                add(&mut out[src][e], g, take);
+                                used[e][g] += take;
+                                need[src] -= take;
+                            }
+                        }
                     }
                 }
             }
@@ -276,22 +296,27 @@ fn add(list: &mut Vec<(usize, f64)>, g: usize, rows: f64) {
 pub fn consolidate(out: &mut Routing, reps: &[Vec<usize>], bounds: &[f64], used: &mut [Vec<f64>], t: Topology) {
     for src in 0..out.len() {
         let home = t.node(src);
-        let flow = |out: &Routing, n: usize| -> f64 {
-            out[src].iter().flatten().filter(|x| t.node(x.0) == n).map(|x| x.1).sum()
-        };
-        let mut nodes: Vec<usize> = (0..t.nodes).filter(|&n| n != home && flow(out, n) > 0.0).collect();
-        nodes.sort_by(|&a, &b| flow(out, a).total_cmp(&flow(out, b)).then(a.cmp(&b)));
+        let mut flow = vec![0.0f64; t.nodes];
+        for &(g, rows) in out[src].iter().flatten() {
+            if let Some(f) = flow.get_mut(t.node(g)) {
+                *f += rows;
+            }
+        }
+        let mut nodes: Vec<usize> = (0..t.nodes).filter(|&n| n != home && flow[n] > 0.0).collect();
+        if nodes.len() < 2 {
+            continue;
+        }
+        nodes.sort_by(|&a, &b| flow[a].total_cmp(&flow[b]).then(a.cmp(&b)));
         for n in nodes {
-            let targets: Vec<usize> = (0..t.nodes).filter(|&m| m != home && m != n && flow(out, m) > 0.0).collect();
+            let targets: Vec<usize> = (0..t.nodes).filter(|&m| m != home && m != n && flow[m] > 0.0).collect();
             if targets.is_empty() {
                 break;
             }
             // Plan every move first; apply only if the whole flow to n finds room.
-            let mut moves = Vec::new();
-            let mut extra: Vec<(usize, usize, f64)> = Vec::new(); // (e, gpu, rows) tentatively added
+            let mut moves: Vec<(usize, usize, usize, f64)> = Vec::new(); // (e, from, to, rows)
             let ok = out[src].iter().enumerate().all(|(e, list)| {
                 list.iter().filter(|x| t.node(x.0) == n).all(|&(g, rows)| {
-                    let pending = |h: usize| extra.iter().filter(|x| x.0 == e && x.1 == h).map(|x| x.2).sum::<f64>();
+                    let pending = |h: usize| moves.iter().filter(|x| x.0 == e && x.2 == h).map(|x| x.3).sum::<f64>();
                     let to = reps[e]
                         .iter()
                         .copied()
@@ -301,7 +326,6 @@ pub fn consolidate(out: &mut Routing, reps: &[Vec<usize>], bounds: &[f64], used:
                         });
                     match to {
                         Some(h) => {
-                            extra.push((e, h, rows));
                             moves.push((e, g, h, rows));
                             true
                         }
@@ -317,7 +341,10 @@ pub fn consolidate(out: &mut Routing, reps: &[Vec<usize>], bounds: &[f64], used:
                 add(&mut out[src][e], h, rows);
                 used[e][g] -= rows;
                 used[e][h] += rows;
+                flow[t.node(g)] -= rows;
+                flow[t.node(h)] += rows;
             }
+            flow[n] = 0.0;
         }
     }
 }
