@@ -294,10 +294,10 @@ fn add(list: &mut Vec<(usize, f64)>, g: usize, rows: f64) {
 /// Rows served on the source's node never move, remote rows never increase
 /// and no bound is exceeded.
 pub fn consolidate(out: &mut Routing, reps: &[Vec<usize>], bounds: &[f64], used: &mut [Vec<f64>], t: Topology) {
-    for src in 0..out.len() {
+    for (src, row) in out.iter_mut().enumerate() {
         let home = t.node(src);
         let mut flow = vec![0.0f64; t.nodes];
-        for &(g, rows) in out[src].iter().flatten() {
+        for &(g, rows) in row.iter().flatten() {
             if let Some(f) = flow.get_mut(t.node(g)) {
                 *f += rows;
             }
@@ -314,7 +314,7 @@ pub fn consolidate(out: &mut Routing, reps: &[Vec<usize>], bounds: &[f64], used:
             }
             // Plan every move first; apply only if the whole flow to n finds room.
             let mut moves: Vec<(usize, usize, usize, f64)> = Vec::new(); // (e, from, to, rows)
-            let ok = out[src].iter().enumerate().all(|(e, list)| {
+            let ok = row.iter().enumerate().all(|(e, list)| {
                 list.iter().filter(|x| t.node(x.0) == n).all(|&(g, rows)| {
                     let pending = |h: usize| moves.iter().filter(|x| x.0 == e && x.2 == h).map(|x| x.3).sum::<f64>();
                     let to = reps[e]
@@ -337,8 +337,8 @@ pub fn consolidate(out: &mut Routing, reps: &[Vec<usize>], bounds: &[f64], used:
                 continue;
             }
             for (e, g, h, rows) in moves {
-                out[src][e].retain(|x| x.0 != g);
-                add(&mut out[src][e], h, rows);
+                row[e].retain(|x| x.0 != g);
+                add(&mut row[e], h, rows);
                 used[e][g] -= rows;
                 used[e][h] += rows;
                 flow[t.node(g)] -= rows;
