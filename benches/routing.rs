@@ -12,7 +12,7 @@
 #![allow(clippy::print_stdout)] // the side-by-side report is the point
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use moeforge::codegen::placement::{layer_cost, zepp, zipf_loads, Flows, LayerShape, Topology};
+use moeforge::codegen::placement::{layer_cost, zepp, zepp_latency, zipf_loads, Flows, LayerShape, Topology};
 use moeforge::dsl::{check_paths, FsLoader};
 use moeforge::plan::cost::CostModel;
 use moeforge::plan::placement::{route_local, SLACK};
@@ -40,7 +40,7 @@ fn cases() -> Vec<Case> {
     for (name, tokens) in [("decode, 64 tokens/GPU", 64usize), ("prefill, 4096 tokens/GPU", 4096)] {
         let rows = (tokens * top_k * t.world()) as f64;
         let loads = zipf_loads(1, experts, rows, 1.1, 0x6d6f65).remove(0);
-        let Ok(p) = zepp(&loads, 32, t) else { continue };
+        let Ok(p) = zepp(&loads, 32, t, &zepp_latency(&loads, t, shape, &cm)) else { continue };
         // Whole counts per source: each source's share of each expert, jittered.
         let mut rng = SplitMix64(9);
         let demand: Vec<Vec<f64>> = (0..t.world())

@@ -11,8 +11,10 @@
 //!   nodes by load, replicate inside each node the expert with the highest
 //!   load per replica, pack replicas to GPUs heaviest first), global
 //!   otherwise (replicate over all slots, then pack).
-//! - **Zepp**: replicas for hot experts as EPLB counts them, but every replica
-//!   of an expert on a different node (so tokens find a local one), packed to
+//! - **Zepp**: replica counts from an explicit per-GPU load bound (each
+//!   replica's share must fit one GPU's budget) and then the inter-node rows
+//!   each replica saves (`zepp_counts`), every replica of an expert on a
+//!   different node (so tokens find a local one), packed to
 //!   the least-loaded node then GPU; locality-preferred routing by greedy
 //!   water-filling within per-replica load bounds (own GPU, then own node,
 //!   then remote; `moeforge_plan::placement::route_local`, which the runtime
@@ -198,14 +200,98 @@ fn expand(experts: &[usize], loads: &[f64], counts: &[usize]) -> (Vec<usize>, Ve
     (items, weights)
 }
 
-/// Zepp's placement for one layer: EPLB's replica counts, each expert's
-/// replicas on distinct nodes where possible, heaviest replica first to the
-/// least-loaded node, then to that node's least-loaded GPU with a free slot.
-pub fn zepp(loads: &[f64], redundant: usize, t: Topology) -> Result<Placement, String> {
+/// Zepp's replica counts (§4.1: reduce token traffic under GPU balance
+/// constraints). The constraint first: a GPU may carry at most
+/// `B = (1 + SLACK) · total / W` rows, so expert `e` needs at least
+/// `⌈load_e / B⌉` replicas (one replica's even share must fit a GPU). Then
+/// the objective: with an expert's replicas on distinct nodes and
+/// locality-preferred routing, the rows of `e` that cross the network are
+/// `load_e · (nodes − c_e) / nodes`, so each further replica, up to one per
+/// node, saves `load_e / nodes`; the remaining slots go to the largest
+/// saving. Slots left once every expert is on every node go by EPLB's rule
+/// (highest load per replica), which only balances. When the constraint
+/// alone needs more slots than exist, EPLB's counts (the best balance the
+/// slots allow) are used.
+fn zepp_counts(loads: &[f64], slots: usize, t: Topology) -> Vec<usize> {
+    let total: f64 = loads.iter().sum();
+    let budget = (1.0 + moeforge_plan::placement::SLACK) * total / t.world().max(1) as f64;
+    let cap = t.world().max(1);
+    let mut count: Vec<usize> =
+        loads.iter().map(|&l| if budget > 0.0 { ((l / budget).ceil() as usize).clamp(1, cap) } else { 1 }).collect();
+    if count.iter().sum::<usize>() > slots {
+        return replica_counts(loads, slots, cap);
+    }
+    for _ in count.iter().sum::<usize>()..slots {
+        let saving = (0..loads.len())
+            .filter(|&e| count[e] < t.nodes)
+            .max_by(|&a, &b| loads[a].total_cmp(&loads[b]).then(b.cmp(&a)))
+            .filter(|&e| loads[e] > 0.0);
+        let e = saving.or_else(|| {
+            (0..loads.len())
+                .filter(|&e| count[e] < cap)
+                .max_by(|&a, &b| (loads[a] / count[a] as f64).total_cmp(&(loads[b] / count[b] as f64)).then(b.cmp(&a)))
+        });
+        match e {
+            Some(e) => count[e] += 1,
+            None => break,
+        }
+    }
+    count
+}
+
+/// Zepp's placement for one layer: the traffic-reducing counts
+/// ([`zepp_counts`], under the per-replica GPU budget) and EPLB's balancing
+/// ones, each spread and packed by [`spread`]; `cost` (the caller's modeled
+/// MoE-layer latency of a placement, so whichever of communication and
+/// balance is the bottleneck decides) picks one. Tie: the traffic-reducing one.
+pub fn zepp(
+    loads: &[f64],
+    redundant: usize,
+    t: Topology,
+    cost: &dyn Fn(&Placement) -> f64,
+) -> Result<Placement, String> {
     let e = loads.len();
     let per_gpu = slots_per_gpu(e, redundant, t)?;
-    let counts = replica_counts(loads, e + redundant, t.world());
-    let (items, weights) = expand(&(0..e).collect::<Vec<_>>(), loads, &counts);
+    let traffic = spread(loads, &zepp_counts(loads, e + redundant, t), per_gpu, t)?;
+    let balance = spread(loads, &replica_counts(loads, e + redundant, t.world()), per_gpu, t)?;
+    Ok(if cost(&traffic) <= cost(&balance) { traffic } else { balance })
+}
+
+/// The modeled MoE-layer latency of a placement under Zepp's routing and
+/// flows on `loads` (even demand per source): the cost [`zepp`] minimizes.
+pub fn zepp_latency<'a>(
+    loads: &'a [f64],
+    t: Topology,
+    shape: LayerShape,
+    cm: &'a CostModel,
+) -> impl Fn(&Placement) -> f64 + 'a {
+    move |p: &Placement| {
+        let r = route_local(&p.gpus, &even_demand(loads, t), t, moeforge_plan::placement::SLACK);
+        layer_cost(&r, t, shape, cm, Flows::ZEPP).latency
+    }
+}
+
+/// Rows that cross the network under locality-preferred routing with loose
+/// bounds and even demand: expert `e` is local to the nodes holding it.
+pub fn remote_rows(p: &Placement, loads: &[f64], t: Topology) -> f64 {
+    p.replicas(loads.len())
+        .iter()
+        .zip(loads)
+        .map(|(reps, l)| {
+            let mut nodes: Vec<usize> = reps.iter().map(|&g| t.node(g)).collect();
+            nodes.sort_unstable();
+            nodes.dedup();
+            l * (t.nodes - nodes.len().min(t.nodes)) as f64 / t.nodes.max(1) as f64
+        })
+        .sum()
+}
+
+/// Places `counts[e]` replicas of each expert: distinct nodes where
+/// possible, heaviest replica first to the least-loaded node, then to that
+/// node's least-loaded GPU with a free slot (never one already holding it).
+fn spread(loads: &[f64], counts: &[usize], per_gpu: usize, t: Topology) -> Result<Placement, String> {
+    let e = loads.len();
+    let (items, weights) = expand(&(0..e).collect::<Vec<_>>(), loads, counts);
     let mut order: Vec<usize> = (0..items.len()).collect();
     order.sort_by(|&a, &b| weights[b].total_cmp(&weights[a]).then(items[a].cmp(&items[b])));
     let mut gpu_load = vec![0.0; t.world()];

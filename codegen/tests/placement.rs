@@ -27,7 +27,7 @@ fn placements_fill_every_slot_and_cover_every_expert() {
         let loads = zipf_loads(1, experts, 1e5, 1.1, 7).remove(0);
         let per = (experts + redundant) / t.world();
         check_placement(&eplb(&loads, redundant, groups, t).unwrap(), experts, per);
-        let z = zepp(&loads, redundant, t).unwrap();
+        let z = zepp(&loads, redundant, t, &|p| remote_rows(p, &loads, t)).unwrap();
         check_placement(&z, experts, per);
         // Zepp spreads an expert's replicas over distinct nodes.
         for r in z.replicas(experts) {
@@ -64,7 +64,7 @@ fn eplb_hierarchical_keeps_groups_on_one_node() {
 fn locality_routing_conserves_rows_and_respects_bounds() {
     let t = Topology { nodes: 4, gpus_per_node: 4 };
     let loads = zipf_loads(1, 64, 64_000.0, 1.2, 11).remove(0);
-    let p = zepp(&loads, 16, t).unwrap();
+    let p = zepp(&loads, 16, t, &|p| remote_rows(p, &loads, t)).unwrap();
     let r = route_local(&p.gpus, &even_demand(&loads, t), t, 0.1);
     let reps = p.replicas(64);
     for e in 0..64 {
@@ -84,7 +84,7 @@ fn locality_routing_conserves_rows_and_respects_bounds() {
 fn intra_node_swaps_keep_coverage_and_lower_load() {
     let t = Topology { nodes: 2, gpus_per_node: 8 };
     let loads = zipf_loads(1, 128, 1e5, 1.2, 5).remove(0);
-    let p = zepp(&loads, 16, t).unwrap();
+    let p = zepp(&loads, 16, t, &|p| remote_rows(p, &loads, t)).unwrap();
     let drifted = drift(&loads, 17);
     let (gpus, swaps) = intra_node_swaps(&p.gpus, &drifted, t);
     let q = Placement { gpus };
@@ -154,7 +154,7 @@ fn zepp_beats_the_best_baseline_on_modeled_layer_latency() {
                 let pe = eplb(&loads, redundant, 1, t).unwrap();
                 let base_eplb =
                     layer_cost(&route_uniform(&pe.gpus, &even_demand(&loads, t)), t, shape, &cm, plain).latency;
-                let pz = zepp(&loads, redundant, t).unwrap();
+                let pz = zepp(&loads, redundant, t, &zepp_latency(&loads, t, shape, &cm)).unwrap();
                 let z = layer_cost(&route_local(&pz.gpus, &even_demand(&loads, t), t, 0.1), t, shape, &cm, Flows::ZEPP);
                 let best = base_none.map_or(base_eplb, |n| n.min(base_eplb));
                 eprintln!(
@@ -183,7 +183,7 @@ fn zepp_mechanisms_each_help() {
     let (experts, top_k) = (384usize, 8.0);
     let loads = zipf_loads(1, experts, 1024.0 * top_k * 128.0, 1.1, 16).remove(0);
     let shape = LayerShape { experts, top_k, hidden: 7168.0 };
-    let pz = zepp(&loads, 128, t).unwrap();
+    let pz = zepp(&loads, 128, t, &zepp_latency(&loads, t, shape, &cm)).unwrap();
     let plain = Flows::A2AV;
     let spread_only = layer_cost(&route_uniform(&pz.gpus, &even_demand(&loads, t)), t, shape, &cm, plain);
     let local = layer_cost(&route_local(&pz.gpus, &even_demand(&loads, t), t, 0.1), t, shape, &cm, plain);
@@ -253,7 +253,7 @@ fn zepp_against_all_to_allv_plus_gemm() {
                 &cm,
                 Flows::DEEPEP,
             );
-            let pz = zepp(&loads, t.world(), t).unwrap();
+            let pz = zepp(&loads, t.world(), t, &zepp_latency(&loads, t, shape, &cm)).unwrap();
             let z = layer_cost(&route_local(&pz.gpus, &even_demand(&loads, t), t, 0.1), t, shape, &cm, Flows::ZEPP);
             (base.latency / z.latency, base.latency / dedup.latency)
         };
@@ -263,5 +263,28 @@ fn zepp_against_all_to_allv_plus_gemm() {
             small > merge_small && large > merge_large && merge_small > 1.0,
             "{name}: {small} {merge_small} {large} {merge_large}"
         );
+    }
+}
+
+/// Zepp §4.1: replicas placed to reduce token traffic under a GPU budget.
+/// Scored by expected inter-node rows, Zepp's placement sends fewer rows
+/// across the network than EPLB's on the same slots (a different algorithm
+/// over the same loads), and each expert's replicas respect the budget: an
+/// even share of its rows fits `(1 + SLACK)` times the mean GPU load.
+#[test]
+fn zepp_placement_cuts_inter_node_rows_within_the_gpu_budget() {
+    for nodes in [4, 16] {
+        let t = Topology { nodes, gpus_per_node: 8 };
+        let (experts, redundant) = (384usize, t.world());
+        let loads = zipf_loads(1, experts, 1e6, 1.1, 21).remove(0);
+        let z = zepp(&loads, redundant, t, &|p| remote_rows(p, &loads, t)).unwrap();
+        let e = eplb(&loads, redundant, 1, t).unwrap();
+        let (rz, re) = (remote_rows(&z, &loads, t), remote_rows(&e, &loads, t));
+        eprintln!("{nodes} nodes: expected inter-node rows Zepp {rz:.0}, EPLB {re:.0} of 1000000");
+        assert!(rz < 0.9 * re, "{nodes} nodes: Zepp {rz} vs EPLB {re}");
+        let budget = (1.0 + moeforge_plan::placement::SLACK) * 1e6 / t.world() as f64;
+        for (x, reps) in z.replicas(experts).iter().enumerate() {
+            assert!(loads[x] / reps.len() as f64 <= budget * (1.0 + 1e-9), "expert {x}: {} replicas", reps.len());
+        }
     }
 }

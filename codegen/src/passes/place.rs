@@ -17,8 +17,8 @@
 
 use super::{At, Ctx, PassError};
 use crate::placement::{
-    eplb, even_demand, layer_cost, none, route_local, route_uniform, routing_stats, zepp, zipf_loads, Flows,
-    LayerShape, Topology,
+    eplb, even_demand, layer_cost, none, route_local, route_uniform, routing_stats, zepp, zepp_latency, zipf_loads,
+    Flows, LayerShape, Topology,
 };
 use moeforge_dsl::spec::{Deploy, PlacementPolicy, Routing, Spec};
 use moeforge_dsl::Code;
@@ -99,24 +99,32 @@ fn place(
         Routing::SigmoidGrouped { groups, .. } => groups as usize,
         Routing::SoftmaxTopk { .. } => 1,
     };
-    let place = |l: &[f64]| match d.placement.policy {
-        PlacementPolicy::Eplb => eplb(l, redundant, groups, t),
-        _ => zepp(l, redundant, t),
-    };
-    let replicas = loads.iter().map(|l| place(l).map(|p| p.gpus)).collect::<Result<Vec<_>, _>>()?;
-    // Compare the policies on layer 0's loads, scaled to the reference volume.
-    let l0: Vec<f64> = {
-        let total: f64 = loads[0].iter().sum();
-        loads[0].iter().map(|x| x * rows / total.max(1e-9)).collect()
-    };
     let shape = LayerShape { experts, top_k: f64::from(m.moe.top_k), hidden: f64::from(m.hidden) };
+    // A layer's loads at the reference volume (what Zepp's modeled choice sees).
+    let scaled = |l: &[f64]| -> Vec<f64> {
+        let total: f64 = l.iter().sum();
+        l.iter().map(|x| x * rows / total.max(1e-9)).collect()
+    };
+    let eplbs = loads.iter().map(|l| eplb(l, redundant, groups, t)).collect::<Result<Vec<_>, _>>()?;
+    let zepps = loads
+        .iter()
+        .map(|l| {
+            let at = scaled(l);
+            let cost = zepp_latency(&at, t, shape, cm);
+            zepp(l, redundant, t, &cost)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let chosen = if d.placement.policy == PlacementPolicy::Eplb { &eplbs } else { &zepps };
+    let replicas: Vec<Vec<Vec<u32>>> = chosen.iter().map(|p| p.gpus.clone()).collect();
+    // Compare the policies on layer 0's loads, scaled to the reference volume.
+    let l0 = scaled(&loads[0]);
     // The baselines run DeepEP's normal kernels (per-node dedup, serial).
     let latency_none = none(experts, t)
         .ok()
         .map(|p| layer_cost(&route_uniform(&p.gpus, &even_demand(&l0, t)), t, shape, cm, Flows::DEEPEP).latency);
     let pe = eplb(&l0, redundant, groups, t)?;
     let latency_eplb = layer_cost(&route_uniform(&pe.gpus, &even_demand(&l0, t)), t, shape, cm, Flows::DEEPEP).latency;
-    let pz = zepp(&l0, redundant, t)?;
+    let pz = zepp(&l0, redundant, t, &zepp_latency(&l0, t, shape, cm))?;
     let latency_zepp =
         layer_cost(&route_local(&pz.gpus, &even_demand(&l0, t), t, SLACK), t, shape, cm, Flows::ZEPP).latency;
     // Every policy on every layer, for the serving simulator.
@@ -132,14 +140,14 @@ fn place(
         stats.push(PolicyStats { policy: PlacementPolicy::None, busiest, local });
     }
     let mut per = Vec::new();
-    for l in &loads {
-        per.push(routing_stats(&route_uniform(&eplb(l, redundant, groups, t)?.gpus, &even_demand(l, t)), t));
+    for (l, p) in loads.iter().zip(&eplbs) {
+        per.push(routing_stats(&route_uniform(&p.gpus, &even_demand(l, t)), t));
     }
     let (busiest, local) = mean(&per);
     stats.push(PolicyStats { policy: PlacementPolicy::Eplb, busiest, local });
     let mut per = Vec::new();
-    for l in &loads {
-        per.push(routing_stats(&route_local(&zepp(l, redundant, t)?.gpus, &even_demand(l, t), t, SLACK), t));
+    for (l, p) in loads.iter().zip(&zepps) {
+        per.push(routing_stats(&route_local(&p.gpus, &even_demand(l, t), t, SLACK), t));
     }
     let (busiest, local) = mean(&per);
     stats.push(PolicyStats { policy: PlacementPolicy::Zepp, busiest, local });
