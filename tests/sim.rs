@@ -297,3 +297,38 @@ fn placement_is_evaluated_under_skewed_loads() {
     assert!(zepp.local > eplb.local + 0.1, "{zepp:?} {eplb:?}");
     assert!(zepp.goodput > eplb.goodput, "{zepp:?} {eplb:?}");
 }
+
+/// Virtual-lane priority (ExpertPlex §5): where prefill's rows take a direct
+/// scale-out path decode also uses, prefill on a lower-priority lane leaves
+/// decode's transfers unstretched; on a FIFO link (one lane) decode's
+/// transfers stretch by prefill's link duty. GLM-5 on 3×8 H800 with half of
+/// prefill's MoE traffic on shared links, a decoding request among a stream
+/// of long prompts.
+#[test]
+fn virtual_lanes_keep_prefill_traffic_from_slowing_decode() {
+    let f = fixture("glm-5-h800x24");
+    let b = f.bench();
+    let xp = one(&b, System::ExpertPlex);
+    let with = |lanes: bool, shared: f64| {
+        let mut d = xp.clone();
+        let Phases::Split { sharing: Sharing::Apk { lanes: l, shared: s, .. }, .. } = &mut d.phases else { panic!() };
+        (*l, *s) = (lanes, shared);
+        d
+    };
+    let mut reqs = vec![req(0.0, 200, 200)];
+    reqs.extend((0..200).map(|i| req(0.1 + 0.05 * f64::from(i), 8000, 2)));
+    let run = |d: &Deployment| {
+        let out = b.simulate(d, &reqs);
+        let ttft: f64 = out[1..].iter().filter_map(|o| o.ttft).sum::<f64>() / (out.len() - 1) as f64;
+        (out[0].tpot.unwrap(), ttft)
+    };
+    let (isolated, lanes, fifo) = (run(&with(true, 0.0)), run(&with(true, 0.5)), run(&with(false, 0.5)));
+    eprintln!("decode TPOT / mean prompt TTFT: isolated {isolated:?}, two lanes {lanes:?}, one lane {fifo:?}");
+    // Decode: not slowed with lanes (prefill's stretched transfers shift when
+    // its MoE work contends, which moves decode's TPOT by a hair either way),
+    // slower on a FIFO link.
+    assert!(lanes.0 <= 1.01 * isolated.0, "lanes {} vs isolated {}", lanes.0, isolated.0);
+    assert!(fifo.0 > lanes.0, "FIFO {} vs lanes {}", fifo.0, lanes.0);
+    // Prefill pays for sharing the link either way.
+    assert!(lanes.1 >= isolated.1 && fifo.1 >= isolated.1);
+}

@@ -104,16 +104,6 @@ fn warnings(spec: &Spec, spans: &SpanTable) -> Vec<(BlockRef, Diagnostic)> {
             out.push((b, Diagnostic::warning(Code::NoEffect, msg).at(span, "no effect yet").help(help.to_string())));
         }
     };
-    for (i, c) in spec.clusters.iter().enumerate() {
-        if c.scale_out.is_some() {
-            warn(
-                BlockRef::Cluster(ClusterId(i as u32)),
-                spans.clusters.get(i).and_then(|s| s.field("scale_out.virtual_lanes")),
-                format!("`virtual_lanes` of `{}` has no effect yet: the communication model does not split flows over lanes", c.name),
-                "remove it, or keep it for the Zepp execution that will read it",
-            );
-        }
-    }
     for (i, t) in spec.tiles.iter().enumerate() {
         for phase in ["prefill", "decode"] {
             warn(

@@ -643,6 +643,9 @@ pub struct ScaleOut {
     /// Per NIC, per direction.
     pub bandwidth: f64,
     pub latency: f64,
+    /// InfiniBand virtual lanes (default 1). With two or more, ExpertPlex's
+    /// prefill traffic rides a lower-priority lane than decode's where the
+    /// phases share a scale-out link (§5); the simulator models that.
     pub virtual_lanes: u32,
 }
 

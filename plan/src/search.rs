@@ -50,9 +50,56 @@ pub fn moe_side(per_node: &[[u32; 3]]) -> crate::cost::step::MoeSide {
     crate::cost::step::MoeSide::Ep { gpus: moe, nodes, replicas: 1, local, disaggregated: true }
 }
 
+/// The fraction of prefill's attention→MoE traffic that takes a direct
+/// scale-out path (ExpertPlex §5): a prefill server's rows for MoE servers on
+/// its own node stay on NVLink, and for a remote node with a prefill server
+/// go once to that server and fan out over its NVLink (the hierarchical
+/// path, prefill-only links); only rows for MoE servers on a remote node
+/// without a prefill server share the scale-out link decode uses. Rows
+/// spread over MoE servers evenly.
+pub fn prefill_shared_scale_out(per_node: &[[u32; 3]]) -> f64 {
+    let moe: u32 = per_node.iter().map(|n| n[0]).sum();
+    let prefill: u32 = per_node.iter().map(|n| n[1]).sum();
+    if moe == 0 || prefill == 0 {
+        return 0.0;
+    }
+    let mut direct = 0.0;
+    for (a, src) in per_node.iter().enumerate() {
+        for (b, dst) in per_node.iter().enumerate() {
+            if a != b && dst[1] == 0 {
+                direct += f64::from(src[1]) * f64::from(dst[0]);
+            }
+        }
+    }
+    direct / (f64::from(prefill) * f64::from(moe))
+}
+
 impl Candidate {
     /// The shared MoE servers this layout's attention servers route to.
     pub fn moe_side(&self) -> crate::cost::step::MoeSide {
         moe_side(&self.per_node)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::prefill_shared_scale_out;
+
+    /// Counted by hand: which (prefill server, MoE server) pairs cross to a
+    /// node without a prefill server.
+    #[test]
+    fn only_rows_for_nodes_without_a_prefill_server_share_the_scale_out_link() {
+        // One node: nothing leaves it.
+        assert_eq!(prefill_shared_scale_out(&[[5, 1, 2]]), 0.0);
+        // Every node has a prefill server: the hierarchical path carries it all.
+        assert_eq!(prefill_shared_scale_out(&[[4, 1, 3], [4, 1, 3]]), 0.0);
+        // Node 1 has 4 of the 6 MoE servers and no prefill server: the one
+        // prefill server (node 0) sends 4/6 of its rows there directly.
+        assert!((prefill_shared_scale_out(&[[2, 1, 5], [4, 0, 4]]) - 4.0 / 6.0).abs() < 1e-12);
+        // Two prefill servers on node 0, one on node 1; node 2 (2 MoE of 6) has none:
+        // every prefill server sends 2/6 there.
+        assert!((prefill_shared_scale_out(&[[2, 2, 4], [2, 1, 5], [2, 0, 6]]) - 2.0 / 6.0).abs() < 1e-12);
+        // No prefill or no MoE server: nothing to share.
+        assert_eq!(prefill_shared_scale_out(&[[0, 1, 7]]), 0.0);
     }
 }

@@ -567,9 +567,11 @@ pub(super) fn split(
             }
             let (d_moe, d_comm) = if dec.running() { dec.duty() } else { (0.0, 0.0) };
             let (share, sm, interference) = match sharing {
-                Sharing::Apk { .. } => {
-                    (1.0, Sms { alone: sms, shared: sms - dec.last_q, contention: d_moe, preempt: 0.0 }, 0.0)
-                }
+                Sharing::Apk { shared, .. } => (
+                    1.0,
+                    Sms { alone: sms, shared: sms - dec.last_q, contention: d_moe, preempt: 0.0 },
+                    d_comm * shared,
+                ),
                 Sharing::Green { prefill_share } => {
                     let q = sms * prefill_share;
                     (prefill_share, Sms { alone: q, shared: q, contention: 0.0, preempt: 0.0 }, d_comm)
@@ -611,7 +613,7 @@ pub(super) fn split(
             let prefill_busy = pre.busy_until > t;
             let (p_moe, p_comm) = if prefill_busy { pre.duty() } else { (0.0, 0.0) };
             let (share, sm, interference) = match sharing {
-                Sharing::Apk { q, x_star, q_max } => {
+                Sharing::Apk { q, x_star, q_max, lanes, shared } => {
                     // q' = min(Q_max, ⌈q · x_moe / x*_moe⌉_c) (§6.4, Eq. 4).
                     let rows = loads.iter().map(Load::tokens).sum::<f64>() * env.top_k;
                     let x = env.decode_footprint(rows, ds.moe);
@@ -621,7 +623,7 @@ pub(super) fn split(
                     (
                         1.0,
                         Sms { alone: sms, shared: dec.last_q, contention: p_moe, preempt: env.tile_seconds / 2.0 },
-                        0.0,
+                        if lanes { 0.0 } else { p_comm * shared },
                     )
                 }
                 Sharing::Green { prefill_share } => {
@@ -654,7 +656,14 @@ pub enum Sharing {
     Green { prefill_share: f64 },
     /// Shared MoE GPUs under APK: decode holds q' SMs while prefill has MoE
     /// work, every SM otherwise; prefill takes the rest (§4.3, §6.4).
-    Apk { q: u32, x_star: f64, q_max: u32 },
+    /// `shared` is the fraction of prefill's attention→MoE traffic that takes
+    /// a direct scale-out path decode also uses (to a node without a prefill
+    /// server, where the hierarchical path is unavailable, §5); there the
+    /// phases contend. With `lanes` (the scale-out link has ≥ 2 virtual
+    /// lanes) prefill rides the lower-priority lane: decode's transfers go
+    /// first and only prefill's stretch, by decode's link duty. Without,
+    /// the link is FIFO and each phase's transfers stretch by the other's duty.
+    Apk { q: u32, x_star: f64, q_max: u32, lanes: bool, shared: f64 },
 }
 
 #[cfg(test)]

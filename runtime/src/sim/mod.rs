@@ -388,6 +388,12 @@ impl<'a> Bench<'a> {
             .collect()
     }
 
+    /// Virtual lanes of the deployment's scale-out link (1 without one).
+    fn virtual_lanes(&self) -> u32 {
+        let d = &self.spec.deploys[0];
+        self.spec.cluster(d.cluster).scale_out.as_ref().map_or(1, |o| o.virtual_lanes)
+    }
+
     /// The layout search's best ExpertPlex layout (Algorithm 1).
     fn expertplex(&self) -> Result<Deployment, String> {
         let e = &self.env;
@@ -409,7 +415,13 @@ impl<'a> Bench<'a> {
             phases: Phases::Split {
                 prefill: Shape { groups: best.prefill_gpus, width: 1, moe, kv_per_group: f64::INFINITY },
                 decode: Shape { groups: best.decode_gpus, width: 1, moe, kv_per_group: kv },
-                sharing: Sharing::Apk { q: best.q, x_star, q_max: moeforge_plan::cost::q_max(e.cm.sms, e.cluster) },
+                sharing: Sharing::Apk {
+                    q: best.q,
+                    x_star,
+                    q_max: moeforge_plan::cost::q_max(e.cm.sms, e.cluster),
+                    lanes: self.virtual_lanes() >= 2,
+                    shared: moeforge_plan::search::prefill_shared_scale_out(&best.per_node),
+                },
                 kv_transfer: true,
             },
             expert_copies: 1,
