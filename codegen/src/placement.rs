@@ -119,11 +119,30 @@ fn replica_counts(loads: &[f64], slots: usize, cap: usize) -> Vec<usize> {
     for _ in loads.len()..slots {
         let e = (0..loads.len())
             .filter(|&e| count[e] < cap.max(1))
-            .max_by(|&a, &b| (loads[a] / count[a] as f64).total_cmp(&(loads[b] / count[b] as f64)).then(b.cmp(&a)))
-            .unwrap_or(0);
+            .max_by(|&a, &b| (loads[a] / count[a] as f64).total_cmp(&(loads[b] / count[b] as f64)).then(b.cmp(&a)));
+        // Every expert at the cap: the slots cannot hold distinct replicas
+        // (`distinct` then refuses the placement).
+        let Some(e) = e else { break };
         count[e] += 1;
     }
     count
+}
+
+/// A placement whose every GPU holds `per_gpu` distinct experts, or why not
+/// (two replicas of an expert on one GPU would be one replica's work in two
+/// slots, and the slot table could not say which serves a row).
+fn distinct(p: Placement, per_gpu: usize) -> Result<Placement, String> {
+    for (g, es) in p.gpus.iter().enumerate() {
+        let mut sorted = es.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if es.len() != per_gpu || sorted.len() != es.len() {
+            return Err(format!(
+                "GPU {g} cannot hold {per_gpu} distinct experts under this policy (it got {es:?}); use fewer redundant_experts"
+            ));
+        }
+    }
+    Ok(p)
 }
 
 /// Packs weighted items into `bins` of `cap` items each, heaviest first to
@@ -158,8 +177,9 @@ pub fn eplb(loads: &[f64], redundant: usize, groups: usize, t: Topology) -> Resu
     let e = loads.len();
     let per_gpu = slots_per_gpu(e, redundant, t)?;
     let mut gpus: Vec<Vec<u32>> = vec![Vec::new(); t.world()];
-    let hierarchical =
-        groups > 1 && groups.is_multiple_of(t.nodes) && e.is_multiple_of(groups) && redundant.is_multiple_of(t.nodes);
+    let hierarchical = groups > 1 && groups.is_multiple_of(t.nodes) && e.is_multiple_of(groups) && redundant.is_multiple_of(t.nodes)
+            // A node's GPUs each need per_gpu distinct experts of the node's E / nodes.
+            && per_gpu <= e / t.nodes;
     if hierarchical {
         // 1. groups to nodes, balancing group load.
         let gsize = e / groups;
@@ -184,7 +204,7 @@ pub fn eplb(loads: &[f64], redundant: usize, groups: usize, t: Topology) -> Resu
         }
     }
     gpus.iter_mut().for_each(|g| g.sort_unstable());
-    Ok(Placement { gpus })
+    distinct(Placement { gpus }, per_gpu)
 }
 
 /// (expert of each replica, load of each replica).
@@ -252,9 +272,15 @@ pub fn zepp(
 ) -> Result<Placement, String> {
     let e = loads.len();
     let per_gpu = slots_per_gpu(e, redundant, t)?;
-    let traffic = spread(loads, &zepp_counts(loads, e + redundant, t), per_gpu, t)?;
-    let balance = spread(loads, &replica_counts(loads, e + redundant, t.world()), per_gpu, t)?;
-    Ok(if cost(&traffic) <= cost(&balance) { traffic } else { balance })
+    // A candidate that cannot hold distinct experts per GPU drops out.
+    let traffic = spread(loads, &zepp_counts(loads, e + redundant, t), per_gpu, t);
+    let balance = spread(loads, &replica_counts(loads, e + redundant, t.world()), per_gpu, t);
+    match (traffic, balance) {
+        (Ok(a), Ok(b)) => Ok(if cost(&a) <= cost(&b) { a } else { b }),
+        (Ok(a), Err(_)) => Ok(a),
+        (Err(_), Ok(b)) => Ok(b),
+        (Err(why), Err(_)) => Err(why),
+    }
 }
 
 /// The modeled MoE-layer latency of a placement under Zepp's routing and
@@ -325,7 +351,7 @@ fn spread(loads: &[f64], counts: &[usize], per_gpu: usize, t: Topology) -> Resul
         gpu_load[g] += weights[i];
     }
     gpus.iter_mut().for_each(|g| g.sort_unstable());
-    Ok(Placement { gpus })
+    distinct(Placement { gpus }, per_gpu)
 }
 
 /// Every source GPU holding `1/W` of each expert's rows: the demand the

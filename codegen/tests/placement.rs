@@ -16,6 +16,10 @@ fn cost_model() -> CostModel {
 
 fn check_placement(p: &Placement, experts: usize, per_gpu: usize) {
     assert!(p.gpus.iter().all(|g| g.len() == per_gpu), "uneven slots");
+    for g in &p.gpus {
+        let set: std::collections::BTreeSet<_> = g.iter().collect();
+        assert_eq!(set.len(), g.len(), "a GPU holds an expert twice: {g:?}");
+    }
     let reps = p.replicas(experts);
     assert!(reps.iter().all(|r| !r.is_empty()), "an expert has no replica");
 }
@@ -285,6 +289,33 @@ fn zepp_placement_cuts_inter_node_rows_within_the_gpu_budget() {
         let budget = (1.0 + moeforge_plan::placement::SLACK) * 1e6 / t.world() as f64;
         for (x, reps) in z.replicas(experts).iter().enumerate() {
             assert!(loads[x] / reps.len() as f64 <= budget * (1.0 + 1e-9), "expert {x}: {} replicas", reps.len());
+        }
+    }
+}
+
+/// Slot counts where a greedy spread or EPLB's hierarchical packing would put
+/// one expert twice on a GPU (found in review): every placement either holds
+/// distinct experts per GPU or is refused with a reason, never duplicated.
+#[test]
+fn placements_never_put_an_expert_twice_on_a_gpu() {
+    let cases: &[(Vec<f64>, usize, Topology)] = &[
+        (vec![0.25, 0.143, 3.333, 1.0, 0.5, 0.2, 0.167, 0.111, 0.125], 7, Topology { nodes: 2, gpus_per_node: 2 }),
+        (zipf_loads(1, 16, 1e4, 1.1, 3).remove(0), 20, Topology { nodes: 3, gpus_per_node: 4 }),
+        (zipf_loads(1, 16, 1e4, 1.1, 5).remove(0), 32, Topology { nodes: 8, gpus_per_node: 2 }),
+        (zipf_loads(1, 16, 1e4, 1.1, 7).remove(0), 20, Topology { nodes: 2, gpus_per_node: 2 }),
+    ];
+    for (loads, redundant, t) in cases {
+        let per = (loads.len() + redundant) / t.world();
+        let results = [
+            zepp(loads, *redundant, *t, &|p| remote_rows(p, loads, *t)),
+            eplb(loads, *redundant, 4, *t),
+            eplb(loads, *redundant, 1, *t),
+        ];
+        for r in results {
+            match r {
+                Ok(p) => check_placement(&p, loads.len(), per),
+                Err(why) => assert!(why.contains("distinct") || why.contains("evenly"), "{why}"),
+            }
         }
     }
 }

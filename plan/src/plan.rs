@@ -35,8 +35,8 @@ pub struct Plan {
     /// ExpertPlex Algorithm 1 over the cost model, for `expertplex` and `auto`
     /// strategies (advisory: the layout above is what the bundle implements).
     pub search: Option<crate::search::SearchResult>,
-    /// Replicas per layer and GPU for `placement { policy = zepp | eplb }`
-    /// (advisory: the memory plan holds one replica per expert).
+    /// Replicas per layer and GPU for `placement { policy = zepp | eplb }`:
+    /// the contents of each GPU's EP expert slots (realized by the memory plan).
     pub placement: Option<crate::placement::PlacementPlan>,
     /// What each rank launches for one forward step, per mode and phase.
     #[serde(default)]

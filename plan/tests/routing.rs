@@ -125,6 +125,8 @@ fn zero_slack_splits_each_expert_evenly_over_its_replicas() {
     let r = route_local(&slots, &demand, t, 0.0);
     for (e, rs) in reps.iter().enumerate() {
         let rows: f64 = demand.iter().map(|d| d[e]).sum();
+        let placed: f64 = rs.iter().map(|&g| served(&r, e, g)).sum();
+        assert_eq!(placed, rows, "expert {e}: rows not all placed");
         let even = (rows / rs.len() as f64).ceil();
         for &g in rs {
             assert!(served(&r, e, g) <= even, "expert {e} GPU {g}: {} > {even}", served(&r, e, g));

@@ -173,7 +173,8 @@ pub(crate) fn single_mode_reason(spec: &Spec, d: &Deploy) -> Option<String> {
 }
 
 /// Writes `plan.memory` (its reshard descriptors are the next pass's). It
-/// does not decide when to switch, nor place experts other than striped.
+/// does not decide when to switch, nor which expert a slot holds (the
+/// placement pass's replicas, or the stripes).
 pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     let (m, c, d) = (cx.model, cx.cluster, cx.deploy);
     let reason = single_mode_reason(cx.spec, d);

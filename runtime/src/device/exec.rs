@@ -671,7 +671,9 @@ impl Executor {
                 // (token, k) entries. Striped: the expert's owner. Replicated:
                 // the replica the placement's routing chose for the entry
                 // (`moeforge_plan::placement::route` on this layer's counts per
-                // source and expert, as the cpu twin routes), and the row's ids
+                // source and expert, the cpu twin's function; over this
+                // micro-batch's rows, where the twin routes the whole step, so
+                // the replicas chosen can differ, never the tokens), and the row's ids
                 // are rewritten per destination: the entries it serves carry
                 // their physical slot id (`Plan::ep_ids`), the others -1.
                 let k = plan.model.top_k as usize;
@@ -782,8 +784,8 @@ fn route_parts(site: &Site<'_>, plan: &Plan) -> RouteIndexParts {
 /// the id its permutation matches)`. Striped plans: the owner of the
 /// expert's stripe and the logical id. Replicated plans: the placement's
 /// routing over this layer's counts per (source, expert), each source's
-/// entries of an expert taking the replicas it was given in entry order (the
-/// cpu twin's order), and the physical slot id `rank·S + slot`.
+/// entries of an expert taking the replicas it was given in entry order, and
+/// the physical slot id `rank·S + slot`.
 fn assign_entries(
     plan: &Plan,
     layer: u32,

@@ -215,13 +215,7 @@ impl Twin {
                 let mut inbox: Vec<Vec<(usize, usize, usize, usize)>> = vec![vec![]; p];
                 for (src, rs) in routes.iter().enumerate() {
                     // The replica each of this source's rows of expert e takes, in order.
-                    let mut take: Vec<std::vec::IntoIter<usize>> = plan[src]
-                        .iter()
-                        .map(|reps| {
-                            reps.iter().flat_map(|&(g, n)| std::iter::repeat_n(g, n as usize)).collect::<Vec<_>>()
-                        })
-                        .map(Vec::into_iter)
-                        .collect();
+                    let mut take = placement::row_queues(&plan[src]);
                     let mut to_node = vec![false; topo.nodes.max(1)];
                     for (t, (ids, _)) in rs.iter().enumerate() {
                         for (k, &e) in ids.iter().enumerate() {
