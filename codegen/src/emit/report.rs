@@ -330,21 +330,21 @@ fn placement(s: &mut String, plan: &Plan) {
         us(p.latency_eplb),
         us(p.latency_zepp)
     );
+    let routing = match p.policy {
+        moeforge_dsl::spec::PlacementPolicy::Zepp => format!(
+            "Zepp's locality-preferred water-filling (own GPU, then own node, then remote) and its consolidation \
+             of remote requests; a replica of expert e takes at most ⌈{:.2} · rows_e / replicas_e⌉ of the \
+             iteration's rows_e (slack {})",
+            1.0 + p.slack,
+            p.slack
+        ),
+        _ => "an even split of each source's rows over the replicas (no per-replica bound)".to_string(),
+    };
     let _ = writeln!(
         s,
-        "Realized: each GPU's EP expert views hold {} slots per MoE layer, loaded with the replicas below \
+        "Realized: each GPU's EP expert views hold {per_gpu} slots per MoE layer, loaded with the replicas below \
          (every layer's table is in `plan.json` `placement.replicas`). Every iteration the runtime routes \
-         the live routed counts per (source GPU, expert) with {}; a replica of expert e takes at most \
-         ⌈{:.2} · rows_e / replicas_e⌉ of the iteration's rows_e (slack {}).\n",
-        per_gpu,
-        match p.policy {
-            moeforge_dsl::spec::PlacementPolicy::Zepp => {
-                "Zepp's locality-preferred water-filling (own GPU, then own node, then remote) and its consolidation of remote requests"
-            }
-            _ => "an even split over the replicas",
-        },
-        1.0 + p.slack,
-        p.slack
+         the live routed counts per (source GPU, expert) with {routing}.\n"
     );
     if !p.stats.is_empty() {
         let _ = writeln!(s, "| routing | busiest GPU / mean | rows served on the sender's node |\n|---|---|---|");
