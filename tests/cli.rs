@@ -465,7 +465,10 @@ fn compile_takes_measured_expert_loads() {
     let p = plan.placement.clone().unwrap();
     assert!(p.loads.starts_with("sglang sha256:"), "{}", p.loads);
     assert_eq!(p.replicas.len(), 62);
-    assert!(p.replicas[0].iter().all(|g| g.len() == 36));
+    // ExpertPlex roles: 256 experts + 32 replicas fill the 4 MoE servers'
+    // slots (72 each); the 4 attention servers hold none.
+    assert!(p.replicas[0].iter().all(|g| g.len() == 72 || g.is_empty()));
+    assert_eq!(p.replicas[0].iter().filter(|g| !g.is_empty()).count(), 4);
     // Wrong shape: a located error, nothing written.
     let bad = tmp.path().join("bad.json");
     std::fs::write(&bad, r#"{"logical_count": [[1, 2, 3]]}"#).unwrap();
@@ -501,7 +504,7 @@ fn simulate_writes_curves_and_a_goodput_table_deterministically() {
     };
     let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
     let stdout = run(&a);
-    assert!(stdout.contains("expertplex") && stdout.contains("1P2D5E"), "{stdout}");
+    assert!(stdout.contains("expertplex") && stdout.contains("1P3D4E"), "{stdout}");
     assert!(stdout.contains("moebius          not run: the plan is EP-only"), "{stdout}");
     let csv = std::fs::read_to_string(a.join("attainment.csv")).unwrap_or_default();
     // Header + 4 rates × 2 systems that ran.
@@ -568,4 +571,56 @@ fn tile_values_without_effect_compile_with_a_warning() {
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["warnings"][0]["severity"], "warning");
     assert_eq!(v["warnings"][0]["code"], "W0100");
+}
+
+/// The tiny example with `strategy = expertplex`: a role plan that `run`
+/// serves on the CPU twin with the colocated plan's tokens, and that the
+/// emulated device refuses by name (exit 1, no panic).
+#[test]
+fn an_expertplex_role_bundle_runs_on_the_cpu_twin_and_the_devices_refuse_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let text0 = std::fs::read_to_string(root().join("examples/tiny-qwen3-cpu4.moe")).unwrap();
+    let models = format!("use \"{}/models/", root().display());
+    let roles = text0.replace("strategy = colocated", "strategy = expertplex").replace("use \"../models/", &models);
+    assert!(roles.contains("strategy = expertplex"));
+    let spec = tmp.path().join("roles.moe");
+    std::fs::write(&spec, roles).unwrap();
+    let (w, colo, role) = (tmp.path().join("w"), tmp.path().join("colo"), tmp.path().join("roles"));
+    let ex = "examples/tiny-qwen3-cpu4.moe";
+    assert!(moeforge(&["init-weights", ex, "--seed", "7", "-o", w.to_str().unwrap()], None).status.success());
+    for (s, out) in [(ex, &colo), (spec.to_str().unwrap(), &role)] {
+        let o = moeforge(&["compile", s, "-o", out.to_str().unwrap(), "--nvcc", "off"], None);
+        assert!(o.status.success(), "{}", text(&o.stderr));
+    }
+    let report = std::fs::read_to_string(role.join("report.md")).unwrap();
+    assert!(report.contains("ExpertPlex roles, realized") && report.contains("### Communication schedule"), "{report}");
+    let run = |b: &std::path::Path, backend: &str| {
+        moeforge(
+            &[
+                "run",
+                b.to_str().unwrap(),
+                "--backend",
+                backend,
+                "--weights",
+                w.to_str().unwrap(),
+                "--prompt",
+                "1 2 3",
+                "--prompt",
+                "5 6 7 8 9",
+                "--max-new",
+                "5",
+            ],
+            None,
+        )
+    };
+    let tokens = |s: &str| s.lines().filter(|l| l.starts_with("request ")).map(String::from).collect::<Vec<_>>();
+    let (a, b) = (run(&colo, "cpu"), run(&role, "cpu"));
+    assert!(a.status.success() && b.status.success(), "{}", text(&b.stderr));
+    assert!(text(&b.stdout).contains("roles: prefill servers"), "{}", text(&b.stdout));
+    assert_eq!(tokens(&text(&a.stdout)), tokens(&text(&b.stdout)));
+    assert_eq!(tokens(&text(&b.stdout)).len(), 2);
+    let e = run(&role, "emu");
+    assert_eq!(e.status.code(), Some(1), "{}", text(&e.stderr));
+    let err = text(&e.stderr);
+    assert!(err.contains("ExpertPlex roles") && err.contains("--backend cpu"), "{err}");
 }

@@ -248,6 +248,114 @@ fn replicated_expert_slots_give_transformers_tokens() {
     }
 }
 
+/// ExpertPlex roles, realized: the search's layout puts prefill attention,
+/// decode attention and MoE servers on different GPUs; every request is
+/// prefilled on a prefill server, its KV pages handed to a decode server,
+/// and every routed row computed on a MoE server. The tokens are
+/// transformers', and the logits those of the colocated layout's run.
+#[test]
+fn expertplex_roles_give_transformers_tokens() {
+    use moeforge::plan::roles::Role;
+    for name in ["qwen3-moe", "deepseek-v3"] {
+        let f = fixture(name);
+        let ck = Checkpoint::load(&f.dir).unwrap();
+        let block = imported_block(&f.dir);
+        let run = |extra: &str| {
+            let tmp = tempfile::tempdir().unwrap();
+            let b = compile_text(&cpu_cluster_deployment(&block, 1, 4, 0.25, extra), tmp.path());
+            let mut t = Twin::new(&b, &ck, Mode::Ep).unwrap_or_else(|e| panic!("{name} {extra}: {e}"));
+            check_run(&f, &mut t, &format!("{name} {extra}"), &[]);
+            (b.plan.plan().clone(), t)
+        };
+        let (colocated, c) = run("");
+        assert!(colocated.roles.is_none());
+        let (plan, t) = run("strategy = expertplex");
+        let roles = plan.roles.as_ref().expect("an ExpertPlex plan realizes roles");
+        for role in Role::ALL {
+            assert!(roles.gpus.contains(&role), "{name}: no {} server in {:?}", role.name(), roles.gpus);
+        }
+        // Only MoE servers hold experts; attention servers hold none.
+        for (r, role) in roles.gpus.iter().enumerate() {
+            assert_eq!(plan.local_experts(r) > 0, *role == Role::Moe, "{name}: rank {r} ({role:?})");
+        }
+        assert_eq!(t.logits, c.logits, "{name}: the role plan's logits differ from the colocated run's");
+        // Every request with a second token was handed from prefill to decode.
+        let decoding = f.tokens.iter().filter(|x| x.len() > 1).count() as u64;
+        let h = t.handoffs();
+        assert_eq!(h.requests, decoding, "{name}: {h:?}");
+        let page = roles.kv_handoff.page_tokens as usize;
+        let pages: usize =
+            f.tokens.iter().zip(&f.prompts).filter(|(x, _)| x.len() > 1).map(|(_, p)| p.len().div_ceil(page)).sum();
+        assert_eq!(h.pages, pages as u64, "{name}: the prompts' pages, each moved once");
+        assert_eq!(h.bytes, h.pages * roles.kv_handoff.page_bytes);
+        // No attention server holds an expert, so every routed row crossed to a MoE server.
+        let routed = t.routed();
+        assert!(routed.rows() > 0 && routed.own_rank == 0, "{name}: {routed:?}");
+        eprintln!("{name}: roles {:?}, {h:?}, routed {routed:?}", roles.gpus);
+    }
+}
+
+/// ExpertPlex roles with Zepp replicas across two nodes (the combination
+/// `examples/glm-5-h800x24.moe` compiles at scale): the replicas fill only
+/// the MoE servers' slots, the attention servers route each step's rows to
+/// them with the placement's routing, and the tokens are transformers'.
+#[test]
+fn expertplex_roles_with_zepp_replicas_give_transformers_tokens() {
+    use moeforge::plan::roles::Role;
+    let f = fixture("qwen3-moe");
+    let ck = Checkpoint::load(&f.dir).unwrap();
+    let block = imported_block(&f.dir);
+    let tmp = tempfile::tempdir().unwrap();
+    let extra = "strategy = expertplex placement { policy = zepp redundant_experts = 4 }";
+    let b = compile_text(&cpu_cluster_deployment(&block, 2, 3, 0.25, extra), tmp.path());
+    let plan = b.plan.plan();
+    let roles = plan.roles.as_ref().expect("roles");
+    let pl = plan.placement.as_ref().expect("replicas");
+    let moe = roles.ranks(Role::Moe);
+    assert_eq!(pl.slots_per_gpu() * moe.len(), 8 + 4);
+    for layer in &pl.replicas {
+        for (g, held) in layer.iter().enumerate() {
+            assert_eq!(held.is_empty(), roles.gpus[g] != Role::Moe, "GPU {g}: {held:?}");
+        }
+    }
+    let second = |l: &Vec<Vec<u32>>| moeforge::plan::placement::replicas_of(l, 8).iter().any(|r| r.len() > 1);
+    assert!(pl.replicas.iter().any(second), "no expert has a second replica");
+    let mut t = Twin::new(&b, &ck, Mode::Ep).unwrap();
+    check_run(&f, &mut t, "roles + zepp", &[]);
+    let routed = t.routed();
+    assert!(routed.rows() > 0 && routed.own_rank == 0, "{routed:?}");
+    eprintln!("roles {:?} with {} slots per MoE server: routed {routed:?}", roles.gpus, pl.slots_per_gpu());
+}
+
+/// The request scheduler of a role plan: new requests go to prefill
+/// servers, after their prefill step every one sits on a decode server,
+/// spread evenly over them; MoE servers never hold a request.
+#[test]
+fn the_request_scheduler_prefills_on_prefill_servers_and_balances_decode_servers() {
+    use moeforge::plan::roles::Role;
+    let f = fixture("qwen3-moe");
+    let ck = Checkpoint::load(&f.dir).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let b =
+        compile_text(&cpu_cluster_deployment(&imported_block(&f.dir), 1, 4, 0.25, "strategy = expertplex"), tmp.path());
+    let roles = b.plan.plan().roles.clone().unwrap();
+    let mut t = Twin::new(&b, &ck, Mode::Ep).unwrap();
+    let n = 6;
+    for i in 0..n {
+        t.submit(Request::new(i, f.prompts[i as usize % f.prompts.len()].clone(), 4)).unwrap();
+    }
+    t.step().unwrap();
+    let served = t.served();
+    let count = |role: Role| -> Vec<usize> { roles.ranks(role).iter().map(|&r| served[r as usize].len()).collect() };
+    assert!(count(Role::Prefill).iter().all(|&x| x == 0), "prefill servers kept requests: {served:?}");
+    assert!(count(Role::Moe).iter().all(|&x| x == 0), "a MoE server holds a request: {served:?}");
+    let decode = count(Role::Decode);
+    assert_eq!(decode.iter().sum::<usize>(), n as usize, "{served:?}");
+    let (lo, hi) = (decode.iter().min().unwrap(), decode.iter().max().unwrap());
+    assert!(hi - lo <= 1, "decode servers unbalanced: {decode:?}");
+    assert_eq!(t.handoffs().requests, n);
+}
+
 /// DeepSeek-V3 as the Hub ships it: every projection fp8 e4m3 with 128×128
 /// block scales (`weight_scale_inv`; hidden 256 spans two blocks), read
 /// as stored, each element its code times its block's scale. fp8 experts

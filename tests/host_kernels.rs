@@ -105,10 +105,10 @@ fn emitted_permutation_and_combine_match_reference() {
         };
         let (hidden, k, m_t) = (p.hidden as usize, p.top_k as usize, p.block_m as usize);
         let bin = build(tmp.path(), "permute_main.cpp", &e.files["kernels/permute.cu"], &format!("{}-permute", e.name));
-        // The last rank: with uneven splits (GLM-5: 256 experts on 24 GPUs) it
-        // holds fewer experts; in a dual plan also TP's permutation, every
-        // token over every expert.
-        let last = e.plan.ranks.last().unwrap();
+        // The last rank holding experts: with uneven splits (GLM-5: 256
+        // experts on its 12 MoE servers) it holds fewer; in a dual plan also
+        // TP's permutation, every token over every expert.
+        let last = e.plan.ranks.iter().rev().find(|r| r.experts[1] > r.experts[0]).unwrap();
         let mut cases = vec![(last.experts[0] as i32, (last.experts[1] - last.experts[0]) as usize)];
         if e.plan.memory.modes.contains(&moeforge::plan::memory::Mode::Tp) {
             cases.push((0, e.plan.model.experts as usize));

@@ -332,3 +332,20 @@ fn virtual_lanes_keep_prefill_traffic_from_slowing_decode() {
     // Prefill pays for sharing the link either way.
     assert!(lanes.1 >= isolated.1 && fifo.1 >= isolated.1);
 }
+
+/// The simulator's ExpertPlex system is the compiled role plan: its
+/// prefill/decode/MoE counts and q are the plan's roles, and its decode
+/// servers hold the compiled memory plan's KV pool.
+#[test]
+fn the_simulated_expertplex_system_is_the_compiled_role_plan() {
+    use moeforge::plan::roles::Role;
+    let f = fixture("glm-5-h800x24");
+    let plan = f.planned.plan();
+    let roles = plan.roles.as_ref().expect("glm-5-h800x24 realizes ExpertPlex roles");
+    let deps = f.bench().deployments(System::ExpertPlex).unwrap();
+    let d = deps.first().unwrap();
+    let n = |r: Role| roles.ranks(r).len();
+    assert_eq!(d.label, format!("{}P{}D{}E q={}", n(Role::Prefill), n(Role::Decode), n(Role::Moe), roles.q));
+    let kv = &plan.memory.kv;
+    assert_eq!(d.decode_kv_tokens, (n(Role::Decode) as u64 * kv.ep.pages * u64::from(kv.page_tokens)) as f64);
+}

@@ -510,3 +510,52 @@ fn sampled_tokens_depend_only_on_prompt_and_seed() {
     assert_ne!(alone, run(0, Sampling { seed: 100, ..warm }));
     assert_eq!(run(3, Sampling::default()), dense.generate(&[3, 1, 4, 1, 5], 10).tokens);
 }
+
+/// `t_high = auto` (Moebius §4.5): before serving, the driver measures TP
+/// and EP decode steps on the twin at each calibration batch and sets T_h to
+/// the smallest batch at which EP was no slower (T_ℓ = 0.8·T_h), then
+/// serves under that policy. Wall-clock costs are noisy, so the test checks
+/// what the policy was derived from, not which batch won.
+#[test]
+fn t_high_auto_is_calibrated_on_the_twin_before_serving() {
+    use moeforge::runtime::policy::{driver, CALIBRATION_BATCHES};
+    let tmp = tempfile::tempdir().unwrap();
+    let text = spec(QWEN, 0.25).replace(
+        "switch { t_high = 4 t_low = 2 window = 2 cooldown = 0s }",
+        "switch { t_high = auto window = 2 cooldown = 0s }",
+    );
+    assert!(text.contains("t_high = auto"));
+    let b = compile_text(&text, &tmp.path().join("bundle"));
+    assert_eq!(b.plan.memory.modes, vec![Mode::Tp, Mode::Ep]);
+    let model = TwinModel::from_spec(&b.spec.models[0]).unwrap();
+    write_random(&model, 21, Family::Qwen3Moe, &tmp.path().join("w")).unwrap();
+    let ck = Checkpoint::load(&tmp.path().join("w")).unwrap();
+    let sw = b.spec.deploys[0].switch;
+    assert_eq!(sw.t_high, None);
+    let mut made = Vec::new();
+    let (mut d, cal) = driver(Some(&sw), &b.plan.memory.modes, Mode::Ep, true, model.vocab, |mode| {
+        made.push(mode);
+        Twin::new(&b, &ck, mode).map_err(Into::into)
+    })
+    .unwrap();
+    let cal = cal.expect("t_high = auto calibrates");
+    assert_eq!(cal.iter().map(|c| c.0).collect::<Vec<_>>(), CALIBRATION_BATCHES.to_vec());
+    assert!(cal.iter().all(|&(_, tp, ep)| tp > 0.0 && ep > 0.0), "{cal:?}");
+    // One TP and one EP engine per calibration batch, then the serving one.
+    assert_eq!(made.len(), 2 * CALIBRATION_BATCHES.len() + 1);
+    let p = d.policy().cloned().unwrap();
+    let crossover = cal.iter().filter(|c| c.2 <= c.1).map(|c| c.0 as u32).min().unwrap_or(u32::MAX);
+    assert_eq!(p.t_high, crossover.max(1), "{cal:?}");
+    assert_eq!(p.t_low, ((u64::from(p.t_high) * 4 / 5) as u32).min(p.t_high));
+    assert!(!p.calibrate);
+    for i in 0..4 {
+        d.engine.submit(Request::new(i, vec![1 + i as u32, 2, 3], 4)).unwrap();
+    }
+    for _ in 0..20 {
+        if d.engine.idle() {
+            break;
+        }
+        d.step().unwrap();
+    }
+    assert_eq!(d.engine.finished().len(), 4);
+}

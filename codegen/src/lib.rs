@@ -38,10 +38,10 @@ pub fn canonical_spec(checked: &Checked, id: DeployId) -> Vec<u8> {
 }
 
 /// Runs the planning pipeline ([`passes::PIPELINE`]) for one deployment:
-/// support gate → layout → cost model (roofline, or a fitted profile) →
-/// expert placement (Zepp or EPLB) → memory plan → reshard descriptors →
-/// layout search (ExpertPlex Algorithm 1) → kernel instances → programs →
-/// validation. In
+/// support gate → cost model (roofline, or a fitted profile) → layout
+/// search (ExpertPlex Algorithm 1) → layout (colocated, or the search's
+/// ExpertPlex roles) → expert placement (Zepp or EPLB) → memory plan →
+/// reshard descriptors → kernel instances → programs → validation. In
 /// debug builds the validator runs after every pass, and a violated
 /// invariant is an internal-error diagnostic naming the pass.
 pub fn plan_deployment(checked: &Checked, id: DeployId) -> Result<ValidPlan, Diagnostics> {

@@ -20,6 +20,7 @@ pub mod plan;
 pub mod program;
 pub mod reshard;
 pub mod rng;
+pub mod roles;
 pub mod search;
 mod text;
 pub mod validate;

@@ -464,6 +464,17 @@ pub struct Region {
     pub bytes: u64,
     /// Modes whose views point into this region.
     pub modes: Vec<Mode>,
+    /// The roles whose GPUs hold this region (a role plan's regions overlay
+    /// one another behind the shared workspace); empty: every GPU.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub roles: Vec<crate::roles::Role>,
+}
+
+impl Region {
+    /// Whether a GPU of `role` (`None`: a plan without roles) holds the region.
+    pub fn held_by(&self, role: Option<crate::roles::Role>) -> bool {
+        self.roles.is_empty() || role.is_some_and(|r| self.roles.contains(&r))
+    }
 }
 
 /// A tensor as one mode sees it. For per-layer tensors, layer `l` of

@@ -53,9 +53,10 @@ fn default_slack() -> f64 {
 pub const SLACK: f64 = 0.1;
 
 impl PlacementPlan {
-    /// Expert slots each GPU holds per MoE layer.
+    /// Expert slots each GPU holding experts has per MoE layer (a role
+    /// plan's attention servers hold none).
     pub fn slots_per_gpu(&self) -> usize {
-        self.replicas.first().and_then(|l| l.first()).map_or(0, Vec::len)
+        self.replicas.first().and_then(|l| l.iter().map(Vec::len).max()).unwrap_or(0)
     }
 }
 

@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 
 /// Bumped whenever `plan.json` or the bundle layout changes incompatibly.
-pub const FORMAT_VERSION: u32 = 4;
+pub const FORMAT_VERSION: u32 = 5;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
@@ -41,6 +41,11 @@ pub struct Plan {
     /// What each rank launches for one forward step, per mode and phase.
     #[serde(default)]
     pub programs: Vec<crate::program::Program>,
+    /// The ExpertPlex roles (`strategy = expertplex`): each GPU a prefill
+    /// attention, decode attention or MoE server, from the search's best
+    /// layout. `None`: every GPU runs attention and holds experts (colocated).
+    #[serde(default)]
+    pub roles: Option<crate::roles::Roles>,
 }
 
 impl Plan {
@@ -67,6 +72,11 @@ impl Plan {
             }
             None => self.ranks.get(rank).map_or([0, 0], |r| r.experts),
         }
+    }
+
+    /// GPU `rank`'s role, for a role plan.
+    pub fn role(&self, rank: usize) -> Option<crate::roles::Role> {
+        self.roles.as_ref().and_then(|r| r.gpus.get(rank).copied())
     }
 
     /// Expert slots GPU `rank` holds per MoE layer (the same in every layer).
@@ -101,6 +111,7 @@ impl Plan {
             search: None,
             placement: None,
             programs: Vec::new(),
+            roles: None,
         }
     }
 }

@@ -42,18 +42,33 @@ impl Display for Plan {
         if let Some(n) = &l.note {
             writeln!(f, "    note: {n}")?;
         }
+        if let Some(r) = &self.roles {
+            writeln!(
+                f,
+                "  roles: per node [moe, prefill, decode] {:?}, APK decode q {}, {} dispatch posts, KV handoff pages of {} B",
+                r.per_node,
+                r.q,
+                r.posts.len(),
+                r.kv_handoff.page_bytes
+            )?;
+        }
         for r in &self.ranks {
+            let role = self.role(r.rank as usize).map_or(String::new(), |x| format!(" {} server:", x.name()));
+            if self.role(r.rank as usize).is_some_and(crate::roles::Role::attends) {
+                writeln!(f, "  rank {} (node {}, gpu {}):{role} attention, no experts", r.rank, r.node, r.local_rank)?;
+                continue;
+            }
             match &self.placement {
                 None => writeln!(
                     f,
-                    "  rank {} (node {}, gpu {}): experts [{}, {})",
+                    "  rank {} (node {}, gpu {}):{role} experts [{}, {})",
                     r.rank, r.node, r.local_rank, r.experts[0], r.experts[1]
                 )?,
                 Some(p) => {
                     let slots: Vec<String> = self.slot_experts(0, r.rank as usize).iter().map(u32::to_string).collect();
                     writeln!(
                         f,
-                        "  rank {} (node {}, gpu {}): {} slots, MoE layer 0 holds {} ({:?} placement)",
+                        "  rank {} (node {}, gpu {}):{role} {} slots, MoE layer 0 holds {} ({:?} placement)",
                         r.rank,
                         r.node,
                         r.local_rank,
@@ -79,7 +94,19 @@ impl Display for Plan {
         }
         for r in &mem.regions {
             let modes: Vec<&str> = r.modes.iter().map(|m| m.name()).collect();
-            writeln!(f, "    region {:<13} @{:>14} {:>14} B [{}]", r.kind.name(), r.offset, r.bytes, modes.join(", "))?;
+            let held = if r.roles.is_empty() {
+                String::new()
+            } else {
+                format!(" held by {}", r.roles.iter().map(|x| x.name()).collect::<Vec<_>>().join(", "))
+            };
+            writeln!(
+                f,
+                "    region {:<13} @{:>14} {:>14} B [{}]{held}",
+                r.kind.name(),
+                r.offset,
+                r.bytes,
+                modes.join(", ")
+            )?;
         }
         let s = &mem.slots;
         writeln!(
@@ -265,22 +292,37 @@ impl Plan {
             "  layout   attention {}, experts {} ({} per GPU)\n",
             self.layout.attention, self.layout.moe, self.layout.max_experts_per_rank
         ));
-        let weights: u64 = mem
-            .regions
-            .iter()
-            .filter(|r| {
-                matches!(
-                    r.kind,
-                    RegionKind::Replicated | RegionKind::AttentionEp | RegionKind::AttentionTp | RegionKind::Experts
-                )
-            })
-            .map(|r| r.bytes)
-            .sum();
+        let weights = |holder: Option<crate::roles::Role>| -> u64 {
+            mem.regions
+                .iter()
+                .filter(|r| {
+                    r.held_by(holder)
+                        && matches!(
+                            r.kind,
+                            RegionKind::Replicated
+                                | RegionKind::AttentionEp
+                                | RegionKind::AttentionTp
+                                | RegionKind::Experts
+                        )
+                })
+                .map(|r| r.bytes)
+                .sum()
+        };
         let modes: Vec<&str> = mem.modes.iter().map(|m| m.name()).collect();
+        let held = match &self.roles {
+            None => format!("{:.1} GB weights", weights(None) as f64 / 1e9),
+            Some(_) => {
+                use crate::roles::Role;
+                format!(
+                    "{:.1} GB weights on attention servers, {:.1} GB expert slots on MoE servers",
+                    weights(Some(Role::Decode)) as f64 / 1e9,
+                    weights(Some(Role::Moe)) as f64 / 1e9
+                )
+            }
+        };
         t.push_str(&format!(
-            "  memory   per GPU: {:.1} GB buffer, {:.1} GB weights, KV for {} tokens (EP); modes [{}]",
+            "  memory   per GPU: {:.1} GB buffer, {held}, KV for {} tokens (EP); modes [{}]",
             mem.buffer_bytes as f64 / 1e9,
-            weights as f64 / 1e9,
             mem.kv.ep.capacity_tokens,
             modes.join(", ")
         ));

@@ -15,8 +15,9 @@
 //! the values they are derived from. Each [`Violation`] names the field of
 //! `plan.json` it is about.
 
-use crate::memory::{expected_shard, Mode, RegionKind, TensorPart, TensorRole, ALIGN};
+use crate::memory::{expected_shard, BufferName, Mode, RegionKind, TensorPart, TensorRole, ALIGN};
 use crate::plan::{ApkForm, Grid, KernelParams, MmaPath, Plan, WeightFormat};
+use crate::roles::Role;
 use std::fmt;
 
 /// A plan that passed [`validate`]. Only this module constructs it.
@@ -86,6 +87,7 @@ pub fn check(plan: &Plan) -> Vec<Violation> {
     search(&mut c, plan);
     placement(&mut c, plan);
     programs(&mut c, plan);
+    roles(&mut c, plan);
     c.out
 }
 
@@ -107,7 +109,8 @@ pub fn validate(plan: Plan) -> Result<ValidPlan, Vec<Violation>> {
             "memory.reshard",
             "a dual-mode plan needs its reshard descriptors",
         ),
-        (plan.programs.is_empty(), "programs", "no per-rank programs"),
+        // Role plans run on the CPU twin only: no programs yet (see `roles`).
+        (plan.programs.is_empty() && plan.roles.is_none(), "programs", "no per-rank programs"),
     ] {
         if empty {
             v.push(Violation { field: field.into(), message: what.into() });
@@ -143,7 +146,10 @@ fn ranks(c: &mut Check, p: &Plan) {
     {
         return;
     }
-    c.ensure(p.layout.ep_size == world, "layout.ep_size", || format!("{} for a world of {world}", p.layout.ep_size));
+    let ep = p.roles.as_ref().map_or(world, |r| r.ranks(Role::Moe).len() as u32);
+    c.ensure(p.layout.ep_size == ep, "layout.ep_size", || {
+        format!("{} for {ep} GPUs holding experts", p.layout.ep_size)
+    });
     let mut held: Vec<[u32; 2]> = Vec::with_capacity(p.ranks.len());
     for (i, r) in p.ranks.iter().enumerate() {
         let gpn = p.cluster.gpus_per_node;
@@ -152,6 +158,12 @@ fn ranks(c: &mut Check, p: &Plan) {
             && r.node.checked_mul(gpn).and_then(|n| n.checked_add(r.local_rank)) == Some(r.rank);
         c.ensure(numbered, format!("ranks[{i}]"), || format!("misnumbered: {r:?}"));
         let [b, e] = r.experts;
+        // **Invariant**: in a role plan only MoE servers hold experts.
+        if p.role(i).is_some_and(Role::attends) {
+            c.ensure(b == e, format!("ranks[{i}].experts"), || {
+                format!("attention server {i} holds experts [{b}, {e})")
+            });
+        }
         if c.ensure(
             b <= e && e <= experts && e - b <= p.layout.max_experts_per_rank,
             format!("ranks[{i}].experts"),
@@ -209,14 +221,19 @@ fn memory(c: &mut Check, p: &Plan) {
         && (!dual || m.group == p.cluster.gpus_per_node)
         && (dual || p.ranks.is_empty() || m.group == p.cluster.world);
     c.ensure(group_ok, "memory.group", || format!("{} ranks (world {}, dual {dual})", m.group, p.cluster.world));
-    // Regions.
-    let mut at = 0u64;
+    // Regions: without roles they tile the buffer in kind order; with roles
+    // each role's regions (the shared workspace and its own) tile a prefix
+    // of the buffer, the attention servers' the whole of it.
+    let holders: Vec<Option<Role>> = match &p.roles {
+        None => vec![None],
+        Some(_) => Role::ALL.iter().copied().map(Some).collect(),
+    };
     for (i, r) in m.regions.iter().enumerate() {
         let f = format!("memory.regions[{i}]");
-        c.ensure(r.offset == at && r.offset % ALIGN == 0, format!("{f}.offset"), || {
-            format!("`{}` at {} (expected {at}, aligned to {ALIGN})", r.kind.name(), r.offset)
+        c.ensure(r.offset % ALIGN == 0, format!("{f}.offset"), || {
+            format!("`{}` at {} is not aligned to {ALIGN}", r.kind.name(), r.offset)
         });
-        if i > 0 {
+        if p.roles.is_none() && i > 0 {
             c.ensure(m.regions[i - 1].kind < r.kind, format!("{f}.kind"), || {
                 format!("`{}` out of order or repeated", r.kind.name())
             });
@@ -224,18 +241,35 @@ fn memory(c: &mut Check, p: &Plan) {
         c.ensure(!r.modes.is_empty() && r.modes.iter().all(|x| m.modes.contains(x)), format!("{f}.modes"), || {
             format!("{:?} outside the plan's modes {:?}", r.modes, m.modes)
         });
-        match r.offset.checked_add(r.bytes) {
-            Some(end) => at = end,
-            None => {
-                c.bad(format!("{f}.bytes"), "overflows");
-                return;
-            }
+        c.ensure(p.roles.is_some() || r.roles.is_empty(), format!("{f}.roles"), || {
+            format!("roles {:?} in a plan without roles", r.roles)
+        });
+        if r.offset.checked_add(r.bytes).is_none() {
+            c.bad(format!("{f}.bytes"), "overflows");
+            return;
         }
     }
-    if !c.ensure(at == m.buffer_bytes, "memory.buffer_bytes", || {
-        format!("regions end at {at}, the buffer is {}", m.buffer_bytes)
-    }) {
-        return;
+    for holder in holders {
+        let mut held: Vec<(usize, &crate::memory::Region)> =
+            m.regions.iter().enumerate().filter(|(_, r)| r.held_by(holder)).collect();
+        held.sort_by_key(|(_, r)| r.offset);
+        let whose = holder.map_or(String::new(), |h| format!(" of the {} servers", h.name()));
+        let mut at = 0u64;
+        let mut kinds = std::collections::BTreeSet::new();
+        for (i, r) in &held {
+            let f = format!("memory.regions[{i}]");
+            c.ensure(r.offset == at, format!("{f}.offset"), || {
+                format!("`{}`{whose} at {} (expected {at})", r.kind.name(), r.offset)
+            });
+            c.ensure(kinds.insert(r.kind), format!("{f}.kind"), || format!("`{}`{whose} repeated", r.kind.name()));
+            at = r.offset.saturating_add(r.bytes);
+        }
+        let whole = holder.is_none_or(Role::attends);
+        if !c.ensure(if whole { at == m.buffer_bytes } else { at <= m.buffer_bytes }, "memory.buffer_bytes", || {
+            format!("the regions{whose} end at {at}, the buffer is {}", m.buffer_bytes)
+        }) {
+            return;
+        }
     }
     views(c, p);
     // Expert slots.
@@ -414,8 +448,26 @@ fn views(c: &mut Check, p: &Plan) {
         }
     }
     spans.sort();
+    // Views of different roles' regions overlay each other by design; within
+    // the regions one GPU holds, views of one mode never overlap.
+    let holders: Vec<Option<Role>> = match &p.roles {
+        None => vec![None],
+        Some(_) => Role::ALL.iter().copied().map(Some).collect(),
+    };
+    for holder in holders {
+        let held =
+            |i: usize| m.views.get(i).and_then(|v| m.regions.get(v.region.index())).is_some_and(|r| r.held_by(holder));
+        let spans: Vec<_> = spans.iter().filter(|s| held(s.3)).collect();
+        if !overlap(c, m, &spans) {
+            break;
+        }
+    }
+}
+
+/// Reports the first overlap of two same-mode spans (sorted); false if any.
+fn overlap(c: &mut Check, m: &crate::memory::MemoryPlan, spans: &[&(Mode, u64, u64, usize, u32)]) -> bool {
     for w in spans.windows(2) {
-        let (x, y) = (&w[0], &w[1]);
+        let (x, y) = (w[0], w[1]);
         if x.0 == y.0 && y.1 < x.2 {
             let name = |k: usize| m.views.get(k).map_or("", |v| v.tensor.as_str());
             c.bad(
@@ -429,9 +481,10 @@ fn views(c: &mut Check, p: &Plan) {
                     y.4
                 ),
             );
-            break;
+            return false;
         }
     }
+    true
 }
 
 fn kv(c: &mut Check, p: &Plan, dual: bool) {
@@ -465,7 +518,8 @@ fn kv(c: &mut Check, p: &Plan, dual: bool) {
             format!("{} ≠ {holders} × {} pages × {} tokens", km.capacity_tokens, km.pages, kv.page_tokens)
         });
     };
-    mode(c, "ep", &kv.ep, u64::from(m.group));
+    let holders = p.roles.as_ref().map_or(u64::from(m.group), |r| r.attention_ranks().len() as u64);
+    mode(c, "ep", &kv.ep, holders);
     match (&kv.tp, dual) {
         (Some(tp), true) => {
             mode(c, "tp", tp, 1);
@@ -718,8 +772,9 @@ fn placement(c: &mut Check, p: &Plan) {
     for (l, gpus) in pl.replicas.iter().enumerate() {
         let mut covered = vec![false; p.model.experts as usize];
         let mut ok = gpus.len() == p.cluster.world as usize;
-        for es in gpus {
-            ok &= es.len() == slots;
+        for (g, es) in gpus.iter().enumerate() {
+            // A role plan's attention servers hold no slots.
+            ok &= es.len() == if p.role(g).is_some_and(Role::attends) { 0 } else { slots };
             for (j, &e) in es.iter().enumerate() {
                 ok &= e < p.model.experts && !es[..j].contains(&e);
                 if let Some(x) = covered.get_mut(e as usize) {
@@ -784,6 +839,78 @@ fn programs(c: &mut Check, p: &Plan) {
                     phase.name(),
                     p.cluster.world
                 )
+            });
+        }
+    }
+}
+
+/// **Invariants** of a role plan: one role per GPU laid out as its
+/// `per_node` says, every role present; only MoE servers hold the experts'
+/// region and only attention servers the weights and KV pool they run,
+/// the workspace every GPU; every (attention rank, MoE rank) pair has one
+/// post, inside the MoE rank's `dispatch` buffer, the posts into one MoE
+/// rank disjoint; the KV handoff moves the attention servers' pages.
+fn roles(c: &mut Check, p: &Plan) {
+    let Some(r) = &p.roles else { return };
+    let world = p.cluster.world as usize;
+    c.ensure(r.gpus.len() == world, "roles.gpus", || format!("{} roles for a world of {world}", r.gpus.len()));
+    c.ensure(
+        r.per_node.len() == p.cluster.nodes as usize && crate::roles::Roles::lay_out(&r.per_node) == r.gpus,
+        "roles.per_node",
+        || format!("{:?} does not lay out as the GPUs' roles", r.per_node),
+    );
+    for role in Role::ALL {
+        c.ensure(r.gpus.contains(&role), "roles.gpus", || format!("no {} server", role.name()));
+    }
+    if !p.memory.regions.is_empty() {
+        for (i, g) in p.memory.regions.iter().enumerate() {
+            let want: &[Role] = match g.kind {
+                RegionKind::Experts => &[Role::Moe],
+                RegionKind::Replicated | RegionKind::AttentionEp | RegionKind::KvPool => &[Role::Prefill, Role::Decode],
+                RegionKind::AttentionTp => &[],
+                RegionKind::Comm | RegionKind::Scratch | RegionKind::Requests => &[],
+            };
+            c.ensure(g.roles == want, format!("memory.regions[{i}].roles"), || {
+                format!("`{}` is held by {:?}, not {want:?}", g.kind.name(), g.roles)
+            });
+        }
+        let kv = &p.memory.kv;
+        c.ensure(
+            r.kv_handoff.page_tokens == kv.page_tokens && r.kv_handoff.page_bytes == kv.ep.page_bytes,
+            "roles.kv_handoff",
+            || format!("{:?} is not the KV pool's page format", r.kv_handoff),
+        );
+        let Some(d) = p.memory.buffer(Mode::Ep, BufferName::Dispatch) else {
+            c.bad("roles.posts", "the plan has no dispatch buffer");
+            return;
+        };
+        let attn = r.attention_ranks();
+        let moe = r.ranks(Role::Moe);
+        c.ensure(r.posts.len() == attn.len() * moe.len(), "roles.posts", || {
+            format!("{} posts for {} attention and {} MoE ranks", r.posts.len(), attn.len(), moe.len())
+        });
+        let mut seen = std::collections::BTreeSet::new();
+        let mut by_dst: std::collections::BTreeMap<u32, Vec<[u64; 2]>> = Default::default();
+        for (i, x) in r.posts.iter().enumerate() {
+            let f = format!("roles.posts[{i}]");
+            let inside = x.rows > 0
+                && x.first_row.checked_add(x.rows).is_some_and(|e| e <= d.rows)
+                && x.first_row.checked_mul(d.row_bytes).and_then(|b| b.checked_add(d.offset)) == Some(x.offset);
+            c.ensure(inside, &f, || {
+                format!(
+                    "rows [{}, +{}) at {} are not inside `dispatch` ({} rows at {})",
+                    x.first_row, x.rows, x.offset, d.rows, d.offset
+                )
+            });
+            c.ensure(attn.contains(&x.src) && moe.contains(&x.dst) && seen.insert((x.src, x.dst)), &f, || {
+                format!("{} → {} is not a new (attention, MoE) pair", x.src, x.dst)
+            });
+            by_dst.entry(x.dst).or_default().push([x.first_row, x.first_row.saturating_add(x.rows)]);
+        }
+        for (dst, mut rows) in by_dst {
+            rows.sort_unstable();
+            c.ensure(rows.windows(2).all(|w| w[0][1] <= w[1][0]), "roles.posts", || {
+                format!("two attention ranks' rows overlap in MoE rank {dst}'s dispatch buffer")
             });
         }
     }

@@ -299,6 +299,16 @@ pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
         plan.modes.iter().map(|m| m.name()).collect::<Vec<_>>().join(", "),
         start.name()
     ));
+    if let Some(r) = &bundle.plan.roles {
+        use moeforge::plan::roles::Role;
+        let of = |role: Role| r.ranks(role).iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+        out(&format!(
+            "roles: prefill servers [{}], decode servers [{}], MoE servers [{}]; each request prefills on a prefill server and its KV moves to a decode server",
+            of(Role::Prefill),
+            of(Role::Decode),
+            of(Role::Moe)
+        ));
+    }
     print_policy(&calibration, driver.policy());
     for id in 0..n as u64 {
         let toks: Vec<String> = tokens.get(&id).into_iter().flatten().map(u32::to_string).collect();

@@ -67,6 +67,7 @@ pub fn render(plan: &Plan, model: &moeforge_dsl::spec::Model, toolchain: &Toolch
     if let Some(n) = &l.note {
         let _ = writeln!(s, "> {n}\n");
     }
+    roles(&mut s, plan);
     capabilities(&mut s, model);
     memory(&mut s, plan, model);
     search(&mut s, plan);
@@ -175,10 +176,22 @@ fn memory(s: &mut String, plan: &Plan, model: &moeforge_dsl::spec::Model) {
     if let Some(r) = &mem.single_mode_reason {
         let _ = writeln!(s, "> Single-layout plan: {r}.\n");
     }
-    let _ = writeln!(s, "| region | offset | bytes | modes |\n|---|---|---|---|");
+    if plan.roles.is_some() {
+        let _ = writeln!(
+            s,
+            "Role plan: the workspace (`comm`, `scratch`, `requests`) sits at the same offsets on every GPU; \
+             behind it the attention servers' regions and the MoE servers' overlay the same addresses.\n"
+        );
+    }
+    let _ = writeln!(s, "| region | offset | bytes | modes | held by |\n|---|---|---|---|---|");
     for r in &mem.regions {
         let m: Vec<&str> = r.modes.iter().map(|m| m.name()).collect();
-        let _ = writeln!(s, "| {} | {} | {} | {} |", r.kind.name(), r.offset, gb(r.bytes), m.join(", "));
+        let held = if r.roles.is_empty() {
+            "every GPU".to_string()
+        } else {
+            r.roles.iter().map(|x| x.name()).collect::<Vec<_>>().join(", ")
+        };
+        let _ = writeln!(s, "| {} | {} | {} | {} | {held} |", r.kind.name(), r.offset, gb(r.bytes), m.join(", "));
     }
     let kv = &mem.kv;
     let _ = writeln!(s, "\nKV cache: pages of {} tokens.\n", kv.page_tokens);
@@ -309,7 +322,65 @@ fn search(s: &mut String, plan: &Plan) {
             c.goodput
         );
     }
-    let _ = writeln!(s, "\nAdvisory in this version: the memory plan and kernels above follow the colocated layout.\n");
+    if plan.roles.is_some() {
+        let _ = writeln!(s, "\nRealized: the plan's roles (Layout above) are rank 1's layout, its q the APK's.\n");
+    } else {
+        let _ = writeln!(
+            s,
+            "\nAdvisory: this deployment's strategy is not `expertplex`, so the memory plan and kernels above \
+             follow the colocated layout.\n"
+        );
+    }
+}
+
+/// The realized ExpertPlex roles: each GPU's role by node, the APK's q,
+/// and the communication schedule between the roles.
+fn roles(s: &mut String, plan: &Plan) {
+    use moeforge_plan::roles::Role;
+    let Some(r) = &plan.roles else { return };
+    let gpn = plan.cluster.gpus_per_node as usize;
+    let _ = writeln!(
+        s,
+        "ExpertPlex roles, realized from the layout search's best layout (predicted goodput {:.2} req/s); \
+         every MoE server's APK gives decode q = {} of {} SMs.\n",
+        r.goodput, r.q, plan.cluster.sms
+    );
+    let _ = writeln!(s, "| node | GPUs (local rank: role) | MoE / prefill / decode |\n|---|---|---|");
+    for (n, counts) in r.per_node.iter().enumerate() {
+        let gpus: Vec<String> =
+            (0..gpn).filter_map(|l| r.gpus.get(n * gpn + l).map(|role| format!("{l}: {}", role.name()))).collect();
+        let _ = writeln!(s, "| {n} | {} | {} / {} / {} |", gpus.join(", "), counts[0], counts[1], counts[2]);
+    }
+    let (attn, moe) = (r.attention_ranks(), r.ranks(Role::Moe));
+    let rows = r.posts.first().map_or(0, |p| p.rows);
+    let _ = writeln!(s, "\n### Communication schedule\n");
+    let _ = writeln!(
+        s,
+        "- **Dispatch** (attention-initiated, one-sided): each of the {} attention ranks writes its token rows \
+         into a region of every MoE rank's `dispatch` buffer reserved for it: {} rows per (attention, MoE) pair, \
+         {} posts in all (`roles.posts`). Reserved regions need no count exchange before the write, as DeepEP's \
+         low-latency mode; they cap one attention rank at {rows} rows to one MoE rank per step.",
+        attn.len(),
+        rows,
+        r.posts.len()
+    );
+    let _ = writeln!(
+        s,
+        "- **Combine**: the attention rank pulls its rows back from the same rows of the MoE rank's `combine` buffer."
+    );
+    let _ = writeln!(
+        s,
+        "- **KV handoff**: after a request's prefill step its KV moves from its prefill server to the decode \
+         server the request scheduler picks, page by page ({} tokens, {} bytes a page).",
+        r.kv_handoff.page_tokens, r.kv_handoff.page_bytes
+    );
+    let _ = writeln!(s, "\n| MoE rank | posting attention ranks (first row) |\n|---|---|");
+    for m in &moe {
+        let from: Vec<String> =
+            r.posts.iter().filter(|p| p.dst == *m).map(|p| format!("{} ({})", p.src, p.first_row)).collect();
+        let _ = writeln!(s, "| {m} | {} |", from.join(", "));
+    }
+    let _ = writeln!(s);
 }
 
 fn placement(s: &mut String, plan: &Plan) {
@@ -368,6 +439,15 @@ fn placement(s: &mut String, plan: &Plan) {
 fn programs(s: &mut String, plan: &Plan) {
     use moeforge_plan::program::KernelRef;
     let _ = writeln!(s, "\n## Per-rank programs\n");
+    if plan.roles.is_some() {
+        let _ = writeln!(
+            s,
+            "None yet for a role plan: attention and MoE servers run different programs (attention-initiated \
+             dispatch, a MoE server's persistent APK) that this version does not generate. The CPU twin runs \
+             the plan (`moeforge run --backend cpu`); the devices refuse it."
+        );
+        return;
+    }
     let _ = writeln!(
         s,
         "One forward step per role, mode and phase (`plan.json` `programs`): ops on named streams, \

@@ -13,6 +13,7 @@ use super::{At, Ctx, PassError};
 use moeforge_dsl::spec::{Attention, AttnBias, DType, Deploy, Model, QkNormScope, Routing, Spec};
 use moeforge_dsl::Code;
 use moeforge_plan::memory::*;
+use moeforge_plan::roles::{KvHandoff, Role, Roles};
 use moeforge_plan::Plan;
 
 struct Tensor {
@@ -70,6 +71,8 @@ struct Builder {
     at: u64,
     regions: Vec<Region>,
     views: Vec<View>,
+    /// The roles holding the regions laid out next (empty: every GPU).
+    holders: Vec<Role>,
 }
 
 impl Builder {
@@ -77,7 +80,7 @@ impl Builder {
         let offset = self.at;
         let bytes = align(bytes);
         let id = RegionId(self.regions.len() as u32);
-        self.regions.push(Region { kind, offset, bytes, modes: modes.to_vec() });
+        self.regions.push(Region { kind, offset, bytes, modes: modes.to_vec(), roles: self.holders.clone() });
         self.at += bytes;
         (id, offset)
     }
@@ -147,6 +150,12 @@ pub(crate) fn single_mode_reason(spec: &Spec, d: &Deploy) -> Option<String> {
     if !d.switch.enabled {
         return Some("the deployment does not enable `switch`".into());
     }
+    if d.strategy == moeforge_dsl::spec::Strategy::Expertplex {
+        return Some(
+            "ExpertPlex roles put attention and experts on different GPUs; a TP↔EP switch needs every GPU to hold both"
+                .into(),
+        );
+    }
     if c.nodes > 1 {
         return Some("TP↔EP switching is planned within one NVLink node; this cluster has several".into());
     }
@@ -191,7 +200,28 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     let all_layers = [0, m.layers];
     let moe_layers = [dense_layers, m.layers];
 
-    let mut b = Builder { at: 0, regions: vec![], views: vec![] };
+    let mut b = Builder { at: 0, regions: vec![], views: vec![], holders: vec![] };
+    // A role plan lays the workspace first, at the same offsets on every
+    // GPU, and overlays the roles' own regions behind it: attention servers'
+    // weights and KV pool, MoE servers' expert slots.
+    let attention_roles = vec![Role::Prefill, Role::Decode];
+    let role_plan = plan.roles.is_some();
+    let ws = Workspace::of(m, dual);
+    let specs = Workspace::buffers(m, dual);
+    let mut buffers = Vec::new();
+    let mut workspace = |b: &mut Builder| {
+        for (kind, bytes) in
+            [(RegionKind::Comm, ws.comm), (RegionKind::Scratch, ws.scratch), (RegionKind::Requests, ws.requests)]
+        {
+            let (id, base) = b.region(kind, bytes, &modes);
+            buffers.extend(lay_buffers(&specs, kind, id, base));
+        }
+    };
+    if role_plan {
+        workspace(&mut b);
+        b.holders = attention_roles.clone();
+    }
+    let role_area = b.at;
 
     // Replicated weights: identical bytes in both modes.
     let mut global = vec![t(TensorRole::Embedding, &[v, h], DType::Bf16, Shard::Full)];
@@ -278,7 +308,17 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     let bias_bytes = |s: &Vec<u64>| if s.is_empty() { 0 } else { align(s.iter().product::<u64>() * 2) };
     let slot_bytes = w13_bytes + w2_bytes + scale_bytes(&s13) + scale_bytes(&s2) + bias_bytes(&b13) + bias_bytes(&b2);
     let slot_count = u64::from(n) + u64::from(dual);
+    let attention_end = b.at;
+    if role_plan {
+        b.at = role_area;
+        b.holders = vec![Role::Moe];
+    }
     let (experts, base) = b.region(RegionKind::Experts, slot_bytes * slot_count, &modes);
+    let moe_end = b.at;
+    if role_plan {
+        b.at = attention_end;
+        b.holders = attention_roles.clone();
+    }
     let slots = ExpertSlots {
         region: experts,
         base,
@@ -325,17 +365,27 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     }
 
     // Communication, scratch and request metadata: the shared workspace formula.
-    let ws = Workspace::of(m, dual);
-    let specs = Workspace::buffers(m, dual);
-    let mut buffers = Vec::new();
-    for (kind, bytes) in
-        [(RegionKind::Comm, ws.comm), (RegionKind::Scratch, ws.scratch), (RegionKind::Requests, ws.requests)]
-    {
-        let (id, base) = b.region(kind, bytes, &modes);
-        buffers.extend(lay_buffers(&specs, kind, id, base));
+    if !role_plan {
+        workspace(&mut b);
     }
 
     let fixed = b.at;
+    if role_plan && moe_end > buffer_bytes {
+        return Err(PassError::new(
+            Code::WeightsDoNotFit,
+            At::Deploy("memory_fraction".into()),
+            format!(
+                "deployment `{}` does not fit: each MoE server needs {:.2} GB for its {} expert slots and the workspace but the unified buffer is {:.2} GB",
+                d.name,
+                moe_end as f64 / 1e9,
+                plan.layout.max_experts_per_rank,
+                buffer_bytes as f64 / 1e9
+            ),
+        )
+        .label("MoE servers too small")
+        .help("raise `memory_fraction`, or use a cluster with more GPUs so the search can place more MoE servers")
+        .into());
+    }
     if fixed > buffer_bytes {
         let need = fixed as f64 / 1e9;
         let have = buffer_bytes as f64 / 1e9;
@@ -356,7 +406,12 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     }
     let pool = buffer_bytes - fixed;
     let (kv_region, _) = b.region(RegionKind::KvPool, pool, &modes);
-    let kv = kv_plan(m, p, dual, pool, kv_region);
+    let mut kv = kv_plan(m, p, dual, pool, kv_region);
+    if let Some(r) = &plan.roles {
+        // Only attention servers hold KV, each its own requests'.
+        let holders = r.attention_ranks().len() as u64;
+        kv.ep.capacity_tokens = holders * kv.ep.pages * u64::from(kv.page_tokens);
+    }
     if kv.ep.pages == 0 {
         return Err(PassError::new(
             Code::WeightsDoNotFit,
@@ -405,6 +460,13 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
         overhead,
         buffers,
     };
+    if let Some(roles) = plan.roles.as_mut() {
+        let mem = &plan.memory;
+        if let Some(d) = mem.buffer(Mode::Ep, BufferName::Dispatch) {
+            roles.posts = Roles::posts(&roles.gpus, d.rows, d.row_bytes, d.offset);
+        }
+        roles.kv_handoff = KvHandoff { page_tokens: mem.kv.page_tokens, page_bytes: mem.kv.ep.page_bytes };
+    }
     Ok(())
 }
 /// Bytes of the TP views that alias the EP attention copy (a single TP plan

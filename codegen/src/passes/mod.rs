@@ -27,12 +27,12 @@ pub type Pass = fn(&Ctx<'_>, &mut Plan) -> Result<(), Vec<PassError>>;
 /// The pipeline, in order. Each pass reads only what earlier passes wrote.
 pub const PIPELINE: &[(&str, Pass)] = &[
     ("support", support::run),
-    ("layout", layout::run),
     ("cost", cost::run),
+    ("search", search::run),
+    ("layout", layout::run),
     ("placement", place::run),
     ("memory", memory::run),
     ("reshard", reshard::run),
-    ("search", search::run),
     ("kernels", kernels::run),
     ("program", program::run),
 ];

@@ -51,7 +51,26 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
         )]);
     }
     let measured = cx.opts.loads.as_ref().map(|(l, digest)| (l.as_slice(), digest.as_str()));
-    plan.placement = place(cx.spec, cx.deploy, &plan.cost, measured).map_err(|e| {
+    // A role plan places replicas over its MoE servers only: the same
+    // count on every node holding them (the search guarantees it), as a
+    // topology of their own, then maps them back to world ranks.
+    let moe_ranks = plan.roles.as_ref().map(|r| r.ranks(moeforge_plan::roles::Role::Moe));
+    let t = match &plan.roles {
+        None => Topology { nodes: cx.cluster.nodes as usize, gpus_per_node: cx.cluster.gpus_per_node as usize },
+        Some(r) => {
+            let counts: Vec<u32> = r.per_node.iter().map(|n| n[0]).filter(|&m| m > 0).collect();
+            if !super::search::uniform_moe(&r.per_node) {
+                return Err(vec![PassError::new(
+                    Code::Unsupported,
+                    At::Deploy("placement".into()),
+                    format!("the ExpertPlex layout puts {counts:?} MoE servers on its nodes; replicas need the same number on each"),
+                )
+                .label("placement over uneven MoE servers")]);
+            }
+            Topology { nodes: counts.len(), gpus_per_node: counts.first().copied().unwrap_or(1) as usize }
+        }
+    };
+    plan.placement = place(cx.spec, cx.deploy, &plan.cost, measured, t).map_err(|e| {
         // Statistics that do not match the model point at the placement block that reads them.
         let at = if e.contains("expert statistics") { "placement" } else { "placement.redundant_experts" };
         let at = At::Deploy(at.into());
@@ -59,6 +78,16 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
             "(experts + redundant_experts) must be a multiple of the GPU count; measured loads must match the model",
         )
     })?;
+    if let (Some(p), Some(moe)) = (plan.placement.as_mut(), &moe_ranks) {
+        let world = cx.cluster.world_size() as usize;
+        for layer in &mut p.replicas {
+            let mut full = vec![Vec::new(); world];
+            for (slots, &r) in layer.drain(..).zip(moe) {
+                full[r as usize] = slots;
+            }
+            *layer = full;
+        }
+    }
     if let Some(p) = &plan.placement {
         plan.layout.max_experts_per_rank = p.slots_per_gpu() as u32;
     }
@@ -70,13 +99,12 @@ fn place(
     d: &Deploy,
     cm: &CostModel,
     measured: Option<(&[Vec<f64>], &str)>,
+    t: Topology,
 ) -> Result<Option<PlacementPlan>, String> {
     if d.placement.policy == PlacementPolicy::None {
         return Ok(None);
     }
     let m = spec.model(d.model);
-    let c = spec.cluster(d.cluster);
-    let t = Topology { nodes: c.nodes as usize, gpus_per_node: c.gpus_per_node as usize };
     let experts = m.moe.experts as usize;
     let layers = m.moe_layers() as usize;
     let redundant = d.placement.redundant_experts as usize;

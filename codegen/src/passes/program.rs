@@ -15,6 +15,11 @@
 //!
 //! EP ranks holding different expert counts run different APK instances:
 //! their programs are separate.
+//!
+//! A plan with ExpertPlex roles gets no programs yet: its attention and MoE
+//! servers run different programs (attention-initiated dispatch, a MoE
+//! server's persistent APK), which this pass does not generate; the CPU
+//! twin runs role plans, the devices refuse them.
 
 use super::{Ctx, PassError};
 use moeforge_dsl::spec::{Attention, DType, Model, QkNormScope, Routing};
@@ -23,6 +28,10 @@ use moeforge_plan::program::*;
 use moeforge_plan::{ApkForm, Grid, GridVar, KernelParams, Plan};
 
 pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
+    if plan.roles.is_some() {
+        plan.programs.clear();
+        return Ok(());
+    }
     let m = cx.model;
     let world: Vec<u32> = plan.ranks.iter().map(|r| r.rank).collect();
     let experts: Vec<[u32; 2]> = (0..plan.ranks.len()).map(|r| plan.ep_ids(r)).collect();

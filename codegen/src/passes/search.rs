@@ -22,7 +22,7 @@
 //! kernels still follow the colocated layout.
 
 use super::{Ctx, PassError};
-use moeforge_dsl::spec::{Deploy, Spec, Strategy};
+use moeforge_dsl::spec::{Deploy, PlacementPolicy, Spec, Strategy};
 use moeforge_plan::cost::step::{Env, Load, MoeSide, Sms};
 use moeforge_plan::cost::CostModel;
 use moeforge_plan::memory::Workspace;
@@ -87,6 +87,16 @@ fn shape(prefill: u32, decode: u32, nodes: u32, gpn: u32) -> Option<Shape> {
         per_node.push([gpn - used, p[i], d[i]]);
     }
     Some(Shape { prefill, decode, side: moe_side(&per_node), per_node })
+}
+
+/// Whether every node holding MoE servers holds the same number: a
+/// replicated placement over the MoE servers needs that (its topology is
+/// nodes × GPUs per node), so an `expertplex` deployment with one
+/// considers no other layout.
+pub fn uniform_moe(per_node: &[[u32; 3]]) -> bool {
+    let mut counts = per_node.iter().map(|n| n[0]).filter(|&m| m > 0);
+    let first = counts.next();
+    counts.all(|m| Some(m) == first)
 }
 
 /// The decode SM budgets q the search tries: 1/8 … 6/8 of the SMs, each
@@ -179,6 +189,14 @@ pub fn search(spec: &Spec, d: &Deploy, cm: &CostModel) -> SearchResult {
                 continue;
             }
             let Some(sh) = shape(prefill, decode, c.nodes, c.gpus_per_node) else { continue };
+            // A realized layout's replicated placement fills every MoE
+            // server's slots evenly, over a uniform topology.
+            let slots = m.moe.experts + d.placement.redundant_experts;
+            let realized = d.strategy == Strategy::Expertplex && d.placement.policy != PlacementPolicy::None;
+            // (no GPU holding an expert twice).
+            if realized && (!uniform_moe(&sh.per_node) || !slots.is_multiple_of(moe) || slots / moe > m.moe.experts) {
+                continue;
+            }
             fitting += 1;
             let kv_decode =
                 (attn_room / one_request * f64::from(decode)).floor().min(f64::from(MAX_DECODE_BATCH)) as u32;

@@ -394,7 +394,9 @@ impl<'a> Bench<'a> {
         self.spec.cluster(d.cluster).scale_out.as_ref().map_or(1, |o| o.virtual_lanes)
     }
 
-    /// The layout search's best ExpertPlex layout (Algorithm 1).
+    /// The layout search's best ExpertPlex layout (Algorithm 1). A plan
+    /// that realizes it (`plan.roles`) is that layout; its decode servers
+    /// then hold the compiled memory plan's KV pool, not a modeled one.
     fn expertplex(&self) -> Result<Deployment, String> {
         let e = &self.env;
         let search = self.search.as_ref().ok_or(
@@ -408,7 +410,14 @@ impl<'a> Bench<'a> {
             e.experts / f64::from(best.moe_gpus),
             f64::from(e.cm.m_t_decode),
         );
-        let kv = self.kv_after(e.nonrouted, 1);
+        let kv = match &self.plan.roles {
+            Some(r) if r.per_node == best.per_node => {
+                let kv = &self.plan.memory.kv;
+                (kv.ep.pages * u64::from(kv.page_tokens)) as f64
+            }
+            Some(_) => return Err("the plan's roles are not the layout search's best layout".into()),
+            None => self.kv_after(e.nonrouted, 1),
+        };
         Ok(Deployment {
             system: System::ExpertPlex,
             label: format!("{}P{}D{}E q={}", best.prefill_gpus, best.decode_gpus, best.moe_gpus, best.q),

@@ -33,6 +33,9 @@ impl Twin {
                 r.requests
                     .iter()
                     .filter_map(|id| self.requests.get(id))
+                    // A prefill server only prefills: a request waiting there
+                    // for a decode server is not stepped.
+                    .filter(|q| r.role != Some(super::Role::Prefill) || q.cached == 0)
                     .flat_map(|q| (q.cached..q.len()).map(move |pos| (q.id, pos, q.token(pos))))
                     .collect()
             })

@@ -30,6 +30,11 @@ impl Twin {
             for l in v.layers[0]..v.layers[1] {
                 let name = v.tensor.replace("{l}", &l.to_string());
                 for r in 0..p {
+                    // A role plan's GPU holds only its role's regions.
+                    let role = self.ranks[r].role;
+                    if !self.plan.regions.get(v.region.index()).is_some_and(|g| g.held_by(role)) {
+                        continue;
+                    }
                     let bytes = self.slice_for(ck, &m, v, &name, l as usize, r)?;
                     if bytes.len() as u64 != v.bytes() {
                         return Err(TwinError::Unsupported(format!(

@@ -40,6 +40,7 @@ use crate::engine::{Engine, EngineError, Request, RequestId, Stats, StepOutput, 
 use crate::LoadedBundle;
 use moeforge_dsl::spec::DType;
 use moeforge_plan::memory::{MemoryPlan, Mode, TensorPart, TensorRole, View};
+use moeforge_plan::roles::Role;
 use paging::{kv_pages, Pages};
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Instant;
@@ -107,6 +108,8 @@ impl From<TwinError> for EngineError {
 /// One simulated GPU.
 struct Rank {
     id: usize,
+    /// Its ExpertPlex role in a role plan.
+    role: Option<Role>,
     buf: Vec<u8>,
     pages: Pages,
     /// Page table per request held by this rank.
@@ -145,6 +148,18 @@ pub struct Twin {
     slots: moe::Slots,
     /// Where EP's routed rows were computed so far.
     routed: std::sync::Mutex<moe::Routed>,
+    /// The plan's ExpertPlex roles, when it has them.
+    roles: Option<moeforge_plan::roles::Roles>,
+    /// Prefill→decode KV handoffs so far.
+    handoffs: Handoffs,
+}
+
+/// What the prefill→decode KV handoffs of a role plan moved.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Handoffs {
+    pub requests: u64,
+    pub pages: u64,
+    pub bytes: u64,
 }
 
 /// Largest total of rank buffers the twin allocates.
@@ -171,9 +186,10 @@ impl Twin {
             return Err(TwinError::TooLarge { need, ranks: plan.group, limit: MAX_TWIN_BYTES });
         }
         let p = plan.group as usize;
-        if full.placement.is_none() && model.experts % p != 0 {
+        let ep = full.layout.ep_size.max(1) as usize;
+        if full.placement.is_none() && model.experts % ep != 0 {
             return Err(TwinError::Unsupported(format!(
-                "{} experts do not split evenly over {p} ranks; the CPU twin needs E mod P = 0",
+                "{} experts do not split evenly over {ep} ranks; the CPU twin needs E mod P = 0",
                 model.experts
             )));
         }
@@ -183,8 +199,10 @@ impl Twin {
         let ranks = (0..p)
             .map(|id| Rank {
                 id,
+                role: full.role(id),
                 buf: vec![0u8; plan.buffer_bytes as usize],
-                pages: Pages::new(pages),
+                // MoE servers hold no KV.
+                pages: Pages::new(if full.role(id) == Some(Role::Moe) { 0 } else { pages }),
                 tables: BTreeMap::new(),
                 requests: vec![],
             })
@@ -208,6 +226,8 @@ impl Twin {
             device: None,
             slots: moe::Slots::of(full),
             routed: Default::default(),
+            roles: full.roles.clone(),
+            handoffs: Handoffs::default(),
         };
         twin.load(ck)?;
         Ok(twin)
@@ -223,6 +243,13 @@ impl Twin {
         start: Mode,
         dev: Box<dyn crate::device::Device + Send>,
     ) -> Result<Twin, TwinError> {
+        if bundle.plan.plan().roles.is_some() {
+            return Err(TwinError::Unsupported(
+                "this bundle's plan has ExpertPlex roles (prefill, decode and MoE servers); the devices run colocated \
+                 and switching plans only, because per-role programs are not generated yet: run it with `--backend cpu`"
+                    .into(),
+            ));
+        }
         let mut twin = Twin::new(bundle, ck, start)?;
         let device = |e: crate::device::exec::ExecError| TwinError::Unsupported(e.to_string());
         let mut exec = crate::device::exec::Executor::new(dev, bundle.plan.plan(), &bundle.kernels).map_err(device)?;
@@ -252,6 +279,14 @@ impl Twin {
     /// Where EP's routed (token, k) rows were computed so far.
     pub fn routed(&self) -> moe::Routed {
         self.routed.lock().map(|r| *r).unwrap_or_default()
+    }
+    /// The prefill→decode KV handoffs of a role plan so far.
+    pub fn handoffs(&self) -> Handoffs {
+        self.handoffs
+    }
+    /// The requests each GPU serves now, by rank (a role plan's MoE servers none).
+    pub fn served(&self) -> Vec<Vec<RequestId>> {
+        self.ranks.iter().map(|r| r.requests.clone()).collect()
     }
     /// Slot exchanges the drift re-planning executed so far.
     pub fn swaps(&self) -> u64 {
@@ -331,9 +366,21 @@ impl Twin {
         self.requests.get(&id).map_or(0, |r| r.reserve().div_ceil(self.plan.kv.page_tokens.max(1) as usize))
     }
 
+    /// Pages request `id` reserves on a GPU of `role`: a prefill server
+    /// holds its prompt's KV only (the decode server takes the rest), any
+    /// other rank its whole sequence.
+    fn pages_on(&self, role: Option<Role>, id: RequestId) -> usize {
+        match role {
+            Some(Role::Prefill) => {
+                self.requests.get(&id).map_or(0, |r| r.prompt.len().div_ceil(self.plan.kv.page_tokens.max(1) as usize))
+            }
+            _ => self.pages_needed(id),
+        }
+    }
+
     /// Pages reserved on a rank by the requests it serves.
     fn reserved(&self, r: &Rank) -> usize {
-        r.requests.iter().map(|id| self.pages_needed(*id)).sum()
+        r.requests.iter().map(|id| self.pages_on(r.role, *id)).sum()
     }
 
     /// Admits waiting requests by the shared rule ([`crate::batching`]):
@@ -345,8 +392,23 @@ impl Twin {
     }
 
     /// Places one request if its reservation fits: EP on the least-loaded
-    /// rank with room, TP on every rank.
+    /// rank with room, TP on every rank. In a role plan this is the request
+    /// scheduler's first choice: the prefill server with the fewest tokens
+    /// to process that has room for the prompt's KV (the decode server is
+    /// chosen at the handoff, [`Twin::hand_off`]).
     fn place(&mut self, id: RequestId) -> bool {
+        if self.roles.is_some() {
+            let best = (0..self.ranks.len())
+                .filter(|&r| self.ranks[r].role == Some(Role::Prefill))
+                .filter(|&r| {
+                    let rank = &self.ranks[r];
+                    self.reserved(rank) + self.pages_on(rank.role, id) <= rank.pages.total as usize
+                })
+                .min_by_key(|&r| (self.load_tokens(r), self.ranks[r].requests.len(), r));
+            let Some(r) = best else { return false };
+            self.ranks[r].requests.push(id);
+            return true;
+        }
         let need = self.pages_needed(id);
         let room = |r: &Rank| self.reserved(r) + need <= r.pages.total as usize;
         match self.mode {
@@ -369,6 +431,60 @@ impl Twin {
 
     fn load_tokens(&self, r: usize) -> usize {
         self.ranks[r].requests.iter().filter_map(|id| self.requests.get(id)).map(Live::len).sum()
+    }
+
+    /// ExpertPlex's prefill→decode KV handoff, after a step: every request
+    /// whose prefill finished on a prefill server (and that has tokens left)
+    /// moves to the decode server the request scheduler picks, the one with
+    /// the fewest reserved KV pages (then requests) that has room for the
+    /// whole sequence. Its KV pages are copied page by page into pages of
+    /// the decode server's pool (both use the attention servers' one page
+    /// format), its page table follows, and the prefill server's pages are
+    /// freed. A request no decode server has room for waits on its prefill
+    /// server, which does not decode it.
+    fn hand_off(&mut self) {
+        if self.roles.is_none() {
+            return;
+        }
+        let geom = paging::KvGeom::of(&self.plan, Mode::Ep);
+        for src in 0..self.ranks.len() {
+            if self.ranks[src].role != Some(Role::Prefill) {
+                continue;
+            }
+            for id in self.ranks[src].requests.clone() {
+                let Some(q) = self.requests.get(&id) else { continue };
+                if q.done() || q.cached < q.prompt.len() {
+                    continue;
+                }
+                let need = self.pages_needed(id);
+                let Some(dst) = (0..self.ranks.len())
+                    .filter(|&r| self.ranks[r].role == Some(Role::Decode))
+                    .filter(|&r| self.reserved(&self.ranks[r]) + need <= self.ranks[r].pages.total as usize)
+                    .min_by_key(|&r| (self.reserved(&self.ranks[r]), self.ranks[r].requests.len(), r))
+                else {
+                    continue;
+                };
+                let from = self.ranks[src].tables.remove(&id).unwrap_or_default();
+                let mut to = Vec::with_capacity(from.len());
+                for &pg in &from {
+                    // Admission reserved the decode server's pages.
+                    let Some(np) = self.ranks[dst].pages.free.pop_front() else { break };
+                    let (a, b) = (geom.base + pg as usize * geom.page_bytes, geom.base + np as usize * geom.page_bytes);
+                    let page = self.ranks[src].buf.get(a..a + geom.page_bytes).map(<[u8]>::to_vec);
+                    if let (Some(page), Some(out)) = (page, self.ranks[dst].buf.get_mut(b..b + geom.page_bytes)) {
+                        out.copy_from_slice(&page);
+                    }
+                    to.push(np);
+                }
+                self.handoffs.requests += 1;
+                self.handoffs.pages += to.len() as u64;
+                self.handoffs.bytes += (to.len() * geom.page_bytes) as u64;
+                self.ranks[src].pages.free.extend(from);
+                self.ranks[src].requests.retain(|x| *x != id);
+                self.ranks[dst].tables.insert(id, to);
+                self.ranks[dst].requests.push(id);
+            }
+        }
     }
 
     /// Frees a finished or cancelled request's pages on every rank.
@@ -449,6 +565,7 @@ impl Engine for Twin {
             Mode::Ep => self.ranks.iter().map(|r| r.requests.len()).sum(),
         };
         let (tokens, produced) = self.forward()?;
+        self.hand_off();
         if self.mode == Mode::Ep && self.device.is_none() {
             for (layer, s) in self.slots.end_step() {
                 self.exchange_slots(layer, s);
