@@ -327,6 +327,37 @@ fn expertplex_roles_with_zepp_replicas_give_transformers_tokens() {
     eprintln!("roles {:?} with {} slots per MoE server: routed {routed:?}", roles.gpus, pl.slots_per_gpu());
 }
 
+/// PD disaggregation, realized (`strategy = pd-disagg`): whole-model
+/// instances (one GPU each for the tiny model), half prefill, half decode;
+/// each request prefills on a prefill instance, its KV moves to a decode
+/// instance, and every routed row stays inside the sender's instance.
+#[test]
+fn pd_disaggregation_gives_transformers_tokens() {
+    use moeforge::plan::roles::Role;
+    let f = fixture("qwen3-moe");
+    let ck = Checkpoint::load(&f.dir).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let extra = "strategy = pd-disagg";
+    let b = compile_text(&cpu_cluster_deployment(&imported_block(&f.dir), 1, 4, 0.25, extra), tmp.path());
+    let plan = b.plan.plan();
+    let roles = plan.roles.as_ref().expect("pd-disagg realizes instances");
+    assert!(!roles.moe_servers());
+    assert_eq!((roles.ranks(Role::Prefill).len(), roles.ranks(Role::Decode).len()), (2, 2));
+    assert_eq!(roles.ep_groups.len(), 4, "{:?}", roles.ep_groups);
+    // Every instance holds every expert.
+    for g in &roles.ep_groups {
+        assert_eq!(g.iter().map(|&r| plan.local_experts(r as usize)).sum::<u32>(), 8);
+    }
+    let mut t = Twin::new(&b, &ck, Mode::Ep).unwrap();
+    check_run(&f, &mut t, "pd", &[]);
+    let decoding = f.tokens.iter().filter(|x| x.len() > 1).count() as u64;
+    assert_eq!(t.handoffs().requests, decoding);
+    // With four copies of each expert, routing blind to instances would
+    // send three quarters of the rows to other GPUs.
+    let routed = t.routed();
+    assert!(routed.rows() > 0 && routed.own_rank == routed.rows(), "{routed:?}");
+}
+
 /// The request scheduler of a role plan: new requests go to prefill
 /// servers, after their prefill step every one sits on a decode server,
 /// spread evenly over them; MoE servers never hold a request.

@@ -349,3 +349,21 @@ fn the_simulated_expertplex_system_is_the_compiled_role_plan() {
     let kv = &plan.memory.kv;
     assert_eq!(d.decode_kv_tokens, (n(Role::Decode) as u64 * kv.ep.pages * u64::from(kv.page_tokens)) as f64);
 }
+
+/// The simulator's PD system is the compiled `pd-disagg` plan: the same
+/// whole-model instances, its decode GPUs holding the compiled KV pool.
+#[test]
+fn the_simulated_pd_system_is_the_compiled_pd_plan() {
+    use moeforge::plan::roles::Role;
+    let f = fixture("glm-4.5-air-h200");
+    let plan = f.planned.plan();
+    let roles = plan.roles.as_ref().expect("glm-4.5-air-h200 realizes PD instances");
+    let deps = f.bench().deployments(System::PdDisagg).unwrap();
+    let d = deps.first().unwrap();
+    let unit = roles.ep_groups[0].len();
+    let of = |r: Role| roles.ep_groups.iter().filter(|g| roles.gpus[g[0] as usize] == r).count();
+    assert_eq!(d.label, format!("{}P{}D × DP{unit}EP{unit}", of(Role::Prefill), of(Role::Decode)));
+    let kv = &plan.memory.kv;
+    let decode_gpus = roles.ranks(Role::Decode).len() as u64;
+    assert_eq!(d.decode_kv_tokens, (decode_gpus * kv.ep.pages * u64::from(kv.page_tokens)) as f64);
+}

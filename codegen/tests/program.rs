@@ -27,13 +27,14 @@ fn example(name: &str) -> Plan {
     plan_of(&root().join("examples").join(format!("{name}.moe")))
 }
 
-/// An example whose strategy is `expertplex` (a role plan, no programs
-/// yet), planned colocated instead: the same model, cluster and tiles.
+/// An example whose strategy is `expertplex` or `pd-disagg` (a role plan,
+/// no programs yet), planned colocated instead: the same model, cluster and tiles.
 fn colocated(name: &str) -> Plan {
     let text = std::fs::read_to_string(root().join("examples").join(format!("{name}.moe"))).unwrap();
-    assert!(text.contains("strategy = expertplex"), "{name}");
+    assert!(text.contains("strategy = expertplex") || text.contains("strategy = pd-disagg"), "{name}");
     let text = text
         .replace("strategy = expertplex", "strategy = colocated")
+        .replace("strategy = pd-disagg", "strategy = colocated")
         .replace("use \"../models/", &format!("use \"{}/models/", root().display()));
     let dir = std::env::temp_dir().join(format!("moeforge-colocated-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -377,7 +378,7 @@ fn dense_gemms_state_their_shapes_and_the_verifier_holds_them_to_their_operands(
     assert!(tp.ops().all(|(_, o)| !matches!(o.kernel, KernelRef::Missing { .. })), "a TP op without a kernel");
     // GLM-4.5-Air's leading dense layer (ffn 10944, hidden 4096): SwiGLU
     // into FfnMid, then down into the residual.
-    let glm = example("glm-4.5-air-h200");
+    let glm = colocated("glm-4.5-air-h200");
     let dec = program(&glm, Mode::Ep, Phase::Decode);
     let (gu, down) = (gemm(dec, "dense_gate_up"), gemm(dec, "dense_down"));
     assert_eq!((gu.epilogue, gu.n, gu.k), (Epilogue::SwiGlu, 10944, 4096));

@@ -1,6 +1,10 @@
 //! ExpertPlex roles (§3): which GPU is a prefill attention server, a decode
 //! attention server or a MoE server, realized from the layout search's best
-//! layout (§6.3), with the communication schedule between them.
+//! layout (§6.3), with the communication schedule between them. PD
+//! disaggregation (the papers' PD baseline) is the same structure without
+//! MoE servers: whole-model instances of prefill or decode GPUs, each
+//! instance its own EP group ([`Roles::ep_groups`]), every GPU holding
+//! every region.
 //!
 //! A role plan keeps one unified buffer per GPU and one [`MemoryPlan`]:
 //! the workspace regions (`comm`, `scratch`, `requests`) sit at the same
@@ -85,7 +89,12 @@ pub struct Roles {
     /// Per node `[moe, prefill, decode]` GPUs: the searched layout (the
     /// search's best candidate), laid out MoE servers first on each node.
     pub per_node: Vec<[u32; 3]>,
-    /// The decode SM budget q the APK of every MoE server runs with.
+    /// The GPUs each expert-parallel group spans, in rank order: ExpertPlex
+    /// one group (its MoE servers, which every attention server routes to),
+    /// PD one per whole-model instance (its GPUs route within it).
+    pub ep_groups: Vec<Vec<u32>>,
+    /// The decode SM budget q the APK of every MoE server runs with (PD: 0,
+    /// its phases never share a GPU).
     pub q: u32,
     /// The goodput the search predicted for this layout, requests/s.
     pub goodput: f64,
@@ -95,6 +104,23 @@ pub struct Roles {
 }
 
 impl Roles {
+    /// Whether attention and experts are on different GPUs (ExpertPlex),
+    /// rather than whole-model instances (PD).
+    pub fn moe_servers(&self) -> bool {
+        self.gpus.contains(&Role::Moe)
+    }
+    /// The EP group GPU `rank`'s routed rows go to: its own instance (PD),
+    /// or the MoE servers (ExpertPlex).
+    pub fn group_of(&self, rank: u32) -> Option<&[u32]> {
+        match self.ep_groups.as_slice() {
+            [one] => Some(one),
+            many => many.iter().find(|g| g.contains(&rank)).map(Vec::as_slice),
+        }
+    }
+    /// Whether GPU `rank` holds experts (it is in an EP group).
+    pub fn holds_experts(&self, rank: u32) -> bool {
+        self.ep_groups.iter().any(|g| g.contains(&rank))
+    }
     /// The ranks holding `role`, in rank order.
     pub fn ranks(&self, role: Role) -> Vec<u32> {
         (0..self.gpus.len() as u32).filter(|&r| self.gpus[r as usize] == role).collect()

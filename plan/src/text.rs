@@ -309,7 +309,7 @@ impl Plan {
                 .sum()
         };
         let modes: Vec<&str> = mem.modes.iter().map(|m| m.name()).collect();
-        let held = match &self.roles {
+        let held = match self.roles.as_ref().filter(|r| r.moe_servers()) {
             None => format!("{:.1} GB weights", weights(None) as f64 / 1e9),
             Some(_) => {
                 use crate::roles::Role;

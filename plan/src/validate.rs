@@ -146,10 +146,8 @@ fn ranks(c: &mut Check, p: &Plan) {
     {
         return;
     }
-    let ep = p.roles.as_ref().map_or(world, |r| r.ranks(Role::Moe).len() as u32);
-    c.ensure(p.layout.ep_size == ep, "layout.ep_size", || {
-        format!("{} for {ep} GPUs holding experts", p.layout.ep_size)
-    });
+    let ep = p.roles.as_ref().map_or(world, |r| r.ep_groups.first().map_or(0, Vec::len) as u32);
+    c.ensure(p.layout.ep_size == ep, "layout.ep_size", || format!("{} for EP groups of {ep} GPUs", p.layout.ep_size));
     let mut held: Vec<[u32; 2]> = Vec::with_capacity(p.ranks.len());
     for (i, r) in p.ranks.iter().enumerate() {
         let gpn = p.cluster.gpus_per_node;
@@ -158,10 +156,11 @@ fn ranks(c: &mut Check, p: &Plan) {
             && r.node.checked_mul(gpn).and_then(|n| n.checked_add(r.local_rank)) == Some(r.rank);
         c.ensure(numbered, format!("ranks[{i}]"), || format!("misnumbered: {r:?}"));
         let [b, e] = r.experts;
-        // **Invariant**: in a role plan only MoE servers hold experts.
-        if p.role(i).is_some_and(Role::attends) {
+        // **Invariant**: in a role plan only the GPUs of an EP group hold
+        // experts (ExpertPlex: not the attention servers).
+        if p.roles.as_ref().is_some_and(|r| !r.holds_experts(i as u32)) {
             c.ensure(b == e, format!("ranks[{i}].experts"), || {
-                format!("attention server {i} holds experts [{b}, {e})")
+                format!("GPU {i}, in no EP group, holds experts [{b}, {e})")
             });
         }
         if c.ensure(
@@ -174,7 +173,21 @@ fn ranks(c: &mut Check, p: &Plan) {
         }
     }
     // **Invariant**: without replication every expert lives on exactly one
-    // rank: the ranks' ranges, sorted, tile [0, experts).
+    // rank of each EP group: the group's ranges, sorted, tile [0, experts).
+    if let Some(r) = &p.roles {
+        for (gi, g) in r.ep_groups.iter().enumerate() {
+            let mut held: Vec<[u32; 2]> =
+                g.iter().filter_map(|&x| p.ranks.get(x as usize)).map(|x| x.experts).filter(|[b, e]| b < e).collect();
+            held.sort_unstable();
+            let tiles = held.first().is_some_and(|x| x[0] == 0)
+                && held.windows(2).all(|w| w[0][1] == w[1][0])
+                && held.last().is_some_and(|x| x[1] == experts);
+            c.ensure(tiles, format!("roles.ep_groups[{gi}]"), || {
+                format!("the ranks' experts {held:?} do not tile [0, {experts})")
+            });
+        }
+        return;
+    }
     held.sort_unstable();
     let mut next = 0;
     for [b, e] in held {
@@ -774,7 +787,8 @@ fn placement(c: &mut Check, p: &Plan) {
         let mut ok = gpus.len() == p.cluster.world as usize;
         for (g, es) in gpus.iter().enumerate() {
             // A role plan's attention servers hold no slots.
-            ok &= es.len() == if p.role(g).is_some_and(Role::attends) { 0 } else { slots };
+            let holds = p.roles.as_ref().is_none_or(|r| r.holds_experts(g as u32));
+            ok &= es.len() == if holds { slots } else { 0 };
             for (j, &e) in es.iter().enumerate() {
                 ok &= e < p.model.experts && !es[..j].contains(&e);
                 if let Some(x) = covered.get_mut(e as usize) {
@@ -859,16 +873,41 @@ fn roles(c: &mut Check, p: &Plan) {
         "roles.per_node",
         || format!("{:?} does not lay out as the GPUs' roles", r.per_node),
     );
-    for role in Role::ALL {
+    for role in [Role::Prefill, Role::Decode] {
         c.ensure(r.gpus.contains(&role), "roles.gpus", || format!("no {} server", role.name()));
     }
+    // EP groups: disjoint, non-empty, of one size; ExpertPlex's one group is
+    // its MoE servers, PD's groups are instances of one role covering the world.
+    let mut seen = std::collections::BTreeSet::new();
+    let size = r.ep_groups.first().map_or(0, Vec::len);
+    let groups_ok = !r.ep_groups.is_empty()
+        && r.ep_groups.iter().flatten().all(|&g| (g as usize) < world && seen.insert(g))
+        && r.ep_groups.iter().all(|g| g.len() == size && size > 0);
+    let shape_ok = if r.moe_servers() {
+        r.ep_groups.len() == 1 && r.ep_groups[0] == r.ranks(Role::Moe)
+    } else {
+        seen.len() == world
+            && r.ep_groups.iter().all(|g| g.iter().all(|&x| r.gpus.get(x as usize) == r.gpus.get(g[0] as usize)))
+    };
+    if !c.ensure(groups_ok && shape_ok, "roles.ep_groups", || {
+        format!("{:?} are not disjoint equal groups of the MoE servers or of single-role instances", r.ep_groups)
+    }) {
+        return;
+    }
     if !p.memory.regions.is_empty() {
+        let moe = r.moe_servers();
         for (i, g) in p.memory.regions.iter().enumerate() {
-            let want: &[Role] = match g.kind {
-                RegionKind::Experts => &[Role::Moe],
-                RegionKind::Replicated | RegionKind::AttentionEp | RegionKind::KvPool => &[Role::Prefill, Role::Decode],
-                RegionKind::AttentionTp => &[],
-                RegionKind::Comm | RegionKind::Scratch | RegionKind::Requests => &[],
+            let want: &[Role] = if !moe {
+                &[]
+            } else {
+                match g.kind {
+                    RegionKind::Experts => &[Role::Moe],
+                    RegionKind::Replicated | RegionKind::AttentionEp | RegionKind::KvPool => {
+                        &[Role::Prefill, Role::Decode]
+                    }
+                    RegionKind::AttentionTp => &[],
+                    RegionKind::Comm | RegionKind::Scratch | RegionKind::Requests => &[],
+                }
             };
             c.ensure(g.roles == want, format!("memory.regions[{i}].roles"), || {
                 format!("`{}` is held by {:?}, not {want:?}", g.kind.name(), g.roles)

@@ -339,12 +339,30 @@ fn roles(s: &mut String, plan: &Plan) {
     use moeforge_plan::roles::Role;
     let Some(r) = &plan.roles else { return };
     let gpn = plan.cluster.gpus_per_node as usize;
-    let _ = writeln!(
-        s,
-        "ExpertPlex roles, realized from the layout search's best layout (predicted goodput {:.2} req/s); \
-         every MoE server's APK gives decode q = {} of {} SMs.\n",
-        r.goodput, r.q, plan.cluster.sms
-    );
+    if r.moe_servers() {
+        let _ = writeln!(
+            s,
+            "ExpertPlex roles, realized from the layout search's best layout (predicted goodput {:.2} req/s); \
+             every MoE server's APK gives decode q = {} of {} SMs.\n",
+            r.goodput, r.q, plan.cluster.sms
+        );
+    } else {
+        let size = r.ep_groups.first().map_or(0, Vec::len);
+        let _ = writeln!(
+            s,
+            "PD disaggregation, realized: {} whole-model instances of {size} GPUs (data-parallel attention, \
+             experts striped over the instance's GPUs), {} prefill and {} decode.\n",
+            r.ep_groups.len(),
+            r.ep_groups
+                .iter()
+                .filter(|g| g.first().is_some_and(|&x| r.gpus.get(x as usize) == Some(&Role::Prefill)))
+                .count(),
+            r.ep_groups
+                .iter()
+                .filter(|g| g.first().is_some_and(|&x| r.gpus.get(x as usize) == Some(&Role::Decode)))
+                .count(),
+        );
+    }
     let _ = writeln!(s, "| node | GPUs (local rank: role) | MoE / prefill / decode |\n|---|---|---|");
     for (n, counts) in r.per_node.iter().enumerate() {
         let gpus: Vec<String> =
@@ -354,6 +372,16 @@ fn roles(s: &mut String, plan: &Plan) {
     let (attn, moe) = (r.attention_ranks(), r.ranks(Role::Moe));
     let rows = r.posts.first().map_or(0, |p| p.rows);
     let _ = writeln!(s, "\n### Communication schedule\n");
+    if !r.moe_servers() {
+        let _ = writeln!(
+            s,
+            "- **Dispatch and combine** run within each instance, as in a colocated plan (all-to-all over its GPUs).\n\
+             - **KV handoff**: after a request's prefill step its KV moves from its prefill GPU to the decode GPU \
+             the request scheduler picks, page by page ({} tokens, {} bytes a page).\n",
+            r.kv_handoff.page_tokens, r.kv_handoff.page_bytes
+        );
+        return;
+    }
     let _ = writeln!(
         s,
         "- **Dispatch** (attention-initiated, one-sided): each of the {} attention ranks writes its token rows \

@@ -7,10 +7,13 @@
 //! expertplex`): the layout search's best layout, realized: each GPU is a
 //! prefill attention server, a decode attention server or a MoE server
 //! ([`moeforge_plan::roles`]), laid out node by node as the search placed
-//! them, with the experts striped over the MoE servers only. When the spec
-//! asks for something this pass does not realize (PD disaggregation,
-//! `auto`, or an ExpertPlex deployment no layout serves), the plan is
-//! colocated and `DeployLayout::note` says so rather than pretending.
+//! them, with the experts striped over the MoE servers only. **PD**
+//! (`strategy = pd-disagg`): whole-model instances (the simulator's PD
+//! baseline), the first half prefill, the rest decode, each instance
+//! striping every expert over its own GPUs. When the spec asks for
+//! something this pass does not realize (`auto`, or a deployment no
+//! layout serves), the plan is colocated and `DeployLayout::note` says so
+//! rather than pretending.
 
 use super::{Ctx, PassError};
 use moeforge_dsl::spec::Strategy;
@@ -38,29 +41,43 @@ fn stripes(experts: u32, world: u32, holders: &[u32]) -> Vec<[u32; 2]> {
     out
 }
 
-/// Writes `plan.layout`, `plan.ranks` and, for an ExpertPlex deployment,
-/// `plan.roles` (its dispatch posts are the memory pass's). It does not size
+/// Writes `plan.layout`, `plan.ranks` and, for an ExpertPlex or PD
+/// deployment, `plan.roles` (its dispatch posts are the memory pass's). It does not size
 /// memory, place replicas or choose kernels, and never fails.
 pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     let (m, c, d) = (cx.model, cx.cluster, cx.deploy);
     let world = c.world_size();
     let best = plan.search.as_ref().and_then(|s| s.ranked.first()).filter(|b| b.per_node.len() == c.nodes as usize);
     let roles = match (d.strategy, best) {
-        (Strategy::Expertplex, Some(b)) => Some(Roles {
-            gpus: Roles::lay_out(&b.per_node),
-            per_node: b.per_node.clone(),
-            q: b.q,
-            goodput: b.goodput,
-            posts: Vec::new(),
-            kv_handoff: KvHandoff { page_tokens: 0, page_bytes: 0 },
-        }),
+        (Strategy::Expertplex, Some(b)) => {
+            let gpus = Roles::lay_out(&b.per_node);
+            let moe = (0..world).filter(|&r| gpus[r as usize] == Role::Moe).collect();
+            Some(Roles {
+                gpus,
+                per_node: b.per_node.clone(),
+                ep_groups: vec![moe],
+                q: b.q,
+                goodput: b.goodput,
+                posts: Vec::new(),
+                kv_handoff: KvHandoff { page_tokens: 0, page_bytes: 0 },
+            })
+        }
+        (Strategy::PdDisagg, _) => pd(cx, plan),
         _ => None,
     };
-    let holders: Vec<u32> = match &roles {
-        Some(r) => r.ranks(Role::Moe),
-        None => (0..world).collect(),
+    // Each EP group stripes every expert over its GPUs.
+    let groups: Vec<Vec<u32>> = match &roles {
+        Some(r) => r.ep_groups.clone(),
+        None => vec![(0..world).collect()],
     };
-    let held = stripes(m.moe.experts, world, &holders);
+    let mut held = vec![[m.moe.experts; 2]; world as usize];
+    for g in &groups {
+        for (r, x) in stripes(m.moe.experts, world, g).into_iter().enumerate() {
+            if g.contains(&(r as u32)) {
+                held[r] = x;
+            }
+        }
+    }
     plan.ranks = (0..world)
         .map(|r| RankPlan {
             rank: r,
@@ -69,6 +86,7 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
             experts: held[r as usize],
         })
         .collect();
+    let holders = groups.first().cloned().unwrap_or_default();
     let ep = holders.len() as u32;
     let most = m.moe.experts.div_ceil(ep.max(1));
     let name =
@@ -83,6 +101,9 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
                 " with the replicated placement (the same number of MoE servers on every node holding them, dividing experts + redundant_experts)"
             }
         )),
+        (Strategy::PdDisagg, None) => Some(format!(
+            "strategy `pd-disagg` requested but {world} GPUs cannot hold one prefill and one decode whole-model instance; the plan is the colocated DP-attention + EP layout"
+        )),
         (other, None) => Some(format!(
             "strategy `{}` requested; the memory plan and kernels are for the colocated DP-attention + EP layout, the layout search's choice (see `search`) is advisory, and `moeforge simulate` evaluates it",
             name(other)
@@ -92,7 +113,7 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
         Some(r) => DeployLayout {
             requested: d.strategy,
             attention: format!("prefill dp{} + decode dp{}", r.ranks(Role::Prefill).len(), r.ranks(Role::Decode).len()),
-            moe: format!("ep{ep}"),
+            moe: if r.moe_servers() { format!("ep{ep}") } else { format!("{} instances × ep{ep}", r.ep_groups.len()) },
             ep_size: ep,
             max_experts_per_rank: most,
             note,
@@ -108,4 +129,41 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     };
     plan.roles = roles;
     Ok(())
+}
+
+/// PD disaggregation realized: whole-model instances of the fewest GPUs
+/// (a power of two) that hold the model with KV room, the simulator's PD
+/// baseline ([`moeforge_plan::cost::step::Env::pd_unit`]); the first half
+/// of the instances prefill, the rest decode. `None` when the world cannot
+/// hold one of each.
+fn pd(cx: &Ctx<'_>, plan: &Plan) -> Option<Roles> {
+    let (m, c, d) = (cx.model, cx.cluster, cx.deploy);
+    let ws = moeforge_plan::memory::Workspace::of(m, false).bytes();
+    let env = moeforge_plan::cost::step::Env::new(m, c, cx.tiles, d, &plan.cost, ws);
+    let unit = env.pd_unit().ok()?;
+    let world = c.world_size();
+    let instances = world / unit;
+    let prefill = instances / 2;
+    // Instances are consecutive ranks covering the world.
+    if !world.is_multiple_of(unit) {
+        return None;
+    }
+    let gpus: Vec<Role> = (0..world).map(|r| if r / unit < prefill { Role::Prefill } else { Role::Decode }).collect();
+    let gpn = c.gpus_per_node;
+    let per_node = (0..c.nodes)
+        .map(|n| {
+            let on = &gpus[(n * gpn) as usize..((n + 1) * gpn) as usize];
+            let count = |x: Role| on.iter().filter(|&&r| r == x).count() as u32;
+            [0, count(Role::Prefill), count(Role::Decode)]
+        })
+        .collect();
+    Some(Roles {
+        gpus,
+        per_node,
+        ep_groups: (0..instances).map(|i| (i * unit..(i + 1) * unit).collect()).collect(),
+        q: 0,
+        goodput: 0.0,
+        posts: Vec::new(),
+        kv_handoff: KvHandoff { page_tokens: 0, page_bytes: 0 },
+    })
 }

@@ -150,11 +150,17 @@ pub(crate) fn single_mode_reason(spec: &Spec, d: &Deploy) -> Option<String> {
     if !d.switch.enabled {
         return Some("the deployment does not enable `switch`".into());
     }
-    if d.strategy == moeforge_dsl::spec::Strategy::Expertplex {
-        return Some(
+    match d.strategy {
+        moeforge_dsl::spec::Strategy::Expertplex => return Some(
             "ExpertPlex roles put attention and experts on different GPUs; a TP↔EP switch needs every GPU to hold both"
                 .into(),
-        );
+        ),
+        moeforge_dsl::spec::Strategy::PdDisagg => {
+            return Some(
+                "PD instances each serve one phase in EP; TP↔EP switching is planned for colocated deployments".into(),
+            )
+        }
+        _ => {}
     }
     if c.nodes > 1 {
         return Some("TP↔EP switching is planned within one NVLink node; this cluster has several".into());
@@ -201,11 +207,11 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     let moe_layers = [dense_layers, m.layers];
 
     let mut b = Builder { at: 0, regions: vec![], views: vec![], holders: vec![] };
-    // A role plan lays the workspace first, at the same offsets on every
-    // GPU, and overlays the roles' own regions behind it: attention servers'
+    // An ExpertPlex role plan lays the workspace first, at the same offsets
+    // on every GPU, and overlays the roles' own regions behind it: attention servers'
     // weights and KV pool, MoE servers' expert slots.
     let attention_roles = vec![Role::Prefill, Role::Decode];
-    let role_plan = plan.roles.is_some();
+    let role_plan = plan.roles.as_ref().is_some_and(Roles::moe_servers);
     let ws = Workspace::of(m, dual);
     let specs = Workspace::buffers(m, dual);
     let mut buffers = Vec::new();
@@ -462,7 +468,7 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     };
     if let Some(roles) = plan.roles.as_mut() {
         let mem = &plan.memory;
-        if let Some(d) = mem.buffer(Mode::Ep, BufferName::Dispatch) {
+        if let (true, Some(d)) = (roles.moe_servers(), mem.buffer(Mode::Ep, BufferName::Dispatch)) {
             roles.posts = Roles::posts(&roles.gpus, d.rows, d.row_bytes, d.offset);
         }
         roles.kv_handoff = KvHandoff { page_tokens: mem.kv.page_tokens, page_bytes: mem.kv.ep.page_bytes };

@@ -51,6 +51,15 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
         )]);
     }
     let measured = cx.opts.loads.as_ref().map(|(l, digest)| (l.as_slice(), digest.as_str()));
+    if plan.roles.as_ref().is_some_and(|r| !r.moe_servers()) && cx.deploy.placement.policy != PlacementPolicy::None {
+        return Err(vec![PassError::new(
+            Code::Unsupported,
+            At::Deploy("placement".into()),
+            "replicas in a PD deployment would be placed per whole-model instance; this version places them over one EP group (colocated, or ExpertPlex's MoE servers)".to_string(),
+        )
+        .label("placement with `strategy = pd-disagg`")
+        .help("remove the `placement` block, or use `strategy = expertplex` or `colocated` for a replicated placement")]);
+    }
     // A role plan places replicas over its MoE servers only: the same
     // count on every node holding them (the search guarantees it), as a
     // topology of their own, then maps them back to world ranks.

@@ -241,6 +241,24 @@ impl Env {
         }
     }
 
+    /// PD disaggregation's instance (ExpertPlex §7.1's PD baseline): the
+    /// fewest GPUs, a power of two, whose data-parallel attention + EP copy
+    /// of the whole model leaves room for KV. `Err(unit)` when the world
+    /// cannot hold one prefill and one decode instance of that size.
+    pub fn pd_unit(&self) -> Result<u32, u32> {
+        let mut unit = 1;
+        while unit <= self.world
+            && self.kv_tokens(self.usable - self.weights / f64::from(unit) - self.workspace, 1) < 1.0
+        {
+            unit *= 2;
+        }
+        if unit <= self.world && self.world / unit >= 2 {
+            Ok(unit)
+        } else {
+            Err(unit)
+        }
+    }
+
     /// Tokens of KV a width-`w` group holds with `free` bytes per GPU.
     pub fn kv_tokens(&self, free: f64, w: u32) -> f64 {
         (free.max(0.0) / (self.kv_token * self.kv_fraction(w))).floor()

@@ -310,19 +310,16 @@ impl<'a> Bench<'a> {
     }
 
     /// Instance-level PD: the minimal unit is the fewest GPUs (a power of
-    /// two) that hold a whole model replica; half the units prefill.
+    /// two) that hold a whole model replica; half the units prefill
+    /// (`Env::pd_unit`, which the layout pass realizes for `pd-disagg`).
     fn pd(&self) -> Result<Deployment, String> {
         let e = &self.env;
-        let mut unit = 1;
-        while unit <= e.world && self.kv_after(e.weights / f64::from(unit), 1) < 1.0 {
-            unit *= 2;
-        }
-        if unit > e.world || e.world / unit < 2 {
-            return Err(format!(
+        let unit = e.pd_unit().map_err(|unit| {
+            format!(
                 "a whole-model instance needs {unit} GPUs; {} GPUs cannot hold one prefill and one decode instance",
                 e.world
-            ));
-        }
+            )
+        })?;
         let instances = e.world / unit;
         let (np, nd) = (instances / 2, instances - instances / 2);
         let local = (f64::from(e.gpus_per_node) / f64::from(unit)).min(1.0);
@@ -338,7 +335,16 @@ impl<'a> Bench<'a> {
             },
             kv_per_group: kv,
         };
-        let kv = self.kv_after(e.weights / f64::from(unit), 1);
+        // A plan that realizes PD (`strategy = pd-disagg`) is these
+        // instances; its decode GPUs hold the compiled memory plan's KV pool.
+        let kv = match self.plan.roles.as_ref().filter(|r| !r.moe_servers()) {
+            Some(r) if r.ep_groups.first().map(Vec::len) == Some(unit as usize) => {
+                let kv = &self.plan.memory.kv;
+                (kv.ep.pages * u64::from(kv.page_tokens)) as f64
+            }
+            Some(_) => return Err("the plan's PD instances are not the simulator's".into()),
+            None => self.kv_after(e.weights / f64::from(unit), 1),
+        };
         Ok(Deployment {
             system: System::PdDisagg,
             label: format!("{np}P{nd}D × DP{unit}EP{unit}"),

@@ -201,7 +201,36 @@ impl Twin {
                         }
                     }
                 }
-                let plan = placement::route(self.slots.policy, table, &demand, self.slots.topo, self.slots.slack);
+                let route = |t: &[Vec<u32>], d: &[Vec<f64>]| {
+                    placement::route(self.slots.policy, t, d, self.slots.topo, self.slots.slack)
+                };
+                let plan = match self.roles.as_ref().filter(|r| r.ep_groups.len() > 1) {
+                    None => route(table, &demand),
+                    // PD: each whole-model instance routes its own rows over its own GPUs.
+                    Some(r) => {
+                        let mut out = vec![vec![Vec::new(); m.experts]; p];
+                        for g in &r.ep_groups {
+                            let inside = |x: usize| g.contains(&(x as u32));
+                            let t: Vec<Vec<u32>> = table
+                                .iter()
+                                .enumerate()
+                                .map(|(x, s)| if inside(x) { s.clone() } else { vec![] })
+                                .collect();
+                            let d: Vec<Vec<f64>> = demand
+                                .iter()
+                                .enumerate()
+                                .map(|(x, d)| if inside(x) { d.clone() } else { vec![0.0; d.len()] })
+                                .collect();
+                            let part = route(&t, &d);
+                            for &x in g {
+                                if let (Some(o), Some(pt)) = (out.get_mut(x as usize), part.get(x as usize)) {
+                                    *o = pt.clone();
+                                }
+                            }
+                        }
+                        out
+                    }
+                };
                 if let Ok(mut w) = self.slots.window.lock() {
                     if let Some(w) = w.get_mut(l.wrapping_sub(self.slots.first_moe_layer)) {
                         for d in &demand {
