@@ -65,15 +65,32 @@ fn rewrite(dir: &Path, plan: &Value) {
 
 #[test]
 fn edited_plans_are_refused_by_field_or_run_without_panicking() {
+    edit_every_field(SPEC);
+}
+
+/// The same for role plans: ExpertPlex's prefill, decode and MoE servers
+/// (roles, dispatch posts, overlaid regions) and PD's instances.
+#[test]
+fn edited_role_plans_are_refused_by_field_or_run_without_panicking() {
+    let four = SPEC.replace("gpus_per_node = 2", "gpus_per_node = 4");
+    for strategy in ["expertplex", "pd-disagg"] {
+        let spec = four.replace("strategy = colocated", &format!("strategy = {strategy}"));
+        assert!(spec.contains(strategy));
+        edit_every_field(&spec);
+    }
+}
+
+fn edit_every_field(spec: &str) {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("b");
-    let checked = moeforge::dsl::check_str("tiny.moe", SPEC).unwrap_or_else(|f| panic!("{}", f.render(false)));
+    let checked = moeforge::dsl::check_str("tiny.moe", spec).unwrap_or_else(|f| panic!("{}", f.render(false)));
     let id = moeforge::dsl::spec::DeployId(0);
     let plan =
         codegen::plan_deployment(&checked, id).unwrap_or_else(|d| panic!("{}", d.render(&checked.sources, false)));
     let (bundle, _) = codegen::emit(&checked, id, &plan, &NvccMode::Off).unwrap();
     bundle.write(&dir).unwrap();
     let loaded = load_bundle(&dir).unwrap();
+    assert_eq!(loaded.plan.roles.is_some(), !spec.contains("strategy = colocated"), "{spec}");
     let model = TwinModel::from_spec(&loaded.spec.models[0]).unwrap();
     write_random(&model, 3, Family::Qwen3Moe, &tmp.path().join("w")).unwrap();
     let ck = Checkpoint::load(&tmp.path().join("w")).unwrap();

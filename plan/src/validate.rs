@@ -868,8 +868,12 @@ fn roles(c: &mut Check, p: &Plan) {
     let Some(r) = &p.roles else { return };
     let world = p.cluster.world as usize;
     c.ensure(r.gpus.len() == world, "roles.gpus", || format!("{} roles for a world of {world}", r.gpus.len()));
+    // Counts are checked against the node size before laying them out (an
+    // edited plan's counts must not allocate without bound).
+    let gpn = u64::from(p.cluster.gpus_per_node);
+    let sized = r.per_node.iter().all(|n| n.iter().map(|&x| u64::from(x)).sum::<u64>() == gpn);
     c.ensure(
-        r.per_node.len() == p.cluster.nodes as usize && crate::roles::Roles::lay_out(&r.per_node) == r.gpus,
+        r.per_node.len() == p.cluster.nodes as usize && sized && crate::roles::Roles::lay_out(&r.per_node) == r.gpus,
         "roles.per_node",
         || format!("{:?} does not lay out as the GPUs' roles", r.per_node),
     );
