@@ -325,6 +325,22 @@ fn expertplex_roles_with_zepp_replicas_give_transformers_tokens() {
     let routed = t.routed();
     assert!(routed.rows() > 0 && routed.own_rank == 0, "{routed:?}");
     eprintln!("roles {:?} with {} slots per MoE server: routed {routed:?}", roles.gpus, pl.slots_per_gpu());
+    // Drift re-planning on every step, on one node whose layout has two MoE
+    // servers: they exchange slot contents mid-run (the attention servers,
+    // holding no slot, are not part of the balance), and the logits are
+    // those of the same plan without swaps.
+    let tmp = tempfile::tempdir().unwrap();
+    let b = compile_text(&cpu_cluster_deployment(&block, 1, 4, 0.25, extra), tmp.path());
+    let roles = b.plan.plan().roles.clone().expect("roles");
+    assert_eq!(roles.per_node[0][0], 2, "{:?}: a node needs two MoE servers to swap between", roles.per_node);
+    let mut still = Twin::new(&b, &ck, Mode::Ep).unwrap();
+    check_run(&f, &mut still, "roles + zepp on one node", &[]);
+    let mut s = Twin::new(&b, &ck, Mode::Ep).unwrap();
+    s.set_swap_policy(SwapPolicy { window: 1, threshold: 1.0 });
+    check_run(&f, &mut s, "roles + zepp, swapping", &[]);
+    assert!(s.swaps() > 0, "no swap happened between the MoE servers");
+    assert_eq!(s.logits, still.logits, "logits changed across {} slot exchanges", s.swaps());
+    eprintln!("{} intra-node exchanges between MoE servers mid-run, logits unchanged", s.swaps());
 }
 
 /// PD disaggregation, realized (`strategy = pd-disagg`): whole-model

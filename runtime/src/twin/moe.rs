@@ -31,6 +31,12 @@ pub(super) struct Slots {
     first_moe_layer: usize,
     policy: PlacementPolicy,
     topo: Topology,
+    /// The ranks that hold slots, in rank order, and their topology (the
+    /// MoE servers of a role plan; every rank otherwise): drift is measured
+    /// and swaps are planned over these, never over slotless attention
+    /// servers, whose zero load would read as imbalance nothing can fix.
+    holders: Vec<usize>,
+    holder_topo: Topology,
     slack: f64,
     /// Routed rows per MoE layer and expert in the current window.
     window: std::sync::Mutex<Vec<Vec<f64>>>,
@@ -44,11 +50,24 @@ impl Slots {
     pub(super) fn of(plan: &Plan) -> Slots {
         let world = plan.ranks.len();
         let layers = plan.model.moe_layers as usize;
+        let topo = Topology { nodes: plan.cluster.nodes as usize, gpus_per_node: plan.cluster.gpus_per_node as usize };
+        let (holders, holder_topo) = match plan.roles.as_ref().filter(|r| r.moe_servers()) {
+            None => ((0..world).collect(), topo),
+            Some(r) => {
+                // The placement pass's topology of the MoE servers: the same
+                // count on every node that holds any (uniform, or no placement).
+                let per: Vec<usize> = r.per_node.iter().map(|n| n[0] as usize).filter(|&m| m > 0).collect();
+                let holders = r.ranks(moeforge_plan::roles::Role::Moe).into_iter().map(|x| x as usize).collect();
+                (holders, Topology { nodes: per.len(), gpus_per_node: per.first().copied().unwrap_or(1) })
+            }
+        };
         Slots {
             table: (0..layers).map(|l| (0..world).map(|r| plan.slot_experts(l, r)).collect()).collect(),
             first_moe_layer: plan.memory.slots.first_moe_layer as usize,
             policy: plan.placement.as_ref().map_or(PlacementPolicy::None, |p| p.policy),
-            topo: Topology { nodes: plan.cluster.nodes as usize, gpus_per_node: plan.cluster.gpus_per_node as usize },
+            topo,
+            holders,
+            holder_topo,
             slack: plan.placement.as_ref().map_or(0.0, |p| p.slack),
             window: std::sync::Mutex::new(vec![vec![0.0; plan.model.experts as usize]; layers]),
             steps: 0,
@@ -75,13 +94,24 @@ impl Slots {
         };
         let mut out = Vec::new();
         for (l, (table, loads)) in self.table.iter_mut().zip(&loads).enumerate() {
-            if placement::imbalance(table, loads) <= self.policy_swap.threshold {
+            let held: Vec<Vec<u32>> = self.holders.iter().map(|&r| table.get(r).cloned().unwrap_or_default()).collect();
+            if placement::imbalance(&held, loads) <= self.policy_swap.threshold {
                 continue;
             }
-            let (next, swaps) = placement::intra_node_swaps(table, loads, self.topo);
-            *table = next;
+            let (next, swaps) = placement::intra_node_swaps(&held, loads, self.holder_topo);
+            for (&r, slots) in self.holders.iter().zip(next) {
+                if let Some(t) = table.get_mut(r) {
+                    *t = slots;
+                }
+            }
             self.swaps += swaps.len() as u64;
-            out.extend(swaps.into_iter().map(|s| (l + self.first_moe_layer, s)));
+            let world = |i: usize| self.holders.get(i).copied().unwrap_or(i);
+            out.extend(swaps.into_iter().map(|s| {
+                (
+                    l + self.first_moe_layer,
+                    placement::Swap { a: world(s.a), slot_a: s.slot_a, b: world(s.b), slot_b: s.slot_b },
+                )
+            }));
         }
         out
     }
