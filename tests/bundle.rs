@@ -235,3 +235,24 @@ fn structural_edits_are_refused() {
         assert!(e.contains("kernels/router.cu") && e.contains("not a regular file"), "{e}");
     }
 }
+
+/// A role plan is single-mode EP (Moebius's switch is colocated): an edit
+/// that gives it the TP view back is refused by field.
+#[test]
+fn a_role_plan_holding_the_tp_view_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("b");
+    let spec =
+        SPEC.replace("gpus_per_node = 2", "gpus_per_node = 4").replace("strategy = colocated", "strategy = expertplex");
+    let checked = moeforge::dsl::check_str("tiny.moe", &spec).unwrap();
+    let id = moeforge::dsl::spec::DeployId(0);
+    let plan = codegen::plan_deployment(&checked, id).unwrap();
+    assert!(plan.roles.is_some());
+    codegen::emit(&checked, id, &plan, &NvccMode::Off).unwrap().0.write(&dir).unwrap();
+    let mut v: Value = serde_json::from_slice(&std::fs::read(dir.join("plan.json")).unwrap()).unwrap();
+    assert_eq!(v["memory"]["modes"], serde_json::json!(["ep"]));
+    v["memory"]["modes"] = serde_json::json!(["tp", "ep"]);
+    rewrite(&dir, &v);
+    let e = load_bundle(&dir).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("memory.modes") && e.contains("EP view only"), "{e}");
+}

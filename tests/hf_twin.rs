@@ -316,6 +316,9 @@ fn expertplex_roles_with_zepp_replicas_give_transformers_tokens() {
     for layer in &pl.replicas {
         for (g, held) in layer.iter().enumerate() {
             assert_eq!(held.is_empty(), roles.gpus[g] != Role::Moe, "GPU {g}: {held:?}");
+            assert_eq!(plan.local_experts(g) as usize, held.len(), "GPU {g}: slots held");
+            let [a, b] = plan.ep_ids(g);
+            assert_eq!((b - a) as usize, held.len(), "GPU {g}: physical slot ids");
         }
     }
     let second = |l: &Vec<Vec<u32>>| moeforge::plan::placement::replicas_of(l, 8).iter().any(|r| r.len() > 1);

@@ -64,11 +64,14 @@ impl Plan {
     /// physical slot ids `rank·S .. (rank+1)·S` (S slots per GPU), because
     /// the dispatch rewrites each routed entry's logical id to the physical
     /// slot the routing chose (as SGLang maps logical to physical experts).
+    /// Physical ids are numbered by world rank, so a role plan's attention
+    /// servers, which hold no slot, leave empty ranges.
     pub fn ep_ids(&self, rank: usize) -> [u32; 2] {
         match &self.placement {
             Some(p) => {
                 let s = p.slots_per_gpu() as u32;
-                [rank as u32 * s, (rank as u32 + 1) * s]
+                let first = rank as u32 * s;
+                [first, first + self.local_experts(rank)]
             }
             None => self.ranks.get(rank).map_or([0, 0], |r| r.experts),
         }
@@ -79,8 +82,12 @@ impl Plan {
         self.roles.as_ref().and_then(|r| r.gpus.get(rank).copied())
     }
 
-    /// Expert slots GPU `rank` holds per MoE layer (the same in every layer).
+    /// Expert slots GPU `rank` holds per MoE layer (the same in every layer;
+    /// none on a role plan's attention servers).
     pub fn local_experts(&self, rank: usize) -> u32 {
+        if self.roles.as_ref().is_some_and(|r| !r.holds_experts(rank as u32)) {
+            return 0;
+        }
         match &self.placement {
             Some(p) => p.slots_per_gpu() as u32,
             None => self.ranks.get(rank).map_or(0, |r| r.experts[1].saturating_sub(r.experts[0])),

@@ -898,6 +898,16 @@ fn roles(c: &mut Check, p: &Plan) {
     }) {
         return;
     }
+    // Roles are single-mode EP: Moebius's switch is a colocated mechanism
+    // (every GPU holds attention and experts in both views), so a role
+    // plan holds no TP views, TP page format or reshard.
+    let ep_only = p.memory.modes == [Mode::Ep] && p.memory.kv.tp.is_none() && p.memory.reshard.is_none();
+    c.ensure(p.memory.modes.is_empty() || ep_only, "memory.modes", || {
+        format!(
+            "{:?} with roles; a role plan holds the EP view only, with no TP page format or reshard",
+            p.memory.modes
+        )
+    });
     if !p.memory.regions.is_empty() {
         let moe = r.moe_servers();
         for (i, g) in p.memory.regions.iter().enumerate() {
