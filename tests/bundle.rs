@@ -256,3 +256,25 @@ fn a_role_plan_holding_the_tp_view_is_refused() {
     let e = load_bundle(&dir).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e.contains("memory.modes") && e.contains("EP view only"), "{e}");
 }
+
+/// What the plan realizes decides its modes and what report.md says, not
+/// the requested strategy: an `expertplex` deployment on two GPUs (no room
+/// for three roles) falls back to the colocated layout, which switches
+/// TP↔EP like any colocated plan.
+#[test]
+fn a_strategy_that_falls_back_to_colocated_keeps_the_switch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("b");
+    let spec = SPEC.replace("strategy = colocated", "strategy = expertplex");
+    let checked = moeforge::dsl::check_str("tiny.moe", &spec).unwrap();
+    let id = moeforge::dsl::spec::DeployId(0);
+    let plan = codegen::plan_deployment(&checked, id).unwrap();
+    assert!(plan.roles.is_none());
+    assert!(plan.layout.note.as_deref().is_some_and(|n| n.contains("colocated")), "{:?}", plan.layout.note);
+    assert_eq!(plan.memory.modes, [Mode::Tp, Mode::Ep], "{:?}", plan.memory.single_mode_reason);
+    assert!(plan.memory.reshard.is_some());
+    codegen::emit(&checked, id, &plan, &NvccMode::Off).unwrap().0.write(&dir).unwrap();
+    let report = std::fs::read_to_string(dir.join("report.md")).unwrap();
+    assert!(report.contains("the plan is the colocated DP-attention + EP layout"), "{report}");
+    assert!(!report.contains("Realized:") && !report.contains("ExpertPlex roles put attention"), "{report}");
+}

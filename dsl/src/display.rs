@@ -240,13 +240,7 @@ fn write_deploy(f: &mut Formatter<'_>, spec: &Spec, d: &Deploy) -> fmt::Result {
         )?,
     }
     writeln!(f, "  }}")?;
-    let strategy = match d.strategy {
-        Strategy::Expertplex => "expertplex",
-        Strategy::PdDisagg => "pd-disagg",
-        Strategy::Colocated => "colocated",
-        Strategy::Auto => "auto",
-    };
-    writeln!(f, "  strategy = {strategy}")?;
+    writeln!(f, "  strategy = {}", d.strategy.name())?;
     let s = &d.switch;
     let auto = |v: Option<u32>| v.map_or("auto".to_string(), |x| x.to_string());
     writeln!(

@@ -865,6 +865,18 @@ pub enum Strategy {
     Auto,
 }
 
+impl Strategy {
+    /// The spec's spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Expertplex => "expertplex",
+            Strategy::PdDisagg => "pd-disagg",
+            Strategy::Colocated => "colocated",
+            Strategy::Auto => "auto",
+        }
+    }
+}
+
 /// The TP↔EP switch policy (Moebius §4.5).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SwitchPolicy {

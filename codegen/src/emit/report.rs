@@ -288,7 +288,7 @@ fn search(s: &mut String, plan: &Plan) {
     }
     let _ = writeln!(s);
     let Some(r) = &plan.search else {
-        let _ = writeln!(s, "Layout search: not run for strategy `{:?}`.\n", plan.layout.requested);
+        let _ = writeln!(s, "Layout search: not run for strategy `{}`.\n", plan.layout.requested.name());
         return;
     };
     let _ = writeln!(s, "## Layout search (ExpertPlex Algorithm 1)\n");
@@ -322,14 +322,25 @@ fn search(s: &mut String, plan: &Plan) {
             c.goodput
         );
     }
-    if plan.roles.is_some() {
-        let _ = writeln!(s, "\nRealized: the plan's roles (Layout above) are rank 1's layout, its q the APK's.\n");
-    } else {
-        let _ = writeln!(
-            s,
-            "\nAdvisory: this deployment's strategy is not `expertplex`, so the memory plan and kernels above \
-             follow the colocated layout.\n"
-        );
+    match &plan.roles {
+        Some(r) if r.moe_servers() => {
+            let _ = writeln!(s, "\nRealized: the plan's roles (Layout above) are rank 1's layout, its q the APK's.\n");
+        }
+        Some(_) => {
+            let _ = writeln!(
+                s,
+                "\nAdvisory: the plan realizes PD instances (Layout above); these ExpertPlex layouts are what \
+                 the search compared them with.\n"
+            );
+        }
+        None => {
+            let _ = writeln!(
+                s,
+                "\nAdvisory: the plan realizes the colocated layout (strategy `{}` requested; Layout above says \
+                 why), so the memory plan and kernels above follow it, not rank 1.\n",
+                plan.layout.requested.name()
+            );
+        }
     }
 }
 

@@ -89,8 +89,6 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     let holders = groups.first().cloned().unwrap_or_default();
     let ep = holders.len() as u32;
     let most = m.moe.experts.div_ceil(ep.max(1));
-    let name =
-        |s: Strategy| serde_json::to_value(s).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
     let note = match (d.strategy, &roles) {
         (Strategy::Colocated, _) | (_, Some(_)) => None,
         (Strategy::Expertplex, None) => Some(format!(
@@ -106,7 +104,7 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
         )),
         (other, None) => Some(format!(
             "strategy `{}` requested; the memory plan and kernels are for the colocated DP-attention + EP layout, the layout search's choice (see `search`) is advisory, and `moeforge simulate` evaluates it",
-            name(other)
+            other.name()
         )),
     };
     plan.layout = match &roles {

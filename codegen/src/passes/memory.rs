@@ -143,24 +143,26 @@ fn view(x: &Tensor, mode: Mode, region: RegionId, offset: u64, layers: [u32; 2],
 }
 
 /// Why dual mode is not possible, if it is not.
-pub(crate) fn single_mode_reason(spec: &Spec, d: &Deploy) -> Option<String> {
+pub(crate) fn single_mode_reason(spec: &Spec, d: &Deploy, roles: Option<&Roles>) -> Option<String> {
     let m = spec.model(d.model);
     let c = spec.cluster(d.cluster);
     let p = c.gpus_per_node;
     if !d.switch.enabled {
         return Some("the deployment does not enable `switch`".into());
     }
-    match d.strategy {
-        moeforge_dsl::spec::Strategy::Expertplex => return Some(
+    // The realized layout decides, not the requested strategy: a strategy
+    // that fell back to the colocated layout may switch like any other.
+    match roles {
+        Some(r) if r.moe_servers() => return Some(
             "ExpertPlex roles put attention and experts on different GPUs; a TP↔EP switch needs every GPU to hold both"
                 .into(),
         ),
-        moeforge_dsl::spec::Strategy::PdDisagg => {
+        Some(_) => {
             return Some(
                 "PD instances each serve one phase in EP; TP↔EP switching is planned for colocated deployments".into(),
             )
         }
-        _ => {}
+        None => {}
     }
     if c.nodes > 1 {
         return Some("TP↔EP switching is planned within one NVLink node; this cluster has several".into());
@@ -192,7 +194,7 @@ pub(crate) fn single_mode_reason(spec: &Spec, d: &Deploy) -> Option<String> {
 /// placement pass's replicas, or the stripes).
 pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     let (m, c, d) = (cx.model, cx.cluster, cx.deploy);
-    let reason = single_mode_reason(cx.spec, d);
+    let reason = single_mode_reason(cx.spec, d, plan.roles.as_ref());
     let dual = reason.is_none();
     let p = if dual { c.gpus_per_node } else { c.world_size() };
     let modes: Vec<Mode> = if dual { vec![Mode::Tp, Mode::Ep] } else { vec![Mode::Ep] };

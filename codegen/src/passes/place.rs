@@ -34,7 +34,7 @@ pub const TOKENS_PER_GPU: f64 = 256.0;
 /// that switches TP↔EP.
 pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     if cx.deploy.placement.policy != PlacementPolicy::None
-        && super::memory::single_mode_reason(cx.spec, cx.deploy).is_none()
+        && super::memory::single_mode_reason(cx.spec, cx.deploy, plan.roles.as_ref()).is_none()
     {
         let why =
             "a live TP↔EP switch moves each expert once by reshard descriptors that are the same for every layer \
