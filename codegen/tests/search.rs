@@ -31,7 +31,15 @@ fn search_results_meet_slos_fit_memory_and_are_ranked() {
         for cand in &r.ranked {
             assert_eq!(cand.moe_gpus + cand.prefill_gpus + cand.decode_gpus, c.world_size());
             assert!(cand.t_decode <= d.slo.tpot && cand.t_prefill <= d.slo.ttft / 2.0, "{name}: {cand:?}");
-            assert!(routed / f64::from(cand.moe_gpus) <= usable, "{name}: experts do not fit {cand:?}");
+            // The busiest MoE server's slots: the stripes' or the replicas' rounding up.
+            let redundant = if d.placement.policy == moeforge_dsl::spec::PlacementPolicy::None {
+                0
+            } else {
+                d.placement.redundant_experts
+            };
+            let slots = (m.moe.experts + redundant).div_ceil(cand.moe_gpus);
+            let held = routed / f64::from(m.moe.experts) * f64::from(slots);
+            assert!(held <= usable, "{name}: {slots} expert slots do not fit {cand:?}");
             assert!((cand.goodput - cand.prefill_rate.min(cand.decode_rate)).abs() < 1e-9);
             let per_node: u32 = cand.per_node.iter().map(|n| n.iter().sum::<u32>()).sum();
             assert_eq!(per_node, c.world_size());

@@ -18,8 +18,9 @@
 //! plan's workspace ([`Workspace`]). A request can wait one prefill
 //! iteration for the batch in flight before its own, so prefill must finish
 //! within TTFT / 2; decode is isolated by APK preemption and must fit TPOT.
-//! The result is advisory in this version: the bundle's memory plan and
-//! kernels still follow the colocated layout.
+//! With `strategy = expertplex` the layout pass realizes the best candidate
+//! as the GPUs' roles; with `auto` the ranking is advisory and the plan is
+//! colocated.
 
 use super::{Ctx, PassError};
 use moeforge_dsl::spec::{Deploy, PlacementPolicy, Spec, Strategy};
@@ -149,9 +150,9 @@ fn max_feasible(hi: u32, ok: impl Fn(u32) -> bool) -> u32 {
     lo
 }
 
-/// Writes `plan.search` for the `expertplex` and `auto` strategies. It does
-/// not change the layout the memory plan and kernels follow, and never fails:
-/// a deployment no layout serves gets an empty ranking.
+/// Writes `plan.search` for the `expertplex` and `auto` strategies (the
+/// layout pass reads it), and never fails: a deployment no layout serves
+/// gets an empty ranking.
 pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     if matches!(cx.deploy.strategy, Strategy::Expertplex | Strategy::Auto) {
         plan.search = Some(search(cx.spec, cx.deploy, &plan.cost));
@@ -180,9 +181,14 @@ pub fn search(spec: &Spec, d: &Deploy, cm: &CostModel) -> SearchResult {
         for &prefill in sizes.iter().filter(|&&p| moe + p < world) {
             let decode = world - moe - prefill;
             considered += 1;
-            // FitsMemory: routed experts on MoE servers, non-routed weights
-            // and at least one request's KV on every attention server.
-            let moe_need = routed / f64::from(moe) + env.workspace;
+            // FitsMemory: the most expert slots any MoE server holds (the
+            // stripes' ⌈E/moe⌉, or ⌈(E+R)/moe⌉ with R redundant replicas),
+            // non-routed weights and at least one request's KV on every
+            // attention server (the batch searches below stop at the KV
+            // capacity, so the chosen batches' KV fits).
+            let redundant = if d.placement.policy == PlacementPolicy::None { 0 } else { d.placement.redundant_experts };
+            let slots_per_gpu = (m.moe.experts + redundant).div_ceil(moe);
+            let moe_need = routed / f64::from(m.moe.experts) * f64::from(slots_per_gpu) + env.workspace;
             let attn_room = env.usable - env.nonrouted - env.workspace;
             let one_request = env.kv_token * (cx.input + cx.output);
             if moe_need > env.usable || attn_room < one_request {
