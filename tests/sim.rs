@@ -348,6 +348,14 @@ fn the_simulated_expertplex_system_is_the_compiled_role_plan() {
     assert_eq!(d.label, format!("{}P{}D{}E q={}", n(Role::Prefill), n(Role::Decode), n(Role::Moe), roles.q));
     let kv = &plan.memory.kv;
     assert_eq!(d.decode_kv_tokens, (n(Role::Decode) as u64 * kv.ep.pages * u64::from(kv.page_tokens)) as f64);
+    // A plan whose roles are another layout (the search's runner-up) is not
+    // what the simulator models, and it says so rather than modeling the
+    // search's best on that plan's memory.
+    let other = plan.search.as_ref().unwrap().ranked.iter().find(|c| c.per_node != roles.per_node).unwrap();
+    let mut edited = plan.clone();
+    edited.roles.as_mut().unwrap().per_node = other.per_node.clone();
+    let err = Bench::new(&f.spec, &edited).unwrap().deployments(System::ExpertPlex).unwrap_err();
+    assert!(err.contains("not the layout search's best"), "{err}");
 }
 
 /// The simulator's PD system is the compiled `pd-disagg` plan: the same

@@ -36,9 +36,9 @@ fn colocated(name: &str) -> Plan {
         .replace("strategy = expertplex", "strategy = colocated")
         .replace("strategy = pd-disagg", "strategy = colocated")
         .replace("use \"../models/", &format!("use \"{}/models/", root().display()));
-    let dir = std::env::temp_dir().join(format!("moeforge-colocated-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(format!("{name}.moe"));
+    // Each call its own directory: tests run in parallel threads of one process.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(format!("{name}.moe"));
     std::fs::write(&path, text).unwrap();
     plan_of(&path)
 }
@@ -46,8 +46,7 @@ fn colocated(name: &str) -> Plan {
 /// MiniMax-M2's shapes (all-head QK-norm) with bf16 weights (dual-mode
 /// expert slots need bf16) in a switching deployment, so the plan holds TP.
 fn minimax_dual() -> Plan {
-    let dir = std::env::temp_dir().join(format!("moeforge-program-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = tempfile::tempdir().unwrap();
     let model = std::fs::read_to_string(root().join("models/minimax-m2.moe")).unwrap();
     let model = model.replace("weights = fp8_e4m3  block_scale = [128, 128]", "weights = bf16");
     assert!(model.contains("weights = bf16"));
@@ -58,7 +57,7 @@ fn minimax_dual() -> Plan {
          switch {{ t_high = 256  t_low = 204  window = 64  cooldown = 5s }}\n  memory_fraction = 0.9\n}}\n",
         m = root().join("models").display()
     );
-    let path = dir.join("mm.moe");
+    let path = dir.path().join("mm.moe");
     std::fs::write(&path, text).unwrap();
     let p = plan_of(&path);
     assert_eq!(p.memory.modes, [Mode::Tp, Mode::Ep], "{:?}", p.memory.single_mode_reason);
