@@ -24,7 +24,7 @@ mod common;
 use common::cpu_spec::{compile_text, cpu_cluster_deployment, cpu_deployment, imported_block};
 use common::*;
 use moeforge::plan::memory::Mode;
-use moeforge::runtime::engine::{Engine, Request};
+use moeforge::runtime::engine::{Engine, Request, RequestId};
 use moeforge::runtime::twin::moe::SwapPolicy;
 use moeforge::runtime::twin::weights::Checkpoint;
 use moeforge::runtime::twin::Twin;
@@ -404,6 +404,49 @@ fn the_request_scheduler_prefills_on_prefill_servers_and_balances_decode_servers
     let (lo, hi) = (decode.iter().min().unwrap(), decode.iter().max().unwrap());
     assert!(hi - lo <= 1, "decode servers unbalanced: {decode:?}");
     assert_eq!(t.handoffs().requests, n);
+}
+
+/// A prefilled request no decode server has room for waits on its prefill
+/// server, holding its prompt's pages but not computing (nor counted as
+/// running), until a decode server frees room; then it is handed off.
+#[test]
+fn a_prefilled_request_waits_for_decode_room_on_its_prefill_server() {
+    use moeforge::plan::roles::Role;
+    let f = fixture("qwen3-moe");
+    let ck = Checkpoint::load(&f.dir).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let b =
+        compile_text(&cpu_cluster_deployment(&imported_block(&f.dir), 1, 4, 0.25, "strategy = expertplex"), tmp.path());
+    let plan = b.plan.plan();
+    let roles = plan.roles.clone().unwrap();
+    let decode = roles.ranks(Role::Decode);
+    // Requests as long as a page table allows: each decode server fits `k`.
+    let page = u64::from(plan.memory.kv.page_tokens);
+    let per = moeforge::plan::memory::MAX_SEQ / page;
+    let k = plan.memory.kv.ep.pages / per;
+    assert!((1..=8).contains(&k), "{k} requests per decode server");
+    let fit = decode.len() as u64 * k;
+    let mut t = Twin::new(&b, &ck, Mode::Ep).unwrap();
+    let prompt = f.prompts[0].clone();
+    let max_new = (per * page) as usize - prompt.len();
+    for i in 0..=fit {
+        t.submit(Request::new(i, prompt.clone(), max_new)).unwrap();
+    }
+    let first = t.step().unwrap();
+    assert_eq!(first.running as u64, fit + 1, "every request is prefilled in the first step");
+    assert_eq!(t.handoffs().requests, fit);
+    let held: Vec<RequestId> =
+        roles.ranks(Role::Prefill).iter().flat_map(|&r| t.served()[r as usize].clone()).collect();
+    assert_eq!(held, vec![fit], "the last request waits on its prefill server");
+    let second = t.step().unwrap();
+    assert_eq!(second.running as u64, fit, "the held request computed");
+    assert!(second.produced.iter().all(|(id, _)| *id != fit));
+    // A decode server's request leaves; the held one moves there.
+    assert!(t.cancel(0));
+    t.step().unwrap();
+    assert_eq!(t.handoffs().requests, fit + 1);
+    let fourth = t.step().unwrap();
+    assert!(fourth.produced.iter().any(|(id, _)| *id == fit), "the handed-off request decodes");
 }
 
 /// DeepSeek-V3 as the Hub ships it: every projection fp8 e4m3 with 128×128

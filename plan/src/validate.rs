@@ -214,7 +214,9 @@ fn shape_bytes(shape: &[u64], elt: u64) -> Option<u64> {
 }
 
 /// **Invariants** of the memory plan: regions tile the buffer in order,
-/// aligned, without gaps or overlap, each kind once; every view lies inside
+/// aligned, without gaps or overlap, each kind once (a role plan: each
+/// role's regions, the shared workspace and its own, tile a prefix in
+/// order; regions of different roles overlay); every view lies inside
 /// its region at every layer it covers, in a region its mode uses, under its
 /// role's canonical name; the views of one mode never overlap each other at
 /// any layer (aliasing happens only across modes); expert slots, KV pages

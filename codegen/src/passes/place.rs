@@ -84,7 +84,7 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
         let at = if e.contains("expert statistics") { "placement" } else { "placement.redundant_experts" };
         let at = At::Deploy(at.into());
         PassError::new(Code::Unsupported, at, format!("expert placement failed: {e}")).label("placement policy").help(
-            "(experts + redundant_experts) must be a multiple of the GPU count; measured loads must match the model",
+            "(experts + redundant_experts) must be a multiple of the GPUs holding experts (every GPU, or a role plan's MoE servers), at most `experts` per GPU; measured loads must match the model",
         )
     })?;
     if let (Some(p), Some(moe)) = (plan.placement.as_mut(), &moe_ranks) {

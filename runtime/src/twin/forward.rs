@@ -32,10 +32,10 @@ impl Twin {
             .map(|r| {
                 r.requests
                     .iter()
-                    .filter_map(|id| self.requests.get(id))
                     // A prefill server only prefills: a request waiting there
                     // for a decode server is not stepped.
-                    .filter(|q| r.role != Some(super::Role::Prefill) || q.cached == 0)
+                    .filter(|&&id| !self.awaits_handoff(r, id))
+                    .filter_map(|id| self.requests.get(id))
                     .flat_map(|q| (q.cached..q.len()).map(move |pos| (q.id, pos, q.token(pos))))
                     .collect()
             })

@@ -429,6 +429,13 @@ impl Twin {
         true
     }
 
+    /// Whether request `id` on `rank` had its prefill on a prefill server
+    /// (a prompt is prefilled in one step) and waits there for the handoff:
+    /// it is held, not computed.
+    fn awaits_handoff(&self, rank: &Rank, id: RequestId) -> bool {
+        rank.role == Some(Role::Prefill) && self.requests.get(&id).is_some_and(|q| q.cached > 0)
+    }
+
     fn load_tokens(&self, r: usize) -> usize {
         self.ranks[r].requests.iter().filter_map(|id| self.requests.get(id)).map(Live::len).sum()
     }
@@ -441,10 +448,13 @@ impl Twin {
     /// the decode server's pool (both use the attention servers' one page
     /// format), its page table follows, and the prefill server's pages are
     /// freed. A request no decode server has room for waits on its prefill
-    /// server, which does not decode it.
-    fn hand_off(&mut self) {
+    /// server, which does not decode it. The decode server's reservation
+    /// covers every page copied (admission reserved them); a free list
+    /// shorter than the page table would be a broken reservation, and is an
+    /// error, never a truncated page table.
+    fn hand_off(&mut self) -> Result<(), EngineError> {
         if self.roles.is_none() {
-            return;
+            return Ok(());
         }
         let geom = paging::KvGeom::of(&self.plan, Mode::Ep);
         for src in 0..self.ranks.len() {
@@ -464,11 +474,18 @@ impl Twin {
                 else {
                     continue;
                 };
+                let held = self.ranks[src].tables.get(&id).map_or(0, Vec::len);
+                if self.ranks[dst].pages.free.len() < held {
+                    return Err(EngineError::Backend(format!(
+                        "request {id}: decode server {dst} reserved its {need} KV pages but has {} free for the {held} \
+                         prefilled ones",
+                        self.ranks[dst].pages.free.len()
+                    )));
+                }
                 let from = self.ranks[src].tables.remove(&id).unwrap_or_default();
                 let mut to = Vec::with_capacity(from.len());
                 for &pg in &from {
-                    // Admission reserved the decode server's pages.
-                    let Some(np) = self.ranks[dst].pages.free.pop_front() else { break };
+                    let Some(np) = self.ranks[dst].pages.free.pop_front() else { continue };
                     let (a, b) = (geom.base + pg as usize * geom.page_bytes, geom.base + np as usize * geom.page_bytes);
                     let page = self.ranks[src].buf.get(a..a + geom.page_bytes).map(<[u8]>::to_vec);
                     if let (Some(page), Some(out)) = (page, self.ranks[dst].buf.get_mut(b..b + geom.page_bytes)) {
@@ -485,6 +502,7 @@ impl Twin {
                 self.ranks[dst].requests.push(id);
             }
         }
+        Ok(())
     }
 
     /// Frees a finished or cancelled request's pages on every rank.
@@ -562,10 +580,14 @@ impl Engine for Twin {
         let t0 = Instant::now();
         let running: usize = match self.mode {
             Mode::Tp => self.ranks.first().map_or(0, |r| r.requests.len()),
-            Mode::Ep => self.ranks.iter().map(|r| r.requests.len()).sum(),
+            // A role plan's prefilled request waiting on its prefill server
+            // for a decode server's room is held, not run.
+            Mode::Ep => {
+                self.ranks.iter().map(|r| r.requests.iter().filter(|&&id| !self.awaits_handoff(r, id)).count()).sum()
+            }
         };
         let (tokens, produced) = self.forward()?;
-        self.hand_off();
+        self.hand_off()?;
         if self.mode == Mode::Ep && self.device.is_none() {
             for (layer, s) in self.slots.end_step() {
                 self.exchange_slots(layer, s);
