@@ -346,6 +346,48 @@ fn expertplex_roles_with_zepp_replicas_give_transformers_tokens() {
     eprintln!("{} intra-node exchanges between MoE servers mid-run, logits unchanged", s.swaps());
 }
 
+/// The communication schedule at work on the twin: two nodes, each with a
+/// MoE, a prefill and three decode servers. A prefill server's rows for the
+/// other node's MoE server go through that node's prefill server (one
+/// scale-out send per token, however many of its experts there the token
+/// activates); decode's go straight. Posts cut to one row each make every
+/// row its own dispatch round, and the tokens do not move.
+#[test]
+fn the_dispatch_schedule_relays_prefill_rows_and_rounds_at_the_post_cap() {
+    use moeforge::plan::roles::{Path, Role};
+    let f = fixture("qwen3-moe");
+    let ck = Checkpoint::load(&f.dir).unwrap();
+    let block = imported_block(&f.dir);
+    let tmp = tempfile::tempdir().unwrap();
+    let extra = "strategy = expertplex placement { policy = zepp redundant_experts = 4 }";
+    let mut b = compile_text(&cpu_cluster_deployment(&block, 2, 5, 0.25, extra), tmp.path());
+    let roles = b.plan.plan().roles.clone().expect("roles");
+    assert_eq!(roles.per_node, [[1, 1, 3], [1, 1, 3]]);
+    assert!(roles.posts.iter().any(|p| matches!(p.path, Path::Relay { .. })));
+    let mut t = Twin::new(&b, &ck, Mode::Ep).unwrap();
+    check_run(&f, &mut t, "relayed", &[]);
+    let r = t.routed();
+    // Every remote prefill row was relayed (each node has a prefill server).
+    assert!(r.relayed > 0 && r.low_lane == 0, "{r:?}");
+    // Some token activated two experts on the far MoE server: its row
+    // crossed once for both (measured: 17 relayed rows in 15 sends).
+    assert!(r.relay_sends > 0 && r.relay_sends < r.relayed, "{r:?}");
+    assert!(r.rounds > 0 && r.rounds <= r.rows(), "{r:?}");
+    eprintln!("schedule: {r:?}");
+    // One-row posts: every dispatched row is a round of its own.
+    let mut plan = b.plan.plan().clone();
+    for p in &mut plan.roles.as_mut().unwrap().posts {
+        p.rows = 1;
+    }
+    b.plan = moeforge::plan::validate::validate(plan).unwrap_or_else(|v| panic!("{v:?}"));
+    let mut one = Twin::new(&b, &ck, Mode::Ep).unwrap();
+    check_run(&f, &mut one, "one-row posts", &[]);
+    let r1 = one.routed();
+    assert_eq!(r1.rounds, r1.rows(), "{r1:?}");
+    assert_eq!(one.logits, t.logits);
+    assert!(roles.ranks(Role::Moe).len() == 2);
+}
+
 /// PD disaggregation, realized (`strategy = pd-disagg`): whole-model
 /// instances (one GPU each for the tiny model), half prefill, half decode;
 /// each request prefills on a prefill instance, its KV moves to a decode

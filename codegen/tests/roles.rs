@@ -159,6 +159,63 @@ fn every_attention_rank_posts_into_its_own_rows_of_every_moe_rank() {
     assert_eq!(roles.kv_handoff.page_bytes, p.memory.kv.ep.page_bytes);
 }
 
+/// Each post's path is §5's, checked pair by pair from the GPUs' roles and
+/// nodes: NVLink inside a node; decode straight over RDMA on lane 0; prefill
+/// relayed by a prefill server on the MoE rank's node where there is one
+/// (the sender's local rank when that GPU is a prefill server), otherwise
+/// straight over RDMA on lane 1 (H800's InfiniBand has two lanes). The
+/// share of prefill pairs left on a link decode uses is the fraction the
+/// simulator charges prefill's interference with
+/// (`prefill_shared_scale_out`, counted from the per-node layout).
+#[test]
+fn posts_take_the_hierarchical_prefill_path_and_decode_the_high_priority_lane() {
+    use moeforge_plan::roles::Path;
+    use moeforge_plan::search::prefill_shared_scale_out;
+    let p = glm5();
+    let roles = p.roles.as_ref().unwrap();
+    assert_eq!(roles.lanes, 2);
+    let node = |r: u32| r / 8;
+    let (mut relayed, mut direct, mut prefill_pairs) = (0, 0, 0);
+    for x in &roles.posts {
+        let src_role = roles.gpus[x.src as usize];
+        let prefill_there: Vec<u32> =
+            (node(x.dst) * 8..node(x.dst) * 8 + 8).filter(|&r| roles.gpus[r as usize] == Role::Prefill).collect();
+        if src_role == Role::Prefill {
+            prefill_pairs += 1;
+        }
+        match x.path {
+            Path::Nvlink => assert_eq!(node(x.src), node(x.dst), "{x:?}"),
+            Path::Rdma { lane } => {
+                assert_ne!(node(x.src), node(x.dst), "{x:?}");
+                match src_role {
+                    Role::Decode => assert_eq!(lane, 0, "{x:?}"),
+                    _ => {
+                        assert_eq!(lane, 1, "{x:?}");
+                        assert!(prefill_there.is_empty(), "{x:?}: its node has prefill servers {prefill_there:?}");
+                        direct += 1;
+                    }
+                }
+            }
+            Path::Relay { via } => {
+                assert_eq!(src_role, Role::Prefill, "{x:?}");
+                assert!(prefill_there.contains(&via), "{x:?}: relay is not a prefill server on the MoE rank's node");
+                if prefill_there.contains(&(node(x.dst) * 8 + x.src % 8)) {
+                    assert_eq!(via % 8, x.src % 8, "{x:?}: the same local rank is a prefill server");
+                }
+                relayed += 1;
+            }
+        }
+    }
+    assert!(relayed > 0, "GLM-5's layout spreads prefill servers, so some prefill rows are relayed");
+    let shared = f64::from(direct) / f64::from(prefill_pairs);
+    assert!((shared - prefill_shared_scale_out(&roles.per_node)).abs() < 1e-12, "{shared} {:?}", roles.per_node);
+    eprintln!(
+        "{} posts: {relayed} relayed, {direct} prefill direct on lane 1, per node {:?}",
+        roles.posts.len(),
+        roles.per_node
+    );
+}
+
 /// Each kind of broken role plan is a violation at the field that broke.
 #[test]
 fn the_validator_catches_a_broken_role_plan() {
@@ -185,6 +242,12 @@ fn the_validator_catches_a_broken_role_plan() {
     let (ki, _) = region(&p, RegionKind::KvPool);
     finds(broken(&|q| q.memory.regions[ki].offset += 4096), "kv_pool");
     finds(broken(&|q| q.roles.as_mut().unwrap().gpus.swap(0, 7)), "roles.per_node");
+    let cross = roles.posts.iter().position(|x| x.src / 8 != x.dst / 8).unwrap();
+    finds(
+        broken(&|q| q.roles.as_mut().unwrap().posts[cross].path = moeforge_plan::roles::Path::Nvlink),
+        &format!("roles.posts[{cross}].path"),
+    );
+    finds(broken(&|q| q.roles.as_mut().unwrap().lanes = 3), "roles.lanes");
     finds(
         broken(&|q| {
             let pl = q.placement.as_mut().unwrap();

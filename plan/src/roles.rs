@@ -60,7 +60,7 @@ impl Role {
 
 /// One attention rank's reserved rows in one MoE rank's `dispatch` (and
 /// `combine`) buffer: rows `[first_row, first_row + rows)`, at byte
-/// `offset` of the MoE rank's unified buffer.
+/// `offset` of the MoE rank's unified buffer, and the path its rows take.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Post {
     /// The attention rank that writes.
@@ -71,6 +71,27 @@ pub struct Post {
     pub rows: u64,
     /// Byte offset of the first reserved row of `dispatch` on `dst`.
     pub offset: u64,
+    pub path: Path,
+}
+
+/// How a post's rows reach the MoE rank (ExpertPlex §5).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Path {
+    /// Same node: a one-sided write over NVLink.
+    Nvlink,
+    /// Another node, straight over RDMA on InfiniBand virtual lane `lane`:
+    /// 0 (high priority) for decode, 1 for prefill when the scale-out link
+    /// has two lanes ([`Roles::lanes`]), so decode goes first where the
+    /// phases share a link.
+    Rdma { lane: u32 },
+    /// Prefill to a node holding a prefill server: each row crosses the
+    /// scale-out network once, to prefill server `via` on the MoE rank's
+    /// node (the one with the sender's local rank, else the nearest), which
+    /// multicasts it over NVLink to every MoE rank there that needs it,
+    /// chunk by chunk; the combine gathers on `via` and returns once. The
+    /// RDMA link between two prefill servers carries no decode traffic.
+    Relay { via: u32 },
 }
 
 /// The prefill→decode KV transfer: whole pages of the attention servers'
@@ -100,6 +121,9 @@ pub struct Roles {
     pub goodput: f64,
     /// The dispatch schedule: every (attention rank, MoE rank) pair once.
     pub posts: Vec<Post>,
+    /// Virtual lanes the scale-out link gives the schedule: 1, or 2 when
+    /// prefill's direct RDMA rides a lower-priority lane than decode's.
+    pub lanes: u32,
     pub kv_handoff: KvHandoff,
 }
 
@@ -142,17 +166,81 @@ impl Roles {
             .collect()
     }
     /// The dispatch posts over `rows` rows of `row_bytes` at `offset`: each
-    /// attention rank an equal share of every MoE rank's buffer.
-    pub fn posts(gpus: &[Role], rows: u64, row_bytes: u64, offset: u64) -> Vec<Post> {
+    /// attention rank an equal share of every MoE rank's buffer, and each
+    /// post's [`Path`] on nodes of `gpus_per_node` GPUs with `lanes` virtual
+    /// lanes on the scale-out link.
+    pub fn posts(gpus: &[Role], gpus_per_node: u32, lanes: u32, rows: u64, row_bytes: u64, offset: u64) -> Vec<Post> {
         let attn: Vec<u32> = (0..gpus.len() as u32).filter(|&r| gpus[r as usize].attends()).collect();
         let share = rows / (attn.len() as u64).max(1);
         let mut out = Vec::new();
         for dst in (0..gpus.len() as u32).filter(|&r| gpus[r as usize] == Role::Moe) {
             for (i, &src) in attn.iter().enumerate() {
                 let first_row = i as u64 * share;
-                out.push(Post { src, dst, first_row, rows: share, offset: offset + first_row * row_bytes });
+                let path = Self::path(gpus, gpus_per_node, lanes, src, dst);
+                out.push(Post { src, dst, first_row, rows: share, offset: offset + first_row * row_bytes, path });
             }
         }
         out
+    }
+
+    /// The path from attention rank `src` to MoE rank `dst` (§5): NVLink
+    /// within a node; decode straight over RDMA on the high-priority lane;
+    /// prefill through the remote node's prefill server with the sender's
+    /// local rank (else the nearest local rank, the lower on a tie), or,
+    /// where that node has none, straight over RDMA on the low-priority
+    /// lane when there are two.
+    pub fn path(gpus: &[Role], gpus_per_node: u32, lanes: u32, src: u32, dst: u32) -> Path {
+        let g = gpus_per_node.max(1);
+        let (node, dst_node) = (src / g, dst / g);
+        if node == dst_node {
+            return Path::Nvlink;
+        }
+        if gpus.get(src as usize) != Some(&Role::Prefill) {
+            return Path::Rdma { lane: 0 };
+        }
+        let local = src % g;
+        let relay = (dst_node * g..(dst_node + 1) * g)
+            .filter(|&r| gpus.get(r as usize) == Some(&Role::Prefill))
+            .min_by_key(|&r| ((r % g).abs_diff(local), r));
+        match relay {
+            Some(via) => Path::Relay { via },
+            None => Path::Rdma { lane: u32::from(lanes >= 2) },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Path, Role, Roles};
+
+    /// Two nodes of four, laid out by hand: node 0 = [moe, prefill, prefill,
+    /// decode], node 1 = [moe, moe, prefill, decode]; then node 1 without a
+    /// prefill server.
+    #[test]
+    fn paths_follow_the_roles_and_nodes() {
+        let gpus = Roles::lay_out(&[[1, 2, 1], [2, 1, 1]]);
+        use Role::*;
+        assert_eq!(gpus, [Moe, Prefill, Prefill, Decode, Moe, Moe, Prefill, Decode]);
+        let path = |src, dst| Roles::path(&gpus, 4, 2, src, dst);
+        // Same node: NVLink, whatever the role.
+        assert_eq!(path(1, 0), Path::Nvlink);
+        assert_eq!(path(7, 4), Path::Nvlink);
+        // Decode across nodes: RDMA, high priority.
+        assert_eq!(path(3, 4), Path::Rdma { lane: 0 });
+        assert_eq!(path(7, 0), Path::Rdma { lane: 0 });
+        // Prefill 1 (local rank 1) to node 1: its only prefill server is 6
+        // (local rank 2), the nearest.
+        assert_eq!(path(1, 5), Path::Relay { via: 6 });
+        // Prefill 6 (local rank 2) to node 0: rank 2 is a prefill server.
+        assert_eq!(path(6, 0), Path::Relay { via: 2 });
+        // Node 1 without a prefill server: prefill goes straight, on lane 1
+        // with two lanes, on decode's lane with one.
+        let gpus = Roles::lay_out(&[[1, 2, 1], [2, 0, 2]]);
+        assert_eq!(Roles::path(&gpus, 4, 2, 1, 4), Path::Rdma { lane: 1 });
+        assert_eq!(Roles::path(&gpus, 4, 1, 1, 4), Path::Rdma { lane: 0 });
+        // Ties go to the lower local rank: prefill 2 to a node whose prefill
+        // servers sit at local ranks 1 and 3.
+        let gpus = [Moe, Moe, Prefill, Decode, Moe, Prefill, Decode, Prefill];
+        assert_eq!(Roles::path(&gpus, 4, 2, 2, 4), Path::Relay { via: 5 });
     }
 }

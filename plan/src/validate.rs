@@ -882,6 +882,9 @@ fn roles(c: &mut Check, p: &Plan) {
     for role in [Role::Prefill, Role::Decode] {
         c.ensure(r.gpus.contains(&role), "roles.gpus", || format!("no {} server", role.name()));
     }
+    c.ensure((1..=2).contains(&r.lanes), "roles.lanes", || {
+        format!("{} virtual lanes; the schedule uses 1 or 2", r.lanes)
+    });
     // EP groups: disjoint, non-empty, of one size; ExpertPlex's one group is
     // its MoE servers, PD's groups are instances of one role covering the world.
     let mut seen = std::collections::BTreeSet::new();
@@ -959,6 +962,13 @@ fn roles(c: &mut Check, p: &Plan) {
             });
             c.ensure(attn.contains(&x.src) && moe.contains(&x.dst) && seen.insert((x.src, x.dst)), &f, || {
                 format!("{} → {} is not a new (attention, MoE) pair", x.src, x.dst)
+            });
+            // The path §5 gives the pair: NVLink within a node, decode on the
+            // high-priority lane, prefill relayed by the destination node's
+            // prefill server where it has one.
+            let want = crate::roles::Roles::path(&r.gpus, p.cluster.gpus_per_node, r.lanes, x.src, x.dst);
+            c.ensure(x.path == want, format!("{f}.path"), || {
+                format!("{:?} for {} → {}; the schedule's path is {want:?}", x.path, x.src, x.dst)
             });
             by_dst.entry(x.dst).or_default().push([x.first_row, x.first_row.saturating_add(x.rows)]);
         }

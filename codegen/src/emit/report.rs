@@ -407,16 +407,50 @@ fn roles(s: &mut String, plan: &Plan) {
         s,
         "- **Combine**: the attention rank pulls its rows back from the same rows of the MoE rank's `combine` buffer."
     );
+    {
+        use moeforge_plan::roles::Path;
+        let count = |f: &dyn Fn(&Path) -> bool| r.posts.iter().filter(|p| f(&p.path)).count();
+        let prefill_direct = r
+            .posts
+            .iter()
+            .filter(|p| r.gpus.get(p.src as usize) == Some(&Role::Prefill) && matches!(p.path, Path::Rdma { .. }))
+            .count();
+        let _ = writeln!(
+            s,
+            "- **Paths** (§5, `roles.posts[].path`): {} posts stay on NVLink; {} decode posts go straight over RDMA \
+             on virtual lane 0; {} prefill posts cross once to the destination node's prefill server (the sender's \
+             local rank where it is one), which multicasts over NVLink and gathers the combine, on a link no decode \
+             traffic uses; {prefill_direct} prefill posts go to nodes without a prefill server straight over RDMA, {}.",
+            count(&|p| *p == Path::Nvlink),
+            count(&|p| *p == Path::Rdma { lane: 0 }) - prefill_direct * usize::from(r.lanes < 2),
+            count(&|p| matches!(p, Path::Relay { .. })),
+            if r.lanes >= 2 {
+                "on the lower-priority lane 1, so decode goes first where the phases share a link"
+            } else {
+                "sharing decode's lane (the scale-out link has one virtual lane)"
+            }
+        );
+    }
     let _ = writeln!(
         s,
         "- **KV handoff**: after a request's prefill step its KV moves from its prefill server to the decode \
          server the request scheduler picks, page by page ({} tokens, {} bytes a page).",
         r.kv_handoff.page_tokens, r.kv_handoff.page_bytes
     );
-    let _ = writeln!(s, "\n| MoE rank | posting attention ranks (first row) |\n|---|---|");
+    let _ = writeln!(s, "\n| MoE rank | posting attention ranks (first row, path) |\n|---|---|");
     for m in &moe {
-        let from: Vec<String> =
-            r.posts.iter().filter(|p| p.dst == *m).map(|p| format!("{} ({})", p.src, p.first_row)).collect();
+        use moeforge_plan::roles::Path;
+        let path = |p: &Path| match p {
+            Path::Nvlink => "nvlink".to_string(),
+            Path::Rdma { lane } => format!("rdma lane {lane}"),
+            Path::Relay { via } => format!("via {via}"),
+        };
+        let from: Vec<String> = r
+            .posts
+            .iter()
+            .filter(|p| p.dst == *m)
+            .map(|p| format!("{} ({}, {})", p.src, p.first_row, path(&p.path)))
+            .collect();
         let _ = writeln!(s, "| {m} | {} |", from.join(", "));
     }
     let _ = writeln!(s);

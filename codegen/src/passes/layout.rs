@@ -59,6 +59,8 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
                 q: b.q,
                 goodput: b.goodput,
                 posts: Vec::new(),
+                // Two lanes are all the schedule uses: decode's and prefill's.
+                lanes: c.scale_out.as_ref().map_or(1, |o| o.virtual_lanes.clamp(1, 2)),
                 kv_handoff: KvHandoff { page_tokens: 0, page_bytes: 0 },
             })
         }
@@ -162,6 +164,7 @@ fn pd(cx: &Ctx<'_>, plan: &Plan) -> Option<Roles> {
         q: 0,
         goodput: 0.0,
         posts: Vec::new(),
+        lanes: 1,
         kv_handoff: KvHandoff { page_tokens: 0, page_bytes: 0 },
     })
 }

@@ -471,7 +471,7 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     if let Some(roles) = plan.roles.as_mut() {
         let mem = &plan.memory;
         if let (true, Some(d)) = (roles.moe_servers(), mem.buffer(Mode::Ep, BufferName::Dispatch)) {
-            roles.posts = Roles::posts(&roles.gpus, d.rows, d.row_bytes, d.offset);
+            roles.posts = Roles::posts(&roles.gpus, c.gpus_per_node, roles.lanes, d.rows, d.row_bytes, d.offset);
         }
         roles.kv_handoff = KvHandoff { page_tokens: mem.kv.page_tokens, page_bytes: mem.kv.ep.page_bytes };
     }

@@ -161,6 +161,17 @@ pub struct Routed {
     pub own_node: u64,
     pub remote: u64,
     pub remote_messages: u64,
+    /// A role plan's communication schedule at work (`roles.posts`): the
+    /// remote rows relayed through a prefill server on the MoE rank's node,
+    /// and the scale-out sends they took (one per token and relay, however
+    /// many of that node's experts the token activates: §5's deduplication).
+    pub relayed: u64,
+    pub relay_sends: u64,
+    /// Remote prefill rows sent straight over RDMA on the low-priority lane.
+    pub low_lane: u64,
+    /// Dispatch rounds: a source's rows for one MoE rank go in rounds of at
+    /// most its post's reserved rows (one round when they fit).
+    pub rounds: u64,
 }
 
 impl Routed {
@@ -303,11 +314,18 @@ impl Twin {
                     }
                     counted.remote_messages += to_node.iter().filter(|&&x| x).count() as u64;
                 }
+                if let Some(roles) = self.roles.as_ref().filter(|r| r.moe_servers()) {
+                    posted(roles, &inbox, &mut counted);
+                }
                 if let Ok(mut r) = self.routed.lock() {
                     r.own_rank += counted.own_rank;
                     r.own_node += counted.own_node;
                     r.remote += counted.remote;
                     r.remote_messages += counted.remote_messages;
+                    r.relayed += counted.relayed;
+                    r.relay_sends += counted.relay_sends;
+                    r.low_lane += counted.low_lane;
+                    r.rounds += counted.rounds;
                 }
                 let results: Vec<Vec<Vec<f32>>> = par_ranks(&self.ranks, |rank| {
                     inbox[rank.id]
@@ -346,4 +364,31 @@ impl Twin {
             }
         }
     }
+}
+
+/// One layer's dispatch under a role plan's schedule: each (attention rank,
+/// MoE rank) pair's rows take their post's path, in rounds of at most the
+/// post's reserved rows. `inbox[gpu]` holds (source rank, token, k, slot).
+fn posted(roles: &moeforge_plan::roles::Roles, inbox: &[Vec<(usize, usize, usize, usize)>], out: &mut Routed) {
+    use moeforge_plan::roles::Path;
+    let posts: std::collections::BTreeMap<(usize, usize), &moeforge_plan::roles::Post> =
+        roles.posts.iter().map(|p| ((p.src as usize, p.dst as usize), p)).collect();
+    let mut rows: std::collections::BTreeMap<(usize, usize), u64> = Default::default();
+    let mut sends = std::collections::BTreeSet::new();
+    for (dst, rs) in inbox.iter().enumerate() {
+        for &(src, t, _, _) in rs {
+            *rows.entry((src, dst)).or_default() += 1;
+            match posts.get(&(src, dst)).map(|p| p.path) {
+                Some(Path::Relay { via }) => {
+                    out.relayed += 1;
+                    sends.insert((src, t, via));
+                }
+                Some(Path::Rdma { lane: 1 }) => out.low_lane += 1,
+                _ => {}
+            }
+        }
+    }
+    out.relay_sends += sends.len() as u64;
+    // The validator guarantees a post of at least one row for every pair.
+    out.rounds += rows.iter().map(|(k, &n)| n.div_ceil(posts.get(k).map_or(n, |p| p.rows).max(1))).sum::<u64>();
 }
