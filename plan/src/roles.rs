@@ -19,8 +19,13 @@
 //! learn its offsets (DeepEP's low-latency layout; its normal mode instead
 //! exchanges counts first). The buffer's rows are split evenly over the
 //! attention ranks, so one attention rank may send each MoE rank at most
-//! [`Post::rows`] rows per step. The combine is pulled from the same rows
-//! of the MoE rank's `combine` buffer.
+//! [`Post::rows`] rows per round (more rows go in rounds). The combine is
+//! pulled from the same rows of the MoE rank's `combine` buffer. Each post
+//! names its [`Path`]: NVLink inside a node; across nodes decode goes
+//! straight over RDMA on the high-priority virtual lane, and prefill goes
+//! once to a prefill server on the destination node that fans out over
+//! NVLink (the hierarchical path, on links decode does not use), or
+//! straight on the low-priority lane where that node has no prefill server.
 //!
 //! **KV handoff**: after a request's prefill step its KV pages move, page
 //! by page, from its prefill server's pool to a decode server's pool; the
