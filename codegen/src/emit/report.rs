@@ -398,7 +398,8 @@ fn roles(s: &mut String, plan: &Plan) {
         "- **Dispatch** (attention-initiated, one-sided): each of the {} attention ranks writes its token rows \
          into a region of every MoE rank's `dispatch` buffer reserved for it: {} rows per (attention, MoE) pair, \
          {} posts in all (`roles.posts`). Reserved regions need no count exchange before the write, as DeepEP's \
-         low-latency mode; they cap one attention rank at {rows} rows to one MoE rank per step.",
+         low-latency mode; a source sends one MoE rank at most {rows} rows a round, more in rounds \
+         (each after the MoE rank consumed the last).",
         attn.len(),
         rows,
         r.posts.len()
