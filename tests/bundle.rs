@@ -251,10 +251,19 @@ fn a_role_plan_holding_the_tp_view_is_refused() {
     codegen::emit(&checked, id, &plan, &NvccMode::Off).unwrap().0.write(&dir).unwrap();
     let mut v: Value = serde_json::from_slice(&std::fs::read(dir.join("plan.json")).unwrap()).unwrap();
     assert_eq!(v["memory"]["modes"], serde_json::json!(["ep"]));
+    let original = v.clone();
     v["memory"]["modes"] = serde_json::json!(["tp", "ep"]);
     rewrite(&dir, &v);
     let e = load_bundle(&dir).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e.contains("memory.modes") && e.contains("EP view only"), "{e}");
+    // A post to the last u32 rank (past any node) is refused, not an overflow.
+    let mut v = original;
+    let prefill = v["roles"]["gpus"].as_array().unwrap().iter().position(|g| g == "prefill").unwrap();
+    v["roles"]["posts"][0]["src"] = Value::from(prefill);
+    v["roles"]["posts"][0]["dst"] = Value::from(u32::MAX);
+    rewrite(&dir, &v);
+    let e = load_bundle(&dir).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("roles.posts[0]"), "{e}");
 }
 
 /// What the plan realizes decides its modes and what report.md says, not

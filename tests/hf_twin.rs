@@ -354,7 +354,7 @@ fn expertplex_roles_with_zepp_replicas_give_transformers_tokens() {
 /// row its own dispatch round, and the tokens do not move.
 #[test]
 fn the_dispatch_schedule_relays_prefill_rows_and_rounds_at_the_post_cap() {
-    use moeforge::plan::roles::{Path, Role};
+    use moeforge::plan::roles::Path;
     let f = fixture("qwen3-moe");
     let ck = Checkpoint::load(&f.dir).unwrap();
     let block = imported_block(&f.dir);
@@ -385,7 +385,6 @@ fn the_dispatch_schedule_relays_prefill_rows_and_rounds_at_the_post_cap() {
     let r1 = one.routed();
     assert_eq!(r1.rounds, r1.rows(), "{r1:?}");
     assert_eq!(one.logits, t.logits);
-    assert!(roles.ranks(Role::Moe).len() == 2);
 }
 
 /// PD disaggregation, realized (`strategy = pd-disagg`): whole-model

@@ -248,6 +248,16 @@ fn the_validator_catches_a_broken_role_plan() {
         &format!("roles.posts[{cross}].path"),
     );
     finds(broken(&|q| q.roles.as_mut().unwrap().lanes = 3), "roles.lanes");
+    // Uneven MoE servers per node (laid out consistently) cannot hold replicas.
+    finds(
+        broken(&|q| {
+            let r = q.roles.as_mut().unwrap();
+            r.per_node = vec![[5, 1, 2], [4, 1, 3], [3, 2, 3]];
+            r.gpus = moeforge_plan::roles::Roles::lay_out(&r.per_node);
+            r.ep_groups = vec![r.ranks(Role::Moe)];
+        }),
+        "replicas need the same number of MoE servers",
+    );
     finds(
         broken(&|q| {
             let pl = q.placement.as_mut().unwrap();

@@ -47,6 +47,14 @@ fn search_results_meet_slos_fit_memory_and_are_ranked() {
             let p: Vec<u32> = cand.per_node.iter().map(|n| n[1]).collect();
             assert!(p.iter().max().unwrap() - p.iter().min().unwrap() <= 1, "{name}: {p:?}");
         }
+        // The realized best layout's MoE servers hold what the check charged:
+        // the placement pass's slots (replicas), or the widest stripe.
+        if let (Some(roles), Some(best)) = (p.roles.as_ref(), r.ranked.first()) {
+            let charged = (m.moe.experts + p.placement.as_ref().map_or(0, |_| d.placement.redundant_experts))
+                .div_ceil(best.moe_gpus);
+            let held = roles.ranks(moeforge_plan::roles::Role::Moe).iter().map(|&g| p.local_experts(g as usize)).max();
+            assert_eq!(held, Some(charged), "{name}");
+        }
     }
 }
 

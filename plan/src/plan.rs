@@ -33,7 +33,8 @@ pub struct Plan {
     /// The latency model the search used (roofline defaults or a fitted profile).
     pub cost: crate::cost::CostModel,
     /// ExpertPlex Algorithm 1 over the cost model, for `expertplex` and `auto`
-    /// strategies (advisory: the layout above is what the bundle implements).
+    /// strategies: `expertplex` realizes its best layout as `roles`; for
+    /// `auto` it is advisory (the plan is colocated).
     pub search: Option<crate::search::SearchResult>,
     /// Replicas per layer and GPU for `placement { policy = zepp | eplb }`:
     /// the contents of each GPU's EP expert slots (realized by the memory plan).

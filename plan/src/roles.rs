@@ -107,6 +107,15 @@ pub struct KvHandoff {
     pub page_bytes: u64,
 }
 
+/// Whether every node holding MoE servers holds the same number: a
+/// replicated placement over the MoE servers needs that (its topology is
+/// nodes × GPUs per node, and Zepp's swaps stay within one of its nodes).
+pub fn uniform_moe(per_node: &[[u32; 3]]) -> bool {
+    let mut counts = per_node.iter().map(|n| n[0]).filter(|&m| m > 0);
+    let first = counts.next();
+    counts.all(|m| Some(m) == first)
+}
+
 /// The realized ExpertPlex layout.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Roles {
@@ -204,8 +213,8 @@ impl Roles {
             return Path::Rdma { lane: 0 };
         }
         let local = src % g;
-        let relay = (dst_node * g..(dst_node + 1) * g)
-            .filter(|&r| gpus.get(r as usize) == Some(&Role::Prefill))
+        let relay = (0..gpus.len() as u32)
+            .filter(|&r| r / g == dst_node && gpus[r as usize] == Role::Prefill)
             .min_by_key(|&r| ((r % g).abs_diff(local), r));
         match relay {
             Some(via) => Path::Relay { via },

@@ -885,6 +885,11 @@ fn roles(c: &mut Check, p: &Plan) {
     c.ensure((1..=2).contains(&r.lanes), "roles.lanes", || {
         format!("{} virtual lanes; the schedule uses 1 or 2", r.lanes)
     });
+    // Replicas over MoE servers form a topology of equal nodes (placement
+    // and the twin's intra-node swaps rely on it).
+    c.ensure(p.placement.is_none() || crate::roles::uniform_moe(&r.per_node), "roles.per_node", || {
+        format!("{:?}: replicas need the same number of MoE servers on every node holding any", r.per_node)
+    });
     // EP groups: disjoint, non-empty, of one size; ExpertPlex's one group is
     // its MoE servers, PD's groups are instances of one role covering the world.
     let mut seen = std::collections::BTreeSet::new();
@@ -966,10 +971,12 @@ fn roles(c: &mut Check, p: &Plan) {
             // The path §5 gives the pair: NVLink within a node, decode on the
             // high-priority lane, prefill relayed by the destination node's
             // prefill server where it has one.
-            let want = crate::roles::Roles::path(&r.gpus, p.cluster.gpus_per_node, r.lanes, x.src, x.dst);
-            c.ensure(x.path == want, format!("{f}.path"), || {
-                format!("{:?} for {} → {}; the schedule's path is {want:?}", x.path, x.src, x.dst)
-            });
+            if attn.contains(&x.src) && moe.contains(&x.dst) {
+                let want = crate::roles::Roles::path(&r.gpus, p.cluster.gpus_per_node, r.lanes, x.src, x.dst);
+                c.ensure(x.path == want, format!("{f}.path"), || {
+                    format!("{:?} for {} → {}; the schedule's path is {want:?}", x.path, x.src, x.dst)
+                });
+            }
             by_dst.entry(x.dst).or_default().push([x.first_row, x.first_row.saturating_add(x.rows)]);
         }
         for (dst, mut rows) in by_dst {

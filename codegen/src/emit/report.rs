@@ -326,14 +326,8 @@ fn search(s: &mut String, plan: &Plan) {
         Some(r) if r.moe_servers() => {
             let _ = writeln!(s, "\nRealized: the plan's roles (Layout above) are rank 1's layout, its q the APK's.\n");
         }
-        Some(_) => {
-            let _ = writeln!(
-                s,
-                "\nAdvisory: the plan realizes PD instances (Layout above); these ExpertPlex layouts are what \
-                 the search compared them with.\n"
-            );
-        }
-        None => {
+        // PD plans run no search, so they never reach here.
+        _ => {
             let _ = writeln!(
                 s,
                 "\nAdvisory: the plan realizes the colocated layout (strategy `{}` requested; Layout above says \

@@ -43,7 +43,11 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
         return Err(vec![PassError::new(
             Code::Unsupported,
             At::Deploy("placement".into()),
-            format!("expert replicas cannot be combined with TP↔EP switching: {why}"),
+            format!(
+                "expert replicas cannot be combined with TP↔EP switching: {why}{}",
+                // A strategy that fell back to colocated switches like any colocated plan.
+                plan.layout.note.as_ref().map_or(String::new(), |n| format!(" (this plan switches because {n})"))
+            ),
         )
         .label("placement with a `switch` block")
         .help(

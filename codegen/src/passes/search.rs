@@ -94,11 +94,7 @@ fn shape(prefill: u32, decode: u32, nodes: u32, gpn: u32) -> Option<Shape> {
 /// replicated placement over the MoE servers needs that (its topology is
 /// nodes × GPUs per node), so an `expertplex` deployment with one
 /// considers no other layout.
-pub fn uniform_moe(per_node: &[[u32; 3]]) -> bool {
-    let mut counts = per_node.iter().map(|n| n[0]).filter(|&m| m > 0);
-    let first = counts.next();
-    counts.all(|m| Some(m) == first)
-}
+pub use moeforge_plan::roles::uniform_moe;
 
 /// The decode SM budgets q the search tries: 1/8 … 6/8 of the SMs, each
 /// rounded up to whole CTA clusters and kept in [cluster, Q_max] so that

@@ -98,20 +98,9 @@ impl Slots {
             if placement::imbalance(&held, loads) <= self.policy_swap.threshold {
                 continue;
             }
-            let (next, swaps) = placement::intra_node_swaps(&held, loads, self.holder_topo);
-            for (&r, slots) in self.holders.iter().zip(next) {
-                if let Some(t) = table.get_mut(r) {
-                    *t = slots;
-                }
-            }
+            let swaps = swap_holders(table, &self.holders, self.holder_topo, loads);
             self.swaps += swaps.len() as u64;
-            let world = |i: usize| self.holders.get(i).copied().unwrap_or(i);
-            out.extend(swaps.into_iter().map(|s| {
-                (
-                    l + self.first_moe_layer,
-                    placement::Swap { a: world(s.a), slot_a: s.slot_a, b: world(s.b), slot_b: s.slot_b },
-                )
-            }));
+            out.extend(swaps.into_iter().map(|s| (l + self.first_moe_layer, s)));
         }
         out
     }
@@ -125,6 +114,25 @@ impl Slots {
     pub(super) fn experts(&self, l: usize, r: usize) -> &[u32] {
         self.layer(l).get(r).map_or(&[], Vec::as_slice)
     }
+}
+
+/// Zepp's intra-node swaps over the slot-holding ranks `holders` only (in
+/// rank order, forming `topo`: a role plan's MoE servers, whose count per
+/// node the validator keeps uniform), applied to `table` (indexed by world
+/// rank) and returned in world ranks.
+fn swap_holders(table: &mut [Vec<u32>], holders: &[usize], topo: Topology, loads: &[f64]) -> Vec<placement::Swap> {
+    let held: Vec<Vec<u32>> = holders.iter().map(|&r| table.get(r).cloned().unwrap_or_default()).collect();
+    let (next, swaps) = placement::intra_node_swaps(&held, loads, topo);
+    for (&r, slots) in holders.iter().zip(next) {
+        if let Some(t) = table.get_mut(r) {
+            *t = slots;
+        }
+    }
+    let world = |i: usize| holders.get(i).copied().unwrap_or(i);
+    swaps
+        .into_iter()
+        .map(|s| placement::Swap { a: world(s.a), slot_a: s.slot_a, b: world(s.b), slot_b: s.slot_b })
+        .collect()
 }
 
 /// When the twin re-plans a Zepp placement on drifted expert loads.
@@ -391,4 +399,34 @@ fn posted(roles: &moeforge_plan::roles::Roles, inbox: &[Vec<(usize, usize, usize
     out.relay_sends += sends.len() as u64;
     // The validator guarantees a post of at least one row for every pair.
     out.rounds += rows.iter().map(|(k, &n)| n.div_ceil(posts.get(k).map_or(n, |p| p.rows).max(1))).sum::<u64>();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::swap_holders;
+    use moeforge_plan::placement::Topology;
+
+    /// Two nodes of four GPUs whose MoE servers are local ranks 0 and 1
+    /// (world 0, 1, 4, 5). Node 1's servers drift apart (experts 0 and 1 hot,
+    /// both on GPU 4): the swaps exchange slots between world GPUs 4 and 5
+    /// only, and the attention GPUs keep no slot.
+    #[test]
+    fn swaps_between_moe_servers_land_on_their_world_ranks() {
+        let mut table: Vec<Vec<u32>> =
+            vec![vec![4, 5], vec![6, 7], vec![], vec![], vec![0, 1], vec![2, 3], vec![], vec![]];
+        let loads = [100.0, 100.0, 1.0, 1.0, 10.0, 10.0, 10.0, 10.0];
+        let gpu = |t: &Vec<Vec<u32>>, g: usize| t[g].iter().map(|&e| loads[e as usize]).sum::<f64>();
+        let before = gpu(&table, 4).max(gpu(&table, 5));
+        let swaps = swap_holders(&mut table, &[0, 1, 4, 5], Topology { nodes: 2, gpus_per_node: 2 }, &loads);
+        assert!(!swaps.is_empty());
+        for s in &swaps {
+            assert!([s.a, s.b].iter().all(|g| [4, 5].contains(g)), "{s:?}");
+        }
+        assert!(gpu(&table, 4).max(gpu(&table, 5)) < before, "{table:?}");
+        assert_eq!((table[0].clone(), table[1].clone()), (vec![4, 5], vec![6, 7]), "node 0 was balanced");
+        assert!([2, 3, 6, 7].iter().all(|&g| table[g].is_empty()));
+        let mut experts: Vec<u32> = table[4].iter().chain(&table[5]).copied().collect();
+        experts.sort_unstable();
+        assert_eq!(experts, [0, 1, 2, 3], "no expert left node 1");
+    }
 }
