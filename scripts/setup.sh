@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Installs the real-toolchain tier's tools into a project-local, git-ignored folder.
-# Idempotent: every step is skipped when what it installs is already there.
+# Installs what building and the real-toolchain tier need. Idempotent: every
+# step is skipped when what it installs is already there.
 #
+#   LLVM 19                  Debian's llvm-19-dev (apt; sudo when not root): the transfer programs
+#                            (xfer/, inkwell) link its shared library; .cargo/config.toml points
+#                            LLVM_SYS_191_PREFIX at /usr/lib/llvm-19
 #   .toolchain/venv          Python venv holding NVIDIA's nvcc/ptxas/cuobjdump/nvdisasm wheels (no GPU needed)
 #                            and CUTLASS's headers (`nvidia-cutlass`, without its Python dependencies:
 #                            tests/ptx_layout.rs holds the PTX emulation to CuTe's layouts)
@@ -11,6 +14,16 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv="$root/.toolchain/venv"
 wheels=(nvidia-cuda-nvcc nvidia-cuda-crt nvidia-nvvm nvidia-cuda-runtime nvidia-cuda-cccl nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)
+
+llvm_prefix="${LLVM_SYS_191_PREFIX:-/usr/lib/llvm-19}"
+if [ ! -x "$llvm_prefix/bin/llvm-config" ]; then
+  echo "setup: installing llvm-19-dev (apt)" >&2
+  as_root=()
+  [ "$(id -u)" -eq 0 ] || as_root=(sudo)
+  "${as_root[@]}" apt-get update -qq >&2
+  DEBIAN_FRONTEND=noninteractive "${as_root[@]}" apt-get install -y -qq llvm-19-dev >&2
+  [ -x "$llvm_prefix/bin/llvm-config" ] || { echo "setup: no llvm-config under $llvm_prefix after installing llvm-19-dev" >&2; exit 1; }
+fi
 
 find_nvcc() {
   local f

@@ -23,6 +23,7 @@ nvcc=$(bash scripts/setup.sh)
 export MOEFORGE_NVCC="$nvcc"
 export MOEFORGE_REQUIRE_NVCC=1
 echo "nvcc: $MOEFORGE_NVCC"
+echo "llvm: $("${LLVM_SYS_191_PREFIX:-/usr/lib/llvm-19}/bin/llvm-config" --version) (the transfer programs, xfer/)"
 # The server's client tier: the official openai package (in the same venv)
 # and curl.
 venv="$root/.toolchain/venv"

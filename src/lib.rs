@@ -20,6 +20,7 @@ pub use moeforge_macros::spec;
 pub use moeforge_plan as plan;
 pub use moeforge_runtime as runtime;
 pub use moeforge_server as server;
+pub use moeforge_xfer as xfer;
 
 pub mod compile;
 pub mod deploy;

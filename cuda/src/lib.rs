@@ -32,7 +32,7 @@
 
 use cudarc::driver::result;
 use cudarc::driver::sys;
-use moeforge_runtime::device::{BufferId, Device, DeviceError, KernelArg, ModuleId, StridedCopy};
+use moeforge_runtime::device::{Batch, BufferId, Device, DeviceError, KernelArg, ModuleId, Program};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::ffi::{c_void, CString};
@@ -165,11 +165,6 @@ fn apk_entries(source: &str) -> Vec<String> {
         .collect()
 }
 
-/// The transfer kernel (cuda/src/transfer.cu), shared with the GPU check.
-const TRANSFER: &str = include_str!("transfer.cu");
-/// One `MoeforgeCopy`: nine words of the copy, then its first piece.
-const COPY_WORDS: usize = 10;
-
 /// Recorded encode calls per `_prepare`: a count word, then at most four maps.
 const MAX_MAPS: usize = 4;
 /// The APK's per-operation launch arguments (apk::FlatOp).
@@ -185,8 +180,10 @@ pub struct CudaDevice {
     cache: PathBuf,
     arch: String,
     watchdog: Duration,
-    /// The transfer kernel and its one-descriptor argument, loaded with the first module.
-    transfer: Option<(sys::CUmodule, sys::CUfunction, sys::CUdeviceptr)>,
+    /// Loaded transfer programs (their PTX through the driver's JIT) by content key.
+    transfers: BTreeMap<String, (sys::CUmodule, sys::CUfunction)>,
+    /// A batch's buffer addresses and table, uploaded before its launch.
+    scratch: Option<(sys::CUdeviceptr, usize)>,
     /// The launch a watchdog gave up on: the GPU may still run it.
     poisoned: std::cell::OnceCell<String>,
 }
@@ -233,7 +230,8 @@ impl CudaDevice {
             cache: cache.to_path_buf(),
             arch,
             watchdog,
-            transfer: None,
+            transfers: BTreeMap::new(),
+            scratch: None,
             poisoned: std::cell::OnceCell::new(),
         })
     }
@@ -472,22 +470,57 @@ impl CudaDevice {
         })
     }
 
-    /// The transfer kernel, built and loaded at the first copy.
-    fn transfer_kernel(&mut self) -> Result<(sys::CUfunction, sys::CUdeviceptr), DeviceError> {
-        if let Some((_, f, d)) = self.transfer {
-            return Ok((f, d));
+    /// The PTX target of this GPU's transfer programs: its own architecture
+    /// where LLVM 19's NVPTX back end knows it, else sm_90's PTX, which the
+    /// driver's JIT compiles for any later GPU (the programs use no
+    /// architecture-specific feature).
+    fn transfer_arch(&self) -> String {
+        match self.gpu.capability {
+            (major, minor) if (7..=8).contains(&major) => format!("sm_{major}{minor}"),
+            (9, 0) => "sm_90a".into(),
+            _ => "sm_90".into(),
         }
-        let image = self.build("moeforge_transfer", TRANSFER)?;
-        // SAFETY: `image` is a cubin nvcc wrote for this GPU.
-        let module = unsafe { result::module::load_data(image.as_ptr().cast()) }
-            .map_err(|e| driver("cuModuleLoadData (moeforge_transfer)", e))?;
-        let name = CString::new("moeforge_transfer").map_err(|_| other("NUL"))?;
+    }
+
+    /// A transfer program's kernel: its PTX ([`moeforge_xfer::ptx`]) loaded
+    /// through the driver's JIT, once per program.
+    fn transfer_function(&mut self, program: &Program) -> Result<sys::CUfunction, DeviceError> {
+        let key = program.key();
+        if let Some(&(_, f)) = self.transfers.get(&key) {
+            return Ok(f);
+        }
+        let build = |message: String| DeviceError::Build {
+            kernel: "a transfer program".into(),
+            device: "cuda device",
+            message,
+        };
+        let ptx = moeforge_xfer::ptx(program, &self.transfer_arch()).map_err(|e| build(e.to_string()))?;
+        let ptx = CString::new(ptx).map_err(|_| build("PTX with a NUL byte".into()))?;
+        // SAFETY: `ptx` is NUL-terminated PTX text; the driver JIT-compiles it for this GPU.
+        let module = unsafe { result::module::load_data(ptx.as_ptr().cast()) }
+            .map_err(|e| build(format!("cuModuleLoadData (PTX): {e:?}")))?;
+        let name = CString::new(moeforge_xfer::ENTRY).map_err(|_| other("NUL"))?;
         // SAFETY: `module` is loaded; the name is NUL-terminated.
-        let f = unsafe { result::module::get_function(module, name) }.map_err(|e| driver("moeforge_transfer", e))?;
-        // SAFETY: a plain allocation, freed in Drop.
-        let desc = unsafe { result::malloc_sync(COPY_WORDS * 8) }.map_err(|e| driver("cuMemAlloc", e))?;
-        self.transfer = Some((module, f, desc));
-        Ok((f, desc))
+        let f = unsafe { result::module::get_function(module, name) }.map_err(|e| driver(moeforge_xfer::ENTRY, e))?;
+        self.transfers.insert(key, (module, f));
+        Ok(f)
+    }
+
+    /// At least `bytes` of scratch device memory (grown, never shrunk).
+    fn scratch(&mut self, bytes: usize) -> Result<sys::CUdeviceptr, DeviceError> {
+        if let Some((p, n)) = self.scratch {
+            if n >= bytes {
+                return Ok(p);
+            }
+            // SAFETY: the stream is idle (every transfer finishes before it returns).
+            let _ = unsafe { result::free_sync(p) };
+            self.scratch = None;
+        }
+        let n = bytes.next_power_of_two().max(4096);
+        // SAFETY: a plain allocation, freed here or in Drop.
+        let p = unsafe { result::malloc_sync(n) }.map_err(|e| driver("cuMemAlloc (transfer table)", e))?;
+        self.scratch = Some((p, n));
+        Ok(p)
     }
 
     fn launch_apk(
@@ -555,36 +588,6 @@ impl CudaDevice {
         }
         Ok(true)
     }
-}
-
-/// A strided copy's source and destination extents (the end of each side's
-/// last run), or why the transfer kernel cannot run it: an extent that
-/// overflows, or destination runs that may overlap (the kernel copies runs in
-/// parallel, where the interface's order would decide). The disjointness
-/// test is sufficient, not necessary: runs laid out along one axis with
-/// strides of at least a run, rows of them at least a row apart.
-fn copy_extents(c: &StridedCopy) -> Result<(u64, u64), &'static str> {
-    let end = |off: u64, s: [u64; 2]| {
-        c.counts[0]
-            .checked_sub(1)?
-            .checked_mul(s[0])
-            .and_then(|a| c.counts[1].checked_sub(1)?.checked_mul(s[1]).and_then(|b| a.checked_add(b)))
-            .and_then(|x| x.checked_add(off))
-            .and_then(|x| x.checked_add(c.run_bytes))
-    };
-    let (Some(s_end), Some(d_end)) = (end(c.src_offset, c.src_strides), end(c.dst_offset, c.dst_strides)) else {
-        return Err("its extent overflows");
-    };
-    let disjoint = |inner: usize| {
-        let outer = 1 - inner;
-        let (n_in, s_in, n_out, s_out) = (c.counts[inner], c.dst_strides[inner], c.counts[outer], c.dst_strides[outer]);
-        (n_in == 1 || s_in >= c.run_bytes)
-            && (n_out == 1 || s_out >= (n_in - 1).saturating_mul(s_in).saturating_add(c.run_bytes))
-    };
-    if !(disjoint(1) || disjoint(0)) {
-        return Err("its destination runs overlap");
-    }
-    Ok((s_end, d_end))
 }
 
 /// `cuTensorMapEncodeTiled` of one recorded call (27 words: offset, data
@@ -699,58 +702,34 @@ impl Device for CudaDevice {
         Ok(v)
     }
 
-    fn copy(&mut self, src: BufferId, dst: BufferId, c: &StridedCopy) -> Result<(), DeviceError> {
+    fn transfer(&mut self, program: &Program, batches: &[Batch], buffers: &[BufferId]) -> Result<(), DeviceError> {
         self.current()?;
-        if c.run_bytes == 0 || c.counts[0] == 0 || c.counts[1] == 0 {
-            return Ok(());
+        let mut words: Vec<u64> = vec![];
+        let mut sizes = vec![];
+        for b in buffers {
+            let &(p, size) =
+                self.buffers.get(b.0 as usize).ok_or_else(|| other(format!("transfer: no buffer {}", b.0)))?;
+            words.push(p);
+            sizes.push(size);
         }
-        let (s_end, d_end) = copy_extents(c).map_err(|m| other(format!("strided copy: {m}")))?;
-        let s0 = self.address(src, 0, s_end).map_err(|e| other(format!("strided copy source: {e}")))?;
-        let d0 = self.address(dst, 0, d_end).map_err(|e| other(format!("strided copy destination: {e}")))?;
-        if src == dst && c.src_offset < d_end && c.dst_offset < s_end {
-            // Whole spans are compared: interleaved runs that never touch are refused too.
-            return Err(other("strided copy: its source and destination overlap in one buffer"));
+        for b in batches {
+            b.check(program, &sizes).map_err(other)?;
         }
-        let (function, desc) = self.transfer_kernel()?;
-        // The largest piece every address, stride and run length allows.
-        let all = s0
-            | d0
-            | c.src_offset
-            | c.dst_offset
-            | c.run_bytes
-            | c.src_strides[0]
-            | c.src_strides[1]
-            | c.dst_strides[0]
-            | c.dst_strides[1];
-        let chunk = [16u64, 8, 4, 1].into_iter().find(|k| all.is_multiple_of(*k)).unwrap_or(1);
-        // Disjoint runs inside a buffer: this cannot overflow.
-        let pieces = c.counts[0].saturating_mul(c.counts[1]).saturating_mul(c.run_bytes / chunk);
-        let words: [u64; COPY_WORDS] = [
-            c.src_offset,
-            c.dst_offset,
-            c.run_bytes,
-            c.counts[0],
-            c.counts[1],
-            c.src_strides[0],
-            c.src_strides[1],
-            c.dst_strides[0],
-            c.dst_strides[1],
-            0,
-        ];
-        // `desc` holds COPY_WORDS words.
-        self.h2d(desc, &words, "strided copy")?;
-        let grid = pieces.div_ceil(256).min(16 * u64::from(self.gpu.sms)) as u32;
-        let (mut d, mut n, mut p, mut sp, mut dp, mut ch) = (desc, 1i32, pieces, s0, d0, chunk as i32);
-        let mut params: [*mut c_void; 6] = [
-            (&raw mut d).cast(),
-            (&raw mut n).cast(),
-            (&raw mut p).cast(),
-            (&raw mut sp).cast(),
-            (&raw mut dp).cast(),
-            (&raw mut ch).cast(),
-        ];
-        self.raw_launch(function, grid, 256, 0, &mut params).map_err(|e| driver("moeforge_transfer", e))?;
-        self.finish("strided copy")
+        let f = self.transfer_function(program)?;
+        let n = words.len();
+        for b in batches.iter().filter(|b| !b.is_empty()) {
+            words.truncate(n);
+            words.extend(b.words());
+            let at = self.scratch(words.len() * 8)?;
+            // The scratch holds the buffer addresses, then the batch's table.
+            self.h2d(at, &words, "transfer table")?;
+            let grid = b.pieces(program).div_ceil(256).clamp(1, 16 * u64::from(self.gpu.sms)) as u32;
+            let (mut bases, mut table) = (at, at + 8 * n as u64);
+            let mut params: [*mut c_void; 2] = [(&raw mut bases).cast(), (&raw mut table).cast()];
+            self.raw_launch(f, grid, 256, 0, &mut params).map_err(|e| driver(moeforge_xfer::ENTRY, e))?;
+            self.finish("transfer")?;
+        }
+        Ok(())
     }
 
     fn load(&mut self, name: &str, source: &str) -> Result<ModuleId, DeviceError> {
@@ -762,10 +741,6 @@ impl Device for CudaDevice {
             device: "cuda device",
             message: format!("cuModuleLoadData: {e:?}"),
         })?;
-        if self.transfer.is_none() {
-            // Built now, so the first switch's time is the transfer's, not nvcc's.
-            self.transfer_kernel()?;
-        }
         self.modules.push(Module {
             name: name.into(),
             module,
@@ -827,11 +802,13 @@ impl Drop for CudaDevice {
             // SAFETY: no launch of this module is pending (the stream finished).
             let _ = unsafe { result::module::unload(m.module) };
         }
-        if let Some((module, _, desc)) = self.transfer {
-            // SAFETY: the stream is idle; neither is used after this.
-            let _ = unsafe { result::free_sync(desc) };
-            // SAFETY: as above.
+        for &(module, _) in self.transfers.values() {
+            // SAFETY: the stream is idle; the module is not used after this.
             let _ = unsafe { result::module::unload(module) };
+        }
+        if let Some((p, _)) = self.scratch {
+            // SAFETY: as above.
+            let _ = unsafe { result::free_sync(p) };
         }
         for &(p, _) in &self.buffers {
             // SAFETY: allocated in alloc, not used after this.
@@ -857,8 +834,6 @@ mod tests {
                    __global__ void rms_norm(float* x) {}\n\
                    // moe_apk_prepare( in a comment is not a definition\n";
         assert_eq!(apk_entries(src), vec!["moe_apk".to_string()]);
-        let transfer = apk_entries(TRANSFER);
-        assert!(transfer.is_empty(), "{transfer:?}");
     }
 
     /// Without a driver (every CI machine), opening the device is an error
@@ -874,61 +849,6 @@ mod tests {
             }
             Ok(gpus) => assert!(!gpus.is_empty() && gpus.iter().all(|g| g.sms > 0 && g.capability.0 >= 7)),
         }
-    }
-
-    /// The copy check against brute force: every pair of destination runs
-    /// compared byte range by byte range, over small random copies. What
-    /// `copy_extents` accepts never overlaps, and its extents are the last
-    /// byte any run touches.
-    #[test]
-    fn accepted_copies_have_disjoint_destination_runs_and_exact_extents() {
-        let mut x = 0x2545_f491_4f6c_dd1du64;
-        let mut next = |n: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % n
-        };
-        let (mut accepted, mut refused_overlapping) = (0, 0);
-        for _ in 0..20_000 {
-            let c = StridedCopy {
-                src_offset: next(64),
-                dst_offset: next(64),
-                run_bytes: 1 + next(12),
-                counts: [1 + next(4), 1 + next(4)],
-                src_strides: [next(40), next(16)],
-                dst_strides: [next(40), next(16)],
-            };
-            let runs: Vec<(u64, u64)> = (0..c.counts[0])
-                .flat_map(|a| (0..c.counts[1]).map(move |b| (a, b)))
-                .map(|(a, b)| c.dst_offset + a * c.dst_strides[0] + b * c.dst_strides[1])
-                .map(|d| (d, d + c.run_bytes))
-                .collect();
-            let overlap = runs.iter().enumerate().any(|(i, r)| runs[i + 1..].iter().any(|q| r.0 < q.1 && q.0 < r.1));
-            let src_last = (0..c.counts[0])
-                .flat_map(|a| (0..c.counts[1]).map(move |b| c.src_offset + a * c.src_strides[0] + b * c.src_strides[1]))
-                .max()
-                .unwrap()
-                + c.run_bytes;
-            match copy_extents(&c) {
-                Ok((s_end, d_end)) => {
-                    accepted += 1;
-                    assert!(!overlap, "{c:?}");
-                    assert_eq!((s_end, d_end), (src_last, runs.iter().map(|r| r.1).max().unwrap()), "{c:?}");
-                }
-                Err(_) => refused_overlapping += usize::from(overlap),
-            }
-        }
-        assert!(accepted > 2_000 && refused_overlapping > 2_000, "{accepted} accepted, {refused_overlapping} refused");
-        let huge = StridedCopy {
-            src_offset: u64::MAX - 10,
-            dst_offset: 0,
-            run_bytes: 100,
-            counts: [1, 1],
-            src_strides: [0, 0],
-            dst_strides: [0, 0],
-        };
-        assert_eq!(copy_extents(&huge), Err("its extent overflows"));
     }
 
     /// A recorded map the backend cannot encode is refused before the

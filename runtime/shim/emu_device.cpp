@@ -11,9 +11,12 @@
 //     5 launch u32 module, u32 len, entry, u32 grid, u32 block, u32 args,
 //              per argument u8 kind and its value:
 //                0 pointer (u32 buffer, u64 offset), 1 null, 2 i32, 3 i64, 4 f32
-//     6 copy   u32 src, u32 dst, u64 src offset, u64 dst offset, u64 run bytes,
-//              u64 counts[2], u64 src strides[2], u64 dst strides[2]: the runs
-//              in order, each a memmove                  -> nothing
+//     6 transfer u32 program, u32 buffers, u32 buffer ids..., u64 words,
+//              u64 table words...: one batch of a transfer program
+//              (moeforge_xfer: the runtime checked every run against the
+//              buffers' sizes)                          -> nothing
+//     7 load transfer u32 len, path: a transfer program's shared library,
+//              LLVM's host code for its IR               -> u32 program
 //     0 quit
 //   reply: u8 0 and the result, or u8 1, u32 len and a message.
 //
@@ -41,6 +44,9 @@ struct Buffer {
 
 std::vector<Buffer> buffers;
 std::vector<LaunchFn> modules;
+// moeforge_xfer(bases, table, worker, workers): a transfer program's entry.
+using TransferFn = void (*)(unsigned char**, const uint64_t*, uint64_t, uint64_t);
+std::vector<TransferFn> transfers;
 
 bool read_exact(void* dst, size_t n) { return n == 0 || std::fread(dst, 1, n, stdin) == n; }
 
@@ -127,26 +133,28 @@ void launch() {
   ok();
 }
 
-// A strided copy: counts[0] × counts[1] runs, every one inside its buffer.
-void copy() {
-  const uint32_t src = get<uint32_t>(), dst = get<uint32_t>();
-  const uint64_t so = get<uint64_t>(), dof = get<uint64_t>(), run = get<uint64_t>();
-  uint64_t counts[2], ss[2], ds[2];
-  for (auto& v : counts) v = get<uint64_t>();
-  for (auto& v : ss) v = get<uint64_t>();
-  for (auto& v : ds) v = get<uint64_t>();
-  if (counts[0] == 0 || counts[1] == 0 || run == 0) return ok();
-  // The last run lies furthest (strides are unsigned); every offset fits 64 bits.
-  auto last = [&](uint64_t base, const uint64_t* st) -> uint64_t {
-    const unsigned __int128 v = static_cast<unsigned __int128>(base) +
-                                static_cast<unsigned __int128>(counts[0] - 1) * st[0] +
-                                static_cast<unsigned __int128>(counts[1] - 1) * st[1];
-    return v > UINT64_MAX - run ? UINT64_MAX : static_cast<uint64_t>(v);
-  };
-  if (!at(src, last(so, ss), run) || !at(dst, last(dof, ds), run)) return fail("a copy outside its buffers");
-  for (uint64_t a = 0; a < counts[0]; ++a)
-    for (uint64_t b = 0; b < counts[1]; ++b)
-      std::memmove(at(dst, dof + a * ds[0] + b * ds[1], run), at(src, so + a * ss[0] + b * ss[1], run), run);
+// One batch of a transfer program: its code (LLVM's host code for the
+// program's IR) over the batch's table, with buffer i of the batch at
+// bases[i]. The runtime checked every run inside its buffer.
+void transfer() {
+  const uint32_t program = get<uint32_t>(), n = get<uint32_t>();
+  if (n > (1u << 16)) std::exit(2);
+  std::vector<unsigned char*> bases(n, nullptr);
+  std::string bad;
+  for (uint32_t i = 0; i < n; ++i) {
+    const uint32_t id = get<uint32_t>();
+    if (id < buffers.size())
+      bases[i] = buffers[id].data;
+    else if (bad.empty())
+      bad = "no buffer " + std::to_string(id);
+  }
+  const uint64_t words = get<uint64_t>();
+  if (words > (uint64_t{1} << 32)) std::exit(2);
+  std::vector<uint64_t> table(words);
+  if (!read_exact(table.data(), words * 8)) std::exit(0);
+  if (program >= transfers.size()) return fail("no transfer program " + std::to_string(program));
+  if (!bad.empty()) return fail(bad);
+  transfers[program](bases.data(), table.data(), 0, 1);
   ok();
 }
 
@@ -216,8 +224,23 @@ int main() {
         launch();
         break;
       case 6:
-        copy();
+        transfer();
         break;
+      case 7: {
+        const std::string path = get_string();
+        void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+        void* f = h ? dlsym(h, "moeforge_xfer") : nullptr;
+        if (!f) {
+          const char* e = dlerror();
+          fail(std::string("cannot load ") + path + ": " + (e ? e : "no moeforge_xfer"));
+          break;
+        }
+        transfers.push_back(reinterpret_cast<TransferFn>(f));
+        ok();
+        const uint32_t id = static_cast<uint32_t>(transfers.size() - 1);
+        std::fwrite(&id, 4, 1, stdout);
+        break;
+      }
       default:
         return 2;
     }

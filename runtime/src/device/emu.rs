@@ -17,8 +17,9 @@
 //! or `~/.cache/moeforge/emu`; entries are renamed into place, so
 //! concurrent builds are safe.
 
-use super::{BufferId, Device, DeviceError, KernelArg, ModuleId, StridedCopy};
+use super::{Batch, BufferId, Device, DeviceError, KernelArg, ModuleId, Program};
 use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -61,6 +62,10 @@ pub struct EmuDevice {
     salt: String,
     /// Module names, for errors.
     modules: Vec<String>,
+    /// Each buffer's bytes, for checking transfer batches.
+    sizes: Vec<u64>,
+    /// Loaded transfer programs by content key.
+    transfers: BTreeMap<String, u32>,
 }
 
 /// The default build cache.
@@ -163,6 +168,8 @@ impl EmuDevice {
             shim,
             salt,
             modules: Vec::new(),
+            sizes: Vec::new(),
+            transfers: BTreeMap::new(),
         })
     }
 
@@ -236,13 +243,65 @@ impl EmuDevice {
     }
 }
 
+impl EmuDevice {
+    /// Loads a transfer program into the device process: LLVM's host code
+    /// for its IR ([`moeforge_xfer::host_object`]) linked into a shared
+    /// library, cached by the program's content.
+    fn transfer_program(&mut self, program: &Program) -> Result<u32, DeviceError> {
+        let key = program.key();
+        if let Some(&id) = self.transfers.get(&key) {
+            return Ok(id);
+        }
+        let mut h = Sha256::new();
+        h.update(key.as_bytes());
+        h.update(self.salt.as_bytes());
+        let name = format!("xfer-{}", hex(&h.finalize()));
+        let lib = self.cache.join(format!("{name}.so"));
+        let build = |message: String| DeviceError::Build {
+            kernel: "a transfer program".into(),
+            device: "emulated device",
+            message,
+        };
+        if !lib.exists() {
+            let object = moeforge_xfer::host_object(program).map_err(|e| build(e.to_string()))?;
+            let obj = self.cache.join(format!("{name}.o"));
+            put(&obj, &object)?;
+            let tmp = self.cache.join(format!("{name}.so.tmp{}", std::process::id()));
+            let o = Command::new("g++")
+                .args(["-shared", "-o"])
+                .arg(&tmp)
+                .arg(&obj)
+                .output()
+                .map_err(|e| other(format!("cannot run g++: {e}")))?;
+            if !o.status.success() {
+                return Err(build(String::from_utf8_lossy(&o.stderr).lines().take(20).collect::<Vec<_>>().join("\n")));
+            }
+            std::fs::rename(&tmp, &lib).map_err(|e| other(format!("cannot write {}: {e}", lib.display())))?;
+        }
+        let path = lib.to_string_lossy().into_owned();
+        let mut m = vec![7u8];
+        m.extend((path.len() as u32).to_le_bytes());
+        m.extend(path.as_bytes());
+        self.send(&m)?;
+        self.reply("load transfer")?.map_err(build)?;
+        let id = self.read_u32("load transfer")?;
+        self.transfers.insert(key, id);
+        Ok(id)
+    }
+}
+
 impl Device for EmuDevice {
     fn alloc(&mut self, bytes: u64) -> Result<BufferId, DeviceError> {
         let mut m = vec![1u8];
         m.extend(bytes.to_le_bytes());
         self.send(&m)?;
         self.reply("alloc")?.map_err(other)?;
-        Ok(BufferId(self.read_u32("alloc")?))
+        let id = self.read_u32("alloc")?;
+        if id as usize != self.sizes.len() {
+            return Err(other(format!("the device numbered buffer {} as {id}", self.sizes.len())));
+        }
+        self.sizes.push(bytes);
+        Ok(BufferId(id))
     }
 
     fn upload(&mut self, buffer: BufferId, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
@@ -265,18 +324,31 @@ impl Device for EmuDevice {
         self.read_n(len as usize, "download")
     }
 
-    fn copy(&mut self, src: BufferId, dst: BufferId, c: &StridedCopy) -> Result<(), DeviceError> {
-        let mut m = vec![6u8];
-        m.extend(src.0.to_le_bytes());
-        m.extend(dst.0.to_le_bytes());
-        for v in [c.src_offset, c.dst_offset, c.run_bytes, c.counts[0], c.counts[1]] {
-            m.extend(v.to_le_bytes());
+    fn transfer(&mut self, program: &Program, batches: &[Batch], buffers: &[BufferId]) -> Result<(), DeviceError> {
+        let sizes = buffers
+            .iter()
+            .map(|b| self.sizes.get(b.0 as usize).copied().ok_or_else(|| other(format!("transfer: no buffer {}", b.0))))
+            .collect::<Result<Vec<u64>, _>>()?;
+        for b in batches {
+            b.check(program, &sizes).map_err(other)?;
         }
-        for v in c.src_strides.iter().chain(&c.dst_strides) {
-            m.extend(v.to_le_bytes());
+        let id = self.transfer_program(program)?;
+        for b in batches.iter().filter(|b| !b.is_empty()) {
+            let words = b.words();
+            let mut m = vec![6u8];
+            m.extend(id.to_le_bytes());
+            m.extend((buffers.len() as u32).to_le_bytes());
+            for x in buffers {
+                m.extend(x.0.to_le_bytes());
+            }
+            m.extend((words.len() as u64).to_le_bytes());
+            for w in words {
+                m.extend(w.to_le_bytes());
+            }
+            self.send(&m)?;
+            self.reply("transfer")?.map_err(other)?;
         }
-        self.send(&m)?;
-        self.reply("copy")?.map_err(other)
+        Ok(())
     }
 
     fn load(&mut self, name: &str, source: &str) -> Result<ModuleId, DeviceError> {

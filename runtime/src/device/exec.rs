@@ -17,8 +17,8 @@
 //! - Counts the device computes (the permutation's padded rows) are read
 //!   back where the program needs them for a grid.
 //!
-//! - A live switch runs here too: the weight reshard's descriptors as
-//!   strided copies between the ranks' buffers ([`Executor::reshard`]), and
+//! - A live switch runs here too: the weight reshard's descriptors as one
+//!   transfer program between the ranks' buffers ([`Executor::reshard`]), and
 //!   the KV cache's pages by the layer kernels' `kv_migrate`, which reads the
 //!   source rank's pool through its pointer ([`Executor::migrate_kv`]).
 //!
@@ -28,12 +28,13 @@
 //! the interpreter checks.
 
 use super::bind::{self, Counts, Site};
-use super::{BufferId, Device, DeviceError, KernelArg, ModuleId, StridedCopy};
+use super::{Batch, BufferId, Device, DeviceError, KernelArg, ModuleId, StridedCopy, Transfer};
 use moeforge_plan::memory::{
     BufferName, MemoryPlan, Mode, RouteIndexParts, TensorPart, TensorRole, WeightReshard, KV_MOVE_CHUNK,
 };
 use moeforge_plan::program::{CommKind, KernelRef, Op, OpKind, Operand, Phase, Program};
 use moeforge_plan::{ApkForm, KernelParams, Plan};
+use moeforge_xfer::Program as TransferProgram;
 use std::collections::BTreeMap;
 
 #[derive(Debug, thiserror::Error)]
@@ -159,28 +160,14 @@ impl Executor {
     }
 
     /// One weight reshard (Moebius §3.1) on the device: the plan's
-    /// descriptors in their schedule, each a strided copy between the ranks'
-    /// buffers (a peer copy between GPUs). Returns the bytes that crossed
-    /// between ranks.
+    /// descriptors as one transfer program ([`reshard_program`]), a batch per
+    /// MoE layer in the schedule's order (a peer copy between GPUs). Returns
+    /// the bytes that crossed between ranks.
     pub fn reshard(&mut self, w: &WeightReshard) -> Result<u64, ExecError> {
         let plan = self.plan.clone();
-        let mut remote = 0;
-        for (c, src_base, dst_base) in w.schedule(&plan.memory.slots) {
-            let copy = StridedCopy {
-                src_offset: src_base + c.src_offset,
-                dst_offset: dst_base + c.dst_offset,
-                run_bytes: c.run_bytes,
-                counts: c.counts,
-                src_strides: c.src_strides,
-                dst_strides: c.dst_strides,
-            };
-            let (src, dst) = (self.buffer(c.src_rank)?, self.buffer(c.dst_rank)?);
-            self.dev.copy(src, dst, &copy)?;
-            if c.src_rank != c.dst_rank {
-                remote += c.bytes();
-            }
-        }
-        Ok(remote)
+        let (program, batches) = reshard_program(&plan.memory, w)?;
+        self.dev.transfer(&program, &batches, &self.buffers)?;
+        Ok(w.schedule(&plan.memory.slots).filter(|(c, ..)| c.src_rank != c.dst_rank).map(|(c, ..)| c.bytes()).sum())
     }
 
     /// KV pages into rank `dst` from rank `src`'s pool (Moebius §4.3): the
@@ -773,6 +760,33 @@ impl Executor {
         }
         Ok(())
     }
+}
+
+/// A weight reshard as a transfer program: every descriptor of the plan's
+/// schedule a strided copy from its source rank's buffer to its destination
+/// rank's (buffer i is rank i), one batch per MoE layer in the schedule's
+/// order: a layer's descriptors move between two distinct slots, so they run
+/// in parallel; the next layer reads the slot this one freed, so it waits.
+pub fn reshard_program(mem: &MemoryPlan, w: &WeightReshard) -> Result<(TransferProgram, Vec<Batch>), ExecError> {
+    let per_layer = w.per_layer.len().max(1);
+    let copies: Vec<Transfer> = w
+        .schedule(&mem.slots)
+        .map(|(c, src_base, dst_base)| Transfer {
+            src: c.src_rank,
+            dst: c.dst_rank,
+            copy: StridedCopy {
+                src_offset: src_base + c.src_offset,
+                dst_offset: dst_base + c.dst_offset,
+                run_bytes: c.run_bytes,
+                counts: c.counts,
+                src_strides: c.src_strides,
+                dst_strides: c.dst_strides,
+            },
+        })
+        .collect();
+    let layers: Vec<Vec<Transfer>> = copies.chunks(per_layer).map(<[Transfer]>::to_vec).collect();
+    TransferProgram::build(&layers)
+        .map_err(|e| ExecError::Plan(format!("the weight reshard ({:?} → {:?}): {e}", w.from, w.to)))
 }
 
 fn route_parts(site: &Site<'_>, plan: &Plan) -> RouteIndexParts {

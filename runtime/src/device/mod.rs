@@ -4,6 +4,10 @@
 //! argument convention. [`bind`] turns a program op's plan arguments into a
 //! launch on any `Device`; [`emu`] is the emulated device.
 //!
+//! Data movement between buffers (the weight reshard, the dispatch's token
+//! rows) is a transfer program ([`moeforge_xfer`]): one LLVM IR that each
+//! device compiles for itself.
+//!
 //! A launch here runs to completion before the call returns (the emulated
 //! device's semantics), so issuing a program's ops in program order is a
 //! legal execution of its streams and events. Streams, events and peer
@@ -13,6 +17,8 @@
 pub mod bind;
 pub mod emu;
 pub mod exec;
+
+pub use moeforge_xfer::{Batch, Program, StridedCopy, Transfer};
 
 /// Device memory: one allocation (a rank's unified buffer).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -48,28 +54,17 @@ pub enum DeviceError {
     Other(String),
 }
 
-/// A strided copy of device memory: `counts[0] × counts[1]` runs of
-/// `run_bytes`, run (a, b) read at `src_offset + a·src_strides[0] +
-/// b·src_strides[1]` and written at the same offsets with the destination's
-/// strides, in that order, each run as a memmove. The shape of the plan's
-/// reshard descriptors, and of cuMemcpy3DPeer between two GPUs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct StridedCopy {
-    pub src_offset: u64,
-    pub dst_offset: u64,
-    pub run_bytes: u64,
-    pub counts: [u64; 2],
-    pub src_strides: [u64; 2],
-    pub dst_strides: [u64; 2],
-}
-
 pub trait Device {
     /// Allocates `bytes` of zeroed device memory.
     fn alloc(&mut self, bytes: u64) -> Result<BufferId, DeviceError>;
     fn upload(&mut self, buffer: BufferId, offset: u64, data: &[u8]) -> Result<(), DeviceError>;
     fn download(&mut self, buffer: BufferId, offset: u64, len: u64) -> Result<Vec<u8>, DeviceError>;
-    /// Copies between (or within) two buffers on the device; runs in order.
-    fn copy(&mut self, src: BufferId, dst: BufferId, c: &StridedCopy) -> Result<(), DeviceError>;
+    /// Runs a transfer program's batches in order (each batch's pieces in
+    /// parallel where the device can): buffer i of a batch is `buffers[i]`.
+    /// The device compiles the program's one IR for itself (PTX for a GPU,
+    /// host code for the emulated device), once per program, and checks
+    /// every batch against the buffers' sizes before it runs.
+    fn transfer(&mut self, program: &Program, batches: &[Batch], buffers: &[BufferId]) -> Result<(), DeviceError>;
     /// Builds (or finds in its cache) and loads kernel instance `name` from its source.
     fn load(&mut self, name: &str, source: &str) -> Result<ModuleId, DeviceError>;
     /// Runs `entry` of `module` over `grid` blocks of `block` threads.

@@ -1,0 +1,262 @@
+//! Transfer programs (`moeforge_xfer`): the one LLVM IR that moves the
+//! weight reshard's bytes on every device, checked against independent
+//! executions.
+//!
+//! - The reshard of compiled dual-mode plans (Qwen3-MoE, Mixtral, DeepSeek-V3
+//!   and GLM-5 on 2, 4 and 8 ranks), run by the JIT
+//!   as the devices run it (one batch per layer) against the CPU twin's
+//!   descriptor interpreter (`twin::reshard::execute_reshard`: every run of
+//!   every descriptor in schedule order, a memmove each), byte for byte on
+//!   random rank buffers, EP→TP then TP→EP.
+//! - Random strided programs (every piece width, repeated shapes, batches
+//!   reading what earlier ones wrote) against a naive run-by-run copy.
+//! - The same program's PTX for sm_90a: a kernel entry that ptxas (nvcc
+//!   tier) assembles without spilling.
+//! - The emulated device runs the reshard's program with the same result.
+
+#![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+use common::cpu_spec::{compile_text, cpu_deployment, imported_block};
+use common::{nvcc, root, Rng};
+use moeforge::runtime::device::emu::EmuDevice;
+use moeforge::runtime::device::exec::reshard_program;
+use moeforge::runtime::device::{Device, StridedCopy, Transfer};
+use moeforge::runtime::twin::reshard::execute_reshard;
+use moeforge::xfer::jit::{self, HostBuffer};
+use moeforge::xfer::{Batch, Program};
+
+fn random_bytes(rng: &mut Rng, n: usize) -> Vec<u8> {
+    let mut g = moeforge::plan::rng::SplitMix64(rng.below(usize::MAX) as u64);
+    let mut v: Vec<u8> = (0..n.div_ceil(8)).flat_map(|_| g.next_u64().to_le_bytes()).collect();
+    v.truncate(n);
+    v
+}
+
+/// Compiles `fixture` on `ranks` CPU ranks (a dual-mode plan).
+fn plan(fixture: &str, ranks: u32) -> moeforge::plan::Plan {
+    let dir = root().join("tests/fixtures/models").join(fixture);
+    // Room for the weights, and a small KV pool (random bytes fill it all).
+    let fraction = if fixture.starts_with("deepseek") || fixture == "glm-5" { 0.6 } else { 0.3 };
+    let text = cpu_deployment(&imported_block(&dir), ranks, fraction);
+    let tmp = tempfile::tempdir().unwrap();
+    compile_text(&text, tmp.path()).plan.plan().clone()
+}
+
+#[test]
+fn the_jit_reshard_equals_the_descriptor_interpreter_byte_for_byte() {
+    let mut rng = Rng(0x005e_ed0f_7a5f);
+    let mut checked = 0;
+    for (fixture, ranks) in
+        [("qwen3-moe", 2), ("qwen3-moe", 4), ("mixtral", 2), ("deepseek-v3", 4), ("glm-5", 2), ("qwen3-moe", 8)]
+    {
+        let plan = plan(fixture, ranks);
+        let mem = &plan.memory;
+        let rs = mem.reshard.as_ref().unwrap_or_else(|| panic!("{fixture}: single-mode: {:?}", mem.single_mode_reason));
+        // Random bytes over each rank's whole buffer: every byte a copy
+        // misses, or writes where it should not, shows.
+        let init: Vec<Vec<u8>> = (0..ranks).map(|_| random_bytes(&mut rng, mem.buffer_bytes as usize)).collect();
+        let mut twin = init.clone();
+        let mut jit_bufs: Vec<HostBuffer> = init.iter().map(|b| HostBuffer::from_bytes(b)).collect();
+        for w in [&rs.ep_to_tp, &rs.tp_to_ep] {
+            let remote = execute_reshard(mem, w, &mut twin);
+            let (program, batches) = reshard_program(mem, w).unwrap();
+            assert_eq!(batches.len(), mem.slots.moe_layers as usize, "{fixture}: one batch per MoE layer");
+            assert!(remote > 0, "{fixture}: the reshard moves bytes between ranks");
+            jit::run(&program, &batches, &mut jit_bufs).unwrap();
+            for (r, (t, j)) in twin.iter().zip(&jit_bufs).enumerate() {
+                let first = t.iter().zip(j.as_bytes()).position(|(a, b)| a != b);
+                assert!(
+                    first.is_none(),
+                    "{fixture} P={ranks} {:?}→{:?}: rank {r} differs at byte {first:?}",
+                    w.from,
+                    w.to
+                );
+            }
+            assert!(twin != init, "{fixture}: the reshard changed the buffers");
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 12);
+}
+
+/// A naive execution: batches in order, each copy's runs in order, each run
+/// a copy of its bytes.
+fn interpret(batches: &[Vec<Transfer>], bufs: &mut [Vec<u8>]) {
+    for t in batches.iter().flatten() {
+        let c = &t.copy;
+        for a in 0..c.counts[0] {
+            for b in 0..c.counts[1] {
+                let s = (c.src_offset + a * c.src_strides[0] + b * c.src_strides[1]) as usize;
+                let d = (c.dst_offset + a * c.dst_strides[0] + b * c.dst_strides[1]) as usize;
+                let run = c.run_bytes as usize;
+                let bytes = bufs[t.src as usize][s..s + run].to_vec();
+                bufs[t.dst as usize][d..d + run].copy_from_slice(&bytes);
+            }
+        }
+    }
+}
+
+/// Random batches on four buffers: even batches read buffers 0-1 and write
+/// 2-3, odd batches the reverse (so a batch reads what the one before
+/// wrote); each copy writes its own region (runs disjoint); shapes repeat
+/// with new offsets; alignments from 1 to 16 bytes.
+fn random_batches(rng: &mut Rng, size: u64) -> Vec<Vec<Transfer>> {
+    let mut out = vec![];
+    for batch in 0..1 + rng.below(3) {
+        let (reads, writes) = if batch % 2 == 0 { ([0u32, 1], [2u32, 3]) } else { ([2, 3], [0, 1]) };
+        let mut cursor = [0u64; 2];
+        let mut copies: Vec<Transfer> = vec![];
+        for _ in 0..1 + rng.below(6) {
+            let align = [1u64, 2, 4, 8, 16][rng.below(5)];
+            let shape = match copies.last() {
+                Some(t) if rng.below(3) == 0 => t.copy,
+                _ => {
+                    let run = align * (1 + rng.below(6) as u64);
+                    let counts = [1 + rng.below(4) as u64, 1 + rng.below(4) as u64];
+                    let inner = rng.below(2);
+                    let mut dst_strides = [0u64; 2];
+                    dst_strides[inner] = run + align * rng.below(3) as u64;
+                    dst_strides[1 - inner] =
+                        (counts[inner] - 1) * dst_strides[inner] + run + align * rng.below(3) as u64;
+                    let src_strides = [align * rng.below(12) as u64, align * rng.below(12) as u64];
+                    StridedCopy { src_offset: 0, dst_offset: 0, run_bytes: run, counts, src_strides, dst_strides }
+                }
+            };
+            let w = rng.below(2);
+            let extent = |s: [u64; 2]| (shape.counts[0] - 1) * s[0] + (shape.counts[1] - 1) * s[1] + shape.run_bytes;
+            let (src_ext, dst_ext) = (extent(shape.src_strides), extent(shape.dst_strides));
+            let dst_offset = (cursor[w] + align * rng.below(3) as u64).next_multiple_of(16);
+            if dst_offset + dst_ext > size {
+                continue;
+            }
+            cursor[w] = dst_offset + dst_ext;
+            let src_offset = (rng.below((size - src_ext) as usize + 1) as u64) / align * align;
+            copies.push(Transfer {
+                src: reads[rng.below(2)],
+                dst: writes[w],
+                copy: StridedCopy { src_offset, dst_offset, ..shape },
+            });
+        }
+        out.push(copies);
+    }
+    out
+}
+
+#[test]
+fn random_strided_programs_run_like_a_naive_copy() {
+    let mut rng = Rng(0x00dd_ba11);
+    let size = 4096u64;
+    let mut pieces = std::collections::BTreeSet::new();
+    for case in 0..60 {
+        let batches = random_batches(&mut rng, size);
+        let init: Vec<Vec<u8>> = (0..4).map(|_| random_bytes(&mut rng, size as usize)).collect();
+        let mut want = init.clone();
+        interpret(&batches, &mut want);
+        let (program, built) = Program::build(&batches).unwrap();
+        pieces.extend(program.shapes().iter().map(|s| s.piece));
+        let mut got: Vec<HostBuffer> = init.iter().map(|b| HostBuffer::from_bytes(b)).collect();
+        jit::run(&program, &built, &mut got).unwrap();
+        for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+            assert!(w.as_slice() == g.as_bytes(), "case {case}: buffer {i} differs ({batches:?})");
+        }
+    }
+    // Every piece width was generated and checked.
+    assert_eq!(pieces.into_iter().collect::<Vec<_>>(), vec![1, 2, 4, 8, 16]);
+}
+
+#[test]
+fn a_batch_outside_its_buffers_is_refused_before_anything_runs() {
+    let c = StridedCopy {
+        src_offset: 0,
+        dst_offset: 64,
+        run_bytes: 32,
+        counts: [2, 2],
+        src_strides: [64, 32],
+        dst_strides: [128, 32],
+    };
+    let (program, batches) = Program::build(&[vec![Transfer { src: 0, dst: 1, copy: c }]]).unwrap();
+    // The destination's last run ends at 64 + 128 + 32 + 32 = 256.
+    let mut small = vec![HostBuffer::zeroed(256), HostBuffer::zeroed(255)];
+    let e = jit::run(&program, &batches, &mut small).unwrap_err().to_string();
+    assert!(e.contains("end past buffer 1"), "{e}");
+    assert!(small[1].as_bytes().iter().all(|&b| b == 0), "nothing ran");
+    let mut one = vec![HostBuffer::zeroed(512)];
+    let e = jit::run(&program, &batches, &mut one).unwrap_err().to_string();
+    assert!(e.contains("buffer 1 of 1 buffers"), "{e}");
+    // A batch of another program (another number of shapes).
+    let (other, _) = Program::build(&[vec![
+        Transfer { src: 0, dst: 1, copy: c },
+        Transfer { src: 0, dst: 1, copy: StridedCopy { run_bytes: 16, ..c } },
+    ]])
+    .unwrap();
+    let mut two = vec![HostBuffer::zeroed(512), HostBuffer::zeroed(512)];
+    let e = jit::run(&other, &batches, &mut two).unwrap_err().to_string();
+    assert!(e.contains("shapes"), "{e}");
+    // Overlapping destination runs and overflowing extents are refused when built.
+    let overlap = StridedCopy { dst_strides: [16, 8], ..c };
+    let e = Program::build(&[vec![Transfer { src: 0, dst: 1, copy: overlap }]]).unwrap_err().to_string();
+    assert!(e.contains("may overlap"), "{e}");
+    let huge = StridedCopy { counts: [3, 2], src_strides: [u64::MAX / 2, 0], ..c };
+    let e = Program::build(&[vec![Transfer { src: 0, dst: 1, copy: huge }]]).unwrap_err().to_string();
+    assert!(e.contains("overflows"), "{e}");
+}
+
+#[test]
+fn the_reshard_program_is_a_ptx_kernel_that_ptxas_assembles_without_spills() {
+    let plan = plan("qwen3-moe", 4);
+    let rs = plan.memory.reshard.as_ref().unwrap();
+    let (program, _) = reshard_program(&plan.memory, &rs.ep_to_tp).unwrap();
+    let ptx = moeforge::xfer::ptx(&program, "sm_90a").unwrap();
+    assert!(ptx.contains(".target sm_90a"), "{}", &ptx[..ptx.len().min(400)]);
+    assert!(ptx.contains(".entry moeforge_xfer("), "a kernel entry");
+    // Same program, same bytes (bundles and caches rely on it).
+    assert_eq!(ptx, moeforge::xfer::ptx(&program, "sm_90a").unwrap());
+    let Some(nvcc) = nvcc() else { return };
+    let ptxas = nvcc.with_file_name("ptxas");
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("xfer.ptx");
+    std::fs::write(&file, &ptx).unwrap();
+    let o = std::process::Command::new(&ptxas)
+        .args(["-arch=sm_90a", "-v", "-o"])
+        .arg(dir.path().join("xfer.cubin"))
+        .arg(&file)
+        .output()
+        .unwrap();
+    let log = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "ptxas refused the PTX:\n{log}");
+    assert!(log.contains("Compiling entry function 'moeforge_xfer'"), "{log}");
+    assert!(log.contains("0 bytes spill stores, 0 bytes spill loads"), "{log}");
+}
+
+#[test]
+fn the_emulated_device_runs_the_reshard_program_like_the_interpreter() {
+    let plan = plan("mixtral", 2);
+    let mem = &plan.memory;
+    let rs = mem.reshard.as_ref().unwrap();
+    let mut rng = Rng(77);
+    let init: Vec<Vec<u8>> = (0..2).map(|_| random_bytes(&mut rng, mem.buffer_bytes as usize)).collect();
+    let mut twin = init.clone();
+    execute_reshard(mem, &rs.tp_to_ep, &mut twin);
+    let cache = tempfile::tempdir().unwrap();
+    let mut dev = EmuDevice::start(cache.path()).unwrap();
+    let ids: Vec<_> = init
+        .iter()
+        .map(|b| {
+            let id = dev.alloc(b.len() as u64).unwrap();
+            dev.upload(id, 0, b).unwrap();
+            id
+        })
+        .collect();
+    let (program, batches) = reshard_program(mem, &rs.tp_to_ep).unwrap();
+    dev.transfer(&program, &batches, &ids).unwrap();
+    for (r, id) in ids.iter().enumerate() {
+        let got = dev.download(*id, 0, mem.buffer_bytes).unwrap();
+        assert!(got == twin[r], "rank {r} differs from the interpreter");
+    }
+    // A batch that does not fit the device's buffers is an error, not a fault.
+    let e = dev.transfer(&program, &batches, &ids[..1]).unwrap_err().to_string();
+    assert!(e.contains("buffer 1 of 1 buffers"), "{e}");
+    let empty: Vec<Batch> = vec![];
+    dev.transfer(&program, &empty, &ids).unwrap();
+}

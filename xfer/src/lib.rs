@@ -1,0 +1,381 @@
+//! Transfer programs: the data movement of a bundle (the TP↔EP weight
+//! reshard's direct-transfer descriptors, Moebius §3.1/§4.3, and the EP
+//! dispatch's token rows, ExpertPlex §5) compiled once to LLVM IR and
+//! emitted from that one IR as PTX for the GPU ([`ptx`], loaded by the cuda
+//! device through the driver's JIT) and as native code for the host
+//! ([`host_object`], loaded by the emulated device; [`jit`] runs it in this
+//! process). One implementation of the transfers on every device.
+//!
+//! A program separates code from data:
+//! - its **code** is one loop nest per distinct [`Shape`] (run length,
+//!   counts, strides and the widest piece every address allows), all of them
+//!   constants in the IR, so the index arithmetic is divisions by constants
+//!   that LLVM strength-reduces;
+//! - its **data** is a [`Batch`]: which buffers and offsets each instance of
+//!   a shape reads and writes, a table of 64-bit words the code walks.
+//!
+//! The reshard's layers are one program (a layer's descriptors are the same
+//! shapes at other slot offsets) and one batch per layer; a dispatch is one
+//! program per row width and one batch per step. Within a batch every piece
+//! may run in parallel (the GPU's threads take consecutive pieces, so a warp
+//! copies contiguous bytes); batches run in order. So a batch's destination
+//! runs must not overlap each other or its source runs: the plan's reshard
+//! moves between distinct slots and its descriptors write each byte once
+//! (the validator recomputes them from the spec), a dispatch writes each
+//! received row once. [`Batch::check`] enforces what memory safety needs:
+//! every run inside its buffer, every offset a multiple of its piece.
+
+mod lower;
+
+pub mod jit;
+
+pub use lower::{host_object, ir, ptx, ENTRY};
+
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+
+#[derive(Debug, thiserror::Error)]
+pub enum XferError {
+    /// A copy this program form cannot express.
+    #[error("transfer {index}: {message}")]
+    Copy { index: usize, message: String },
+    /// A batch that does not fit the buffers it was given.
+    #[error("transfer batch: {0}")]
+    Bounds(String),
+    /// LLVM refused the module or a target (a bug, or an LLVM without the NVPTX target).
+    #[error("LLVM: {0}")]
+    Llvm(String),
+}
+
+/// A strided copy: `counts[0] × counts[1]` runs of `run_bytes`, run (a, b)
+/// read at `src_offset + a·src_strides[0] + b·src_strides[1]` and written at
+/// the same offsets with the destination's strides. The shape of the plan's
+/// reshard descriptors, and of cuMemcpy3DPeer between two GPUs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct StridedCopy {
+    pub src_offset: u64,
+    pub dst_offset: u64,
+    pub run_bytes: u64,
+    pub counts: [u64; 2],
+    pub src_strides: [u64; 2],
+    pub dst_strides: [u64; 2],
+}
+
+/// One copy of a batch: from buffer `src` to buffer `dst` (indices into the
+/// buffers the batch runs on).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Transfer {
+    pub src: u32,
+    pub dst: u32,
+    pub copy: StridedCopy,
+}
+
+/// The constants of one loop nest: a strided copy without its addresses,
+/// moved in `piece`-byte loads and stores (16, 8, 4, 2 or 1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Shape {
+    pub run_bytes: u64,
+    pub counts: [u64; 2],
+    pub src_strides: [u64; 2],
+    pub dst_strides: [u64; 2],
+    pub piece: u64,
+}
+
+impl Shape {
+    /// Pieces of one instance (`build` checks that this does not overflow).
+    pub fn pieces(&self) -> u64 {
+        self.counts[0] * self.counts[1] * (self.run_bytes / self.piece)
+    }
+    /// The end of an instance's last run on each side, relative to its offsets.
+    fn extents(&self) -> Option<(u64, u64)> {
+        let end = |s: [u64; 2]| {
+            let a = (self.counts[0] - 1).checked_mul(s[0])?;
+            let b = (self.counts[1] - 1).checked_mul(s[1])?;
+            a.checked_add(b)?.checked_add(self.run_bytes)
+        };
+        Some((end(self.src_strides)?, end(self.dst_strides)?))
+    }
+    /// Whether the destination runs are disjoint: laid out along one axis
+    /// with strides of at least a run, rows of them at least a row apart.
+    /// Sufficient, not necessary.
+    fn runs_disjoint(&self) -> bool {
+        let disjoint = |inner: usize| {
+            let outer = 1 - inner;
+            let (n_in, s_in, n_out, s_out) =
+                (self.counts[inner], self.dst_strides[inner], self.counts[outer], self.dst_strides[outer]);
+            (n_in == 1 || s_in >= self.run_bytes)
+                && (n_out == 1 || s_out >= (n_in - 1).saturating_mul(s_in).saturating_add(self.run_bytes))
+        };
+        disjoint(1) || disjoint(0)
+    }
+}
+
+/// Where one instance of a shape reads and writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Instance {
+    pub src: u32,
+    pub dst: u32,
+    pub src_offset: u64,
+    pub dst_offset: u64,
+}
+
+/// A program's code: its shapes, in order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Program {
+    shapes: Vec<Shape>,
+}
+
+/// A program's data for one run: the instances of each of its shapes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Batch {
+    per_shape: Vec<Vec<Instance>>,
+}
+
+/// Words of one instance in a batch's table.
+pub const INSTANCE_WORDS: usize = 4;
+
+impl Program {
+    /// Compiles batches of transfers into one program and its batches: the
+    /// distinct shapes in order of first appearance, every copy an instance
+    /// of its shape. A shape's piece is the widest of 16, 8, 4, 2 and 1 bytes
+    /// that divides its run, its strides and every instance's offsets (the
+    /// devices' buffers are at least 16-byte aligned). Copies that move
+    /// nothing are dropped. Refuses a copy whose extent overflows or whose
+    /// destination runs may overlap (its runs run in parallel).
+    pub fn build(batches: &[Vec<Transfer>]) -> Result<(Program, Vec<Batch>), XferError> {
+        type Key = (u64, [u64; 2], [u64; 2], [u64; 2]);
+        let key = |c: &StridedCopy| (c.run_bytes, c.counts, c.src_strides, c.dst_strides);
+        let mut order: Vec<Key> = vec![];
+        let mut align: BTreeMap<Key, u64> = BTreeMap::new();
+        let mut index = 0usize;
+        for t in batches.iter().flatten() {
+            let c = &t.copy;
+            if c.run_bytes == 0 || c.counts[0] == 0 || c.counts[1] == 0 {
+                index += 1;
+                continue;
+            }
+            let k = key(c);
+            let bits = align.entry(k).or_insert_with(|| {
+                order.push(k);
+                c.run_bytes | c.src_strides[0] | c.src_strides[1] | c.dst_strides[0] | c.dst_strides[1]
+            });
+            *bits |= c.src_offset | c.dst_offset;
+            let shape = Shape {
+                run_bytes: c.run_bytes,
+                counts: c.counts,
+                src_strides: c.src_strides,
+                dst_strides: c.dst_strides,
+                piece: 1,
+            };
+            let bad = |message: &str| XferError::Copy { index, message: message.into() };
+            if shape.extents().is_none()
+                || c.counts[0].checked_mul(c.counts[1]).and_then(|n| n.checked_mul(c.run_bytes)).is_none()
+            {
+                return Err(bad("its extent overflows"));
+            }
+            if !shape.runs_disjoint() {
+                return Err(bad("its destination runs may overlap (they are copied in parallel)"));
+            }
+            index += 1;
+        }
+        let shapes: Vec<Shape> = order
+            .iter()
+            .map(|k| {
+                let bits = align[k];
+                let piece = [16u64, 8, 4, 2, 1].into_iter().find(|p| bits.is_multiple_of(*p)).unwrap_or(1);
+                Shape { run_bytes: k.0, counts: k.1, src_strides: k.2, dst_strides: k.3, piece }
+            })
+            .collect();
+        let slot: BTreeMap<Key, usize> = order.iter().enumerate().map(|(i, k)| (*k, i)).collect();
+        let out = batches
+            .iter()
+            .map(|b| {
+                let mut per_shape = vec![vec![]; shapes.len()];
+                for t in b {
+                    if let Some(&i) = slot.get(&key(&t.copy)) {
+                        per_shape[i].push(Instance {
+                            src: t.src,
+                            dst: t.dst,
+                            src_offset: t.copy.src_offset,
+                            dst_offset: t.copy.dst_offset,
+                        });
+                    }
+                }
+                Batch { per_shape }
+            })
+            .collect();
+        Ok((Program { shapes }, out))
+    }
+
+    pub fn shapes(&self) -> &[Shape] {
+        &self.shapes
+    }
+
+    /// A content key (hex SHA-256 of the shapes) for caches of compiled code.
+    pub fn key(&self) -> String {
+        let mut h = Sha256::new();
+        h.update(b"moeforge-xfer 1");
+        for s in &self.shapes {
+            for w in [s.run_bytes, s.counts[0], s.counts[1], s.src_strides[0], s.src_strides[1]].into_iter().chain([
+                s.dst_strides[0],
+                s.dst_strides[1],
+                s.piece,
+            ]) {
+                h.update(w.to_le_bytes());
+            }
+        }
+        h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+impl Batch {
+    /// The table the code reads: each shape's instance count, then every
+    /// instance as `[src, dst, src_offset, dst_offset]`, shape by shape.
+    pub fn words(&self) -> Vec<u64> {
+        let mut w: Vec<u64> = self.per_shape.iter().map(|v| v.len() as u64).collect();
+        for i in self.per_shape.iter().flatten() {
+            w.extend([u64::from(i.src), u64::from(i.dst), i.src_offset, i.dst_offset]);
+        }
+        w
+    }
+
+    /// Pieces of the whole batch (a launch's work items).
+    pub fn pieces(&self, program: &Program) -> u64 {
+        program
+            .shapes
+            .iter()
+            .zip(&self.per_shape)
+            .fold(0u64, |n, (s, v)| n.saturating_add(s.pieces().saturating_mul(v.len() as u64)))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.per_shape.iter().all(Vec::is_empty)
+    }
+
+    /// Every instance with its shape, shape by shape (the table's order).
+    pub fn instances<'a>(&'a self, program: &'a Program) -> impl Iterator<Item = (&'a Shape, &'a Instance)> + 'a {
+        program.shapes.iter().zip(&self.per_shape).flat_map(|(s, v)| v.iter().map(move |i| (s, i)))
+    }
+
+    /// Checks the batch against the buffers it will run on (`sizes[i]`: the
+    /// bytes of buffer i): it was built for `program`, every buffer index
+    /// exists, every run lies inside its buffer and every offset is a
+    /// multiple of its shape's piece.
+    pub fn check(&self, program: &Program, sizes: &[u64]) -> Result<(), XferError> {
+        if self.per_shape.len() != program.shapes.len() {
+            return Err(XferError::Bounds(format!(
+                "{} shapes of instances for a program of {}",
+                self.per_shape.len(),
+                program.shapes.len()
+            )));
+        }
+        for (s, v) in program.shapes.iter().zip(&self.per_shape) {
+            let (src_end, dst_end) =
+                s.extents().ok_or_else(|| XferError::Bounds("a shape's extent overflows".into()))?;
+            for i in v {
+                let side = |buf: u32, off: u64, end: u64, what: &str| {
+                    let size = *sizes
+                        .get(buf as usize)
+                        .ok_or_else(|| XferError::Bounds(format!("{what} buffer {buf} of {} buffers", sizes.len())))?;
+                    if !off.is_multiple_of(s.piece) {
+                        return Err(XferError::Bounds(format!(
+                            "{what} offset {off} is not a multiple of its {}-byte piece",
+                            s.piece
+                        )));
+                    }
+                    match off.checked_add(end) {
+                        Some(e) if e <= size => Ok(()),
+                        _ => Err(XferError::Bounds(format!(
+                            "{what} runs end past buffer {buf} ({size} bytes): offset {off} + extent {end}"
+                        ))),
+                    }
+                };
+                side(i.src, i.src_offset, src_end, "source")?;
+                side(i.dst, i.dst_offset, dst_end, "destination")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::panic)]
+    use super::*;
+
+    /// `build`'s refusal of copies whose destination runs may overlap,
+    /// against brute force: every pair of runs compared as byte ranges, over
+    /// small random copies. What it accepts never overlaps; what overlaps is
+    /// refused; and `check`'s extents are the last byte any run touches.
+    #[test]
+    fn accepted_copies_have_disjoint_destination_runs_and_exact_extents() {
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        let (mut accepted, mut refused_overlapping) = (0, 0);
+        for _ in 0..20_000 {
+            let c = StridedCopy {
+                src_offset: next(64),
+                dst_offset: next(64),
+                run_bytes: 1 + next(12),
+                counts: [1 + next(4), 1 + next(4)],
+                src_strides: [next(40), next(16)],
+                dst_strides: [next(40), next(16)],
+            };
+            let runs = |off: u64, s: [u64; 2]| -> Vec<(u64, u64)> {
+                (0..c.counts[0])
+                    .flat_map(|a| (0..c.counts[1]).map(move |b| off + a * s[0] + b * s[1]))
+                    .map(|d| (d, d + c.run_bytes))
+                    .collect()
+            };
+            let dst = runs(c.dst_offset, c.dst_strides);
+            let overlap = dst.iter().enumerate().any(|(i, r)| dst[i + 1..].iter().any(|q| r.0 < q.1 && q.0 < r.1));
+            let src_end = runs(c.src_offset, c.src_strides).iter().map(|r| r.1).max().unwrap();
+            let dst_end = dst.iter().map(|r| r.1).max().unwrap();
+            match Program::build(&[vec![Transfer { src: 0, dst: 1, copy: c }]]) {
+                Ok((p, b)) => {
+                    accepted += 1;
+                    assert!(!overlap, "{c:?}");
+                    // Exactly the extents: one byte less on either side is refused.
+                    b[0].check(&p, &[src_end, dst_end]).unwrap();
+                    assert!(b[0].check(&p, &[src_end - 1, dst_end]).is_err(), "{c:?}");
+                    assert!(b[0].check(&p, &[src_end, dst_end - 1]).is_err(), "{c:?}");
+                }
+                Err(_) => refused_overlapping += usize::from(overlap),
+            }
+        }
+        assert!(accepted > 2_000 && refused_overlapping > 2_000, "{accepted} accepted, {refused_overlapping} refused");
+    }
+
+    /// Shapes are shared across batches, pieces are the widest every
+    /// instance allows, and the table lays out counts then instances.
+    #[test]
+    fn batches_share_their_program_and_lay_out_the_table() {
+        let c = StridedCopy {
+            src_offset: 0,
+            dst_offset: 32,
+            run_bytes: 64,
+            counts: [2, 1],
+            src_strides: [64, 0],
+            dst_strides: [64, 0],
+        };
+        let odd = StridedCopy { src_offset: 8, ..c };
+        let other = StridedCopy { run_bytes: 16, counts: [1, 1], ..c };
+        let (p, b) = Program::build(&[
+            vec![Transfer { src: 0, dst: 1, copy: c }, Transfer { src: 2, dst: 1, copy: other }],
+            vec![Transfer { src: 1, dst: 0, copy: odd }],
+        ])
+        .unwrap();
+        assert_eq!(p.shapes().len(), 2);
+        assert_eq!(p.shapes()[0].piece, 8, "an 8-byte offset in the second batch narrows the shared shape");
+        assert_eq!(p.shapes()[1].piece, 16);
+        assert_eq!(b[0].words(), vec![1, 1, 0, 1, 0, 32, 2, 1, 0, 32]);
+        assert_eq!(b[1].words(), vec![1, 0, 1, 0, 8, 32]);
+        assert_eq!(b[0].pieces(&p), 2 * 8 + 1);
+        assert_ne!(p.key(), Program::build(&[vec![Transfer { src: 0, dst: 1, copy: c }]]).unwrap().0.key());
+    }
+}

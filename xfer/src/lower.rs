@@ -1,0 +1,273 @@
+//! Lowering a [`Program`] to LLVM IR, and the IR to PTX or host code.
+//!
+//! One body, `moeforge_xfer_body(bases, table, worker, workers)`, is the
+//! whole program on every target: for each shape in order, pieces `worker`,
+//! `worker + workers`, … of the batch's instances of that shape, each piece
+//! one load and one store of the shape's piece width. A piece's index splits
+//! into (instance, run (a, b), piece within the run) by divisions by the
+//! shape's constants; consecutive pieces are consecutive bytes of a run. The
+//! targets differ only in the entry that calls the body (inlined):
+//! - GPU: the kernel `moeforge_xfer(bases, table)`, one worker per thread of
+//!   the grid (worker = global thread index, workers = threads in the grid);
+//! - host: `moeforge_xfer(bases, table, worker, workers)`, called with the
+//!   worker split the caller chooses (the emulated device and [`crate::jit`]
+//!   use one worker).
+//!
+//! `bases[i]` is buffer i's address; `table` is [`crate::Batch::words`].
+
+use crate::{Program, Shape, XferError, INSTANCE_WORDS};
+use inkwell::attributes::{Attribute, AttributeLoc};
+use inkwell::builder::Builder;
+use inkwell::context::Context;
+use inkwell::module::{Linkage, Module};
+use inkwell::passes::PassBuilderOptions;
+use inkwell::targets::{CodeModel, FileType, InitializationConfig, RelocMode, Target, TargetMachine, TargetTriple};
+use inkwell::types::BasicTypeEnum;
+use inkwell::values::{FunctionValue, IntValue, PointerValue};
+use inkwell::{AddressSpace, IntPredicate, OptimizationLevel};
+use std::sync::Once;
+
+/// The entry point's symbol on every target.
+pub const ENTRY: &str = "moeforge_xfer";
+const BODY: &str = "moeforge_xfer_body";
+/// LLVM's calling convention number for a PTX kernel (`ptx_kernel`).
+const PTX_KERNEL: u32 = 71;
+/// The PTX ISA the GPU code targets: 8.0, what sm_90a needs and CUDA 12's
+/// drivers and later load.
+const PTX_FEATURES: &str = "+ptx80";
+
+/// `ptr + index` elements of `ty`: a GEP without `inbounds`.
+fn gep<'c>(
+    b: &Builder<'c>,
+    ty: impl inkwell::types::BasicType<'c>,
+    ptr: PointerValue<'c>,
+    index: IntValue<'c>,
+) -> Result<PointerValue<'c>, XferError> {
+    // SAFETY: this builds IR, it runs nothing; a GEP without `inbounds` is
+    // defined for any index. What the code later dereferences is bounded by
+    // `Batch::check` before any device runs it.
+    unsafe { b.build_gep(ty, ptr, &[index], "") }.map_err(llvm)
+}
+
+fn llvm(e: impl std::fmt::Display) -> XferError {
+    XferError::Llvm(e.to_string())
+}
+
+static TARGETS: Once = Once::new();
+
+fn init() {
+    TARGETS.call_once(|| {
+        let c = InitializationConfig::default();
+        Target::initialize_nvptx(&c);
+        // Fails only on a host LLVM was not built for; host_object says so.
+        let _ = Target::initialize_native(&c);
+    });
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Flavor {
+    Gpu,
+    Host,
+}
+
+/// The module of `program` for `flavor`, verified, not yet optimized.
+pub(crate) fn module<'c>(ctx: &'c Context, program: &Program, flavor: Flavor) -> Result<Module<'c>, XferError> {
+    let m = ctx.create_module("moeforge_xfer");
+    let b = ctx.create_builder();
+    let body = body(ctx, &m, &b, program.shapes())?;
+    let ptr = ctx.ptr_type(AddressSpace::default());
+    let i64t = ctx.i64_type();
+    match flavor {
+        Flavor::Host => {
+            let ty = ctx.void_type().fn_type(&[ptr.into(), ptr.into(), i64t.into(), i64t.into()], false);
+            let f = m.add_function(ENTRY, ty, None);
+            b.position_at_end(ctx.append_basic_block(f, "entry"));
+            let args: Vec<_> = f.get_param_iter().map(Into::into).collect();
+            b.build_call(body, &args, "").map_err(llvm)?;
+            b.build_return(None).map_err(llvm)?;
+        }
+        Flavor::Gpu => {
+            let ty = ctx.void_type().fn_type(&[ptr.into(), ptr.into()], false);
+            let f = m.add_function(ENTRY, ty, None);
+            f.set_call_conventions(PTX_KERNEL);
+            b.position_at_end(ctx.append_basic_block(f, "entry"));
+            let i32t = ctx.i32_type();
+            let sreg = |name: &str| -> Result<IntValue<'c>, XferError> {
+                let name = format!("llvm.nvvm.read.ptx.sreg.{name}");
+                let g = m.get_function(&name).unwrap_or_else(|| m.add_function(&name, i32t.fn_type(&[], false), None));
+                let v = b.build_call(g, &[], "").map_err(llvm)?;
+                let v =
+                    v.try_as_basic_value().basic().ok_or_else(|| llvm("a special register read returned nothing"))?;
+                b.build_int_z_extend(v.into_int_value(), i64t, "").map_err(llvm)
+            };
+            let (tid, ntid, ctaid, nctaid) = (sreg("tid.x")?, sreg("ntid.x")?, sreg("ctaid.x")?, sreg("nctaid.x")?);
+            let first = b.build_int_mul(ctaid, ntid, "").map_err(llvm)?;
+            let worker = b.build_int_add(first, tid, "worker").map_err(llvm)?;
+            let workers = b.build_int_mul(nctaid, ntid, "workers").map_err(llvm)?;
+            let p = f.get_params();
+            b.build_call(body, &[p[0].into(), p[1].into(), worker.into(), workers.into()], "").map_err(llvm)?;
+            b.build_return(None).map_err(llvm)?;
+        }
+    }
+    m.verify().map_err(llvm)?;
+    Ok(m)
+}
+
+/// The body: one strided loop per shape.
+fn body<'c>(
+    ctx: &'c Context,
+    m: &Module<'c>,
+    b: &Builder<'c>,
+    shapes: &[Shape],
+) -> Result<FunctionValue<'c>, XferError> {
+    let ptr = ctx.ptr_type(AddressSpace::default());
+    let i64t = ctx.i64_type();
+    let ty = ctx.void_type().fn_type(&[ptr.into(), ptr.into(), i64t.into(), i64t.into()], false);
+    let f = m.add_function(BODY, ty, Some(Linkage::Internal));
+    let inline = ctx.create_enum_attribute(Attribute::get_named_enum_kind_id("alwaysinline"), 0);
+    f.add_attribute(AttributeLoc::Function, inline);
+    let params = f.get_params();
+    let (bases, table) = (params[0].into_pointer_value(), params[1].into_pointer_value());
+    let (worker, workers) = (params[2].into_int_value(), params[3].into_int_value());
+    let c = |v: u64| i64t.const_int(v, false);
+    let word = |at: IntValue<'c>, name: &str| -> Result<IntValue<'c>, XferError> {
+        let p = gep(b, i64t, table, at)?;
+        Ok(b.build_load(i64t, p, name).map_err(llvm)?.into_int_value())
+    };
+
+    let entry = ctx.append_basic_block(f, "entry");
+    b.position_at_end(entry);
+    // Each shape's instance count, and where its instances start in the table.
+    let mut counts = vec![];
+    let mut starts = vec![];
+    let mut at = c(shapes.len() as u64);
+    for (i, s) in shapes.iter().enumerate() {
+        let n = word(c(i as u64), "n")?;
+        starts.push(at);
+        let words = b.build_int_mul(n, c(INSTANCE_WORDS as u64), "").map_err(llvm)?;
+        at = b.build_int_add(at, words, "").map_err(llvm)?;
+        counts.push(b.build_int_mul(n, c(s.pieces()), "pieces").map_err(llvm)?);
+    }
+    let done = ctx.append_basic_block(f, "done");
+    let mut pred = entry;
+    for (i, s) in shapes.iter().enumerate() {
+        let head = ctx.append_basic_block(f, &format!("shape{i}"));
+        let step = ctx.append_basic_block(f, &format!("shape{i}.piece"));
+        b.position_at_end(pred);
+        b.build_unconditional_branch(head).map_err(llvm)?;
+        b.position_at_end(head);
+        let p = b.build_phi(i64t, "p").map_err(llvm)?;
+        p.add_incoming(&[(&worker, pred)]);
+        let pv = p.as_basic_value().into_int_value();
+        let more = b.build_int_compare(IntPredicate::ULT, pv, counts[i], "").map_err(llvm)?;
+        let next = ctx.append_basic_block(f, &format!("shape{i}.end"));
+        b.build_conditional_branch(more, step, next).map_err(llvm)?;
+
+        b.position_at_end(step);
+        let per_run = s.run_bytes / s.piece;
+        let inst = b.build_int_unsigned_div(pv, c(s.pieces()), "instance").map_err(llvm)?;
+        let local = b.build_int_unsigned_rem(pv, c(s.pieces()), "").map_err(llvm)?;
+        let run = b.build_int_unsigned_div(local, c(per_run), "run").map_err(llvm)?;
+        let k = b.build_int_unsigned_rem(local, c(per_run), "k").map_err(llvm)?;
+        let a = b.build_int_unsigned_div(run, c(s.counts[1]), "a").map_err(llvm)?;
+        let bb = b.build_int_unsigned_rem(run, c(s.counts[1]), "b").map_err(llvm)?;
+        let w = b.build_int_mul(inst, c(INSTANCE_WORDS as u64), "").map_err(llvm)?;
+        let w = b.build_int_add(starts[i], w, "").map_err(llvm)?;
+        let field = |j: u64, name: &str| -> Result<IntValue<'c>, XferError> {
+            let at = b.build_int_add(w, c(j), "").map_err(llvm)?;
+            word(at, name)
+        };
+        let (src, dst) = (field(0, "src")?, field(1, "dst")?);
+        let (src_off, dst_off) = (field(2, "src_offset")?, field(3, "dst_offset")?);
+        let address =
+            |buf: IntValue<'c>, off: IntValue<'c>, strides: [u64; 2]| -> Result<PointerValue<'c>, XferError> {
+                let slot = gep(b, ptr, bases, buf)?;
+                let base = b.build_load(ptr, slot, "base").map_err(llvm)?.into_pointer_value();
+                let mut o = off;
+                for (n, by) in [(a, strides[0]), (bb, strides[1]), (k, s.piece)] {
+                    let t = b.build_int_mul(n, c(by), "").map_err(llvm)?;
+                    o = b.build_int_add(o, t, "").map_err(llvm)?;
+                }
+                gep(b, ctx.i8_type(), base, o)
+            };
+        let from = address(src, src_off, s.src_strides)?;
+        let to = address(dst, dst_off, s.dst_strides)?;
+        let piece: BasicTypeEnum<'c> = match s.piece {
+            16 => ctx.i32_type().vec_type(4).into(),
+            8 => i64t.into(),
+            4 => ctx.i32_type().into(),
+            2 => ctx.i16_type().into(),
+            _ => ctx.i8_type().into(),
+        };
+        let v = b.build_load(piece, from, "v").map_err(llvm)?;
+        let align = s.piece as u32;
+        use inkwell::values::BasicValue;
+        v.as_instruction_value()
+            .ok_or_else(|| llvm("a load is not an instruction"))?
+            .set_alignment(align)
+            .map_err(llvm)?;
+        b.build_store(to, v).map_err(llvm)?.set_alignment(align).map_err(llvm)?;
+        let n = b.build_int_add(pv, workers, "").map_err(llvm)?;
+        p.add_incoming(&[(&n, step)]);
+        b.build_unconditional_branch(head).map_err(llvm)?;
+        pred = next;
+    }
+    b.position_at_end(pred);
+    b.build_unconditional_branch(done).map_err(llvm)?;
+    b.position_at_end(done);
+    b.build_return(None).map_err(llvm)?;
+    Ok(f)
+}
+
+fn machine(triple: &TargetTriple, cpu: &str, features: &str, reloc: RelocMode) -> Result<TargetMachine, XferError> {
+    init();
+    let target = Target::from_triple(triple).map_err(llvm)?;
+    target
+        .create_target_machine(triple, cpu, features, OptimizationLevel::Aggressive, reloc, CodeModel::Default)
+        .ok_or_else(|| llvm(format!("no target machine for {} ({cpu})", triple.as_str().to_string_lossy())))
+}
+
+/// Sets `m`'s target and runs LLVM's O3 pipeline on it.
+pub(crate) fn optimize(m: &Module<'_>, tm: &TargetMachine) -> Result<(), XferError> {
+    m.set_triple(&tm.get_triple());
+    m.set_data_layout(&tm.get_target_data().get_data_layout());
+    m.run_passes("default<O3>", tm, PassBuilderOptions::create()).map_err(llvm)
+}
+
+pub(crate) fn host_machine() -> Result<TargetMachine, XferError> {
+    // A fixed, generic CPU: the same program gives the same object on every
+    // host of an architecture (content-keyed caches stay valid).
+    let triple = TargetMachine::get_default_triple();
+    let cpu = if triple.as_str().to_string_lossy().starts_with("x86_64") { "x86-64" } else { "generic" };
+    machine(&triple, cpu, "", RelocMode::PIC)
+}
+
+/// The program as PTX for `arch` (`sm_90a`, `sm_80`, …): the kernel
+/// [`ENTRY`]`(bases, table)`, one worker per thread of the grid.
+pub fn ptx(program: &Program, arch: &str) -> Result<String, XferError> {
+    let tm = machine(&TargetTriple::create("nvptx64-nvidia-cuda"), arch, PTX_FEATURES, RelocMode::Default)?;
+    let ctx = Context::create();
+    let m = module(&ctx, program, Flavor::Gpu)?;
+    optimize(&m, &tm)?;
+    let buf = tm.write_to_memory_buffer(&m, FileType::Assembly).map_err(llvm)?;
+    String::from_utf8(buf.as_slice().to_vec()).map_err(llvm)
+}
+
+/// The program as a relocatable object for this host (position-independent,
+/// for a shared library): `void moeforge_xfer(void** bases, const uint64_t*
+/// table, uint64_t worker, uint64_t workers)`.
+pub fn host_object(program: &Program) -> Result<Vec<u8>, XferError> {
+    let tm = host_machine()?;
+    let ctx = Context::create();
+    let m = module(&ctx, program, Flavor::Host)?;
+    optimize(&m, &tm)?;
+    Ok(tm.write_to_memory_buffer(&m, FileType::Object).map_err(llvm)?.as_slice().to_vec())
+}
+
+/// The program's IR for the GPU, before optimization (for reading).
+pub fn ir(program: &Program) -> Result<String, XferError> {
+    let ctx = Context::create();
+    let m = module(&ctx, program, Flavor::Gpu)?;
+    let text = m.print_to_string().to_string();
+    Ok(text)
+}
