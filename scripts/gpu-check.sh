@@ -23,8 +23,9 @@
 #   (h) static  the static-tile build: scheduling overhead = APK / static - 1.
 #   (c) torch   torch._grouped_mm (bf16) and torch._scaled_grouped_mm (fp8) on
 #               the same ragged counts, CUDA-graph replays.
-#   (f) copy    the reshard's descriptors of one layer: a transfer kernel and
-#               cuMemcpy2D against a device-to-device copy of the same bytes.
+#   (f) copy    the reshard's descriptors of one layer: the bundle's transfer
+#               program (kernels/xfer_reshard.ptx, LLVM's PTX) and cuMemcpy2D
+#               against a device-to-device copy of the same bytes.
 #   (d) e2e     tiny Qwen3-MoE, Mixtral, DeepSeek-V3 (bf16 and fp8), MiniMax-M2
 #               and GPT-OSS fixtures end to end with `moeforge run --backend
 #               cuda`, live switches included; greedy tokens = transformers'.
@@ -46,7 +47,14 @@ if [[ "${1:-}" == "--prepare" ]]; then
   for ex in "${EXAMPLES[@]}"; do
     ./target/release/moeforge compile "examples/$ex.moe" -o "gpu-bundles.tmp/$ex" --nvcc off >/dev/null 2>&1
   done
-  strip -o gpu-bundles.tmp/bin/moeforge target/release/moeforge
+  # The runner the GPU machine gets links no LLVM (the bundles carry their
+  # transfer programs compiled): the same moeforge without the `llvm` feature.
+  CARGO_TARGET_DIR=target/runner cargo build --release --quiet --no-default-features --bin moeforge
+  strip -o gpu-bundles.tmp/bin/moeforge target/runner/release/moeforge
+  if ldd gpu-bundles.tmp/bin/moeforge | grep -q libLLVM; then
+    echo "the runner links LLVM" >&2
+    exit 1
+  fi
   rm -rf gpu-bundles && mv gpu-bundles.tmp gpu-bundles
   echo "prepared: $(ls gpu-bundles | tr '\n' ' ')(carry gpu-bundles to the GPU machine)"
   exit 0
@@ -289,17 +297,35 @@ done
 if [[ $have_gpu -eq 1 ]]; then
   for ex in qwen3-30b-a3b-h200 tiny-qwen3-cpu4; do
     [[ -f "$BUNDLES/$ex/plan.json" && -x "$BUILD/copy_check" ]] || continue
-    python3 - "$BUNDLES/$ex/plan.json" "$BUILD/$ex.copies" <<'PY'
+    python3 - "$BUNDLES/$ex/plan.json" "$BUILD/$ex.copies" "$BUILD/$ex.table" <<'PY'
 import json, sys
 m = json.load(open(sys.argv[1]))["memory"]
 r = m["reshard"]["ep_to_tp"]
+slot = m["slots"]["slot_bytes"]
 with open(sys.argv[2], "w") as f:
-    f.write(f'{m["group"]} {m["slots"]["slot_bytes"]}\n')
+    f.write(f'{m["group"]} {slot}\n')
     for c in r["per_layer"]:
         f.write(" ".join(str(v) for v in [c["src_rank"], c["dst_rank"], c["src_offset"], c["dst_offset"], c["run_bytes"],
                                           *c["counts"], *c["src_strides"], *c["dst_strides"]]) + "\n")
+# This layer's batch of the bundle's transfer program (moeforge_xfer::Batch::words):
+# the program's shapes are both directions' distinct (run, counts, strides) in
+# order of first appearance; each rank's source slot at 0 of its region and
+# its destination slot at SLOT (copy_check's layout).
+key = lambda c: (c["run_bytes"], *c["counts"], *c["src_strides"], *c["dst_strides"])
+live = lambda c: c["run_bytes"] and c["counts"][0] and c["counts"][1]
+shapes = []
+for c in m["reshard"]["ep_to_tp"]["per_layer"] + m["reshard"]["tp_to_ep"]["per_layer"]:
+    if live(c) and key(c) not in shapes:
+        shapes.append(key(c))
+per = [[c for c in r["per_layer"] if live(c) and key(c) == k] for k in shapes]
+words = [len(v) for v in per]
+for v in per:
+    for c in v:
+        words += [c["src_rank"], c["dst_rank"], c["src_offset"], slot + c["dst_offset"]]
+open(sys.argv[3], "w").write(" ".join(map(str, words)) + "\n")
 PY
-    run_step copy "$ex ep_to_tp" 90 "$BUILD/copy_check" "$BUILD/$ex.copies" 20
+    run_step copy "$ex ep_to_tp" 90 "$BUILD/copy_check" "$BUILD/$ex.copies" "$BUNDLES/$ex/kernels/xfer_reshard.ptx" \
+      "$BUILD/$ex.table" 20
   done
 fi
 
@@ -318,7 +344,7 @@ res = lambda s: s.get("result", {})
 missing = {
     "graphs": "(g) CUDA graphs: the cuda backend launches every op and waits for it; no graph capture yet",
     "multi_gpu": "every rank's buffer on one GPU: no peer access, NCCL or NVSHMEM path yet",
-    "transfer_programs": "reshard and dispatch/combine as inkwell-generated programs: not built (copies are cuMemcpy2D and host-staged)",
+    "transfer_programs": "the reshard is an inkwell-generated transfer program; dispatch/combine are still host-staged copies",
     "profile_components": "the profile measures the APK (`moe`) only: attention, dense GEMMs and communication are not measured",
 }
 if emu:

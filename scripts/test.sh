@@ -50,7 +50,7 @@ step "packaging (the compiler crates build from their own packages, templates in
 pkg_target="$root/target/package-check"
 rm -rf "$pkg_target/package" "$pkg_target"/debug/.fingerprint/moeforge-* "$pkg_target"/debug/deps/*moeforge* \
   "${CARGO_HOME:-$HOME/.cargo}"/registry/src/-*/moeforge-*
-CARGO_TARGET_DIR="$pkg_target" cargo package --locked -p moeforge-dsl -p moeforge-plan -p moeforge-codegen --allow-dirty >/dev/null
+CARGO_TARGET_DIR="$pkg_target" cargo package --locked -p moeforge-dsl -p moeforge-xfer -p moeforge-plan -p moeforge-codegen --allow-dirty >/dev/null
 
 step "tests (snapshots must match, nvcc tier required)"
 INSTA_UPDATE=no cargo test --workspace --locked

@@ -12,15 +12,17 @@
 //!   reading what earlier ones wrote) against a naive run-by-run copy.
 //! - The same program's PTX for sm_90a: a kernel entry that ptxas (nvcc
 //!   tier) assembles without spilling.
-//! - The emulated device runs the reshard's program with the same result.
+//! - The emulated device runs the bundle's compiled reshard (its IR built
+//!   by `llc`) with the same result.
 
+#![cfg(feature = "llvm")]
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 use common::cpu_spec::{compile_text, cpu_deployment, imported_block};
 use common::{nvcc, root, Rng};
+use moeforge::plan::reshard::transfers;
 use moeforge::runtime::device::emu::EmuDevice;
-use moeforge::runtime::device::exec::reshard_program;
 use moeforge::runtime::device::{Device, StridedCopy, Transfer};
 use moeforge::runtime::twin::reshard::execute_reshard;
 use moeforge::xfer::jit::{self, HostBuffer};
@@ -33,14 +35,18 @@ fn random_bytes(rng: &mut Rng, n: usize) -> Vec<u8> {
     v
 }
 
-/// Compiles `fixture` on `ranks` CPU ranks (a dual-mode plan).
-fn plan(fixture: &str, ranks: u32) -> moeforge::plan::Plan {
+/// Compiles `fixture` on `ranks` CPU ranks (a dual-mode plan) into a bundle.
+fn bundle(fixture: &str, ranks: u32) -> moeforge::plan::LoadedBundle {
     let dir = root().join("tests/fixtures/models").join(fixture);
     // Room for the weights, and a small KV pool (random bytes fill it all).
     let fraction = if fixture.starts_with("deepseek") || fixture == "glm-5" { 0.6 } else { 0.3 };
     let text = cpu_deployment(&imported_block(&dir), ranks, fraction);
     let tmp = tempfile::tempdir().unwrap();
-    compile_text(&text, tmp.path()).plan.plan().clone()
+    compile_text(&text, tmp.path())
+}
+
+fn plan(fixture: &str, ranks: u32) -> moeforge::plan::Plan {
+    bundle(fixture, ranks).plan.plan().clone()
 }
 
 #[test]
@@ -60,10 +66,11 @@ fn the_jit_reshard_equals_the_descriptor_interpreter_byte_for_byte() {
         let mut jit_bufs: Vec<HostBuffer> = init.iter().map(|b| HostBuffer::from_bytes(b)).collect();
         for w in [&rs.ep_to_tp, &rs.tp_to_ep] {
             let remote = execute_reshard(mem, w, &mut twin);
-            let (program, batches) = reshard_program(mem, w).unwrap();
+            let t = transfers(mem, rs).unwrap();
+            let (program, batches) = (&t.program, t.batches(w.from));
             assert_eq!(batches.len(), mem.slots.moe_layers as usize, "{fixture}: one batch per MoE layer");
             assert!(remote > 0, "{fixture}: the reshard moves bytes between ranks");
-            jit::run(&program, &batches, &mut jit_bufs).unwrap();
+            jit::run(program, batches, &mut jit_bufs).unwrap();
             for (r, (t, j)) in twin.iter().zip(&jit_bufs).enumerate() {
                 let first = t.iter().zip(j.as_bytes()).position(|(a, b)| a != b);
                 assert!(
@@ -206,7 +213,7 @@ fn a_batch_outside_its_buffers_is_refused_before_anything_runs() {
 fn the_reshard_program_is_a_ptx_kernel_that_ptxas_assembles_without_spills() {
     let plan = plan("qwen3-moe", 4);
     let rs = plan.memory.reshard.as_ref().unwrap();
-    let (program, _) = reshard_program(&plan.memory, &rs.ep_to_tp).unwrap();
+    let program = transfers(&plan.memory, rs).unwrap().program;
     let ptx = moeforge::xfer::ptx(&program, "sm_90a").unwrap();
     assert!(ptx.contains(".target sm_90a"), "{}", &ptx[..ptx.len().min(400)]);
     assert!(ptx.contains(".entry moeforge_xfer("), "a kernel entry");
@@ -230,8 +237,11 @@ fn the_reshard_program_is_a_ptx_kernel_that_ptxas_assembles_without_spills() {
 }
 
 #[test]
-fn the_emulated_device_runs_the_reshard_program_like_the_interpreter() {
-    let plan = plan("mixtral", 2);
+fn the_emulated_device_runs_the_bundles_reshard_program_like_the_interpreter() {
+    let bundle = bundle("mixtral", 2);
+    // The bundle's compiled code is the program its descriptors make.
+    let code = bundle.reshard_code.clone().unwrap();
+    let plan = bundle.plan.plan();
     let mem = &plan.memory;
     let rs = mem.reshard.as_ref().unwrap();
     let mut rng = Rng(77);
@@ -248,15 +258,19 @@ fn the_emulated_device_runs_the_reshard_program_like_the_interpreter() {
             id
         })
         .collect();
-    let (program, batches) = reshard_program(mem, &rs.tp_to_ep).unwrap();
-    dev.transfer(&program, &batches, &ids).unwrap();
+    let t = transfers(mem, rs).unwrap();
+    assert_eq!(t.program, code.program);
+    assert_eq!(code.ptx, moeforge::xfer::ptx(&t.program, "sm_90a").unwrap(), "the bundle's PTX");
+    assert_eq!(code.host_ir, moeforge::xfer::host_ir(&t.program).unwrap(), "the bundle's IR");
+    let batches = t.batches(moeforge::plan::memory::Mode::Tp);
+    dev.transfer(&code, batches, &ids).unwrap();
     for (r, id) in ids.iter().enumerate() {
         let got = dev.download(*id, 0, mem.buffer_bytes).unwrap();
         assert!(got == twin[r], "rank {r} differs from the interpreter");
     }
     // A batch that does not fit the device's buffers is an error, not a fault.
-    let e = dev.transfer(&program, &batches, &ids[..1]).unwrap_err().to_string();
+    let e = dev.transfer(&code, batches, &ids[..1]).unwrap_err().to_string();
     assert!(e.contains("buffer 1 of 1 buffers"), "{e}");
     let empty: Vec<Batch> = vec![];
-    dev.transfer(&program, &empty, &ids).unwrap();
+    dev.transfer(&code, &empty, &ids).unwrap();
 }

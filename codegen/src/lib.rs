@@ -143,6 +143,37 @@ pub enum EmitError {
     Template(#[from] emit::cuda::TemplateError),
     #[error(transparent)]
     Nvcc(#[from] nvcc::NvccError),
+    /// The plan's transfer programs could not be compiled.
+    #[error("the weight reshard's transfer program: {0}")]
+    Transfer(String),
+}
+
+/// The weight reshard's transfer program (`plan::reshard::transfers`),
+/// lowered once to LLVM IR: `kernels/xfer_reshard.ptx` (PTX for `arch`,
+/// which the cuda device loads through the driver's JIT) and
+/// `kernels/xfer_reshard.ll` (the host-flavored IR the emulated device
+/// compiles with `llc`).
+#[cfg(feature = "llvm")]
+fn transfer_files(
+    mem: &moeforge_plan::memory::MemoryPlan,
+    rs: &moeforge_plan::memory::ReshardPlans,
+    arch: &str,
+) -> Result<Vec<(String, Vec<u8>)>, EmitError> {
+    let t = moeforge_plan::reshard::transfers(mem, rs).map_err(|e| EmitError::Transfer(e.to_string()))?;
+    let ptx = moeforge_xfer::ptx(&t.program, arch).map_err(|e| EmitError::Transfer(e.to_string()))?;
+    let ir = moeforge_xfer::host_ir(&t.program).map_err(|e| EmitError::Transfer(e.to_string()))?;
+    Ok(vec![("kernels/xfer_reshard.ptx".into(), ptx.into_bytes()), ("kernels/xfer_reshard.ll".into(), ir.into_bytes())])
+}
+
+#[cfg(not(feature = "llvm"))]
+fn transfer_files(
+    _: &moeforge_plan::memory::MemoryPlan,
+    _: &moeforge_plan::memory::ReshardPlans,
+    _: &str,
+) -> Result<Vec<(String, Vec<u8>)>, EmitError> {
+    Err(EmitError::Transfer(
+        "this moeforge was built without LLVM (the `llvm` feature): it runs bundles but cannot compile a dual-mode plan's transfer programs".into(),
+    ))
 }
 
 /// Emits the bundle of a validated plan, compiling kernels with `nvcc`
@@ -228,6 +259,11 @@ pub fn emit_with(
             version = Some(out.nvcc_version);
         }
         bundle.add(&format!("kernels/{}.cu", k.name), src);
+    }
+    if let Some(rs) = &p.memory.reshard {
+        for (file, text) in transfer_files(&p.memory, rs, arch)? {
+            bundle.add(&file, text);
+        }
     }
     let skipped = match nvcc {
         NvccMode::Off => "compilation disabled (`--nvcc off`)",

@@ -32,7 +32,7 @@
 
 use cudarc::driver::result;
 use cudarc::driver::sys;
-use moeforge_runtime::device::{Batch, BufferId, Device, DeviceError, KernelArg, ModuleId, Program};
+use moeforge_runtime::device::{Batch, BufferId, Code, Device, DeviceError, KernelArg, ModuleId};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::ffi::{c_void, CString};
@@ -470,22 +470,11 @@ impl CudaDevice {
         })
     }
 
-    /// The PTX target of this GPU's transfer programs: its own architecture
-    /// where LLVM 19's NVPTX back end knows it, else sm_90's PTX, which the
-    /// driver's JIT compiles for any later GPU (the programs use no
-    /// architecture-specific feature).
-    fn transfer_arch(&self) -> String {
-        match self.gpu.capability {
-            (major, minor) if (7..=8).contains(&major) => format!("sm_{major}{minor}"),
-            (9, 0) => "sm_90a".into(),
-            _ => "sm_90".into(),
-        }
-    }
-
-    /// A transfer program's kernel: its PTX ([`moeforge_xfer::ptx`]) loaded
+    /// A transfer program's kernel: the bundle's PTX of it (compiled for the
+    /// plan's architecture, which `run` checks against the GPU's) loaded
     /// through the driver's JIT, once per program.
-    fn transfer_function(&mut self, program: &Program) -> Result<sys::CUfunction, DeviceError> {
-        let key = program.key();
+    fn transfer_function(&mut self, code: &Code) -> Result<sys::CUfunction, DeviceError> {
+        let key = code.program.key();
         if let Some(&(_, f)) = self.transfers.get(&key) {
             return Ok(f);
         }
@@ -494,8 +483,7 @@ impl CudaDevice {
             device: "cuda device",
             message,
         };
-        let ptx = moeforge_xfer::ptx(program, &self.transfer_arch()).map_err(|e| build(e.to_string()))?;
-        let ptx = CString::new(ptx).map_err(|_| build("PTX with a NUL byte".into()))?;
+        let ptx = CString::new(code.ptx.as_str()).map_err(|_| build("PTX with a NUL byte".into()))?;
         // SAFETY: `ptx` is NUL-terminated PTX text; the driver JIT-compiles it for this GPU.
         let module = unsafe { result::module::load_data(ptx.as_ptr().cast()) }
             .map_err(|e| build(format!("cuModuleLoadData (PTX): {e:?}")))?;
@@ -702,8 +690,9 @@ impl Device for CudaDevice {
         Ok(v)
     }
 
-    fn transfer(&mut self, program: &Program, batches: &[Batch], buffers: &[BufferId]) -> Result<(), DeviceError> {
+    fn transfer(&mut self, code: &Code, batches: &[Batch], buffers: &[BufferId]) -> Result<(), DeviceError> {
         self.current()?;
+        let program = &code.program;
         let mut words: Vec<u64> = vec![];
         let mut sizes = vec![];
         for b in buffers {
@@ -715,7 +704,7 @@ impl Device for CudaDevice {
         for b in batches {
             b.check(program, &sizes).map_err(other)?;
         }
-        let f = self.transfer_function(program)?;
+        let f = self.transfer_function(code)?;
         let n = words.len();
         for b in batches.iter().filter(|b| !b.is_empty()) {
             words.truncate(n);

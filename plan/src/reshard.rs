@@ -119,3 +119,57 @@ pub fn weights(slots: &ExpertSlots, e: u64, i: u64, h: u64, elt: u64, p: u32) ->
         },
     }
 }
+
+/// The weight reshard as one transfer program ([`moeforge_xfer`]): the
+/// shapes of both directions' descriptors, so a bundle carries one compiled
+/// program for it, and each direction's batches, one per MoE layer in its
+/// schedule's order (a layer's descriptors move between two distinct slots,
+/// so they run in parallel; the next layer reads the slot this one freed, so
+/// it waits). Buffer i of a batch is rank i's unified buffer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReshardTransfers {
+    pub program: moeforge_xfer::Program,
+    pub ep_to_tp: Vec<moeforge_xfer::Batch>,
+    pub tp_to_ep: Vec<moeforge_xfer::Batch>,
+}
+
+impl ReshardTransfers {
+    /// The batches of the reshard that leaves `from`.
+    pub fn batches(&self, from: Mode) -> &[moeforge_xfer::Batch] {
+        match from {
+            Mode::Ep => &self.ep_to_tp,
+            Mode::Tp => &self.tp_to_ep,
+        }
+    }
+}
+
+/// [`ReshardTransfers`] of a plan's reshard descriptors.
+pub fn transfers(
+    mem: &crate::memory::MemoryPlan,
+    rs: &ReshardPlans,
+) -> Result<ReshardTransfers, moeforge_xfer::XferError> {
+    use moeforge_xfer::{StridedCopy, Transfer};
+    let layers = |w: &WeightReshard| -> Vec<Vec<Transfer>> {
+        let copies: Vec<Transfer> = w
+            .schedule(&mem.slots)
+            .map(|(c, src_base, dst_base)| Transfer {
+                src: c.src_rank,
+                dst: c.dst_rank,
+                copy: StridedCopy {
+                    src_offset: src_base + c.src_offset,
+                    dst_offset: dst_base + c.dst_offset,
+                    run_bytes: c.run_bytes,
+                    counts: c.counts,
+                    src_strides: c.src_strides,
+                    dst_strides: c.dst_strides,
+                },
+            })
+            .collect();
+        copies.chunks(w.per_layer.len().max(1)).map(<[Transfer]>::to_vec).collect()
+    };
+    let (a, b) = (layers(&rs.ep_to_tp), layers(&rs.tp_to_ep));
+    let n = a.len();
+    let (program, mut batches) = moeforge_xfer::Program::build(&[a, b].concat())?;
+    let tp_to_ep = batches.split_off(n);
+    Ok(ReshardTransfers { program, ep_to_tp: batches, tp_to_ep })
+}

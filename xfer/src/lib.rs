@@ -25,11 +25,51 @@
 //! received row once. [`Batch::check`] enforces what memory safety needs:
 //! every run inside its buffer, every offset a multiple of its piece.
 
+#[cfg(feature = "llvm")]
 mod lower;
 
+#[cfg(feature = "llvm")]
 pub mod jit;
 
-pub use lower::{host_object, ir, ptx, ENTRY};
+#[cfg(feature = "llvm")]
+pub use lower::{host_ir, host_object, ir, ptx};
+
+/// The entry point's symbol on every target.
+pub const ENTRY: &str = "moeforge_xfer";
+
+/// A compiled program as a bundle holds it: its PTX for the GPU and its
+/// host-flavored IR (what the emulated device compiles with LLVM's `llc`),
+/// each headed by [`header`] naming the program's key. Devices run this;
+/// the runtime recomputes the program from the plan and refuses code whose
+/// key differs ([`Code::new`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Code {
+    pub program: Program,
+    pub ptx: String,
+    pub host_ir: String,
+}
+
+/// The first line of a compiled program's PTX (`comment` = `//`) or IR (`;`).
+pub fn header(comment: &str, program: &Program) -> String {
+    format!("{comment} moeforge transfer program {}\n", program.key())
+}
+
+impl Code {
+    /// Pairs `program` with its compiled text, checking that both were
+    /// compiled from it.
+    pub fn new(program: Program, ptx: String, host_ir: String) -> Result<Code, String> {
+        for (text, comment, what) in [(&ptx, "//", "PTX"), (&host_ir, ";", "IR")] {
+            let first = text.lines().next().unwrap_or("");
+            if format!("{first}\n") != header(comment, &program) {
+                return Err(format!(
+                    "its {what} was compiled for another transfer program (`{first}`; this plan's key is {})",
+                    program.key()
+                ));
+            }
+        }
+        Ok(Code { program, ptx, host_ir })
+    }
+}
 
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;

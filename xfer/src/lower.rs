@@ -15,7 +15,7 @@
 //!
 //! `bases[i]` is buffer i's address; `table` is [`crate::Batch::words`].
 
-use crate::{Program, Shape, XferError, INSTANCE_WORDS};
+use crate::{header, Program, Shape, XferError, ENTRY, INSTANCE_WORDS};
 use inkwell::attributes::{Attribute, AttributeLoc};
 use inkwell::builder::Builder;
 use inkwell::context::Context;
@@ -27,8 +27,6 @@ use inkwell::values::{FunctionValue, IntValue, PointerValue};
 use inkwell::{AddressSpace, IntPredicate, OptimizationLevel};
 use std::sync::Once;
 
-/// The entry point's symbol on every target.
-pub const ENTRY: &str = "moeforge_xfer";
 const BODY: &str = "moeforge_xfer_body";
 /// LLVM's calling convention number for a PTX kernel (`ptx_kernel`).
 const PTX_KERNEL: u32 = 71;
@@ -250,7 +248,8 @@ pub fn ptx(program: &Program, arch: &str) -> Result<String, XferError> {
     let m = module(&ctx, program, Flavor::Gpu)?;
     optimize(&m, &tm)?;
     let buf = tm.write_to_memory_buffer(&m, FileType::Assembly).map_err(llvm)?;
-    String::from_utf8(buf.as_slice().to_vec()).map_err(llvm)
+    let text = String::from_utf8(buf.as_slice().to_vec()).map_err(llvm)?;
+    Ok(header("//", program) + &text)
 }
 
 /// The program as a relocatable object for this host (position-independent,
@@ -262,6 +261,16 @@ pub fn host_object(program: &Program) -> Result<Vec<u8>, XferError> {
     let m = module(&ctx, program, Flavor::Host)?;
     optimize(&m, &tm)?;
     Ok(tm.write_to_memory_buffer(&m, FileType::Object).map_err(llvm)?.as_slice().to_vec())
+}
+
+/// The program's host-flavored IR, target-independent (no triple): what a
+/// bundle carries for the emulated device, which compiles it for its host
+/// with LLVM's `llc`.
+pub fn host_ir(program: &Program) -> Result<String, XferError> {
+    let ctx = Context::create();
+    let m = module(&ctx, program, Flavor::Host)?;
+    let text = m.print_to_string().to_string();
+    Ok(header(";", program) + &text)
 }
 
 /// The program's IR for the GPU, before optimization (for reading).

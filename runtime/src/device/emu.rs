@@ -17,7 +17,7 @@
 //! or `~/.cache/moeforge/emu`; entries are renamed into place, so
 //! concurrent builds are safe.
 
-use super::{Batch, BufferId, Device, DeviceError, KernelArg, ModuleId, Program};
+use super::{Batch, BufferId, Code, Device, DeviceError, KernelArg, ModuleId};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::io::{BufReader, BufWriter, Read, Write};
@@ -86,6 +86,23 @@ fn other(what: impl std::fmt::Display) -> DeviceError {
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().take(12).map(|b| format!("{b:02x}")).collect()
+}
+
+/// LLVM 19's `llc`: `$MOEFORGE_LLC`, else the one under
+/// `$LLVM_SYS_191_PREFIX` or `/usr/lib/llvm-19` (Debian's llvm-19, which
+/// `scripts/setup.sh` installs), else `llc-19` on the PATH.
+pub fn llc() -> PathBuf {
+    if let Some(p) = std::env::var_os("MOEFORGE_LLC") {
+        return PathBuf::from(p);
+    }
+    let prefix =
+        std::env::var_os("LLVM_SYS_191_PREFIX").map_or_else(|| PathBuf::from("/usr/lib/llvm-19"), PathBuf::from);
+    let p = prefix.join("bin/llc");
+    if p.is_file() {
+        p
+    } else {
+        PathBuf::from("llc-19")
+    }
 }
 
 /// Writes `data` to `path` unless it is there, through a temporary file
@@ -244,16 +261,16 @@ impl EmuDevice {
 }
 
 impl EmuDevice {
-    /// Loads a transfer program into the device process: LLVM's host code
-    /// for its IR ([`moeforge_xfer::host_object`]) linked into a shared
-    /// library, cached by the program's content.
-    fn transfer_program(&mut self, program: &Program) -> Result<u32, DeviceError> {
-        let key = program.key();
+    /// Loads a transfer program into the device process: its host IR
+    /// compiled by LLVM's `llc` ([`llc`]) and linked into a shared library,
+    /// cached by the IR's content.
+    fn transfer_program(&mut self, code: &Code) -> Result<u32, DeviceError> {
+        let key = code.program.key();
         if let Some(&id) = self.transfers.get(&key) {
             return Ok(id);
         }
         let mut h = Sha256::new();
-        h.update(key.as_bytes());
+        h.update(code.host_ir.as_bytes());
         h.update(self.salt.as_bytes());
         let name = format!("xfer-{}", hex(&h.finalize()));
         let lib = self.cache.join(format!("{name}.so"));
@@ -263,16 +280,28 @@ impl EmuDevice {
             message,
         };
         if !lib.exists() {
-            let object = moeforge_xfer::host_object(program).map_err(|e| build(e.to_string()))?;
-            let obj = self.cache.join(format!("{name}.o"));
-            put(&obj, &object)?;
-            let tmp = self.cache.join(format!("{name}.so.tmp{}", std::process::id()));
+            let ir = self.cache.join(format!("{name}.ll"));
+            put(&ir, code.host_ir.as_bytes())?;
+            let pid = std::process::id();
+            let obj = self.cache.join(format!("{name}.o.tmp{pid}"));
+            let llc = llc();
+            let o = Command::new(&llc)
+                .args(["-O3", "-relocation-model=pic", "-filetype=obj", "-o"])
+                .arg(&obj)
+                .arg(&ir)
+                .output()
+                .map_err(|e| build(format!("cannot run {} ({e}): the emulated device compiles transfer programs with LLVM 19's llc (scripts/setup.sh installs it; or set MOEFORGE_LLC)", llc.display())))?;
+            if !o.status.success() {
+                return Err(build(String::from_utf8_lossy(&o.stderr).lines().take(20).collect::<Vec<_>>().join("\n")));
+            }
+            let tmp = self.cache.join(format!("{name}.so.tmp{pid}"));
             let o = Command::new("g++")
                 .args(["-shared", "-o"])
                 .arg(&tmp)
                 .arg(&obj)
                 .output()
                 .map_err(|e| other(format!("cannot run g++: {e}")))?;
+            let _ = std::fs::remove_file(&obj);
             if !o.status.success() {
                 return Err(build(String::from_utf8_lossy(&o.stderr).lines().take(20).collect::<Vec<_>>().join("\n")));
             }
@@ -324,7 +353,8 @@ impl Device for EmuDevice {
         self.read_n(len as usize, "download")
     }
 
-    fn transfer(&mut self, program: &Program, batches: &[Batch], buffers: &[BufferId]) -> Result<(), DeviceError> {
+    fn transfer(&mut self, code: &Code, batches: &[Batch], buffers: &[BufferId]) -> Result<(), DeviceError> {
+        let program = &code.program;
         let sizes = buffers
             .iter()
             .map(|b| self.sizes.get(b.0 as usize).copied().ok_or_else(|| other(format!("transfer: no buffer {}", b.0))))
@@ -332,7 +362,7 @@ impl Device for EmuDevice {
         for b in batches {
             b.check(program, &sizes).map_err(other)?;
         }
-        let id = self.transfer_program(program)?;
+        let id = self.transfer_program(code)?;
         for b in batches.iter().filter(|b| !b.is_empty()) {
             let words = b.words();
             let mut m = vec![6u8];

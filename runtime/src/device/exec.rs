@@ -28,13 +28,13 @@
 //! the interpreter checks.
 
 use super::bind::{self, Counts, Site};
-use super::{Batch, BufferId, Device, DeviceError, KernelArg, ModuleId, StridedCopy, Transfer};
+use super::{BufferId, Code, Device, DeviceError, KernelArg, ModuleId};
 use moeforge_plan::memory::{
     BufferName, MemoryPlan, Mode, RouteIndexParts, TensorPart, TensorRole, WeightReshard, KV_MOVE_CHUNK,
 };
 use moeforge_plan::program::{CommKind, KernelRef, Op, OpKind, Operand, Phase, Program};
+use moeforge_plan::reshard::ReshardTransfers;
 use moeforge_plan::{ApkForm, KernelParams, Plan};
-use moeforge_xfer::Program as TransferProgram;
 use std::collections::BTreeMap;
 
 #[derive(Debug, thiserror::Error)]
@@ -104,6 +104,8 @@ pub struct Executor {
     plan: std::sync::Arc<Plan>,
     buffers: Vec<BufferId>,
     modules: BTreeMap<String, ModuleId>,
+    /// The compiled weight reshard and its batches, for a dual-mode plan.
+    reshard: Option<(Code, ReshardTransfers)>,
 }
 
 fn le32(v: &[i32]) -> Vec<u8> {
@@ -118,12 +120,33 @@ fn f32s(b: &[u8]) -> Vec<f32> {
 
 impl Executor {
     /// Loads every kernel instance the programs launch or post to and
-    /// allocates each rank's unified buffer.
+    /// allocates each rank's unified buffer. `reshard_code` is the bundle's
+    /// compiled weight reshard (`LoadedBundle::reshard_code`), which a
+    /// dual-mode plan needs.
     pub fn new(
         mut dev: Box<dyn Device + Send>,
         plan: &Plan,
         sources: &BTreeMap<String, String>,
+        reshard_code: Option<&Code>,
     ) -> Result<Executor, ExecError> {
+        let reshard = match (&plan.memory.reshard, reshard_code) {
+            (None, _) => None,
+            (Some(_), None) => {
+                return Err(ExecError::Plan(
+                    "a dual-mode plan without its compiled reshard (kernels/xfer_reshard.*)".into(),
+                ))
+            }
+            (Some(rs), Some(code)) => {
+                let t = moeforge_plan::reshard::transfers(&plan.memory, rs)
+                    .map_err(|e| ExecError::Plan(format!("the weight reshard: {e}")))?;
+                if t.program != code.program {
+                    return Err(ExecError::Plan(
+                        "the compiled reshard is not this plan's (recompile the bundle)".into(),
+                    ));
+                }
+                Some((code.clone(), t))
+            }
+        };
         let mut modules = BTreeMap::new();
         for p in &plan.programs {
             for (_, op) in p.ops() {
@@ -137,7 +160,7 @@ impl Executor {
         }
         let buffers =
             (0..plan.memory.group).map(|_| dev.alloc(plan.memory.buffer_bytes)).collect::<Result<Vec<_>, _>>()?;
-        Ok(Executor { dev, plan: std::sync::Arc::new(plan.clone()), buffers, modules })
+        Ok(Executor { dev, plan: std::sync::Arc::new(plan.clone()), buffers, modules, reshard })
     }
 
     pub fn ranks(&self) -> usize {
@@ -159,14 +182,17 @@ impl Executor {
         self.buffers.get(rank as usize).copied().ok_or_else(|| ExecError::Plan(format!("no rank {rank}")))
     }
 
-    /// One weight reshard (Moebius §3.1) on the device: the plan's
-    /// descriptors as one transfer program ([`reshard_program`]), a batch per
-    /// MoE layer in the schedule's order (a peer copy between GPUs). Returns
-    /// the bytes that crossed between ranks.
+    /// One weight reshard (Moebius §3.1) on the device: the bundle's
+    /// compiled transfer program over the plan's descriptors, a batch per
+    /// MoE layer in the schedule's order (`moeforge_plan::reshard::transfers`;
+    /// a peer copy between GPUs). Returns the bytes that crossed between ranks.
     pub fn reshard(&mut self, w: &WeightReshard) -> Result<u64, ExecError> {
         let plan = self.plan.clone();
-        let (program, batches) = reshard_program(&plan.memory, w)?;
-        self.dev.transfer(&program, &batches, &self.buffers)?;
+        let (code, t) = self
+            .reshard
+            .as_ref()
+            .ok_or_else(|| ExecError::Plan("the bundle holds no compiled reshard (kernels/xfer_reshard.*)".into()))?;
+        self.dev.transfer(code, t.batches(w.from), &self.buffers)?;
         Ok(w.schedule(&plan.memory.slots).filter(|(c, ..)| c.src_rank != c.dst_rank).map(|(c, ..)| c.bytes()).sum())
     }
 
@@ -760,33 +786,6 @@ impl Executor {
         }
         Ok(())
     }
-}
-
-/// A weight reshard as a transfer program: every descriptor of the plan's
-/// schedule a strided copy from its source rank's buffer to its destination
-/// rank's (buffer i is rank i), one batch per MoE layer in the schedule's
-/// order: a layer's descriptors move between two distinct slots, so they run
-/// in parallel; the next layer reads the slot this one freed, so it waits.
-pub fn reshard_program(mem: &MemoryPlan, w: &WeightReshard) -> Result<(TransferProgram, Vec<Batch>), ExecError> {
-    let per_layer = w.per_layer.len().max(1);
-    let copies: Vec<Transfer> = w
-        .schedule(&mem.slots)
-        .map(|(c, src_base, dst_base)| Transfer {
-            src: c.src_rank,
-            dst: c.dst_rank,
-            copy: StridedCopy {
-                src_offset: src_base + c.src_offset,
-                dst_offset: dst_base + c.dst_offset,
-                run_bytes: c.run_bytes,
-                counts: c.counts,
-                src_strides: c.src_strides,
-                dst_strides: c.dst_strides,
-            },
-        })
-        .collect();
-    let layers: Vec<Vec<Transfer>> = copies.chunks(per_layer).map(<[Transfer]>::to_vec).collect();
-    TransferProgram::build(&layers)
-        .map_err(|e| ExecError::Plan(format!("the weight reshard ({:?} → {:?}): {e}", w.from, w.to)))
 }
 
 fn route_parts(site: &Site<'_>, plan: &Plan) -> RouteIndexParts {

@@ -18,7 +18,7 @@ pub mod bind;
 pub mod emu;
 pub mod exec;
 
-pub use moeforge_xfer::{Batch, Program, StridedCopy, Transfer};
+pub use moeforge_xfer::{Batch, Code, Program, StridedCopy, Transfer};
 
 /// Device memory: one allocation (a rank's unified buffer).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,12 +59,13 @@ pub trait Device {
     fn alloc(&mut self, bytes: u64) -> Result<BufferId, DeviceError>;
     fn upload(&mut self, buffer: BufferId, offset: u64, data: &[u8]) -> Result<(), DeviceError>;
     fn download(&mut self, buffer: BufferId, offset: u64, len: u64) -> Result<Vec<u8>, DeviceError>;
-    /// Runs a transfer program's batches in order (each batch's pieces in
-    /// parallel where the device can): buffer i of a batch is `buffers[i]`.
-    /// The device compiles the program's one IR for itself (PTX for a GPU,
-    /// host code for the emulated device), once per program, and checks
-    /// every batch against the buffers' sizes before it runs.
-    fn transfer(&mut self, program: &Program, batches: &[Batch], buffers: &[BufferId]) -> Result<(), DeviceError>;
+    /// Runs a compiled transfer program's batches in order (each batch's
+    /// pieces in parallel where the device can): buffer i of a batch is
+    /// `buffers[i]`. The device loads its form of the program's one IR (the
+    /// PTX on a GPU, host code built from the IR on the emulated device),
+    /// once per program, and checks every batch against the buffers' sizes
+    /// before anything runs.
+    fn transfer(&mut self, code: &Code, batches: &[Batch], buffers: &[BufferId]) -> Result<(), DeviceError>;
     /// Builds (or finds in its cache) and loads kernel instance `name` from its source.
     fn load(&mut self, name: &str, source: &str) -> Result<ModuleId, DeviceError>;
     /// Runs `entry` of `module` over `grid` blocks of `block` threads.
