@@ -224,6 +224,35 @@ fn structural_edits_are_refused() {
     assert!(e.contains("spec.json") && e.contains("rope_dim"), "{e}");
     rewrite_spec(&dir, &spec0);
     assert!(load_bundle(&dir).is_ok());
+    // The compiled reshard: another program's code (its key line edited), or none.
+    let rehash = |rel: &str, bytes: Option<&[u8]>| {
+        let mpath = dir.join("manifest.json");
+        let mut m: Manifest = serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
+        match bytes {
+            Some(b) => {
+                std::fs::write(dir.join(rel), b).unwrap();
+                m.files.insert(rel.into(), sha256_hex(b));
+            }
+            None => {
+                m.files.remove(rel);
+            }
+        }
+        std::fs::write(mpath, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+    };
+    let ptx0 = std::fs::read_to_string(dir.join("kernels/xfer_reshard.ptx")).unwrap();
+    assert!(ptx0.starts_with("// moeforge transfer program "), "{}", &ptx0[..80]);
+    let other = ptx0.replacen("// moeforge transfer program ", "// moeforge transfer program 0", 1);
+    rehash("kernels/xfer_reshard.ptx", Some(other.as_bytes()));
+    let e = refused(&dir);
+    assert!(e.contains("kernels/xfer_reshard.ptx") && e.contains("another transfer program"), "{e}");
+    rehash("kernels/xfer_reshard.ptx", Some(ptx0.as_bytes()));
+    assert!(load_bundle(&dir).is_ok());
+    rehash("kernels/xfer_reshard.ll", None);
+    let e = refused(&dir);
+    assert!(e.contains("kernels/xfer_reshard.ll"), "{e}");
+    let ir0 = std::fs::read(dir.join("kernels/xfer_reshard.ll")).unwrap();
+    rehash("kernels/xfer_reshard.ll", Some(&ir0));
+    assert!(load_bundle(&dir).is_ok());
     // A kernel source replaced by a link to a file outside the bundle.
     #[cfg(unix)]
     {

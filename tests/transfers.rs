@@ -10,8 +10,10 @@
 //!   random rank buffers, EP→TP then TP→EP.
 //! - Random strided programs (every piece width, repeated shapes, batches
 //!   reading what earlier ones wrote) against a naive run-by-run copy.
-//! - The same program's PTX for sm_90a: a kernel entry that ptxas (nvcc
-//!   tier) assembles without spilling.
+//! - A bundle's transfer programs (the reshard and the EP dispatch's rows)
+//!   as PTX for sm_90a: kernel entries that ptxas (nvcc tier) assembles
+//!   without spilling. (The dispatch runs in every emulated-device test in
+//!   EP, whose tokens are transformers'.)
 //! - The emulated device runs the bundle's compiled reshard (its IR built
 //!   by `llc`) with the same result.
 
@@ -210,15 +212,20 @@ fn a_batch_outside_its_buffers_is_refused_before_anything_runs() {
 }
 
 #[test]
-fn the_reshard_program_is_a_ptx_kernel_that_ptxas_assembles_without_spills() {
-    let plan = plan("qwen3-moe", 4);
-    let rs = plan.memory.reshard.as_ref().unwrap();
-    let program = transfers(&plan.memory, rs).unwrap().program;
-    let ptx = moeforge::xfer::ptx(&program, "sm_90a").unwrap();
+fn the_transfer_programs_are_ptx_kernels_that_ptxas_assembles_without_spills() {
+    let bundle = bundle("qwen3-moe", 4);
+    assert_eq!(bundle.transfers.keys().collect::<Vec<_>>(), ["dispatch", "reshard"]);
+    for (name, code) in &bundle.transfers {
+        check_ptx(name, &code.program);
+    }
+}
+
+fn check_ptx(name: &str, program: &Program) {
+    let ptx = moeforge::xfer::ptx(program, "sm_90a").unwrap();
     assert!(ptx.contains(".target sm_90a"), "{}", &ptx[..ptx.len().min(400)]);
     assert!(ptx.contains(".entry moeforge_xfer("), "a kernel entry");
     // Same program, same bytes (bundles and caches rely on it).
-    assert_eq!(ptx, moeforge::xfer::ptx(&program, "sm_90a").unwrap());
+    assert_eq!(ptx, moeforge::xfer::ptx(program, "sm_90a").unwrap());
     let Some(nvcc) = nvcc() else { return };
     let ptxas = nvcc.with_file_name("ptxas");
     let dir = tempfile::tempdir().unwrap();
@@ -231,7 +238,7 @@ fn the_reshard_program_is_a_ptx_kernel_that_ptxas_assembles_without_spills() {
         .output()
         .unwrap();
     let log = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "ptxas refused the PTX:\n{log}");
+    assert!(o.status.success(), "ptxas refused {name}'s PTX:\n{log}");
     assert!(log.contains("Compiling entry function 'moeforge_xfer'"), "{log}");
     assert!(log.contains("0 bytes spill stores, 0 bytes spill loads"), "{log}");
 }
@@ -240,7 +247,7 @@ fn the_reshard_program_is_a_ptx_kernel_that_ptxas_assembles_without_spills() {
 fn the_emulated_device_runs_the_bundles_reshard_program_like_the_interpreter() {
     let bundle = bundle("mixtral", 2);
     // The bundle's compiled code is the program its descriptors make.
-    let code = bundle.reshard_code.clone().unwrap();
+    let code = bundle.transfers["reshard"].clone();
     let plan = bundle.plan.plan();
     let mem = &plan.memory;
     let rs = mem.reshard.as_ref().unwrap();

@@ -144,36 +144,35 @@ pub enum EmitError {
     #[error(transparent)]
     Nvcc(#[from] nvcc::NvccError),
     /// The plan's transfer programs could not be compiled.
-    #[error("the weight reshard's transfer program: {0}")]
+    #[error("transfer programs: {0}")]
     Transfer(String),
 }
 
-/// The weight reshard's transfer program (`plan::reshard::transfers`),
-/// lowered once to LLVM IR: `kernels/xfer_reshard.ptx` (PTX for `arch`,
-/// which the cuda device loads through the driver's JIT) and
-/// `kernels/xfer_reshard.ll` (the host-flavored IR the emulated device
-/// compiles with `llc`).
+/// The plan's transfer programs (`plan::transfers::programs`: the weight
+/// reshard, the EP dispatch's rows), each lowered once to LLVM IR:
+/// `kernels/xfer_{name}.ptx` (PTX for `arch`, which the cuda device loads
+/// through the driver's JIT) and `kernels/xfer_{name}.ll` (the host-flavored
+/// IR the emulated device compiles with `llc`).
 #[cfg(feature = "llvm")]
-fn transfer_files(
-    mem: &moeforge_plan::memory::MemoryPlan,
-    rs: &moeforge_plan::memory::ReshardPlans,
-    arch: &str,
-) -> Result<Vec<(String, Vec<u8>)>, EmitError> {
-    let t = moeforge_plan::reshard::transfers(mem, rs).map_err(|e| EmitError::Transfer(e.to_string()))?;
-    let ptx = moeforge_xfer::ptx(&t.program, arch).map_err(|e| EmitError::Transfer(e.to_string()))?;
-    let ir = moeforge_xfer::host_ir(&t.program).map_err(|e| EmitError::Transfer(e.to_string()))?;
-    Ok(vec![("kernels/xfer_reshard.ptx".into(), ptx.into_bytes()), ("kernels/xfer_reshard.ll".into(), ir.into_bytes())])
+fn transfer_files(p: &moeforge_plan::Plan, arch: &str) -> Result<Vec<(String, Vec<u8>)>, EmitError> {
+    let err = |e: moeforge_xfer::XferError| EmitError::Transfer(e.to_string());
+    let mut out = vec![];
+    for (name, program) in moeforge_plan::transfers::programs(p).map_err(err)? {
+        let (ptx, ir) = moeforge_plan::transfers::files(name);
+        out.push((ptx, moeforge_xfer::ptx(&program, arch).map_err(err)?.into_bytes()));
+        out.push((ir, moeforge_xfer::host_ir(&program).map_err(err)?.into_bytes()));
+    }
+    Ok(out)
 }
 
 #[cfg(not(feature = "llvm"))]
-fn transfer_files(
-    _: &moeforge_plan::memory::MemoryPlan,
-    _: &moeforge_plan::memory::ReshardPlans,
-    _: &str,
-) -> Result<Vec<(String, Vec<u8>)>, EmitError> {
-    Err(EmitError::Transfer(
-        "this moeforge was built without LLVM (the `llvm` feature): it runs bundles but cannot compile a dual-mode plan's transfer programs".into(),
-    ))
+fn transfer_files(p: &moeforge_plan::Plan, _: &str) -> Result<Vec<(String, Vec<u8>)>, EmitError> {
+    match moeforge_plan::transfers::programs(p) {
+        Ok(v) if v.is_empty() => Ok(vec![]),
+        _ => Err(EmitError::Transfer(
+            "this moeforge was built without LLVM (the `llvm` feature): it runs bundles but cannot compile their transfer programs".into(),
+        )),
+    }
 }
 
 /// Emits the bundle of a validated plan, compiling kernels with `nvcc`
@@ -260,10 +259,8 @@ pub fn emit_with(
         }
         bundle.add(&format!("kernels/{}.cu", k.name), src);
     }
-    if let Some(rs) = &p.memory.reshard {
-        for (file, text) in transfer_files(&p.memory, rs, arch)? {
-            bundle.add(&file, text);
-        }
+    for (file, text) in transfer_files(p, arch)? {
+        bundle.add(&file, text);
     }
     let skipped = match nvcc {
         NvccMode::Off => "compilation disabled (`--nvcc off`)",

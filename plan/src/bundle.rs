@@ -5,8 +5,8 @@
 //! DIR/spec.json       the deployment's checked spec (canonical JSON; its hash is the spec hash)
 //! DIR/plan.json       the validated plan
 //! DIR/kernels/*.cu    emitted CUDA (and *.cubin when nvcc ran)
-//! DIR/kernels/xfer_reshard.{ptx,ll}  a dual-mode plan's weight reshard as a
-//!                     transfer program (PTX; host-flavored LLVM IR)
+//! DIR/kernels/xfer_*.{ptx,ll}  transfer programs (the weight reshard, the EP
+//!                     dispatch's rows): PTX and host-flavored LLVM IR
 //! DIR/report.md       the human report
 //! ```
 //!
@@ -201,9 +201,10 @@ pub struct LoadedBundle {
     pub spec: moeforge_dsl::Spec,
     /// Kernel sources by name.
     pub kernels: BTreeMap<String, String>,
-    /// A dual-mode plan's weight reshard, compiled (`kernels/xfer_reshard.*`),
-    /// checked against the program the plan's descriptors make.
-    pub reshard_code: Option<moeforge_xfer::Code>,
+    /// The plan's transfer programs, compiled (`kernels/xfer_{name}.*`) and
+    /// checked against the programs the validated plan makes, by name
+    /// (`crate::transfers::NAMES`).
+    pub transfers: BTreeMap<String, moeforge_xfer::Code>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -262,10 +263,6 @@ pub fn load_bundle(dir: &Path) -> Result<LoadedBundle, BundleError> {
 pub fn load_bundle_files(bundle: &Bundle, origin: &Path) -> Result<LoadedBundle, BundleError> {
     load_with(origin, &|rel| bundle.files.get(rel).cloned().ok_or_else(|| BundleError::Missing { path: rel.into() }))
 }
-
-/// A dual-mode plan's compiled weight reshard (`moeforge_xfer::Code`).
-pub const RESHARD_PTX: &str = "kernels/xfer_reshard.ptx";
-pub const RESHARD_IR: &str = "kernels/xfer_reshard.ll";
 
 fn load_with(dir: &Path, read: &dyn Fn(&str) -> Result<Vec<u8>, BundleError>) -> Result<LoadedBundle, BundleError> {
     let raw = read(MANIFEST)?;
@@ -341,37 +338,34 @@ fn load_with(dir: &Path, read: &dyn Fn(&str) -> Result<Vec<u8>, BundleError>) ->
         return Err(BundleError::Plan { violations });
     }
     let plan = crate::validate::validate(plan).map_err(|violations| BundleError::Plan { violations })?;
-    // The validated descriptors make the program its compiled code must be.
-    let reshard_code = match &plan.plan().memory.reshard {
-        None => None,
-        Some(rs) => {
-            let mem = &plan.plan().memory;
-            let program = crate::reshard::transfers(mem, rs)
-                .map_err(|e| BundleError::Parse {
-                    path: "plan.json".into(),
-                    what: "plan",
-                    err: format!("memory.reshard: {e}"),
-                })?
-                .program;
-            let text = |path: &str| -> Result<String, BundleError> {
-                if !manifest.files.contains_key(path) {
-                    return Err(BundleError::Missing { path: path.into() });
-                }
-                String::from_utf8(read(path)?).map_err(|e| BundleError::Parse {
-                    path: path.into(),
-                    what: "transfer program",
-                    err: e.to_string(),
-                })
-            };
-            let (ptx, ir) = (text(RESHARD_PTX)?, text(RESHARD_IR)?);
-            Some(moeforge_xfer::Code::new(program, ptx, ir).map_err(|err| BundleError::Parse {
-                path: RESHARD_PTX.into(),
+    // The validated plan makes the programs its compiled code must be.
+    let programs = crate::transfers::programs(plan.plan()).map_err(|e| BundleError::Parse {
+        path: "plan.json".into(),
+        what: "plan",
+        err: format!("its transfer programs: {e}"),
+    })?;
+    let mut transfers = BTreeMap::new();
+    for (name, program) in programs {
+        let (ptx_path, ir_path) = crate::transfers::files(name);
+        let text = |path: &str| -> Result<String, BundleError> {
+            if !manifest.files.contains_key(path) {
+                return Err(BundleError::Missing { path: path.into() });
+            }
+            String::from_utf8(read(path)?).map_err(|e| BundleError::Parse {
+                path: path.into(),
                 what: "transfer program",
-                err: format!("{err}: recompile the bundle"),
-            })?)
-        }
-    };
-    Ok(LoadedBundle { dir: dir.to_path_buf(), manifest, plan, spec, kernels, reshard_code })
+                err: e.to_string(),
+            })
+        };
+        let (ptx, ir) = (text(&ptx_path)?, text(&ir_path)?);
+        let code = moeforge_xfer::Code::new(program, ptx, ir).map_err(|err| BundleError::Parse {
+            path: ptx_path.clone(),
+            what: "transfer program",
+            err: format!("{err}: recompile the bundle"),
+        })?;
+        transfers.insert(name.to_string(), code);
+    }
+    Ok(LoadedBundle { dir: dir.to_path_buf(), manifest, plan, spec, kernels, transfers })
 }
 
 /// The plan's model and cluster facts are those of its spec: a plan edited

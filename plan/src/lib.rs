@@ -23,6 +23,7 @@ pub mod rng;
 pub mod roles;
 pub mod search;
 mod text;
+pub mod transfers;
 pub mod validate;
 pub mod workload;
 

@@ -251,6 +251,41 @@ impl Program {
         &self.shapes
     }
 
+    /// A batch of this program's code for copies made at run time (the
+    /// dispatch's rows): each copy an instance of the shape with its run,
+    /// counts and strides. Refuses a copy no shape has, and one whose
+    /// offsets are not multiples of its shape's piece (the code's loads and
+    /// stores would be misaligned); copies that move nothing are dropped.
+    pub fn batch(&self, transfers: &[Transfer]) -> Result<Batch, XferError> {
+        let mut per_shape = vec![vec![]; self.shapes.len()];
+        for (index, t) in transfers.iter().enumerate() {
+            let c = &t.copy;
+            if c.run_bytes == 0 || c.counts[0] == 0 || c.counts[1] == 0 {
+                continue;
+            }
+            let bad = |message: String| XferError::Copy { index, message };
+            let i = self
+                .shapes
+                .iter()
+                .position(|s| {
+                    (s.run_bytes, s.counts, s.src_strides, s.dst_strides)
+                        == (c.run_bytes, c.counts, c.src_strides, c.dst_strides)
+                })
+                .ok_or_else(|| {
+                    bad(format!("no shape of this program copies runs of {} bytes ({:?})", c.run_bytes, c.counts))
+                })?;
+            let piece = self.shapes[i].piece;
+            if !(c.src_offset | c.dst_offset).is_multiple_of(piece) {
+                return Err(bad(format!(
+                    "offsets {} and {} are not multiples of the shape's {piece}-byte piece",
+                    c.src_offset, c.dst_offset
+                )));
+            }
+            per_shape[i].push(Instance { src: t.src, dst: t.dst, src_offset: c.src_offset, dst_offset: c.dst_offset });
+        }
+        Ok(Batch { per_shape })
+    }
+
     /// A content key (hex SHA-256 of the shapes) for caches of compiled code.
     pub fn key(&self) -> String {
         let mut h = Sha256::new();
@@ -417,5 +452,54 @@ mod tests {
         assert_eq!(b[1].words(), vec![1, 0, 1, 0, 8, 32]);
         assert_eq!(b[0].pieces(&p), 2 * 8 + 1);
         assert_ne!(p.key(), Program::build(&[vec![Transfer { src: 0, dst: 1, copy: c }]]).unwrap().0.key());
+    }
+
+    /// A run-time batch of a fixed program: each copy finds its shape, and
+    /// one the code cannot run (no such shape, misaligned) is refused.
+    #[test]
+    fn run_time_batches_take_the_programs_shapes_or_are_refused() {
+        let row = |src: u64, dst: u64| Transfer {
+            src: 0,
+            dst: 1,
+            copy: StridedCopy {
+                src_offset: src,
+                dst_offset: dst,
+                run_bytes: 64,
+                counts: [1, 1],
+                src_strides: [0, 0],
+                dst_strides: [0, 0],
+            },
+        };
+        let (p, _) = Program::build(&[vec![row(256, 512), row(320, 576)]]).unwrap();
+        assert_eq!(p.shapes()[0].piece, 16);
+        let b = p.batch(&[row(0, 64), row(640, 128)]).unwrap();
+        assert_eq!(b.words(), vec![2, 0, 1, 0, 64, 0, 1, 640, 128]);
+        let e = p.batch(&[row(0, 8)]).unwrap_err().to_string();
+        assert!(e.contains("16-byte piece"), "{e}");
+        let odd = Transfer { copy: StridedCopy { run_bytes: 32, ..row(0, 0).copy }, ..row(0, 0) };
+        let e = p.batch(&[row(0, 0), odd]).unwrap_err().to_string();
+        assert!(e.starts_with("transfer 1:") && e.contains("no shape"), "{e}");
+    }
+
+    #[test]
+    fn code_compiled_for_another_program_is_refused() {
+        let (p, _) = Program::build(&[vec![Transfer {
+            src: 0,
+            dst: 0,
+            copy: StridedCopy {
+                src_offset: 0,
+                dst_offset: 64,
+                run_bytes: 64,
+                counts: [1, 1],
+                src_strides: [0, 0],
+                dst_strides: [0, 0],
+            },
+        }]])
+        .unwrap();
+        let ok = Code::new(p.clone(), header("//", &p) + ".entry", header(";", &p) + "define");
+        assert!(ok.is_ok());
+        let e = Code::new(p.clone(), "// moeforge transfer program 00\n".into(), header(";", &p)).unwrap_err();
+        assert!(e.contains("its PTX was compiled for another transfer program"), "{e}");
+        assert!(Code::new(p.clone(), header("//", &p), String::new()).unwrap_err().contains("its IR"));
     }
 }

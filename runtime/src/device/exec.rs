@@ -10,10 +10,12 @@
 //! - Communication ops move bytes between the ranks' buffers at the plan's
 //!   addresses: the TP all-reduce sums in rank order; EP's dispatch sends
 //!   each token row once to every rank owning one of its experts (sources
-//!   in rank order, tokens in order) with its top-k ids and weights, and
+//!   in rank order, tokens in order) with its top-k ids and weights, as one
+//!   batch of the bundle's compiled dispatch program (`kernels/xfer_dispatch.*`:
+//!   the host reads only the top-k ids, which fix where every row lands);
 //!   the combine returns each received row to its source, summed there in
-//!   f32 in rank order. The cuda backend replaces these host copies with
-//!   peer writes and NCCL/NVSHMEM.
+//!   f32 in rank order. The all-reduce and the combine are host copies, which
+//!   the cuda backend is to replace with peer reads and NCCL.
 //! - Counts the device computes (the permutation's padded rows) are read
 //!   back where the program needs them for a grid.
 //!
@@ -28,7 +30,7 @@
 //! the interpreter checks.
 
 use super::bind::{self, Counts, Site};
-use super::{BufferId, Code, Device, DeviceError, KernelArg, ModuleId};
+use super::{BufferId, Code, Device, DeviceError, KernelArg, ModuleId, StridedCopy, Transfer};
 use moeforge_plan::memory::{
     BufferName, MemoryPlan, Mode, RouteIndexParts, TensorPart, TensorRole, WeightReshard, KV_MOVE_CHUNK,
 };
@@ -106,6 +108,8 @@ pub struct Executor {
     modules: BTreeMap<String, ModuleId>,
     /// The compiled weight reshard and its batches, for a dual-mode plan.
     reshard: Option<(Code, ReshardTransfers)>,
+    /// The compiled EP dispatch (its batches are each step's rows).
+    dispatch: Option<Code>,
 }
 
 fn le32(v: &[i32]) -> Vec<u8> {
@@ -120,33 +124,40 @@ fn f32s(b: &[u8]) -> Vec<f32> {
 
 impl Executor {
     /// Loads every kernel instance the programs launch or post to and
-    /// allocates each rank's unified buffer. `reshard_code` is the bundle's
-    /// compiled weight reshard (`LoadedBundle::reshard_code`), which a
-    /// dual-mode plan needs.
+    /// allocates each rank's unified buffer. `transfers` are the bundle's
+    /// compiled transfer programs (`LoadedBundle::transfers`): the executor
+    /// rebuilds each from the plan and refuses code that is not its plan's.
     pub fn new(
         mut dev: Box<dyn Device + Send>,
         plan: &Plan,
         sources: &BTreeMap<String, String>,
-        reshard_code: Option<&Code>,
+        transfers: &BTreeMap<String, Code>,
     ) -> Result<Executor, ExecError> {
-        let reshard = match (&plan.memory.reshard, reshard_code) {
-            (None, _) => None,
-            (Some(_), None) => {
-                return Err(ExecError::Plan(
-                    "a dual-mode plan without its compiled reshard (kernels/xfer_reshard.*)".into(),
+        let programs = moeforge_plan::transfers::programs(plan)
+            .map_err(|e| ExecError::Plan(format!("the plan's transfer programs: {e}")))?;
+        let mut codes = BTreeMap::new();
+        for (name, program) in programs {
+            let code = transfers.get(name).ok_or_else(|| {
+                ExecError::Plan(format!(
+                    "the bundle holds no compiled `{name}` transfer program (kernels/xfer_{name}.*)"
                 ))
+            })?;
+            if code.program != program {
+                return Err(ExecError::Plan(format!(
+                    "the compiled `{name}` transfer program is not this plan's (recompile the bundle)"
+                )));
             }
-            (Some(rs), Some(code)) => {
-                let t = moeforge_plan::reshard::transfers(&plan.memory, rs)
-                    .map_err(|e| ExecError::Plan(format!("the weight reshard: {e}")))?;
-                if t.program != code.program {
-                    return Err(ExecError::Plan(
-                        "the compiled reshard is not this plan's (recompile the bundle)".into(),
-                    ));
-                }
-                Some((code.clone(), t))
-            }
+            codes.insert(name, code.clone());
+        }
+        let reshard = match (&plan.memory.reshard, codes.remove("reshard")) {
+            (Some(rs), Some(code)) => Some((
+                code,
+                moeforge_plan::reshard::transfers(&plan.memory, rs)
+                    .map_err(|e| ExecError::Plan(format!("the weight reshard: {e}")))?,
+            )),
+            _ => None,
         };
+        let dispatch = codes.remove("dispatch");
         let mut modules = BTreeMap::new();
         for p in &plan.programs {
             for (_, op) in p.ops() {
@@ -160,7 +171,7 @@ impl Executor {
         }
         let buffers =
             (0..plan.memory.group).map(|_| dev.alloc(plan.memory.buffer_bytes)).collect::<Result<Vec<_>, _>>()?;
-        Ok(Executor { dev, plan: std::sync::Arc::new(plan.clone()), buffers, modules, reshard })
+        Ok(Executor { dev, plan: std::sync::Arc::new(plan.clone()), buffers, modules, reshard, dispatch })
     }
 
     pub fn ranks(&self) -> usize {
@@ -698,7 +709,6 @@ impl Executor {
                 }
                 let assigned = assign_entries(plan, layer, &ids_of, k);
                 let mut to: Vec<Vec<(usize, usize)>> = vec![vec![]; self.buffers.len()];
-                let mut rows_of: BTreeMap<(usize, BufferName), Vec<u8>> = BTreeMap::new();
                 for &s in &group {
                     let t = counts[s][m].tokens as usize;
                     for tok in 0..t {
@@ -710,50 +720,77 @@ impl Executor {
                             to[d].push((s, tok));
                         }
                     }
-                    for name in std::iter::once(c.from).chain(c.with.iter().map(|w| w[0])) {
-                        let bytes = t as u64 * row(name);
-                        rows_of.insert((s, name), self.download(s, at(s, name)?, bytes)?);
-                    }
                 }
+                // The rows move as the bundle's compiled dispatch program,
+                // one batch: every (row, destination) of every buffer pair
+                // an instance. Where each source's rows land is fixed before
+                // anything moves (destinations take rows in source-rank,
+                // then token order: the counts are exchanged first).
+                let code = self.dispatch.clone().ok_or_else(|| {
+                    ExecError::Plan("the bundle holds no compiled dispatch (kernels/xfer_dispatch.*)".into())
+                })?;
                 let pairs: Vec<[BufferName; 2]> =
                     std::iter::once([c.from, c.to]).chain(c.with.iter().copied()).collect();
+                let mut copies = vec![];
                 for &d in &group {
                     for [src, dst] in &pairs {
-                        let (rs, rd) = (row(*src) as usize, row(*dst) as usize);
-                        if rd < rs {
+                        let (rs, rd) = (row(*src), row(*dst));
+                        if rd != rs {
                             return Err(ExecError::Plan(format!(
-                                "op `{}`: {dst:?} rows are narrower than {src:?}'s",
+                                "op `{}`: {dst:?} rows are {rd} bytes and {src:?}'s {rs}: the dispatch moves rows whole",
                                 op.name
                             )));
                         }
-                        let mut data = vec![0u8; to[d].len() * rd];
-                        for (i, &(s, tok)) in to[d].iter().enumerate() {
-                            let from = &rows_of[&(s, *src)][tok * rs..(tok + 1) * rs];
-                            data[i * rd..i * rd + rs].copy_from_slice(from);
-                            if *src == ids_name && plan.placement.is_some() {
-                                // This destination's view of the row's entries.
-                                for j in 0..k.min(rs / 4) {
-                                    let id = match assigned.get(&(s, tok * k + j)) {
-                                        Some(&(g, phys)) if g == d => phys,
-                                        _ => -1,
-                                    };
-                                    data[i * rd + 4 * j..i * rd + 4 * j + 4].copy_from_slice(&id.to_le_bytes());
-                                }
-                            }
-                        }
-                        let cap = mem.buffer(mode, *dst).map_or(0, |b| b.slice_bytes(mbs)) as usize;
-                        if data.len() > cap {
+                        let cap = mem.buffer(mode, *dst).map_or(0, |b| b.slice_bytes(mbs));
+                        if to[d].len() as u64 * rd > cap {
                             return Err(ExecError::Capacity(format!(
                                 "rank {d} receives {} rows of {dst:?}; its slots hold {}",
                                 to[d].len(),
                                 cap / rd.max(1)
                             )));
                         }
-                        let a = at(d, *dst)?;
-                        self.upload(d, a, &data)?;
+                        let base = at(d, *dst)?;
+                        for (i, &(s, tok)) in to[d].iter().enumerate() {
+                            copies.push(Transfer {
+                                src: s as u32,
+                                dst: d as u32,
+                                copy: StridedCopy {
+                                    src_offset: at(s, *src)? + tok as u64 * rs,
+                                    dst_offset: base + i as u64 * rd,
+                                    run_bytes: rs,
+                                    counts: [1, 1],
+                                    src_strides: [0, 0],
+                                    dst_strides: [0, 0],
+                                },
+                            });
+                        }
                     }
                     counts[d][m].received = to[d].len() as u32;
                     counts[d][m].received_entries = (to[d].len() * k) as u32;
+                }
+                let batch =
+                    code.program.batch(&copies).map_err(|e| ExecError::Plan(format!("op `{}`: {e}", op.name)))?;
+                self.dev.transfer(&code, &[batch], &self.buffers)?;
+                if plan.placement.is_some() {
+                    // Each destination's view of a row's entries: the ids
+                    // the rows carried, rewritten to the physical slot the
+                    // destination serves, -1 for the others.
+                    let ids_to = c.with[0][1];
+                    for &d in &group {
+                        let rd = row(ids_to) as usize;
+                        let mut data = vec![0u8; to[d].len() * rd];
+                        for (i, &(s, tok)) in to[d].iter().enumerate() {
+                            for j in 0..k.min(rd / 4) {
+                                let id = match assigned.get(&(s, tok * k + j)) {
+                                    Some(&(g, phys)) if g == d => phys,
+                                    _ => -1,
+                                };
+                                data[i * rd + 4 * j..i * rd + 4 * j + 4].copy_from_slice(&id.to_le_bytes());
+                            }
+                        }
+                        let a = at(d, ids_to)?;
+                        self.upload(d, a, &data)?;
+                    }
                 }
                 *routes = to;
             }

@@ -252,9 +252,8 @@ impl Twin {
         }
         let mut twin = Twin::new(bundle, ck, start)?;
         let device = |e: crate::device::exec::ExecError| TwinError::Unsupported(e.to_string());
-        let mut exec =
-            crate::device::exec::Executor::new(dev, bundle.plan.plan(), &bundle.kernels, bundle.reshard_code.as_ref())
-                .map_err(device)?;
+        let mut exec = crate::device::exec::Executor::new(dev, bundle.plan.plan(), &bundle.kernels, &bundle.transfers)
+            .map_err(device)?;
         // The weight regions (everything below the first workspace region).
         use moeforge_plan::memory::RegionKind;
         let weights = |k: RegionKind| {
