@@ -344,7 +344,7 @@ res = lambda s: s.get("result", {})
 missing = {
     "graphs": "(g) CUDA graphs: the cuda backend launches every op and waits for it; no graph capture yet",
     "multi_gpu": "every rank's buffer on one GPU: no peer access, NCCL or NVSHMEM path yet",
-    "transfer_programs": "the reshard is an inkwell-generated transfer program; dispatch/combine are still host-staged copies",
+    "transfer_programs": "the reshard and the dispatch's rows are inkwell-generated transfer programs; the combine and the TP all-reduce are still host-staged copies",
     "profile_components": "the profile measures the APK (`moe`) only: attention, dense GEMMs and communication are not measured",
 }
 if emu:
