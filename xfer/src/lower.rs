@@ -128,9 +128,17 @@ fn body<'c>(
     let (bases, table) = (params[0].into_pointer_value(), params[1].into_pointer_value());
     let (worker, workers) = (params[2].into_int_value(), params[3].into_int_value());
     let c = |v: u64| i64t.const_int(v, false);
+    // Table words and buffer addresses are 8-byte aligned on every device
+    // (said here: a module without a data layout would assume 4 for i64, and
+    // the NVPTX back end would split each load in two).
+    let aligned = |v: inkwell::values::BasicValueEnum<'c>| -> Result<inkwell::values::BasicValueEnum<'c>, XferError> {
+        use inkwell::values::BasicValue;
+        v.as_instruction_value().ok_or_else(|| llvm("a load is not an instruction"))?.set_alignment(8).map_err(llvm)?;
+        Ok(v)
+    };
     let word = |at: IntValue<'c>, name: &str| -> Result<IntValue<'c>, XferError> {
         let p = gep(b, i64t, table, at)?;
-        Ok(b.build_load(i64t, p, name).map_err(llvm)?.into_int_value())
+        Ok(aligned(b.build_load(i64t, p, name).map_err(llvm)?)?.into_int_value())
     };
 
     let entry = ctx.append_basic_block(f, "entry");
@@ -180,7 +188,7 @@ fn body<'c>(
         let address =
             |buf: IntValue<'c>, off: IntValue<'c>, strides: [u64; 2]| -> Result<PointerValue<'c>, XferError> {
                 let slot = gep(b, ptr, bases, buf)?;
-                let base = b.build_load(ptr, slot, "base").map_err(llvm)?.into_pointer_value();
+                let base = aligned(b.build_load(ptr, slot, "base").map_err(llvm)?)?.into_pointer_value();
                 let mut o = off;
                 for (n, by) in [(a, strides[0]), (bb, strides[1]), (k, s.piece)] {
                     let t = b.build_int_mul(n, c(by), "").map_err(llvm)?;
