@@ -38,6 +38,19 @@ cd "$(dirname "$0")/.."
 # The bundles the check runs, tiny first: the issue's expert shapes (Qwen3-30B-A3B;
 # MiniMax-M2, GLM-5 and DeepSeek-V3 with fp8 experts) and the portable path (Mixtral on A100 tiles).
 EXAMPLES=(tiny-qwen3-cpu4 qwen3-30b-a3b-h200 minimax-m2-h800 glm-5-h800x24 deepseek-v3-h100x32 mixtral-8x7b-a100)
+# The end-to-end runs (d): FIXTURE RANKS START SWITCH_AT TILES ("-": none).
+# --prepare compiles their bundles here (the GPU machine's runner links no
+# LLVM, so it compiles no plan); the GPU run serves them.
+E2E_CASES=(
+  "qwen3-moe 2 ep 3 -"
+  "qwen3-moe 4 ep 2,4,6 -"
+  "mixtral 2 tp 2,5 -"
+  "deepseek-v3 2 ep 2,5 -"
+  "deepseek-v3-fp8 2 ep - -"
+  "minimax-m2 4 ep 2,5 -"
+  "gpt-oss 2 ep - -"
+  "qwen3-moe 2 tp 3 hopper-bf16"
+)
 
 if [[ "${1:-}" == "--prepare" ]]; then
   set -e
@@ -46,6 +59,12 @@ if [[ "${1:-}" == "--prepare" ]]; then
   mkdir -p gpu-bundles.tmp/bin
   for ex in "${EXAMPLES[@]}"; do
     ./target/release/moeforge compile "examples/$ex.moe" -o "gpu-bundles.tmp/$ex" --nvcc off >/dev/null 2>&1
+  done
+  for c in "${E2E_CASES[@]}"; do
+    read -r fixture ranks _ _ tiles <<<"$c"
+    [[ "$tiles" == - ]] && tiles=""
+    python3 scripts/gpu/e2e.py --compile ./target/release/moeforge "tests/fixtures/models/$fixture" "$ranks" \
+      "gpu-bundles.tmp/e2e/$fixture-$ranks${tiles:+-$tiles}" "$tiles"
   done
   # The runner the GPU machine gets links no LLVM (the bundles carry their
   # transfer programs compiled): the same moeforge without the `llvm` feature.
@@ -85,6 +104,8 @@ find_nvcc() {
 }
 NVCC="$(find_nvcc)"
 MOEFORGE="${MOEFORGE:-}"
+# The emulated run compiles bundles: it needs the moeforge built with LLVM.
+[[ -z "$MOEFORGE" && "${1:-}" == --emu && -x target/release/moeforge ]] && MOEFORGE="$PWD/target/release/moeforge"
 [[ -z "$MOEFORGE" && -x "${GPU_BUNDLES:-gpu-bundles}/bin/moeforge" ]] && MOEFORGE="$(realpath "${GPU_BUNDLES:-gpu-bundles}/bin/moeforge")"
 [[ -z "$MOEFORGE" && -x target/release/moeforge ]] && MOEFORGE="$PWD/target/release/moeforge"
 
@@ -257,8 +278,11 @@ backend=cuda
 export MOEFORGE_NVCC="$NVCC"
 e2e() {  # e2e FIXTURE RANKS START [SWITCH_AT [TILES]]
   [[ -n "$MOEFORGE" ]] || return 0
-  run_step e2e "$1 P=$2 $3${4:+ switch@$4}${5:+ $5}" 240 python3 scripts/gpu/e2e.py "$MOEFORGE" "$backend" \
-    "tests/fixtures/models/$1" "$2" "$3" "$BUILD/e2e-$1-$2-$3${5:+-$5}" "${4:-}" "${5:-}"
+  # The bundle --prepare compiled for this case; the emulated run compiles its own.
+  local prepared=""
+  [[ $EMU -eq 0 ]] && prepared="$BUNDLES/e2e/$1-$2${5:+-$5}"
+  E2E_BUNDLE="$prepared" run_step e2e "$1 P=$2 $3${4:+ switch@$4}${5:+ $5}" 240 python3 scripts/gpu/e2e.py \
+    "$MOEFORGE" "$backend" "tests/fixtures/models/$1" "$2" "$3" "$BUILD/e2e-$1-$2-$3${5:+-$5}" "${4:-}" "${5:-}"
 }
 
 # Tiny first, then the model end to end, then the large shapes.
@@ -266,16 +290,13 @@ for k in "${kernels[@]}"; do
   [[ $have_gpu -eq 1 && "$k" == tiny-* ]] && apk_steps "$k"
 done
 if [[ $have_gpu -eq 1 || $EMU -eq 1 ]]; then
-  e2e qwen3-moe 2 ep 3
-  if [[ $EMU -eq 0 ]]; then
-    e2e qwen3-moe 4 ep 2,4,6
-    e2e mixtral 2 tp 2,5
-    e2e deepseek-v3 2 ep 2,5
-    e2e deepseek-v3-fp8 2 ep
-    e2e minimax-m2 4 ep 2,5
-    e2e gpt-oss 2 ep
-    e2e qwen3-moe 2 tp 3 hopper-bf16  # the default bf16 tiles (256 columns) on the tiny shapes
-  fi
+  for c in "${E2E_CASES[@]}"; do
+    read -r fixture ranks start switch tiles <<<"$c"
+    [[ "$switch" == - ]] && switch=""
+    [[ "$tiles" == - ]] && tiles=""
+    e2e "$fixture" "$ranks" "$start" "$switch" "$tiles"
+    [[ $EMU -eq 1 ]] && break  # the emulated run: the first case only
+  done
 fi
 # (e) compute-sanitizer memcheck: the first end-to-end run's bundle served again (a few tokens).
 SAN="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"

@@ -691,6 +691,9 @@ impl Device for CudaDevice {
     }
 
     fn transfer(&mut self, code: &Code, batches: &[Batch], buffers: &[BufferId]) -> Result<(), DeviceError> {
+        // A poisoned device fails before the scratch is freed or regrown
+        // under a kernel that may still run.
+        self.finish("transfer")?;
         self.current()?;
         let program = &code.program;
         let mut words: Vec<u64> = vec![];

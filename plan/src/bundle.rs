@@ -359,7 +359,7 @@ fn load_with(dir: &Path, read: &dyn Fn(&str) -> Result<Vec<u8>, BundleError>) ->
         };
         let (ptx, ir) = (text(&ptx_path)?, text(&ir_path)?);
         let code = moeforge_xfer::Code::new(program, ptx, ir).map_err(|err| BundleError::Parse {
-            path: ptx_path.clone(),
+            path: if err.contains("its IR") { ir_path.clone() } else { ptx_path.clone() },
             what: "transfer program",
             err: format!("{err}: recompile the bundle"),
         })?;

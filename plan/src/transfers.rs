@@ -43,8 +43,8 @@ pub fn programs(plan: &Plan) -> Result<Vec<(&'static str, Program)>, XferError> 
                     src: 0,
                     dst: 0,
                     copy: StridedCopy {
-                        src_offset: src + k * row,
-                        dst_offset: dst + k * row,
+                        src_offset: src.saturating_add(k * row),
+                        dst_offset: dst.saturating_add(k * row),
                         run_bytes: row,
                         counts: [1, 1],
                         src_strides: [0, 0],

@@ -7,11 +7,16 @@ transformers' (expected.json) exactly. Prints one JSON object (tokens, match,
 median step milliseconds); exits 1 on a mismatch or a failed command.
 
 Usage: python3 e2e.py MOEFORGE BACKEND FIXTURE_DIR RANKS START WORKDIR [SWITCH_AT [TILES]]
+       python3 e2e.py --compile MOEFORGE FIXTURE_DIR RANKS OUT_BUNDLE [TILES]
 TILES names a tile set of models/tiles.moe (default: 64×64 tiles sized for the tiny models).
+The second form only compiles the bundle (scripts/gpu-check.sh --prepare, where moeforge
+links LLVM); with E2E_BUNDLE set to such a bundle, the first form serves it instead of
+compiling (a runner built without LLVM compiles no plan).
 """
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -46,7 +51,25 @@ def run(cmd: list, what: str) -> str:
     return p.stdout
 
 
+def compile_bundle(moeforge: str, fixture: str, ranks: int, bundle: str, tiles: str, work: str) -> None:
+    """import-hf, the deployment on RANKS ranks, `moeforge compile` into BUNDLE."""
+    model = os.path.join(work, "model.moe")
+    run([moeforge, "import-hf", fixture, "-o", model, "--name", "tiny"], "import-hf")
+    spec = os.path.join(work, "tiny.moe")
+    with open(spec, "w") as f:
+        f.write(deployment(open(model).read(), ranks, tiles))
+    run([moeforge, "compile", spec, "-o", bundle, "--nvcc", "off"], "compile")
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["--compile"]:
+        moeforge, fixture, ranks, out_bundle = sys.argv[2:6]
+        tiles = sys.argv[6] if len(sys.argv) > 6 else ""
+        work = out_bundle + ".work"
+        os.makedirs(work, exist_ok=True)
+        compile_bundle(moeforge, fixture, int(ranks), out_bundle, tiles, work)
+        shutil.rmtree(work, ignore_errors=True)
+        return 0
     moeforge, backend, fixture, ranks, start, work = sys.argv[1:7]
     switch_at = sys.argv[7] if len(sys.argv) > 7 else ""
     tiles = sys.argv[8] if len(sys.argv) > 8 else ""
@@ -57,13 +80,15 @@ def main() -> int:
     try:
         expected = json.load(open(os.path.join(fixture, "expected.json")))
         reqs = expected["requests"]
-        model = os.path.join(work, "model.moe")
-        run([moeforge, "import-hf", fixture, "-o", model, "--name", "tiny"], "import-hf")
-        spec = os.path.join(work, "tiny.moe")
-        with open(spec, "w") as f:
-            f.write(deployment(open(model).read(), int(ranks), tiles))
         bundle = os.path.join(work, "bundle")
-        run([moeforge, "compile", spec, "-o", bundle, "--nvcc", "off"], "compile")
+        prepared = os.environ.get("E2E_BUNDLE", "")
+        if prepared:
+            if not os.path.isfile(os.path.join(prepared, "plan.json")):
+                raise RuntimeError(f"no prepared bundle at {prepared}: run scripts/gpu-check.sh --prepare")
+            shutil.rmtree(bundle, ignore_errors=True)
+            shutil.copytree(prepared, bundle)
+        else:
+            compile_bundle(moeforge, fixture, int(ranks), bundle, tiles, work)
         cmd = [moeforge, "run", bundle, "--backend", backend, "--weights", fixture, "--start", start,
                "--max-new", str(max(len(r["tokens"]) for r in reqs))]
         for r in reqs:

@@ -282,7 +282,8 @@ impl EmuDevice {
         if !lib.exists() {
             let ir = self.cache.join(format!("{name}.ll"));
             put(&ir, code.host_ir.as_bytes())?;
-            let pid = std::process::id();
+            // Unique per process and thread: tests build in parallel threads.
+            let pid = format!("{}-{:?}", std::process::id(), std::thread::current().id()).replace(['(', ')'], "");
             let obj = self.cache.join(format!("{name}.o.tmp{pid}"));
             let llc = llc();
             let o = Command::new(&llc)

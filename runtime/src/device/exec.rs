@@ -750,13 +750,14 @@ impl Executor {
                             )));
                         }
                         let base = at(d, *dst)?;
+                        let beyond = || ExecError::Plan(format!("op `{}`: a row address overflows", op.name));
                         for (i, &(s, tok)) in to[d].iter().enumerate() {
                             copies.push(Transfer {
                                 src: s as u32,
                                 dst: d as u32,
                                 copy: StridedCopy {
-                                    src_offset: at(s, *src)? + tok as u64 * rs,
-                                    dst_offset: base + i as u64 * rd,
+                                    src_offset: at(s, *src)?.checked_add(tok as u64 * rs).ok_or_else(beyond)?,
+                                    dst_offset: base.checked_add(i as u64 * rd).ok_or_else(beyond)?,
                                     run_bytes: rs,
                                     counts: [1, 1],
                                     src_strides: [0, 0],
