@@ -42,14 +42,7 @@ pub fn programs(plan: &Plan) -> Result<Vec<(&'static str, Program)>, XferError> 
                 [0, 1].map(|k| Transfer {
                     src: 0,
                     dst: 0,
-                    copy: StridedCopy {
-                        src_offset: src.saturating_add(k * row),
-                        dst_offset: dst.saturating_add(k * row),
-                        run_bytes: row,
-                        counts: [1, 1],
-                        src_strides: [0, 0],
-                        dst_strides: [0, 0],
-                    },
+                    copy: StridedCopy::one_run(src.saturating_add(k * row), dst.saturating_add(k * row), row),
                 })
             })
             .collect();

@@ -158,6 +158,23 @@ void transfer() {
   ok();
 }
 
+// Loads the shared library at the request's path and appends its `symbol`
+// to `table`; replies with its index.
+template <typename Fn>
+void load(std::vector<Fn>& table, const char* symbol) {
+  const std::string path = get_string();
+  void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  void* f = h ? dlsym(h, symbol) : nullptr;
+  if (!f) {
+    const char* e = dlerror();
+    return fail(std::string("cannot load ") + path + ": " + (e ? e : (std::string("no ") + symbol).c_str()));
+  }
+  table.push_back(reinterpret_cast<Fn>(f));
+  ok();
+  const uint32_t id = static_cast<uint32_t>(table.size() - 1);
+  std::fwrite(&id, 4, 1, stdout);
+}
+
 }  // namespace
 
 int main() {
@@ -205,42 +222,18 @@ int main() {
         std::fwrite(p, 1, len, stdout);
         break;
       }
-      case 4: {
-        const std::string path = get_string();
-        void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-        void* f = h ? dlsym(h, "moeforge_emu_launch") : nullptr;
-        if (!f) {
-          const char* e = dlerror();
-          fail(std::string("cannot load ") + path + ": " + (e ? e : "no launch table"));
-          break;
-        }
-        modules.push_back(reinterpret_cast<LaunchFn>(f));
-        ok();
-        const uint32_t id = static_cast<uint32_t>(modules.size() - 1);
-        std::fwrite(&id, 4, 1, stdout);
+      case 4:
+        load(modules, "moeforge_emu_launch");
         break;
-      }
       case 5:
         launch();
         break;
       case 6:
         transfer();
         break;
-      case 7: {
-        const std::string path = get_string();
-        void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-        void* f = h ? dlsym(h, "moeforge_xfer") : nullptr;
-        if (!f) {
-          const char* e = dlerror();
-          fail(std::string("cannot load ") + path + ": " + (e ? e : "no moeforge_xfer"));
-          break;
-        }
-        transfers.push_back(reinterpret_cast<TransferFn>(f));
-        ok();
-        const uint32_t id = static_cast<uint32_t>(transfers.size() - 1);
-        std::fwrite(&id, 4, 1, stdout);
+      case 7:
+        load(transfers, "moeforge_xfer");
         break;
-      }
       default:
         return 2;
     }

@@ -32,7 +32,7 @@ mod lower;
 pub mod jit;
 
 #[cfg(feature = "llvm")]
-pub use lower::{host_ir, host_object, ir, ptx};
+pub use lower::{host_ir, host_object, ptx};
 
 /// The entry point's symbol on every target.
 pub const ENTRY: &str = "moeforge_xfer";
@@ -99,6 +99,13 @@ pub struct StridedCopy {
     pub counts: [u64; 2],
     pub src_strides: [u64; 2],
     pub dst_strides: [u64; 2],
+}
+
+impl StridedCopy {
+    /// One run of `run_bytes` (a token row of the dispatch).
+    pub fn one_run(src_offset: u64, dst_offset: u64, run_bytes: u64) -> StridedCopy {
+        StridedCopy { src_offset, dst_offset, run_bytes, counts: [1, 1], src_strides: [0, 0], dst_strides: [0, 0] }
+    }
 }
 
 /// One copy of a batch: from buffer `src` to buffer `dst` (indices into the
@@ -458,18 +465,7 @@ mod tests {
     /// one the code cannot run (no such shape, misaligned) is refused.
     #[test]
     fn run_time_batches_take_the_programs_shapes_or_are_refused() {
-        let row = |src: u64, dst: u64| Transfer {
-            src: 0,
-            dst: 1,
-            copy: StridedCopy {
-                src_offset: src,
-                dst_offset: dst,
-                run_bytes: 64,
-                counts: [1, 1],
-                src_strides: [0, 0],
-                dst_strides: [0, 0],
-            },
-        };
+        let row = |src: u64, dst: u64| Transfer { src: 0, dst: 1, copy: StridedCopy::one_run(src, dst, 64) };
         let (p, _) = Program::build(&[vec![row(256, 512), row(320, 576)]]).unwrap();
         assert_eq!(p.shapes()[0].piece, 16);
         let b = p.batch(&[row(0, 64), row(640, 128)]).unwrap();
@@ -483,19 +479,8 @@ mod tests {
 
     #[test]
     fn code_compiled_for_another_program_is_refused() {
-        let (p, _) = Program::build(&[vec![Transfer {
-            src: 0,
-            dst: 0,
-            copy: StridedCopy {
-                src_offset: 0,
-                dst_offset: 64,
-                run_bytes: 64,
-                counts: [1, 1],
-                src_strides: [0, 0],
-                dst_strides: [0, 0],
-            },
-        }]])
-        .unwrap();
+        let (p, _) =
+            Program::build(&[vec![Transfer { src: 0, dst: 0, copy: StridedCopy::one_run(0, 64, 64) }]]).unwrap();
         let ok = Code::new(p.clone(), header("//", &p) + ".entry", header(";", &p) + "define");
         assert!(ok.is_ok());
         let e = Code::new(p.clone(), "// moeforge transfer program 00\n".into(), header(";", &p)).unwrap_err();

@@ -280,11 +280,3 @@ pub fn host_ir(program: &Program) -> Result<String, XferError> {
     let text = m.print_to_string().to_string();
     Ok(header(";", program) + &text)
 }
-
-/// The program's IR for the GPU, before optimization (for reading).
-pub fn ir(program: &Program) -> Result<String, XferError> {
-    let ctx = Context::create();
-    let m = module(&ctx, program, Flavor::Gpu)?;
-    let text = m.print_to_string().to_string();
-    Ok(text)
-}

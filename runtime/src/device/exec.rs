@@ -755,14 +755,11 @@ impl Executor {
                             copies.push(Transfer {
                                 src: s as u32,
                                 dst: d as u32,
-                                copy: StridedCopy {
-                                    src_offset: at(s, *src)?.checked_add(tok as u64 * rs).ok_or_else(beyond)?,
-                                    dst_offset: base.checked_add(i as u64 * rd).ok_or_else(beyond)?,
-                                    run_bytes: rs,
-                                    counts: [1, 1],
-                                    src_strides: [0, 0],
-                                    dst_strides: [0, 0],
-                                },
+                                copy: StridedCopy::one_run(
+                                    at(s, *src)?.checked_add(tok as u64 * rs).ok_or_else(beyond)?,
+                                    base.checked_add(i as u64 * rd).ok_or_else(beyond)?,
+                                    rs,
+                                ),
                             });
                         }
                     }
