@@ -11,7 +11,7 @@
 mod common;
 
 use common::sim_fixture::{fixture, load, Fixture};
-use moeforge::plan::cost::step::{Env, Load, MoeSide, Sms};
+use moeforge::plan::cost::step::{Env, Load, MoeSide, Overlaps, Sms};
 use moeforge::plan::cost::{CostModel, Links};
 use moeforge::plan::memory::Workspace;
 use moeforge::runtime::sim::report::Probe;
@@ -129,11 +129,18 @@ fn apk_decode_slowdown_under_sharing() {
 /// Qwen3-235B-A22B, 8×H200: TP8 (one group), or DP8 attention + EP8.
 fn qwen3_steps(b: &Bench, batch: f64, ctx: f64) -> (f64, f64) {
     let e = &b.env;
-    let tp =
-        e.iteration(&[Load::decode(batch, batch * ctx)], 8, 1.0, MoeSide::Tp { width: 8 }, Sms::all(e.cm.sms), 0.0);
+    let tp = e.iteration(
+        &[Load::decode(batch, batch * ctx)],
+        8,
+        1.0,
+        MoeSide::Tp { width: 8 },
+        Sms::all(e.cm.sms),
+        0.0,
+        Overlaps::STANDARD,
+    );
     let side = MoeSide::Ep { gpus: 8, nodes: 1, replicas: 1, local: 1.0, disaggregated: false };
     let loads: Vec<Load> = (0..8).map(|_| Load::decode(batch / 8.0, batch / 8.0 * ctx)).collect();
-    let ep = e.iteration(&loads, 1, 1.0, side, Sms::all(e.cm.sms), 0.0);
+    let ep = e.iteration(&loads, 1, 1.0, side, Sms::all(e.cm.sms), 0.0, Overlaps::STANDARD);
     (tp.seconds, ep.seconds)
 }
 

@@ -93,8 +93,9 @@ fn replicas_with_a_switching_deployment_are_refused_at_the_placement() {
             && rendered.contains("remove the `switch` block"),
         "{rendered}"
     );
-    // Without the switch the same placement plans: single-mode EP with 5 slots per rank.
-    let text = text.replace("switch { t_high = 4 t_low = 2 window = 2 cooldown = 0s }", "");
+    // Without the switch the same placement plans: single-mode EP with 5
+    // slots per rank (colocated; `auto` would weigh role plans too).
+    let text = text.replace("switch { t_high = 4 t_low = 2 window = 2 cooldown = 0s }", "strategy = colocated");
     let checked = moeforge::dsl::check_str("ep.moe", &text).unwrap_or_else(|f| panic!("{}", f.render(false)));
     let plan = codegen::plan_deployment(&checked, moeforge::dsl::spec::DeployId(0))
         .unwrap_or_else(|d| panic!("{}", d.render(&checked.sources, false)));

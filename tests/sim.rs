@@ -8,7 +8,7 @@ mod common;
 use common::sim_fixture::fixture;
 use moeforge::dsl::spec::DeployId;
 use moeforge::dsl::{check_paths, FsLoader};
-use moeforge::plan::cost::step::{Load, MoeSide, Sms};
+use moeforge::plan::cost::step::{Load, MoeSide, Overlap, Overlaps, Sms};
 use moeforge::runtime::sim::report::{attainment, Probe};
 use moeforge::runtime::sim::workload::Req;
 use moeforge::runtime::sim::{Bench, Deployment, Phases, Sharing, System};
@@ -72,14 +72,14 @@ fn a_lone_request_sees_exactly_the_modeled_iterations() {
     let Phases::Unified { ep: Some(ep), .. } = co.phases else { panic!() };
     let mut loads = vec![Load::default(); ep.groups as usize];
     loads[0].add_chunk(500.0, 0.0);
-    let prefill = e.iteration(&loads, 1, 1.0, ep.moe, Sms::all(e.cm.sms), 0.0).seconds;
+    let prefill = e.iteration(&loads, 1, 1.0, ep.moe, Sms::all(e.cm.sms), 0.0, Overlaps::STANDARD).seconds;
     assert!((out[0].ttft.unwrap() - prefill).abs() < 1e-12);
     // Ten decode iterations with 501..=510 cached tokens.
     let decode: f64 = (0..10)
         .map(|i| {
             let mut l = vec![Load::default(); ep.groups as usize];
             l[0] = Load::decode(1.0, 500.0 + f64::from(i));
-            e.iteration(&l, 1, 1.0, ep.moe, Sms::all(e.cm.sms), 0.0).seconds
+            e.iteration(&l, 1, 1.0, ep.moe, Sms::all(e.cm.sms), 0.0, Overlaps::STANDARD).seconds
         })
         .sum();
     assert!((out[0].tpot.unwrap() - decode / 10.0).abs() < 1e-12);
@@ -266,8 +266,8 @@ fn a_step_with_prompt_tokens_runs_eagerly_and_mixed_chunks_keep_decoding() {
     let decode = Load::decode(4.0, 4000.0);
     let mixed = decode.mixed(Load::prompts(1.0, 512.0));
     assert_eq!((mixed.decode, mixed.ctx, mixed.prompts, mixed.prompt_tokens), (4.0, 4000.0, 1.0, 512.0));
-    let graph = e.iteration(&[decode], 1, 1.0, side, sms, 0.0).seconds;
-    let eager = e.iteration(&[mixed], 1, 1.0, side, sms, 0.0).seconds;
+    let graph = e.iteration(&[decode], 1, 1.0, side, sms, 0.0, Overlaps::STANDARD).seconds;
+    let eager = e.iteration(&[mixed], 1, 1.0, side, sms, 0.0, Overlaps::STANDARD).seconds;
     let host = (e.moe_layers + e.dense_layers) * e.cm.calib.eager_layer;
     assert!(eager >= host && graph < host, "graph {graph}, eager {eager}, host floor {host}");
     // A prompt of eight chunks takes eight eager iterations before its first token.
@@ -334,8 +334,8 @@ fn virtual_lanes_keep_prefill_traffic_from_slowing_decode() {
 }
 
 /// The simulator's ExpertPlex system is the compiled role plan: its
-/// prefill/decode/MoE counts and q are the plan's roles, and its decode
-/// servers hold the compiled memory plan's KV pool.
+/// prefill/decode/MoE counts, q and overlap are the plan's roles, and its
+/// decode servers hold the compiled memory plan's KV pool.
 #[test]
 fn the_simulated_expertplex_system_is_the_compiled_role_plan() {
     use moeforge::plan::roles::Role;
@@ -345,7 +345,19 @@ fn the_simulated_expertplex_system_is_the_compiled_role_plan() {
     let deps = f.bench().deployments(System::ExpertPlex).unwrap();
     let d = deps.first().unwrap();
     let n = |r: Role| roles.ranks(r).len();
-    assert_eq!(d.label, format!("{}P{}D{}E q={}", n(Role::Prefill), n(Role::Decode), n(Role::Moe), roles.q));
+    let o = roles.overlap;
+    assert_eq!(
+        d.label,
+        format!(
+            "{}P{}D{}E q={} dp/{} dp/{}",
+            n(Role::Prefill),
+            n(Role::Decode),
+            n(Role::Moe),
+            roles.q,
+            o.prefill.name(),
+            o.decode.name()
+        )
+    );
     let kv = &plan.memory.kv;
     assert_eq!(d.decode_kv_tokens, (n(Role::Decode) as u64 * kv.ep.pages * u64::from(kv.page_tokens)) as f64);
     // A plan whose roles are another layout (the search's runner-up) is not
@@ -354,6 +366,12 @@ fn the_simulated_expertplex_system_is_the_compiled_role_plan() {
     let other = plan.search.as_ref().unwrap().ranked.iter().find(|c| c.per_node != roles.per_node).unwrap();
     let mut edited = plan.clone();
     edited.roles.as_mut().unwrap().per_node = other.per_node.clone();
+    let err = Bench::new(&f.spec, &edited).unwrap().deployments(System::ExpertPlex).unwrap_err();
+    assert!(err.contains("not the layout search's best"), "{err}");
+    // So is a plan whose schedule overlaps otherwise than the search chose.
+    let mut edited = plan.clone();
+    let r = edited.roles.as_mut().unwrap();
+    r.overlap.decode = if r.overlap.decode == Overlap::Tbo { Overlap::Sbo } else { Overlap::Tbo };
     let err = Bench::new(&f.spec, &edited).unwrap().deployments(System::ExpertPlex).unwrap_err();
     assert!(err.contains("not the layout search's best"), "{err}");
 }
@@ -374,4 +392,43 @@ fn the_simulated_pd_system_is_the_compiled_pd_plan() {
     let kv = &plan.memory.kv;
     let decode_gpus = roles.ranks(Role::Decode).len() as u64;
     assert_eq!(d.decode_kv_tokens, (decode_gpus * kv.ep.pages * u64::from(kv.page_tokens)) as f64);
+}
+
+/// `strategy = auto` weighs the strategies with Eq. 1-style estimates on
+/// the cost model; its colocated estimate (prefill-first cycles) is checked
+/// against a different method, the simulator's discrete-event P90 goodput
+/// on Poisson arrivals and sampled ShareGPT lengths: within 2×, and the
+/// order of ExpertPlex and colocated the same.
+#[test]
+fn autos_colocated_estimate_tracks_the_simulator() {
+    let root = common::root();
+    let text = std::fs::read_to_string(root.join("examples/minimax-m2-h800.moe"))
+        .unwrap()
+        .replace("strategy = expertplex", "strategy = auto")
+        .replace("\"../models/", &format!("\"{}/models/", root.display()));
+    assert!(text.contains("strategy = auto"));
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("auto.moe");
+    std::fs::write(&path, text).unwrap();
+    let f = common::sim_fixture::load(path.to_str().unwrap());
+    let plan = f.planned.plan();
+    let alt = &plan.search.as_ref().unwrap().alternatives;
+    let estimate = |s: moeforge::dsl::spec::Strategy| alt.iter().find(|a| a.strategy == s).unwrap().goodput;
+    use moeforge::dsl::spec::Strategy;
+    assert_eq!(alt[0].strategy, Strategy::Expertplex, "{alt:?}");
+    assert!(plan.roles.as_ref().is_some_and(|r| r.moe_servers()), "auto realizes the ExpertPlex roles it chose");
+    let b = f.bench();
+    let probe = Probe { seconds: 20.0, seed: 5 };
+    let sim = |s: System| {
+        let dep = one(&b, s);
+        b.goodput(&dep, 2.0, probe)
+    };
+    let (colocated, expertplex) = (sim(System::Colocated), sim(System::ExpertPlex));
+    let ratio = estimate(Strategy::Colocated) / colocated;
+    eprintln!(
+        "colocated: estimate {:.2} req/s, simulated {colocated:.2} (×{ratio:.2}); ExpertPlex simulated {expertplex:.2}",
+        estimate(Strategy::Colocated)
+    );
+    assert!((0.5..=2.0).contains(&ratio), "estimate ×{ratio} of the simulated colocated goodput");
+    assert!(expertplex > colocated);
 }

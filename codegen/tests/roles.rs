@@ -30,8 +30,10 @@ fn the_searched_layout_becomes_each_gpus_role() {
     let p = glm5();
     let roles = p.roles.as_ref().expect("strategy = expertplex realizes roles");
     let best = &p.search.as_ref().unwrap().ranked[0];
+    assert!(best.data_parallel(), "the examples' best layouts run data-parallel attention");
     assert_eq!(roles.per_node, best.per_node);
     assert_eq!(roles.q, best.q);
+    assert_eq!(roles.overlap, best.overlap);
     // Node by node, its MoE servers first, then prefill, then decode.
     for (n, &[moe, pre, dec]) in roles.per_node.iter().enumerate() {
         let node = &roles.gpus[n * 8..(n + 1) * 8];
@@ -157,6 +159,28 @@ fn every_attention_rank_posts_into_its_own_rows_of_every_moe_rank() {
     }
     assert!(roles.posts.iter().all(|x| x.offset == d.offset + x.first_row * d.row_bytes));
     assert_eq!(roles.kv_handoff.page_bytes, p.memory.kv.ep.page_bytes);
+    // Shares follow the tokens a server of each role sends per step: B_p
+    // prompt tokens over the prefill servers, B_d requests over the decode
+    // servers. Each source holds one row plus its proportional part of the
+    // rest, rounded down, so the rows a MoE rank holds fall short of the
+    // buffer by less than one row per source.
+    let best = &p.search.as_ref().unwrap().ranked[0];
+    let per_prefill = f64::from(best.prefill_tokens) / f64::from(best.prefill_gpus);
+    let per_decode = f64::from(best.decode_batch) / f64::from(best.decode_gpus);
+    let rows_of = |role: Role| {
+        let r: BTreeSet<u64> =
+            roles.posts.iter().filter(|x| roles.gpus[x.src as usize] == role).map(|x| x.rows).collect();
+        assert_eq!(r.len(), 1, "{role:?} servers' posts differ: {r:?}");
+        r.into_iter().next().unwrap() as f64
+    };
+    let (pre, dec) = (rows_of(Role::Prefill), rows_of(Role::Decode));
+    let spare = (d.rows - attn.len() as u64) as f64;
+    let total = f64::from(best.prefill_gpus) * per_prefill + f64::from(best.decode_gpus) * per_decode;
+    assert!((pre - 1.0 - spare * per_prefill / total).abs() < 1.0, "prefill post {pre}");
+    assert!((dec - 1.0 - spare * per_decode / total).abs() < 1.0, "decode post {dec}");
+    let held: u64 = roles.posts.iter().filter(|x| x.dst == moe[0]).map(|x| x.rows).sum();
+    assert!(held <= d.rows && d.rows - held < attn.len() as u64, "{held} of {}", d.rows);
+    eprintln!("GLM-5 posts: {pre} rows per prefill server, {dec} per decode server, {held} of {} rows", d.rows);
 }
 
 /// Each post's path is §5's, checked pair by pair from the GPUs' roles and

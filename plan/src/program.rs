@@ -62,8 +62,10 @@ impl Phase {
     }
 }
 
-/// The overlap a program expresses (ExpertPlex §6.3).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// How a phase's layers overlap communication with computation (ExpertPlex
+/// §2.3, §6.3): what a program expresses, what the cost model times and
+/// what the layout search chooses per phase.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Overlap {
     /// Two micro-batches: one's communication under the other's compute.
@@ -72,6 +74,31 @@ pub enum Overlap {
     Sbo,
     /// One stream of work (nothing to overlap).
     None,
+}
+
+impl Overlap {
+    pub fn name(self) -> &'static str {
+        match self {
+            Overlap::Tbo => "tbo",
+            Overlap::Sbo => "sbo",
+            Overlap::None => "none",
+        }
+    }
+}
+
+/// Each phase's overlap strategy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Overlaps {
+    pub prefill: Overlap,
+    pub decode: Overlap,
+}
+
+impl Overlaps {
+    /// TBO for prefill, SBO for decode: what the colocated programs and the
+    /// baselines run (SGLang's two-batch overlap for prefill, DeepEP
+    /// low-latency decode beside the shared experts), and what the layout
+    /// search assumed before it chose.
+    pub const STANDARD: Overlaps = Overlaps { prefill: Overlap::Tbo, decode: Overlap::Sbo };
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -17,9 +17,10 @@
 //! rank writes its token rows into a region of each MoE rank's `dispatch`
 //! buffer reserved for it ([`Post`]), so no source waits for another to
 //! learn its offsets (DeepEP's low-latency layout; its normal mode instead
-//! exchanges counts first). The buffer's rows are split evenly over the
-//! attention ranks, so one attention rank may send each MoE rank at most
-//! [`Post::rows`] rows per round (more rows go in rounds). The combine is
+//! exchanges counts first). The buffer's rows are split over the attention
+//! ranks in proportion to the tokens a server of each role sends per step
+//! (the search's B_p and B_d), so one attention rank may send each MoE rank
+//! at most [`Post::rows`] rows per round (more rows go in rounds). The combine is
 //! pulled from the same rows of the MoE rank's `combine` buffer. Each post
 //! names its [`Path`]: NVLink inside a node; across nodes decode goes
 //! straight over RDMA on the high-priority virtual lane, and prefill goes
@@ -133,6 +134,9 @@ pub struct Roles {
     pub q: u32,
     /// The goodput the search predicted for this layout, requests/s.
     pub goodput: f64,
+    /// How each phase's layers overlap communication with computation: the
+    /// search's choice (PD: the baselines' TBO prefill, SBO decode).
+    pub overlap: crate::cost::step::Overlaps,
     /// The dispatch schedule: every (attention rank, MoE rank) pair once.
     pub posts: Vec<Post>,
     /// Virtual lanes the scale-out link gives the schedule: 1, or 2 when
@@ -179,19 +183,41 @@ impl Roles {
             })
             .collect()
     }
-    /// The dispatch posts over `rows` rows of `row_bytes` at `offset`: each
-    /// attention rank an equal share of every MoE rank's buffer, and each
-    /// post's [`Path`] on nodes of `gpus_per_node` GPUs with `lanes` virtual
-    /// lanes on the scale-out link.
-    pub fn posts(gpus: &[Role], gpus_per_node: u32, lanes: u32, rows: u64, row_bytes: u64, offset: u64) -> Vec<Post> {
+    /// The dispatch posts over `rows` rows of `row_bytes` at `offset`, and
+    /// each post's [`Path`] on nodes of `gpus_per_node` GPUs with `lanes`
+    /// virtual lanes on the scale-out link. Every attention rank of a role
+    /// gets the same share of every MoE rank's buffer, in proportion to the
+    /// tokens one of its servers sends per step (`tokens = [prefill,
+    /// decode]`: the search's B_p and B_d over the role's servers), so a
+    /// full step of either role fits its post in as few rounds as the
+    /// buffer allows; at least one row each.
+    pub fn posts(
+        gpus: &[Role],
+        gpus_per_node: u32,
+        lanes: u32,
+        tokens: [f64; 2],
+        (rows, row_bytes, offset): (u64, u64, u64),
+    ) -> Vec<Post> {
         let attn: Vec<u32> = (0..gpus.len() as u32).filter(|&r| gpus[r as usize].attends()).collect();
-        let share = rows / (attn.len() as u64).max(1);
+        let weight = |r: u32| {
+            let w = if gpus[r as usize] == Role::Prefill { tokens[0] } else { tokens[1] };
+            if w.is_finite() && w > 0.0 {
+                w
+            } else {
+                1.0
+            }
+        };
+        let total: f64 = attn.iter().map(|&r| weight(r)).sum();
+        let spare = rows.saturating_sub(attn.len() as u64) as f64;
+        // One row each, then the rest in proportion (rounded down, so the shares never exceed `rows`).
+        let share: Vec<u64> = attn.iter().map(|&r| 1 + (spare * weight(r) / total).floor() as u64).collect();
         let mut out = Vec::new();
         for dst in (0..gpus.len() as u32).filter(|&r| gpus[r as usize] == Role::Moe) {
+            let mut first_row = 0;
             for (i, &src) in attn.iter().enumerate() {
-                let first_row = i as u64 * share;
                 let path = Self::path(gpus, gpus_per_node, lanes, src, dst);
-                out.push(Post { src, dst, first_row, rows: share, offset: offset + first_row * row_bytes, path });
+                out.push(Post { src, dst, first_row, rows: share[i], offset: offset + first_row * row_bytes, path });
+                first_row += share[i];
             }
         }
         out

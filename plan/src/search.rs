@@ -2,6 +2,7 @@
 //! candidates the `search` pass of moeforge-codegen found, as `plan.json`
 //! records them. Only data: the search itself is a planning pass.
 
+use crate::cost::step::Overlaps;
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -13,6 +14,18 @@ pub struct Candidate {
     pub per_node: Vec<[u32; 3]>,
     /// Decode SM budget q on each MoE GPU under contention.
     pub q: u32,
+    /// GPUs per attention group of each role: 1 is data-parallel
+    /// attention, w > 1 tensor-parallel attention over w GPUs of one node.
+    pub prefill_width: u32,
+    pub decode_width: u32,
+    /// How each phase overlaps communication with computation.
+    pub overlap: Overlaps,
+    /// Whether a phase's batch is capped by the KV its attention servers
+    /// hold rather than by its SLO (the memory check asks for the KV of the
+    /// largest batch the SLO allows; a layout that cannot hold it serves
+    /// the smaller batch it can).
+    pub prefill_kv_bound: bool,
+    pub decode_kv_bound: bool,
     /// Largest prefill batch (tokens) meeting TTFT, and its iteration time.
     pub prefill_tokens: u32,
     pub t_prefill: f64,
@@ -32,8 +45,37 @@ pub struct SearchResult {
     pub layouts_considered: u32,
     pub layouts_fitting: u32,
     pub feasible: u32,
-    /// The best candidate first, then up to four runners-up with other layouts.
+    /// The best candidate first, then up to four runners-up with other
+    /// layouts (a layout's tensor-parallel and data-parallel attention
+    /// count apart), then the best data-parallel candidate when none of
+    /// those is.
     pub ranked: Vec<Candidate>,
+    /// `strategy = auto`: each strategy the planner realizes with its Eq. 1
+    /// goodput, the best first (the layout pass realizes it); empty otherwise.
+    pub alternatives: Vec<Alternative>,
+}
+
+/// One strategy `auto` weighed: its layout (or why it cannot serve) and
+/// its modeled goodput, requests/s.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Alternative {
+    pub strategy: moeforge_dsl::spec::Strategy,
+    pub label: String,
+    pub goodput: f64,
+}
+
+impl SearchResult {
+    /// The best candidate.
+    pub fn best(&self) -> Option<&Candidate> {
+        self.ranked.first()
+    }
+    /// The best candidate a role plan executes: data-parallel attention on
+    /// every attention server (the twin and the per-role memory plan hold
+    /// whole attention weights and whole KV per server; tensor-parallel
+    /// attention groups are evaluated by the simulator but not realized).
+    pub fn realizable(&self) -> Option<&Candidate> {
+        self.ranked.iter().find(|c| c.data_parallel())
+    }
 }
 
 /// Per node `[moe, prefill, decode]` GPUs: the MoE side the attention
@@ -78,6 +120,18 @@ impl Candidate {
     /// The shared MoE servers this layout's attention servers route to.
     pub fn moe_side(&self) -> crate::cost::step::MoeSide {
         moe_side(&self.per_node)
+    }
+    /// Whether both roles run data-parallel attention (one GPU per group).
+    pub fn data_parallel(&self) -> bool {
+        self.prefill_width == 1 && self.decode_width == 1
+    }
+    /// `"dp"` or `"tp{w}"` for a role's attention groups of `w` GPUs.
+    pub fn attention_name(w: u32) -> String {
+        if w == 1 {
+            "dp".into()
+        } else {
+            format!("tp{w}")
+        }
     }
 }
 

@@ -168,11 +168,15 @@ impl Display for Plan {
             match r.ranked.first() {
                 Some(c) => writeln!(
                     f,
-                    "  search: best {}P{}D{}E q={} B_p={} B_d={} G={:.2} req/s ({} layouts, {} feasible candidates)",
+                    "  search: best {}P{}D{}E q={} prefill {}/{} decode {}/{} B_p={} B_d={} G={:.2} req/s ({} layouts, {} feasible candidates)",
                     c.prefill_gpus,
                     c.decode_gpus,
                     c.moe_gpus,
                     c.q,
+                    crate::search::Candidate::attention_name(c.prefill_width),
+                    c.overlap.prefill.name(),
+                    crate::search::Candidate::attention_name(c.decode_width),
+                    c.overlap.decode.name(),
                     c.prefill_tokens,
                     c.decode_batch,
                     c.goodput,

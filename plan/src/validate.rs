@@ -766,6 +766,23 @@ fn search(c: &mut Check, p: &Plan) {
             && cand.q >= 1
             && cand.q <= p.cluster.sms;
         c.ensure(ok, format!("search.ranked[{i}]"), || format!("layout does not match the cluster: {cand:?}"));
+        // Attention groups of a power-of-two width inside one node, dividing
+        // each node's servers of the role.
+        for (role, w) in [(1, cand.prefill_width), (2, cand.decode_width)] {
+            let ok = w.is_power_of_two()
+                && w <= p.cluster.gpus_per_node
+                && cand.per_node.iter().all(|n| n[role].is_multiple_of(w));
+            let field = if role == 1 { "prefill_width" } else { "decode_width" };
+            c.ensure(ok, format!("search.ranked[{i}].{field}"), || {
+                format!("attention groups of {w} GPUs do not tile every node's servers {:?}", cand.per_node)
+            });
+        }
+    }
+    // A role plan's schedule runs the overlap the search chose for the layout it realizes.
+    if let (Some(r), Some(best)) = (p.roles.as_ref().filter(|r| r.moe_servers()), s.realizable()) {
+        c.ensure(r.overlap == best.overlap, "roles.overlap", || {
+            format!("{:?} is not the realized search candidate's {:?}", r.overlap, best.overlap)
+        });
     }
 }
 

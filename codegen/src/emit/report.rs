@@ -1,6 +1,7 @@
 //! `report.md`: what was planned and emitted, for a human.
 
 use crate::nvcc::PtxasStats;
+use moeforge_plan::search::Candidate;
 use moeforge_plan::{KernelParams, Plan};
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -301,30 +302,55 @@ fn search(s: &mut String, plan: &Plan) {
         let _ = writeln!(s, "> No layout meets both SLOs under the model.\n");
         return;
     }
-    let _ = writeln!(s, "| rank | MoE / prefill / decode GPUs | per node [moe, p, d] | q (SMs) | B_p tokens (T_p) | B_d (T_d) | prefill req/s | decode req/s | G req/s |\n|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(s, "Attention is `dp` (one GPU per group) or `tpW` (groups of W GPUs); overlap is TBO, SBO or serial per phase (§6.3). \
+        A batch marked † is capped by the KV its servers hold, not by its SLO.\n");
+    let _ = writeln!(s, "| rank | MoE / prefill / decode GPUs | per node [moe, p, d] | q (SMs) | prefill attention, overlap | decode attention, overlap | B_p tokens (T_p) | B_d (T_d) | prefill req/s | decode req/s | G req/s |\n|---|---|---|---|---|---|---|---|---|---|---|");
     for (i, c) in r.ranked.iter().enumerate() {
         let nodes: Vec<String> = c.per_node.iter().map(|n| format!("[{}, {}, {}]", n[0], n[1], n[2])).collect();
         let _ = writeln!(
             s,
-            "| {} | {} / {} / {} | {} | {} | {} ({:.0} ms) | {} ({:.1} ms) | {:.2} | {:.2} | {:.2} |",
+            "| {} | {} / {} / {} | {} | {} | {}, {} | {}, {} | {}{} ({:.0} ms) | {}{} ({:.1} ms) | {:.2} | {:.2} | {:.2} |",
             i + 1,
             c.moe_gpus,
             c.prefill_gpus,
             c.decode_gpus,
             nodes.join(" "),
             c.q,
+            Candidate::attention_name(c.prefill_width),
+            c.overlap.prefill.name(),
+            Candidate::attention_name(c.decode_width),
+            c.overlap.decode.name(),
             c.prefill_tokens,
+            if c.prefill_kv_bound { "†" } else { "" },
             c.t_prefill * 1e3,
             c.decode_batch,
+            if c.decode_kv_bound { "†" } else { "" },
             c.t_decode * 1e3,
             c.prefill_rate,
             c.decode_rate,
             c.goodput
         );
     }
+    if !r.alternatives.is_empty() {
+        let _ = writeln!(
+            s,
+            "\n`strategy = auto` weighed the strategies the planner realizes by Eq. 1 on the same cost model \
+             (colocated: prefill-first cycles of one decode and one prefill iteration, which must fit TPOT):\n\n\
+             | strategy | layout | G req/s |\n|---|---|---|"
+        );
+        for a in &r.alternatives {
+            let _ = writeln!(s, "| {} | {} | {:.2} |", a.strategy.name(), a.label, a.goodput);
+        }
+    }
     match &plan.roles {
         Some(r) if r.moe_servers() => {
-            let _ = writeln!(s, "\nRealized: the plan's roles (Layout above) are rank 1's layout, its q the APK's.\n");
+            let realized =
+                plan.search.as_ref().and_then(|x| x.ranked.iter().position(|c| c.data_parallel())).map_or(1, |i| i + 1);
+            let _ = writeln!(
+                s,
+                "\nRealized: the plan's roles (Layout above) are rank {realized}'s layout, its q the APK's and its overlap the schedule's{}.\n",
+                if realized == 1 { "" } else { " (the best layout with data-parallel attention: role plans execute no tensor-parallel attention groups yet)" }
+            );
         }
         // PD plans run no search, so they never reach here.
         _ => {
@@ -375,7 +401,7 @@ fn roles(s: &mut String, plan: &Plan) {
         let _ = writeln!(s, "| {n} | {} | {} / {} / {} |", gpus.join(", "), counts[0], counts[1], counts[2]);
     }
     let (attn, moe) = (r.attention_ranks(), r.ranks(Role::Moe));
-    let rows = r.posts.first().map_or(0, |p| p.rows);
+    let rows_of = |role: Role| r.posts.iter().find(|p| r.gpus.get(p.src as usize) == Some(&role)).map_or(0, |p| p.rows);
     let _ = writeln!(s, "\n### Communication schedule\n");
     if !r.moe_servers() {
         let _ = writeln!(
@@ -390,12 +416,15 @@ fn roles(s: &mut String, plan: &Plan) {
     let _ = writeln!(
         s,
         "- **Dispatch** (attention-initiated, one-sided): each of the {} attention ranks writes its token rows \
-         into a region of every MoE rank's `dispatch` buffer reserved for it: {} rows per (attention, MoE) pair, \
-         {} posts in all (`roles.posts`). Reserved regions need no count exchange before the write, as DeepEP's \
-         low-latency mode; a source sends one MoE rank at most {rows} rows a round, more in rounds \
-         (each after the MoE rank consumed the last).",
+         into a region of every MoE rank's `dispatch` buffer reserved for it: {} rows per (prefill server, MoE) \
+         pair and {} per (decode server, MoE) pair, in proportion to the tokens one server of each role sends \
+         per step (the search's B_p and B_d over the role's servers); {} posts in all (`roles.posts`). \
+         Reserved regions need no count exchange before the write, as DeepEP's low-latency mode; a source \
+         sends one MoE rank at most its post's rows a round, more in rounds (each after the MoE rank \
+         consumed the last).",
         attn.len(),
-        rows,
+        rows_of(Role::Prefill),
+        rows_of(Role::Decode),
         r.posts.len()
     );
     let _ = writeln!(

@@ -14,7 +14,7 @@ use moeforge_dsl::Code;
 use moeforge_plan::cost::expected_x_moe;
 use moeforge_plan::cost::CostModel;
 use moeforge_plan::memory::MAX_BATCH_TOKENS;
-use moeforge_plan::search::SearchResult;
+use moeforge_plan::search::Candidate;
 use moeforge_plan::{
     ApkForm, ApkParams, EntryPoint, GqaLayerParams, Grid, GridVar, KernelInstance, KernelParams, LayerParams,
     MlaLayerParams, PermuteParams, Plan, QkNormKind, RankPlan, RouterParams, Scoring, WeightFormat,
@@ -37,23 +37,29 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     let max_local = if tp { cx.model.moe.experts } else { plan.layout.max_experts_per_rank };
     let mut kernels = routing(cx.spec, cx.deploy, max_local);
     let tp_world = tp.then_some(plan.ranks.len() as u32);
-    let apks = apk(cx.spec, cx.deploy, &local_experts(plan), &plan.cost, plan.search.as_ref(), tp_world).map_err(
-        |e| match e {
-            ApkError::Target(t) => t.into_pass_error(cx),
-            ApkError::TooFewSms { sms, cluster } => PassError::new(
-                Code::Unsupported,
-                At::Cluster("gpu.sms".into()),
-                format!(
-                    "the APK runs CTA clusters of {cluster} CTAs, one per SM, but `{}` has {sms} SM{}: {} too few",
-                    cx.cluster.gpu.name,
-                    if sms == 1 { "" } else { "s" },
-                    cluster - sms
-                ),
-            )
-            .label("fewer SMs than one CTA cluster")
-            .help("use a tile set whose prefill gate_up `cluster` is [1, 1], or the GPU's real SM count"),
-        },
-    )?;
+    // A role plan's APK runs the layout it realizes; otherwise the search's best.
+    let searched = plan.search.as_ref().and_then(|s| {
+        if plan.roles.as_ref().is_some_and(|r| r.moe_servers()) {
+            s.realizable()
+        } else {
+            s.best()
+        }
+    });
+    let apks = apk(cx.spec, cx.deploy, &local_experts(plan), &plan.cost, searched, tp_world).map_err(|e| match e {
+        ApkError::Target(t) => t.into_pass_error(cx),
+        ApkError::TooFewSms { sms, cluster } => PassError::new(
+            Code::Unsupported,
+            At::Cluster("gpu.sms".into()),
+            format!(
+                "the APK runs CTA clusters of {cluster} CTAs, one per SM, but `{}` has {sms} SM{}: {} too few",
+                cx.cluster.gpu.name,
+                if sms == 1 { "" } else { "s" },
+                cluster - sms
+            ),
+        )
+        .label("fewer SMs than one CTA cluster")
+        .help("use a tile set whose prefill gate_up `cluster` is [1, 1], or the GPU's real SM count"),
+    })?;
     kernels.extend(apks.iter().cloned());
     kernels.extend(dense(cx, &plan.ranks, apks.first(), WeightFormat::Bf16).map_err(|e| vec![e])?);
     if [cx.model.dtype.weights, cx.model.dtype.experts].contains(&moeforge_dsl::spec::DType::Fp8E4m3) {
@@ -276,8 +282,8 @@ fn local_experts(plan: &Plan) -> Vec<u32> {
 
 /// One APK per distinct local expert count (ranks with the same count share
 /// a kernel; a rank's first expert is a run-time offset of its weights).
-/// Decode's SM budget q and x*_moe come from the layout search's best
-/// candidate when there is one: q as searched, x*_moe the expected decode
+/// Decode's SM budget q and x*_moe come from the layout search's
+/// candidate `best` when there is one: q as searched, x*_moe the expected decode
 /// footprint of its decode batch on these ranks; otherwise q is half the
 /// SMs and x*_moe that of 64 requests per rank.
 pub fn apk(
@@ -285,7 +291,7 @@ pub fn apk(
     d: &Deploy,
     held: &[u32],
     cm: &CostModel,
-    search: Option<&SearchResult>,
+    best: Option<&Candidate>,
     tp_world: Option<u32>,
 ) -> Result<Vec<KernelInstance>, ApkError> {
     let m = spec.model(d.model);
@@ -315,7 +321,6 @@ pub fn apk(
     // whenever the GPU has two).
     let clusters = c.gpu.sms / cluster_size;
     let q_max = moeforge_plan::cost::q_max(c.gpu.sms, cluster_size);
-    let best = search.and_then(|s| s.ranked.first());
     let q = best.map_or(round(c.gpu.sms / 2), |b| round(b.q)).clamp(cluster_size, q_max);
     let decode_batch = best.map_or(NOMINAL_DECODE_PER_RANK * f64::from(world), |b| f64::from(b.decode_batch));
     let mut counts: Vec<u32> = held.iter().copied().filter(|&n| n > 0).collect();

@@ -1,19 +1,23 @@
 //! Layout pass: which GPU holds what.
 //!
-//! Two layouts. **Colocated** (every strategy but `expertplex`):
+//! Three layouts. **Colocated** (`strategy = colocated`, and the fallback):
 //! data-parallel attention on every GPU and expert parallelism over all of
 //! them, experts striped contiguously in balanced blocks (the first
 //! `E mod P` ranks hold one more). **ExpertPlex roles** (`strategy =
-//! expertplex`): the layout search's best layout, realized: each GPU is a
-//! prefill attention server, a decode attention server or a MoE server
-//! ([`moeforge_plan::roles`]), laid out node by node as the search placed
-//! them, with the experts striped over the MoE servers only. **PD**
-//! (`strategy = pd-disagg`): whole-model instances (the simulator's PD
-//! baseline), the first half prefill, the rest decode, each instance
-//! striping every expert over its own GPUs. When the spec asks for
-//! something this pass does not realize (`auto`, or a deployment no
-//! layout serves), the plan is colocated and `DeployLayout::note` says so
-//! rather than pretending.
+//! expertplex`): the layout search's best layout with data-parallel
+//! attention (role plans hold whole attention weights and KV per server),
+//! realized: each GPU is a prefill attention server, a decode attention
+//! server or a MoE server ([`moeforge_plan::roles`]), laid out node by node
+//! as the search placed them, with the experts striped over the MoE servers
+//! only. **PD** (`strategy = pd-disagg`): whole-model instances (the
+//! simulator's PD baseline), the first half prefill, the rest decode, each
+//! instance striping every expert over its own GPUs. **`auto`** realizes
+//! whichever of the three the search pass's comparison
+//! (`SearchResult::alternatives`) puts first, or the colocated layout when
+//! the spec enables `switch` (Moebius's dual mode is a colocated plan's).
+//! When the spec asks for something this pass does not realize (a
+//! deployment no layout serves), the plan is colocated and
+//! `DeployLayout::note` says so rather than pretending.
 
 use super::{Ctx, PassError};
 use moeforge_dsl::spec::Strategy;
@@ -47,8 +51,22 @@ fn stripes(experts: u32, world: u32, holders: &[u32]) -> Vec<[u32; 2]> {
 pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     let (m, c, d) = (cx.model, cx.cluster, cx.deploy);
     let world = c.world_size();
-    let best = plan.search.as_ref().and_then(|s| s.ranked.first()).filter(|b| b.per_node.len() == c.nodes as usize);
-    let roles = match (d.strategy, best) {
+    let search = plan.search.as_ref();
+    // Role plans run data-parallel attention: the best candidate that does.
+    let best = search.and_then(|s| s.realizable()).filter(|b| b.per_node.len() == c.nodes as usize);
+    // `auto` realizes the strategy the search's comparison put first
+    // (`SearchResult::alternatives`), unless the spec asks for TP↔EP
+    // switching: Moebius's dual mode is a colocated plan's.
+    let chosen = search
+        .filter(|_| d.strategy == Strategy::Auto && !d.switch.enabled)
+        .and_then(|s| s.alternatives.first())
+        .filter(|a| a.goodput > 0.0);
+    let realize = match (d.strategy, chosen) {
+        (Strategy::Auto, Some(a)) => a.strategy,
+        (Strategy::Auto, None) => Strategy::Colocated,
+        (s, _) => s,
+    };
+    let roles = match (realize, best) {
         (Strategy::Expertplex, Some(b)) => {
             let gpus = Roles::lay_out(&b.per_node);
             let moe = (0..world).filter(|&r| gpus[r as usize] == Role::Moe).collect();
@@ -58,6 +76,7 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
                 ep_groups: vec![moe],
                 q: b.q,
                 goodput: b.goodput,
+                overlap: b.overlap,
                 posts: Vec::new(),
                 // Two lanes are all the schedule uses: decode's and prefill's.
                 lanes: c.scale_out.as_ref().map_or(1, |o| o.virtual_lanes.clamp(1, 2)),
@@ -91,8 +110,33 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     let holders = groups.first().cloned().unwrap_or_default();
     let ep = holders.len() as u32;
     let most = m.moe.experts.div_ceil(ep.max(1));
+    let tp_best = search.and_then(|s| s.best()).filter(|b| !b.data_parallel());
     let note = match (d.strategy, &roles) {
+        (Strategy::Expertplex, Some(r)) => tp_best.map(|t| {
+            format!(
+                "the layout search's best layout runs tensor-parallel attention ({}P{}D{}E, prefill {} / decode {}, G = {:.2} req/s); role plans execute data-parallel attention only, so the plan realizes the best data-parallel layout (G = {:.2} req/s)",
+                t.prefill_gpus,
+                t.decode_gpus,
+                t.moe_gpus,
+                moeforge_plan::search::Candidate::attention_name(t.prefill_width),
+                moeforge_plan::search::Candidate::attention_name(t.decode_width),
+                t.goodput,
+                r.goodput
+            )
+        }),
+        (Strategy::Auto, _) => Some(auto_note(d.switch.enabled, search)),
         (Strategy::Colocated, _) | (_, Some(_)) => None,
+        (Strategy::Expertplex, None) if tp_best.is_some() => tp_best.map(|t| {
+            format!(
+                "strategy `expertplex` requested but only layouts with tensor-parallel attention meet the SLOs (best {}P{}D{}E, prefill {} / decode {}, G = {:.2} req/s) and role plans execute data-parallel attention only; the plan is the colocated DP-attention + EP layout, and `moeforge simulate` evaluates the searched layout",
+                t.prefill_gpus,
+                t.decode_gpus,
+                t.moe_gpus,
+                moeforge_plan::search::Candidate::attention_name(t.prefill_width),
+                moeforge_plan::search::Candidate::attention_name(t.decode_width),
+                t.goodput
+            )
+        }),
         (Strategy::Expertplex, None) => Some(format!(
             "strategy `expertplex` requested but the layout search found no layout that meets the SLOs and fits memory{}; the plan is the colocated DP-attention + EP layout",
             if d.placement.policy == moeforge_dsl::spec::PlacementPolicy::None {
@@ -103,10 +147,6 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
         )),
         (Strategy::PdDisagg, None) => Some(format!(
             "strategy `pd-disagg` requested but {world} GPUs cannot hold one prefill and one decode whole-model instance; the plan is the colocated DP-attention + EP layout"
-        )),
-        (other, None) => Some(format!(
-            "strategy `{}` requested; the memory plan and kernels are for the colocated DP-attention + EP layout, the layout search's choice (see `search`) is advisory, and `moeforge simulate` evaluates it",
-            other.name()
         )),
     };
     plan.layout = match &roles {
@@ -129,6 +169,32 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     };
     plan.roles = roles;
     Ok(())
+}
+
+/// What `auto` chose and why: the comparison's goodputs, or the switch
+/// that keeps the plan colocated.
+fn auto_note(switch: bool, search: Option<&moeforge_plan::search::SearchResult>) -> String {
+    let weighed = search.map_or(String::new(), |s| {
+        s.alternatives
+            .iter()
+            .map(|a| {
+                if a.goodput > 0.0 {
+                    format!("{} {} {:.2} req/s", a.strategy.name(), a.label, a.goodput)
+                } else {
+                    format!("{} (none: {})", a.strategy.name(), a.label)
+                }
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    });
+    match search.and_then(|s| s.alternatives.first()) {
+        _ if switch => "strategy `auto` with `switch`: TP↔EP switching (Moebius) is a colocated plan's, so the plan is the colocated layout; the layout search's ranking (see `search`) is advisory and `moeforge simulate` evaluates it".into(),
+        Some(a) if a.goodput > 0.0 => format!(
+            "strategy `auto` chose `{}`, the highest goodput of Eq. 1 on the cost model over the strategies the planner realizes: {weighed}",
+            a.strategy.name()
+        ),
+        _ => format!("strategy `auto`: no strategy meets both SLOs under the cost model ({weighed}); the plan is the colocated DP-attention + EP layout"),
+    }
 }
 
 /// PD disaggregation realized: whole-model instances of the fewest GPUs
@@ -163,6 +229,7 @@ fn pd(cx: &Ctx<'_>, plan: &Plan) -> Option<Roles> {
         ep_groups: (0..instances).map(|i| (i * unit..(i + 1) * unit).collect()).collect(),
         q: 0,
         goodput: 0.0,
+        overlap: moeforge_plan::cost::step::Overlaps::STANDARD,
         posts: Vec::new(),
         lanes: 1,
         kv_handoff: KvHandoff { page_tokens: 0, page_bytes: 0 },

@@ -329,23 +329,32 @@ impl Config<'_> {
             op.kernel = missing(&format!("dense_gemm ({why})"));
         }
     }
+    /// EP phases overlap as the cost model's baselines time them
+    /// ([`Overlaps::STANDARD`]); SBO needs shared experts to run beside the
+    /// routed ones, and TP has nothing to overlap.
+    fn overlap(&self) -> Overlap {
+        let o = match self.phase {
+            Phase::Prefill => Overlaps::STANDARD.prefill,
+            Phase::Decode => Overlaps::STANDARD.decode,
+        };
+        match o {
+            _ if self.mode != Mode::Ep => Overlap::None,
+            Overlap::Sbo if self.m.moe.shared_experts == 0 => Overlap::None,
+            o => o,
+        }
+    }
     fn tbo(&self) -> bool {
-        self.mode == Mode::Ep && self.phase == Phase::Prefill
+        self.overlap() == Overlap::Tbo
     }
     fn sbo(&self) -> bool {
-        self.mode == Mode::Ep && self.phase == Phase::Decode && self.m.moe.shared_experts > 0
+        self.overlap() == Overlap::Sbo
     }
 
     fn program(&self, ranks: Vec<u32>) -> Program {
         let m = self.m;
         let mut events = Vec::new();
-        let (micro_batches, overlap) = if self.tbo() {
-            (2, Overlap::Tbo)
-        } else if self.sbo() {
-            (1, Overlap::Sbo)
-        } else {
-            (1, Overlap::None)
-        };
+        let overlap = self.overlap();
+        let micro_batches = if overlap == Overlap::Tbo { 2 } else { 1 };
         let mut streams = vec!["compute".to_string()];
         if self.mode == Mode::Ep {
             streams.push("comm".into());

@@ -1,33 +1,41 @@
 //! Layout search: ExpertPlex Algorithm 1 (§6.3) over the cost model.
 //!
 //! A layout ℓ splits the world into MoE servers (all routed experts, shared by
-//! both phases), prefill attention servers and decode attention servers (one
-//! data-parallel attention rank per GPU, holding the non-routed weights and
-//! its KV cache), placed per node with prefill and decode servers spread
-//! across nodes so the hierarchical prefill path is common. For every layout
-//! that fits memory and every decode SM budget q, the largest prefill batch
-//! (tokens) and decode batch (requests) whose modeled iteration latencies
-//! meet TTFT and TPOT are found by binary search, and the goodput
-//! `G(ℓ, q) = min(B_p/T_p, B_d/(T_d·Ō))` (Eq. 1, requests/s) is maximized.
+//! both phases), prefill attention servers and decode attention servers,
+//! placed per node with prefill and decode servers spread across nodes so
+//! the hierarchical prefill path is common. §6.1 chooses parallelism,
+//! placement and overlap jointly, and so does this search: for every layout
+//! that fits memory and every decode SM budget q, each phase tries
+//! - its attention as data-parallel ranks (one GPU each) or tensor-parallel
+//!   groups of 2, 4, … GPUs inside a node (weights shard over the group; KV
+//!   heads shard, or replicate for MLA and past the KV head count), and
+//! - its overlap strategy: TBO, SBO or none ([`Overlap`]),
+//!
+//! and keeps the choice whose largest batch meeting its SLO (prefill tokens
+//! within TTFT / 2, decode requests within TPOT, each found by binary
+//! search and capped by the KV its servers hold) serves the most requests
+//! per second. The phases' choices are independent (a phase's batch and
+//! time depend on its own), so the best per phase maximizes the goodput
+//! `G(ℓ, q) = min(B_p/T_p, B_d/(T_d·Ō))` (Eq. 1, requests/s).
 //!
 //! Iteration latencies come from the cost model's one iteration-time
 //! function ([`Env::iteration`], shared with the simulator) on mean request
-//! lengths: decode uses SBO (attention, then the longer of the shared/dense
-//! FFN and dispatch + routed MoE + combine); prefill uses TBO (the longer of
-//! attention and communication + MoE, per layer). Every GPU keeps the memory
-//! plan's workspace ([`Workspace`]). A request can wait one prefill
-//! iteration for the batch in flight before its own, so prefill must finish
-//! within TTFT / 2; decode is isolated by APK preemption and must fit TPOT.
-//! With `strategy = expertplex` the layout pass realizes the best candidate
-//! as the GPUs' roles; with `auto` the ranking is advisory and the plan is
-//! colocated.
+//! lengths. Every GPU keeps the memory plan's workspace ([`Workspace`]). A
+//! request can wait one prefill iteration for the batch in flight before
+//! its own, so prefill must finish within TTFT / 2; decode is isolated by
+//! APK preemption and must fit TPOT. With `strategy = expertplex` the layout
+//! pass realizes the best candidate with data-parallel attention (the one
+//! role plans execute; [`SearchResult::realizable`]) as the GPUs' roles and
+//! its overlap as their schedule's. With `auto` the pass also weighs
+//! ExpertPlex against PD and colocated serving ([`alternatives`]) and the
+//! layout pass realizes the best.
 
 use super::{Ctx, PassError};
 use moeforge_dsl::spec::{Deploy, PlacementPolicy, Spec, Strategy};
-use moeforge_plan::cost::step::{Env, Load, MoeSide, Sms};
+use moeforge_plan::cost::step::{Env, Load, MoeSide, Overlap, Overlaps, Sms};
 use moeforge_plan::cost::CostModel;
 use moeforge_plan::memory::Workspace;
-use moeforge_plan::search::{moe_side, Candidate, SearchResult};
+use moeforge_plan::search::{moe_side, Alternative, Candidate, SearchResult};
 use moeforge_plan::workload::{mean, Side};
 use moeforge_plan::Plan;
 
@@ -43,23 +51,79 @@ struct Lengths<'a> {
     output: f64,
 }
 
+/// How one role runs its attention: groups of `width` GPUs (1: data
+/// parallel) and the phase's overlap strategy.
+#[derive(Clone, Copy)]
+struct Attn {
+    width: u32,
+    overlap: Overlap,
+}
+
 impl Lengths<'_> {
-    /// Decode iteration with `b` requests over the decode servers, decode holding `q` SMs.
-    fn t_decode(&self, c: &Shape, b: f64, q: u32) -> f64 {
-        let per = b / f64::from(c.decode);
+    /// Decode iteration with `b` requests over the decode servers, decode
+    /// holding `q` SMs. A request is never split between attention groups,
+    /// and the slowest group (⌈b / groups⌉ requests) sets the pace: every
+    /// group is charged as that one (which overstates the routed rows by
+    /// fewer than one request per group).
+    fn t_decode(&self, c: &Shape, a: Attn, b: f64, q: u32) -> f64 {
+        let groups = c.decode / a.width;
+        let per = (b / f64::from(groups)).ceil();
         let s = self.input + self.output / 2.0;
-        let groups = [Load::decode(per, per * s).times(c.decode)];
-        self.env.iteration(&groups, 1, 1.0, c.side, Sms::fixed(q), 0.0).seconds
+        let loads = [Load::decode(per, per * s).times(groups)];
+        // TBO splits a group's requests into two micro-batches; one request
+        // does not split (decode micro-batches are whole sequences).
+        let decode = if a.overlap == Overlap::Tbo && per < 2.0 { Overlap::None } else { a.overlap };
+        let overlap = Overlaps { decode, ..Overlaps::STANDARD };
+        self.env.iteration(&loads, a.width, 1.0, c.side, Sms::fixed(q), 0.0, overlap).seconds
     }
 
     /// Prefill iteration with `tokens` input tokens (prefill gets the SMs decode does not use).
-    fn t_prefill(&self, c: &Shape, tokens: f64, q: u32) -> f64 {
-        let per = tokens / f64::from(c.prefill);
-        let groups = [Load::prompts(per / self.input, self.input).times(c.prefill)];
+    fn t_prefill(&self, c: &Shape, a: Attn, tokens: f64, q: u32) -> f64 {
+        let groups = c.prefill / a.width;
+        let per = tokens / f64::from(groups);
+        let loads = [Load::prompts(per / self.input, self.input).times(groups)];
         let sms = self.env.cm.sms.saturating_sub(q).max(1);
-        self.env.iteration(&groups, 1, 1.0, c.side, Sms::fixed(sms), 0.0).seconds
+        let overlap = Overlaps { prefill: a.overlap, ..Overlaps::STANDARD };
+        self.env.iteration(&loads, a.width, 1.0, c.side, Sms::fixed(sms), 0.0, overlap).seconds
     }
 }
+
+/// One phase's best choice on a (layout, q): its attention and overlap,
+/// the largest batch meeting its SLO within the KV its servers hold, the
+/// iteration time, the requests per second, and whether KV (not the SLO)
+/// capped the batch.
+#[derive(Clone, Copy)]
+struct Phase {
+    attn: Attn,
+    batch: u32,
+    seconds: f64,
+    rate: f64,
+    kv_bound: bool,
+}
+
+/// The attention widths a role of `counts` GPUs per node can use: 1 (data
+/// parallel) and every power of two up to the node size that divides each
+/// node's count (a TP group never spans nodes).
+fn widths(counts: impl Iterator<Item = u32> + Clone, gpn: u32) -> Vec<u32> {
+    let total: u32 = counts.clone().sum();
+    (0..)
+        .map(|k| 1u32 << k)
+        .take_while(|&w| w <= gpn && w <= total.max(1))
+        .filter(|&w| counts.clone().all(|n| n.is_multiple_of(w)))
+        .collect()
+}
+
+/// The best of `choices` by `rate` (ties to the earlier: narrower
+/// attention, then no overlap before SBO before TBO, the simpler schedule).
+fn best_phase(choices: impl Iterator<Item = Phase>) -> Option<Phase> {
+    choices.fold(None, |best: Option<Phase>, p| match best {
+        Some(b) if b.rate >= p.rate => Some(b),
+        _ => Some(p),
+    })
+}
+
+/// The overlap strategies in tie-breaking order (the simplest first).
+const OVERLAPS: [Overlap; 3] = [Overlap::None, Overlap::Sbo, Overlap::Tbo];
 
 /// A layout's counts and where they sit.
 struct Shape {
@@ -147,13 +211,149 @@ fn max_feasible(hi: u32, ok: impl Fn(u32) -> bool) -> u32 {
 }
 
 /// Writes `plan.search` for the `expertplex` and `auto` strategies (the
-/// layout pass reads it), and never fails: a deployment no layout serves
-/// gets an empty ranking.
+/// layout pass reads it), with `auto`'s comparison of the strategies the
+/// planner realizes, and never fails: a deployment no layout serves gets an
+/// empty ranking.
 pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     if matches!(cx.deploy.strategy, Strategy::Expertplex | Strategy::Auto) {
-        plan.search = Some(search(cx.spec, cx.deploy, &plan.cost));
+        let mut s = search(cx.spec, cx.deploy, &plan.cost);
+        if cx.deploy.strategy == Strategy::Auto {
+            s.alternatives = alternatives(cx.spec, cx.deploy, &plan.cost, &s);
+        }
+        plan.search = Some(s);
     }
     Ok(())
+}
+
+/// `auto`'s comparison: Eq. 1's goodput of each strategy the planner
+/// realizes, on the same iteration-time function and mean lengths as the
+/// search, the best first (ties to the earlier of ExpertPlex, PD,
+/// colocated). A strategy that cannot serve the deployment is listed with
+/// goodput 0 and why.
+/// - **ExpertPlex**: the search's best layout a role plan executes.
+/// - **PD** (whole-model instances, [`Env::pd_unit`]): Eq. 1 over its
+///   prefill and decode instances; not with a replicated placement (PD
+///   plans take none).
+/// - **Colocated** (data-parallel attention and EP on every GPU, SGLang's
+///   prefill-first scheduling): the phases time-share the GPUs in cycles of
+///   one decode iteration and, when requests arrived during it, one
+///   prefill iteration of them. At rate λ with cycles of TPOT τ, B_d =
+///   λ·τ·Ō requests decode (Little's law) and a cycle prefills with
+///   probability 1 − e^(−λτ); the goodput is the largest λ whose mean cycle
+///   T_d(B_d) + (1 − e^(−λτ))·T_p fits τ, with the prefill within TTFT / 2
+///   and the batch's KV within the GPUs'.
+pub fn alternatives(spec: &Spec, d: &Deploy, cm: &CostModel, search: &SearchResult) -> Vec<Alternative> {
+    let m = spec.model(d.model);
+    let c = spec.cluster(d.cluster);
+    let env = Env::new(m, c, spec.tile_set(d.tiles), d, cm, Workspace::of(m, false).bytes());
+    let (input, output) = (search.mean_input, search.mean_output);
+    let world = c.world_size();
+    let sms = Sms::all(cm.sms);
+    let ttft = d.slo.ttft / 2.0;
+    // Tokens of KV per GPU of a data-parallel rank holding `weights` bytes of weights.
+    let kv_per_gpu = |weights: f64| (env.usable - weights - env.workspace).max(0.0) / env.kv_token;
+    let t_decode = |b: u32, groups: u32, side: MoeSide| {
+        let per = (f64::from(b) / f64::from(groups)).ceil();
+        let load = Load::decode(per, per * (input + output / 2.0)).times(groups);
+        env.iteration(&[load], 1, 1.0, side, sms, 0.0, Overlaps::STANDARD).seconds
+    };
+    let t_prefill = |tokens: u32, groups: u32, side: MoeSide| {
+        let load = Load::prompts(f64::from(tokens) / f64::from(groups) / input, input).times(groups);
+        env.iteration(&[load], 1, 1.0, side, sms, 0.0, Overlaps::STANDARD).seconds
+    };
+    // The largest prefill batch meeting TTFT / 2 within `kv` tokens, and its requests per second.
+    let prefill_rate = |groups: u32, side: MoeSide, kv: f64| {
+        let cap = kv.min(f64::from(MAX_PREFILL_TOKENS)) as u32;
+        let bp = max_feasible(cap, |t| t_prefill(t, groups, side) <= ttft);
+        if f64::from(bp) < input {
+            0.0
+        } else {
+            f64::from(bp) / input / t_prefill(bp, groups, side)
+        }
+    };
+    let mut out = Vec::new();
+    let xp = search.realizable();
+    out.push(Alternative {
+        strategy: Strategy::Expertplex,
+        label: xp.map_or("no data-parallel layout meets both SLOs".into(), |b| {
+            format!("{}P{}D{}E q={}", b.prefill_gpus, b.decode_gpus, b.moe_gpus, b.q)
+        }),
+        goodput: xp.map_or(0.0, |b| b.goodput),
+    });
+    // PD.
+    let pd = match (env.pd_unit(), d.placement.policy) {
+        (_, p) if p != PlacementPolicy::None => Alternative {
+            strategy: Strategy::PdDisagg,
+            label: "PD plans take no replicated placement".into(),
+            goodput: 0.0,
+        },
+        (Err(unit), _) => Alternative {
+            strategy: Strategy::PdDisagg,
+            label: format!("a whole-model instance needs {unit} GPUs; {world} cannot hold one of each phase"),
+            goodput: 0.0,
+        },
+        (Ok(unit), _) => {
+            let instances = world / unit;
+            let (np, nd) = (instances / 2, instances - instances / 2);
+            let side = |replicas: u32| MoeSide::Ep {
+                gpus: unit,
+                nodes: unit.div_ceil(c.gpus_per_node),
+                replicas,
+                local: (f64::from(c.gpus_per_node) / f64::from(unit)).min(1.0),
+                disaggregated: false,
+            };
+            let kv = kv_per_gpu(env.weights / f64::from(unit));
+            let rp = prefill_rate(np * unit, side(np), kv * f64::from(np * unit));
+            let cap = ((kv / (input + output)).floor() * f64::from(nd * unit)).min(f64::from(MAX_DECODE_BATCH)) as u32;
+            let bd = max_feasible(cap, |b| t_decode(b, nd * unit, side(nd)) <= d.slo.tpot);
+            let rd = if bd == 0 { 0.0 } else { f64::from(bd) / (t_decode(bd, nd * unit, side(nd)) * output) };
+            Alternative {
+                strategy: Strategy::PdDisagg,
+                label: format!("{np}P{nd}D × DP{unit}EP{unit}"),
+                goodput: rp.min(rd),
+            }
+        }
+    };
+    out.push(pd);
+    // Colocated, prefill first: a cycle is one decode iteration of the
+    // running batch, then, when requests arrived during it, one prefill
+    // iteration of them.
+    let side = MoeSide::Ep {
+        gpus: world,
+        nodes: c.nodes,
+        replicas: 1,
+        local: f64::from(c.gpus_per_node) / f64::from(world),
+        disaggregated: false,
+    };
+    let kv = kv_per_gpu(env.nonrouted + (env.weights - env.nonrouted) / f64::from(world)) * f64::from(world);
+    let tau = d.slo.tpot;
+    let serves = |lambda: f64| {
+        // At arrival rate λ and cycle τ (the TPOT): B_d = λ·τ·Ō requests
+        // decode (Little's law), and a cycle prefills with probability
+        // 1 − e^(−λτ) the λ·τ·Ī tokens that arrived, as one batch.
+        let decode = (lambda * tau * output).ceil();
+        let arrived = 1.0 - (-lambda * tau).exp();
+        let tokens = (lambda * tau * input / arrived.max(1e-12)).ceil();
+        let t_p = t_prefill(tokens as u32, world, side);
+        let cycle = t_decode(decode as u32, world, side) + arrived * t_p;
+        cycle <= tau && t_p <= ttft && decode * (input + output) <= kv && decode <= f64::from(MAX_DECODE_BATCH)
+    };
+    // The largest such λ, by bisection (the cycle grows with λ).
+    let (mut lo, mut hi) = (0.0, f64::from(MAX_DECODE_BATCH) / (tau * output));
+    if serves(1e-6) {
+        for _ in 0..60 {
+            let mid = 0.5 * (lo + hi);
+            if serves(mid) {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+    }
+    out.push(Alternative { strategy: Strategy::Colocated, label: format!("DP{world}EP{world}"), goodput: lo });
+    // Stable: ties keep the order above.
+    out.sort_by(|a, b| b.goodput.total_cmp(&a.goodput));
+    out
 }
 
 /// ExpertPlex Algorithm 1 for deployment `d` on cost model `cm`.
@@ -171,6 +371,15 @@ pub fn search(spec: &Spec, d: &Deploy, cm: &CostModel) -> SearchResult {
     };
     let qs = decode_budgets(cm.sms, cm.cluster);
     let sizes = counts(world);
+    let gpn = c.gpus_per_node;
+    // Per GPU of a width-w attention group: the room left for KV once its
+    // 1/w of the non-routed weights (attention and dense FFN shard over the
+    // group, as the cost model's attention does) and the workspace are in,
+    // and the bytes one token's KV takes there (GQA heads shard, MLA's
+    // latent replicates: `Env::kv_fraction`).
+    let attn_room = |w: u32| env.usable - env.nonrouted / f64::from(w) - env.workspace;
+    let kv_token = |w: u32| env.kv_token * env.kv_fraction(w);
+    let full_request = cx.input + cx.output;
     let mut all: Vec<Candidate> = Vec::new();
     let (mut considered, mut fitting) = (0, 0);
     for &moe in sizes.iter().filter(|&&m| m + 2 <= world) {
@@ -178,56 +387,102 @@ pub fn search(spec: &Spec, d: &Deploy, cm: &CostModel) -> SearchResult {
             let decode = world - moe - prefill;
             considered += 1;
             // FitsMemory: the most expert slots any MoE server holds (the
-            // stripes' ⌈E/moe⌉, or ⌈(E+R)/moe⌉ with R redundant replicas),
-            // non-routed weights and at least one request's KV on every
-            // attention server (the batch searches below stop at the KV
-            // capacity, so the chosen batches' KV fits).
+            // stripes' ⌈E/moe⌉, or ⌈(E+R)/moe⌉ with R redundant replicas)
+            // and, on the attention servers, non-routed weights and KV. The
+            // KV asked for is that of each phase's largest batch meeting
+            // its SLO: the batch searches below stop at what the servers
+            // hold, and a layout that holds less serves the smaller batch
+            // (`Candidate::{prefill,decode}_kv_bound` say which did).
             let redundant = if d.placement.policy == PlacementPolicy::None { 0 } else { d.placement.redundant_experts };
             let slots_per_gpu = (m.moe.experts + redundant).div_ceil(moe);
             let moe_need = routed / f64::from(m.moe.experts) * f64::from(slots_per_gpu) + env.workspace;
-            let attn_room = env.usable - env.nonrouted - env.workspace;
-            let one_request = env.kv_token * (cx.input + cx.output);
-            if moe_need > env.usable || attn_room < one_request {
+            if moe_need > env.usable {
                 continue;
             }
-            let Some(sh) = shape(prefill, decode, c.nodes, c.gpus_per_node) else { continue };
+            let Some(sh) = shape(prefill, decode, c.nodes, gpn) else { continue };
             // A realized layout's replicated placement fills every MoE
             // server's slots evenly, over a uniform topology.
             let slots = m.moe.experts + d.placement.redundant_experts;
-            let realized = d.strategy == Strategy::Expertplex && d.placement.policy != PlacementPolicy::None;
+            let realized = matches!(d.strategy, Strategy::Expertplex | Strategy::Auto)
+                && d.placement.policy != PlacementPolicy::None;
             // (no GPU holding an expert twice).
             if realized && (!uniform_moe(&sh.per_node) || !slots.is_multiple_of(moe) || slots / moe > m.moe.experts) {
                 continue;
             }
+            // Attention choices whose servers hold at least one request.
+            let fits = |w: u32| attn_room(w) >= kv_token(w) * full_request;
+            let pw: Vec<u32> = widths(sh.per_node.iter().map(|n| n[1]), gpn).into_iter().filter(|&w| fits(w)).collect();
+            let dw: Vec<u32> = widths(sh.per_node.iter().map(|n| n[2]), gpn).into_iter().filter(|&w| fits(w)).collect();
+            if pw.is_empty() || dw.is_empty() {
+                continue;
+            }
             fitting += 1;
-            let kv_decode =
-                (attn_room / one_request * f64::from(decode)).floor().min(f64::from(MAX_DECODE_BATCH)) as u32;
-            let kv_prefill =
-                (attn_room / env.kv_token * f64::from(prefill)).floor().min(f64::from(MAX_PREFILL_TOKENS)) as u32;
             for &q in &qs {
-                let bd = max_feasible(kv_decode, |b| cx.t_decode(&sh, f64::from(b), q) <= d.slo.tpot);
-                let bp = max_feasible(kv_prefill, |t| cx.t_prefill(&sh, f64::from(t), q) <= d.slo.ttft / 2.0);
-                if bd == 0 || (f64::from(bp) < cx.input) {
-                    continue;
+                let decode_choices =
+                    dw.iter().flat_map(|&width| OVERLAPS.map(|overlap| Attn { width, overlap })).map(|a| {
+                        let kv = (attn_room(a.width) / (kv_token(a.width) * full_request)).floor()
+                            * f64::from(decode / a.width);
+                        let cap = kv.min(f64::from(MAX_DECODE_BATCH)) as u32;
+                        let ok = |b: u32| cx.t_decode(&sh, a, f64::from(b), q) <= d.slo.tpot;
+                        let batch = max_feasible(cap, ok);
+                        let seconds = cx.t_decode(&sh, a, f64::from(batch.max(1)), q);
+                        let rate = if batch == 0 { 0.0 } else { f64::from(batch) / (seconds * cx.output) };
+                        let kv_bound = batch == cap && f64::from(cap) == kv && ok(cap + 1);
+                        Phase { attn: a, batch, seconds, rate, kv_bound }
+                    });
+                let prefill_choices =
+                    pw.iter().flat_map(|&width| OVERLAPS.map(|overlap| Attn { width, overlap })).map(|a| {
+                        let kv = (attn_room(a.width) / kv_token(a.width)).floor() * f64::from(prefill / a.width);
+                        let cap = kv.min(f64::from(MAX_PREFILL_TOKENS)) as u32;
+                        let ok = |t: u32| cx.t_prefill(&sh, a, f64::from(t), q) <= d.slo.ttft / 2.0;
+                        let batch = max_feasible(cap, ok);
+                        let seconds = cx.t_prefill(&sh, a, f64::from(batch.max(1)), q);
+                        // A batch must hold at least one mean prompt.
+                        let rate =
+                            if f64::from(batch) < cx.input { 0.0 } else { f64::from(batch) / cx.input / seconds };
+                        let kv_bound = batch == cap && f64::from(cap) == kv && ok(cap + 1);
+                        Phase { attn: a, batch, seconds, rate, kv_bound }
+                    });
+                let decode_choices: Vec<Phase> = decode_choices.collect();
+                let prefill_choices: Vec<Phase> = prefill_choices.collect();
+                // The best choice, and the best data-parallel one when it
+                // differs: role plans execute data-parallel attention only
+                // (`SearchResult::realizable`).
+                let dp_only = |p: &&Phase| p.attn.width == 1;
+                let best = (best_phase(decode_choices.iter().copied()), best_phase(prefill_choices.iter().copied()));
+                let dp = (
+                    best_phase(decode_choices.iter().filter(dp_only).copied()),
+                    best_phase(prefill_choices.iter().filter(dp_only).copied()),
+                );
+                let widths_of =
+                    |p: (Option<Phase>, Option<Phase>)| p.0.zip(p.1).map(|(d, p)| (d.attn.width, p.attn.width));
+                let pairs = if widths_of(best) == Some((1, 1)) { vec![best] } else { vec![best, dp] };
+                for pair in pairs {
+                    let (Some(de), Some(pr)) = pair else { continue };
+                    if de.rate == 0.0 || pr.rate == 0.0 {
+                        continue;
+                    }
+                    all.push(Candidate {
+                        moe_gpus: moe,
+                        prefill_gpus: prefill,
+                        decode_gpus: decode,
+                        // Filled in for the ranked few (a layout's nodes can be many).
+                        per_node: Vec::new(),
+                        q,
+                        prefill_width: pr.attn.width,
+                        decode_width: de.attn.width,
+                        overlap: Overlaps { prefill: pr.attn.overlap, decode: de.attn.overlap },
+                        prefill_kv_bound: pr.kv_bound,
+                        decode_kv_bound: de.kv_bound,
+                        prefill_tokens: pr.batch,
+                        t_prefill: pr.seconds,
+                        decode_batch: de.batch,
+                        t_decode: de.seconds,
+                        prefill_rate: pr.rate,
+                        decode_rate: de.rate,
+                        goodput: pr.rate.min(de.rate),
+                    });
                 }
-                let (t_d, t_p) = (cx.t_decode(&sh, f64::from(bd), q), cx.t_prefill(&sh, f64::from(bp), q));
-                let prefill_rate = f64::from(bp) / cx.input / t_p;
-                let decode_rate = f64::from(bd) / (t_d * cx.output);
-                all.push(Candidate {
-                    moe_gpus: moe,
-                    prefill_gpus: prefill,
-                    decode_gpus: decode,
-                    // Filled in for the ranked few (a layout's nodes can be many).
-                    per_node: Vec::new(),
-                    q,
-                    prefill_tokens: bp,
-                    t_prefill: t_p,
-                    decode_batch: bd,
-                    t_decode: t_d,
-                    prefill_rate,
-                    decode_rate,
-                    goodput: prefill_rate.min(decode_rate),
-                });
             }
         }
     }
@@ -240,15 +495,21 @@ pub fn search(spec: &Spec, d: &Deploy, cm: &CostModel) -> SearchResult {
             .then(a.prefill_gpus.cmp(&b.prefill_gpus))
             .then(a.q.cmp(&b.q))
     });
+    // Up to five layouts (a layout with tensor-parallel attention and the
+    // same layout with data-parallel attention count apart), and the best
+    // data-parallel one whenever none of those is.
+    let key = |c: &Candidate| (c.moe_gpus, c.prefill_gpus, c.data_parallel());
     let mut ranked: Vec<Candidate> = Vec::new();
-    for cand in all {
-        if ranked.len() == 5 {
+    for cand in &all {
+        let full = ranked.len() >= 5;
+        if full && ranked.iter().any(Candidate::data_parallel) {
             break;
         }
-        if !ranked.iter().any(|r| (r.moe_gpus, r.prefill_gpus) == (cand.moe_gpus, cand.prefill_gpus)) {
-            let per_node = shape(cand.prefill_gpus, cand.decode_gpus, c.nodes, c.gpus_per_node).map(|s| s.per_node);
-            ranked.push(Candidate { per_node: per_node.unwrap_or_default(), ..cand });
+        if (full && !cand.data_parallel()) || ranked.iter().any(|r| key(r) == key(cand)) {
+            continue;
         }
+        let per_node = shape(cand.prefill_gpus, cand.decode_gpus, c.nodes, c.gpus_per_node).map(|s| s.per_node);
+        ranked.push(Candidate { per_node: per_node.unwrap_or_default(), ..cand.clone() });
     }
     SearchResult {
         mean_input: cx.input,
@@ -257,5 +518,6 @@ pub fn search(spec: &Spec, d: &Deploy, cm: &CostModel) -> SearchResult {
         layouts_fitting: fitting,
         feasible,
         ranked,
+        alternatives: Vec::new(),
     }
 }

@@ -8,15 +8,18 @@
 //! Every system is described with the same two pieces: *attention groups*
 //! (a group is one DP rank, or a TP group of `width` GPUs sharing heads) and
 //! the *MoE side* the groups route to (EP over some GPUs, or TP slices). An
-//! iteration's layer time follows §6.3: prefill overlaps two microbatches
-//! (TBO: max of attention and communication + MoE), decode overlaps shared
-//! experts with routed ones (SBO: attention + max(shared FFN,
-//! communication + MoE)). DP groups synchronize at every MoE layer, so the
+//! iteration's layer time follows §6.3 under each phase's [`Overlap`]: TBO
+//! (two microbatches, the longer of one's attention and the other's
+//! communication + MoE, each microbatch paying its own kernels and weight
+//! reads), SBO (attention + max(shared FFN, communication + MoE)) or none.
+//! The layout search chooses per phase; the baselines run TBO for prefill
+//! and SBO for decode ([`Overlaps::STANDARD`]). DP groups synchronize at every MoE layer, so the
 //! slowest group sets the pace. MoE computation is tile-aware: the expected
 //! footprint x_moe = Σ⌈m_e/M_t⌉ of the rows each MoE GPU receives, executed
 //! on however many SMs the phase holds.
 
 use super::{expected_active, expected_x_moe, CostModel, ATTN_KERNELS, FFN_KERNELS};
+pub use crate::program::{Overlap, Overlaps};
 use moeforge_dsl::spec::{Attention, Cluster, Deploy, Model, Tiles};
 
 /// What one attention group runs in an iteration: decode requests with
@@ -85,6 +88,20 @@ impl Load {
     }
     pub fn is_empty(&self) -> bool {
         self.decode == 0.0 && !self.has_prefill()
+    }
+    /// One of two equal microbatches of this load (TBO): half of every sum.
+    /// Σctx² halves too, since half the requests carry it.
+    pub fn half(self) -> Load {
+        Load {
+            decode: self.decode / 2.0,
+            ctx: self.ctx / 2.0,
+            ctx_sq: self.ctx_sq / 2.0,
+            prompts: self.prompts / 2.0,
+            prompt_tokens: self.prompt_tokens / 2.0,
+            pairs: self.pairs / 2.0,
+            prefix: self.prefix / 2.0,
+            copies: self.copies,
+        }
     }
     /// One batch holding both loads (SGLang's mixed chunked prefill).
     pub fn mixed(self, other: Load) -> Load {
@@ -398,10 +415,10 @@ impl Env {
         (1.0 - sms.contention) * on(sms.alone) + sms.contention * (on(sms.shared) + sms.preempt)
     }
 
-    /// One iteration of `groups` (each `width` GPUs wide, attention on an SM
-    /// `share`) routing to `side`; `interference` stretches communication
-    /// when another phase's traffic shares the links.
-    pub fn iteration(
+    /// One layer's parts for `groups`: the slowest group's attention (with
+    /// its all-reduces) and dense FFN, the busiest group's dispatch +
+    /// combine, and the busiest MoE GPU's expert computation.
+    fn layer_parts(
         &self,
         groups: &[Load],
         width: u32,
@@ -409,16 +426,11 @@ impl Env {
         side: MoeSide,
         sms: Sms,
         interference: f64,
-    ) -> Iter {
-        // Groups that run (a load with no copies is nowhere).
-        let groups: Vec<&Load> = groups.iter().filter(|g| g.copies > 0.0).collect();
+    ) -> Parts {
         let prefill = groups.iter().any(|g| g.has_prefill());
         let parts: Vec<(f64, f64)> = groups.iter().map(|g| self.attention(g, width, share)).collect();
         let attn = parts.iter().map(|p| p.0).fold(0.0, f64::max);
         let ffn = parts.iter().map(|p| p.1).fold(0.0, f64::max);
-        if attn == 0.0 {
-            return Iter::default();
-        }
         let busiest = groups.iter().map(|g| g.tokens()).fold(0.0, f64::max);
         let comm = self.moe_comm(busiest, width, side, prefill) * (1.0 + interference);
         // Rows an MoE GPU receives: all groups' tokens (EP spreads them over
@@ -430,18 +442,46 @@ impl Env {
             MoeSide::Tp { .. } => busiest * self.top_k,
         };
         let moe = self.moe(rows, side, prefill, sms);
-        // TBO for prefill, SBO for decode (§6.3). On separate expert GPUs a
-        // microbatch's attention overlaps the other's communication and MoE
-        // computation; on shared GPUs attention and expert computation
-        // queue on the same SMs and only communication hides.
+        Parts { attn, ffn, comm, moe }
+    }
+
+    /// One iteration of `groups` (each `width` GPUs wide, attention on an SM
+    /// `share`) routing to `side`, each phase's layers overlapped as
+    /// `overlap` says; `interference` stretches communication when another
+    /// phase's traffic shares the links.
+    #[allow(clippy::too_many_arguments)]
+    pub fn iteration(
+        &self,
+        groups: &[Load],
+        width: u32,
+        share: f64,
+        side: MoeSide,
+        sms: Sms,
+        interference: f64,
+        overlap: Overlaps,
+    ) -> Iter {
+        // Groups that run (a load with no copies is nowhere).
+        let groups: Vec<Load> = groups.iter().filter(|g| g.copies > 0.0).copied().collect();
+        let prefill = groups.iter().any(|g| g.has_prefill());
+        let whole = self.layer_parts(&groups, width, share, side, sms, interference);
+        if whole.attn == 0.0 {
+            return Iter::default();
+        }
         let disaggregated = matches!(side, MoeSide::Ep { disaggregated: true, .. });
-        let layer = match (prefill, disaggregated) {
-            (true, true) => (attn + ffn).max(comm + moe),
-            (true, false) => (attn + ffn + moe).max(comm),
-            (false, true) => attn + ffn.max(comm + moe),
-            (false, false) => attn + moe + ffn.max(comm),
+        let how = if prefill { overlap.prefill } else { overlap.decode };
+        // TBO runs every layer twice, on two microbatches of half the
+        // groups' requests: the per-kernel costs, the dispatch latency and
+        // (for memory-bound experts) the weight reads are paid per
+        // microbatch; that is what TBO costs against SBO.
+        let (layer, moe, comm) = match how {
+            Overlap::Tbo => {
+                let halves: Vec<Load> = groups.iter().map(|g| g.half()).collect();
+                let h = self.layer_parts(&halves, width, share, side, sms, interference);
+                (2.0 * h.layer(Overlap::Tbo, disaggregated), 2.0 * h.moe, 2.0 * h.comm)
+            }
+            how => (whole.layer(how, disaggregated), whole.moe, whole.comm),
         };
-        let dense = attn + ffn;
+        let dense = whole.attn + whole.ffn;
         let heads = groups.iter().map(|g| g.decode + g.prompts).fold(0.0, f64::max);
         let head = self.cm.head.alpha + (self.cm.head.eval(heads, 0.0) - self.cm.head.alpha) / f64::from(width);
         // Scheduling, sampling and the DP batch sync, once per iteration.
@@ -462,6 +502,38 @@ impl Env {
     }
 }
 
+/// One MoE layer's parts (seconds): attention, dense FFN or shared
+/// experts, dispatch + combine, routed experts.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Parts {
+    attn: f64,
+    ffn: f64,
+    comm: f64,
+    moe: f64,
+}
+
+impl Parts {
+    /// The layer's critical path under `how` (§6.3). On separate expert
+    /// GPUs (`disaggregated`) the attention side and the MoE side run in
+    /// parallel; on shared GPUs attention and expert computation queue on
+    /// the same SMs and only communication can hide.
+    /// - TBO: one microbatch's attention against the other's
+    ///   communication and experts, the longer path (per microbatch).
+    /// - SBO: attention, then the longer of the shared experts / dense FFN
+    ///   and communication + routed experts.
+    /// - None: everything in turn.
+    fn layer(&self, how: Overlap, disaggregated: bool) -> f64 {
+        let Parts { attn, ffn, comm, moe } = *self;
+        match (how, disaggregated) {
+            (Overlap::Tbo, true) => (attn + ffn).max(comm + moe),
+            (Overlap::Tbo, false) => (attn + ffn + moe).max(comm),
+            (Overlap::Sbo, true) => attn + ffn.max(comm + moe),
+            (Overlap::Sbo, false) => attn + moe + ffn.max(comm),
+            (Overlap::None, _) => attn + ffn + comm + moe,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -475,6 +547,73 @@ mod tests {
         }
         // Uncapped, a whole prompt's pairs are the causal triangle the dense fit uses.
         assert_eq!(2.0 * capped_pairs(100.0, 0.0, 1e9), 100.0 * 101.0);
+    }
+
+    /// §6.3's critical paths, on parts chosen by hand: attention 3, shared
+    /// FFN 2, communication 4, routed experts 5.
+    #[test]
+    fn each_overlap_strategy_takes_the_papers_critical_path() {
+        let p = Parts { attn: 3.0, ffn: 2.0, comm: 4.0, moe: 5.0 };
+        // TBO on separate expert GPUs: max(attention side 3 + 2, MoE side 4 + 5).
+        assert_eq!(p.layer(Overlap::Tbo, true), 9.0);
+        // TBO on shared GPUs: compute 3 + 2 + 5 against communication 4.
+        assert_eq!(p.layer(Overlap::Tbo, false), 10.0);
+        // SBO: attention, then max(shared 2, communication + routed 9).
+        assert_eq!(p.layer(Overlap::Sbo, true), 12.0);
+        // SBO on shared GPUs: attention and routed experts queue, the shared FFN hides communication.
+        assert_eq!(p.layer(Overlap::Sbo, false), 12.0);
+        assert_eq!(p.layer(Overlap::None, true), 14.0);
+        assert_eq!(p.layer(Overlap::None, false), 14.0);
+    }
+
+    #[test]
+    fn a_tbo_microbatch_is_half_of_every_sum() {
+        let mut l = Load::decode(6.0, 600.0).times(3);
+        l.add_chunk(100.0, 20.0);
+        let h = l.half();
+        assert_eq!((h.decode, h.ctx, h.ctx_sq), (3.0, 300.0, 30_000.0));
+        assert_eq!((h.prompts, h.prompt_tokens, h.pairs, h.prefix), (0.5, 50.0, 7_000.0, 10.0));
+        // The groups stay: each group splits its own batch.
+        assert_eq!(h.copies, 3.0);
+        assert!(h.has_prefill());
+    }
+
+    /// Qwen3-30B-A3B on one 8×H200 node (no shared experts).
+    fn env() -> Env {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/qwen3-30b-a3b-h200.moe");
+        let checked = moeforge_dsl::check_paths(&[path], &moeforge_dsl::FsLoader)
+            .unwrap_or_else(|f| panic!("{}", f.render(false)));
+        let spec = checked.spec;
+        let d = &spec.deploys[0];
+        let (m, c, t) = (spec.model(d.model), spec.cluster(d.cluster), spec.tile_set(d.tiles));
+        let cm = super::super::CostModel::roofline(m, c, t);
+        Env::new(m, c, t, d, &cm, 1 << 30)
+    }
+
+    /// TBO pays per microbatch: on a memory-bound decode step each
+    /// microbatch reads the active experts' weights again, so the routed
+    /// experts take longer in total than in one batch, while no overlap
+    /// costs the sum of the parts and SBO never more.
+    #[test]
+    fn tbo_charges_each_microbatch_its_weight_reads_and_kernels() {
+        let e = env();
+        let side = MoeSide::Ep { gpus: 4, nodes: 1, replicas: 1, local: 1.0, disaggregated: true };
+        let sms = Sms::all(e.cm.sms);
+        let decode = [Load::decode(32.0, 32.0 * 1000.0).times(4)];
+        let with = |prefill, decode| Overlaps { prefill, decode };
+        let it = |o: Overlap, loads: &[Load]| e.iteration(loads, 1, 1.0, side, sms, 0.0, with(o, o));
+        let (tbo, sbo, none) = (it(Overlap::Tbo, &decode), it(Overlap::Sbo, &decode), it(Overlap::None, &decode));
+        assert!(tbo.moe_seconds > sbo.moe_seconds, "{tbo:?} vs {sbo:?}");
+        assert!(tbo.comm_seconds > sbo.comm_seconds);
+        assert_eq!(sbo.moe_seconds, none.moe_seconds);
+        assert!(sbo.seconds <= none.seconds && tbo.seconds <= none.seconds + tbo.moe_seconds);
+        // The overlap a step uses is its phase's.
+        let prefill = [Load::prompts(4.0, 2048.0).times(4)];
+        let a = e.iteration(&prefill, 1, 1.0, side, sms, 0.0, with(Overlap::Tbo, Overlap::None));
+        let b = e.iteration(&prefill, 1, 1.0, side, sms, 0.0, with(Overlap::Tbo, Overlap::Sbo));
+        assert_eq!(a, b);
+        let c = e.iteration(&prefill, 1, 1.0, side, sms, 0.0, with(Overlap::None, Overlap::Sbo));
+        assert!(c.seconds > a.seconds, "no overlap {c:?} vs TBO {a:?} on a compute-bound prefill");
     }
 
     #[test]

@@ -416,7 +416,7 @@ pub(super) fn unified(
             (false, true) => loads,
             (false, false) => decode_loads(&groups, reqs),
         };
-        let it = env.iteration(&loads, sh.width, 1.0, sh.moe, Sms::all(env.cm.sms), 0.0);
+        let it = env.iteration(&loads, sh.width, 1.0, sh.moe, Sms::all(env.cm.sms), 0.0, sh.overlap);
         if it.seconds <= 0.0 || loads.iter().all(Load::is_empty) {
             // Nothing runnable: KV is full of nothing (cannot happen with the
             // refusal above) or requests wait for the next arrival.
@@ -578,7 +578,7 @@ pub(super) fn split(
                 }
                 Sharing::None => (1.0, Sms::all(env.cm.sms), 0.0),
             };
-            let it = env.iteration(&loads, ps.width, share, ps.moe, sm, interference);
+            let it = env.iteration(&loads, ps.width, share, ps.moe, sm, interference, ps.overlap);
             let end = t + it.seconds;
             pre.busy_until = end;
             pre.last = it;
@@ -632,7 +632,7 @@ pub(super) fn split(
                 }
                 Sharing::None => (1.0, Sms::all(env.cm.sms), 0.0),
             };
-            let it = env.iteration(&loads, ds.width, share, ds.moe, sm, interference);
+            let it = env.iteration(&loads, ds.width, share, ds.moe, sm, interference, ds.overlap);
             let end = t + it.seconds;
             dec.busy_until = end;
             dec.last = it;
@@ -743,7 +743,13 @@ mod tests {
         // Two groups of 20k tokens; 80 requests of 200 + 800 tokens at once:
         // the whole-output reservation would run 20 per group at a time.
         let cap = 20_000.0;
-        let shape = Shape { groups: 2, width: 1, moe: side, kv_per_group: cap };
+        let shape = Shape {
+            groups: 2,
+            width: 1,
+            moe: side,
+            kv_per_group: cap,
+            overlap: moeforge_plan::cost::step::Overlaps::STANDARD,
+        };
         let reqs: Vec<Req> = (0..80).map(|_| req(200, 800)).collect();
         let served = unified(&env, None, (None, Some(shape)), None, &reqs);
         // Every request finishes with all its outputs (debug builds also

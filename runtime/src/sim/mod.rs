@@ -28,10 +28,10 @@ pub mod workload;
 pub use loops::{Sharing, MAX_PREFILL_TOKENS};
 use moeforge_dsl::spec::Spec;
 use moeforge_plan::cost::expected_x_moe;
-use moeforge_plan::cost::step::{self as model, Env, MoeSide};
+use moeforge_plan::cost::step::{self as model, Env, MoeSide, Overlaps};
 use moeforge_plan::memory::Mode;
 use moeforge_plan::memory::Workspace;
-use moeforge_plan::search::SearchResult;
+use moeforge_plan::search::{Candidate, SearchResult};
 use moeforge_plan::Plan;
 use workload::Req;
 
@@ -105,6 +105,8 @@ pub struct Shape {
     pub moe: MoeSide,
     /// KV tokens one group holds (reservations are checked against it).
     pub kv_per_group: f64,
+    /// How the phase's layers overlap communication and computation.
+    pub overlap: Overlaps,
 }
 
 /// Moebius's switching: the policy, the starting mode and the weight
@@ -215,6 +217,7 @@ impl<'a> Bench<'a> {
                 disaggregated: false,
             },
             kv_per_group,
+            overlap: Overlaps::STANDARD,
         }
     }
 
@@ -230,8 +233,13 @@ impl<'a> Bench<'a> {
             format!("the plan is EP-only: {}", mem.single_mode_reason.as_deref().unwrap_or("no TP mode"))
         })?;
         let g = mem.group;
-        let tp_shape =
-            Shape { groups: 1, width: g, moe: MoeSide::Tp { width: g }, kv_per_group: tp.capacity_tokens as f64 };
+        let tp_shape = Shape {
+            groups: 1,
+            width: g,
+            moe: MoeSide::Tp { width: g },
+            kv_per_group: tp.capacity_tokens as f64,
+            overlap: Overlaps::STANDARD,
+        };
         let ep_shape = self.ep_shape(mem.kv.ep.capacity_tokens as f64 / f64::from(g));
         Ok((tp_shape, ep_shape))
     }
@@ -298,7 +306,17 @@ impl<'a> Bench<'a> {
                 let per = b as f64 / f64::from(shape.groups);
                 let loads: Vec<model::Load> =
                     (0..shape.groups).map(|_| model::Load::decode(per, per * 1024.0)).collect();
-                self.env.iteration(&loads, shape.width, 1.0, shape.moe, model::Sms::all(self.env.cm.sms), 0.0).seconds
+                self.env
+                    .iteration(
+                        &loads,
+                        shape.width,
+                        1.0,
+                        shape.moe,
+                        model::Sms::all(self.env.cm.sms),
+                        0.0,
+                        shape.overlap,
+                    )
+                    .seconds
             };
             let costs: Vec<(usize, f64, f64)> =
                 (0..12).map(|i| 1usize << i).map(|b| (b, step(tp, b), step(ep, b))).collect();
@@ -334,6 +352,7 @@ impl<'a> Bench<'a> {
                 disaggregated: false,
             },
             kv_per_group: kv,
+            overlap: Overlaps::STANDARD,
         };
         // A plan that realizes PD (`strategy = pd-disagg`) is these
         // instances; its decode GPUs hold the compiled memory plan's KV pool.
@@ -376,6 +395,7 @@ impl<'a> Bench<'a> {
                 disaggregated: false,
             },
             kv_per_group: kv,
+            overlap: Overlaps::STANDARD,
         };
         GREEN_SHARES
             .iter()
@@ -408,7 +428,15 @@ impl<'a> Bench<'a> {
         let search = self.search.as_ref().ok_or(
             "the plan holds no layout search (its strategy does not ask for one); give one with `Bench::with_search`",
         )?;
-        let best = search.ranked.first().ok_or("the layout search found no layout meeting both SLOs")?;
+        // A plan that realizes a layout (`plan.roles`) is evaluated as
+        // compiled; otherwise the search's best, tensor-parallel attention included.
+        // (A PD plan `auto` chose holds roles without MoE servers: it realizes no ExpertPlex layout.)
+        let roles = self.plan.roles.as_ref().filter(|r| r.moe_servers());
+        let best = match roles {
+            Some(_) => search.realizable(),
+            None => search.best(),
+        }
+        .ok_or("the layout search found no layout meeting both SLOs")?;
         let moe = best.moe_side();
         let x_star = expected_x_moe(
             f64::from(best.decode_batch) * e.top_k,
@@ -416,20 +444,45 @@ impl<'a> Bench<'a> {
             e.experts / f64::from(best.moe_gpus),
             f64::from(e.cm.m_t_decode),
         );
-        let kv = match &self.plan.roles {
-            Some(r) if r.per_node == best.per_node => {
+        let (pw, dw) = (best.prefill_width.max(1), best.decode_width.max(1));
+        // KV tokens one decode group holds.
+        let kv = match roles {
+            Some(r) if r.per_node == best.per_node && r.q == best.q && r.overlap == best.overlap => {
                 let kv = &self.plan.memory.kv;
                 (kv.ep.pages * u64::from(kv.page_tokens)) as f64
             }
-            Some(_) => return Err("the plan's roles are not the layout search's best layout".into()),
-            None => self.kv_after(e.nonrouted, 1),
+            Some(_) => return Err("the plan's roles are not the layout search's best realizable layout".into()),
+            None => self.kv_after(e.nonrouted / f64::from(dw), dw),
         };
+        let attention = |w: u32| Candidate::attention_name(w);
         Ok(Deployment {
             system: System::ExpertPlex,
-            label: format!("{}P{}D{}E q={}", best.prefill_gpus, best.decode_gpus, best.moe_gpus, best.q),
+            label: format!(
+                "{}P{}D{}E q={} {}/{} {}/{}",
+                best.prefill_gpus,
+                best.decode_gpus,
+                best.moe_gpus,
+                best.q,
+                attention(pw),
+                best.overlap.prefill.name(),
+                attention(dw),
+                best.overlap.decode.name()
+            ),
             phases: Phases::Split {
-                prefill: Shape { groups: best.prefill_gpus, width: 1, moe, kv_per_group: f64::INFINITY },
-                decode: Shape { groups: best.decode_gpus, width: 1, moe, kv_per_group: kv },
+                prefill: Shape {
+                    groups: best.prefill_gpus / pw,
+                    width: pw,
+                    moe,
+                    kv_per_group: f64::INFINITY,
+                    overlap: best.overlap,
+                },
+                decode: Shape {
+                    groups: best.decode_gpus / dw,
+                    width: dw,
+                    moe,
+                    kv_per_group: kv,
+                    overlap: best.overlap,
+                },
                 sharing: Sharing::Apk {
                     q: best.q,
                     x_star,
@@ -440,7 +493,7 @@ impl<'a> Bench<'a> {
                 kv_transfer: true,
             },
             expert_copies: 1,
-            decode_kv_tokens: f64::from(best.decode_gpus) * kv,
+            decode_kv_tokens: f64::from(best.decode_gpus / dw) * kv,
         })
     }
 
