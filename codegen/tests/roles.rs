@@ -159,27 +159,22 @@ fn every_attention_rank_posts_into_its_own_rows_of_every_moe_rank() {
     }
     assert!(roles.posts.iter().all(|x| x.offset == d.offset + x.first_row * d.row_bytes));
     assert_eq!(roles.kv_handoff.page_bytes, p.memory.kv.ep.page_bytes);
-    // Shares follow the tokens a server of each role sends per step: B_p
-    // prompt tokens over the prefill servers, B_d requests over the decode
-    // servers. Each source holds one row plus its proportional part of the
-    // rest, rounded down, so the rows a MoE rank holds fall short of the
-    // buffer by less than one row per source.
+    // A decode server's post holds one full decode step of it (⌈B_d / D⌉
+    // rows: a token sends a MoE rank at most one row), so decode never
+    // dispatches in rounds; the prefill servers share the rest evenly.
     let best = &p.search.as_ref().unwrap().ranked[0];
-    let per_prefill = f64::from(best.prefill_tokens) / f64::from(best.prefill_gpus);
-    let per_decode = f64::from(best.decode_batch) / f64::from(best.decode_gpus);
     let rows_of = |role: Role| {
         let r: BTreeSet<u64> =
             roles.posts.iter().filter(|x| roles.gpus[x.src as usize] == role).map(|x| x.rows).collect();
         assert_eq!(r.len(), 1, "{role:?} servers' posts differ: {r:?}");
-        r.into_iter().next().unwrap() as f64
+        r.into_iter().next().unwrap()
     };
     let (pre, dec) = (rows_of(Role::Prefill), rows_of(Role::Decode));
-    let spare = (d.rows - attn.len() as u64) as f64;
-    let total = f64::from(best.prefill_gpus) * per_prefill + f64::from(best.decode_gpus) * per_decode;
-    assert!((pre - 1.0 - spare * per_prefill / total).abs() < 1.0, "prefill post {pre}");
-    assert!((dec - 1.0 - spare * per_decode / total).abs() < 1.0, "decode post {dec}");
+    assert_eq!(dec, u64::from(best.decode_batch.div_ceil(best.decode_gpus)));
+    let (np, nd) = (u64::from(best.prefill_gpus), u64::from(best.decode_gpus));
+    assert_eq!(pre, (d.rows - nd * dec) / np);
     let held: u64 = roles.posts.iter().filter(|x| x.dst == moe[0]).map(|x| x.rows).sum();
-    assert!(held <= d.rows && d.rows - held < attn.len() as u64, "{held} of {}", d.rows);
+    assert!(held <= d.rows && d.rows - held < np, "{held} of {}", d.rows);
     eprintln!("GLM-5 posts: {pre} rows per prefill server, {dec} per decode server, {held} of {} rows", d.rows);
 }
 

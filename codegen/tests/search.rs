@@ -50,7 +50,7 @@ fn search_results_meet_slos_fit_memory_and_are_ranked() {
         }
         // The realized best layout's MoE servers hold what the check charged:
         // the placement pass's slots (replicas), or the widest stripe.
-        if let (Some(roles), Some(best)) = (p.roles.as_ref(), r.ranked.first()) {
+        if let (Some(roles), Some(best)) = (p.roles.as_ref(), r.realizable()) {
             let charged = (m.moe.experts + p.placement.as_ref().map_or(0, |_| d.placement.redundant_experts))
                 .div_ceil(best.moe_gpus);
             let held = roles.ranks(moeforge_plan::roles::Role::Moe).iter().map(|&g| p.local_experts(g as usize)).max();
@@ -161,7 +161,6 @@ fn each_phase_keeps_the_attention_and_overlap_that_serve_the_most_requests() {
             let groups = best.decode_gpus / w;
             let per = (b / f64::from(groups)).ceil();
             let load = Load::decode(per, per * (input + output / 2.0)).times(groups);
-            let o = if per < 2.0 && o == Overlap::Tbo { Overlap::None } else { o };
             let ov = Overlaps { decode: o, ..Overlaps::STANDARD };
             e.iteration(&[load], w, 1.0, side, Sms::fixed(best.q), 0.0, ov).seconds
         };
@@ -172,7 +171,9 @@ fn each_phase_keeps_the_attention_and_overlap_that_serve_the_most_requests() {
             e.iteration(&[load], w, 1.0, side, Sms::fixed(e.cm.sms - best.q), 0.0, ov).seconds
         };
         for w in [1u32, 2, 4, 8].into_iter().filter(|&w| w <= gpn) {
-            for o in [Overlap::Tbo, Overlap::Sbo, Overlap::None] {
+            // SBO needs shared experts to put beside the routed ones.
+            let sbo = checked.spec.model(d.model).moe.shared_experts > 0;
+            for o in [Overlap::Tbo, Overlap::Sbo, Overlap::None].into_iter().filter(|&o| sbo || o != Overlap::Sbo) {
                 if best.per_node.iter().all(|n| n[2] % w == 0) {
                     let cap = ((room(w) / (kv(w) * (input + output))).floor() * f64::from(best.decode_gpus / w)) as u32;
                     let mut b = 0;

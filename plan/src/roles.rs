@@ -17,10 +17,10 @@
 //! rank writes its token rows into a region of each MoE rank's `dispatch`
 //! buffer reserved for it ([`Post`]), so no source waits for another to
 //! learn its offsets (DeepEP's low-latency layout; its normal mode instead
-//! exchanges counts first). The buffer's rows are split over the attention
-//! ranks in proportion to the tokens a server of each role sends per step
-//! (the search's B_p and B_d), so one attention rank may send each MoE rank
-//! at most [`Post::rows`] rows per round (more rows go in rounds). The combine is
+//! exchanges counts first). Each decode server's region holds one full
+//! decode step (the search's B_d over the decode servers) and the prefill
+//! servers share the rest, so one attention rank may send each MoE rank at
+//! most [`Post::rows`] rows per round (a prefill step's more go in rounds). The combine is
 //! pulled from the same rows of the MoE rank's `combine` buffer. Each post
 //! names its [`Path`]: NVLink inside a node; across nodes decode goes
 //! straight over RDMA on the high-priority virtual lane, and prefill goes
@@ -185,39 +185,39 @@ impl Roles {
     }
     /// The dispatch posts over `rows` rows of `row_bytes` at `offset`, and
     /// each post's [`Path`] on nodes of `gpus_per_node` GPUs with `lanes`
-    /// virtual lanes on the scale-out link. Every attention rank of a role
-    /// gets the same share of every MoE rank's buffer, in proportion to the
-    /// tokens one of its servers sends per step (`tokens = [prefill,
-    /// decode]`: the search's B_p and B_d over the role's servers), so a
-    /// full step of either role fits its post in as few rounds as the
-    /// buffer allows; at least one row each.
+    /// virtual lanes on the scale-out link. Decode is the latency-critical
+    /// phase: each decode server first gets the rows one full decode step
+    /// of it can send one MoE rank (`decode_tokens`, the search's B_d over
+    /// the decode servers, rounded up: a token sends a MoE rank at most one
+    /// row), so a decode step never waits for a second round; the prefill
+    /// servers share the rest evenly and send larger steps in rounds. When
+    /// the buffer cannot hold that, every attention rank gets an equal share.
     pub fn posts(
         gpus: &[Role],
         gpus_per_node: u32,
         lanes: u32,
-        tokens: [f64; 2],
+        decode_tokens: f64,
         (rows, row_bytes, offset): (u64, u64, u64),
     ) -> Vec<Post> {
         let attn: Vec<u32> = (0..gpus.len() as u32).filter(|&r| gpus[r as usize].attends()).collect();
-        let weight = |r: u32| {
-            let w = if gpus[r as usize] == Role::Prefill { tokens[0] } else { tokens[1] };
-            if w.is_finite() && w > 0.0 {
-                w
-            } else {
-                1.0
-            }
+        let decoders = attn.iter().filter(|&&r| gpus[r as usize] == Role::Decode).count() as u64;
+        let prefillers = attn.len() as u64 - decoders;
+        let step = if decode_tokens.is_finite() && decode_tokens >= 1.0 { decode_tokens.ceil() as u64 } else { 1 };
+        let reserved = step.checked_mul(decoders).filter(|&r| prefillers > 0 && r + prefillers <= rows);
+        let even = rows / (attn.len() as u64).max(1);
+        let share = |r: u32| match reserved {
+            Some(_) if gpus[r as usize] == Role::Decode => step,
+            Some(held) => (rows - held) / prefillers,
+            None => even,
         };
-        let total: f64 = attn.iter().map(|&r| weight(r)).sum();
-        let spare = rows.saturating_sub(attn.len() as u64) as f64;
-        // One row each, then the rest in proportion (rounded down, so the shares never exceed `rows`).
-        let share: Vec<u64> = attn.iter().map(|&r| 1 + (spare * weight(r) / total).floor() as u64).collect();
         let mut out = Vec::new();
         for dst in (0..gpus.len() as u32).filter(|&r| gpus[r as usize] == Role::Moe) {
             let mut first_row = 0;
-            for (i, &src) in attn.iter().enumerate() {
+            for &src in &attn {
                 let path = Self::path(gpus, gpus_per_node, lanes, src, dst);
-                out.push(Post { src, dst, first_row, rows: share[i], offset: offset + first_row * row_bytes, path });
-                first_row += share[i];
+                let n = share(src);
+                out.push(Post { src, dst, first_row, rows: n, offset: offset + first_row * row_bytes, path });
+                first_row += n;
             }
         }
         out

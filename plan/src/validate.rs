@@ -766,6 +766,15 @@ fn search(c: &mut Check, p: &Plan) {
             && cand.q >= 1
             && cand.q <= p.cluster.sms;
         c.ensure(ok, format!("search.ranked[{i}]"), || format!("layout does not match the cluster: {cand:?}"));
+        // The per-node counts are the candidate's servers.
+        let role_sum = |i: usize| cand.per_node.iter().try_fold(0u32, |a, n| a.checked_add(n[i]));
+        c.ensure(
+            role_sum(0) == Some(cand.moe_gpus)
+                && role_sum(1) == Some(cand.prefill_gpus)
+                && role_sum(2) == Some(cand.decode_gpus),
+            format!("search.ranked[{i}].per_node"),
+            || format!("{:?} does not hold the candidate's MoE / prefill / decode servers", cand.per_node),
+        );
         // Attention groups of a power-of-two width inside one node, dividing
         // each node's servers of the role.
         for (role, w) in [(1, cand.prefill_width), (2, cand.decode_width)] {
@@ -778,11 +787,16 @@ fn search(c: &mut Check, p: &Plan) {
             });
         }
     }
-    // A role plan's schedule runs the overlap the search chose for the layout it realizes.
-    if let (Some(r), Some(best)) = (p.roles.as_ref().filter(|r| r.moe_servers()), s.realizable()) {
-        c.ensure(r.overlap == best.overlap, "roles.overlap", || {
-            format!("{:?} is not the realized search candidate's {:?}", r.overlap, best.overlap)
-        });
+    // A role plan realizes a data-parallel candidate, with its overlap.
+    if let Some(r) = p.roles.as_ref().filter(|r| r.moe_servers()) {
+        match s.realizable() {
+            Some(best) => {
+                c.ensure(r.overlap == best.overlap, "roles.overlap", || {
+                    format!("{:?} is not the realized search candidate's {:?}", r.overlap, best.overlap)
+                });
+            }
+            None => c.bad("search.ranked", "the plan realizes ExpertPlex roles but ranks no data-parallel candidate"),
+        }
     }
 }
 

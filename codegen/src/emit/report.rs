@@ -348,11 +348,13 @@ fn search(s: &mut String, plan: &Plan) {
                 plan.search.as_ref().and_then(|x| x.ranked.iter().position(|c| c.data_parallel())).map_or(1, |i| i + 1);
             let _ = writeln!(
                 s,
-                "\nRealized: the plan's roles (Layout above) are rank {realized}'s layout, its q the APK's and its overlap the schedule's{}.\n",
+                "\nRealized: the plan's roles (Layout above) are rank {realized}'s layout, its q the APK's and its overlap the one the simulator times (role plans have no programs yet){}.\n",
                 if realized == 1 { "" } else { " (the best layout with data-parallel attention: role plans execute no tensor-parallel attention groups yet)" }
             );
         }
-        // PD plans run no search, so they never reach here.
+        Some(_) => {
+            let _ = writeln!(s, "\nRealized: `auto` chose PD disaggregation (the comparison above); the plan's instances are in Layout.\n");
+        }
         _ => {
             let _ = writeln!(
                 s,
@@ -417,8 +419,9 @@ fn roles(s: &mut String, plan: &Plan) {
         s,
         "- **Dispatch** (attention-initiated, one-sided): each of the {} attention ranks writes its token rows \
          into a region of every MoE rank's `dispatch` buffer reserved for it: {} rows per (prefill server, MoE) \
-         pair and {} per (decode server, MoE) pair, in proportion to the tokens one server of each role sends \
-         per step (the search's B_p and B_d over the role's servers); {} posts in all (`roles.posts`). \
+         pair and {} per (decode server, MoE) pair: a decode server's region holds one full decode step of it \
+         (the search's B_d over the decode servers; a token sends a MoE rank at most one row), the prefill \
+         servers share the rest; {} posts in all (`roles.posts`). \
          Reserved regions need no count exchange before the write, as DeepEP's low-latency mode; a source \
          sends one MoE rank at most its post's rows a round, more in rounds (each after the MoE rank \
          consumed the last).",

@@ -38,12 +38,11 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     let mut kernels = routing(cx.spec, cx.deploy, max_local);
     let tp_world = tp.then_some(plan.ranks.len() as u32);
     // A role plan's APK runs the layout it realizes; otherwise the search's best.
-    let searched = plan.search.as_ref().and_then(|s| {
-        if plan.roles.as_ref().is_some_and(|r| r.moe_servers()) {
-            s.realizable()
-        } else {
-            s.best()
-        }
+    // (PD instances share no GPU between phases: no searched q applies.)
+    let searched = plan.search.as_ref().and_then(|s| match &plan.roles {
+        Some(r) if r.moe_servers() => s.realizable(),
+        Some(_) => None,
+        None => s.best(),
     });
     let apks = apk(cx.spec, cx.deploy, &local_experts(plan), &plan.cost, searched, tp_world).map_err(|e| match e {
         ApkError::Target(t) => t.into_pass_error(cx),

@@ -471,15 +471,14 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     if let Some(roles) = plan.roles.as_mut() {
         let mem = &plan.memory;
         if let (true, Some(d)) = (roles.moe_servers(), mem.buffer(Mode::Ep, BufferName::Dispatch)) {
-            // Tokens one server of each role sends per step: the realized search candidate's batches.
-            let tokens = plan.search.as_ref().and_then(|s| s.realizable()).map_or([1.0, 1.0], |b| {
-                [
-                    f64::from(b.prefill_tokens) / f64::from(b.prefill_gpus.max(1)),
-                    f64::from(b.decode_batch) / f64::from(b.decode_gpus.max(1)),
-                ]
-            });
+            // Requests one decode server steps: the realized search candidate's B_d over its decode servers.
+            let decode_tokens = plan
+                .search
+                .as_ref()
+                .and_then(|s| s.realizable())
+                .map_or(1.0, |b| f64::from(b.decode_batch) / f64::from(b.decode_gpus.max(1)));
             roles.posts =
-                Roles::posts(&roles.gpus, c.gpus_per_node, roles.lanes, tokens, (d.rows, d.row_bytes, d.offset));
+                Roles::posts(&roles.gpus, c.gpus_per_node, roles.lanes, decode_tokens, (d.rows, d.row_bytes, d.offset));
         }
         roles.kv_handoff = KvHandoff { page_tokens: mem.kv.page_tokens, page_bytes: mem.kv.ep.page_bytes };
     }

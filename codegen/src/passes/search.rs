@@ -70,10 +70,7 @@ impl Lengths<'_> {
         let per = (b / f64::from(groups)).ceil();
         let s = self.input + self.output / 2.0;
         let loads = [Load::decode(per, per * s).times(groups)];
-        // TBO splits a group's requests into two micro-batches; one request
-        // does not split (decode micro-batches are whole sequences).
-        let decode = if a.overlap == Overlap::Tbo && per < 2.0 { Overlap::None } else { a.overlap };
-        let overlap = Overlaps { decode, ..Overlaps::STANDARD };
+        let overlap = Overlaps { decode: a.overlap, ..Overlaps::STANDARD };
         self.env.iteration(&loads, a.width, 1.0, c.side, Sms::fixed(q), 0.0, overlap).seconds
     }
 
@@ -292,6 +289,11 @@ pub fn alternatives(spec: &Spec, d: &Deploy, cm: &CostModel, search: &SearchResu
             label: format!("a whole-model instance needs {unit} GPUs; {world} cannot hold one of each phase"),
             goodput: 0.0,
         },
+        (Ok(unit), _) if !world.is_multiple_of(unit) => Alternative {
+            strategy: Strategy::PdDisagg,
+            label: format!("{world} GPUs do not split into instances of {unit}"),
+            goodput: 0.0,
+        },
         (Ok(unit), _) => {
             let instances = world / unit;
             let (np, nd) = (instances / 2, instances - instances / 2);
@@ -370,6 +372,12 @@ pub fn search(spec: &Spec, d: &Deploy, cm: &CostModel) -> SearchResult {
         output: mean(&d.workload.output, Side::Output),
     };
     let qs = decode_budgets(cm.sms, cm.cluster);
+    // SBO overlaps the shared experts with the routed ones' communication:
+    // a model without shared experts has nothing to put beside it (its
+    // programs run SBO as no overlap).
+    let overlaps: Vec<Overlap> =
+        OVERLAPS.into_iter().filter(|&o| o != Overlap::Sbo || m.moe.shared_experts > 0).collect();
+    let mut feasible = 0;
     let sizes = counts(world);
     let gpn = c.gpus_per_node;
     // Per GPU of a width-w attention group: the room left for KV once its
@@ -418,8 +426,10 @@ pub fn search(spec: &Spec, d: &Deploy, cm: &CostModel) -> SearchResult {
             }
             fitting += 1;
             for &q in &qs {
-                let decode_choices =
-                    dw.iter().flat_map(|&width| OVERLAPS.map(|overlap| Attn { width, overlap })).map(|a| {
+                let decode_choices = dw
+                    .iter()
+                    .flat_map(|&width| overlaps.iter().map(move |&overlap| Attn { width, overlap }))
+                    .map(|a| {
                         let kv = (attn_room(a.width) / (kv_token(a.width) * full_request)).floor()
                             * f64::from(decode / a.width);
                         let cap = kv.min(f64::from(MAX_DECODE_BATCH)) as u32;
@@ -430,8 +440,10 @@ pub fn search(spec: &Spec, d: &Deploy, cm: &CostModel) -> SearchResult {
                         let kv_bound = batch == cap && f64::from(cap) == kv && ok(cap + 1);
                         Phase { attn: a, batch, seconds, rate, kv_bound }
                     });
-                let prefill_choices =
-                    pw.iter().flat_map(|&width| OVERLAPS.map(|overlap| Attn { width, overlap })).map(|a| {
+                let prefill_choices = pw
+                    .iter()
+                    .flat_map(|&width| overlaps.iter().map(move |&overlap| Attn { width, overlap }))
+                    .map(|a| {
                         let kv = (attn_room(a.width) / kv_token(a.width)).floor() * f64::from(prefill / a.width);
                         let cap = kv.min(f64::from(MAX_PREFILL_TOKENS)) as u32;
                         let ok = |t: u32| cx.t_prefill(&sh, a, f64::from(t), q) <= d.slo.ttft / 2.0;
@@ -454,9 +466,12 @@ pub fn search(spec: &Spec, d: &Deploy, cm: &CostModel) -> SearchResult {
                     best_phase(decode_choices.iter().filter(dp_only).copied()),
                     best_phase(prefill_choices.iter().filter(dp_only).copied()),
                 );
-                let widths_of =
-                    |p: (Option<Phase>, Option<Phase>)| p.0.zip(p.1).map(|(d, p)| (d.attn.width, p.attn.width));
-                let pairs = if widths_of(best) == Some((1, 1)) { vec![best] } else { vec![best, dp] };
+                // Tensor-parallel attention only where it raises the goodput
+                // itself (a faster phase that does not bind G is not worth
+                // a layout role plans cannot execute).
+                let goodput = |p: (Option<Phase>, Option<Phase>)| p.0.zip(p.1).map_or(0.0, |(d, p)| d.rate.min(p.rate));
+                let pairs = if goodput(best) > goodput(dp) { vec![best, dp] } else { vec![dp] };
+                let before = all.len();
                 for pair in pairs {
                     let (Some(de), Some(pr)) = pair else { continue };
                     if de.rate == 0.0 || pr.rate == 0.0 {
@@ -483,10 +498,11 @@ pub fn search(spec: &Spec, d: &Deploy, cm: &CostModel) -> SearchResult {
                         goodput: pr.rate.min(de.rate),
                     });
                 }
+                // A (layout, q) counts once, whichever attention it keeps.
+                feasible += u32::from(all.len() > before);
             }
         }
     }
-    let feasible = all.len() as u32;
     // Best per layout (over q), then layouts by goodput; ties to fewer MoE GPUs, then smaller q.
     all.sort_by(|a, b| {
         b.goodput

@@ -468,7 +468,13 @@ impl Env {
             return Iter::default();
         }
         let disaggregated = matches!(side, MoeSide::Ep { disaggregated: true, .. });
-        let how = if prefill { overlap.prefill } else { overlap.decode };
+        let how = match (prefill, overlap.decode) {
+            (true, _) => overlap.prefill,
+            // Decode micro-batches are whole sequences: a group of one
+            // request does not split into two.
+            (false, Overlap::Tbo) if groups.iter().all(|g| g.decode < 2.0) => Overlap::None,
+            (false, o) => o,
+        };
         // TBO runs every layer twice, on two microbatches of half the
         // groups' requests: the per-kernel costs, the dispatch latency and
         // (for memory-bound experts) the weight reads are paid per
