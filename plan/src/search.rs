@@ -125,6 +125,21 @@ impl Candidate {
     pub fn data_parallel(&self) -> bool {
         self.prefill_width == 1 && self.decode_width == 1
     }
+    /// `"{P}P{D}D{M}E q={q} {prefill attention}/{overlap} {decode attention}/{overlap}"`,
+    /// e.g. `1P3D4E q=100 dp/none tp2/sbo`.
+    pub fn label(&self) -> String {
+        format!(
+            "{}P{}D{}E q={} {}/{} {}/{}",
+            self.prefill_gpus,
+            self.decode_gpus,
+            self.moe_gpus,
+            self.q,
+            Self::attention_name(self.prefill_width),
+            self.overlap.prefill.name(),
+            Self::attention_name(self.decode_width),
+            self.overlap.decode.name()
+        )
+    }
     /// `"dp"` or `"tp{w}"` for a role's attention groups of `w` GPUs.
     pub fn attention_name(w: u32) -> String {
         if w == 1 {

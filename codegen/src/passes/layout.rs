@@ -114,12 +114,8 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     let note = match (d.strategy, &roles) {
         (Strategy::Expertplex, Some(r)) => tp_best.map(|t| {
             format!(
-                "the layout search's best layout runs tensor-parallel attention ({}P{}D{}E, prefill {} / decode {}, G = {:.2} req/s); role plans execute data-parallel attention only, so the plan realizes the best data-parallel layout (G = {:.2} req/s)",
-                t.prefill_gpus,
-                t.decode_gpus,
-                t.moe_gpus,
-                moeforge_plan::search::Candidate::attention_name(t.prefill_width),
-                moeforge_plan::search::Candidate::attention_name(t.decode_width),
+                "the layout search's best layout runs tensor-parallel attention ({}, G = {:.2} req/s); role plans execute data-parallel attention only, so the plan realizes the best data-parallel layout (G = {:.2} req/s)",
+                t.label(),
                 t.goodput,
                 r.goodput
             )
@@ -128,12 +124,8 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
         (Strategy::Colocated, _) | (_, Some(_)) => None,
         (Strategy::Expertplex, None) if tp_best.is_some() => tp_best.map(|t| {
             format!(
-                "strategy `expertplex` requested but only layouts with tensor-parallel attention meet the SLOs (best {}P{}D{}E, prefill {} / decode {}, G = {:.2} req/s) and role plans execute data-parallel attention only; the plan is the colocated DP-attention + EP layout, and `moeforge simulate` evaluates the searched layout",
-                t.prefill_gpus,
-                t.decode_gpus,
-                t.moe_gpus,
-                moeforge_plan::search::Candidate::attention_name(t.prefill_width),
-                moeforge_plan::search::Candidate::attention_name(t.decode_width),
+                "strategy `expertplex` requested but only layouts with tensor-parallel attention meet the SLOs (best {}, G = {:.2} req/s) and role plans execute data-parallel attention only; the plan is the colocated DP-attention + EP layout, and `moeforge simulate` evaluates the searched layout",
+                t.label(),
                 t.goodput
             )
         }),

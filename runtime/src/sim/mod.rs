@@ -31,7 +31,7 @@ use moeforge_plan::cost::expected_x_moe;
 use moeforge_plan::cost::step::{self as model, Env, MoeSide, Overlaps};
 use moeforge_plan::memory::Mode;
 use moeforge_plan::memory::Workspace;
-use moeforge_plan::search::{Candidate, SearchResult};
+use moeforge_plan::search::SearchResult;
 use moeforge_plan::Plan;
 use workload::Req;
 
@@ -454,20 +454,9 @@ impl<'a> Bench<'a> {
             Some(_) => return Err("the plan's roles are not the layout search's best realizable layout".into()),
             None => self.kv_after(e.nonrouted / f64::from(dw), dw),
         };
-        let attention = |w: u32| Candidate::attention_name(w);
         Ok(Deployment {
             system: System::ExpertPlex,
-            label: format!(
-                "{}P{}D{}E q={} {}/{} {}/{}",
-                best.prefill_gpus,
-                best.decode_gpus,
-                best.moe_gpus,
-                best.q,
-                attention(pw),
-                best.overlap.prefill.name(),
-                attention(dw),
-                best.overlap.decode.name()
-            ),
+            label: best.label(),
             phases: Phases::Split {
                 prefill: Shape {
                     groups: best.prefill_gpus / pw,
