@@ -365,7 +365,7 @@ res = lambda s: s.get("result", {})
 missing = {
     "graphs": "(g) CUDA graphs: the cuda backend launches every op and waits for it; no graph capture yet",
     "multi_gpu": "every rank's buffer on one GPU: no peer access, NCCL or NVSHMEM path yet",
-    "transfer_programs": "the reshard and the dispatch's rows are inkwell-generated transfer programs; the combine and the TP all-reduce are still host-staged copies",
+    "transfer_programs": "every communication op (reshard, dispatch, combine, TP all-reduce) is an inkwell-generated transfer program; only the reshard's is timed here (copy_check), the others run inside the model steps untimed",
     "profile_components": "the profile measures the APK (`moe`) only: attention, dense GEMMs and communication are not measured",
 }
 if emu:

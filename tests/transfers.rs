@@ -14,6 +14,10 @@
 //!   as PTX for sm_90a: kernel entries that ptxas (nvcc tier) assembles
 //!   without spilling. (The dispatch runs in every emulated-device test in
 //!   EP, whose tokens are transformers'.)
+//! - Random sums (bf16 and f32 rows from 0 to 4 sources, in place or not,
+//!   batches reading what earlier ones wrote, copies beside them) against a
+//!   naive f32 loop, bit for bit, on the JIT and on the emulated device: the
+//!   combine's and the all-reduce's arithmetic.
 //! - The emulated device runs the bundle's compiled reshard (its IR built
 //!   by `llc`) with the same result.
 
@@ -28,7 +32,7 @@ use moeforge::runtime::device::emu::EmuDevice;
 use moeforge::runtime::device::{Device, StridedCopy, Transfer};
 use moeforge::runtime::twin::reshard::execute_reshard;
 use moeforge::xfer::jit::{self, HostBuffer};
-use moeforge::xfer::{Batch, Program};
+use moeforge::xfer::{Batch, Code, Elem, Program, Sum, SumShape};
 
 fn random_bytes(rng: &mut Rng, n: usize) -> Vec<u8> {
     let mut g = moeforge::plan::rng::SplitMix64(rng.below(usize::MAX) as u64);
@@ -214,7 +218,17 @@ fn a_batch_outside_its_buffers_is_refused_before_anything_runs() {
 #[test]
 fn the_transfer_programs_are_ptx_kernels_that_ptxas_assembles_without_spills() {
     let bundle = bundle("qwen3-moe", 4);
-    assert_eq!(bundle.transfers.keys().collect::<Vec<_>>(), ["dispatch", "reshard"]);
+    assert_eq!(bundle.transfers.keys().collect::<Vec<_>>(), ["all_reduce", "combine", "dispatch", "reshard"]);
+    let sums = |name: &str| bundle.transfers[name].program.sum_shapes().to_vec();
+    // The combine: 0 to top-k (2, below the group's 4 ranks) bf16 rows of the hidden size.
+    let (hidden, k) = (u64::from(bundle.plan.plan().model.hidden), bundle.plan.plan().model.top_k);
+    assert_eq!(k, 2);
+    assert_eq!(
+        sums("combine"),
+        (0..=k).map(|n| SumShape { elems: hidden, sources: n, elem: Elem::Bf16 }).collect::<Vec<_>>()
+    );
+    assert!(sums("all_reduce").iter().all(|s| s.sources == 4 && s.elem == Elem::F32));
+    assert!(sums("all_reduce").iter().any(|s| s.elems == hidden), "the hidden rows' all-reduce");
     for (name, code) in &bundle.transfers {
         check_ptx(name, &code.program);
     }
@@ -280,4 +294,212 @@ fn the_emulated_device_runs_the_bundles_reshard_program_like_the_interpreter() {
     assert!(e.contains("buffer 1 of 1 buffers"), "{e}");
     let empty: Vec<Batch> = vec![];
     dev.transfer(&code, &empty, &ids).unwrap();
+}
+
+/// bf16 bits widened to f32 (exact).
+fn widen(bits: u16) -> f32 {
+    f32::from_bits(u32::from(bits) << 16)
+}
+
+/// A naive execution of sums: sum by sum, element by element, each source
+/// added in order to an f32 that starts at +0.0.
+fn add_naively(sums: &[Sum], bufs: &mut [Vec<u8>]) {
+    for s in sums {
+        for e in 0..s.elems as usize {
+            let mut acc = 0.0f32;
+            for &(src, off) in &s.sources {
+                let b = &bufs[src as usize];
+                let at = off as usize;
+                acc += match s.elem {
+                    Elem::Bf16 => widen(u16::from_le_bytes([b[at + 2 * e], b[at + 2 * e + 1]])),
+                    Elem::F32 => f32::from_le_bytes(b[at + 4 * e..at + 4 * e + 4].try_into().unwrap()),
+                };
+            }
+            let at = s.dst_offset as usize + 4 * e;
+            bufs[s.dst as usize][at..at + 4].copy_from_slice(&acc.to_le_bytes());
+        }
+    }
+}
+
+/// Buffers of finite values however they are read: random bf16 bit
+/// patterns with exponents kept away from 0xff, so every 4 bytes read as an
+/// f32 are finite too (their upper half is one of them).
+fn finite_bytes(rng: &mut Rng, n: usize) -> Vec<u8> {
+    (0..n / 2)
+        .flat_map(|_| {
+            let sign = (rng.below(2) as u16) << 15;
+            let exponent = (100 + rng.below(50) as u16) << 7;
+            (sign | exponent | rng.below(128) as u16).to_le_bytes()
+        })
+        .collect()
+}
+
+/// Random batches of sums on four buffers, as `random_batches`' copies:
+/// even batches read buffers 0-1 and write 2-3, odd ones the reverse; each
+/// sum writes its own row; an f32 sum may list its own destination among
+/// its sources (in place, as the all-reduce's reduce-scatter does); a copy
+/// may sit in the same batch, writing rows no sum reads.
+fn random_sums(rng: &mut Rng, size: u64) -> Vec<(Vec<Transfer>, Vec<Sum>)> {
+    let mut out = vec![];
+    for batch in 0..1 + rng.below(3) {
+        let (reads, writes) = if batch % 2 == 0 { ([0u32, 1], [2u32, 3]) } else { ([2, 3], [0, 1]) };
+        let mut cursor = [0u64; 2];
+        let (mut sums, mut copies) = (vec![], vec![]);
+        for _ in 0..1 + rng.below(6) {
+            let elem = if rng.below(2) == 0 { Elem::Bf16 } else { Elem::F32 };
+            let elems = 1 + rng.below(40) as u64;
+            let w = rng.below(2);
+            let dst_offset = (cursor[w] + 4 * rng.below(3) as u64).next_multiple_of(4);
+            if dst_offset + 4 * elems > size {
+                continue;
+            }
+            cursor[w] = dst_offset + 4 * elems;
+            let span = elems * elem.bytes();
+            let mut sources: Vec<(u32, u64)> = (0..rng.below(5))
+                .map(|_| {
+                    let at = rng.below((size - span) as usize + 1) as u64 / elem.bytes() * elem.bytes();
+                    (reads[rng.below(2)], at)
+                })
+                .collect();
+            if elem == Elem::F32 && rng.below(3) == 0 {
+                let at = rng.below(sources.len() + 1);
+                sources.insert(at, (writes[w], dst_offset));
+            }
+            sums.push(Sum { dst: writes[w], dst_offset, sources, elems, elem });
+        }
+        if rng.below(2) == 0 {
+            // A copy between two read-side buffers' regions no sum reads is
+            // impossible here; write past the sums instead, from a read buffer.
+            let w = rng.below(2);
+            let dst_offset = cursor[w].next_multiple_of(16);
+            if dst_offset + 64 <= size {
+                let src_offset = rng.below((size - 64) as usize) as u64 / 16 * 16;
+                copies.push(Transfer {
+                    src: reads[rng.below(2)],
+                    dst: writes[w],
+                    copy: StridedCopy::one_run(src_offset, dst_offset, 64),
+                });
+            }
+        }
+        out.push((copies, sums));
+    }
+    out
+}
+
+/// The program of `batches`: a copy shape for 64-byte rows, every sum's shape.
+fn sum_program(batches: &[(Vec<Transfer>, Vec<Sum>)]) -> Program {
+    let (program, _) =
+        Program::build(&[vec![Transfer { src: 0, dst: 1, copy: StridedCopy::one_run(0, 0, 64) }]]).unwrap();
+    program.with_sums(batches.iter().flat_map(|(_, s)| s).map(|s| SumShape {
+        elems: s.elems,
+        sources: s.sources.len() as u32,
+        elem: s.elem,
+    }))
+}
+
+#[test]
+fn random_sum_programs_add_like_a_naive_f32_loop_bit_for_bit() {
+    let mut rng = Rng(0x5u64 << 40 | 0xadd);
+    let size = 2048u64;
+    let (mut in_place, mut total, mut sources) = (0, 0, std::collections::BTreeSet::new());
+    for case in 0..60 {
+        let batches = random_sums(&mut rng, size);
+        let init: Vec<Vec<u8>> = (0..4).map(|_| finite_bytes(&mut rng, size as usize)).collect();
+        let mut want = init.clone();
+        for (copies, sums) in &batches {
+            interpret(std::slice::from_ref(copies), &mut want);
+            add_naively(sums, &mut want);
+            total += sums.len();
+            in_place += sums.iter().filter(|s| s.sources.contains(&(s.dst, s.dst_offset))).count();
+            sources.extend(sums.iter().map(|s| (s.sources.len(), s.elem)));
+        }
+        let program = sum_program(&batches);
+        let built: Vec<Batch> = batches.iter().map(|(c, s)| program.batch_with_sums(c, s).unwrap()).collect();
+        let mut got: Vec<HostBuffer> = init.iter().map(|b| HostBuffer::from_bytes(b)).collect();
+        jit::run(&program, &built, &mut got).unwrap();
+        for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+            let first = w.iter().zip(g.as_bytes()).position(|(a, b)| a != b);
+            assert!(first.is_none(), "case {case}: buffer {i} differs at byte {first:?}");
+        }
+    }
+    assert!(in_place > 10 && total > 200, "{in_place} in-place sums of {total}");
+    // Every source count 0..=4 was generated with each element type (an
+    // in-place sum adds a fifth f32 source).
+    for n in 0..=4 {
+        assert!(sources.contains(&(n, Elem::Bf16)) && sources.contains(&(n, Elem::F32)), "{n} sources: {sources:?}");
+    }
+}
+
+#[test]
+fn sums_the_code_cannot_run_are_refused_before_anything_runs() {
+    let shape = SumShape { elems: 8, sources: 2, elem: Elem::Bf16 };
+    let (program, _) = Program::build(&[]).unwrap();
+    let program = program.with_sums([shape]);
+    let sum = |dst_offset: u64, at: u64| Sum {
+        dst: 1,
+        dst_offset,
+        sources: vec![(0, 0), (0, at)],
+        elems: 8,
+        elem: Elem::Bf16,
+    };
+    let e = program.batch_with_sums(&[], &[Sum { elems: 9, ..sum(0, 16) }]).unwrap_err().to_string();
+    assert!(e.starts_with("sum 0:") && e.contains("no sum of this program"), "{e}");
+    let e = program.batch_with_sums(&[], &[sum(0, 16), sum(2, 16)]).unwrap_err().to_string();
+    assert!(e.starts_with("sum 1:") && e.contains("multiple of 4"), "{e}");
+    let e = program.batch_with_sums(&[], &[sum(0, 3)]).unwrap_err().to_string();
+    assert!(e.contains("source offset 3"), "{e}");
+    // A destination row ends at 32 + 8 · 4 = 64; a source at 48 + 16 = 64.
+    let batch = program.batch_with_sums(&[], &[sum(32, 48)]).unwrap();
+    let mut fits = vec![HostBuffer::zeroed(64), HostBuffer::zeroed(64)];
+    jit::run(&program, std::slice::from_ref(&batch), &mut fits).unwrap();
+    for (sizes, what) in [([63usize, 64], "sum source"), ([64, 63], "sum destination")] {
+        let mut small = vec![HostBuffer::zeroed(sizes[0]), HostBuffer::zeroed(sizes[1])];
+        let e = jit::run(&program, std::slice::from_ref(&batch), &mut small).unwrap_err().to_string();
+        assert!(e.contains(what) && e.contains("ends past"), "{e}");
+    }
+    // A batch of the program before it had sums.
+    let (bare, old) = Program::build(&[vec![]]).unwrap();
+    let e = jit::run(&bare.with_sums([shape]), &old, &mut fits).unwrap_err().to_string();
+    assert!(e.contains("sum shapes"), "{e}");
+}
+
+#[test]
+fn the_emulated_device_runs_sums_like_a_naive_f32_loop() {
+    let mut rng = Rng(0x00c0_ffee);
+    let size = 2048u64;
+    let batches = loop {
+        let b = random_sums(&mut rng, size);
+        if b.iter().map(|(_, s)| s.len()).sum::<usize>() >= 6 {
+            break b;
+        }
+    };
+    let program = sum_program(&batches);
+    check_ptx("random sums", &program);
+    let code = Code::new(
+        program.clone(),
+        moeforge::xfer::ptx(&program, "sm_90a").unwrap(),
+        moeforge::xfer::host_ir(&program).unwrap(),
+    )
+    .unwrap();
+    let init: Vec<Vec<u8>> = (0..4).map(|_| finite_bytes(&mut rng, size as usize)).collect();
+    let mut want = init.clone();
+    for (copies, sums) in &batches {
+        interpret(std::slice::from_ref(copies), &mut want);
+        add_naively(sums, &mut want);
+    }
+    let cache = tempfile::tempdir().unwrap();
+    let mut dev = EmuDevice::start(cache.path()).unwrap();
+    let ids: Vec<_> = init
+        .iter()
+        .map(|b| {
+            let id = dev.alloc(size).unwrap();
+            dev.upload(id, 0, b).unwrap();
+            id
+        })
+        .collect();
+    let built: Vec<Batch> = batches.iter().map(|(c, s)| program.batch_with_sums(c, s).unwrap()).collect();
+    dev.transfer(&code, &built, &ids).unwrap();
+    for (i, id) in ids.iter().enumerate() {
+        assert!(dev.download(*id, 0, size).unwrap() == want[i], "buffer {i} differs from the naive sums");
+    }
 }

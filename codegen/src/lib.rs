@@ -149,7 +149,8 @@ pub enum EmitError {
 }
 
 /// The plan's transfer programs (`plan::transfers::programs`: the weight
-/// reshard, the EP dispatch's rows), each lowered once to LLVM IR:
+/// reshard, the EP dispatch's rows and combine's sums, the TP all-reduce),
+/// each lowered once to LLVM IR:
 /// `kernels/xfer_{name}.ptx` (PTX for `arch`, which the cuda device loads
 /// through the driver's JIT) and `kernels/xfer_{name}.ll` (the host-flavored
 /// IR the emulated device compiles with `llc`).

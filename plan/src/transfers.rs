@@ -12,14 +12,23 @@
 //!   ([`Program::batch`]); its pieces are the widest every row address of
 //!   the pair's buffers allows (a buffer's offset plus whole rows, in every
 //!   micro-batch's slice).
+//! - `combine`: an EP combine, pulled by each token's source rank: its row
+//!   becomes the f32 sum of the bf16 rows the ranks its entries went to
+//!   computed, in rank order (a sum shape per number of such ranks, none to
+//!   the most a token reaches: its top-k, at most the group).
+//! - `all_reduce`: a TP all-reduce as a reduce-scatter then an all-gather
+//!   (the two-shot all-reduce): each row is summed in rank order on the rank
+//!   that owns it (rows dealt round-robin), in place, then copied from there
+//!   to every other rank. One sum shape per (row width, group size), one
+//!   copy shape per row width.
 
 use crate::memory::Mode;
 use crate::program::CommKind;
 use crate::Plan;
-use moeforge_xfer::{Program, StridedCopy, Transfer, XferError};
+use moeforge_xfer::{Elem, Program, StridedCopy, SumShape, Transfer, XferError};
 
 /// The program names, in the order a bundle lists them.
-pub const NAMES: [&str; 2] = ["reshard", "dispatch"];
+pub const NAMES: [&str; 4] = ["reshard", "dispatch", "combine", "all_reduce"];
 
 /// `kernels/xfer_{name}.ptx` and `.ll`.
 pub fn files(name: &str) -> (String, String) {
@@ -48,7 +57,70 @@ pub fn programs(plan: &Plan) -> Result<Vec<(&'static str, Program)>, XferError> 
             .collect();
         out.push((NAMES[1], Program::build(&[copies])?.0));
     }
+    let combines = combine_sums(plan);
+    if !combines.is_empty() {
+        out.push((NAMES[2], Program::build(&[])?.0.with_sums(combines)));
+    }
+    let (sums, pairs) = all_reduce_shapes(plan);
+    if !sums.is_empty() {
+        // Two instances per pair, as the dispatch's: the all-gather copies
+        // whole rows from a buffer's offset on.
+        let copies: Vec<Transfer> = pairs
+            .iter()
+            .flat_map(|&(at, row)| {
+                [0, 1].map(|k| Transfer {
+                    src: 0,
+                    dst: 0,
+                    copy: StridedCopy::one_run(at.saturating_add(k * row), at.saturating_add(k * row), row),
+                })
+            })
+            .collect();
+        out.push((NAMES[3], Program::build(&[copies])?.0.with_sums(sums)));
+    }
     Ok(out)
+}
+
+/// The sums of every EP combine: `hidden` bf16 elements from each of 0 to
+/// min(top-k, group) ranks.
+fn combine_sums(plan: &Plan) -> Vec<SumShape> {
+    let k = plan.model.top_k;
+    let mut out = vec![];
+    for p in plan.programs.iter().filter(|p| p.mode == Mode::Ep) {
+        for (_, op) in p.ops() {
+            let Some(c) = op.comm.as_ref().filter(|c| c.kind == CommKind::AllToAll && c.with.is_empty()) else {
+                continue;
+            };
+            let most = k.min(c.group.len() as u32);
+            for sources in 0..=most {
+                let s = SumShape { elems: u64::from(plan.model.hidden), sources, elem: Elem::Bf16 };
+                if !out.contains(&s) {
+                    out.push(s);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The sums (a row of f32 from each rank of the group) and the all-gather's
+/// (buffer offset, row bytes) of every all-reduce, in program order.
+fn all_reduce_shapes(plan: &Plan) -> (Vec<SumShape>, Vec<(u64, u64)>) {
+    let (mut sums, mut pairs) = (vec![], vec![]);
+    for p in &plan.programs {
+        for (_, op) in p.ops() {
+            let Some(c) = op.comm.as_ref().filter(|c| c.kind == CommKind::AllReduce) else { continue };
+            let Some(to) = plan.memory.buffer(p.mode, c.to) else { continue };
+            let s = SumShape { elems: to.row_bytes / 4, sources: c.group.len() as u32, elem: Elem::F32 };
+            if s.elems > 0 && !sums.contains(&s) {
+                sums.push(s);
+            }
+            let pair = (to.offset, to.row_bytes);
+            if to.row_bytes > 0 && !pairs.contains(&pair) {
+                pairs.push(pair);
+            }
+        }
+    }
+    (sums, pairs)
 }
 
 /// Each distinct (source buffer offset, destination buffer offset, row

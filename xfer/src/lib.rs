@@ -14,16 +14,26 @@
 //! - its **data** is a [`Batch`]: which buffers and offsets each instance of
 //!   a shape reads and writes, a table of 64-bit words the code walks.
 //!
+//! A program's loops are of two kinds: a [`Shape`] copies strided runs of
+//! bytes, a [`SumShape`] sums rows of bf16 or f32 elements from several
+//! buffers into one f32 row, in source order from +0.0 (what the combine's
+//! gather and the all-reduce compute: the same additions in the same order
+//! on every device, so every device gives the same bits).
+//!
 //! The reshard's layers are one program (a layer's descriptors are the same
 //! shapes at other slot offsets) and one batch per layer; a dispatch is one
-//! program per row width and one batch per step. Within a batch every piece
+//! program per row width and one batch per step; a combine or an all-reduce
+//! is one program and one or two batches per op. Within a batch every piece
 //! may run in parallel (the GPU's threads take consecutive pieces, so a warp
 //! copies contiguous bytes); batches run in order. So a batch's destination
 //! runs must not overlap each other or its source runs: the plan's reshard
 //! moves between distinct slots and its descriptors write each byte once
 //! (the validator recomputes them from the spec), a dispatch writes each
-//! received row once. [`Batch::check`] enforces what memory safety needs:
-//! every run inside its buffer, every offset a multiple of its piece.
+//! received row once. A sum's destination may alias one of its own sources
+//! (an in-place all-reduce: each element is read, then written, by one
+//! worker), never another instance's. [`Batch::check`] enforces what memory
+//! safety needs: every run inside its buffer, every offset a multiple of its
+//! piece.
 
 #[cfg(feature = "llvm")]
 mod lower;
@@ -79,6 +89,9 @@ pub enum XferError {
     /// A copy this program form cannot express.
     #[error("transfer {index}: {message}")]
     Copy { index: usize, message: String },
+    /// A sum this program's code cannot run.
+    #[error("sum {index}: {message}")]
+    Sum { index: usize, message: String },
     /// A batch that does not fit the buffers it was given.
     #[error("transfer batch: {0}")]
     Bounds(String),
@@ -166,16 +179,73 @@ pub struct Instance {
     pub dst_offset: u64,
 }
 
-/// A program's code: its shapes, in order.
+/// The element type a sum reads; its destination is always f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Elem {
+    /// bfloat16: the upper half of an f32, widened exactly.
+    Bf16,
+    F32,
+}
+
+impl Elem {
+    pub fn bytes(self) -> u64 {
+        match self {
+            Elem::Bf16 => 2,
+            Elem::F32 => 4,
+        }
+    }
+}
+
+/// The constants of one reduction loop: `sources` rows of `elems` elements
+/// of `elem`, summed element by element in f32, starting from +0.0 and
+/// adding the sources in order, into a row of `elems` f32 (no source: the
+/// row becomes +0.0). One worker per destination element.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SumShape {
+    pub elems: u64,
+    pub sources: u32,
+    pub elem: Elem,
+}
+
+impl SumShape {
+    /// Words of one instance in a batch's table: `[dst, dst_offset]`, then
+    /// `[src, src_offset]` per source.
+    pub fn words(&self) -> usize {
+        2 + 2 * self.sources as usize
+    }
+}
+
+/// One reduction made at run time: the f32 row at `dst_offset` of buffer
+/// `dst` becomes the in-order sum of the rows at `sources` (buffer, offset).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Sum {
+    pub dst: u32,
+    pub dst_offset: u64,
+    pub sources: Vec<(u32, u64)>,
+    pub elems: u64,
+    pub elem: Elem,
+}
+
+/// Where one instance of a [`SumShape`] reads and writes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SumInstance {
+    pub dst: u32,
+    pub dst_offset: u64,
+    pub sources: Vec<(u32, u64)>,
+}
+
+/// A program's code: its copy shapes, then its sum shapes, in order.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Program {
     shapes: Vec<Shape>,
+    sums: Vec<SumShape>,
 }
 
 /// A program's data for one run: the instances of each of its shapes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Batch {
     per_shape: Vec<Vec<Instance>>,
+    per_sum: Vec<Vec<SumInstance>>,
 }
 
 /// Words of one instance in a batch's table.
@@ -248,14 +318,30 @@ impl Program {
                         });
                     }
                 }
-                Batch { per_shape }
+                Batch { per_shape, per_sum: vec![] }
             })
             .collect();
-        Ok((Program { shapes }, out))
+        Ok((Program { shapes, sums: vec![] }, out))
+    }
+
+    /// This program with `sums` as its reduction loops too (each distinct
+    /// shape once, in order of first appearance). Batches built before
+    /// belong to the program without them (`Batch::check` refuses them).
+    pub fn with_sums(mut self, sums: impl IntoIterator<Item = SumShape>) -> Program {
+        for s in sums {
+            if !self.sums.contains(&s) {
+                self.sums.push(s);
+            }
+        }
+        self
     }
 
     pub fn shapes(&self) -> &[Shape] {
         &self.shapes
+    }
+
+    pub fn sum_shapes(&self) -> &[SumShape] {
+        &self.sums
     }
 
     /// A batch of this program's code for copies made at run time (the
@@ -264,6 +350,15 @@ impl Program {
     /// offsets are not multiples of its shape's piece (the code's loads and
     /// stores would be misaligned); copies that move nothing are dropped.
     pub fn batch(&self, transfers: &[Transfer]) -> Result<Batch, XferError> {
+        self.batch_with_sums(transfers, &[])
+    }
+
+    /// A batch of copies and sums made at run time (a combine's gathers, an
+    /// all-reduce's reduce-scatter): each sum an instance of the shape with
+    /// its element count, source count and element type. Refuses a sum no
+    /// shape has, and one whose offsets are not multiples of its elements'
+    /// size.
+    pub fn batch_with_sums(&self, transfers: &[Transfer], sums: &[Sum]) -> Result<Batch, XferError> {
         let mut per_shape = vec![vec![]; self.shapes.len()];
         for (index, t) in transfers.iter().enumerate() {
             let c = &t.copy;
@@ -290,7 +385,25 @@ impl Program {
             }
             per_shape[i].push(Instance { src: t.src, dst: t.dst, src_offset: c.src_offset, dst_offset: c.dst_offset });
         }
-        Ok(Batch { per_shape })
+        let mut per_sum = vec![vec![]; self.sums.len()];
+        for (index, s) in sums.iter().enumerate() {
+            let bad = |message: String| XferError::Sum { index, message };
+            let shape = SumShape { elems: s.elems, sources: s.sources.len() as u32, elem: s.elem };
+            let i = self.sums.iter().position(|x| *x == shape).ok_or_else(|| {
+                bad(format!(
+                    "no sum of this program adds {} rows of {} {:?} elements",
+                    shape.sources, shape.elems, shape.elem
+                ))
+            })?;
+            if !s.dst_offset.is_multiple_of(4) {
+                return Err(bad(format!("destination offset {} is not a multiple of 4 (f32)", s.dst_offset)));
+            }
+            if let Some(&(_, off)) = s.sources.iter().find(|(_, off)| !off.is_multiple_of(s.elem.bytes())) {
+                return Err(bad(format!("source offset {off} is not a multiple of {} ({:?})", s.elem.bytes(), s.elem)));
+            }
+            per_sum[i].push(SumInstance { dst: s.dst, dst_offset: s.dst_offset, sources: s.sources.clone() });
+        }
+        Ok(Batch { per_shape, per_sum })
     }
 
     /// A content key (hex SHA-256 of the shapes) for caches of compiled code.
@@ -306,32 +419,63 @@ impl Program {
                 h.update(w.to_le_bytes());
             }
         }
+        // (A program without sums keeps the key it had before sums existed.)
+        if !self.sums.is_empty() {
+            h.update(b"sums");
+            for s in &self.sums {
+                h.update(s.elems.to_le_bytes());
+                h.update(u64::from(s.sources).to_le_bytes());
+                h.update(u64::from(s.elem == Elem::F32).to_le_bytes());
+            }
+        }
         h.finalize().iter().map(|b| format!("{b:02x}")).collect()
     }
 }
 
 impl Batch {
-    /// The table the code reads: each shape's instance count, then every
-    /// instance as `[src, dst, src_offset, dst_offset]`, shape by shape.
+    /// The table the code reads: each copy shape's instance count, each sum
+    /// shape's, then every copy instance as `[src, dst, src_offset,
+    /// dst_offset]`, shape by shape, then every sum instance as `[dst,
+    /// dst_offset, src, src_offset, …]`, shape by shape.
     pub fn words(&self) -> Vec<u64> {
         let mut w: Vec<u64> = self.per_shape.iter().map(|v| v.len() as u64).collect();
+        w.extend(self.per_sum.iter().map(|v| v.len() as u64));
         for i in self.per_shape.iter().flatten() {
             w.extend([u64::from(i.src), u64::from(i.dst), i.src_offset, i.dst_offset]);
+        }
+        for i in self.per_sum.iter().flatten() {
+            w.extend([u64::from(i.dst), i.dst_offset]);
+            for &(src, off) in &i.sources {
+                w.extend([u64::from(src), off]);
+            }
         }
         w
     }
 
     /// Pieces of the whole batch (a launch's work items).
     pub fn pieces(&self, program: &Program) -> u64 {
-        program
+        let copies = program
             .shapes
             .iter()
             .zip(&self.per_shape)
-            .fold(0u64, |n, (s, v)| n.saturating_add(s.pieces().saturating_mul(v.len() as u64)))
+            .fold(0u64, |n, (s, v)| n.saturating_add(s.pieces().saturating_mul(v.len() as u64)));
+        program
+            .sums
+            .iter()
+            .zip(&self.per_sum)
+            .fold(copies, |n, (s, v)| n.saturating_add(s.elems.saturating_mul(v.len() as u64)))
     }
 
     pub fn is_empty(&self) -> bool {
-        self.per_shape.iter().all(Vec::is_empty)
+        self.per_shape.iter().all(Vec::is_empty) && self.per_sum.iter().all(Vec::is_empty)
+    }
+
+    /// Every sum instance with its shape, shape by shape (the table's order).
+    pub fn sum_instances<'a>(
+        &'a self,
+        program: &'a Program,
+    ) -> impl Iterator<Item = (&'a SumShape, &'a SumInstance)> + 'a {
+        program.sums.iter().zip(&self.per_sum).flat_map(|(s, v)| v.iter().map(move |i| (s, i)))
     }
 
     /// Every instance with its shape, shape by shape (the table's order).
@@ -344,12 +488,42 @@ impl Batch {
     /// exists, every run lies inside its buffer and every offset is a
     /// multiple of its shape's piece.
     pub fn check(&self, program: &Program, sizes: &[u64]) -> Result<(), XferError> {
-        if self.per_shape.len() != program.shapes.len() {
+        if self.per_shape.len() != program.shapes.len() || self.per_sum.len() != program.sums.len() {
             return Err(XferError::Bounds(format!(
-                "{} shapes of instances for a program of {}",
+                "{} copy and {} sum shapes of instances for a program of {} and {}",
                 self.per_shape.len(),
-                program.shapes.len()
+                self.per_sum.len(),
+                program.shapes.len(),
+                program.sums.len()
             )));
+        }
+        for (s, i) in self.sum_instances(program) {
+            let side = |buf: u32, off: u64, elem: u64, what: &str| {
+                let size = *sizes
+                    .get(buf as usize)
+                    .ok_or_else(|| XferError::Bounds(format!("{what} buffer {buf} of {} buffers", sizes.len())))?;
+                if !off.is_multiple_of(elem) {
+                    return Err(XferError::Bounds(format!("{what} offset {off} is not a multiple of {elem}")));
+                }
+                match s.elems.checked_mul(elem).and_then(|n| off.checked_add(n)) {
+                    Some(e) if e <= size => Ok(()),
+                    _ => Err(XferError::Bounds(format!(
+                        "{what} row ends past buffer {buf} ({size} bytes): offset {off} + {} elements of {elem} bytes",
+                        s.elems
+                    ))),
+                }
+            };
+            if i.sources.len() != s.sources as usize {
+                return Err(XferError::Bounds(format!(
+                    "a sum of {} sources in a shape of {}",
+                    i.sources.len(),
+                    s.sources
+                )));
+            }
+            side(i.dst, i.dst_offset, 4, "sum destination")?;
+            for &(src, off) in &i.sources {
+                side(src, off, s.elem.bytes(), "sum source")?;
+            }
         }
         for (s, v) in program.shapes.iter().zip(&self.per_shape) {
             let (src_end, dst_end) =

@@ -5,7 +5,11 @@
 //! `worker + workers`, … of the batch's instances of that shape, each piece
 //! one load and one store of the shape's piece width. A piece's index splits
 //! into (instance, run (a, b), piece within the run) by divisions by the
-//! shape's constants; consecutive pieces are consecutive bytes of a run. The
+//! shape's constants; consecutive pieces are consecutive bytes of a run.
+//! Then each sum shape the same way, a piece being one destination element:
+//! its sources' elements loaded in order (bf16 widened exactly to f32),
+//! added to +0.0 one by one with IEEE f32 adds (no fast-math flag, so no
+//! reassociation and no contraction on any target), one f32 stored. The
 //! targets differ only in the entry that calls the body (inlined):
 //! - GPU: the kernel `moeforge_xfer(bases, table)`, one worker per thread of
 //!   the grid (worker = global thread index, workers = threads in the grid);
@@ -15,7 +19,7 @@
 //!
 //! `bases[i]` is buffer i's address; `table` is [`crate::Batch::words`].
 
-use crate::{header, Program, Shape, XferError, ENTRY, INSTANCE_WORDS};
+use crate::{header, Elem, Program, Shape, SumShape, XferError, ENTRY, INSTANCE_WORDS};
 use inkwell::attributes::{Attribute, AttributeLoc};
 use inkwell::builder::Builder;
 use inkwell::context::Context;
@@ -72,7 +76,7 @@ pub(crate) enum Flavor {
 pub(crate) fn module<'c>(ctx: &'c Context, program: &Program, flavor: Flavor) -> Result<Module<'c>, XferError> {
     let m = ctx.create_module("moeforge_xfer");
     let b = ctx.create_builder();
-    let body = body(ctx, &m, &b, program.shapes())?;
+    let body = body(ctx, &m, &b, program.shapes(), program.sum_shapes())?;
     let ptr = ctx.ptr_type(AddressSpace::default());
     let i64t = ctx.i64_type();
     match flavor {
@@ -111,12 +115,13 @@ pub(crate) fn module<'c>(ctx: &'c Context, program: &Program, flavor: Flavor) ->
     Ok(m)
 }
 
-/// The body: one strided loop per shape.
+/// The body: one strided loop per copy shape, then one per sum shape.
 fn body<'c>(
     ctx: &'c Context,
     m: &Module<'c>,
     b: &Builder<'c>,
     shapes: &[Shape],
+    sums: &[SumShape],
 ) -> Result<FunctionValue<'c>, XferError> {
     let ptr = ctx.ptr_type(AddressSpace::default());
     let i64t = ctx.i64_type();
@@ -146,13 +151,18 @@ fn body<'c>(
     // Each shape's instance count, and where its instances start in the table.
     let mut counts = vec![];
     let mut starts = vec![];
-    let mut at = c(shapes.len() as u64);
-    for (i, s) in shapes.iter().enumerate() {
+    let mut at = c((shapes.len() + sums.len()) as u64);
+    let per: Vec<(u64, u64)> = shapes
+        .iter()
+        .map(|s| (INSTANCE_WORDS as u64, s.pieces()))
+        .chain(sums.iter().map(|s| (s.words() as u64, s.elems)))
+        .collect();
+    for (i, &(words, pieces)) in per.iter().enumerate() {
         let n = word(c(i as u64), "n")?;
         starts.push(at);
-        let words = b.build_int_mul(n, c(INSTANCE_WORDS as u64), "").map_err(llvm)?;
+        let words = b.build_int_mul(n, c(words), "").map_err(llvm)?;
         at = b.build_int_add(at, words, "").map_err(llvm)?;
-        counts.push(b.build_int_mul(n, c(s.pieces()), "pieces").map_err(llvm)?);
+        counts.push(b.build_int_mul(n, c(pieces), "pieces").map_err(llvm)?);
     }
     let done = ctx.append_basic_block(f, "done");
     let mut pred = entry;
@@ -213,6 +223,71 @@ fn body<'c>(
             .set_alignment(align)
             .map_err(llvm)?;
         b.build_store(to, v).map_err(llvm)?.set_alignment(align).map_err(llvm)?;
+        let n = b.build_int_add(pv, workers, "").map_err(llvm)?;
+        p.add_incoming(&[(&n, step)]);
+        b.build_unconditional_branch(head).map_err(llvm)?;
+        pred = next;
+    }
+    let f32t = ctx.f32_type();
+    for (j, s) in sums.iter().enumerate() {
+        let i = shapes.len() + j;
+        let head = ctx.append_basic_block(f, &format!("sum{j}"));
+        let step = ctx.append_basic_block(f, &format!("sum{j}.element"));
+        b.position_at_end(pred);
+        b.build_unconditional_branch(head).map_err(llvm)?;
+        b.position_at_end(head);
+        let p = b.build_phi(i64t, "p").map_err(llvm)?;
+        p.add_incoming(&[(&worker, pred)]);
+        let pv = p.as_basic_value().into_int_value();
+        let more = b.build_int_compare(IntPredicate::ULT, pv, counts[i], "").map_err(llvm)?;
+        let next = ctx.append_basic_block(f, &format!("sum{j}.end"));
+        b.build_conditional_branch(more, step, next).map_err(llvm)?;
+
+        b.position_at_end(step);
+        let inst = b.build_int_unsigned_div(pv, c(s.elems), "instance").map_err(llvm)?;
+        let e = b.build_int_unsigned_rem(pv, c(s.elems), "element").map_err(llvm)?;
+        let w = b.build_int_mul(inst, c(s.words() as u64), "").map_err(llvm)?;
+        let w = b.build_int_add(starts[i], w, "").map_err(llvm)?;
+        let field = |k: u64, name: &str| -> Result<IntValue<'c>, XferError> {
+            let at = b.build_int_add(w, c(k), "").map_err(llvm)?;
+            word(at, name)
+        };
+        // Element `e` of the row at (buffer, offset), `size` bytes each.
+        let element = |buf: IntValue<'c>, off: IntValue<'c>, size: u64| -> Result<PointerValue<'c>, XferError> {
+            let slot = gep(b, ptr, bases, buf)?;
+            let base = aligned(b.build_load(ptr, slot, "base").map_err(llvm)?)?.into_pointer_value();
+            let t = b.build_int_mul(e, c(size), "").map_err(llvm)?;
+            let o = b.build_int_add(off, t, "").map_err(llvm)?;
+            gep(b, ctx.i8_type(), base, o)
+        };
+        use inkwell::values::BasicValue;
+        let mut acc = f32t.const_float(0.0);
+        for k in 0..u64::from(s.sources) {
+            let at = element(field(2 + 2 * k, "src")?, field(3 + 2 * k, "src_offset")?, s.elem.bytes())?;
+            let x = match s.elem {
+                Elem::Bf16 => {
+                    let v = b.build_load(ctx.i16_type(), at, "bf16").map_err(llvm)?;
+                    v.as_instruction_value()
+                        .ok_or_else(|| llvm("a load is not an instruction"))?
+                        .set_alignment(2)
+                        .map_err(llvm)?;
+                    let wide = b.build_int_z_extend(v.into_int_value(), ctx.i32_type(), "").map_err(llvm)?;
+                    let bits = b.build_left_shift(wide, ctx.i32_type().const_int(16, false), "").map_err(llvm)?;
+                    b.build_bit_cast(bits, f32t, "x").map_err(llvm)?.into_float_value()
+                }
+                Elem::F32 => {
+                    let v = b.build_load(f32t, at, "x").map_err(llvm)?;
+                    v.as_instruction_value()
+                        .ok_or_else(|| llvm("a load is not an instruction"))?
+                        .set_alignment(4)
+                        .map_err(llvm)?;
+                    v.into_float_value()
+                }
+            };
+            acc = b.build_float_add(acc, x, "acc").map_err(llvm)?;
+        }
+        let to = element(field(0, "dst")?, field(1, "dst_offset")?, 4)?;
+        b.build_store(to, acc).map_err(llvm)?.set_alignment(4).map_err(llvm)?;
         let n = b.build_int_add(pv, workers, "").map_err(llvm)?;
         p.add_incoming(&[(&n, step)]);
         b.build_unconditional_branch(head).map_err(llvm)?;

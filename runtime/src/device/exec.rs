@@ -13,9 +13,13 @@
 //!   in rank order, tokens in order) with its top-k ids and weights, as one
 //!   batch of the bundle's compiled dispatch program (`kernels/xfer_dispatch.*`:
 //!   the host reads only the top-k ids, which fix where every row lands);
-//!   the combine returns each received row to its source, summed there in
-//!   f32 in rank order. The all-reduce and the combine are host copies, which
-//!   the cuda backend is to replace with peer reads and NCCL.
+//!   the combine is pulled by each token's source rank, its row the f32 sum
+//!   of the rows the receiving ranks computed, in rank order (the bundle's
+//!   compiled `combine` program: the host reads nothing); the TP all-reduce
+//!   is the compiled `all_reduce` program, a reduce-scatter then an
+//!   all-gather, rows summed in rank order. Every communication op is a
+//!   transfer program: on a GPU the same code reads peers' buffers through
+//!   their pointers.
 //! - Counts the device computes (the permutation's padded rows) are read
 //!   back where the program needs them for a grid.
 //!
@@ -30,7 +34,7 @@
 //! the interpreter checks.
 
 use super::bind::{self, Counts, Site};
-use super::{BufferId, Code, Device, DeviceError, KernelArg, ModuleId, StridedCopy, Transfer};
+use super::{BufferId, Code, Device, DeviceError, Elem, KernelArg, ModuleId, StridedCopy, Sum, Transfer};
 use moeforge_plan::memory::{
     BufferName, MemoryPlan, Mode, RouteIndexParts, TensorPart, TensorRole, WeightReshard, KV_MOVE_CHUNK,
 };
@@ -110,6 +114,9 @@ pub struct Executor {
     reshard: Option<(Code, ReshardTransfers)>,
     /// The compiled EP dispatch (its batches are each step's rows).
     dispatch: Option<Code>,
+    /// The compiled EP combine (each step's gathers) and TP all-reduce.
+    combine: Option<Code>,
+    all_reduce: Option<Code>,
 }
 
 fn le32(v: &[i32]) -> Vec<u8> {
@@ -158,6 +165,8 @@ impl Executor {
             _ => None,
         };
         let dispatch = codes.remove("dispatch");
+        let combine = codes.remove("combine");
+        let all_reduce = codes.remove("all_reduce");
         let mut modules = BTreeMap::new();
         for p in &plan.programs {
             for (_, op) in p.ops() {
@@ -171,7 +180,22 @@ impl Executor {
         }
         let buffers =
             (0..plan.memory.group).map(|_| dev.alloc(plan.memory.buffer_bytes)).collect::<Result<Vec<_>, _>>()?;
-        Ok(Executor { dev, plan: std::sync::Arc::new(plan.clone()), buffers, modules, reshard, dispatch })
+        Ok(Executor {
+            dev,
+            plan: std::sync::Arc::new(plan.clone()),
+            buffers,
+            modules,
+            reshard,
+            dispatch,
+            combine,
+            all_reduce,
+        })
+    }
+
+    /// A compiled transfer program the plan needs, or why the bundle lacks it.
+    fn code(&self, code: &Option<Code>, name: &str) -> Result<Code, ExecError> {
+        code.clone()
+            .ok_or_else(|| ExecError::Plan(format!("the bundle holds no compiled {name} (kernels/xfer_{name}.*)")))
     }
 
     pub fn ranks(&self) -> usize {
@@ -677,18 +701,40 @@ impl Executor {
         let row = |name| mem.buffer(mode, name).map_or(0, |b| b.row_bytes);
         match c.kind {
             CommKind::AllReduce => {
+                // The two-shot all-reduce, as the bundle's compiled
+                // `all_reduce` program: each row summed in rank order on the
+                // rank that owns it (rows dealt round-robin over the group),
+                // in place, then copied from there to the others.
+                let code = self.code(&self.all_reduce, "all_reduce")?;
                 let tokens = counts[group[0]][m].tokens as u64;
-                let bytes = tokens * row(c.from);
-                let mut sum: Vec<f32> = vec![0.0; (bytes / 4) as usize];
-                for &r in &group {
-                    let part = f32s(&self.download(r, at(r, c.from)?, bytes)?);
-                    sum.iter_mut().zip(part).for_each(|(s, x)| *s += x);
+                let (rf, rt) = (row(c.from), row(c.to));
+                if rf != rt {
+                    return Err(ExecError::Plan(format!(
+                        "op `{}`: {:?} rows are {rt} bytes and {:?}'s {rf}: the all-reduce sums rows in place",
+                        op.name, c.to, c.from
+                    )));
                 }
-                let data: Vec<u8> = sum.iter().flat_map(|x| x.to_le_bytes()).collect();
-                for &r in &group {
-                    let to = at(r, c.to)?;
-                    self.upload(r, to, &data)?;
+                let (mut sums, mut copies) = (vec![], vec![]);
+                for t in 0..tokens {
+                    let owner = group[(t % group.len() as u64) as usize];
+                    let dst_offset = at(owner, c.to)? + t * rt;
+                    let sources = group
+                        .iter()
+                        .map(|&r| Ok((r as u32, at(r, c.from)? + t * rf)))
+                        .collect::<Result<_, ExecError>>()?;
+                    sums.push(Sum { dst: owner as u32, dst_offset, sources, elems: rt / 4, elem: Elem::F32 });
+                    for &r in group.iter().filter(|&&r| r != owner) {
+                        copies.push(Transfer {
+                            src: owner as u32,
+                            dst: r as u32,
+                            copy: StridedCopy::one_run(dst_offset, at(r, c.to)? + t * rt, rt),
+                        });
+                    }
                 }
+                let bad = |e: moeforge_xfer::XferError| ExecError::Plan(format!("op `{}`: {e}", op.name));
+                let batches =
+                    [code.program.batch_with_sums(&[], &sums).map_err(bad)?, code.program.batch(&copies).map_err(bad)?];
+                self.dev.transfer(&code, &batches, &self.buffers)?;
             }
             CommKind::AllToAll if !c.with.is_empty() => {
                 // Dispatch: each token row to every rank holding one of its
@@ -793,30 +839,47 @@ impl Executor {
                 *routes = to;
             }
             CommKind::AllToAll => {
-                // Combine: each received row back to its source, summed in f32.
-                let h = plan.model.hidden as usize;
-                let mut sums: BTreeMap<usize, Vec<f32>> = BTreeMap::new();
-                for &s in &group {
-                    sums.insert(s, vec![0.0; counts[s][m].tokens as usize * h]);
+                // Combine, pulled by each token's source rank: its row becomes
+                // the f32 sum of the rows the ranks that received it computed,
+                // in rank order, as the bundle's compiled `combine` program.
+                let code = self.code(&self.combine, "combine")?;
+                let h = u64::from(plan.model.hidden);
+                let (rs, rt) = (row(c.from), row(c.to));
+                if rs < 2 * h || rt < 4 * h {
+                    return Err(ExecError::Plan(format!(
+                        "op `{}`: rows of {rs} and {rt} bytes cannot hold {h} bf16 and f32 elements",
+                        op.name
+                    )));
                 }
-                let rs = row(c.from) as usize;
+                let mut from: BTreeMap<(usize, usize), Vec<(u32, u64)>> = BTreeMap::new();
                 for &d in &group {
-                    let n = routes.get(d).map_or(0, Vec::len);
-                    let data = self.download(d, at(d, c.from)?, (n * rs) as u64)?;
-                    for (i, &(s, tok)) in routes[d].iter().enumerate() {
-                        let sum =
-                            sums.get_mut(&s).ok_or_else(|| ExecError::Plan("a row from outside the group".into()))?;
-                        for j in 0..h {
-                            let b = [data[i * rs + 2 * j], data[i * rs + 2 * j + 1]];
-                            sum[tok * h + j] += f32::from_bits(u32::from(u16::from_le_bytes(b)) << 16);
-                        }
+                    let base = at(d, c.from)?;
+                    for (i, &(s, tok)) in routes.get(d).map(Vec::as_slice).unwrap_or_default().iter().enumerate() {
+                        from.entry((s, tok)).or_default().push((d as u32, base + i as u64 * rs));
                     }
                 }
-                for (s, sum) in sums {
-                    let data: Vec<u8> = sum.iter().flat_map(|x| x.to_le_bytes()).collect();
-                    let a = at(s, c.to)?;
-                    self.upload(s, a, &data)?;
+                let mut sums = vec![];
+                for &s in &group {
+                    let base = at(s, c.to)?;
+                    for tok in 0..counts[s][m].tokens as usize {
+                        let sources = from.remove(&(s, tok)).unwrap_or_default();
+                        sums.push(Sum {
+                            dst: s as u32,
+                            dst_offset: base + tok as u64 * rt,
+                            sources,
+                            elems: h,
+                            elem: Elem::Bf16,
+                        });
+                    }
                 }
+                if !from.is_empty() {
+                    return Err(ExecError::Plan("a row from outside the group".into()));
+                }
+                let batch = code
+                    .program
+                    .batch_with_sums(&[], &sums)
+                    .map_err(|e| ExecError::Plan(format!("op `{}`: {e}", op.name)))?;
+                self.dev.transfer(&code, &[batch], &self.buffers)?;
             }
         }
         Ok(())

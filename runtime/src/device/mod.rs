@@ -5,7 +5,7 @@
 //! launch on any `Device`; [`emu`] is the emulated device.
 //!
 //! Data movement between buffers (the weight reshard, the dispatch's token
-//! rows) is a transfer program ([`moeforge_xfer`]): one LLVM IR that each
+//! rows, the combine's and the all-reduce's sums) is a transfer program ([`moeforge_xfer`]): one LLVM IR that each
 //! device compiles for itself.
 //!
 //! A launch here runs to completion before the call returns (the emulated
@@ -18,7 +18,7 @@ pub mod bind;
 pub mod emu;
 pub mod exec;
 
-pub use moeforge_xfer::{Batch, Code, Program, StridedCopy, Transfer};
+pub use moeforge_xfer::{Batch, Code, Elem, Program, StridedCopy, Sum, Transfer};
 
 /// Device memory: one allocation (a rank's unified buffer).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
