@@ -148,10 +148,27 @@ fn a_refused_plan_names_the_field() {
     let plan = codegen::plan_deployment(&checked, id).unwrap();
     codegen::emit(&checked, id, &plan, &NvccMode::Off).unwrap().0.write(&dir).unwrap();
     let mut v: Value = serde_json::from_slice(&std::fs::read(dir.join("plan.json")).unwrap()).unwrap();
+    let v0 = v.clone();
     v["memory"]["views"][3]["offset"] = Value::from(v["memory"]["buffer_bytes"].as_u64().unwrap());
     rewrite(&dir, &v);
     let e = load_bundle(&dir).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e.contains("plan.json") && e.contains("memory.views[3].offset") && e.contains("leaves region"), "{e}");
+    // A workspace buffer moved onto another, or past its region: the
+    // devices bound every kernel and transfer by these addresses.
+    let buffers = v0["memory"]["buffers"].as_array().unwrap();
+    let (first, second) = (&buffers[0], &buffers[1]);
+    assert_eq!(first["region"], second["region"], "two buffers of one region");
+    let mut v = v0.clone();
+    v["memory"]["buffers"][1]["offset"] = first["offset"].clone();
+    rewrite(&dir, &v);
+    let e = load_bundle(&dir).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("memory.buffers[1].offset") && e.contains("buffers overlap"), "{e}");
+    let mut v = v0.clone();
+    v["memory"]["buffers"][0]["rows"] = Value::from(v0["memory"]["buffer_bytes"].as_u64().unwrap());
+    rewrite(&dir, &v);
+    let e = load_bundle(&dir).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("memory.buffers[0].offset") && e.contains("do not fit region"), "{e}");
+    rewrite(&dir, &v0);
     // A plan that disagrees with its spec is refused too.
     let mut v: Value = serde_json::from_slice(&std::fs::read(dir.join("plan.json")).unwrap()).unwrap();
     v = {

@@ -323,13 +323,21 @@ fn add_naively(sums: &[Sum], bufs: &mut [Vec<u8>]) {
 
 /// Buffers of finite values however they are read: random bf16 bit
 /// patterns with exponents kept away from 0xff, so every 4 bytes read as an
-/// f32 are finite too (their upper half is one of them).
+/// f32 are finite too (their upper half is one of them). One in eight is
+/// ±0 and one in eight subnormal: a sum must start from +0.0 (a −0.0 start
+/// or none at all gives −0.0 where the sources are all −0.0) and keep
+/// subnormals (no flush to zero).
 fn finite_bytes(rng: &mut Rng, n: usize) -> Vec<u8> {
     (0..n / 2)
         .flat_map(|_| {
             let sign = (rng.below(2) as u16) << 15;
-            let exponent = (100 + rng.below(50) as u16) << 7;
-            (sign | exponent | rng.below(128) as u16).to_le_bytes()
+            let exponent = match rng.below(8) {
+                0 => 0,
+                1 => return (sign | (1 + rng.below(127) as u16)).to_le_bytes(),
+                _ => (100 + rng.below(50) as u16) << 7,
+            };
+            let mantissa = if exponent == 0 { 0 } else { rng.below(128) as u16 };
+            (sign | exponent | mantissa).to_le_bytes()
         })
         .collect()
 }

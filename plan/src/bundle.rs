@@ -349,7 +349,17 @@ fn load_with(dir: &Path, read: &dyn Fn(&str) -> Result<Vec<u8>, BundleError>) ->
         let (ptx_path, ir_path) = crate::transfers::files(name);
         let text = |path: &str| -> Result<String, BundleError> {
             if !manifest.files.contains_key(path) {
-                return Err(BundleError::Missing { path: path.into() });
+                // Not listed: compiled by a moeforge whose plans needed
+                // fewer transfer programs (the combine and the all-reduce
+                // were host code before), or edited out.
+                return Err(BundleError::Parse {
+                    path: path.into(),
+                    what: "transfer program",
+                    err: format!(
+                        "this plan runs its `{name}` transfer program, which the manifest does not list: \
+                         recompile the bundle with this moeforge"
+                    ),
+                });
             }
             String::from_utf8(read(path)?).map_err(|e| BundleError::Parse {
                 path: path.into(),

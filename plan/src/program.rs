@@ -911,13 +911,18 @@ pub fn check(
                             format!("moves {} bytes per row, but its buffers' rows hold {sent:?}", c.row_bytes),
                         ));
                     }
+                    let once = c.group.iter().enumerate().all(|(i, r)| !c.group[..i].contains(r));
                     if c.group.is_empty()
                         || c.group.iter().any(|r| *r >= world)
                         || !p.ranks.iter().all(|r| c.group.contains(r))
+                        || !once
                     {
                         out.push((
                             format!("{f}.comm.group"),
-                            format!("group {:?} must hold the program's ranks of a world of {world}", c.group),
+                            format!(
+                                "group {:?} must hold the program's ranks of a world of {world}, each once",
+                                c.group
+                            ),
                         ));
                     }
                 }

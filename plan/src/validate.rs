@@ -88,6 +88,11 @@ pub fn check(plan: &Plan) -> Vec<Violation> {
     placement(&mut c, plan);
     programs(&mut c, plan);
     roles(&mut c, plan);
+    if !plan.memory.regions.is_empty() {
+        // Last: an edit of the modes or roles is named before its
+        // consequences for the buffers.
+        buffers(&mut c, plan);
+    }
     c.out
 }
 
@@ -323,6 +328,72 @@ fn memory(c: &mut Check, p: &Plan) {
     });
     kv(c, p, dual);
     reshard(c, p, dual);
+}
+
+/// The workspace's buffers: each inside its region (comm, scratch or
+/// requests), aligned, of the region's modes, named once per mode, and no
+/// two a rank uses in the same mode overlapping (the two modes' comm slots
+/// alias by design: a rank runs one mode at a time). The devices bound
+/// every kernel and transfer by these addresses, so an edited plan must not
+/// move one buffer onto another or past its region.
+fn buffers(c: &mut Check, p: &Plan) {
+    let m = &p.memory;
+    let mut spans: Vec<(Mode, u64, u64, usize)> = vec![];
+    for (i, b) in m.buffers.iter().enumerate() {
+        let f = format!("memory.buffers[{i}]");
+        let Some(r) = m.regions.get(b.region.index()) else {
+            c.bad(format!("{f}.region"), format!("{:?} is not a region of the plan", b.region));
+            continue;
+        };
+        let kinds = [RegionKind::Comm, RegionKind::Scratch, RegionKind::Requests];
+        c.ensure(kinds.contains(&r.kind), format!("{f}.region"), || {
+            format!("`{:?}` in region `{}`: buffers live in comm, scratch and requests", b.name, r.kind.name())
+        });
+        let end = b.rows.checked_mul(b.row_bytes).and_then(|n| b.offset.checked_add(n));
+        let inside = end.is_some_and(|e| b.offset >= r.offset && e <= r.offset.saturating_add(r.bytes));
+        if !c.ensure(inside, format!("{f}.offset"), || {
+            format!(
+                "`{:?}`: {} rows of {} bytes at {} do not fit region `{}` ({} bytes at {})",
+                b.name,
+                b.rows,
+                b.row_bytes,
+                b.offset,
+                r.kind.name(),
+                r.bytes,
+                r.offset
+            )
+        }) {
+            continue;
+        }
+        c.ensure(b.offset % ALIGN == 0, format!("{f}.offset"), || {
+            format!("`{:?}` at {} is not aligned to {ALIGN}", b.name, b.offset)
+        });
+        for &mode in &m.modes {
+            if !b.modes.contains(mode) {
+                continue;
+            }
+            c.ensure(r.modes.contains(&mode), format!("{f}.modes"), || {
+                format!("`{:?}` is used in {} but its region is not", b.name, mode.name())
+            });
+            let again = m.buffers[..i].iter().any(|x| x.name == b.name && x.modes.contains(mode));
+            c.ensure(!again, format!("{f}.name"), || format!("`{:?}` twice in {}", b.name, mode.name()));
+            if b.rows > 0 && b.row_bytes > 0 {
+                spans.push((mode, b.offset, end.unwrap_or(b.offset), i));
+            }
+        }
+    }
+    spans.sort();
+    for w in spans.windows(2) {
+        let (x, y) = (w[0], w[1]);
+        if x.0 == y.0 && y.1 < x.2 {
+            let name = |k: usize| m.buffers.get(k).map_or(String::new(), |b| format!("{:?}", b.name));
+            c.bad(
+                format!("memory.buffers[{}].offset", x.3.max(y.3)),
+                format!("{} buffers overlap: `{}` and `{}`", x.0.name(), name(x.3), name(y.3)),
+            );
+            return;
+        }
+    }
 }
 
 /// Most (view, layer) extents a plan may hold: far above any model a

@@ -17,9 +17,11 @@
 //!   of the rows the receiving ranks computed, in rank order (the bundle's
 //!   compiled `combine` program: the host reads nothing); the TP all-reduce
 //!   is the compiled `all_reduce` program, a reduce-scatter then an
-//!   all-gather, rows summed in rank order. Every communication op is a
-//!   transfer program: on a GPU the same code reads peers' buffers through
-//!   their pointers.
+//!   all-gather, rows summed in rank order. Every byte a communication op
+//!   moves is moved by a transfer program (on a GPU the same code reads
+//!   peers' buffers through their pointers); the host reads only the
+//!   dispatch's top-k ids, and writes the rewritten ids of a replicated
+//!   placement.
 //! - Counts the device computes (the permutation's padded rows) are read
 //!   back where the program needs them for a grid.
 //!
@@ -714,20 +716,25 @@ impl Executor {
                         op.name, c.to, c.from
                     )));
                 }
+                let beyond = || ExecError::Plan(format!("op `{}`: a row address overflows", op.name));
+                let row_at = |r: usize, name, t: u64, bytes: u64| -> Result<u64, ExecError> {
+                    t.checked_mul(bytes).and_then(|o| o.checked_add(at(r, name).ok()?)).ok_or_else(beyond)
+                };
                 let (mut sums, mut copies) = (vec![], vec![]);
                 for t in 0..tokens {
                     let owner = group[(t % group.len() as u64) as usize];
-                    let dst_offset = at(owner, c.to)? + t * rt;
-                    let sources = group
-                        .iter()
-                        .map(|&r| Ok((r as u32, at(r, c.from)? + t * rf)))
-                        .collect::<Result<_, ExecError>>()?;
+                    let dst_offset = row_at(owner, c.to, t, rt)?;
+                    let sources = group.iter().map(|&r| Ok((r as u32, row_at(r, c.from, t, rf)?))).collect::<Result<
+                        _,
+                        ExecError,
+                    >>(
+                    )?;
                     sums.push(Sum { dst: owner as u32, dst_offset, sources, elems: rt / 4, elem: Elem::F32 });
                     for &r in group.iter().filter(|&&r| r != owner) {
                         copies.push(Transfer {
                             src: owner as u32,
                             dst: r as u32,
-                            copy: StridedCopy::one_run(dst_offset, at(r, c.to)? + t * rt, rt),
+                            copy: StridedCopy::one_run(dst_offset, row_at(r, c.to, t, rt)?, rt),
                         });
                     }
                 }
@@ -851,11 +858,15 @@ impl Executor {
                         op.name
                     )));
                 }
+                let beyond = || ExecError::Plan(format!("op `{}`: a row address overflows", op.name));
+                let row_at = |base: u64, i: usize, bytes: u64| {
+                    (i as u64).checked_mul(bytes).and_then(|o| o.checked_add(base)).ok_or_else(beyond)
+                };
                 let mut from: BTreeMap<(usize, usize), Vec<(u32, u64)>> = BTreeMap::new();
                 for &d in &group {
                     let base = at(d, c.from)?;
                     for (i, &(s, tok)) in routes.get(d).map(Vec::as_slice).unwrap_or_default().iter().enumerate() {
-                        from.entry((s, tok)).or_default().push((d as u32, base + i as u64 * rs));
+                        from.entry((s, tok)).or_default().push((d as u32, row_at(base, i, rs)?));
                     }
                 }
                 let mut sums = vec![];
@@ -865,7 +876,7 @@ impl Executor {
                         let sources = from.remove(&(s, tok)).unwrap_or_default();
                         sums.push(Sum {
                             dst: s as u32,
-                            dst_offset: base + tok as u64 * rt,
+                            dst_offset: row_at(base, tok, rt)?,
                             sources,
                             elems: h,
                             elem: Elem::Bf16,
@@ -873,7 +884,11 @@ impl Executor {
                     }
                 }
                 if !from.is_empty() {
-                    return Err(ExecError::Plan("a row from outside the group".into()));
+                    return Err(ExecError::Plan(format!(
+                        "op `{}`: {} received rows have no token of this step's group to return to",
+                        op.name,
+                        from.len()
+                    )));
                 }
                 let batch = code
                     .program
