@@ -229,7 +229,9 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
 /// goodput 0 and why.
 /// - **ExpertPlex**: the search's best layout a role plan executes.
 /// - **PD** (whole-model instances, [`Env::pd_unit`]): Eq. 1 over its
-///   prefill and decode instances; not with a replicated placement (PD
+///   prefill and decode instances, the prompt's KV handoff (`Env::kv_move`,
+///   what the simulator charges) delaying the first decode step and so
+///   spread over the output's TPOT; not with a replicated placement (PD
 ///   plans take none).
 /// - **Colocated** (data-parallel attention and EP on every GPU, SGLang's
 ///   prefill-first scheduling): the phases time-share the GPUs in cycles of
@@ -307,7 +309,10 @@ pub fn alternatives(spec: &Spec, d: &Deploy, cm: &CostModel, search: &SearchResu
             let kv = kv_per_gpu(env.weights / f64::from(unit));
             let rp = prefill_rate(np * unit, side(np), kv * f64::from(np * unit));
             let cap = ((kv / (input + output)).floor() * f64::from(nd * unit)).min(f64::from(MAX_DECODE_BATCH)) as u32;
-            let bd = max_feasible(cap, |b| t_decode(b, nd * unit, side(nd)) <= d.slo.tpot);
+            // The prompt's KV moves to the decode instance before its first
+            // decode step: one step's delay spread over the output's TPOT.
+            let handoff = env.kv_move(input) / (output - 1.0).max(1.0);
+            let bd = max_feasible(cap, |b| t_decode(b, nd * unit, side(nd)) + handoff <= d.slo.tpot);
             let rd = if bd == 0 { 0.0 } else { f64::from(bd) / (t_decode(bd, nd * unit, side(nd)) * output) };
             Alternative {
                 strategy: Strategy::PdDisagg,
