@@ -784,6 +784,43 @@ fn replicated_expert_slots_on_the_emulated_device_give_transformers_tokens() {
     eprintln!("zepp replicas on the emulated device: worst logit error {e:.2e} ({ekv:.2e} against a bf16 KV cache)");
 }
 
+/// The hierarchical prefill combine on the emulated device (ExpertPlex §5,
+/// Zepp's merge): Qwen3-MoE striped over 2 nodes × 2 ranks, so a prefill
+/// token's rows computed on the other node are summed there, on the GPU
+/// with its source's local rank, into one bf16 row that crosses nodes;
+/// decode pulls directly. Tokens must be transformers' (the partial sums'
+/// bf16 rounding is the wire format's), and the relays must have merged
+/// rows: fewer rows crossed nodes than were computed across them.
+#[test]
+fn the_prefill_combine_relays_across_nodes_on_the_emulated_device() {
+    use moeforge::runtime::device::emu::EmuDevice;
+    let f = fixture("qwen3-moe");
+    let bf16: Value = serde_json::from_str(&std::fs::read_to_string(f.dir.join("bf16.json")).unwrap()).unwrap();
+    let (bound, steps) = bf16_bound(&bf16);
+    let ck = Checkpoint::load(&f.dir).unwrap();
+    let block = imported_block(&f.dir);
+    let (cache, tmp) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let b = compile_text(&cpu_cluster_deployment(&block, 2, 2, 0.25, ""), tmp.path());
+    let relayed =
+        |phase| {
+            b.plan.plan().programs.iter().filter(|p| p.phase == phase && p.mode == Mode::Ep).all(|p| {
+                p.ops().any(|(_, o)| o.name.starts_with("combine") && o.comm.as_ref().is_some_and(|c| c.relay.is_some()))
+            })
+        };
+    use moeforge::plan::program::Phase;
+    assert!(relayed(Phase::Prefill) && !relayed(Phase::Decode), "prefill relays, decode pulls directly");
+    let dev = EmuDevice::start(cache.path()).unwrap_or_else(|e| panic!("{e}"));
+    let mut t = Twin::on_device(&b, &ck, Mode::Ep, Box::new(dev)).unwrap_or_else(|e| panic!("{e}"));
+    let at = |i: usize, s: usize| bound.max(steps[i][s]);
+    let (e, ekv, _) = check_run_within(&f, &mut t, "relayed combine on the emulated device", &[], &at, &at);
+    let c = t.combine_traffic().unwrap();
+    eprintln!(
+        "relayed combine on the emulated device: worst logit error {e:.2e} ({ekv:.2e} against a bf16 KV cache); {c:?}"
+    );
+    assert!(c.relay_rows > 0 && c.relay_rows < c.relayed_rows, "no relay merged two rows: {c:?}");
+    assert!(c.scale_out_rows >= c.relay_rows && c.node_rows > 0, "{c:?}");
+}
+
 /// The emulated device sees layout: the same bundle with its dense APK's
 /// wgmma descriptor flipped from 128-byte to 64-byte swizzling, or two of the
 /// epilogue's accumulator fragment indices swapped, no longer gives

@@ -14,7 +14,8 @@
 //!   as PTX for sm_90a: kernel entries that ptxas (nvcc tier) assembles
 //!   without spilling. (The dispatch runs in every emulated-device test in
 //!   EP, whose tokens are transformers'.)
-//! - Random sums (bf16 and f32 rows from 0 to 4 sources, in place or not,
+//! - Random sums (bf16 and f32 rows from 0 to 4 sources into f32 or bf16
+//!   rows, the bf16 rounding checked against a nearest-value search, in place or not,
 //!   batches reading what earlier ones wrote, copies beside them) against a
 //!   naive f32 loop, bit for bit, on the JIT and on the emulated device: the
 //!   combine's and the all-reduce's arithmetic.
@@ -225,9 +226,9 @@ fn the_transfer_programs_are_ptx_kernels_that_ptxas_assembles_without_spills() {
     assert_eq!(k, 2);
     assert_eq!(
         sums("combine"),
-        (0..=k).map(|n| SumShape { elems: hidden, sources: n, elem: Elem::Bf16 }).collect::<Vec<_>>()
+        (0..=k).map(|n| SumShape { elems: hidden, sources: n, elem: Elem::Bf16, out: Elem::F32 }).collect::<Vec<_>>()
     );
-    assert!(sums("all_reduce").iter().all(|s| s.sources == 4 && s.elem == Elem::F32));
+    assert!(sums("all_reduce").iter().all(|s| s.sources == 4 && s.elem == Elem::F32 && s.out == Elem::F32));
     assert!(sums("all_reduce").iter().any(|s| s.elems == hidden), "the hidden rows' all-reduce");
     for (name, code) in &bundle.transfers {
         check_ptx(name, &code.program);
@@ -301,6 +302,23 @@ fn widen(bits: u16) -> f32 {
     f32::from_bits(u32::from(bits) << 16)
 }
 
+/// The bf16 nearest to `x`, ties to the even one, by search: the two bf16
+/// values around x (truncation, and the next one away from zero), compared
+/// by distance in f64.
+fn nearest_bf16(x: f32) -> u16 {
+    if x.is_nan() {
+        return ((x.to_bits() >> 16) as u16) | 0x40;
+    }
+    let down = (x.to_bits() >> 16) as u16;
+    let up = down.wrapping_add(1);
+    let (dd, du) = ((f64::from(widen(down)) - f64::from(x)).abs(), (f64::from(widen(up)) - f64::from(x)).abs());
+    if widen(up).is_nan() || dd < du || (dd == du && down.is_multiple_of(2)) {
+        down
+    } else {
+        up
+    }
+}
+
 /// A naive execution of sums: sum by sum, element by element, each source
 /// added in order to an f32 that starts at +0.0.
 fn add_naively(sums: &[Sum], bufs: &mut [Vec<u8>]) {
@@ -315,8 +333,16 @@ fn add_naively(sums: &[Sum], bufs: &mut [Vec<u8>]) {
                     Elem::F32 => f32::from_le_bytes(b[at + 4 * e..at + 4 * e + 4].try_into().unwrap()),
                 };
             }
-            let at = s.dst_offset as usize + 4 * e;
-            bufs[s.dst as usize][at..at + 4].copy_from_slice(&acc.to_le_bytes());
+            match s.out {
+                Elem::F32 => {
+                    let at = s.dst_offset as usize + 4 * e;
+                    bufs[s.dst as usize][at..at + 4].copy_from_slice(&acc.to_le_bytes());
+                }
+                Elem::Bf16 => {
+                    let at = s.dst_offset as usize + 2 * e;
+                    bufs[s.dst as usize][at..at + 2].copy_from_slice(&nearest_bf16(acc).to_le_bytes());
+                }
+            }
         }
     }
 }
@@ -355,13 +381,14 @@ fn random_sums(rng: &mut Rng, size: u64) -> Vec<(Vec<Transfer>, Vec<Sum>)> {
         let (mut sums, mut copies) = (vec![], vec![]);
         for _ in 0..1 + rng.below(6) {
             let elem = if rng.below(2) == 0 { Elem::Bf16 } else { Elem::F32 };
+            let into = if rng.below(3) == 0 { Elem::Bf16 } else { Elem::F32 };
             let elems = 1 + rng.below(40) as u64;
             let w = rng.below(2);
             let dst_offset = (cursor[w] + 4 * rng.below(3) as u64).next_multiple_of(4);
-            if dst_offset + 4 * elems > size {
+            if dst_offset + into.bytes() * elems > size {
                 continue;
             }
-            cursor[w] = dst_offset + 4 * elems;
+            cursor[w] = dst_offset + into.bytes() * elems;
             let span = elems * elem.bytes();
             let mut sources: Vec<(u32, u64)> = (0..rng.below(5))
                 .map(|_| {
@@ -369,11 +396,11 @@ fn random_sums(rng: &mut Rng, size: u64) -> Vec<(Vec<Transfer>, Vec<Sum>)> {
                     (reads[rng.below(2)], at)
                 })
                 .collect();
-            if elem == Elem::F32 && rng.below(3) == 0 {
+            if elem == Elem::F32 && into == Elem::F32 && rng.below(3) == 0 {
                 let at = rng.below(sources.len() + 1);
                 sources.insert(at, (writes[w], dst_offset));
             }
-            sums.push(Sum { dst: writes[w], dst_offset, sources, elems, elem });
+            sums.push(Sum { dst: writes[w], dst_offset, sources, elems, elem, out: into });
         }
         if rng.below(2) == 0 {
             // A copy between two read-side buffers' regions no sum reads is
@@ -402,6 +429,7 @@ fn sum_program(batches: &[(Vec<Transfer>, Vec<Sum>)]) -> Program {
         elems: s.elems,
         sources: s.sources.len() as u32,
         elem: s.elem,
+        out: s.out,
     }))
 }
 
@@ -409,7 +437,7 @@ fn sum_program(batches: &[(Vec<Transfer>, Vec<Sum>)]) -> Program {
 fn random_sum_programs_add_like_a_naive_f32_loop_bit_for_bit() {
     let mut rng = Rng(0x5u64 << 40 | 0xadd);
     let size = 2048u64;
-    let (mut in_place, mut total, mut sources) = (0, 0, std::collections::BTreeSet::new());
+    let (mut in_place, mut total, mut bf16_out, mut sources) = (0, 0, 0, std::collections::BTreeSet::new());
     for case in 0..60 {
         let batches = random_sums(&mut rng, size);
         let init: Vec<Vec<u8>> = (0..4).map(|_| finite_bytes(&mut rng, size as usize)).collect();
@@ -420,6 +448,7 @@ fn random_sum_programs_add_like_a_naive_f32_loop_bit_for_bit() {
             total += sums.len();
             in_place += sums.iter().filter(|s| s.sources.contains(&(s.dst, s.dst_offset))).count();
             sources.extend(sums.iter().map(|s| (s.sources.len(), s.elem)));
+            bf16_out += sums.iter().filter(|s| s.out == Elem::Bf16).count();
         }
         let program = sum_program(&batches);
         let built: Vec<Batch> = batches.iter().map(|(c, s)| program.batch_with_sums(c, s).unwrap()).collect();
@@ -430,7 +459,7 @@ fn random_sum_programs_add_like_a_naive_f32_loop_bit_for_bit() {
             assert!(first.is_none(), "case {case}: buffer {i} differs at byte {first:?}");
         }
     }
-    assert!(in_place > 10 && total > 200, "{in_place} in-place sums of {total}");
+    assert!(in_place > 10 && bf16_out > 50 && total > 200, "{in_place} in-place and {bf16_out} bf16 sums of {total}");
     // Every source count 0..=4 was generated with each element type (an
     // in-place sum adds a fifth f32 source).
     for n in 0..=4 {
@@ -440,7 +469,7 @@ fn random_sum_programs_add_like_a_naive_f32_loop_bit_for_bit() {
 
 #[test]
 fn sums_the_code_cannot_run_are_refused_before_anything_runs() {
-    let shape = SumShape { elems: 8, sources: 2, elem: Elem::Bf16 };
+    let shape = SumShape { elems: 8, sources: 2, elem: Elem::Bf16, out: Elem::F32 };
     let (program, _) = Program::build(&[]).unwrap();
     let program = program.with_sums([shape]);
     let sum = |dst_offset: u64, at: u64| Sum {
@@ -449,6 +478,7 @@ fn sums_the_code_cannot_run_are_refused_before_anything_runs() {
         sources: vec![(0, 0), (0, at)],
         elems: 8,
         elem: Elem::Bf16,
+        out: Elem::F32,
     };
     let e = program.batch_with_sums(&[], &[Sum { elems: 9, ..sum(0, 16) }]).unwrap_err().to_string();
     assert!(e.starts_with("sum 0:") && e.contains("no sum of this program"), "{e}");

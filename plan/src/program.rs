@@ -505,6 +505,25 @@ pub struct Comm {
     pub with: Vec<[BufferName; 2]>,
     /// Bytes a rank sends per row, every buffer together.
     pub row_bytes: u64,
+    /// A combine that crosses nodes through relays (ExpertPlex §5's
+    /// hierarchical prefill path, Zepp's merge): for each token and each
+    /// other node its rows were computed on, that node's GPU with the
+    /// source's local rank sums them (NVLink) into its `via` rows, and the
+    /// one pre-reduced row crosses the scale-out link; rows computed on the
+    /// source's own node are pulled directly.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub relay: Option<Relay>,
+}
+
+/// Where a relayed combine's node-local partial sums go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Relay {
+    /// GPUs per node: rank r is local rank r mod this on node r / this.
+    pub gpus_per_node: u32,
+    /// The relay's buffer its partial rows go to (rows of `from`'s width,
+    /// one per relayed (source, token)): the dispatch's receive rows, dead
+    /// once the experts read them.
+    pub via: BufferName,
 }
 
 impl Comm {
@@ -741,6 +760,32 @@ fn overlaps(a: Option<u32>, b: Option<u32>) -> bool {
     }
 }
 
+/// A relayed combine: a combine (no rows travel with it) whose group spans
+/// whole nodes, more than one, so every (source, node) pair has its relay
+/// in the group; the op writes the relay rows, as wide as `from`'s.
+fn relay_fits(c: &Comm, r: &Relay, op: &Op, mem: &MemoryPlan, mode: Mode) -> Result<(), String> {
+    let g = r.gpus_per_node;
+    if c.kind != CommKind::AllToAll || !c.with.is_empty() {
+        return Err("only a combine is relayed".into());
+    }
+    if g == 0 {
+        return Err("0 GPUs per node".into());
+    }
+    let nodes: std::collections::BTreeSet<u32> = c.group.iter().map(|x| x / g).collect();
+    let whole = nodes.iter().all(|n| (0..g).all(|l| c.group.contains(&(n * g + l))));
+    if nodes.len() < 2 || !whole {
+        return Err(format!("group {:?} is not two or more whole nodes of {g} GPUs", c.group));
+    }
+    if !op.writes.contains(&Operand::Buffer { name: r.via }) {
+        return Err(format!("the op does not write its relay rows ({:?})", r.via));
+    }
+    let row = |b| mem.buffer(mode, b).map(|b| b.row_bytes);
+    if row(r.via).is_none() || row(r.via) != row(c.from) {
+        return Err(format!("relay rows {:?} are not {:?}'s width", r.via, c.from));
+    }
+    Ok(())
+}
+
 fn covers(w: Option<u32>, a: Option<u32>) -> bool {
     w.is_none() || w == a
 }
@@ -924,6 +969,11 @@ pub fn check(
                                 c.group
                             ),
                         ));
+                    }
+                    if let Some(r) = &c.relay {
+                        if let Err(why) = relay_fits(c, r, op, mem, p.mode) {
+                            out.push((format!("{f}.comm.relay"), why));
+                        }
                     }
                 }
                 (None, OpKind::Comm) | (Some(_), _) => {

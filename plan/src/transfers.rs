@@ -15,7 +15,10 @@
 //! - `combine`: an EP combine, pulled by each token's source rank: its row
 //!   becomes the f32 sum of the bf16 rows the ranks its entries went to
 //!   computed, in rank order (a sum shape per number of such ranks, none to
-//!   the most a token reaches: its top-k, at most the group).
+//!   the most a token reaches: its top-k, at most the group). A relayed
+//!   combine (`Comm::relay`) first sums, on each other node's relay, the
+//!   rows computed there into one bf16 row (a shape per count, one to the
+//!   top-k or the node), then pulls those and its own node's rows.
 //! - `all_reduce`: a TP all-reduce as a reduce-scatter then an all-gather
 //!   (the two-shot all-reduce): each row is summed in rank order on the rank
 //!   that owns it (rows dealt round-robin), in place, then copied from there
@@ -81,20 +84,29 @@ pub fn programs(plan: &Plan) -> Result<Vec<(&'static str, Program)>, XferError> 
 }
 
 /// The sums of every EP combine: `hidden` bf16 elements from each of 0 to
-/// min(top-k, group) ranks.
+/// min(top-k, group) ranks (or, relayed, ranks of the own node and relays)
+/// into f32; relayed, also the relays' partial sums, from 1 to
+/// min(top-k, node) ranks into bf16 rows.
 fn combine_sums(plan: &Plan) -> Vec<SumShape> {
     let k = plan.model.top_k;
+    let h = u64::from(plan.model.hidden);
     let mut out = vec![];
+    let mut add = |s: SumShape| {
+        if !out.contains(&s) {
+            out.push(s);
+        }
+    };
     for p in plan.programs.iter().filter(|p| p.mode == Mode::Ep) {
         for (_, op) in p.ops() {
             let Some(c) = op.comm.as_ref().filter(|c| c.kind == CommKind::AllToAll && c.with.is_empty()) else {
                 continue;
             };
-            let most = k.min(c.group.len() as u32);
-            for sources in 0..=most {
-                let s = SumShape { elems: u64::from(plan.model.hidden), sources, elem: Elem::Bf16 };
-                if !out.contains(&s) {
-                    out.push(s);
+            for sources in 0..=k.min(c.group.len() as u32) {
+                add(SumShape { elems: h, sources, elem: Elem::Bf16, out: Elem::F32 });
+            }
+            if let Some(r) = &c.relay {
+                for sources in 1..=k.min(r.gpus_per_node) {
+                    add(SumShape { elems: h, sources, elem: Elem::Bf16, out: Elem::Bf16 });
                 }
             }
         }
@@ -110,7 +122,8 @@ fn all_reduce_shapes(plan: &Plan) -> (Vec<SumShape>, Vec<(u64, u64)>) {
         for (_, op) in p.ops() {
             let Some(c) = op.comm.as_ref().filter(|c| c.kind == CommKind::AllReduce) else { continue };
             let Some(to) = plan.memory.buffer(p.mode, c.to) else { continue };
-            let s = SumShape { elems: to.row_bytes / 4, sources: c.group.len() as u32, elem: Elem::F32 };
+            let s =
+                SumShape { elems: to.row_bytes / 4, sources: c.group.len() as u32, elem: Elem::F32, out: Elem::F32 };
             if s.elems > 0 && !sums.contains(&s) {
                 sums.push(s);
             }

@@ -939,6 +939,22 @@ fn programs(c: &mut Check, p: &Plan) {
         for (field, message) in crate::program::check(i, prog, &p.memory, &p.kernels, p.cluster.world, p.model.layers) {
             c.bad(field, message);
         }
+        for (b, block) in prog.blocks.iter().enumerate() {
+            for (o, op) in block.ops.iter().enumerate() {
+                if let Some(r) = op.comm.as_ref().and_then(|x| x.relay) {
+                    c.ensure(
+                        r.gpus_per_node == p.cluster.gpus_per_node,
+                        format!("programs[{i}].blocks[{b}].ops[{o}].comm.relay"),
+                        || {
+                            format!(
+                                "relays over nodes of {} GPUs; the cluster's have {}",
+                                r.gpus_per_node, p.cluster.gpus_per_node
+                            )
+                        },
+                    );
+                }
+            }
+        }
     }
     for &mode in &p.memory.modes {
         for phase in [Phase::Prefill, Phase::Decode] {

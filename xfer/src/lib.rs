@@ -198,13 +198,15 @@ impl Elem {
 
 /// The constants of one reduction loop: `sources` rows of `elems` elements
 /// of `elem`, summed element by element in f32, starting from +0.0 and
-/// adding the sources in order, into a row of `elems` f32 (no source: the
-/// row becomes +0.0). One worker per destination element.
+/// adding the sources in order, into a row of `elems` elements of `out`
+/// (f32, or bf16 rounded to nearest, ties to even; no source: the row
+/// becomes +0.0). One worker per destination element.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SumShape {
     pub elems: u64,
     pub sources: u32,
     pub elem: Elem,
+    pub out: Elem,
 }
 
 impl SumShape {
@@ -215,8 +217,9 @@ impl SumShape {
     }
 }
 
-/// One reduction made at run time: the f32 row at `dst_offset` of buffer
-/// `dst` becomes the in-order sum of the rows at `sources` (buffer, offset).
+/// One reduction made at run time: the row of `out` elements at
+/// `dst_offset` of buffer `dst` becomes the in-order sum of the rows of
+/// `elem` elements at `sources` (buffer, offset).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Sum {
     pub dst: u32,
@@ -224,6 +227,7 @@ pub struct Sum {
     pub sources: Vec<(u32, u64)>,
     pub elems: u64,
     pub elem: Elem,
+    pub out: Elem,
 }
 
 /// Where one instance of a [`SumShape`] reads and writes.
@@ -388,15 +392,20 @@ impl Program {
         let mut per_sum = vec![vec![]; self.sums.len()];
         for (index, s) in sums.iter().enumerate() {
             let bad = |message: String| XferError::Sum { index, message };
-            let shape = SumShape { elems: s.elems, sources: s.sources.len() as u32, elem: s.elem };
+            let shape = SumShape { elems: s.elems, sources: s.sources.len() as u32, elem: s.elem, out: s.out };
             let i = self.sums.iter().position(|x| *x == shape).ok_or_else(|| {
                 bad(format!(
-                    "no sum of this program adds {} rows of {} {:?} elements",
-                    shape.sources, shape.elems, shape.elem
+                    "no sum of this program adds {} rows of {} {:?} elements into {:?}",
+                    shape.sources, shape.elems, shape.elem, shape.out
                 ))
             })?;
-            if !s.dst_offset.is_multiple_of(4) {
-                return Err(bad(format!("destination offset {} is not a multiple of 4 (f32)", s.dst_offset)));
+            if !s.dst_offset.is_multiple_of(s.out.bytes()) {
+                return Err(bad(format!(
+                    "destination offset {} is not a multiple of {} ({:?})",
+                    s.dst_offset,
+                    s.out.bytes(),
+                    s.out
+                )));
             }
             if let Some(&(_, off)) = s.sources.iter().find(|(_, off)| !off.is_multiple_of(s.elem.bytes())) {
                 return Err(bad(format!("source offset {off} is not a multiple of {} ({:?})", s.elem.bytes(), s.elem)));
@@ -426,6 +435,7 @@ impl Program {
                 h.update(s.elems.to_le_bytes());
                 h.update(u64::from(s.sources).to_le_bytes());
                 h.update(u64::from(s.elem == Elem::F32).to_le_bytes());
+                h.update(u64::from(s.out == Elem::F32).to_le_bytes());
             }
         }
         h.finalize().iter().map(|b| format!("{b:02x}")).collect()
@@ -520,7 +530,7 @@ impl Batch {
                     s.sources
                 )));
             }
-            side(i.dst, i.dst_offset, 4, "sum destination")?;
+            side(i.dst, i.dst_offset, s.out.bytes(), "sum destination")?;
             for &(src, off) in &i.sources {
                 side(src, off, s.elem.bytes(), "sum source")?;
             }

@@ -9,7 +9,8 @@
 //! Then each sum shape the same way, a piece being one destination element:
 //! its sources' elements loaded in order (bf16 widened exactly to f32),
 //! added to +0.0 one by one with IEEE f32 adds (no fast-math flag, so no
-//! reassociation and no contraction on any target), one f32 stored. The
+//! reassociation and no contraction on any target), one f32 stored (or
+//! rounded to bf16, to nearest, ties to even). The
 //! targets differ only in the entry that calls the body (inlined):
 //! - GPU: the kernel `moeforge_xfer(bases, table)`, one worker per thread of
 //!   the grid (worker = global thread index, workers = threads in the grid);
@@ -286,8 +287,29 @@ fn body<'c>(
             };
             acc = b.build_float_add(acc, x, "acc").map_err(llvm)?;
         }
-        let to = element(field(0, "dst")?, field(1, "dst_offset")?, 4)?;
-        b.build_store(to, acc).map_err(llvm)?.set_alignment(4).map_err(llvm)?;
+        let to = element(field(0, "dst")?, field(1, "dst_offset")?, s.out.bytes())?;
+        match s.out {
+            Elem::F32 => {
+                b.build_store(to, acc).map_err(llvm)?.set_alignment(4).map_err(llvm)?;
+            }
+            Elem::Bf16 => {
+                // Round to nearest, ties to even: add 0x7fff plus the bit
+                // that survives, keep the upper half; a NaN stays a (quiet) NaN.
+                let i32t = ctx.i32_type();
+                let k = |v: u64| i32t.const_int(v, false);
+                let bits = b.build_bit_cast(acc, i32t, "").map_err(llvm)?.into_int_value();
+                let upper = b.build_right_shift(bits, k(16), false, "").map_err(llvm)?;
+                let odd = b.build_and(upper, k(1), "").map_err(llvm)?;
+                let bias = b.build_int_add(odd, k(0x7fff), "").map_err(llvm)?;
+                let rounded = b.build_int_add(bits, bias, "").map_err(llvm)?;
+                let rounded = b.build_right_shift(rounded, k(16), false, "").map_err(llvm)?;
+                let quiet = b.build_or(upper, k(0x40), "").map_err(llvm)?;
+                let nan = b.build_float_compare(inkwell::FloatPredicate::UNO, acc, acc, "nan").map_err(llvm)?;
+                let v = b.build_select(nan, quiet, rounded, "").map_err(llvm)?.into_int_value();
+                let v = b.build_int_truncate(v, ctx.i16_type(), "bf16").map_err(llvm)?;
+                b.build_store(to, v).map_err(llvm)?.set_alignment(2).map_err(llvm)?;
+            }
+        }
         let n = b.build_int_add(pv, workers, "").map_err(llvm)?;
         p.add_incoming(&[(&n, step)]);
         b.build_unconditional_branch(head).map_err(llvm)?;

@@ -85,6 +85,7 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
                     mode,
                     phase,
                     world: &world,
+                    gpus_per_node: plan.cluster.gpus_per_node.max(1),
                     experts: &experts,
                     apk: apk.as_deref(),
                     dense,
@@ -104,6 +105,7 @@ struct Config<'a> {
     mode: Mode,
     phase: Phase,
     world: &'a [u32],
+    gpus_per_node: u32,
     /// The expert ids each rank's EP permutation matches `[begin, end)`
     /// (`Plan::ep_ids`: its stripe, or its physical slots), indexed by rank.
     experts: &'a [[u32; 2]],
@@ -817,7 +819,8 @@ impl Config<'_> {
         let stream = if self.mode == Mode::Ep { COMM } else { COMPUTE };
         let writes = std::iter::once(to).chain(with.iter().map(|w| w[1])).map(buf).collect();
         let op = o.push(name, OpKind::Comm, stream, mb, reads, writes, KernelRef::Transfer);
-        op.comm = Some(Comm { kind, group: self.world.to_vec(), from, to, with: with.to_vec(), row_bytes });
+        op.comm =
+            Some(Comm { kind, group: self.world.to_vec(), from, to, with: with.to_vec(), row_bytes, relay: None });
     }
     fn qk_norm_args(&self, qh: i64, kvh: i64, q0: &Arg, kv0: &Arg, sumsq: Arg) -> Vec<Arg> {
         let t = cnt(GridVar::Tokens);
@@ -989,6 +992,17 @@ impl Config<'_> {
             let done = o.record(mb_name("experts_done", mb));
             let rows = (Buf::Combine, Buf::MoeOut);
             self.comm(o, "combine", CommKind::AllToAll, mb, vec![buf(Buf::Combine)], rows, &[], h * 2);
+            // Prefill's combine across nodes takes the hierarchical path
+            // (§5): node-local partial sums on the relays, one row per
+            // (token, node) over the scale-out link. Decode's rows are few:
+            // it pulls directly, for latency.
+            let nodes = self.world.iter().map(|r| r / self.gpus_per_node).collect::<std::collections::BTreeSet<_>>();
+            if let Some(op) = o.ops.last_mut().filter(|_| self.phase == Phase::Prefill && nodes.len() > 1) {
+                op.writes.push(buf(Buf::Dispatch));
+                if let Some(c) = op.comm.as_mut() {
+                    c.relay = Some(Relay { gpus_per_node: self.gpus_per_node, via: Buf::Dispatch });
+                }
+            }
             o.wait(done);
             combined.push(o.record(mb_name("combined", mb)));
         }

@@ -119,6 +119,21 @@ pub struct Executor {
     /// The compiled EP combine (each step's gathers) and TP all-reduce.
     combine: Option<Code>,
     all_reduce: Option<Code>,
+    gpus_per_node: usize,
+    traffic: CombineTraffic,
+}
+
+/// Where the combines' rows went so far, counted per (token, computing
+/// rank) row: summed inside the source's node (`node_rows`), summed on a
+/// relay of another node (`relayed_rows`), and rows crossing the scale-out
+/// link (`scale_out_rows`: every remote row of a direct combine, and the
+/// `relay_rows`, one per (token, node) of a relayed one).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CombineTraffic {
+    pub node_rows: u64,
+    pub relayed_rows: u64,
+    pub relay_rows: u64,
+    pub scale_out_rows: u64,
 }
 
 fn le32(v: &[i32]) -> Vec<u8> {
@@ -191,6 +206,8 @@ impl Executor {
             dispatch,
             combine,
             all_reduce,
+            gpus_per_node: plan.cluster.gpus_per_node.max(1) as usize,
+            traffic: CombineTraffic::default(),
         })
     }
 
@@ -198,6 +215,11 @@ impl Executor {
     fn code(&self, code: &Option<Code>, name: &str) -> Result<Code, ExecError> {
         code.clone()
             .ok_or_else(|| ExecError::Plan(format!("the bundle holds no compiled {name} (kernels/xfer_{name}.*)")))
+    }
+
+    /// The combines' traffic so far.
+    pub fn combine_traffic(&self) -> CombineTraffic {
+        self.traffic
     }
 
     pub fn ranks(&self) -> usize {
@@ -729,7 +751,14 @@ impl Executor {
                         ExecError,
                     >>(
                     )?;
-                    sums.push(Sum { dst: owner as u32, dst_offset, sources, elems: rt / 4, elem: Elem::F32 });
+                    sums.push(Sum {
+                        dst: owner as u32,
+                        dst_offset,
+                        sources,
+                        elems: rt / 4,
+                        elem: Elem::F32,
+                        out: Elem::F32,
+                    });
                     for &r in group.iter().filter(|&&r| r != owner) {
                         copies.push(Transfer {
                             src: owner as u32,
@@ -848,7 +877,13 @@ impl Executor {
             CommKind::AllToAll => {
                 // Combine, pulled by each token's source rank: its row becomes
                 // the f32 sum of the rows the ranks that received it computed,
-                // in rank order, as the bundle's compiled `combine` program.
+                // as the bundle's compiled `combine` program. Direct: every
+                // row in rank order. Relayed (§5's hierarchical path, Zepp's
+                // merge): first, on each other node holding some of a token's
+                // rows, the GPU with the source's local rank sums them into
+                // one bf16 row of its `via` buffer (one batch, NVLink reads);
+                // then the source sums, node by node, its own node's rows and
+                // the relays' (one row per node over the scale-out link).
                 let code = self.code(&self.combine, "combine")?;
                 let h = u64::from(plan.model.hidden);
                 let (rs, rt) = (row(c.from), row(c.to));
@@ -859,27 +894,84 @@ impl Executor {
                     )));
                 }
                 let beyond = || ExecError::Plan(format!("op `{}`: a row address overflows", op.name));
-                let row_at = |base: u64, i: usize, bytes: u64| {
-                    (i as u64).checked_mul(bytes).and_then(|o| o.checked_add(base)).ok_or_else(beyond)
+                let row_at = |base: u64, i: u64, bytes: u64| {
+                    i.checked_mul(bytes).and_then(|o| o.checked_add(base)).ok_or_else(beyond)
                 };
                 let mut from: BTreeMap<(usize, usize), Vec<(u32, u64)>> = BTreeMap::new();
                 for &d in &group {
                     let base = at(d, c.from)?;
                     for (i, &(s, tok)) in routes.get(d).map(Vec::as_slice).unwrap_or_default().iter().enumerate() {
-                        from.entry((s, tok)).or_default().push((d as u32, row_at(base, i, rs)?));
+                        from.entry((s, tok)).or_default().push((d as u32, row_at(base, i as u64, rs)?));
                     }
                 }
-                let mut sums = vec![];
+                let (mut partials, mut sums) = (vec![], vec![]);
+                let mut relay_rows: BTreeMap<usize, u64> = BTreeMap::new();
                 for &s in &group {
                     let base = at(s, c.to)?;
                     for tok in 0..counts[s][m].tokens as usize {
-                        let sources = from.remove(&(s, tok)).unwrap_or_default();
+                        let rows = from.remove(&(s, tok)).unwrap_or_default();
+                        let gpn = self.gpus_per_node;
+                        for &(d, _) in &rows {
+                            let t = &mut self.traffic;
+                            match (d as usize / gpn == s / gpn, c.relay.is_some()) {
+                                (true, _) => t.node_rows += 1,
+                                (false, true) => t.relayed_rows += 1,
+                                (false, false) => t.scale_out_rows += 1,
+                            }
+                        }
+                        let sources = match c.relay {
+                            None => rows,
+                            Some(r) => {
+                                let g = r.gpus_per_node.max(1) as usize;
+                                let mut by_node: BTreeMap<usize, Vec<(u32, u64)>> = BTreeMap::new();
+                                for x in rows {
+                                    by_node.entry(x.0 as usize / g).or_default().push(x);
+                                }
+                                let mut out = vec![];
+                                for (node, rows) in by_node {
+                                    if node == s / g {
+                                        out.extend(rows);
+                                        continue;
+                                    }
+                                    let relay = node * g + s % g;
+                                    if !group.contains(&relay) {
+                                        return Err(ExecError::Plan(format!(
+                                            "op `{}`: rank {s}'s relay on node {node}, rank {relay}, is not in the group",
+                                            op.name
+                                        )));
+                                    }
+                                    let used = relay_rows.entry(relay).or_insert(0);
+                                    let cap = mem.buffer(mode, r.via).map_or(0, |b| b.slice_bytes(mbs)) / rs;
+                                    if *used >= cap {
+                                        return Err(ExecError::Capacity(format!(
+                                            "rank {relay} relays more than the {cap} rows of its {:?} slots",
+                                            r.via
+                                        )));
+                                    }
+                                    let dst_offset = row_at(at(relay, r.via)?, *used, rs)?;
+                                    *used += 1;
+                                    self.traffic.scale_out_rows += 1;
+                                    self.traffic.relay_rows += 1;
+                                    partials.push(Sum {
+                                        dst: relay as u32,
+                                        dst_offset,
+                                        sources: rows,
+                                        elems: h,
+                                        elem: Elem::Bf16,
+                                        out: Elem::Bf16,
+                                    });
+                                    out.push((relay as u32, dst_offset));
+                                }
+                                out
+                            }
+                        };
                         sums.push(Sum {
                             dst: s as u32,
-                            dst_offset: row_at(base, tok, rt)?,
+                            dst_offset: row_at(base, tok as u64, rt)?,
                             sources,
                             elems: h,
                             elem: Elem::Bf16,
+                            out: Elem::F32,
                         });
                     }
                 }
@@ -890,11 +982,12 @@ impl Executor {
                         from.len()
                     )));
                 }
-                let batch = code
-                    .program
-                    .batch_with_sums(&[], &sums)
-                    .map_err(|e| ExecError::Plan(format!("op `{}`: {e}", op.name)))?;
-                self.dev.transfer(&code, &[batch], &self.buffers)?;
+                let bad = |e: moeforge_xfer::XferError| ExecError::Plan(format!("op `{}`: {e}", op.name));
+                let batches = [
+                    code.program.batch_with_sums(&[], &partials).map_err(bad)?,
+                    code.program.batch_with_sums(&[], &sums).map_err(bad)?,
+                ];
+                self.dev.transfer(&code, &batches, &self.buffers)?;
             }
         }
         Ok(())

@@ -290,6 +290,11 @@ impl Twin {
         self.ranks.iter().map(|r| r.requests.clone()).collect()
     }
     /// Slot exchanges the drift re-planning executed so far.
+    /// On a device, where the combines' rows went so far.
+    pub fn combine_traffic(&self) -> Option<crate::device::exec::CombineTraffic> {
+        self.device.as_ref().map(crate::device::exec::Executor::combine_traffic)
+    }
+
     pub fn swaps(&self) -> u64 {
         self.slots.swaps
     }
