@@ -282,6 +282,57 @@ fn structural_edits_are_refused() {
     }
 }
 
+/// A relayed combine (the prefill combine of an EP plan over 2 nodes) is
+/// refused where it cannot relay: into another buffer than the dispatch's
+/// rows (a combine reading its own destination), over nodes its group does
+/// not fill, or over another node size than the cluster's.
+#[test]
+fn an_edited_relay_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("b");
+    let spec = SPEC
+        .replace("nodes = 1", "nodes = 2")
+        .replace("latency = 1us }", "latency = 1us } scale_out net { nics_per_node = 2 bandwidth = 10Gb/s latency = 5us }")
+        .replace("switch { t_high = 4 window = 2 cooldown = 0s }", "");
+    let checked = moeforge::dsl::check_str("tiny.moe", &spec).unwrap_or_else(|f| panic!("{}", f.render(false)));
+    let id = moeforge::dsl::spec::DeployId(0);
+    let plan =
+        codegen::plan_deployment(&checked, id).unwrap_or_else(|d| panic!("{}", d.render(&checked.sources, false)));
+    codegen::emit(&checked, id, &plan, &NvccMode::Off).unwrap().0.write(&dir).unwrap();
+    let v0: Value = serde_json::from_slice(&std::fs::read(dir.join("plan.json")).unwrap()).unwrap();
+    // The first relayed op: (program, block, op).
+    let mut at = None;
+    for (pi, p) in v0["programs"].as_array().unwrap().iter().enumerate() {
+        for (bi, b) in p["blocks"].as_array().unwrap().iter().enumerate() {
+            for (oi, o) in b["ops"].as_array().unwrap().iter().enumerate() {
+                if at.is_none() && !o["comm"]["relay"].is_null() {
+                    at = Some((pi, bi, oi));
+                }
+            }
+        }
+    }
+    let (pi, bi, oi) = at.expect("a 2-node EP plan relays its prefill combine");
+    assert_eq!(v0["programs"][pi]["phase"], "prefill");
+    let field = format!("programs[{pi}].blocks[{bi}].ops[{oi}].comm.relay");
+    let refused = |edit: &dyn Fn(&mut Value)| {
+        let mut v = v0.clone();
+        edit(&mut v["programs"][pi]["blocks"][bi]["ops"][oi]);
+        rewrite(&dir, &v);
+        load_bundle(&dir).err().map(|e| e.to_string()).unwrap_or_default()
+    };
+    let e = refused(&|o| {
+        o["comm"]["relay"]["via"] = Value::from("combine");
+        o["writes"].as_array_mut().unwrap().push(serde_json::json!({"kind": "buffer", "name": "combine"}));
+    });
+    assert!(e.contains(&field) && e.contains("dispatch's receive rows"), "{e}");
+    let e = refused(&|o| o["comm"]["relay"]["gpus_per_node"] = Value::from(4));
+    assert!(e.contains(&field) && e.contains("whole nodes"), "{e}");
+    let e = refused(&|o| o["comm"]["relay"]["gpus_per_node"] = Value::from(1));
+    assert!(e.contains(&field) && e.contains("the cluster's have 2"), "{e}");
+    rewrite(&dir, &v0);
+    assert!(load_bundle(&dir).is_ok());
+}
+
 /// A role plan is single-mode EP (Moebius's switch is colocated): an edit
 /// that gives it the TP view back is refused by field.
 #[test]

@@ -801,12 +801,11 @@ fn the_prefill_combine_relays_across_nodes_on_the_emulated_device() {
     let block = imported_block(&f.dir);
     let (cache, tmp) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let b = compile_text(&cpu_cluster_deployment(&block, 2, 2, 0.25, ""), tmp.path());
-    let relayed =
-        |phase| {
-            b.plan.plan().programs.iter().filter(|p| p.phase == phase && p.mode == Mode::Ep).all(|p| {
-                p.ops().any(|(_, o)| o.name.starts_with("combine") && o.comm.as_ref().is_some_and(|c| c.relay.is_some()))
-            })
-        };
+    let relayed = |phase| {
+        b.plan.plan().programs.iter().filter(|p| p.phase == phase && p.mode == Mode::Ep).all(|p| {
+            p.ops().any(|(_, o)| o.name.starts_with("combine") && o.comm.as_ref().is_some_and(|c| c.relay.is_some()))
+        })
+    };
     use moeforge::plan::program::Phase;
     assert!(relayed(Phase::Prefill) && !relayed(Phase::Decode), "prefill relays, decode pulls directly");
     let dev = EmuDevice::start(cache.path()).unwrap_or_else(|e| panic!("{e}"));

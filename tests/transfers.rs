@@ -304,15 +304,27 @@ fn widen(bits: u16) -> f32 {
 
 /// The bf16 nearest to `x`, ties to the even one, by search: the two bf16
 /// values around x (truncation, and the next one away from zero), compared
-/// by distance in f64.
+/// by distance in f64, infinity standing at 2^128 (IEEE's overflow rule:
+/// what rounds past the largest finite value by half an ulp is infinite).
 fn nearest_bf16(x: f32) -> u16 {
     if x.is_nan() {
         return ((x.to_bits() >> 16) as u16) | 0x40;
     }
+    if x.is_infinite() {
+        return (x.to_bits() >> 16) as u16;
+    }
     let down = (x.to_bits() >> 16) as u16;
     let up = down.wrapping_add(1);
-    let (dd, du) = ((f64::from(widen(down)) - f64::from(x)).abs(), (f64::from(widen(up)) - f64::from(x)).abs());
-    if widen(up).is_nan() || dd < du || (dd == du && down.is_multiple_of(2)) {
+    let value = |b: u16| {
+        let v = f64::from(widen(b));
+        if v.is_infinite() {
+            2f64.powi(128).copysign(v)
+        } else {
+            v
+        }
+    };
+    let (dd, du) = ((value(down) - f64::from(x)).abs(), (value(up) - f64::from(x)).abs());
+    if dd < du || (dd == du && down.is_multiple_of(2)) {
         down
     } else {
         up
@@ -465,6 +477,45 @@ fn random_sum_programs_add_like_a_naive_f32_loop_bit_for_bit() {
     for n in 0..=4 {
         assert!(sources.contains(&(n, Elem::Bf16)) && sources.contains(&(n, Elem::F32)), "{n} sources: {sources:?}");
     }
+}
+
+/// The bf16 output's rounding at its edges, on the JIT and through ptxas:
+/// ties to even either way, negative ties, the largest finite values and
+/// the overflow to infinity, infinities, NaNs (kept, quiet) and subnormals,
+/// each an f32 summed from one source (+0.0 + x = x, exactly) and rounded.
+#[test]
+fn the_bf16_rounding_matches_a_nearest_value_search_at_its_edges() {
+    let cases: [u32; 14] = [
+        0x3f80_8000, // 1.00390625: a tie, to the even 1.0
+        0x3f81_8000, // a tie, to the even above
+        0xbf80_8000, // a negative tie
+        0x3f80_8001, // just past a tie
+        0x7f7f_7fff, // below the largest bf16's half ulp: stays finite
+        0x7f7f_8000, // a tie at the largest bf16: to the even infinity
+        0x7f7f_ffff, // the largest f32: infinity
+        0xff7f_ffff,
+        0x7f80_0000, // infinities stay
+        0xff80_0000,
+        0x7f80_0001, // a signalling NaN comes out quiet
+        0xffc0_1234,
+        0x0000_8001, // subnormals round like normals
+        0x8001_7fff,
+    ];
+    let bytes: Vec<u8> = cases.iter().flat_map(|c| c.to_le_bytes()).collect();
+    let n = cases.len() as u64;
+    let sum = Sum { dst: 1, dst_offset: 0, sources: vec![(0, 0)], elems: n, elem: Elem::F32, out: Elem::Bf16 };
+    let (program, _) = Program::build(&[]).unwrap();
+    let program = program.with_sums([SumShape { elems: n, sources: 1, elem: Elem::F32, out: Elem::Bf16 }]);
+    check_ptx("bf16 sums", &program);
+    let batch = program.batch_with_sums(&[], std::slice::from_ref(&sum)).unwrap();
+    let mut bufs = vec![HostBuffer::from_bytes(&bytes), HostBuffer::zeroed(2 * n as usize)];
+    jit::run(&program, &[batch], &mut bufs).unwrap();
+    let got: Vec<u16> = bufs[1].as_bytes().chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
+    let want: Vec<u16> = cases.iter().map(|&c| nearest_bf16(f32::from_bits(c))).collect();
+    assert_eq!(got, want);
+    // The search's own answers at the edges, by hand.
+    assert_eq!(&want[..7], &[0x3f80, 0x3f82, 0xbf80, 0x3f81, 0x7f7f, 0x7f80, 0x7f80]);
+    assert_eq!(want[10], 0x7fc0, "a signalling NaN, quieted");
 }
 
 #[test]

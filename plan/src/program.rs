@@ -762,7 +762,9 @@ fn overlaps(a: Option<u32>, b: Option<u32>) -> bool {
 
 /// A relayed combine: a combine (no rows travel with it) whose group spans
 /// whole nodes, more than one, so every (source, node) pair has its relay
-/// in the group; the op writes the relay rows, as wide as `from`'s.
+/// in the group; the op writes the relay rows: the dispatch's receive rows
+/// (dead once the permutation read them, and sliced like the combine's),
+/// as wide as `from`'s.
 fn relay_fits(c: &Comm, r: &Relay, op: &Op, mem: &MemoryPlan, mode: Mode) -> Result<(), String> {
     let g = r.gpus_per_node;
     if c.kind != CommKind::AllToAll || !c.with.is_empty() {
@@ -771,8 +773,12 @@ fn relay_fits(c: &Comm, r: &Relay, op: &Op, mem: &MemoryPlan, mode: Mode) -> Res
     if g == 0 {
         return Err("0 GPUs per node".into());
     }
+    if r.via != BufferName::Dispatch {
+        return Err(format!("relay rows in {:?}: a relay sums into the dispatch's receive rows", r.via));
+    }
     let nodes: std::collections::BTreeSet<u32> = c.group.iter().map(|x| x / g).collect();
-    let whole = nodes.iter().all(|n| (0..g).all(|l| c.group.contains(&(n * g + l))));
+    let member = |n: u32, l: u32| n.checked_mul(g).and_then(|x| x.checked_add(l)).is_some_and(|x| c.group.contains(&x));
+    let whole = nodes.iter().all(|&n| (0..g).all(|l| member(n, l)));
     if nodes.len() < 2 || !whole {
         return Err(format!("group {:?} is not two or more whole nodes of {g} GPUs", c.group));
     }

@@ -942,16 +942,23 @@ fn programs(c: &mut Check, p: &Plan) {
         for (b, block) in prog.blocks.iter().enumerate() {
             for (o, op) in block.ops.iter().enumerate() {
                 if let Some(r) = op.comm.as_ref().and_then(|x| x.relay) {
-                    c.ensure(
-                        r.gpus_per_node == p.cluster.gpus_per_node,
-                        format!("programs[{i}].blocks[{b}].ops[{o}].comm.relay"),
-                        || {
-                            format!(
-                                "relays over nodes of {} GPUs; the cluster's have {}",
-                                r.gpus_per_node, p.cluster.gpus_per_node
-                            )
-                        },
-                    );
+                    let f = format!("programs[{i}].blocks[{b}].ops[{o}].comm.relay");
+                    c.ensure(r.gpus_per_node == p.cluster.gpus_per_node, f.clone(), || {
+                        format!(
+                            "relays over nodes of {} GPUs; the cluster's have {}",
+                            r.gpus_per_node, p.cluster.gpus_per_node
+                        )
+                    });
+                    // A relay writes one row per (token, source of its local
+                    // rank on another node): nodes − 1 rows per token
+                    // position, which its dispatch slots (top-k rows per
+                    // token) hold while nodes − 1 ≤ top-k.
+                    c.ensure(p.cluster.nodes.saturating_sub(1) <= p.model.top_k, f, || {
+                        format!(
+                            "{} nodes relay more rows than a relay's dispatch slots hold (top-k {})",
+                            p.cluster.nodes, p.model.top_k
+                        )
+                    });
                 }
             }
         }

@@ -995,9 +995,12 @@ impl Config<'_> {
             // Prefill's combine across nodes takes the hierarchical path
             // (§5): node-local partial sums on the relays, one row per
             // (token, node) over the scale-out link. Decode's rows are few:
-            // it pulls directly, for latency.
+            // it pulls directly, for latency. A relay writes nodes − 1 rows
+            // per token position into its dispatch slots (top-k per token):
+            // relayed while nodes − 1 ≤ top-k.
             let nodes = self.world.iter().map(|r| r / self.gpus_per_node).collect::<std::collections::BTreeSet<_>>();
-            if let Some(op) = o.ops.last_mut().filter(|_| self.phase == Phase::Prefill && nodes.len() > 1) {
+            let relayed = nodes.len() > 1 && nodes.len() - 1 <= self.m.moe.top_k as usize;
+            if let Some(op) = o.ops.last_mut().filter(|_| self.phase == Phase::Prefill && relayed) {
                 op.writes.push(buf(Buf::Dispatch));
                 if let Some(c) = op.comm.as_mut() {
                     c.relay = Some(Relay { gpus_per_node: self.gpus_per_node, via: Buf::Dispatch });
