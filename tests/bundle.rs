@@ -292,7 +292,10 @@ fn an_edited_relay_is_refused() {
     let dir = tmp.path().join("b");
     let spec = SPEC
         .replace("nodes = 1", "nodes = 2")
-        .replace("latency = 1us }", "latency = 1us } scale_out net { nics_per_node = 2 bandwidth = 10Gb/s latency = 5us }")
+        .replace(
+            "latency = 1us }",
+            "latency = 1us } scale_out net { nics_per_node = 2 bandwidth = 10Gb/s latency = 5us }",
+        )
         .replace("switch { t_high = 4 window = 2 cooldown = 0s }", "");
     let checked = moeforge::dsl::check_str("tiny.moe", &spec).unwrap_or_else(|f| panic!("{}", f.render(false)));
     let id = moeforge::dsl::spec::DeployId(0);

@@ -767,6 +767,20 @@ fn on_the_emulated_device_with(name: &'static str, runs: &[(u32, Mode, &[usize])
 /// bounds of `on_the_emulated_device`.
 #[test]
 fn replicated_expert_slots_on_the_emulated_device_give_transformers_tokens() {
+    let (b, _) = on_two_nodes_of_the_emulated_device(
+        "placement { policy = zepp redundant_experts = 4 }",
+        "zepp replicas on the emulated device",
+    );
+    assert!(b.plan.plan().placement.is_some());
+}
+
+/// Qwen3-MoE's 2 nodes × 2 ranks EP plan with `placement` compiled, run on
+/// the emulated device against transformers' tokens within the bounds of
+/// `on_the_emulated_device`: the bundle and the combines' traffic.
+fn on_two_nodes_of_the_emulated_device(
+    placement: &str,
+    label: &str,
+) -> (moeforge::plan::LoadedBundle, moeforge::runtime::device::exec::CombineTraffic) {
     use moeforge::runtime::device::emu::EmuDevice;
     let f = fixture("qwen3-moe");
     let bf16: Value = serde_json::from_str(&std::fs::read_to_string(f.dir.join("bf16.json")).unwrap()).unwrap();
@@ -774,14 +788,14 @@ fn replicated_expert_slots_on_the_emulated_device_give_transformers_tokens() {
     let ck = Checkpoint::load(&f.dir).unwrap();
     let block = imported_block(&f.dir);
     let (cache, tmp) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let text = cpu_cluster_deployment(&block, 2, 2, 0.25, "placement { policy = zepp redundant_experts = 4 }");
-    let b = compile_text(&text, tmp.path());
-    assert!(b.plan.plan().placement.is_some());
+    let b = compile_text(&cpu_cluster_deployment(&block, 2, 2, 0.25, placement), tmp.path());
     let dev = EmuDevice::start(cache.path()).unwrap_or_else(|e| panic!("{e}"));
     let mut t = Twin::on_device(&b, &ck, Mode::Ep, Box::new(dev)).unwrap_or_else(|e| panic!("{e}"));
     let at = |i: usize, s: usize| bound.max(steps[i][s]);
-    let (e, ekv, _) = check_run_within(&f, &mut t, "zepp replicas on the emulated device", &[], &at, &at);
-    eprintln!("zepp replicas on the emulated device: worst logit error {e:.2e} ({ekv:.2e} against a bf16 KV cache)");
+    let (e, ekv, _) = check_run_within(&f, &mut t, label, &[], &at, &at);
+    let c = t.combine_traffic().unwrap_or_else(|| panic!("{label}: no device"));
+    eprintln!("{label}: worst logit error {e:.2e} ({ekv:.2e} against a bf16 KV cache); {c:?}");
+    (b, c)
 }
 
 /// The hierarchical prefill combine on the emulated device (ExpertPlex §5,
@@ -793,29 +807,14 @@ fn replicated_expert_slots_on_the_emulated_device_give_transformers_tokens() {
 /// rows: fewer rows crossed nodes than were computed across them.
 #[test]
 fn the_prefill_combine_relays_across_nodes_on_the_emulated_device() {
-    use moeforge::runtime::device::emu::EmuDevice;
-    let f = fixture("qwen3-moe");
-    let bf16: Value = serde_json::from_str(&std::fs::read_to_string(f.dir.join("bf16.json")).unwrap()).unwrap();
-    let (bound, steps) = bf16_bound(&bf16);
-    let ck = Checkpoint::load(&f.dir).unwrap();
-    let block = imported_block(&f.dir);
-    let (cache, tmp) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let b = compile_text(&cpu_cluster_deployment(&block, 2, 2, 0.25, ""), tmp.path());
+    use moeforge::plan::program::Phase;
+    let (b, c) = on_two_nodes_of_the_emulated_device("", "relayed combine on the emulated device");
     let relayed = |phase| {
         b.plan.plan().programs.iter().filter(|p| p.phase == phase && p.mode == Mode::Ep).all(|p| {
             p.ops().any(|(_, o)| o.name.starts_with("combine") && o.comm.as_ref().is_some_and(|c| c.relay.is_some()))
         })
     };
-    use moeforge::plan::program::Phase;
     assert!(relayed(Phase::Prefill) && !relayed(Phase::Decode), "prefill relays, decode pulls directly");
-    let dev = EmuDevice::start(cache.path()).unwrap_or_else(|e| panic!("{e}"));
-    let mut t = Twin::on_device(&b, &ck, Mode::Ep, Box::new(dev)).unwrap_or_else(|e| panic!("{e}"));
-    let at = |i: usize, s: usize| bound.max(steps[i][s]);
-    let (e, ekv, _) = check_run_within(&f, &mut t, "relayed combine on the emulated device", &[], &at, &at);
-    let c = t.combine_traffic().unwrap();
-    eprintln!(
-        "relayed combine on the emulated device: worst logit error {e:.2e} ({ekv:.2e} against a bf16 KV cache); {c:?}"
-    );
     assert!(c.relay_rows > 0 && c.relay_rows < c.relayed_rows, "no relay merged two rows: {c:?}");
     assert!(c.scale_out_rows >= c.relay_rows && c.node_rows > 0, "{c:?}");
 }

@@ -28,7 +28,7 @@ use inkwell::module::{Linkage, Module};
 use inkwell::passes::PassBuilderOptions;
 use inkwell::targets::{CodeModel, FileType, InitializationConfig, RelocMode, Target, TargetMachine, TargetTriple};
 use inkwell::types::BasicTypeEnum;
-use inkwell::values::{FunctionValue, IntValue, PointerValue};
+use inkwell::values::{BasicValue, FunctionValue, IntValue, PointerValue};
 use inkwell::{AddressSpace, IntPredicate, OptimizationLevel};
 use std::sync::Once;
 
@@ -138,7 +138,6 @@ fn body<'c>(
     // (said here: a module without a data layout would assume 4 for i64, and
     // the NVPTX back end would split each load in two).
     let aligned = |v: inkwell::values::BasicValueEnum<'c>| -> Result<inkwell::values::BasicValueEnum<'c>, XferError> {
-        use inkwell::values::BasicValue;
         v.as_instruction_value().ok_or_else(|| llvm("a load is not an instruction"))?.set_alignment(8).map_err(llvm)?;
         Ok(v)
     };
@@ -167,73 +166,21 @@ fn body<'c>(
     }
     let done = ctx.append_basic_block(f, "done");
     let mut pred = entry;
-    for (i, s) in shapes.iter().enumerate() {
-        let head = ctx.append_basic_block(f, &format!("shape{i}"));
-        let step = ctx.append_basic_block(f, &format!("shape{i}.piece"));
-        b.position_at_end(pred);
-        b.build_unconditional_branch(head).map_err(llvm)?;
-        b.position_at_end(head);
-        let p = b.build_phi(i64t, "p").map_err(llvm)?;
-        p.add_incoming(&[(&worker, pred)]);
-        let pv = p.as_basic_value().into_int_value();
-        let more = b.build_int_compare(IntPredicate::ULT, pv, counts[i], "").map_err(llvm)?;
-        let next = ctx.append_basic_block(f, &format!("shape{i}.end"));
-        b.build_conditional_branch(more, step, next).map_err(llvm)?;
-
-        b.position_at_end(step);
-        let per_run = s.run_bytes / s.piece;
-        let inst = b.build_int_unsigned_div(pv, c(s.pieces()), "instance").map_err(llvm)?;
-        let local = b.build_int_unsigned_rem(pv, c(s.pieces()), "").map_err(llvm)?;
-        let run = b.build_int_unsigned_div(local, c(per_run), "run").map_err(llvm)?;
-        let k = b.build_int_unsigned_rem(local, c(per_run), "k").map_err(llvm)?;
-        let a = b.build_int_unsigned_div(run, c(s.counts[1]), "a").map_err(llvm)?;
-        let bb = b.build_int_unsigned_rem(run, c(s.counts[1]), "b").map_err(llvm)?;
-        let w = b.build_int_mul(inst, c(INSTANCE_WORDS as u64), "").map_err(llvm)?;
-        let w = b.build_int_add(starts[i], w, "").map_err(llvm)?;
-        let field = |j: u64, name: &str| -> Result<IntValue<'c>, XferError> {
-            let at = b.build_int_add(w, c(j), "").map_err(llvm)?;
-            word(at, name)
-        };
-        let (src, dst) = (field(0, "src")?, field(1, "dst")?);
-        let (src_off, dst_off) = (field(2, "src_offset")?, field(3, "dst_offset")?);
-        let address =
-            |buf: IntValue<'c>, off: IntValue<'c>, strides: [u64; 2]| -> Result<PointerValue<'c>, XferError> {
-                let slot = gep(b, ptr, bases, buf)?;
-                let base = aligned(b.build_load(ptr, slot, "base").map_err(llvm)?)?.into_pointer_value();
-                let mut o = off;
-                for (n, by) in [(a, strides[0]), (bb, strides[1]), (k, s.piece)] {
-                    let t = b.build_int_mul(n, c(by), "").map_err(llvm)?;
-                    o = b.build_int_add(o, t, "").map_err(llvm)?;
-                }
-                gep(b, ctx.i8_type(), base, o)
-            };
-        let from = address(src, src_off, s.src_strides)?;
-        let to = address(dst, dst_off, s.dst_strides)?;
-        let piece: BasicTypeEnum<'c> = match s.piece {
-            16 => ctx.i32_type().vec_type(4).into(),
-            8 => i64t.into(),
-            4 => ctx.i32_type().into(),
-            2 => ctx.i16_type().into(),
-            _ => ctx.i8_type().into(),
-        };
-        let v = b.build_load(piece, from, "v").map_err(llvm)?;
-        let align = s.piece as u32;
-        use inkwell::values::BasicValue;
-        v.as_instruction_value()
-            .ok_or_else(|| llvm("a load is not an instruction"))?
-            .set_alignment(align)
-            .map_err(llvm)?;
-        b.build_store(to, v).map_err(llvm)?.set_alignment(align).map_err(llvm)?;
-        let n = b.build_int_add(pv, workers, "").map_err(llvm)?;
-        p.add_incoming(&[(&n, step)]);
-        b.build_unconditional_branch(head).map_err(llvm)?;
-        pred = next;
-    }
     let f32t = ctx.f32_type();
-    for (j, s) in sums.iter().enumerate() {
-        let i = shapes.len() + j;
-        let head = ctx.append_basic_block(f, &format!("sum{j}"));
-        let step = ctx.append_basic_block(f, &format!("sum{j}.element"));
+    enum Loop<'s> {
+        Copy(&'s Shape),
+        Sum(&'s SumShape),
+    }
+    let loops = shapes.iter().map(Loop::Copy).chain(sums.iter().map(Loop::Sum));
+    for (i, l) in loops.enumerate() {
+        // One grid-stride loop: pieces (a copy) or elements (a sum)
+        // `worker`, `worker + workers`, … below `counts[i]`.
+        let (label, unit) = match l {
+            Loop::Copy(_) => (format!("shape{i}"), "piece"),
+            Loop::Sum(_) => (format!("sum{}", i - shapes.len()), "element"),
+        };
+        let head = ctx.append_basic_block(f, &label);
+        let step = ctx.append_basic_block(f, &format!("{label}.{unit}"));
         b.position_at_end(pred);
         b.build_unconditional_branch(head).map_err(llvm)?;
         b.position_at_end(head);
@@ -241,73 +188,122 @@ fn body<'c>(
         p.add_incoming(&[(&worker, pred)]);
         let pv = p.as_basic_value().into_int_value();
         let more = b.build_int_compare(IntPredicate::ULT, pv, counts[i], "").map_err(llvm)?;
-        let next = ctx.append_basic_block(f, &format!("sum{j}.end"));
+        let next = ctx.append_basic_block(f, &format!("{label}.end"));
         b.build_conditional_branch(more, step, next).map_err(llvm)?;
 
         b.position_at_end(step);
-        let inst = b.build_int_unsigned_div(pv, c(s.elems), "instance").map_err(llvm)?;
-        let e = b.build_int_unsigned_rem(pv, c(s.elems), "element").map_err(llvm)?;
-        let w = b.build_int_mul(inst, c(s.words() as u64), "").map_err(llvm)?;
-        let w = b.build_int_add(starts[i], w, "").map_err(llvm)?;
-        let field = |k: u64, name: &str| -> Result<IntValue<'c>, XferError> {
-            let at = b.build_int_add(w, c(k), "").map_err(llvm)?;
-            word(at, name)
-        };
-        // Element `e` of the row at (buffer, offset), `size` bytes each.
-        let element = |buf: IntValue<'c>, off: IntValue<'c>, size: u64| -> Result<PointerValue<'c>, XferError> {
-            let slot = gep(b, ptr, bases, buf)?;
-            let base = aligned(b.build_load(ptr, slot, "base").map_err(llvm)?)?.into_pointer_value();
-            let t = b.build_int_mul(e, c(size), "").map_err(llvm)?;
-            let o = b.build_int_add(off, t, "").map_err(llvm)?;
-            gep(b, ctx.i8_type(), base, o)
-        };
-        use inkwell::values::BasicValue;
-        let mut acc = f32t.const_float(0.0);
-        for k in 0..u64::from(s.sources) {
-            let at = element(field(2 + 2 * k, "src")?, field(3 + 2 * k, "src_offset")?, s.elem.bytes())?;
-            let x = match s.elem {
-                Elem::Bf16 => {
-                    let v = b.build_load(ctx.i16_type(), at, "bf16").map_err(llvm)?;
-                    v.as_instruction_value()
-                        .ok_or_else(|| llvm("a load is not an instruction"))?
-                        .set_alignment(2)
-                        .map_err(llvm)?;
-                    let wide = b.build_int_z_extend(v.into_int_value(), ctx.i32_type(), "").map_err(llvm)?;
-                    let bits = b.build_left_shift(wide, ctx.i32_type().const_int(16, false), "").map_err(llvm)?;
-                    b.build_bit_cast(bits, f32t, "x").map_err(llvm)?.into_float_value()
-                }
-                Elem::F32 => {
-                    let v = b.build_load(f32t, at, "x").map_err(llvm)?;
-                    v.as_instruction_value()
-                        .ok_or_else(|| llvm("a load is not an instruction"))?
-                        .set_alignment(4)
-                        .map_err(llvm)?;
-                    v.into_float_value()
-                }
-            };
-            acc = b.build_float_add(acc, x, "acc").map_err(llvm)?;
-        }
-        let to = element(field(0, "dst")?, field(1, "dst_offset")?, s.out.bytes())?;
-        match s.out {
-            Elem::F32 => {
-                b.build_store(to, acc).map_err(llvm)?.set_alignment(4).map_err(llvm)?;
+        match l {
+            Loop::Copy(s) => {
+                let per_run = s.run_bytes / s.piece;
+                let inst = b.build_int_unsigned_div(pv, c(s.pieces()), "instance").map_err(llvm)?;
+                let local = b.build_int_unsigned_rem(pv, c(s.pieces()), "").map_err(llvm)?;
+                let run = b.build_int_unsigned_div(local, c(per_run), "run").map_err(llvm)?;
+                let k = b.build_int_unsigned_rem(local, c(per_run), "k").map_err(llvm)?;
+                let a = b.build_int_unsigned_div(run, c(s.counts[1]), "a").map_err(llvm)?;
+                let bb = b.build_int_unsigned_rem(run, c(s.counts[1]), "b").map_err(llvm)?;
+                let w = b.build_int_mul(inst, c(INSTANCE_WORDS as u64), "").map_err(llvm)?;
+                let w = b.build_int_add(starts[i], w, "").map_err(llvm)?;
+                let field = |j: u64, name: &str| -> Result<IntValue<'c>, XferError> {
+                    let at = b.build_int_add(w, c(j), "").map_err(llvm)?;
+                    word(at, name)
+                };
+                let (src, dst) = (field(0, "src")?, field(1, "dst")?);
+                let (src_off, dst_off) = (field(2, "src_offset")?, field(3, "dst_offset")?);
+                let address =
+                    |buf: IntValue<'c>, off: IntValue<'c>, strides: [u64; 2]| -> Result<PointerValue<'c>, XferError> {
+                        let slot = gep(b, ptr, bases, buf)?;
+                        let base = aligned(b.build_load(ptr, slot, "base").map_err(llvm)?)?.into_pointer_value();
+                        let mut o = off;
+                        for (n, by) in [(a, strides[0]), (bb, strides[1]), (k, s.piece)] {
+                            let t = b.build_int_mul(n, c(by), "").map_err(llvm)?;
+                            o = b.build_int_add(o, t, "").map_err(llvm)?;
+                        }
+                        gep(b, ctx.i8_type(), base, o)
+                    };
+                let from = address(src, src_off, s.src_strides)?;
+                let to = address(dst, dst_off, s.dst_strides)?;
+                let piece: BasicTypeEnum<'c> = match s.piece {
+                    16 => ctx.i32_type().vec_type(4).into(),
+                    8 => i64t.into(),
+                    4 => ctx.i32_type().into(),
+                    2 => ctx.i16_type().into(),
+                    _ => ctx.i8_type().into(),
+                };
+                let v = b.build_load(piece, from, "v").map_err(llvm)?;
+                let align = s.piece as u32;
+                v.as_instruction_value()
+                    .ok_or_else(|| llvm("a load is not an instruction"))?
+                    .set_alignment(align)
+                    .map_err(llvm)?;
+                b.build_store(to, v).map_err(llvm)?.set_alignment(align).map_err(llvm)?;
             }
-            Elem::Bf16 => {
-                // Round to nearest, ties to even: add 0x7fff plus the bit
-                // that survives, keep the upper half; a NaN stays a (quiet) NaN.
-                let i32t = ctx.i32_type();
-                let k = |v: u64| i32t.const_int(v, false);
-                let bits = b.build_bit_cast(acc, i32t, "").map_err(llvm)?.into_int_value();
-                let upper = b.build_right_shift(bits, k(16), false, "").map_err(llvm)?;
-                let odd = b.build_and(upper, k(1), "").map_err(llvm)?;
-                let bias = b.build_int_add(odd, k(0x7fff), "").map_err(llvm)?;
-                let rounded = b.build_int_add(bits, bias, "").map_err(llvm)?;
-                let rounded = b.build_right_shift(rounded, k(16), false, "").map_err(llvm)?;
-                let quiet = b.build_or(upper, k(0x40), "").map_err(llvm)?;
-                let nan = b.build_float_compare(inkwell::FloatPredicate::UNO, acc, acc, "nan").map_err(llvm)?;
-                let v = b.build_select(nan, quiet, rounded, "").map_err(llvm)?.into_int_value();
-                let v = b.build_int_truncate(v, ctx.i16_type(), "bf16").map_err(llvm)?;
-                b.build_store(to, v).map_err(llvm)?.set_alignment(2).map_err(llvm)?;
+            Loop::Sum(s) => {
+                let inst = b.build_int_unsigned_div(pv, c(s.elems), "instance").map_err(llvm)?;
+                let e = b.build_int_unsigned_rem(pv, c(s.elems), "element").map_err(llvm)?;
+                let w = b.build_int_mul(inst, c(s.words() as u64), "").map_err(llvm)?;
+                let w = b.build_int_add(starts[i], w, "").map_err(llvm)?;
+                let field = |k: u64, name: &str| -> Result<IntValue<'c>, XferError> {
+                    let at = b.build_int_add(w, c(k), "").map_err(llvm)?;
+                    word(at, name)
+                };
+                // Element `e` of the row at (buffer, offset), `size` bytes each.
+                let element =
+                    |buf: IntValue<'c>, off: IntValue<'c>, size: u64| -> Result<PointerValue<'c>, XferError> {
+                        let slot = gep(b, ptr, bases, buf)?;
+                        let base = aligned(b.build_load(ptr, slot, "base").map_err(llvm)?)?.into_pointer_value();
+                        let t = b.build_int_mul(e, c(size), "").map_err(llvm)?;
+                        let o = b.build_int_add(off, t, "").map_err(llvm)?;
+                        gep(b, ctx.i8_type(), base, o)
+                    };
+                let mut acc = f32t.const_float(0.0);
+                for k in 0..u64::from(s.sources) {
+                    let at = element(field(2 + 2 * k, "src")?, field(3 + 2 * k, "src_offset")?, s.elem.bytes())?;
+                    let x = match s.elem {
+                        Elem::Bf16 => {
+                            let v = b.build_load(ctx.i16_type(), at, "bf16").map_err(llvm)?;
+                            v.as_instruction_value()
+                                .ok_or_else(|| llvm("a load is not an instruction"))?
+                                .set_alignment(2)
+                                .map_err(llvm)?;
+                            let wide = b.build_int_z_extend(v.into_int_value(), ctx.i32_type(), "").map_err(llvm)?;
+                            let bits =
+                                b.build_left_shift(wide, ctx.i32_type().const_int(16, false), "").map_err(llvm)?;
+                            b.build_bit_cast(bits, f32t, "x").map_err(llvm)?.into_float_value()
+                        }
+                        Elem::F32 => {
+                            let v = b.build_load(f32t, at, "x").map_err(llvm)?;
+                            v.as_instruction_value()
+                                .ok_or_else(|| llvm("a load is not an instruction"))?
+                                .set_alignment(4)
+                                .map_err(llvm)?;
+                            v.into_float_value()
+                        }
+                    };
+                    acc = b.build_float_add(acc, x, "acc").map_err(llvm)?;
+                }
+                let to = element(field(0, "dst")?, field(1, "dst_offset")?, s.out.bytes())?;
+                match s.out {
+                    Elem::F32 => {
+                        b.build_store(to, acc).map_err(llvm)?.set_alignment(4).map_err(llvm)?;
+                    }
+                    Elem::Bf16 => {
+                        // Round to nearest, ties to even: add 0x7fff plus the bit
+                        // that survives, keep the upper half; a NaN stays a (quiet) NaN.
+                        let i32t = ctx.i32_type();
+                        let k = |v: u64| i32t.const_int(v, false);
+                        let bits = b.build_bit_cast(acc, i32t, "").map_err(llvm)?.into_int_value();
+                        let upper = b.build_right_shift(bits, k(16), false, "").map_err(llvm)?;
+                        let odd = b.build_and(upper, k(1), "").map_err(llvm)?;
+                        let bias = b.build_int_add(odd, k(0x7fff), "").map_err(llvm)?;
+                        let rounded = b.build_int_add(bits, bias, "").map_err(llvm)?;
+                        let rounded = b.build_right_shift(rounded, k(16), false, "").map_err(llvm)?;
+                        let quiet = b.build_or(upper, k(0x40), "").map_err(llvm)?;
+                        let nan = b.build_float_compare(inkwell::FloatPredicate::UNO, acc, acc, "nan").map_err(llvm)?;
+                        let v = b.build_select(nan, quiet, rounded, "").map_err(llvm)?.into_int_value();
+                        let v = b.build_int_truncate(v, ctx.i16_type(), "bf16").map_err(llvm)?;
+                        b.build_store(to, v).map_err(llvm)?.set_alignment(2).map_err(llvm)?;
+                    }
+                }
             }
         }
         let n = b.build_int_add(pv, workers, "").map_err(llvm)?;
