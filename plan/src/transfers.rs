@@ -46,19 +46,7 @@ pub fn programs(plan: &Plan) -> Result<Vec<(&'static str, Program)>, XferError> 
     }
     let pairs = dispatch_pairs(plan);
     if !pairs.is_empty() {
-        // Two instances per pair: the buffers' offsets, and one row further
-        // on: every row address is the first plus whole rows.
-        let copies: Vec<Transfer> = pairs
-            .iter()
-            .flat_map(|&(src, dst, row)| {
-                [0, 1].map(|k| Transfer {
-                    src: 0,
-                    dst: 0,
-                    copy: StridedCopy::one_run(src.saturating_add(k * row), dst.saturating_add(k * row), row),
-                })
-            })
-            .collect();
-        out.push((NAMES[1], Program::build(&[copies])?.0));
+        out.push((NAMES[1], row_copies(&pairs)?));
     }
     let combines = combine_sums(plan);
     if !combines.is_empty() {
@@ -66,21 +54,30 @@ pub fn programs(plan: &Plan) -> Result<Vec<(&'static str, Program)>, XferError> 
     }
     let (sums, pairs) = all_reduce_shapes(plan);
     if !sums.is_empty() {
-        // Two instances per pair, as the dispatch's: the all-gather copies
-        // whole rows from a buffer's offset on.
-        let copies: Vec<Transfer> = pairs
-            .iter()
-            .flat_map(|&(at, row)| {
-                [0, 1].map(|k| Transfer {
-                    src: 0,
-                    dst: 0,
-                    copy: StridedCopy::one_run(at.saturating_add(k * row), at.saturating_add(k * row), row),
-                })
-            })
-            .collect();
-        out.push((NAMES[3], Program::build(&[copies])?.0.with_sums(sums)));
+        // The all-gather copies whole rows of a buffer on one rank to the
+        // same rows on another.
+        let pairs: Vec<(u64, u64, u64)> = pairs.iter().map(|&(at, row)| (at, at, row)).collect();
+        out.push((NAMES[3], row_copies(&pairs)?.with_sums(sums)));
     }
     Ok(out)
+}
+
+/// The code of whole-row copies between buffers at each (source offset,
+/// destination offset, row bytes): two instances per pair, the buffers'
+/// offsets and one row further on, so a shape's piece divides every row
+/// address (the first plus whole rows).
+fn row_copies(pairs: &[(u64, u64, u64)]) -> Result<Program, XferError> {
+    let copies: Vec<Transfer> = pairs
+        .iter()
+        .flat_map(|&(src, dst, row)| {
+            [0, 1].map(|k| Transfer {
+                src: 0,
+                dst: 0,
+                copy: StridedCopy::one_run(src.saturating_add(k * row), dst.saturating_add(k * row), row),
+            })
+        })
+        .collect();
+    Ok(Program::build(&[copies])?.0)
 }
 
 /// The sums of every EP combine: `hidden` bf16 elements from each of 0 to

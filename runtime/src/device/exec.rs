@@ -119,7 +119,6 @@ pub struct Executor {
     /// The compiled EP combine (each step's gathers) and TP all-reduce.
     combine: Option<Code>,
     all_reduce: Option<Code>,
-    gpus_per_node: usize,
     traffic: CombineTraffic,
 }
 
@@ -206,7 +205,6 @@ impl Executor {
             dispatch,
             combine,
             all_reduce,
-            gpus_per_node: plan.cluster.gpus_per_node.max(1) as usize,
             traffic: CombineTraffic::default(),
         })
     }
@@ -723,6 +721,13 @@ impl Executor {
                 .ok_or_else(|| ExecError::Plan(format!("op `{}`: no {name:?} buffer", op.name)))
         };
         let row = |name| mem.buffer(mode, name).map_or(0, |b| b.row_bytes);
+        // Row `i` of `bytes` each from `base`, checked: an edited plan's
+        // sizes must not wrap an address.
+        let row_at = |base: u64, i: u64, bytes: u64| {
+            i.checked_mul(bytes)
+                .and_then(|o| o.checked_add(base))
+                .ok_or_else(|| ExecError::Plan(format!("op `{}`: a row address overflows", op.name)))
+        };
         match c.kind {
             CommKind::AllReduce => {
                 // The two-shot all-reduce, as the bundle's compiled
@@ -738,19 +743,14 @@ impl Executor {
                         op.name, c.to, c.from
                     )));
                 }
-                let beyond = || ExecError::Plan(format!("op `{}`: a row address overflows", op.name));
-                let row_at = |r: usize, name, t: u64, bytes: u64| -> Result<u64, ExecError> {
-                    t.checked_mul(bytes).and_then(|o| o.checked_add(at(r, name).ok()?)).ok_or_else(beyond)
-                };
                 let (mut sums, mut copies) = (vec![], vec![]);
                 for t in 0..tokens {
                     let owner = group[(t % group.len() as u64) as usize];
-                    let dst_offset = row_at(owner, c.to, t, rt)?;
-                    let sources = group.iter().map(|&r| Ok((r as u32, row_at(r, c.from, t, rf)?))).collect::<Result<
-                        _,
-                        ExecError,
-                    >>(
-                    )?;
+                    let dst_offset = row_at(at(owner, c.to)?, t, rt)?;
+                    let sources = group
+                        .iter()
+                        .map(|&r| Ok((r as u32, row_at(at(r, c.from)?, t, rf)?)))
+                        .collect::<Result<_, ExecError>>()?;
                     sums.push(Sum {
                         dst: owner as u32,
                         dst_offset,
@@ -763,7 +763,7 @@ impl Executor {
                         copies.push(Transfer {
                             src: owner as u32,
                             dst: r as u32,
-                            copy: StridedCopy::one_run(dst_offset, row_at(r, c.to, t, rt)?, rt),
+                            copy: StridedCopy::one_run(dst_offset, row_at(at(r, c.to)?, t, rt)?, rt),
                         });
                     }
                 }
@@ -832,14 +832,13 @@ impl Executor {
                             )));
                         }
                         let base = at(d, *dst)?;
-                        let beyond = || ExecError::Plan(format!("op `{}`: a row address overflows", op.name));
                         for (i, &(s, tok)) in to[d].iter().enumerate() {
                             copies.push(Transfer {
                                 src: s as u32,
                                 dst: d as u32,
                                 copy: StridedCopy::one_run(
-                                    at(s, *src)?.checked_add(tok as u64 * rs).ok_or_else(beyond)?,
-                                    base.checked_add(i as u64 * rd).ok_or_else(beyond)?,
+                                    row_at(at(s, *src)?, tok as u64, rs)?,
+                                    row_at(base, i as u64, rd)?,
                                     rs,
                                 ),
                             });
@@ -893,10 +892,6 @@ impl Executor {
                         op.name
                     )));
                 }
-                let beyond = || ExecError::Plan(format!("op `{}`: a row address overflows", op.name));
-                let row_at = |base: u64, i: u64, bytes: u64| {
-                    i.checked_mul(bytes).and_then(|o| o.checked_add(base)).ok_or_else(beyond)
-                };
                 let mut from: BTreeMap<(usize, usize), Vec<(u32, u64)>> = BTreeMap::new();
                 for &d in &group {
                     let base = at(d, c.from)?;
@@ -910,7 +905,7 @@ impl Executor {
                     let base = at(s, c.to)?;
                     for tok in 0..counts[s][m].tokens as usize {
                         let rows = from.remove(&(s, tok)).unwrap_or_default();
-                        let gpn = self.gpus_per_node;
+                        let gpn = plan.cluster.gpus_per_node.max(1) as usize;
                         for &(d, _) in &rows {
                             let t = &mut self.traffic;
                             match (d as usize / gpn == s / gpn, c.relay.is_some()) {
