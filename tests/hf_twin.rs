@@ -798,6 +798,58 @@ fn on_two_nodes_of_the_emulated_device(
     (b, c)
 }
 
+/// Role plans on the emulated device: ExpertPlex's prefill, decode and MoE
+/// servers each run their role's program (the attention servers' dispatch
+/// into the rows their posts reserve on the MoE servers, the MoE servers'
+/// APK, the combine pulled back), and PD's whole-model instances their
+/// phase's; every request's KV pages move from its prefill GPU to its decode
+/// GPU as the compiled `kv_handoff` program. The tokens must be
+/// transformers', the logits within its own bf16 distance, and every
+/// prefilled request that decodes on must have been handed off.
+#[test]
+fn role_plans_give_transformers_tokens_on_the_emulated_device() {
+    use moeforge::plan::program::{Phase, Role as ProgramRole};
+    use moeforge::plan::roles::Role;
+    use moeforge::runtime::device::emu::EmuDevice;
+    let f = fixture("qwen3-moe");
+    let bf16: Value = serde_json::from_str(&std::fs::read_to_string(f.dir.join("bf16.json")).unwrap()).unwrap();
+    let (bound, steps) = bf16_bound(&bf16);
+    let ck = Checkpoint::load(&f.dir).unwrap();
+    let block = imported_block(&f.dir);
+    for strategy in ["expertplex", "pd-disagg"] {
+        let (cache, tmp) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let extra = format!("strategy = {strategy}");
+        let b = compile_text(&cpu_cluster_deployment(&block, 1, 4, 0.25, &extra), tmp.path());
+        let plan = b.plan.plan();
+        let roles = plan.roles.as_ref().unwrap_or_else(|| panic!("{strategy}: no roles"));
+        // Each GPU runs its role's programs: attention servers their phase's,
+        // MoE servers both phases' MoE side, PD instances their phase's.
+        for (g, gpu) in roles.gpus.iter().enumerate() {
+            let ran: Vec<_> =
+                plan.programs.iter().filter(|p| p.ranks.contains(&(g as u32))).map(|p| (p.role, p.phase)).collect();
+            let expected = match (gpu, roles.moe_servers()) {
+                (Role::Moe, _) => vec![(ProgramRole::Moe, Phase::Prefill), (ProgramRole::Moe, Phase::Decode)],
+                (Role::Prefill, true) => vec![(ProgramRole::Attention, Phase::Prefill)],
+                (Role::Decode, true) => vec![(ProgramRole::Attention, Phase::Decode)],
+                (Role::Prefill, false) => vec![(ProgramRole::Colocated, Phase::Prefill)],
+                (Role::Decode, false) => vec![(ProgramRole::Colocated, Phase::Decode)],
+            };
+            assert_eq!(ran, expected, "{strategy}: GPU {g} ({gpu:?})");
+        }
+        let dev = EmuDevice::start(cache.path()).unwrap_or_else(|e| panic!("{e}"));
+        let mut t = Twin::on_device(&b, &ck, Mode::Ep, Box::new(dev)).unwrap_or_else(|e| panic!("{strategy}: {e}"));
+        let at = |i: usize, s: usize| bound.max(steps[i][s]);
+        let (e, ekv, _) = check_run_within(&f, &mut t, strategy, &[], &at, &at);
+        let decoding = f.tokens.iter().filter(|x| x.len() > 1).count() as u64;
+        let h = t.handoffs();
+        assert_eq!(h.requests, decoding, "{strategy}: {h:?}");
+        assert_eq!(h.bytes, h.pages * roles.kv_handoff.page_bytes, "{strategy}");
+        eprintln!(
+            "{strategy} on the emulated device: worst logit error {e:.2e} ({ekv:.2e} against a bf16 KV cache); {h:?}"
+        );
+    }
+}
+
 /// The hierarchical prefill combine on the emulated device (ExpertPlex §5,
 /// Zepp's merge): Qwen3-MoE striped over 2 nodes × 2 ranks, so a prefill
 /// token's rows computed on the other node are summed there, on the GPU

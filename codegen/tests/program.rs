@@ -102,10 +102,13 @@ fn every_example_has_verified_programs_for_each_mode_and_phase() {
             continue;
         }
         let p = plan_of(&path);
-        if p.roles.is_some() {
-            // A role plan has no programs yet (its servers run the CPU twin).
-            assert!(p.programs.is_empty(), "{}", path.display());
+        if let Some(roles) = &p.roles {
+            // A role plan: each GPU runs its role's programs (the validator
+            // checks who runs which phase as what), and every one verifies.
             assert!(findings(&p).is_empty(), "{}: {:?}", path.display(), findings(&p));
+            for g in 0..roles.gpus.len() as u32 {
+                assert!(p.programs.iter().any(|q| q.ranks.contains(&g)), "{}: GPU {g} runs nothing", path.display());
+            }
             n += 1;
             continue;
         }
@@ -289,7 +292,7 @@ fn the_verifier_catches_each_kind_of_broken_program() {
     let f = broken(&plan, pi, |p| {
         p.ranks.pop();
     });
-    assert_finds(&f, "not each of the 8 ranks once");
+    assert_finds(&f, "not each of [0, 1, 2, 3, 4, 5, 6, 7] once");
     // A communication op whose statement disagrees with its operands.
     let f = broken(&plan, pi, |p| op_mut(p, "combine.0").comm.as_mut().unwrap().to = BufferName::Residual);
     assert_finds(&f, "but its operands or kernel say otherwise");
@@ -663,4 +666,35 @@ fn the_verifier_refuses_arguments_the_kernel_would_misread() {
     // The APK takes its templates, not flat arguments.
     let f = broken(&plan, pi, |p| op_mut(p, "qkv_proj").args.push(Arg::Layer));
     assert_finds(&f, "takes the APK's templates and state");
+}
+
+/// ExpertPlex's role programs verify, and an edited one is refused: a MoE
+/// server's program that embeds tokens, a program run by a GPU of another
+/// role, an attention server's combine that pulls nothing in, and a MoE
+/// server's experts no longer waiting for the rows its dispatch delivers.
+#[test]
+fn the_verifier_checks_role_programs() {
+    let plan = example("glm-5-h800x24");
+    let roles = plan.roles.as_ref().expect("an ExpertPlex example");
+    assert!(roles.moe_servers());
+    assert!(findings(&plan).is_empty(), "{:?}", findings(&plan));
+    let of = |role: Role, phase: Phase| plan.programs.iter().position(|q| q.role == role && q.phase == phase).unwrap();
+    let (moe, attn) = (of(Role::Moe, Phase::Prefill), of(Role::Attention, Phase::Prefill));
+    // The MoE side issues no attention, embedding or head ops; the
+    // attention side no routed experts.
+    assert!(plan.programs[moe].ops().all(|(b, _)| b.kind == BlockKind::Moe));
+    assert!(plan.programs[attn].ops().all(|(_, o)| o.kind != OpKind::Experts));
+    let f = broken(&plan, moe, |p| {
+        let embed = plan.programs[attn].blocks[0].ops[0].clone();
+        p.blocks[0].ops.push(embed);
+    });
+    assert_finds(&f, "issues ops in MoE layers only");
+    let f = broken(&plan, moe, |p| p.role = Role::Attention);
+    assert_finds(&f, "as Moe, not Attention");
+    // Op names carry their micro-batch where the step has two.
+    let name = |p: &Program, op: &str| if p.micro_batches > 1 { format!("{op}.0") } else { op.to_string() };
+    let f = broken(&plan, attn, |p| op_mut(p, &name(p, "combine")).writes.clear());
+    assert_finds(&f, "but its operands or kernel say otherwise");
+    let f = broken(&plan, moe, |p| op_mut(p, &name(p, "permute_count")).waits.clear());
+    assert_finds(&f, "concurrently with");
 }

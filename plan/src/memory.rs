@@ -298,9 +298,12 @@ impl Workspace {
             b(TopkIds, sc, Both, t, k * 4),
             b(TopkWeights, sc, Both, t, k * 4),
             // counts and offsets per expert, then row→entry, row→expert and
-            // entry→row maps over the padded rows (≤ entries + 256 per expert;
-            // `RouteIndexParts` places them).
-            b(RouteIndex, sc, Both, entries + 256 * e, 12),
+            // entry→row maps (`RouteIndexParts` places them): the entry map
+            // covers k entries of every row the receive buffer holds (EP's
+            // `dispatch` has `entries` rows, a role plan's MoE server
+            // scanning up to the last row its posts filled), the padded rows
+            // ≤ entries + 256 per expert.
+            b(RouteIndex, sc, Both, entries * k + 256 * e, 12),
             // Expert-contiguous rows: each local expert's padded to M_t (≤ 256).
             b(Permuted, sc, Both, entries + 256 * e, h * 2),
             b(GateUp, sc, Both, entries + 256 * e, 2 * i * 2),

@@ -37,13 +37,23 @@ use crate::plan::{KernelInstance, KernelParams};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
-/// What a rank does in the deployment. Colocated ranks run attention and
-/// their share of the experts (the composition issue adds attention-only
-/// and MoE-only server roles).
+/// What a program's ranks do in the deployment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Role {
+    /// Attention and a share of the experts on every rank (colocated plans,
+    /// and each whole-model instance of a PD plan).
     Colocated,
+    /// An ExpertPlex attention server of the program's phase (a prefill
+    /// server's prefill, a decode server's decode): embedding, attention,
+    /// the router, shared experts, the head; its routed rows go to the MoE
+    /// servers and their outputs come back through the same communication
+    /// ops the MoE servers' programs issue.
+    Attention,
+    /// An ExpertPlex MoE server's side of the phase's MoE layers: what the
+    /// attention servers dispatch, permuted through the APK, and published
+    /// for their combine. It issues only the MoE layers' ops.
+    Moe,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -945,7 +955,13 @@ pub fn check(
                     for [from, to] in c.moves() {
                         let reads = op.reads.contains(&Operand::Buffer { name: from });
                         let writes = op.writes.contains(&Operand::Buffer { name: to });
-                        if !reads || !writes || c.row_bytes == 0 || op.kernel != KernelRef::Transfer {
+                        // A role program lists its own side of the move: the
+                        // sender reads `from`, the receiver writes `to`.
+                        let sides = match p.role {
+                            Role::Colocated => reads && writes,
+                            Role::Attention | Role::Moe => reads || writes,
+                        };
+                        if !sides || c.row_bytes == 0 || op.kernel != KernelRef::Transfer {
                             out.push((
                                 format!("{f}.comm"),
                                 format!("moves {from:?} → {to:?} but its operands or kernel say otherwise"),
@@ -1081,8 +1097,18 @@ pub fn check(
         }
     }
     // The sampled tokens are the step's result: the last op must produce them
-    // after everything else (one stream joins every other before it).
-    if out.is_empty() {
+    // after everything else (one stream joins every other before it). A MoE
+    // server samples nothing: its step is its side of the MoE layers.
+    if p.role == Role::Moe {
+        for (bi, b) in p.blocks.iter().enumerate() {
+            if b.kind != BlockKind::Moe && !b.ops.is_empty() {
+                out.push((
+                    format!("programs[{pi}].blocks[{bi}]"),
+                    format!("a MoE server's program issues ops in MoE layers only, not in a {:?} block", b.kind),
+                ));
+            }
+        }
+    } else if out.is_empty() {
         let last = p.blocks.last().and_then(|b| b.ops.last());
         let end = issued.last().map(|i| &i.clock);
         let mut finals = vec![0u64; ns];

@@ -21,7 +21,8 @@
 //! decode step (the search's B_d over the decode servers) and the prefill
 //! servers share the rest, so one attention rank may send each MoE rank at
 //! most [`Post::rows`] rows per round (a prefill step's more go in rounds). The combine is
-//! pulled from the same rows of the MoE rank's `combine` buffer. Each post
+//! pulled from the same rows of the MoE rank's `combine` buffer. A step of M micro-batches
+//! gives micro-batch m the m-th share of every region, in the buffer's m-th slice. Each post
 //! names its [`Path`]: NVLink inside a node; across nodes decode goes
 //! straight over RDMA on the high-priority virtual lane, and prefill goes
 //! once to a prefill server on the destination node that fans out over

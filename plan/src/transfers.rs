@@ -24,6 +24,11 @@
 //!   that owns it (rows dealt round-robin), in place, then copied from there
 //!   to every other rank. One sum shape per (row width, group size), one
 //!   copy shape per row width.
+//! - `kv_handoff`: a role plan's prefill→decode KV handoff
+//!   (`crate::roles::KvHandoff`): whole KV pages (every layer and head of
+//!   one page's tokens, contiguous) from the prefill server's pool into
+//!   pages of the decode server's, one copy per page; each handoff's pages
+//!   are its batch.
 
 use crate::memory::Mode;
 use crate::program::CommKind;
@@ -31,7 +36,7 @@ use crate::Plan;
 use moeforge_xfer::{Elem, Program, StridedCopy, SumShape, Transfer, XferError};
 
 /// The program names, in the order a bundle lists them.
-pub const NAMES: [&str; 4] = ["reshard", "dispatch", "combine", "all_reduce"];
+pub const NAMES: [&str; 5] = ["reshard", "dispatch", "combine", "all_reduce", "kv_handoff"];
 
 /// `kernels/xfer_{name}.ptx` and `.ll`.
 pub fn files(name: &str) -> (String, String) {
@@ -58,6 +63,9 @@ pub fn programs(plan: &Plan) -> Result<Vec<(&'static str, Program)>, XferError> 
         // same rows on another.
         let pairs: Vec<(u64, u64, u64)> = pairs.iter().map(|&(at, row)| (at, at, row)).collect();
         out.push((NAMES[3], row_copies(&pairs)?.with_sums(sums)));
+    }
+    if let Some((base, page)) = kv_pages(plan) {
+        out.push((NAMES[4], row_copies(&[(base, base, page)])?));
     }
     Ok(out)
 }
@@ -109,6 +117,15 @@ fn combine_sums(plan: &Plan) -> Vec<SumShape> {
         }
     }
     out
+}
+
+/// A role plan's KV pool, `(offset, page bytes)`: the pages its handoffs
+/// copy (the attention servers' one page format).
+pub fn kv_pages(plan: &Plan) -> Option<(u64, u64)> {
+    let handoff = plan.roles.as_ref()?.kv_handoff;
+    let kv = &plan.memory.kv;
+    let base = plan.memory.regions.get(kv.region.index())?.offset;
+    (handoff.page_bytes > 0 && handoff.page_bytes == kv.ep.page_bytes).then_some((base, handoff.page_bytes))
 }
 
 /// The sums (a row of f32 from each rank of the group) and the all-gather's

@@ -114,8 +114,7 @@ pub fn validate(plan: Plan) -> Result<ValidPlan, Vec<Violation>> {
             "memory.reshard",
             "a dual-mode plan needs its reshard descriptors",
         ),
-        // Role plans run on the CPU twin only: no programs yet (see `roles`).
-        (plan.programs.is_empty() && plan.roles.is_none(), "programs", "no per-rank programs"),
+        (plan.programs.is_empty(), "programs", "no per-rank programs"),
     ] {
         if empty {
             v.push(Violation { field: field.into(), message: what.into() });
@@ -931,7 +930,7 @@ pub fn memory_violations(plan: &Plan) -> Vec<String> {
 /// Every program verifies (`program::check`), and each rank has exactly one
 /// program per mode and phase.
 fn programs(c: &mut Check, p: &Plan) {
-    use crate::program::Phase;
+    use crate::program::{Phase, Role as ProgramRole};
     if p.programs.is_empty() {
         return;
     }
@@ -963,7 +962,33 @@ fn programs(c: &mut Check, p: &Plan) {
             }
         }
     }
-    for &mode in &p.memory.modes {
+    // Who runs a phase, and as what: every rank colocated; a PD plan's GPUs
+    // of the phase's role colocated (whole-model instances); an ExpertPlex
+    // plan's attention servers of the phase's role and its MoE servers.
+    let runs = |phase: Phase, rank: u32| -> Option<ProgramRole> {
+        let Some(r) = &p.roles else { return Some(ProgramRole::Colocated) };
+        let serves = match phase {
+            Phase::Prefill => Role::Prefill,
+            Phase::Decode => Role::Decode,
+        };
+        match r.gpus.get(rank as usize) {
+            Some(&g) if g == serves && r.moe_servers() => Some(ProgramRole::Attention),
+            Some(&g) if g == serves => Some(ProgramRole::Colocated),
+            Some(Role::Moe) => Some(ProgramRole::Moe),
+            _ => None,
+        }
+    };
+    for (i, prog) in p.programs.iter().enumerate() {
+        for &r in &prog.ranks {
+            let want = runs(prog.phase, r);
+            c.ensure(want == Some(prog.role), format!("programs[{i}].role"), || match want {
+                Some(w) => format!("rank {r} runs the {} step as {w:?}, not {:?}", prog.phase.name(), prog.role),
+                None => format!("rank {r} does not run the {} step", prog.phase.name()),
+            });
+        }
+    }
+    // (A role plan's modes are EP's alone: `memory.modes` refuses others.)
+    for &mode in p.memory.modes.iter().filter(|&&m| p.roles.is_none() || m == Mode::Ep) {
         for phase in [Phase::Prefill, Phase::Decode] {
             let mut held: Vec<u32> = p
                 .programs
@@ -972,14 +997,9 @@ fn programs(c: &mut Check, p: &Plan) {
                 .flat_map(|q| q.ranks.iter().copied())
                 .collect();
             held.sort_unstable();
-            let all: Vec<u32> = (0..p.cluster.world).collect();
+            let all: Vec<u32> = (0..p.cluster.world).filter(|&r| runs(phase, r).is_some()).collect();
             c.ensure(held == all, "programs", || {
-                format!(
-                    "{} {} programs cover ranks {held:?}, not each of the {} ranks once",
-                    mode.name(),
-                    phase.name(),
-                    p.cluster.world
-                )
+                format!("{} {} programs cover ranks {held:?}, not each of {all:?} once", mode.name(), phase.name())
             });
         }
     }

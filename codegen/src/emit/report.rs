@@ -348,7 +348,7 @@ fn search(s: &mut String, plan: &Plan) {
                 plan.search.as_ref().and_then(|x| x.ranked.iter().position(|c| c.data_parallel())).map_or(1, |i| i + 1);
             let _ = writeln!(
                 s,
-                "\nRealized: the plan's roles (Layout above) are rank {realized}'s layout, its q the APK's and its overlap the one the simulator times (role plans have no programs yet){}.\n",
+                "\nRealized: the plan's roles (Layout above) are rank {realized}'s layout, its q the APK's and its overlap the one its programs run and the simulator times{}.\n",
                 if realized == 1 { "" } else { " (the best layout with data-parallel attention: role plans execute no tensor-parallel attention groups yet)" }
             );
         }
@@ -539,14 +539,14 @@ fn placement(s: &mut String, plan: &Plan) {
 fn programs(s: &mut String, plan: &Plan) {
     use moeforge_plan::program::KernelRef;
     let _ = writeln!(s, "\n## Per-rank programs\n");
-    if plan.roles.is_some() {
+    if plan.roles.as_ref().is_some_and(moeforge_plan::roles::Roles::moe_servers) {
         let _ = writeln!(
             s,
-            "None yet for a role plan: attention and MoE servers run different programs (attention-initiated \
-             dispatch, a MoE server's persistent APK) that this version does not generate. The CPU twin runs \
-             the plan (`moeforge run --backend cpu`); the devices refuse it."
+            "ExpertPlex roles: a phase's attention servers run the `Attention` program (everything but the \
+             routed experts), the MoE servers the `Moe` program of both phases (their side of each MoE layer: \
+             the rows the dispatch delivers into their posts, the permutation, the APK, the combine's rows). \
+             The two sides meet at the same communication ops.\n"
         );
-        return;
     }
     let _ = writeln!(
         s,

@@ -16,10 +16,19 @@
 //! EP ranks holding different expert counts run different APK instances:
 //! their programs are separate.
 //!
-//! A plan with ExpertPlex roles gets no programs yet: its attention and MoE
-//! servers run different programs (attention-initiated dispatch, a MoE
-//! server's persistent APK), which this pass does not generate; the CPU
-//! twin runs role plans, the devices refuse them.
+//! A plan with roles (`moeforge_plan::roles`) gets one program per role and
+//! phase, with the search's overlap per phase (`Roles::overlap`):
+//! - **ExpertPlex**: a phase's attention servers (prefill servers' prefill,
+//!   decode servers' decode) run `Role::Attention`: the colocated EP
+//!   program without the routed experts. The MoE servers run `Role::Moe`
+//!   for both phases: their side of each MoE layer (what the dispatch
+//!   delivers, the permutation, the APK, the weighted combine of rows),
+//!   with empty prologue, dense bodies and epilogue. Both sides issue the
+//!   same communication ops, each listing only its own operands (the sender
+//!   reads, the receiver writes): the interpreter meets them there. Their
+//!   group is the phase's attention servers and the MoE servers.
+//! - **PD**: each whole-model instance runs the colocated EP program of
+//!   its role's phase over its own GPUs (its communication group).
 
 use super::{Ctx, PassError};
 use moeforge_dsl::spec::{Attention, DType, Model, QkNormScope, Routing};
@@ -28,10 +37,6 @@ use moeforge_plan::program::*;
 use moeforge_plan::{ApkForm, Grid, GridVar, KernelParams, Plan};
 
 pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
-    if plan.roles.is_some() {
-        plan.programs.clear();
-        return Ok(());
-    }
     let m = cx.model;
     let world: Vec<u32> = plan.ranks.iter().map(|r| r.rank).collect();
     let experts: Vec<[u32; 2]> = (0..plan.ranks.len()).map(|r| plan.ep_ids(r)).collect();
@@ -47,9 +52,10 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
         KernelParams::Layer(l) => l.gqa.as_ref().and_then(|g| g.flash),
         _ => None,
     });
+    let overlaps = plan.roles.as_ref().map_or(Overlaps::STANDARD, |r| r.overlap);
     for &mode in &plan.memory.modes {
         // EP ranks grouped by the APK instance their expert count selects.
-        let groups: Vec<(Vec<u32>, Option<String>)> = match mode {
+        let apk_groups: Vec<(Vec<u32>, Option<String>)> = match mode {
             Mode::Tp => {
                 let apk = plan
                     .kernels
@@ -68,7 +74,8 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
                         _ => None,
                     })
                     .collect();
-                // Ranks holding no routed experts (fewer experts than ranks).
+                // Ranks holding no routed experts (fewer experts than ranks,
+                // or a role plan's attention servers).
                 let idle: Vec<u32> =
                     plan.ranks.iter().filter(|r| plan.local_experts(r.rank as usize) == 0).map(|r| r.rank).collect();
                 if !idle.is_empty() {
@@ -77,21 +84,30 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
                 g
             }
         };
-        for (ranks, apk) in groups {
-            for phase in [Phase::Prefill, Phase::Decode] {
-                let cfg = Config {
-                    m,
-                    mem: &plan.memory,
-                    mode,
-                    phase,
-                    world: &world,
-                    gpus_per_node: plan.cluster.gpus_per_node.max(1),
-                    experts: &experts,
-                    apk: apk.as_deref(),
-                    dense,
-                    flash,
-                };
-                programs.push(cfg.program(ranks.clone()));
+        for phase in [Phase::Prefill, Phase::Decode] {
+            for (role, group) in sides(plan, phase) {
+                for (ranks, apk) in &apk_groups {
+                    let ranks: Vec<u32> = ranks.iter().copied().filter(|r| group.runs.contains(r)).collect();
+                    if ranks.is_empty() {
+                        continue;
+                    }
+                    let cfg = Config {
+                        m,
+                        mem: &plan.memory,
+                        mode,
+                        phase,
+                        role,
+                        overlaps,
+                        world: &world,
+                        group: &group.comm,
+                        gpus_per_node: plan.cluster.gpus_per_node.max(1),
+                        experts: &experts,
+                        apk: apk.as_deref(),
+                        dense,
+                        flash,
+                    };
+                    programs.push(cfg.program(ranks));
+                }
             }
         }
     }
@@ -99,12 +115,51 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     Ok(())
 }
 
+/// The ranks that run a phase's program of one role, and the communication
+/// group their ops span.
+struct Side {
+    runs: Vec<u32>,
+    comm: Vec<u32>,
+}
+
+/// Who runs `phase`, by program role: every rank (colocated); each PD
+/// instance of the phase's role over its own GPUs; the phase's ExpertPlex
+/// attention servers and the MoE servers, one group.
+fn sides(plan: &Plan, phase: Phase) -> Vec<(Role, Side)> {
+    use moeforge_plan::roles::Role as Gpu;
+    let world: Vec<u32> = plan.ranks.iter().map(|r| r.rank).collect();
+    let Some(roles) = &plan.roles else {
+        return vec![(Role::Colocated, Side { runs: world.clone(), comm: world })];
+    };
+    let serves = match phase {
+        Phase::Prefill => Gpu::Prefill,
+        Phase::Decode => Gpu::Decode,
+    };
+    let attention = roles.ranks(serves);
+    if !roles.moe_servers() {
+        return roles
+            .ep_groups
+            .iter()
+            .filter(|g| g.iter().all(|r| attention.contains(r)))
+            .map(|g| (Role::Colocated, Side { runs: g.clone(), comm: g.clone() }))
+            .collect();
+    }
+    let moe = roles.ranks(Gpu::Moe);
+    let mut comm: Vec<u32> = attention.iter().chain(&moe).copied().collect();
+    comm.sort_unstable();
+    vec![(Role::Attention, Side { runs: attention, comm: comm.clone() }), (Role::Moe, Side { runs: moe, comm })]
+}
+
 struct Config<'a> {
     m: &'a Model,
     mem: &'a MemoryPlan,
     mode: Mode,
     phase: Phase,
+    role: Role,
+    overlaps: Overlaps,
     world: &'a [u32],
+    /// The ranks this program's communication ops span.
+    group: &'a [u32],
     gpus_per_node: u32,
     /// The expert ids each rank's EP permutation matches `[begin, end)`
     /// (`Plan::ep_ids`: its stripe, or its physical slots), indexed by rank.
@@ -332,12 +387,13 @@ impl Config<'_> {
         }
     }
     /// EP phases overlap as the cost model's baselines time them
-    /// ([`Overlaps::STANDARD`]); SBO needs shared experts to run beside the
-    /// routed ones, and TP has nothing to overlap.
+    /// ([`Overlaps::STANDARD`]), or as the search chose for a role plan; SBO
+    /// needs shared experts to run beside the routed ones, and TP has
+    /// nothing to overlap.
     fn overlap(&self) -> Overlap {
         let o = match self.phase {
-            Phase::Prefill => Overlaps::STANDARD.prefill,
-            Phase::Decode => Overlaps::STANDARD.decode,
+            Phase::Prefill => self.overlaps.prefill,
+            Phase::Decode => self.overlaps.decode,
         };
         match o {
             _ if self.mode != Mode::Ep => Overlap::None,
@@ -357,12 +413,15 @@ impl Config<'_> {
         let mut events = Vec::new();
         let overlap = self.overlap();
         let micro_batches = if overlap == Overlap::Tbo { 2 } else { 1 };
+        // A MoE server issues only its side of the MoE layers: no
+        // embedding, attention, dense FFN, shared experts or head.
+        let attends = self.role != Role::Moe;
         let mut streams = vec!["compute".to_string()];
         if self.mode == Mode::Ep {
             streams.push("comm".into());
             streams.push("apk".into());
         }
-        if self.sbo() {
+        if self.sbo() && attends {
             streams.push("shared".into());
         }
         let mbs: Vec<Option<u32>> = if micro_batches > 1 { (0..micro_batches).map(Some).collect() } else { vec![None] };
@@ -372,7 +431,7 @@ impl Config<'_> {
         // (its tokens, requests, sampled rows), the prologue and epilogue too:
         // a micro-batch is a step of its own requests.
         let mut o = Ops { events: &mut events, ops: vec![] };
-        for &mb in &mbs {
+        for &mb in mbs.iter().filter(|_| attends) {
             o.push(
                 "embed",
                 OpKind::Embedding,
@@ -389,7 +448,7 @@ impl Config<'_> {
         let first_moe = self.mem.slots.first_moe_layer;
         if first_moe > 0 {
             let mut o = Ops { events: &mut events, ops: vec![] };
-            for &mb in &mbs {
+            for &mb in mbs.iter().filter(|_| attends) {
                 self.attention(&mut o, mb);
                 let t = GridVar::Tokens;
                 let gu = [W::DenseGate, W::DenseUp];
@@ -412,7 +471,7 @@ impl Config<'_> {
 
         let mut o = Ops { events: &mut events, ops: vec![] };
         let head = if m.tie_embeddings { W::Embedding } else { W::LmHead };
-        for &mb in &mbs {
+        for &mb in mbs.iter().filter(|_| attends) {
             o.push(
                 "final_norm",
                 OpKind::RmsNorm { add: false },
@@ -459,7 +518,7 @@ impl Config<'_> {
         blocks.push(Block { kind: BlockKind::Epilogue, layers: None, ops: o.ops });
 
         Program {
-            role: Role::Colocated,
+            role: self.role,
             mode: self.mode,
             phase: self.phase,
             ranks,
@@ -528,6 +587,7 @@ impl Config<'_> {
                             (Buf::QkSumSq, Buf::QkSumSq),
                             &[],
                             8,
+                            Role::Colocated,
                         );
                         o.push(
                             "qk_norm",
@@ -775,6 +835,7 @@ impl Config<'_> {
                 (Buf::AllReduce, Buf::AllReduce),
                 &[],
                 u64::from(m.hidden) * 4,
+                Role::Colocated,
             );
             o.push(
                 "post_attention_norm",
@@ -815,12 +876,21 @@ impl Config<'_> {
         (from, to): (Buf, Buf),
         with: &[[Buf; 2]],
         row_bytes: u64,
+        sender: Role,
     ) {
         let stream = if self.mode == Mode::Ep { COMM } else { COMPUTE };
-        let writes = std::iter::once(to).chain(with.iter().map(|w| w[1])).map(buf).collect();
+        let mut writes: Vec<Operand> = std::iter::once(to).chain(with.iter().map(|w| w[1])).map(buf).collect();
+        let mut reads = reads;
+        // A role program lists its own side: the sender's reads, the
+        // receiver's writes.
+        match self.role {
+            Role::Colocated => {}
+            r if r == sender => writes.clear(),
+            _ => reads.clear(),
+        }
         let op = o.push(name, OpKind::Comm, stream, mb, reads, writes, KernelRef::Transfer);
         op.comm =
-            Some(Comm { kind, group: self.world.to_vec(), from, to, with: with.to_vec(), row_bytes, relay: None });
+            Some(Comm { kind, group: self.group.to_vec(), from, to, with: with.to_vec(), row_bytes, relay: None });
     }
     fn qk_norm_args(&self, qh: i64, kvh: i64, q0: &Arg, kv0: &Arg, sumsq: Arg) -> Vec<Arg> {
         let t = cnt(GridVar::Tokens);
@@ -955,61 +1025,74 @@ impl Config<'_> {
 
     /// One EP MoE layer: attention, routing, dispatch, experts, combine and
     /// the residual add of every micro-batch, overlapped as the module says.
+    /// An attention server issues all but the routed experts, a MoE server
+    /// only the dispatch, the experts and the combine.
     fn ep_moe_layer(&self, o: &mut Ops<'_>, mbs: &[Option<u32>]) {
         let m = self.m;
         let h = u64::from(m.hidden);
         let k = u64::from(m.moe.top_k);
         let has_shared = m.moe.shared_experts > 0;
+        let (attends, computes) = (self.role != Role::Moe, self.role != Role::Attention);
         let mut dispatched = Vec::new();
         for &mb in mbs {
-            self.attention(o, mb);
-            let normed = if self.sbo() { Some(o.record(mb_name("normed", mb))) } else { None };
-            if let Some(e) = normed {
-                let first = o.ops.len();
-                self.shared(o, SHARED, mb);
-                o.ops[first].waits.push(e);
-                o.record(mb_name("shared_done", mb));
-            }
-            self.route(o, mb);
-            // The dispatch leaves as soon as the routing is known; in prefill
-            // the shared experts then run on `compute` beside it.
-            let routed = o.record(mb_name("routed", mb));
-            if has_shared && !self.sbo() {
-                self.shared(o, COMPUTE, mb);
-            }
+            let routed = attends.then(|| {
+                self.attention(o, mb);
+                let normed = if self.sbo() { Some(o.record(mb_name("normed", mb))) } else { None };
+                if let Some(e) = normed {
+                    let first = o.ops.len();
+                    self.shared(o, SHARED, mb);
+                    o.ops[first].waits.push(e);
+                    o.record(mb_name("shared_done", mb));
+                }
+                self.route(o, mb);
+                // The dispatch leaves as soon as the routing is known; in prefill
+                // the shared experts then run on `compute` beside it.
+                let routed = o.record(mb_name("routed", mb));
+                if has_shared && !self.sbo() {
+                    self.shared(o, COMPUTE, mb);
+                }
+                routed
+            });
             let reads = vec![buf(Buf::Normed), buf(Buf::TopkIds), buf(Buf::TopkWeights)];
             let with = [[Buf::TopkIds, Buf::DispatchIds], [Buf::TopkWeights, Buf::DispatchWeights]];
             let rows = (Buf::Normed, Buf::Dispatch);
-            self.comm(o, "dispatch", CommKind::AllToAll, mb, reads, rows, &with, h * 2 + k * 8);
-            o.wait(routed);
+            self.comm(o, "dispatch", CommKind::AllToAll, mb, reads, rows, &with, h * 2 + k * 8, Role::Attention);
+            if let Some(routed) = routed {
+                o.wait(routed);
+            }
             dispatched.push(o.record(mb_name("dispatched", mb)));
         }
         let mut combined = Vec::new();
         for (&mb, &d) in mbs.iter().zip(&dispatched) {
-            let before = o.ops.len();
-            self.experts(o, mb, Buf::Dispatch, Buf::Combine);
-            o.ops[before].waits.push(d);
-            let done = o.record(mb_name("experts_done", mb));
+            let done = computes.then(|| {
+                let before = o.ops.len();
+                self.experts(o, mb, Buf::Dispatch, Buf::Combine);
+                o.ops[before].waits.push(d);
+                o.record(mb_name("experts_done", mb))
+            });
             let rows = (Buf::Combine, Buf::MoeOut);
-            self.comm(o, "combine", CommKind::AllToAll, mb, vec![buf(Buf::Combine)], rows, &[], h * 2);
+            self.comm(o, "combine", CommKind::AllToAll, mb, vec![buf(Buf::Combine)], rows, &[], h * 2, Role::Moe);
             // Prefill's combine across nodes takes the hierarchical path
             // (§5): node-local partial sums on the relays, one row per
             // (token, node) over the scale-out link. Decode's rows are few:
             // it pulls directly, for latency. A relay writes nodes − 1 rows
             // per token position into its dispatch slots (top-k per token):
-            // relayed while nodes − 1 ≤ top-k.
-            let nodes = self.world.iter().map(|r| r / self.gpus_per_node).collect::<std::collections::BTreeSet<_>>();
-            let relayed = nodes.len() > 1 && nodes.len() - 1 <= self.m.moe.top_k as usize;
+            // relayed while nodes − 1 ≤ top-k. (A role plan's combine pulls
+            // directly.)
+            let nodes = self.group.iter().map(|r| r / self.gpus_per_node).collect::<std::collections::BTreeSet<_>>();
+            let relayed = self.role == Role::Colocated && nodes.len() > 1 && nodes.len() - 1 <= m.moe.top_k as usize;
             if let Some(op) = o.ops.last_mut().filter(|_| self.phase == Phase::Prefill && relayed) {
                 op.writes.push(buf(Buf::Dispatch));
                 if let Some(c) = op.comm.as_mut() {
                     c.relay = Some(Relay { gpus_per_node: self.gpus_per_node, via: Buf::Dispatch });
                 }
             }
-            o.wait(done);
+            if let Some(done) = done {
+                o.wait(done);
+            }
             combined.push(o.record(mb_name("combined", mb)));
         }
-        for (&mb, &cb) in mbs.iter().zip(&combined) {
+        for (&mb, &cb) in mbs.iter().zip(&combined).filter(|_| attends) {
             let mut reads = vec![buf(Buf::MoeOut), buf(Buf::Residual)];
             if has_shared {
                 reads.push(buf(Buf::SharedOut));
@@ -1051,6 +1134,7 @@ impl Config<'_> {
             (Buf::AllReduce, Buf::AllReduce),
             &[],
             h * 4,
+            Role::Colocated,
         );
         let mut reads = vec![buf(Buf::AllReduce), buf(Buf::Residual)];
         if self.m.moe.shared_experts > 0 {

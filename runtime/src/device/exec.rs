@@ -30,10 +30,17 @@
 //!   the KV cache's pages by the layer kernels' `kv_migrate`, which reads the
 //!   source rank's pool through its pointer ([`Executor::migrate_kv`]).
 //!
-//! The ranks run in lockstep: op `i` of every rank's program, then op
-//! `i + 1`. Every rank's program for a (mode, phase) has the same ops (the
-//! programs of rank groups differ only in the experts op's kernel), which
-//! the interpreter checks.
+//! The ranks that run a (mode, phase) meet at communication ops: each runs
+//! its ops up to the next one, then every group issuing it moves its rows.
+//! Every rank that communicates in a block issues the same communication
+//! ops in the same order, each group's members the same `Comm` (checked):
+//! a colocated plan's ranks issue the same ops throughout; a role plan's
+//! attention servers and MoE servers run different programs that meet
+//! there (the MoE servers' blocks outside the MoE layers are empty); a PD
+//! plan's instances each meet in their own group. A role plan's dispatch
+//! lands each source's rows in the rows its post reserves
+//! (`moeforge_plan::roles::Post`), and its prefill→decode KV handoff is
+//! the compiled `kv_handoff` program ([`Executor::hand_off_pages`]).
 
 use super::bind::{self, Counts, Site};
 use super::{BufferId, Code, Device, DeviceError, Elem, KernelArg, ModuleId, StridedCopy, Sum, Transfer};
@@ -104,8 +111,9 @@ pub struct KvMigration {
     pub table_mode: Mode,
 }
 
-/// Where a micro-batch's received row came from: (source rank, token row).
-type Routes = Vec<Vec<(usize, usize)>>;
+/// Per destination rank, its received rows of a micro-batch: (row, source
+/// rank, token row).
+type Routes = Vec<Vec<(u64, usize, usize)>>;
 
 pub struct Executor {
     dev: Box<dyn Device + Send>,
@@ -119,6 +127,8 @@ pub struct Executor {
     /// The compiled EP combine (each step's gathers) and TP all-reduce.
     combine: Option<Code>,
     all_reduce: Option<Code>,
+    /// The compiled prefill→decode KV page copy of a role plan.
+    kv_handoff: Option<Code>,
     traffic: CombineTraffic,
 }
 
@@ -183,6 +193,7 @@ impl Executor {
         let dispatch = codes.remove("dispatch");
         let combine = codes.remove("combine");
         let all_reduce = codes.remove("all_reduce");
+        let kv_handoff = codes.remove("kv_handoff");
         let mut modules = BTreeMap::new();
         for p in &plan.programs {
             for (_, op) in p.ops() {
@@ -205,6 +216,7 @@ impl Executor {
             dispatch,
             combine,
             all_reduce,
+            kv_handoff,
             traffic: CombineTraffic::default(),
         })
     }
@@ -251,6 +263,32 @@ impl Executor {
             .ok_or_else(|| ExecError::Plan("the bundle holds no compiled reshard (kernels/xfer_reshard.*)".into()))?;
         self.dev.transfer(code, t.batches(w.from), &self.buffers)?;
         Ok(w.schedule(&plan.memory.slots).filter(|(c, ..)| c.src_rank != c.dst_rank).map(|(c, ..)| c.bytes()).sum())
+    }
+
+    /// A role plan's prefill→decode KV handoff (ExpertPlex §3): whole pages
+    /// of rank `src`'s pool into pages of rank `dst`'s, `(source page,
+    /// destination page)` each, one batch of the bundle's compiled
+    /// `kv_handoff` program. Returns the bytes moved.
+    pub fn hand_off_pages(&mut self, src: usize, dst: usize, pages: &[(u32, u32)]) -> Result<u64, ExecError> {
+        let code = self.code(&self.kv_handoff, "kv_handoff")?;
+        let plan = std::sync::Arc::clone(&self.plan);
+        let (base, page) = moeforge_plan::transfers::kv_pages(&plan)
+            .ok_or_else(|| ExecError::Plan("the plan has no KV handoff".into()))?;
+        let pool = plan.memory.kv.ep.pages;
+        let mut copies = Vec::with_capacity(pages.len());
+        for &(a, b) in pages {
+            if u64::from(a.max(b)) >= pool {
+                return Err(ExecError::Capacity(format!("KV page {} is outside the pool of {pool}", a.max(b))));
+            }
+            let at = |p: u32| u64::from(p).checked_mul(page).and_then(|o| o.checked_add(base));
+            let (Some(from), Some(to)) = (at(a), at(b)) else {
+                return Err(ExecError::Plan("a KV page address overflows".into()));
+            };
+            copies.push(Transfer { src: src as u32, dst: dst as u32, copy: StridedCopy::one_run(from, to, page) });
+        }
+        let batch = code.program.batch(&copies).map_err(|e| ExecError::Plan(format!("the KV handoff: {e}")))?;
+        self.dev.transfer(&code, &[batch], &self.buffers)?;
+        Ok(pages.len() as u64 * page)
     }
 
     /// KV pages into rank `dst` from rank `src`'s pool (Moebius §4.3): the
@@ -332,26 +370,35 @@ impl Executor {
         if work.len() != p {
             return Err(ExecError::Plan(format!("work for {} ranks; the plan has {p}", work.len())));
         }
-        let programs: Vec<&Program> = (0..p as u32)
-            .map(|r| {
-                plan.programs
-                    .iter()
-                    .find(|g| g.mode == mode && g.phase == phase && g.ranks.contains(&r))
-                    .ok_or_else(|| ExecError::Plan(format!("no {} {} program for rank {r}", mode.name(), phase.name())))
-            })
-            .collect::<Result<_, _>>()?;
-        let first = programs[0];
-        for g in &programs {
+        // The ranks that take part in this step: those with a program for
+        // (mode, phase). A role plan's GPUs of the other phase have none.
+        let programs: Vec<Option<&Program>> = (0..p as u32)
+            .map(|r| plan.programs.iter().find(|g| g.mode == mode && g.phase == phase && g.ranks.contains(&r)))
+            .collect();
+        for (r, (g, w)) in programs.iter().zip(work).enumerate() {
+            if g.is_none() && !w.is_empty() {
+                return Err(ExecError::Plan(format!(
+                    "rank {r} has requests but runs no {} {} program",
+                    mode.name(),
+                    phase.name()
+                )));
+            }
+        }
+        let running: Vec<(usize, &Program)> =
+            programs.iter().enumerate().filter_map(|(r, g)| Some((r, (*g)?))).collect();
+        let Some(&(_, first)) = running.first() else {
+            return Err(ExecError::Plan(format!("no {} {} program", mode.name(), phase.name())));
+        };
+        // One step shape: the same micro-batches and blocks over the same
+        // layers on every rank (a MoE server's blocks outside the MoE layers
+        // are empty).
+        for &(_, g) in &running {
             let same = g.micro_batches == first.micro_batches
                 && g.blocks.len() == first.blocks.len()
-                && g.blocks.iter().zip(&first.blocks).all(|(a, b)| {
-                    a.layers == b.layers
-                        && a.ops.len() == b.ops.len()
-                        && a.ops.iter().zip(&b.ops).all(|(x, y)| x.name == y.name)
-                });
+                && g.blocks.iter().zip(&first.blocks).all(|(a, b)| a.kind == b.kind && a.layers == b.layers);
             if !same {
                 return Err(ExecError::Plan(format!(
-                    "the {} {} programs of ranks {:?} and {:?} do not issue the same ops",
+                    "the {} {} programs of ranks {:?} and {:?} do not step through the same blocks",
                     mode.name(),
                     phase.name(),
                     first.ranks,
@@ -372,7 +419,7 @@ impl Executor {
             })
             .collect();
         let mut counts = vec![vec![Counts::default(); mbs]; p];
-        for r in 0..p {
+        for &(r, _) in &running {
             let local = match mode {
                 Mode::Tp => experts,
                 Mode::Ep => plan.local_experts(r),
@@ -391,24 +438,27 @@ impl Executor {
         let mut routes: Vec<Routes> = vec![vec![]; mbs];
         for (bi, block) in first.blocks.iter().enumerate() {
             for layer in block.layers.map_or(0..1, |[a, e]| a..e) {
-                for oi in 0..block.ops.len() {
-                    let op = &block.ops[oi];
-                    let m = op.micro_batch.unwrap_or(0) as usize;
-                    if let KernelRef::Transfer = op.kernel {
-                        self.comm(plan, mode, mbs as u32, op, layer, &mut counts, m, &mut routes[m])?;
-                        continue;
+                // The ranks meet at communication ops: each runs its ops up
+                // to the next one, then every group moves its rows.
+                let meets = rendezvous(&running, bi, mode, phase)?;
+                for (j, meet) in meets.iter().enumerate() {
+                    for &(r, g) in &running {
+                        for op in chunk(&g.blocks[bi].ops, j) {
+                            let m = op.micro_batch.unwrap_or(0) as usize;
+                            let site = Site {
+                                mem,
+                                mode,
+                                micro_batches: mbs as u32,
+                                rank: r as u32,
+                                layer,
+                                buffer: self.buffers[r],
+                            };
+                            self.run_op(plan, &site, op, phase, &mut counts[r][m])?;
+                        }
                     }
-                    for r in 0..p {
-                        let op = &programs[r].blocks[bi].ops[oi];
-                        let site = Site {
-                            mem,
-                            mode,
-                            micro_batches: mbs as u32,
-                            rank: r as u32,
-                            layer,
-                            buffer: self.buffers[r],
-                        };
-                        self.run_op(plan, &site, op, phase, &mut counts[r][m])?;
+                    for op in meet {
+                        let m = op.micro_batch.unwrap_or(0) as usize;
+                        self.comm(plan, mode, mbs as u32, op, layer, &mut counts, m, &mut routes[m])?;
                     }
                 }
             }
@@ -418,6 +468,10 @@ impl Executor {
         let mut out = Vec::with_capacity(p);
         for r in 0..p {
             let mut per = vec![None; work[r].len()];
+            if work[r].is_empty() {
+                out.push(per);
+                continue;
+            }
             for (m, range) in split[r].iter().enumerate() {
                 let site =
                     Site { mem, mode, micro_batches: mbs as u32, rank: r as u32, layer: 0, buffer: self.buffers[r] };
@@ -547,15 +601,36 @@ impl Executor {
                 self.apk(plan, site, op, instance, phase, counts)
             }
             KernelRef::Launch { entry, .. } => {
+                // The permutation's maps hold `capacity` entries and padded
+                // rows: a step past them is refused before a kernel runs.
+                let parts = route_parts(site, plan);
+                let entries = u64::from(counts.entries.max(counts.received_entries));
+                if entry == "moe_count" && entries > parts.capacity {
+                    return Err(ExecError::Capacity(format!(
+                        "rank {}: {entries} routed entries for a permutation of {}",
+                        site.rank, parts.capacity
+                    )));
+                }
                 bind::launch(self.dev.as_mut(), &plan.kernels, &self.modules, site, op, counts)?;
                 if entry == "moe_offsets" {
                     // The padded rows of the layout: offsets[num_local].
-                    let parts = route_parts(site, plan);
                     let base = bind::address(site, op, &Operand::Buffer { name: BufferName::RouteIndex })
                         .ok_or_else(|| ExecError::Plan("no RouteIndex buffer".into()))?;
                     let at = base + parts.offsets + u64::from(counts.local_experts) * 4;
                     let b = self.dev.download(site.buffer, at, 4)?;
                     counts.rows = i32s(&b).first().copied().unwrap_or(0).max(0) as u32;
+                    let rows = |name| {
+                        site.mem
+                            .buffer(site.mode, name)
+                            .map_or(0, |b| b.slice_bytes(site.micro_batches) / b.row_bytes.max(1))
+                    };
+                    let room = parts.capacity.min(rows(BufferName::Permuted));
+                    if u64::from(counts.rows) > room {
+                        return Err(ExecError::Capacity(format!(
+                            "rank {}: {} padded expert rows for {room}",
+                            site.rank, counts.rows
+                        )));
+                    }
                 }
                 Ok(())
             }
@@ -789,8 +864,23 @@ impl Executor {
                     let t = counts[s][m].tokens as usize;
                     ids_of.insert(s, i32s(&self.download(s, at(s, ids_name)?, (t * k * 4) as u64)?));
                 }
-                let assigned = assign_entries(plan, layer, &ids_of, k);
-                let mut to: Vec<Vec<(usize, usize)>> = vec![vec![]; self.buffers.len()];
+                let assigned = assign_entries(plan, layer, &ids_of, k, &group);
+                // Where each source's rows land on a destination. A role
+                // plan's MoE server reserves each attention server rows of
+                // its `dispatch` (`roles.posts`: micro-batch m's slice holds
+                // each region's m-th share), so no source waits on another's
+                // counts; rows between the regions' used parts carry no
+                // entry (ids −1). Otherwise the counts are exchanged first:
+                // rows packed in source-rank, then token order.
+                let posts: BTreeMap<(usize, usize), (u64, u64)> = plan
+                    .roles
+                    .iter()
+                    .flat_map(|r| &r.posts)
+                    .map(|x| {
+                        ((x.src as usize, x.dst as usize), (x.first_row / u64::from(mbs), x.rows / u64::from(mbs)))
+                    })
+                    .collect();
+                let mut to: Routes = vec![vec![]; self.buffers.len()];
                 for &s in &group {
                     let t = counts[s][m].tokens as usize;
                     for tok in 0..t {
@@ -799,7 +889,26 @@ impl Executor {
                         dests.sort_unstable();
                         dests.dedup();
                         for d in dests {
-                            to[d].push((s, tok));
+                            let row = match posts.get(&(s, d)) {
+                                None if posts.is_empty() => to[d].len() as u64,
+                                None => {
+                                    return Err(ExecError::Plan(format!(
+                                        "op `{}`: rank {s} has no post into rank {d}'s {:?}",
+                                        op.name, c.to
+                                    )))
+                                }
+                                Some(&(first, rows)) => {
+                                    let used = to[d].iter().filter(|x| x.1 == s).count() as u64;
+                                    if used >= rows {
+                                        return Err(ExecError::Capacity(format!(
+                                            "attention rank {s} sends MoE rank {d} more than the {rows} rows its post \
+                                             reserves per micro-batch; dispatch rounds run on the cpu twin only"
+                                        )));
+                                    }
+                                    first + used
+                                }
+                            };
+                            to[d].push((row, s, tok));
                         }
                     }
                 }
@@ -823,45 +932,48 @@ impl Executor {
                                 op.name
                             )));
                         }
-                        let cap = mem.buffer(mode, *dst).map_or(0, |b| b.slice_bytes(mbs));
-                        if to[d].len() as u64 * rd > cap {
+                        let cap = mem.buffer(mode, *dst).map_or(0, |b| b.slice_bytes(mbs)) / rd.max(1);
+                        let extent = to[d].iter().map(|x| x.0 + 1).max().unwrap_or(0);
+                        if extent > cap {
                             return Err(ExecError::Capacity(format!(
-                                "rank {d} receives {} rows of {dst:?}; its slots hold {}",
-                                to[d].len(),
-                                cap / rd.max(1)
+                                "rank {d} receives rows up to row {extent} of {dst:?}; its slots hold {cap}"
                             )));
                         }
                         let base = at(d, *dst)?;
-                        for (i, &(s, tok)) in to[d].iter().enumerate() {
+                        for &(row, s, tok) in &to[d] {
                             copies.push(Transfer {
                                 src: s as u32,
                                 dst: d as u32,
                                 copy: StridedCopy::one_run(
                                     row_at(at(s, *src)?, tok as u64, rs)?,
-                                    row_at(base, i as u64, rd)?,
+                                    row_at(base, row, rd)?,
                                     rs,
                                 ),
                             });
                         }
                     }
-                    counts[d][m].received = to[d].len() as u32;
-                    counts[d][m].received_entries = (to[d].len() * k) as u32;
+                    let extent = to[d].iter().map(|x| x.0 + 1).max().unwrap_or(0) as u32;
+                    counts[d][m].received = extent;
+                    counts[d][m].received_entries = extent * k as u32;
                 }
                 let batch =
                     code.program.batch(&copies).map_err(|e| ExecError::Plan(format!("op `{}`: {e}", op.name)))?;
                 self.dev.transfer(&code, &[batch], &self.buffers)?;
-                if plan.placement.is_some() {
+                if plan.placement.is_some() || !posts.is_empty() {
                     // Each destination's view of a row's entries: the ids
-                    // the rows carried, rewritten to the physical slot the
-                    // destination serves, -1 for the others.
+                    // the rows carried (a replicated placement's rewritten
+                    // to the physical slot the destination serves, -1 for
+                    // the others); rows no source used, -1.
                     let ids_to = c.with[0][1];
+                    let rd = row(ids_to) as usize;
                     for &d in &group {
-                        let rd = row(ids_to) as usize;
-                        let mut data = vec![0u8; to[d].len() * rd];
-                        for (i, &(s, tok)) in to[d].iter().enumerate() {
+                        let extent = to[d].iter().map(|x| x.0 as usize + 1).max().unwrap_or(0);
+                        let mut data = vec![0xffu8; extent * rd];
+                        for &(row, s, tok) in &to[d] {
+                            let i = row as usize;
                             for j in 0..k.min(rd / 4) {
                                 let id = match assigned.get(&(s, tok * k + j)) {
-                                    Some(&(g, phys)) if g == d => phys,
+                                    Some(&(g, id)) if g == d => id,
                                     _ => -1,
                                 };
                                 data[i * rd + 4 * j..i * rd + 4 * j + 4].copy_from_slice(&id.to_le_bytes());
@@ -871,7 +983,12 @@ impl Executor {
                         self.upload(d, a, &data)?;
                     }
                 }
-                *routes = to;
+                // Only this group's destinations: another group's dispatch
+                // of the same op (a PD instance's) keeps its own routes.
+                routes.resize(self.buffers.len(), vec![]);
+                for &d in &group {
+                    routes[d] = std::mem::take(&mut to[d]);
+                }
             }
             CommKind::AllToAll => {
                 // Combine, pulled by each token's source rank: its row becomes
@@ -895,8 +1012,8 @@ impl Executor {
                 let mut from: BTreeMap<(usize, usize), Vec<(u32, u64)>> = BTreeMap::new();
                 for &d in &group {
                     let base = at(d, c.from)?;
-                    for (i, &(s, tok)) in routes.get(d).map(Vec::as_slice).unwrap_or_default().iter().enumerate() {
-                        from.entry((s, tok)).or_default().push((d as u32, row_at(base, i as u64, rs)?));
+                    for &(row, s, tok) in routes.get(d).map(Vec::as_slice).unwrap_or_default() {
+                        from.entry((s, tok)).or_default().push((d as u32, row_at(base, row, rs)?));
                     }
                 }
                 let (mut partials, mut sums) = (vec![], vec![]);
@@ -989,6 +1106,93 @@ impl Executor {
     }
 }
 
+/// The ops of chunk `j` of a block: those after its `j`-th communication op
+/// and before the next (a block without communication is one chunk).
+fn chunk(ops: &[Op], j: usize) -> impl Iterator<Item = &Op> {
+    let mut seen = 0;
+    ops.iter().filter(move |o| {
+        let comm = o.kernel == KernelRef::Transfer;
+        seen += usize::from(comm);
+        !comm && seen == j
+    })
+}
+
+/// Where the ranks of a step meet in block `bi`: for each of its
+/// communication ops in order, one op per group that issues it. Every rank
+/// that communicates in the block issues the same communication ops (name
+/// and micro-batch) in the same order, each group's members the same
+/// `Comm`, and a group holds only ranks that run the step: otherwise a rank
+/// would wait for a partner that never comes. The last entry is empty (the
+/// ops after the last communication).
+fn rendezvous<'p>(
+    running: &[(usize, &'p Program)],
+    bi: usize,
+    mode: Mode,
+    phase: Phase,
+) -> Result<Vec<Vec<&'p Op>>, ExecError> {
+    let comms = |g: &'p Program| -> Vec<&'p Op> {
+        g.blocks[bi].ops.iter().filter(|o| o.kernel == KernelRef::Transfer).collect()
+    };
+    let key = |o: &Op| (o.name.clone(), o.micro_batch);
+    let mut order: Option<Vec<(String, Option<u32>)>> = None;
+    for &(r, g) in running {
+        let mine: Vec<_> = comms(g).into_iter().map(key).collect();
+        if mine.is_empty() {
+            continue;
+        }
+        match &order {
+            None => order = Some(mine),
+            Some(o) if *o == mine => {}
+            Some(o) => {
+                return Err(ExecError::Plan(format!(
+                    "the {} {} programs do not meet: rank {r} communicates {mine:?} where another rank does {o:?}",
+                    mode.name(),
+                    phase.name()
+                )))
+            }
+        }
+    }
+    let n = order.as_ref().map_or(0, Vec::len);
+    let mut out: Vec<Vec<&'p Op>> = vec![vec![]; n + 1];
+    let runs = |r: u32| running.iter().any(|&(x, _)| x as u32 == r);
+    for (j, meet) in out.iter_mut().enumerate().take(n) {
+        let mut groups: BTreeMap<Vec<u32>, (&'p Op, usize)> = BTreeMap::new();
+        for &(r, g) in running {
+            let Some(op) = comms(g).get(j).copied() else { continue };
+            let c = op.comm.as_ref().ok_or_else(|| ExecError::Plan(format!("op `{}` moves nothing", op.name)))?;
+            if !c.group.contains(&(r as u32)) {
+                return Err(ExecError::Plan(format!("rank {r} issues `{}` outside its group {:?}", op.name, c.group)));
+            }
+            if let Some(&x) = c.group.iter().find(|&&x| !runs(x)) {
+                return Err(ExecError::Plan(format!(
+                    "`{}`'s group {:?} holds rank {x}, which runs no {} {} program",
+                    op.name,
+                    c.group,
+                    mode.name(),
+                    phase.name()
+                )));
+            }
+            let entry = groups.entry(c.group.clone()).or_insert((op, 0));
+            if entry.0.comm != op.comm {
+                return Err(ExecError::Plan(format!("rank {r}'s `{}` moves other rows than its group's", op.name)));
+            }
+            entry.1 += 1;
+        }
+        let mut members: Vec<u32> = vec![];
+        for (group, (op, met)) in groups {
+            if met != group.len() || group.iter().any(|r| members.contains(r)) {
+                return Err(ExecError::Plan(format!(
+                    "`{}`: {met} of group {group:?} issue it, or a rank is in two of its groups",
+                    op.name
+                )));
+            }
+            members.extend(&group);
+            meet.push(op);
+        }
+    }
+    Ok(out)
+}
+
 fn route_parts(site: &Site<'_>, plan: &Plan) -> RouteIndexParts {
     let bytes = site.mem.buffer(site.mode, BufferName::RouteIndex).map_or(0, |b| b.slice_bytes(site.micro_batches));
     RouteIndexParts::of(bytes, u64::from(plan.model.experts))
@@ -1005,11 +1209,17 @@ fn assign_entries(
     layer: u32,
     ids_of: &BTreeMap<usize, Vec<i32>>,
     k: usize,
+    group: &[usize],
 ) -> BTreeMap<(usize, usize), (usize, i32)> {
     let mut out = BTreeMap::new();
     let experts = plan.model.experts as usize;
     let Some(p) = &plan.placement else {
-        let owner = |e: i32| plan.ranks.iter().position(|x| (x.experts[0] as i32..x.experts[1] as i32).contains(&e));
+        let owner = |e: i32| {
+            group
+                .iter()
+                .copied()
+                .find(|&g| plan.ranks.get(g).is_some_and(|x| (x.experts[0] as i32..x.experts[1] as i32).contains(&e)))
+        };
         for (&s, ids) in ids_of {
             for (i, &e) in ids.iter().enumerate() {
                 if let Some(d) = owner(e) {
@@ -1021,7 +1231,9 @@ fn assign_entries(
     };
     let world = plan.ranks.len();
     let moe_layer = layer.saturating_sub(plan.memory.slots.first_moe_layer) as usize;
-    let table: Vec<Vec<u32>> = (0..world).map(|r| plan.slot_experts(moe_layer, r)).collect();
+    // The group's slots (a PD instance routes over its own GPUs).
+    let table: Vec<Vec<u32>> =
+        (0..world).map(|r| if group.contains(&r) { plan.slot_experts(moe_layer, r) } else { vec![] }).collect();
     let mut demand = vec![vec![0f64; experts]; world];
     for (&s, ids) in ids_of {
         for &e in ids.iter().take(ids.len() / k.max(1) * k) {

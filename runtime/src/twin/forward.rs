@@ -152,7 +152,9 @@ impl Twin {
     /// The step on the device: each rank's requests (their new tokens,
     /// cached length, page table and sampler) handed to the program
     /// interpreter, which runs the bundle's program for the mode and phase
-    /// (decode when every request adds one token to a cached prefix).
+    /// (decode when every request adds one token to a cached prefix). A
+    /// role plan's step is two: its decode servers' decode step and its
+    /// prefill servers' prefill step, the MoE servers taking part in both.
     fn forward_on_device(
         &mut self,
         batches: &[Vec<Slot>],
@@ -184,13 +186,36 @@ impl Twin {
             ids.push(ri);
             work.push(rw);
         }
-        let decode = work.iter().flatten().all(|w| w.cached > 0 && w.tokens.len() == 1);
-        let phase = if decode { moeforge_plan::program::Phase::Decode } else { moeforge_plan::program::Phase::Prefill };
+        use moeforge_plan::program::Phase;
+        use moeforge_plan::roles::Role;
+        let mut out: Vec<Vec<Option<crate::device::exec::Sampled>>> =
+            work.iter().map(|w| vec![None; w.len()]).collect();
+        let steps: Vec<(Phase, Vec<Vec<Work>>)> = match &self.roles {
+            None => {
+                let decode = work.iter().flatten().all(|w| w.cached > 0 && w.tokens.len() == 1);
+                vec![(if decode { Phase::Decode } else { Phase::Prefill }, work)]
+            }
+            Some(_) => [(Phase::Decode, Role::Decode), (Phase::Prefill, Role::Prefill)]
+                .into_iter()
+                .map(|(phase, role)| {
+                    let of = |(rank, w): (&Rank, &Vec<Work>)| if rank.role == Some(role) { w.clone() } else { vec![] };
+                    (phase, self.ranks.iter().zip(&work).map(of).collect::<Vec<_>>())
+                })
+                .filter(|(_, w)| w.iter().any(|x| !x.is_empty()))
+                .collect(),
+        };
         let dev = self.device.as_mut().ok_or_else(|| EngineError::Backend("no device".into()))?;
-        let out = dev.step(mode, phase, &work).map_err(|e| match e {
-            ExecError::Capacity(_) => EngineError::Capacity(e.to_string()),
-            _ => EngineError::Backend(e.to_string()),
-        })?;
+        for (phase, work) in steps {
+            let step = dev.step(mode, phase, &work).map_err(|e| match e {
+                ExecError::Capacity(_) => EngineError::Capacity(e.to_string()),
+                _ => EngineError::Backend(e.to_string()),
+            })?;
+            for ((o, w), s) in out.iter_mut().zip(&work).zip(step) {
+                if !w.is_empty() {
+                    *o = s;
+                }
+            }
+        }
         // TP ranks all sample every request: rank 0's tokens are the step's.
         let ranks: Vec<usize> = match mode {
             Mode::Tp => vec![0],

@@ -243,13 +243,6 @@ impl Twin {
         start: Mode,
         dev: Box<dyn crate::device::Device + Send>,
     ) -> Result<Twin, TwinError> {
-        if bundle.plan.plan().roles.is_some() {
-            return Err(TwinError::Unsupported(
-                "this bundle's plan has ExpertPlex roles (prefill, decode and MoE servers); the devices run colocated \
-                 and switching plans only, because per-role programs are not generated yet: run it with `--backend cpu`"
-                    .into(),
-            ));
-        }
         let mut twin = Twin::new(bundle, ck, start)?;
         let device = |e: crate::device::exec::ExecError| TwinError::Unsupported(e.to_string());
         let mut exec = crate::device::exec::Executor::new(dev, bundle.plan.plan(), &bundle.kernels, &bundle.transfers)
@@ -492,12 +485,21 @@ impl Twin {
                 let mut to = Vec::with_capacity(from.len());
                 for &pg in &from {
                     let Some(np) = self.ranks[dst].pages.free.pop_front() else { continue };
-                    let (a, b) = (geom.base + pg as usize * geom.page_bytes, geom.base + np as usize * geom.page_bytes);
-                    let page = self.ranks[src].buf.get(a..a + geom.page_bytes).map(<[u8]>::to_vec);
-                    if let (Some(page), Some(out)) = (page, self.ranks[dst].buf.get_mut(b..b + geom.page_bytes)) {
-                        out.copy_from_slice(&page);
+                    if self.device.is_none() {
+                        let (a, b) =
+                            (geom.base + pg as usize * geom.page_bytes, geom.base + np as usize * geom.page_bytes);
+                        let page = self.ranks[src].buf.get(a..a + geom.page_bytes).map(<[u8]>::to_vec);
+                        if let (Some(page), Some(out)) = (page, self.ranks[dst].buf.get_mut(b..b + geom.page_bytes)) {
+                            out.copy_from_slice(&page);
+                        }
                     }
                     to.push(np);
+                }
+                // On a device the pages move as the compiled `kv_handoff`
+                // program, peer to peer.
+                if let Some(dev) = self.device.as_mut() {
+                    let pairs: Vec<(u32, u32)> = from.iter().copied().zip(to.iter().copied()).collect();
+                    dev.hand_off_pages(src, dst, &pairs).map_err(|e| EngineError::Backend(e.to_string()))?;
                 }
                 self.handoffs.requests += 1;
                 self.handoffs.pages += to.len() as u64;
