@@ -156,6 +156,10 @@ fn every_attention_rank_posts_into_its_own_rows_of_every_moe_rank() {
         rows.sort_unstable();
         assert!(rows.windows(2).all(|w| w[0][1] <= w[1][0]), "overlap on {m}");
         assert!(rows.last().unwrap()[1] <= d.rows);
+        // Decode's regions at the buffer's head, before any prefill server's.
+        let end = |role: Role| roles.posts.iter().filter(move |x| x.dst == m && roles.gpus[x.src as usize] == role);
+        let decode_end = end(Role::Decode).map(|x| x.first_row + x.rows).max().unwrap();
+        assert!(end(Role::Prefill).all(|x| x.first_row >= decode_end), "MoE rank {m}: a prefill region first");
     }
     assert!(roles.posts.iter().all(|x| x.offset == d.offset + x.first_row * d.row_bytes));
     assert_eq!(roles.kv_handoff.page_bytes, p.memory.kv.ep.page_bytes);

@@ -193,6 +193,9 @@ impl Roles {
     /// row), so a decode step never waits for a second round; the prefill
     /// servers share the rest evenly and send larger steps in rounds. When
     /// the buffer cannot hold that, every attention rank gets an equal share.
+    /// The decode servers' regions come first in every MoE rank's buffer, so
+    /// a decode step's rows stay at its head: a MoE server scanning its
+    /// received rows for a decode step reads only the decode regions.
     pub fn posts(
         gpus: &[Role],
         gpus_per_node: u32,
@@ -212,9 +215,11 @@ impl Roles {
             None => even,
         };
         let mut out = Vec::new();
+        let mut order = attn.clone();
+        order.sort_by_key(|&r| (gpus[r as usize] != Role::Decode, r));
         for dst in (0..gpus.len() as u32).filter(|&r| gpus[r as usize] == Role::Moe) {
             let mut first_row = 0;
-            for &src in &attn {
+            for &src in &order {
                 let path = Self::path(gpus, gpus_per_node, lanes, src, dst);
                 let n = share(src);
                 out.push(Post { src, dst, first_row, rows: n, offset: offset + first_row * row_bytes, path });
