@@ -881,6 +881,8 @@ impl Executor {
                     })
                     .collect();
                 let mut to: Routes = vec![vec![]; self.buffers.len()];
+                // Rows each (source, destination) pair has placed so far.
+                let mut placed: BTreeMap<(usize, usize), u64> = BTreeMap::new();
                 for &s in &group {
                     let t = counts[s][m].tokens as usize;
                     for tok in 0..t {
@@ -898,25 +900,27 @@ impl Executor {
                                     )))
                                 }
                                 Some(&(first, rows)) => {
-                                    let used = to[d].iter().filter(|x| x.1 == s).count() as u64;
-                                    if used >= rows {
+                                    let used = placed.entry((s, d)).or_insert(0);
+                                    if *used >= rows {
                                         return Err(ExecError::Capacity(format!(
                                             "attention rank {s} sends MoE rank {d} more than the {rows} rows its post \
                                              reserves per micro-batch; dispatch rounds run on the cpu twin only"
                                         )));
                                     }
-                                    first + used
+                                    *used += 1;
+                                    first + *used - 1
                                 }
                             };
                             to[d].push((row, s, tok));
                         }
                     }
                 }
+                // Each destination's received rows: up to the last one filled.
+                let extents: Vec<u64> = to.iter().map(|rows| rows.iter().map(|x| x.0 + 1).max().unwrap_or(0)).collect();
                 // The rows move as the bundle's compiled dispatch program,
                 // one batch: every (row, destination) of every buffer pair
-                // an instance. Where each source's rows land is fixed before
-                // anything moves (destinations take rows in source-rank,
-                // then token order: the counts are exchanged first).
+                // an instance. Where each source's rows land is fixed (above)
+                // before anything moves.
                 let code = self.dispatch.clone().ok_or_else(|| {
                     ExecError::Plan("the bundle holds no compiled dispatch (kernels/xfer_dispatch.*)".into())
                 })?;
@@ -933,10 +937,10 @@ impl Executor {
                             )));
                         }
                         let cap = mem.buffer(mode, *dst).map_or(0, |b| b.slice_bytes(mbs)) / rd.max(1);
-                        let extent = to[d].iter().map(|x| x.0 + 1).max().unwrap_or(0);
-                        if extent > cap {
+                        if extents[d] > cap {
                             return Err(ExecError::Capacity(format!(
-                                "rank {d} receives rows up to row {extent} of {dst:?}; its slots hold {cap}"
+                                "rank {d} receives rows up to row {} of {dst:?}; its slots hold {cap}",
+                                extents[d]
                             )));
                         }
                         let base = at(d, *dst)?;
@@ -952,9 +956,8 @@ impl Executor {
                             });
                         }
                     }
-                    let extent = to[d].iter().map(|x| x.0 + 1).max().unwrap_or(0) as u32;
-                    counts[d][m].received = extent;
-                    counts[d][m].received_entries = extent * k as u32;
+                    counts[d][m].received = extents[d] as u32;
+                    counts[d][m].received_entries = (extents[d] * k as u64) as u32;
                 }
                 let batch =
                     code.program.batch(&copies).map_err(|e| ExecError::Plan(format!("op `{}`: {e}", op.name)))?;
@@ -967,8 +970,7 @@ impl Executor {
                     let ids_to = c.with[0][1];
                     let rd = row(ids_to) as usize;
                     for &d in &group {
-                        let extent = to[d].iter().map(|x| x.0 as usize + 1).max().unwrap_or(0);
-                        let mut data = vec![0xffu8; extent * rd];
+                        let mut data = vec![0xffu8; extents[d] as usize * rd];
                         for &(row, s, tok) in &to[d] {
                             let i = row as usize;
                             for j in 0..k.min(rd / 4) {
