@@ -696,6 +696,25 @@ fn bf16_bound(bf16: &Value) -> (f32, Vec<Vec<f32>>) {
     (errs.into_iter().filter(|&e| e <= 4.0 * median).fold(0.0, f32::max), steps)
 }
 
+/// Qwen3-MoE as the emulated-device runs take it: the fixture, transformers'
+/// bf16 distances ([`bf16_bound`]), the checkpoint and the imported model block.
+struct Qwen3Moe {
+    f: Fixture,
+    bound: f32,
+    steps: Vec<Vec<f32>>,
+    ck: Checkpoint,
+    block: String,
+}
+
+fn qwen3_moe() -> Qwen3Moe {
+    let f = fixture("qwen3-moe");
+    let bf16: Value = serde_json::from_str(&std::fs::read_to_string(f.dir.join("bf16.json")).unwrap()).unwrap();
+    let (bound, steps) = bf16_bound(&bf16);
+    let ck = Checkpoint::load(&f.dir).unwrap();
+    let block = imported_block(&f.dir);
+    Qwen3Moe { f, bound, steps, ck, block }
+}
+
 /// The emulated device (`--backend emu`): the twin's scheduling, every
 /// step the bundle's own program and emitted kernels (embedding, norms, the
 /// dense APK's GEMMs, QK-norm, RoPE, the paged KV write and attention, the
@@ -782,11 +801,7 @@ fn on_two_nodes_of_the_emulated_device(
     label: &str,
 ) -> (moeforge::plan::LoadedBundle, moeforge::runtime::device::exec::CombineTraffic) {
     use moeforge::runtime::device::emu::EmuDevice;
-    let f = fixture("qwen3-moe");
-    let bf16: Value = serde_json::from_str(&std::fs::read_to_string(f.dir.join("bf16.json")).unwrap()).unwrap();
-    let (bound, steps) = bf16_bound(&bf16);
-    let ck = Checkpoint::load(&f.dir).unwrap();
-    let block = imported_block(&f.dir);
+    let Qwen3Moe { f, bound, steps, ck, block } = qwen3_moe();
     let (cache, tmp) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let b = compile_text(&cpu_cluster_deployment(&block, 2, 2, 0.25, placement), tmp.path());
     let dev = EmuDevice::start(cache.path()).unwrap_or_else(|e| panic!("{e}"));
@@ -811,11 +826,7 @@ fn role_plans_give_transformers_tokens_on_the_emulated_device() {
     use moeforge::plan::program::{Phase, Role as ProgramRole};
     use moeforge::plan::roles::Role;
     use moeforge::runtime::device::emu::EmuDevice;
-    let f = fixture("qwen3-moe");
-    let bf16: Value = serde_json::from_str(&std::fs::read_to_string(f.dir.join("bf16.json")).unwrap()).unwrap();
-    let (bound, steps) = bf16_bound(&bf16);
-    let ck = Checkpoint::load(&f.dir).unwrap();
-    let block = imported_block(&f.dir);
+    let Qwen3Moe { f, bound, steps, ck, block } = qwen3_moe();
     for strategy in ["expertplex", "pd-disagg"] {
         let (cache, tmp) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
         let extra = format!("strategy = {strategy}");
@@ -848,6 +859,71 @@ fn role_plans_give_transformers_tokens_on_the_emulated_device() {
             "{strategy} on the emulated device: worst logit error {e:.2e} ({ekv:.2e} against a bf16 KV cache); {h:?}"
         );
     }
+}
+
+/// Zepp's intra-node swaps on the emulated device (§4.3): ExpertPlex roles
+/// on one node of 4 GPUs with two MoE servers holding Zepp's replicas, a
+/// drift window of one step and no tolerance, so the MoE servers exchange
+/// slot contents between steps, each swap the bundle's compiled
+/// `expert_swap` program (an in-place exchange, no staging). The tokens
+/// are transformers', and afterwards every slot on the device holds the
+/// bytes of the expert the runtime's table says it holds: the checkpoint's
+/// expert as the CPU twin loaded it into its original slot.
+#[test]
+fn zepp_swaps_exchange_slot_contents_on_the_emulated_device() {
+    use moeforge::plan::memory::TensorRole;
+    use moeforge::plan::roles::Role;
+    use moeforge::runtime::device::emu::EmuDevice;
+    let Qwen3Moe { f, bound, steps, ck, block } = qwen3_moe();
+    let (cache, tmp) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let extra = "strategy = expertplex placement { policy = zepp redundant_experts = 4 }";
+    let b = compile_text(&cpu_cluster_deployment(&block, 1, 4, 0.25, extra), tmp.path());
+    let plan = b.plan.plan();
+    assert!(b.transfers.contains_key("expert_swap"), "a Zepp bundle carries the slot exchange");
+    let moe = plan.roles.as_ref().expect("roles").ranks(Role::Moe);
+    assert_eq!(moe.len(), 2, "two MoE servers on the node to swap between");
+    let dev = EmuDevice::start(cache.path()).unwrap_or_else(|e| panic!("{e}"));
+    let mut t = Twin::on_device(&b, &ck, Mode::Ep, Box::new(dev)).unwrap();
+    t.set_swap_policy(SwapPolicy { window: 1, threshold: 1.0 });
+    let at = |i: usize, s: usize| bound.max(steps[i][s]);
+    let (e, _, _) = check_run_within(&f, &mut t, "zepp swaps on the emulated device", &[], &at, &at);
+    assert!(t.swaps() > 0, "no swap happened between the MoE servers");
+    // The reference: each expert's bytes where the plan's placement put them.
+    let reference = Twin::new(&b, &ck, Mode::Ep).unwrap();
+    let first = plan.memory.slots.first_moe_layer as usize;
+    let (mut moved, mut checked) = (0, 0);
+    for l in first..plan.model.layers as usize {
+        for &r in &moe {
+            let r = r as usize;
+            let held = t.slot_experts(l, r).to_vec();
+            assert_eq!(held.len(), plan.slot_experts(l - first, r).len());
+            for role in [TensorRole::ExpertsW13, TensorRole::ExpertsW2] {
+                let now = t.device_view_bytes(r, Mode::Ep, role, l as u32).unwrap();
+                let per = now.len() / held.len();
+                for (slot, &x) in held.iter().enumerate() {
+                    let (home, home_slot) = moe
+                        .iter()
+                        .find_map(|&g| {
+                            let at = plan.slot_experts(l - first, g as usize).iter().position(|&y| y == x)?;
+                            Some((g as usize, at))
+                        })
+                        .unwrap();
+                    let want = reference.view_bytes(home, Mode::Ep, role, l as u32).unwrap();
+                    assert!(
+                        now[slot * per..(slot + 1) * per] == want[home_slot * per..(home_slot + 1) * per],
+                        "layer {l} GPU {r} slot {slot}: not expert {x}'s {role:?}"
+                    );
+                    moved += usize::from((home, home_slot) != (r, slot));
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert!(moved > 0, "no slot holds another slot's expert after {} swaps", t.swaps());
+    eprintln!(
+        "{} swaps on the emulated device, worst logit error {e:.2e}; {moved} of {checked} slot views moved",
+        t.swaps()
+    );
 }
 
 /// The hierarchical prefill combine on the emulated device (ExpertPlex §5,

@@ -258,6 +258,73 @@ fn check_ptx(name: &str, program: &Program) {
     assert!(log.contains("0 bytes spill stores, 0 bytes spill loads"), "{log}");
 }
 
+/// Random exchanges (Zepp's slot swaps) against a naive swap: batches in
+/// order on three buffers, each batch's exchanges disjoint (within one
+/// buffer too), later batches trading bytes earlier ones moved, sizes and
+/// offsets giving every piece width; on the JIT, and the ptxas check of
+/// the GPU code. Then a Zepp bundle's `expert_swap` program: one exchange
+/// shape per routed-expert view's slot, PTX that ptxas takes.
+#[test]
+fn random_exchanges_trade_bytes_like_a_naive_swap() {
+    use moeforge::xfer::Exchange;
+    let mut rng = Rng(0x5a4b_0b7e);
+    let size = 4096u64;
+    let mut pieces = std::collections::BTreeSet::new();
+    for case in 0..60 {
+        let mut batches: Vec<Vec<Exchange>> = vec![];
+        for _ in 0..1 + rng.below(3) {
+            // Disjoint sides: cut the three buffers into 256-byte cells and
+            // give each exchange two unused cells.
+            let mut free: Vec<(u32, u64)> = (0..3).flat_map(|b| (0..size / 256).map(move |c| (b, c * 256))).collect();
+            let mut batch = vec![];
+            for _ in 0..1 + rng.below(5) {
+                let mut take = || free.swap_remove(rng.below(free.len()));
+                let ((a, ao), (b, bo)) = (take(), take());
+                let align = [1u64, 2, 4, 8, 16][rng.below(5)];
+                let bytes = align * (1 + rng.below(12) as u64);
+                let shift = align * rng.below(4) as u64;
+                batch.push(Exchange { a, a_offset: ao + shift, b, b_offset: bo + shift, bytes });
+            }
+            batches.push(batch);
+        }
+        let init: Vec<Vec<u8>> = (0..3).map(|_| random_bytes(&mut rng, size as usize)).collect();
+        let mut want = init.clone();
+        for x in batches.iter().flatten() {
+            let (a, b, n) = (x.a_offset as usize, x.b_offset as usize, x.bytes as usize);
+            let (ta, tb) = (want[x.a as usize][a..a + n].to_vec(), want[x.b as usize][b..b + n].to_vec());
+            want[x.a as usize][a..a + n].copy_from_slice(&tb);
+            want[x.b as usize][b..b + n].copy_from_slice(&ta);
+        }
+        let program = Program::build(&[])
+            .unwrap()
+            .0
+            .with_exchanges(batches.iter().flatten().map(|x| (x.bytes, x.a_offset | x.b_offset)));
+        pieces.extend(program.exchange_shapes().iter().map(|s| s.piece));
+        let built: Vec<Batch> = batches.iter().map(|b| program.exchange_batch(b).unwrap()).collect();
+        let mut got: Vec<HostBuffer> = init.iter().map(|b| HostBuffer::from_bytes(b)).collect();
+        jit::run(&program, &built, &mut got).unwrap();
+        for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+            assert!(w.as_slice() == g.as_bytes(), "case {case}: buffer {i} differs ({batches:?})");
+        }
+        if case == 0 {
+            check_ptx("random exchanges", &program);
+        }
+    }
+    assert_eq!(pieces.into_iter().collect::<Vec<_>>(), vec![1, 2, 4, 8, 16]);
+    let dir = root().join("tests/fixtures/models/qwen3-moe");
+    let extra = "strategy = expertplex placement { policy = zepp redundant_experts = 4 }";
+    let text = common::cpu_spec::cpu_cluster_deployment(&imported_block(&dir), 1, 4, 0.25, extra);
+    let tmp = tempfile::tempdir().unwrap();
+    let b = compile_text(&text, tmp.path());
+    let code = &b.transfers["expert_swap"];
+    // Qwen3-MoE (bf16, no expert biases): W13 and W2 slots.
+    let plan = b.plan.plan();
+    let (h, i) = (u64::from(plan.model.hidden), u64::from(plan.model.expert_ffn));
+    let runs: Vec<u64> = code.program.exchange_shapes().iter().map(|s| s.run_bytes).collect();
+    assert_eq!(runs, [2 * i * h * 2, h * i * 2]);
+    check_ptx("expert_swap", &code.program);
+}
+
 #[test]
 fn the_emulated_device_runs_the_bundles_reshard_program_like_the_interpreter() {
     let bundle = bundle("mixtral", 2);

@@ -29,14 +29,22 @@
 //!   one page's tokens, contiguous) from the prefill server's pool into
 //!   pages of the decode server's, one copy per page; each handoff's pages
 //!   are its batch.
+//! - `expert_swap`: a Zepp placement's intra-node swaps (Zepp §4.3,
+//!   [`crate::placement::Swap`]): the contents of two expert slots of one
+//!   MoE layer trade places, every routed-expert view's slot (weights,
+//!   block scales, biases), in place, between two GPUs of a node or within
+//!   one ([`slot_exchanges`]); each swap is its batch. Slots keep their
+//!   addresses, so the programs' bindings and descriptors stay valid.
 
-use crate::memory::Mode;
+use crate::memory::{MemoryPlan, Mode, View};
+use crate::placement::Swap;
 use crate::program::CommKind;
 use crate::Plan;
-use moeforge_xfer::{Elem, Program, StridedCopy, SumShape, Transfer, XferError};
+use moeforge_dsl::spec::PlacementPolicy;
+use moeforge_xfer::{Elem, Exchange, Program, StridedCopy, SumShape, Transfer, XferError};
 
 /// The program names, in the order a bundle lists them.
-pub const NAMES: [&str; 5] = ["reshard", "dispatch", "combine", "all_reduce", "kv_handoff"];
+pub const NAMES: [&str; 6] = ["reshard", "dispatch", "combine", "all_reduce", "kv_handoff", "expert_swap"];
 
 /// `kernels/xfer_{name}.ptx` and `.ll`.
 pub fn files(name: &str) -> (String, String) {
@@ -67,7 +75,48 @@ pub fn programs(plan: &Plan) -> Result<Vec<(&'static str, Program)>, XferError> 
     if let Some((base, page)) = kv_pages(plan) {
         out.push((NAMES[4], row_copies(&[(base, base, page)])?));
     }
+    if plan.placement.as_ref().is_some_and(|p| p.policy == PlacementPolicy::Zepp) {
+        // One exchange shape per view's slot size; its piece divides every
+        // slot address (the view's offset plus whole slots and layers).
+        let runs: Vec<(u64, u64)> =
+            expert_views(&plan.memory).map(|(v, per)| (per, v.offset | per | v.layer_stride)).collect();
+        if !runs.is_empty() {
+            out.push((NAMES[5], Program::build(&[])?.0.with_exchanges(runs)));
+        }
+    }
     Ok(out)
+}
+
+/// Every EP view of a routed-expert tensor (weights, block scales, biases)
+/// with the bytes of one of its slots (its first dimension).
+fn expert_views(mem: &MemoryPlan) -> impl Iterator<Item = (&View, u64)> {
+    mem.views.iter().filter(|v| v.mode == Mode::Ep && v.role.is_routed_expert()).map(|v| {
+        let slots = v.shape.first().copied().unwrap_or(1).max(1);
+        (v, v.bytes() / slots)
+    })
+}
+
+/// The exchanges that carry out `swap` in model layer `layer`: for every
+/// routed-expert view, slot `slot_a` of GPU `a` and slot `slot_b` of GPU
+/// `b` trade their bytes (buffer i of the batch is rank i's unified
+/// buffer). Empty when the swap exchanges a slot with itself.
+pub fn slot_exchanges(mem: &MemoryPlan, layer: u32, swap: &Swap) -> Vec<Exchange> {
+    if (swap.a, swap.slot_a) == (swap.b, swap.slot_b) {
+        return vec![];
+    }
+    expert_views(mem)
+        .filter(|(v, _)| v.covers(layer))
+        .map(|(v, per)| {
+            let base = v.offset_of(layer);
+            Exchange {
+                a: swap.a as u32,
+                a_offset: base + swap.slot_a as u64 * per,
+                b: swap.b as u32,
+                b_offset: base + swap.slot_b as u64 * per,
+                bytes: per,
+            }
+        })
+        .collect()
 }
 
 /// The code of whole-row copies between buffers at each (source offset,

@@ -14,11 +14,14 @@
 //! - its **data** is a [`Batch`]: which buffers and offsets each instance of
 //!   a shape reads and writes, a table of 64-bit words the code walks.
 //!
-//! A program's loops are of two kinds: a [`Shape`] copies strided runs of
+//! A program's loops are of three kinds: a [`Shape`] copies strided runs of
 //! bytes, a [`SumShape`] sums rows of bf16 or f32 elements from several
 //! buffers into one f32 row, in source order from +0.0 (what the combine's
 //! gather and the all-reduce compute: the same additions in the same order
-//! on every device, so every device gives the same bits).
+//! on every device, so every device gives the same bits), and an exchange
+//! shape trades two runs of bytes in place ([`Exchange`]: Zepp's swap of
+//! two expert slots' contents), each worker loading a piece of both sides
+//! before it stores either, so no staging buffer is needed.
 //!
 //! The reshard's layers are one program (a layer's descriptors are the same
 //! shapes at other slot offsets) and one batch per layer; a dispatch is one
@@ -31,9 +34,11 @@
 //! (the validator recomputes them from the spec), a dispatch writes each
 //! received row once. A sum's destination may alias one of its own sources
 //! (an in-place all-reduce: each element is read, then written, by one
-//! worker), never another instance's. [`Batch::check`] enforces what memory
-//! safety needs: every run inside its buffer, every offset a multiple of its
-//! piece.
+//! worker), never another instance's. An exchange's two sides must not
+//! overlap each other or another exchange of its batch
+//! ([`Program::exchange_batch`] refuses that). [`Batch::check`] enforces
+//! what memory safety needs: every run inside its buffer, every offset a
+//! multiple of its piece.
 
 #[cfg(feature = "llvm")]
 mod lower;
@@ -92,6 +97,9 @@ pub enum XferError {
     /// A sum this program's code cannot run.
     #[error("sum {index}: {message}")]
     Sum { index: usize, message: String },
+    /// An exchange this program's code cannot run, or one that overlaps another.
+    #[error("exchange {index}: {message}")]
+    Exchange { index: usize, message: String },
     /// A batch that does not fit the buffers it was given.
     #[error("transfer batch: {0}")]
     Bounds(String),
@@ -238,11 +246,26 @@ pub struct SumInstance {
     pub sources: Vec<(u32, u64)>,
 }
 
-/// A program's code: its copy shapes, then its sum shapes, in order.
+/// An exchange made at run time: the `bytes` at `a_offset` of buffer `a`
+/// and the `bytes` at `b_offset` of buffer `b` trade places. Its shape is a
+/// contiguous [`Shape`] of `bytes` (one run; an instance's `src` is `a`,
+/// its `dst` is `b`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Exchange {
+    pub a: u32,
+    pub a_offset: u64,
+    pub b: u32,
+    pub b_offset: u64,
+    pub bytes: u64,
+}
+
+/// A program's code: its copy shapes, its sum shapes, then its exchange
+/// shapes, in order.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Program {
     shapes: Vec<Shape>,
     sums: Vec<SumShape>,
+    swaps: Vec<Shape>,
 }
 
 /// A program's data for one run: the instances of each of its shapes.
@@ -250,6 +273,12 @@ pub struct Program {
 pub struct Batch {
     per_shape: Vec<Vec<Instance>>,
     per_sum: Vec<Vec<SumInstance>>,
+    per_swap: Vec<Vec<Instance>>,
+}
+
+/// The widest of 16, 8, 4, 2 and 1 bytes dividing every bit of `bits`.
+fn widest_piece(bits: u64) -> u64 {
+    [16u64, 8, 4, 2, 1].into_iter().find(|p| bits.is_multiple_of(*p)).unwrap_or(1)
 }
 
 /// Words of one instance in a batch's table.
@@ -301,10 +330,12 @@ impl Program {
         }
         let shapes: Vec<Shape> = order
             .iter()
-            .map(|k| {
-                let bits = align[k];
-                let piece = [16u64, 8, 4, 2, 1].into_iter().find(|p| bits.is_multiple_of(*p)).unwrap_or(1);
-                Shape { run_bytes: k.0, counts: k.1, src_strides: k.2, dst_strides: k.3, piece }
+            .map(|k| Shape {
+                run_bytes: k.0,
+                counts: k.1,
+                src_strides: k.2,
+                dst_strides: k.3,
+                piece: widest_piece(align[k]),
             })
             .collect();
         let slot: BTreeMap<Key, usize> = order.iter().enumerate().map(|(i, k)| (*k, i)).collect();
@@ -322,10 +353,10 @@ impl Program {
                         });
                     }
                 }
-                Batch { per_shape, per_sum: vec![] }
+                Batch { per_shape, per_sum: vec![], per_swap: vec![] }
             })
             .collect();
-        Ok((Program { shapes, sums: vec![] }, out))
+        Ok((Program { shapes, sums: vec![], swaps: vec![] }, out))
     }
 
     /// This program with `sums` as its reduction loops too (each distinct
@@ -340,12 +371,82 @@ impl Program {
         self
     }
 
+    /// This program with exchanges of each `(bytes, offsets)` as its
+    /// exchange loops too: one contiguous shape per distinct byte count, in
+    /// order of first appearance, its piece the widest that divides the
+    /// count and `offsets` (the OR of every offset an instance may take:
+    /// a slot's base, its slot and layer strides). Batches built before
+    /// belong to the program without them (`Batch::check` refuses them).
+    pub fn with_exchanges(mut self, runs: impl IntoIterator<Item = (u64, u64)>) -> Program {
+        for (bytes, offsets) in runs.into_iter().filter(|r| r.0 > 0) {
+            let bits = bytes | offsets;
+            match self.swaps.iter_mut().find(|s| s.run_bytes == bytes) {
+                Some(s) => s.piece = s.piece.min(widest_piece(bits)),
+                None => self.swaps.push(Shape {
+                    run_bytes: bytes,
+                    counts: [1, 1],
+                    src_strides: [0, 0],
+                    dst_strides: [0, 0],
+                    piece: widest_piece(bits),
+                }),
+            }
+        }
+        self
+    }
+
     pub fn shapes(&self) -> &[Shape] {
         &self.shapes
     }
 
     pub fn sum_shapes(&self) -> &[SumShape] {
         &self.sums
+    }
+
+    pub fn exchange_shapes(&self) -> &[Shape] {
+        &self.swaps
+    }
+
+    /// A batch of exchanges made at run time, run by one launch: each an
+    /// instance of the exchange shape of its byte count. Refuses an exchange
+    /// no shape has, one whose offsets are not multiples of its shape's
+    /// piece, and one whose bytes overlap its own other side or any side of
+    /// another exchange (they run in parallel); exchanges of no bytes are
+    /// dropped.
+    pub fn exchange_batch(&self, exchanges: &[Exchange]) -> Result<Batch, XferError> {
+        let mut per_swap = vec![vec![]; self.swaps.len()];
+        let mut sides: Vec<(u32, u64, u64, usize)> = vec![];
+        for (index, x) in exchanges.iter().enumerate().filter(|(_, x)| x.bytes > 0) {
+            let bad = |message: String| XferError::Exchange { index, message };
+            let i =
+                self.swaps.iter().position(|s| s.run_bytes == x.bytes).ok_or_else(|| {
+                    bad(format!("no exchange shape of this program trades runs of {} bytes", x.bytes))
+                })?;
+            let piece = self.swaps[i].piece;
+            if !(x.a_offset | x.b_offset).is_multiple_of(piece) {
+                return Err(bad(format!(
+                    "offsets {} and {} are not multiples of the shape's {piece}-byte piece",
+                    x.a_offset, x.b_offset
+                )));
+            }
+            for (buf, off) in [(x.a, x.a_offset), (x.b, x.b_offset)] {
+                let end = off.checked_add(x.bytes).ok_or_else(|| bad("its extent overflows".into()))?;
+                sides.push((buf, off, end, index));
+            }
+            per_swap[i].push(Instance { src: x.a, dst: x.b, src_offset: x.a_offset, dst_offset: x.b_offset });
+        }
+        sides.sort_unstable();
+        for w in sides.windows(2) {
+            if w[0].0 == w[1].0 && w[1].1 < w[0].2 {
+                return Err(XferError::Exchange {
+                    index: w[1].3,
+                    message: format!(
+                        "its bytes [{}, {}) of buffer {} overlap exchange {}'s (exchanges run in parallel)",
+                        w[1].1, w[1].2, w[1].0, w[0].3
+                    ),
+                });
+            }
+        }
+        Ok(Batch { per_shape: vec![vec![]; self.shapes.len()], per_sum: vec![vec![]; self.sums.len()], per_swap })
     }
 
     /// A batch of this program's code for copies made at run time (the
@@ -412,7 +513,7 @@ impl Program {
             }
             per_sum[i].push(SumInstance { dst: s.dst, dst_offset: s.dst_offset, sources: s.sources.clone() });
         }
-        Ok(Batch { per_shape, per_sum })
+        Ok(Batch { per_shape, per_sum, per_swap: vec![vec![]; self.swaps.len()] })
     }
 
     /// A content key (hex SHA-256 of the shapes) for caches of compiled code.
@@ -438,18 +539,27 @@ impl Program {
                 h.update(u64::from(s.out == Elem::F32).to_le_bytes());
             }
         }
+        if !self.swaps.is_empty() {
+            h.update(b"exchanges");
+            for s in &self.swaps {
+                h.update(s.run_bytes.to_le_bytes());
+                h.update(s.piece.to_le_bytes());
+            }
+        }
         h.finalize().iter().map(|b| format!("{b:02x}")).collect()
     }
 }
 
 impl Batch {
     /// The table the code reads: each copy shape's instance count, each sum
-    /// shape's, then every copy instance as `[src, dst, src_offset,
-    /// dst_offset]`, shape by shape, then every sum instance as `[dst,
-    /// dst_offset, src, src_offset, …]`, shape by shape.
+    /// shape's, each exchange shape's, then every copy instance as `[src,
+    /// dst, src_offset, dst_offset]`, shape by shape, then every sum
+    /// instance as `[dst, dst_offset, src, src_offset, …]`, shape by shape,
+    /// then every exchange as `[a, b, a_offset, b_offset]`, shape by shape.
     pub fn words(&self) -> Vec<u64> {
         let mut w: Vec<u64> = self.per_shape.iter().map(|v| v.len() as u64).collect();
         w.extend(self.per_sum.iter().map(|v| v.len() as u64));
+        w.extend(self.per_swap.iter().map(|v| v.len() as u64));
         for i in self.per_shape.iter().flatten() {
             w.extend([u64::from(i.src), u64::from(i.dst), i.src_offset, i.dst_offset]);
         }
@@ -458,6 +568,9 @@ impl Batch {
             for &(src, off) in &i.sources {
                 w.extend([u64::from(src), off]);
             }
+        }
+        for i in self.per_swap.iter().flatten() {
+            w.extend([u64::from(i.src), u64::from(i.dst), i.src_offset, i.dst_offset]);
         }
         w
     }
@@ -469,15 +582,22 @@ impl Batch {
             .iter()
             .zip(&self.per_shape)
             .fold(0u64, |n, (s, v)| n.saturating_add(s.pieces().saturating_mul(v.len() as u64)));
-        program
+        let sums = program
             .sums
             .iter()
             .zip(&self.per_sum)
-            .fold(copies, |n, (s, v)| n.saturating_add(s.elems.saturating_mul(v.len() as u64)))
+            .fold(copies, |n, (s, v)| n.saturating_add(s.elems.saturating_mul(v.len() as u64)));
+        program
+            .swaps
+            .iter()
+            .zip(&self.per_swap)
+            .fold(sums, |n, (s, v)| n.saturating_add(s.pieces().saturating_mul(v.len() as u64)))
     }
 
     pub fn is_empty(&self) -> bool {
-        self.per_shape.iter().all(Vec::is_empty) && self.per_sum.iter().all(Vec::is_empty)
+        self.per_shape.iter().all(Vec::is_empty)
+            && self.per_sum.iter().all(Vec::is_empty)
+            && self.per_swap.iter().all(Vec::is_empty)
     }
 
     /// Every sum instance with its shape, shape by shape (the table's order).
@@ -498,13 +618,18 @@ impl Batch {
     /// exists, every run lies inside its buffer and every offset is a
     /// multiple of its shape's piece.
     pub fn check(&self, program: &Program, sizes: &[u64]) -> Result<(), XferError> {
-        if self.per_shape.len() != program.shapes.len() || self.per_sum.len() != program.sums.len() {
+        if self.per_shape.len() != program.shapes.len()
+            || self.per_sum.len() != program.sums.len()
+            || self.per_swap.len() != program.swaps.len()
+        {
             return Err(XferError::Bounds(format!(
-                "{} copy and {} sum shapes of instances for a program of {} and {}",
+                "{} copy shapes, {} sum shapes and {} exchange shapes of instances for a program of {}, {} and {}",
                 self.per_shape.len(),
                 self.per_sum.len(),
+                self.per_swap.len(),
                 program.shapes.len(),
-                program.sums.len()
+                program.sums.len(),
+                program.swaps.len()
             )));
         }
         for (s, i) in self.sum_instances(program) {
@@ -535,7 +660,8 @@ impl Batch {
                 side(src, off, s.elem.bytes(), "sum source")?;
             }
         }
-        for (s, v) in program.shapes.iter().zip(&self.per_shape) {
+        let copies = program.shapes.iter().zip(&self.per_shape);
+        for (s, v) in copies.chain(program.swaps.iter().zip(&self.per_swap)) {
             let (src_end, dst_end) =
                 s.extents().ok_or_else(|| XferError::Bounds("a shape's extent overflows".into()))?;
             for i in v {
@@ -659,6 +785,37 @@ mod tests {
         let odd = Transfer { copy: StridedCopy { run_bytes: 32, ..row(0, 0).copy }, ..row(0, 0) };
         let e = p.batch(&[row(0, 0), odd]).unwrap_err().to_string();
         assert!(e.starts_with("transfer 1:") && e.contains("no shape"), "{e}");
+    }
+
+    /// Exchanges: one shape per byte count (its piece narrowed by every
+    /// offset given), the table's counts then instances after the copies',
+    /// and batches whose exchanges overlap, or that no shape runs, refused.
+    #[test]
+    fn exchange_batches_take_the_programs_shapes_and_never_overlap() {
+        let (p, _) = Program::build(&[]).unwrap();
+        let p = p.with_exchanges([(64, 4096), (48, 16), (64, 8), (0, 0)]);
+        let shapes: Vec<(u64, u64)> = p.exchange_shapes().iter().map(|s| (s.run_bytes, s.piece)).collect();
+        assert_eq!(shapes, vec![(64, 8), (48, 16)]);
+        assert_ne!(p.key(), Program::build(&[]).unwrap().0.key());
+        let x = |a: u32, a_offset: u64, b: u32, b_offset: u64, bytes: u64| Exchange { a, a_offset, b, b_offset, bytes };
+        let b = p.exchange_batch(&[x(0, 0, 1, 64, 64), x(1, 0, 1, 128, 48), x(0, 8, 0, 8, 0)]).unwrap();
+        assert_eq!(b.words(), vec![1, 1, 0, 1, 0, 64, 1, 1, 0, 128]);
+        assert_eq!(b.pieces(&p), 8 + 3);
+        b.check(&p, &[64, 176]).unwrap();
+        assert!(b.check(&p, &[64, 175]).is_err(), "the second exchange ends past buffer 1");
+        // Overlaps: with another exchange's side, or with its own other side.
+        let e = p.exchange_batch(&[x(0, 0, 1, 0, 64), x(1, 32, 2, 0, 64)]).unwrap_err().to_string();
+        assert!(e.starts_with("exchange 1:") && e.contains("overlap exchange 0"), "{e}");
+        assert!(p.exchange_batch(&[x(3, 0, 3, 40, 64)]).is_err());
+        assert!(p.exchange_batch(&[x(3, 0, 3, 64, 64)]).is_ok(), "adjacent runs do not overlap");
+        let e = p.exchange_batch(&[x(0, 4, 1, 0, 64)]).unwrap_err().to_string();
+        assert!(e.contains("8-byte piece"), "{e}");
+        let e = p.exchange_batch(&[x(0, 0, 1, 0, 32)]).unwrap_err().to_string();
+        assert!(e.contains("no exchange shape"), "{e}");
+        // A copy batch of the program without exchanges does not run on it.
+        let (q, batches) =
+            Program::build(&[vec![Transfer { src: 0, dst: 1, copy: StridedCopy::one_run(0, 0, 16) }]]).unwrap();
+        assert!(batches[0].check(&q.clone().with_exchanges([(64, 0)]), &[16, 16]).is_err());
     }
 
     #[test]

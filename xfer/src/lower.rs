@@ -10,7 +10,9 @@
 //! its sources' elements loaded in order (bf16 widened exactly to f32),
 //! added to +0.0 one by one with IEEE f32 adds (no fast-math flag, so no
 //! reassociation and no contraction on any target), one f32 stored (or
-//! rounded to bf16, to nearest, ties to even). The
+//! rounded to bf16, to nearest, ties to even). Then each exchange shape as
+//! a copy shape, except that a piece is loaded from both sides before it
+//! is stored into the other. The
 //! targets differ only in the entry that calls the body (inlined):
 //! - GPU: the kernel `moeforge_xfer(bases, table)`, one worker per thread of
 //!   the grid (worker = global thread index, workers = threads in the grid);
@@ -77,7 +79,7 @@ pub(crate) enum Flavor {
 pub(crate) fn module<'c>(ctx: &'c Context, program: &Program, flavor: Flavor) -> Result<Module<'c>, XferError> {
     let m = ctx.create_module("moeforge_xfer");
     let b = ctx.create_builder();
-    let body = body(ctx, &m, &b, program.shapes(), program.sum_shapes())?;
+    let body = body(ctx, &m, &b, program)?;
     let ptr = ctx.ptr_type(AddressSpace::default());
     let i64t = ctx.i64_type();
     match flavor {
@@ -116,14 +118,15 @@ pub(crate) fn module<'c>(ctx: &'c Context, program: &Program, flavor: Flavor) ->
     Ok(m)
 }
 
-/// The body: one strided loop per copy shape, then one per sum shape.
+/// The body: one strided loop per copy shape, then one per sum shape, then
+/// one per exchange shape.
 fn body<'c>(
     ctx: &'c Context,
     m: &Module<'c>,
     b: &Builder<'c>,
-    shapes: &[Shape],
-    sums: &[SumShape],
+    program: &Program,
 ) -> Result<FunctionValue<'c>, XferError> {
+    let (shapes, sums, swaps) = (program.shapes(), program.sum_shapes(), program.exchange_shapes());
     let ptr = ctx.ptr_type(AddressSpace::default());
     let i64t = ctx.i64_type();
     let ty = ctx.void_type().fn_type(&[ptr.into(), ptr.into(), i64t.into(), i64t.into()], false);
@@ -151,11 +154,12 @@ fn body<'c>(
     // Each shape's instance count, and where its instances start in the table.
     let mut counts = vec![];
     let mut starts = vec![];
-    let mut at = c((shapes.len() + sums.len()) as u64);
+    let mut at = c((shapes.len() + sums.len() + swaps.len()) as u64);
     let per: Vec<(u64, u64)> = shapes
         .iter()
         .map(|s| (INSTANCE_WORDS as u64, s.pieces()))
         .chain(sums.iter().map(|s| (s.words() as u64, s.elems)))
+        .chain(swaps.iter().map(|s| (INSTANCE_WORDS as u64, s.pieces())))
         .collect();
     for (i, &(words, pieces)) in per.iter().enumerate() {
         let n = word(c(i as u64), "n")?;
@@ -168,16 +172,22 @@ fn body<'c>(
     let mut pred = entry;
     let f32t = ctx.f32_type();
     enum Loop<'s> {
-        Copy(&'s Shape),
+        /// A copy shape, or (`true`) an exchange shape.
+        Copy(&'s Shape, bool),
         Sum(&'s SumShape),
     }
-    let loops = shapes.iter().map(Loop::Copy).chain(sums.iter().map(Loop::Sum));
+    let loops = shapes
+        .iter()
+        .map(|s| Loop::Copy(s, false))
+        .chain(sums.iter().map(Loop::Sum))
+        .chain(swaps.iter().map(|s| Loop::Copy(s, true)));
     for (i, l) in loops.enumerate() {
-        // One grid-stride loop: pieces (a copy) or elements (a sum)
-        // `worker`, `worker + workers`, … below `counts[i]`.
+        // One grid-stride loop: pieces (a copy or an exchange) or elements
+        // (a sum) `worker`, `worker + workers`, … below `counts[i]`.
         let (label, unit) = match l {
-            Loop::Copy(_) => (format!("shape{i}"), "piece"),
+            Loop::Copy(_, false) => (format!("shape{i}"), "piece"),
             Loop::Sum(_) => (format!("sum{}", i - shapes.len()), "element"),
+            Loop::Copy(_, true) => (format!("exchange{}", i - shapes.len() - sums.len()), "piece"),
         };
         let head = ctx.append_basic_block(f, &label);
         let step = ctx.append_basic_block(f, &format!("{label}.{unit}"));
@@ -193,7 +203,7 @@ fn body<'c>(
 
         b.position_at_end(step);
         match l {
-            Loop::Copy(s) => {
+            Loop::Copy(s, exchange) => {
                 let per_run = s.run_bytes / s.piece;
                 let inst = b.build_int_unsigned_div(pv, c(s.pieces()), "instance").map_err(llvm)?;
                 let local = b.build_int_unsigned_rem(pv, c(s.pieces()), "").map_err(llvm)?;
@@ -229,12 +239,22 @@ fn body<'c>(
                     2 => ctx.i16_type().into(),
                     _ => ctx.i8_type().into(),
                 };
-                let v = b.build_load(piece, from, "v").map_err(llvm)?;
                 let align = s.piece as u32;
-                v.as_instruction_value()
-                    .ok_or_else(|| llvm("a load is not an instruction"))?
-                    .set_alignment(align)
-                    .map_err(llvm)?;
+                let load = |at: PointerValue<'c>, name: &str| -> Result<_, XferError> {
+                    let v = b.build_load(piece, at, name).map_err(llvm)?;
+                    v.as_instruction_value()
+                        .ok_or_else(|| llvm("a load is not an instruction"))?
+                        .set_alignment(align)
+                        .map_err(llvm)?;
+                    Ok(v)
+                };
+                let v = load(from, "v")?;
+                if exchange {
+                    // Both sides loaded before either is stored: the worker
+                    // owns this piece of both runs.
+                    let w = load(to, "w")?;
+                    b.build_store(from, w).map_err(llvm)?.set_alignment(align).map_err(llvm)?;
+                }
                 b.build_store(to, v).map_err(llvm)?.set_alignment(align).map_err(llvm)?;
             }
             Loop::Sum(s) => {

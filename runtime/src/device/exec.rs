@@ -47,6 +47,7 @@ use super::{BufferId, Code, Device, DeviceError, Elem, KernelArg, ModuleId, Stri
 use moeforge_plan::memory::{
     BufferName, MemoryPlan, Mode, RouteIndexParts, TensorPart, TensorRole, WeightReshard, KV_MOVE_CHUNK,
 };
+use moeforge_plan::placement::Swap;
 use moeforge_plan::program::{CommKind, KernelRef, Op, OpKind, Operand, Phase, Program};
 use moeforge_plan::reshard::ReshardTransfers;
 use moeforge_plan::{ApkForm, KernelParams, Plan};
@@ -129,6 +130,14 @@ pub struct Executor {
     all_reduce: Option<Code>,
     /// The compiled prefill→decode KV page copy of a role plan.
     kv_handoff: Option<Code>,
+    /// The compiled slot exchange of a Zepp placement's swaps.
+    expert_swap: Option<Code>,
+    /// `slots[moe layer][rank]`: the experts rank's slots hold now, in slot
+    /// order (the plan's placement, then every swap since).
+    slots: Vec<Vec<Vec<u32>>>,
+    /// Routed entries per MoE layer and expert since the last
+    /// [`Executor::take_expert_loads`].
+    expert_loads: Vec<Vec<f64>>,
     traffic: CombineTraffic,
 }
 
@@ -194,6 +203,9 @@ impl Executor {
         let combine = codes.remove("combine");
         let all_reduce = codes.remove("all_reduce");
         let kv_handoff = codes.remove("kv_handoff");
+        let expert_swap = codes.remove("expert_swap");
+        let layers = plan.model.moe_layers as usize;
+        let slots = (0..layers).map(|l| (0..plan.ranks.len()).map(|r| plan.slot_experts(l, r)).collect()).collect();
         let mut modules = BTreeMap::new();
         for p in &plan.programs {
             for (_, op) in p.ops() {
@@ -217,6 +229,9 @@ impl Executor {
             combine,
             all_reduce,
             kv_handoff,
+            expert_swap,
+            slots,
+            expert_loads: vec![vec![0.0; plan.model.experts as usize]; layers],
             traffic: CombineTraffic::default(),
         })
     }
@@ -289,6 +304,41 @@ impl Executor {
         let batch = code.program.batch(&copies).map_err(|e| ExecError::Plan(format!("the KV handoff: {e}")))?;
         self.dev.transfer(&code, &[batch], &self.buffers)?;
         Ok(pages.len() as u64 * page)
+    }
+
+    /// Zepp's intra-node swap `s` in model layer `layer` (§4.3): the two
+    /// slots' contents trade places in place, every routed-expert view's
+    /// slot, as the compiled `expert_swap` program (one launch; on a GPU
+    /// node a peer exchange over NVLink). The slots keep their addresses;
+    /// the dispatch's table of which slot holds which expert follows the
+    /// swap, so the next step routes to the moved replicas. Returns the
+    /// bytes each side moved.
+    pub fn exchange_slots(&mut self, layer: u32, s: &Swap) -> Result<u64, ExecError> {
+        let code = self.code(&self.expert_swap, "expert_swap")?;
+        let moe = layer.checked_sub(self.plan.memory.slots.first_moe_layer).map(|l| l as usize);
+        let held = |t: &Vec<Vec<Vec<u32>>>, r: usize, slot: usize| {
+            moe.and_then(|l| t.get(l)).and_then(|l| l.get(r)).and_then(|x| x.get(slot)).copied()
+        };
+        let (Some(x), Some(y)) = (held(&self.slots, s.a, s.slot_a), held(&self.slots, s.b, s.slot_b)) else {
+            return Err(ExecError::Plan(format!(
+                "swap {s:?} of layer {layer}: no such slot in the placement (a MoE layer's slots on two GPUs)"
+            )));
+        };
+        let exchanges = moeforge_plan::transfers::slot_exchanges(&self.plan.memory, layer, s);
+        let batch = code.program.exchange_batch(&exchanges).map_err(|e| ExecError::Plan(format!("swap {s:?}: {e}")))?;
+        self.dev.transfer(&code, &[batch], &self.buffers)?;
+        if let Some(l) = moe.and_then(|l| self.slots.get_mut(l)) {
+            l[s.a][s.slot_a] = y;
+            l[s.b][s.slot_b] = x;
+        }
+        Ok(exchanges.iter().map(|x| x.bytes).sum())
+    }
+
+    /// The routed entries per MoE layer and expert the dispatches counted
+    /// since the last call (what a drift window sums), and a fresh count.
+    pub fn take_expert_loads(&mut self) -> Vec<Vec<f64>> {
+        let fresh = self.expert_loads.iter().map(|l| vec![0.0; l.len()]).collect();
+        std::mem::replace(&mut self.expert_loads, fresh)
     }
 
     /// KV pages into rank `dst` from rank `src`'s pool (Moebius §4.3): the
@@ -864,7 +914,18 @@ impl Executor {
                     let t = counts[s][m].tokens as usize;
                     ids_of.insert(s, i32s(&self.download(s, at(s, ids_name)?, (t * k * 4) as u64)?));
                 }
-                let assigned = assign_entries(plan, layer, &ids_of, k, &group);
+                let moe_layer = layer.saturating_sub(plan.memory.slots.first_moe_layer) as usize;
+                if let Some(loads) = self.expert_loads.get_mut(moe_layer) {
+                    for ids in ids_of.values() {
+                        for &e in ids {
+                            if let Some(x) = usize::try_from(e).ok().and_then(|e| loads.get_mut(e)) {
+                                *x += 1.0;
+                            }
+                        }
+                    }
+                }
+                let table = self.slots.get(moe_layer).map_or(&[][..], Vec::as_slice);
+                let assigned = assign_entries(plan, table, &ids_of, k, &group);
                 // Where each source's rows land on a destination. A role
                 // plan's MoE server reserves each attention server rows of
                 // its `dispatch` (`roles.posts`: micro-batch m's slice holds
@@ -1208,7 +1269,7 @@ fn route_parts(site: &Site<'_>, plan: &Plan) -> RouteIndexParts {
 /// the physical slot id `rank·S + slot`.
 fn assign_entries(
     plan: &Plan,
-    layer: u32,
+    slots: &[Vec<u32>],
     ids_of: &BTreeMap<usize, Vec<i32>>,
     k: usize,
     group: &[usize],
@@ -1232,10 +1293,10 @@ fn assign_entries(
         return out;
     };
     let world = plan.ranks.len();
-    let moe_layer = layer.saturating_sub(plan.memory.slots.first_moe_layer) as usize;
-    // The group's slots (a PD instance routes over its own GPUs).
-    let table: Vec<Vec<u32>> =
-        (0..world).map(|r| if group.contains(&r) { plan.slot_experts(moe_layer, r) } else { vec![] }).collect();
+    // The group's slots as they are now (a PD instance routes over its own GPUs).
+    let table: Vec<Vec<u32>> = (0..world)
+        .map(|r| if group.contains(&r) { slots.get(r).cloned().unwrap_or_default() } else { vec![] })
+        .collect();
     let mut demand = vec![vec![0f64; experts]; world];
     for (&s, ids) in ids_of {
         for &e in ids.iter().take(ids.len() / k.max(1) * k) {

@@ -299,31 +299,32 @@ impl Twin {
     /// Exchanges the contents of two EP expert slots of `layer` between the
     /// two ranks (weights, block scales and biases): a direct transfer of
     /// each slot's bytes, the slots' addresses unchanged, so every view,
-    /// descriptor and kernel argument stays valid.
-    fn exchange_slots(&mut self, layer: usize, s: moeforge_plan::placement::Swap) {
-        let views: Vec<View> = self
-            .views
-            .iter()
-            .chain(&self.scales)
-            .chain(&self.biases)
-            .filter(|((mode, role), _)| *mode == Mode::Ep && role.is_routed_expert())
-            .map(|(_, v)| v.clone())
-            .collect();
-        for v in views {
-            let slots = v.shape.first().copied().unwrap_or(1).max(1);
-            let per = (v.bytes() / slots) as usize;
-            let base = v.offset_of(layer as u32) as usize;
-            let (a, b) = (base + s.slot_a * per, base + s.slot_b * per);
-            if s.a == s.b || s.a >= self.ranks.len() || s.b >= self.ranks.len() {
-                continue;
-            }
-            let staged = self.ranks[s.a].buf.get(a..a + per).map(<[u8]>::to_vec);
-            let other = self.ranks[s.b].buf.get(b..b + per).map(<[u8]>::to_vec);
-            if let (Some(x), Some(y)) = (staged, other) {
-                self.ranks[s.a].buf[a..a + per].copy_from_slice(&y);
-                self.ranks[s.b].buf[b..b + per].copy_from_slice(&x);
-            }
+    /// descriptor and kernel argument stays valid. The bytes are the plan's
+    /// (`transfers::slot_exchanges`); on a device they move as its compiled
+    /// `expert_swap` program.
+    fn exchange_slots(&mut self, layer: usize, s: moeforge_plan::placement::Swap) -> Result<(), EngineError> {
+        if let Some(dev) = self.device.as_mut() {
+            return dev.exchange_slots(layer as u32, &s).map(|_| ()).map_err(|e| EngineError::Backend(e.to_string()));
         }
+        if s.a >= self.ranks.len() || s.b >= self.ranks.len() {
+            return Err(EngineError::Backend(format!(
+                "a slot swap between GPUs {} and {} of {}",
+                s.a,
+                s.b,
+                self.ranks.len()
+            )));
+        }
+        for x in moeforge_plan::transfers::slot_exchanges(&self.plan, layer as u32, &s) {
+            let (a, b, n) = (x.a_offset as usize, x.b_offset as usize, x.bytes as usize);
+            let staged = self.ranks[s.a].buf.get(a..a + n).map(<[u8]>::to_vec);
+            let other = self.ranks[s.b].buf.get(b..b + n).map(<[u8]>::to_vec);
+            let (Some(x), Some(y)) = (staged, other) else {
+                return Err(EngineError::Backend(format!("a slot swap of layer {layer} lies outside the buffers")));
+            };
+            self.ranks[s.a].buf[a..a + n].copy_from_slice(&y);
+            self.ranks[s.b].buf[b..b + n].copy_from_slice(&x);
+        }
+        Ok(())
     }
     pub fn plan(&self) -> &MemoryPlan {
         &self.plan
@@ -348,6 +349,20 @@ impl Twin {
         let v = self.views.get(&(mode, role)).filter(|v| v.covers(layer))?;
         let at = v.offset_of(layer) as usize;
         self.ranks.get(rank)?.buf.get(at..at + v.bytes() as usize)
+    }
+
+    /// The same view's bytes as the attached device holds them (`None`
+    /// without a device, or when the view does not cover `layer`).
+    pub fn device_view_bytes(&mut self, rank: usize, mode: Mode, role: TensorRole, layer: u32) -> Option<Vec<u8>> {
+        let v = self.views.get(&(mode, role)).filter(|v| v.covers(layer))?;
+        let (at, len) = (v.offset_of(layer), v.bytes());
+        self.device.as_mut()?.download(rank, at, len).ok()
+    }
+
+    /// The experts rank `rank`'s EP slots of (absolute) layer `layer` hold
+    /// now, in slot order: the placement's, then every swap since.
+    pub fn slot_experts(&self, layer: usize, rank: usize) -> &[u32] {
+        self.slots.experts(layer, rank)
     }
 
     /// Runs until every submitted request finished (or `max_steps`).
@@ -596,9 +611,13 @@ impl Engine for Twin {
         };
         let (tokens, produced) = self.forward()?;
         self.hand_off()?;
-        if self.mode == Mode::Ep && self.device.is_none() {
+        if self.mode == Mode::Ep {
+            // On a device the dispatch routed the rows: its counts are the window's.
+            if let Some(dev) = self.device.as_mut() {
+                self.slots.record(dev.take_expert_loads());
+            }
             for (layer, s) in self.slots.end_step() {
-                self.exchange_slots(layer, s);
+                self.exchange_slots(layer, s)?;
             }
         }
         let finished = self.retire();

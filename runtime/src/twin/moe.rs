@@ -105,6 +105,16 @@ impl Slots {
         out
     }
 
+    /// Adds a step's routed rows per MoE layer and expert (counted where
+    /// the rows were routed, e.g. by the device's dispatch) to the window.
+    pub(super) fn record(&self, loads: Vec<Vec<f64>>) {
+        if let Ok(mut w) = self.window.lock() {
+            for (w, l) in w.iter_mut().zip(loads) {
+                w.iter_mut().zip(l).for_each(|(a, b)| *a += b);
+            }
+        }
+    }
+
     /// The slot table of (absolute) layer `l`.
     fn layer(&self, l: usize) -> &[Vec<u32>] {
         self.table.get(l.wrapping_sub(self.first_moe_layer)).map_or(&[], Vec::as_slice)
