@@ -285,7 +285,9 @@ fn structural_edits_are_refused() {
 /// A relayed combine (the prefill combine of an EP plan over 2 nodes) is
 /// refused where it cannot relay: into another buffer than the dispatch's
 /// rows (a combine reading its own destination), over nodes its group does
-/// not fill, or over another node size than the cluster's.
+/// not fill, or over another node size than the cluster's; a relayed
+/// dispatch, where its relays would land rows elsewhere than its own
+/// receive rows.
 #[test]
 fn an_edited_relay_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
@@ -303,26 +305,35 @@ fn an_edited_relay_is_refused() {
         codegen::plan_deployment(&checked, id).unwrap_or_else(|d| panic!("{}", d.render(&checked.sources, false)));
     codegen::emit(&checked, id, &plan, &NvccMode::Off).unwrap().0.write(&dir).unwrap();
     let v0: Value = serde_json::from_slice(&std::fs::read(dir.join("plan.json")).unwrap()).unwrap();
-    // The first relayed op: (program, block, op).
-    let mut at = None;
-    for (pi, p) in v0["programs"].as_array().unwrap().iter().enumerate() {
-        for (bi, b) in p["blocks"].as_array().unwrap().iter().enumerate() {
-            for (oi, o) in b["ops"].as_array().unwrap().iter().enumerate() {
-                if at.is_none() && !o["comm"]["relay"].is_null() {
-                    at = Some((pi, bi, oi));
+    // The first relayed op named `name`: (program, block, op).
+    let first = |name: &str| {
+        for (pi, p) in v0["programs"].as_array().unwrap().iter().enumerate() {
+            for (bi, b) in p["blocks"].as_array().unwrap().iter().enumerate() {
+                for (oi, o) in b["ops"].as_array().unwrap().iter().enumerate() {
+                    if !o["comm"]["relay"].is_null() && o["name"].as_str().unwrap().starts_with(name) {
+                        return (pi, bi, oi);
+                    }
                 }
             }
         }
-    }
-    let (pi, bi, oi) = at.expect("a 2-node EP plan relays its prefill combine");
-    assert_eq!(v0["programs"][pi]["phase"], "prefill");
-    let field = format!("programs[{pi}].blocks[{bi}].ops[{oi}].comm.relay");
-    let refused = |edit: &dyn Fn(&mut Value)| {
+        panic!("a 2-node EP plan relays its prefill {name}")
+    };
+    let refused_at = |(pi, bi, oi): (usize, usize, usize), edit: &dyn Fn(&mut Value)| {
         let mut v = v0.clone();
         edit(&mut v["programs"][pi]["blocks"][bi]["ops"][oi]);
         rewrite(&dir, &v);
         load_bundle(&dir).err().map(|e| e.to_string()).unwrap_or_default()
     };
+    let (pi, bi, oi) = first("dispatch");
+    let e = refused_at((pi, bi, oi), &|o| o["comm"]["relay"]["via"] = Value::from("combine"));
+    assert!(
+        e.contains(&format!("programs[{pi}].blocks[{bi}].ops[{oi}].comm.relay")) && e.contains("lands its rows"),
+        "{e}"
+    );
+    let (pi, bi, oi) = first("combine");
+    assert_eq!(v0["programs"][pi]["phase"], "prefill");
+    let field = format!("programs[{pi}].blocks[{bi}].ops[{oi}].comm.relay");
+    let refused = |edit: &dyn Fn(&mut Value)| refused_at((pi, bi, oi), edit);
     let e = refused(&|o| {
         o["comm"]["relay"]["via"] = Value::from("combine");
         o["writes"].as_array_mut().unwrap().push(serde_json::json!({"kind": "buffer", "name": "combine"}));

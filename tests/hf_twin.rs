@@ -786,20 +786,26 @@ fn on_the_emulated_device_with(name: &'static str, runs: &[(u32, Mode, &[usize])
 /// bounds of `on_the_emulated_device`.
 #[test]
 fn replicated_expert_slots_on_the_emulated_device_give_transformers_tokens() {
-    let (b, _) = on_two_nodes_of_the_emulated_device(
+    let (b, _, d) = on_two_nodes_of_the_emulated_device(
         "placement { policy = zepp redundant_experts = 4 }",
         "zepp replicas on the emulated device",
     );
     assert!(b.plan.plan().placement.is_some());
+    // The relays forward rows whose ids are then rewritten per destination.
+    assert!(d.forwarded_rows > 0, "{d:?}");
 }
 
 /// Qwen3-MoE's 2 nodes × 2 ranks EP plan with `placement` compiled, run on
 /// the emulated device against transformers' tokens within the bounds of
-/// `on_the_emulated_device`: the bundle and the combines' traffic.
+/// `on_the_emulated_device`: the bundle, the combines' and the dispatches' traffic.
 fn on_two_nodes_of_the_emulated_device(
     placement: &str,
     label: &str,
-) -> (moeforge::plan::LoadedBundle, moeforge::runtime::device::exec::CombineTraffic) {
+) -> (
+    moeforge::plan::LoadedBundle,
+    moeforge::runtime::device::exec::CombineTraffic,
+    moeforge::runtime::device::exec::DispatchTraffic,
+) {
     use moeforge::runtime::device::emu::EmuDevice;
     let Qwen3Moe { f, bound, steps, ck, block } = qwen3_moe();
     let (cache, tmp) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
@@ -809,8 +815,12 @@ fn on_two_nodes_of_the_emulated_device(
     let at = |i: usize, s: usize| bound.max(steps[i][s]);
     let (e, ekv, _) = check_run_within(&f, &mut t, label, &[], &at, &at);
     let c = t.combine_traffic().unwrap_or_else(|| panic!("{label}: no device"));
-    eprintln!("{label}: worst logit error {e:.2e} ({ekv:.2e} against a bf16 KV cache); {c:?}");
-    (b, c)
+    let d = t.dispatch_traffic().unwrap_or_else(|| panic!("{label}: no device"));
+    eprintln!("{label}: worst logit error {e:.2e} ({ekv:.2e} against a bf16 KV cache); {c:?}; {d:?}");
+    // Relayed or not, a row crosses nodes at most once per remote GPU
+    // that computes it, and reaches every one.
+    assert!(d.scale_out_rows <= d.remote_rows && d.forwarded_rows <= d.remote_rows, "{label}: {d:?}");
+    (b, c, d)
 }
 
 /// Role plans on the emulated device: ExpertPlex's prefill, decode and MoE
@@ -926,23 +936,32 @@ fn zepp_swaps_exchange_slot_contents_on_the_emulated_device() {
     );
 }
 
-/// The hierarchical prefill combine on the emulated device (ExpertPlex §5,
-/// Zepp's merge): Qwen3-MoE striped over 2 nodes × 2 ranks, so a prefill
-/// token's rows computed on the other node are summed there, on the GPU
-/// with its source's local rank, into one bf16 row that crosses nodes;
-/// decode pulls directly. Tokens must be transformers' (the partial sums'
-/// bf16 rounding is the wire format's), and the relays must have merged
-/// rows: fewer rows crossed nodes than were computed across them.
+/// The hierarchical prefill path on the emulated device (ExpertPlex §5,
+/// Zepp's merge), both ways: Qwen3-MoE striped over 2 nodes × 2 ranks.
+/// - Dispatch: a prefill token's row crosses to the other node once, into
+///   the GPU with its source's local rank, which forwards it over NVLink
+///   to the node's other GPU when that one computes the token too.
+/// - Combine: the token's rows computed on the other node are summed
+///   there, on that GPU, into one bf16 row that crosses nodes.
+///
+/// Decode sends and pulls directly. Tokens must be transformers' (the
+/// partial sums' bf16 rounding is the wire format's), and the relays must
+/// have merged rows: fewer rows crossed nodes than remote GPUs received
+/// or computed.
 #[test]
-fn the_prefill_combine_relays_across_nodes_on_the_emulated_device() {
+fn the_prefill_dispatch_and_combine_relay_across_nodes_on_the_emulated_device() {
     use moeforge::plan::program::Phase;
-    let (b, c) = on_two_nodes_of_the_emulated_device("", "relayed combine on the emulated device");
-    let relayed = |phase| {
+    let (b, c, d) = on_two_nodes_of_the_emulated_device("", "relayed dispatch and combine on the emulated device");
+    let relayed = |phase, name: &str| {
         b.plan.plan().programs.iter().filter(|p| p.phase == phase && p.mode == Mode::Ep).all(|p| {
-            p.ops().any(|(_, o)| o.name.starts_with("combine") && o.comm.as_ref().is_some_and(|c| c.relay.is_some()))
+            p.ops().any(|(_, o)| o.name.starts_with(name) && o.comm.as_ref().is_some_and(|c| c.relay.is_some()))
         })
     };
-    assert!(relayed(Phase::Prefill) && !relayed(Phase::Decode), "prefill relays, decode pulls directly");
+    for name in ["dispatch", "combine"] {
+        assert!(relayed(Phase::Prefill, name) && !relayed(Phase::Decode, name), "{name}: prefill relays, decode not");
+    }
+    assert!(d.forwarded_rows > 0 && d.scale_out_rows < d.remote_rows, "no relay merged two rows: {d:?}");
+    assert!(d.node_rows > 0, "{d:?}");
     assert!(c.relay_rows > 0 && c.relay_rows < c.relayed_rows, "no relay merged two rows: {c:?}");
     assert!(c.scale_out_rows >= c.relay_rows && c.node_rows > 0, "{c:?}");
 }

@@ -515,12 +515,19 @@ pub struct Comm {
     pub with: Vec<[BufferName; 2]>,
     /// Bytes a rank sends per row, every buffer together.
     pub row_bytes: u64,
-    /// A combine that crosses nodes through relays (ExpertPlex §5's
-    /// hierarchical prefill path, Zepp's merge): for each token and each
-    /// other node its rows were computed on, that node's GPU with the
-    /// source's local rank sums them (NVLink) into its `via` rows, and the
-    /// one pre-reduced row crosses the scale-out link; rows computed on the
-    /// source's own node are pulled directly.
+    /// A dispatch or combine that crosses nodes through relays (ExpertPlex
+    /// §5's hierarchical prefill path, Zepp's merge). Each other node's
+    /// relay for a source is that node's GPU with the source's local rank.
+    /// - Dispatch: a token's row (with its `with` rows) crosses the
+    ///   scale-out link once per other node that needs it, into the relay's
+    ///   `via` rows (its own receive rows: a row it serves no entry of
+    ///   carries ids no expert of its matches), and the relay forwards it
+    ///   over NVLink to the node's other GPUs that need it.
+    /// - Combine: the relay sums the token's rows computed on its node
+    ///   (NVLink) into its `via` rows, and the one pre-reduced row crosses
+    ///   the scale-out link.
+    ///
+    /// Rows on the source's own node move directly.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub relay: Option<Relay>,
 }
@@ -770,15 +777,20 @@ fn overlaps(a: Option<u32>, b: Option<u32>) -> bool {
     }
 }
 
-/// A relayed combine: a combine (no rows travel with it) whose group spans
-/// whole nodes, more than one, so every (source, node) pair has its relay
-/// in the group; the op writes the relay rows: the dispatch's receive rows
+/// A relayed dispatch or combine: its group spans whole nodes, more than
+/// one, so every (source, node) pair has its relay in the group; the op
+/// writes the relay rows, the dispatch's receive rows. A dispatch lands
+/// its relayed rows there (its `to`); a combine's partial sums go there
 /// (dead once the permutation read them, and sliced like the combine's),
-/// as wide as `from`'s.
+/// as wide as its `from`.
 fn relay_fits(c: &Comm, r: &Relay, op: &Op, mem: &MemoryPlan, mode: Mode) -> Result<(), String> {
     let g = r.gpus_per_node;
-    if c.kind != CommKind::AllToAll || !c.with.is_empty() {
-        return Err("only a combine is relayed".into());
+    if c.kind != CommKind::AllToAll {
+        return Err("only a dispatch or a combine is relayed".into());
+    }
+    let dispatch = !c.with.is_empty();
+    if dispatch && c.to != r.via {
+        return Err(format!("a relayed dispatch lands its rows in its own {:?}, not {:?}", c.to, r.via));
     }
     if g == 0 {
         return Err("0 GPUs per node".into());
@@ -796,7 +808,7 @@ fn relay_fits(c: &Comm, r: &Relay, op: &Op, mem: &MemoryPlan, mode: Mode) -> Res
         return Err(format!("the op does not write its relay rows ({:?})", r.via));
     }
     let row = |b| mem.buffer(mode, b).map(|b| b.row_bytes);
-    if row(r.via).is_none() || row(r.via) != row(c.from) {
+    if row(r.via).is_none() || !dispatch && row(r.via) != row(c.from) {
         return Err(format!("relay rows {:?} are not {:?}'s width", r.via, c.from));
     }
     Ok(())

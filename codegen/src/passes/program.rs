@@ -407,6 +407,19 @@ impl Config<'_> {
     fn sbo(&self) -> bool {
         self.overlap() == Overlap::Sbo
     }
+    /// Whether this step's dispatch and combine take the hierarchical path
+    /// through relays (§5): a colocated prefill step whose group spans
+    /// nodes. A combine's relay writes nodes − 1 partial rows per token
+    /// position into its dispatch slots (top-k per token): relayed while
+    /// nodes − 1 ≤ top-k. (A role plan's MoE servers are reached through
+    /// their posts.)
+    fn relays(&self) -> bool {
+        let nodes = self.group.iter().map(|r| r / self.gpus_per_node).collect::<std::collections::BTreeSet<_>>();
+        self.role == Role::Colocated
+            && self.phase == Phase::Prefill
+            && nodes.len() > 1
+            && nodes.len() - 1 <= self.m.moe.top_k as usize
+    }
 
     fn program(&self, ranks: Vec<u32>) -> Program {
         let m = self.m;
@@ -1057,6 +1070,13 @@ impl Config<'_> {
             let with = [[Buf::TopkIds, Buf::DispatchIds], [Buf::TopkWeights, Buf::DispatchWeights]];
             let rows = (Buf::Normed, Buf::Dispatch);
             self.comm(o, "dispatch", CommKind::AllToAll, mb, reads, rows, &with, h * 2 + k * 8, Role::Attention);
+            // Prefill's dispatch across nodes takes the hierarchical path
+            // too (§5, Zepp's merge): a token's row crosses once per node,
+            // to the GPU with its source's local rank, which forwards it
+            // over NVLink. Decode's few rows go straight, for latency.
+            if let Some(c) = o.ops.last_mut().and_then(|op| op.comm.as_mut()).filter(|_| self.relays()) {
+                c.relay = Some(Relay { gpus_per_node: self.gpus_per_node, via: Buf::Dispatch });
+            }
             if let Some(routed) = routed {
                 o.wait(routed);
             }
@@ -1075,13 +1095,8 @@ impl Config<'_> {
             // Prefill's combine across nodes takes the hierarchical path
             // (§5): node-local partial sums on the relays, one row per
             // (token, node) over the scale-out link. Decode's rows are few:
-            // it pulls directly, for latency. A relay writes nodes − 1 rows
-            // per token position into its dispatch slots (top-k per token):
-            // relayed while nodes − 1 ≤ top-k. (A role plan's combine pulls
-            // directly.)
-            let nodes = self.group.iter().map(|r| r / self.gpus_per_node).collect::<std::collections::BTreeSet<_>>();
-            let relayed = self.role == Role::Colocated && nodes.len() > 1 && nodes.len() - 1 <= m.moe.top_k as usize;
-            if let Some(op) = o.ops.last_mut().filter(|_| self.phase == Phase::Prefill && relayed) {
+            // it pulls directly, for latency.
+            if let Some(op) = o.ops.last_mut().filter(|_| self.relays()) {
                 op.writes.push(buf(Buf::Dispatch));
                 if let Some(c) = op.comm.as_mut() {
                     c.relay = Some(Relay { gpus_per_node: self.gpus_per_node, via: Buf::Dispatch });

@@ -139,6 +139,21 @@ pub struct Executor {
     /// [`Executor::take_expert_loads`].
     expert_loads: Vec<Vec<f64>>,
     traffic: CombineTraffic,
+    dispatch_traffic: DispatchTraffic,
+}
+
+/// Where the dispatches' rows went so far, counted per (token, receiving
+/// rank) row: to a GPU on the source's node (`node_rows`) or on another
+/// (`remote_rows`), and how rows crossed the scale-out link
+/// (`scale_out_rows`: every remote row of a direct dispatch; relayed, one
+/// per (token, other node), to the relay) and were then forwarded over
+/// NVLink by a relay (`forwarded_rows`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DispatchTraffic {
+    pub node_rows: u64,
+    pub remote_rows: u64,
+    pub scale_out_rows: u64,
+    pub forwarded_rows: u64,
 }
 
 /// Where the combines' rows went so far, counted per (token, computing
@@ -233,6 +248,7 @@ impl Executor {
             slots,
             expert_loads: vec![vec![0.0; plan.model.experts as usize]; layers],
             traffic: CombineTraffic::default(),
+            dispatch_traffic: DispatchTraffic::default(),
         })
     }
 
@@ -245,6 +261,11 @@ impl Executor {
     /// The combines' traffic so far.
     pub fn combine_traffic(&self) -> CombineTraffic {
         self.traffic
+    }
+
+    /// The dispatches' traffic so far.
+    pub fn dispatch_traffic(&self) -> DispatchTraffic {
+        self.dispatch_traffic
     }
 
     pub fn ranks(&self) -> usize {
@@ -941,7 +962,21 @@ impl Executor {
                         ((x.src as usize, x.dst as usize), (x.first_row / u64::from(mbs), x.rows / u64::from(mbs)))
                     })
                     .collect();
+                // A relayed dispatch (§5's hierarchical prefill path):
+                // a token's row crosses to each other node once, into the
+                // receive rows of that node's GPU with its source's local
+                // rank, which forwards it to the node's other GPUs that
+                // need it. A relay that serves none of the token's entries
+                // still holds the row (`held`, not a route: ids it does not
+                // match, and no output for the combine to pull).
+                let gpn = plan.cluster.gpus_per_node.max(1) as usize;
+                let relay_of = |s: usize, d: usize| -> Option<usize> {
+                    c.relay.filter(|_| d / gpn != s / gpn).map(|_| (d / gpn) * gpn + s % gpn)
+                };
                 let mut to: Routes = vec![vec![]; self.buffers.len()];
+                let mut held: Routes = vec![vec![]; self.buffers.len()];
+                // Where each (source, token) landed on each destination.
+                let mut landed: BTreeMap<(usize, usize, usize), u64> = BTreeMap::new();
                 // Rows each (source, destination) pair has placed so far.
                 let mut placed: BTreeMap<(usize, usize), u64> = BTreeMap::new();
                 for &s in &group {
@@ -949,11 +984,26 @@ impl Executor {
                     for tok in 0..t {
                         let mut dests: Vec<usize> =
                             (0..k).filter_map(|j| assigned.get(&(s, tok * k + j)).map(|x| x.0)).collect();
+                        let relays: Vec<usize> = dests.iter().filter_map(|&d| relay_of(s, d)).collect();
                         dests.sort_unstable();
                         dests.dedup();
+                        let mut hold: Vec<usize> = relays.into_iter().filter(|r| !dests.contains(r)).collect();
+                        hold.sort_unstable();
+                        hold.dedup();
+                        for r in hold {
+                            if !group.contains(&r) {
+                                return Err(ExecError::Plan(format!(
+                                    "op `{}`: the relay {r} of rank {s}'s rows is not in the group",
+                                    op.name
+                                )));
+                            }
+                            let row = (to[r].len() + held[r].len()) as u64;
+                            landed.insert((s, tok, r), row);
+                            held[r].push((row, s, tok));
+                        }
                         for d in dests {
                             let row = match posts.get(&(s, d)) {
-                                None if posts.is_empty() => to[d].len() as u64,
+                                None if posts.is_empty() => (to[d].len() + held[d].len()) as u64,
                                 None => {
                                     return Err(ExecError::Plan(format!(
                                         "op `{}`: rank {s} has no post into rank {d}'s {:?}",
@@ -972,12 +1022,14 @@ impl Executor {
                                     first + *used - 1
                                 }
                             };
+                            landed.insert((s, tok, d), row);
                             to[d].push((row, s, tok));
                         }
                     }
                 }
                 // Each destination's received rows: up to the last one filled.
-                let extents: Vec<u64> = to.iter().map(|rows| rows.iter().map(|x| x.0 + 1).max().unwrap_or(0)).collect();
+                let extents: Vec<u64> =
+                    to.iter().zip(&held).map(|(a, b)| a.iter().chain(b).map(|x| x.0 + 1).max().unwrap_or(0)).collect();
                 // The rows move as the bundle's compiled dispatch program,
                 // one batch: every (row, destination) of every buffer pair
                 // an instance. Where each source's rows land is fixed (above)
@@ -987,7 +1039,10 @@ impl Executor {
                 })?;
                 let pairs: Vec<[BufferName; 2]> =
                     std::iter::once([c.from, c.to]).chain(c.with.iter().copied()).collect();
-                let mut copies = vec![];
+                // Two batches: every row's first hop (straight from its
+                // source), then the relays' forwards over NVLink.
+                let (mut hops, mut forwards) = (vec![], vec![]);
+                let t = &mut self.dispatch_traffic;
                 for &d in &group {
                     for [src, dst] in &pairs {
                         let (rs, rd) = (row(*src), row(*dst));
@@ -1005,24 +1060,50 @@ impl Executor {
                             )));
                         }
                         let base = at(d, *dst)?;
-                        for &(row, s, tok) in &to[d] {
-                            copies.push(Transfer {
+                        for &(row, s, tok) in to[d].iter().chain(&held[d]) {
+                            let into = row_at(base, row, rd)?;
+                            let from = match relay_of(s, d).filter(|&r| r != d) {
+                                Some(r) => {
+                                    let at_relay = landed.get(&(s, tok, r)).copied().ok_or_else(|| {
+                                        ExecError::Plan(format!("op `{}`: relay {r} holds no row of {s}", op.name))
+                                    })?;
+                                    forwards.push(Transfer {
+                                        src: r as u32,
+                                        dst: d as u32,
+                                        copy: StridedCopy::one_run(row_at(at(r, *dst)?, at_relay, rd)?, into, rs),
+                                    });
+                                    continue;
+                                }
+                                None => row_at(at(s, *src)?, tok as u64, rs)?,
+                            };
+                            hops.push(Transfer {
                                 src: s as u32,
                                 dst: d as u32,
-                                copy: StridedCopy::one_run(
-                                    row_at(at(s, *src)?, tok as u64, rs)?,
-                                    row_at(base, row, rd)?,
-                                    rs,
-                                ),
+                                copy: StridedCopy::one_run(from, into, rs),
                             });
                         }
                     }
+                    // Rows (not bytes), once per (row, destination).
+                    for &(_, s, _) in &to[d] {
+                        match (d / gpn == s / gpn, relay_of(s, d)) {
+                            (true, _) => t.node_rows += 1,
+                            (false, r) => {
+                                t.remote_rows += 1;
+                                if r.is_some_and(|r| r != d) {
+                                    t.forwarded_rows += 1;
+                                } else {
+                                    t.scale_out_rows += 1;
+                                }
+                            }
+                        }
+                    }
+                    t.scale_out_rows += held[d].len() as u64;
                     counts[d][m].received = extents[d] as u32;
                     counts[d][m].received_entries = (extents[d] * k as u64) as u32;
                 }
-                let batch =
-                    code.program.batch(&copies).map_err(|e| ExecError::Plan(format!("op `{}`: {e}", op.name)))?;
-                self.dev.transfer(&code, &[batch], &self.buffers)?;
+                let bad = |e: moeforge_xfer::XferError| ExecError::Plan(format!("op `{}`: {e}", op.name));
+                let batches = [code.program.batch(&hops).map_err(bad)?, code.program.batch(&forwards).map_err(bad)?];
+                self.dev.transfer(&code, &batches, &self.buffers)?;
                 if plan.placement.is_some() || !posts.is_empty() {
                     // Each destination's view of a row's entries: the ids
                     // the rows carried (a replicated placement's rewritten

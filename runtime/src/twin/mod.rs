@@ -288,6 +288,11 @@ impl Twin {
         self.device.as_ref().map(crate::device::exec::Executor::combine_traffic)
     }
 
+    /// The device's dispatch traffic so far (`None` without a device).
+    pub fn dispatch_traffic(&self) -> Option<crate::device::exec::DispatchTraffic> {
+        self.device.as_ref().map(crate::device::exec::Executor::dispatch_traffic)
+    }
+
     pub fn swaps(&self) -> u64 {
         self.slots.swaps
     }
