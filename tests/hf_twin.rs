@@ -966,6 +966,36 @@ fn the_prefill_dispatch_and_combine_relay_across_nodes_on_the_emulated_device() 
     assert!(c.scale_out_rows >= c.relay_rows && c.node_rows > 0, "{c:?}");
 }
 
+/// ExpertPlex §5's hierarchical prefill path in a role plan, on the
+/// emulated device: two nodes, each with a MoE, a prefill and three decode
+/// servers (the layout of `the_dispatch_schedule_relays_prefill_rows_and_rounds_at_the_post_cap`).
+/// A prefill server's rows for the other node's MoE server cross once, to
+/// that node's prefill server (`Path::Relay`), which forwards them over
+/// NVLink into its post; on the way back it sums the rows computed on its
+/// node and one row crosses back. Decode's rows go straight. Tokens must
+/// be transformers'.
+#[test]
+fn prefill_posts_relay_through_the_other_nodes_prefill_server_on_the_emulated_device() {
+    use moeforge::plan::roles::Path;
+    use moeforge::runtime::device::emu::EmuDevice;
+    let Qwen3Moe { f, bound, steps, ck, block } = qwen3_moe();
+    let (cache, tmp) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let extra = "strategy = expertplex placement { policy = zepp redundant_experts = 4 }";
+    let b = compile_text(&cpu_cluster_deployment(&block, 2, 5, 0.25, extra), tmp.path());
+    let roles = b.plan.plan().roles.clone().expect("roles");
+    assert_eq!(roles.per_node, [[1, 1, 3], [1, 1, 3]]);
+    assert!(roles.posts.iter().any(|p| matches!(p.path, Path::Relay { .. })));
+    let dev = EmuDevice::start(cache.path()).unwrap_or_else(|e| panic!("{e}"));
+    let mut t = Twin::on_device(&b, &ck, Mode::Ep, Box::new(dev)).unwrap();
+    let at = |i: usize, s: usize| bound.max(steps[i][s]);
+    let (e, _, _) = check_run_within(&f, &mut t, "relayed posts on the emulated device", &[], &at, &at);
+    let (d, c) = (t.dispatch_traffic().unwrap(), t.combine_traffic().unwrap());
+    eprintln!("relayed posts on the emulated device: worst logit error {e:.2e}; {d:?}; {c:?}");
+    // Prefill rows for the far MoE server went through its node's prefill server.
+    assert!(d.forwarded_rows > 0 && d.scale_out_rows <= d.remote_rows, "{d:?}");
+    assert!(c.relay_rows > 0 && c.relay_rows <= c.relayed_rows, "{c:?}");
+}
+
 /// The emulated device sees layout: the same bundle with its dense APK's
 /// wgmma descriptor flipped from 128-byte to 64-byte swizzling, or two of the
 /// epilogue's accumulator fragment indices swapped, no longer gives

@@ -95,9 +95,11 @@ pub enum Path {
     /// Prefill to a node holding a prefill server: each row crosses the
     /// scale-out network once, to prefill server `via` on the MoE rank's
     /// node (the one with the sender's local rank, else the nearest), which
-    /// multicasts it over NVLink to every MoE rank there that needs it,
-    /// chunk by chunk; the combine gathers on `via` and returns once. The
-    /// RDMA link between two prefill servers carries no decode traffic.
+    /// holds it in its `dispatch` rows (an attention server receives none)
+    /// and forwards it over NVLink to every MoE rank there that needs it;
+    /// the combine gathers on `via` (a bf16 partial sum of the rows its
+    /// node computed, in the same rows) and returns once. The RDMA link
+    /// between two prefill servers carries no decode traffic.
     Relay { via: u32 },
 }
 

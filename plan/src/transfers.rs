@@ -16,9 +16,11 @@
 //!   becomes the f32 sum of the bf16 rows the ranks its entries went to
 //!   computed, in rank order (a sum shape per number of such ranks, none to
 //!   the most a token reaches: its top-k, at most the group). A relayed
-//!   combine (`Comm::relay`) first sums, on each other node's relay, the
-//!   rows computed there into one bf16 row (a shape per count, one to the
-//!   top-k or the node), then pulls those and its own node's rows.
+//!   combine (`Comm::relay`, or a role plan's prefill posts through
+//!   `Path::Relay`) first sums, on each other node's relay, the rows
+//!   computed there into one bf16 row (a shape per count, one to the top-k
+//!   or the GPUs computing there), then pulls those and the rows that come
+//!   straight.
 //! - `all_reduce`: a TP all-reduce as a reduce-scatter then an all-gather
 //!   (the two-shot all-reduce): each row is summed in rank order on the rank
 //!   that owns it (rows dealt round-robin), in place, then copied from there
@@ -39,6 +41,7 @@
 use crate::memory::{MemoryPlan, Mode, View};
 use crate::placement::Swap;
 use crate::program::CommKind;
+use crate::roles::Path;
 use crate::Plan;
 use moeforge_dsl::spec::PlacementPolicy;
 use moeforge_xfer::{Elem, Exchange, Program, StridedCopy, SumShape, Transfer, XferError};
@@ -144,6 +147,10 @@ fn row_copies(pairs: &[(u64, u64, u64)]) -> Result<Program, XferError> {
 fn combine_sums(plan: &Plan) -> Vec<SumShape> {
     let k = plan.model.top_k;
     let h = u64::from(plan.model.hidden);
+    // A role plan's relayed prefill posts: a relay sums the rows of its
+    // node's MoE servers.
+    let relayed_posts = plan.roles.as_ref().filter(|r| r.posts.iter().any(|p| matches!(p.path, Path::Relay { .. })));
+    let moe_per_node = relayed_posts.map(|r| r.per_node.iter().map(|n| n[0]).max().unwrap_or(0));
     let mut out = vec![];
     let mut add = |s: SumShape| {
         if !out.contains(&s) {
@@ -158,8 +165,9 @@ fn combine_sums(plan: &Plan) -> Vec<SumShape> {
             for sources in 0..=k.min(c.group.len() as u32) {
                 add(SumShape { elems: h, sources, elem: Elem::Bf16, out: Elem::F32 });
             }
-            if let Some(r) = &c.relay {
-                for sources in 1..=k.min(r.gpus_per_node) {
+            let computing = c.relay.map(|r| r.gpus_per_node).or(moe_per_node);
+            if let Some(n) = computing {
+                for sources in 1..=k.min(n) {
                     add(SumShape { elems: h, sources, elem: Elem::Bf16, out: Elem::Bf16 });
                 }
             }

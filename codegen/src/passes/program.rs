@@ -53,6 +53,10 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
         _ => None,
     });
     let overlaps = plan.roles.as_ref().map_or(Overlaps::STANDARD, |r| r.overlap);
+    // Prefill servers whose posts cross nodes through another prefill
+    // server (`Path::Relay`): every prefill server may relay.
+    let relayed_posts =
+        plan.roles.iter().flat_map(|r| &r.posts).any(|p| matches!(p.path, moeforge_plan::roles::Path::Relay { .. }));
     for &mode in &plan.memory.modes {
         // EP ranks grouped by the APK instance their expert count selects.
         let apk_groups: Vec<(Vec<u32>, Option<String>)> = match mode {
@@ -105,6 +109,7 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
                         apk: apk.as_deref(),
                         dense,
                         flash,
+                        relayed_posts,
                     };
                     programs.push(cfg.program(ranks));
                 }
@@ -170,6 +175,10 @@ struct Config<'a> {
     dense: [bool; 2],
     /// The layer instance's flash-attention prefill tiles, when it has the kernel.
     flash: Option<moeforge_dsl::spec::AttentionTiles>,
+    /// A role plan's prefill posts cross nodes through a prefill server
+    /// (`Path::Relay`), which holds the rows it forwards and the partial
+    /// sums it returns in its `dispatch` rows.
+    relayed_posts: bool,
 }
 
 const COMPUTE: u32 = 0;
@@ -419,6 +428,13 @@ impl Config<'_> {
             && self.phase == Phase::Prefill
             && nodes.len() > 1
             && nodes.len() - 1 <= self.m.moe.top_k as usize
+    }
+    /// Whether this is a prefill attention server's program in a role plan
+    /// whose prefill posts relay (`Path::Relay`): its dispatch and combine
+    /// also write its `dispatch` rows (a relay's forwarded rows and
+    /// partial sums).
+    fn relays_posts(&self) -> bool {
+        self.role == Role::Attention && self.phase == Phase::Prefill && self.relayed_posts
     }
 
     fn program(&self, ranks: Vec<u32>) -> Program {
@@ -1077,6 +1093,9 @@ impl Config<'_> {
             if let Some(c) = o.ops.last_mut().and_then(|op| op.comm.as_mut()).filter(|_| self.relays()) {
                 c.relay = Some(Relay { gpus_per_node: self.gpus_per_node, via: Buf::Dispatch });
             }
+            if let Some(op) = o.ops.last_mut().filter(|_| self.relays_posts()) {
+                op.writes.push(buf(Buf::Dispatch));
+            }
             if let Some(routed) = routed {
                 o.wait(routed);
             }
@@ -1096,9 +1115,9 @@ impl Config<'_> {
             // (§5): node-local partial sums on the relays, one row per
             // (token, node) over the scale-out link. Decode's rows are few:
             // it pulls directly, for latency.
-            if let Some(op) = o.ops.last_mut().filter(|_| self.relays()) {
+            if let Some(op) = o.ops.last_mut().filter(|_| self.relays() || self.relays_posts()) {
                 op.writes.push(buf(Buf::Dispatch));
-                if let Some(c) = op.comm.as_mut() {
+                if let Some(c) = op.comm.as_mut().filter(|_| self.relays()) {
                     c.relay = Some(Relay { gpus_per_node: self.gpus_per_node, via: Buf::Dispatch });
                 }
             }

@@ -964,15 +964,14 @@ impl Executor {
                     .collect();
                 // A relayed dispatch (§5's hierarchical prefill path):
                 // a token's row crosses to each other node once, into the
-                // receive rows of that node's GPU with its source's local
-                // rank, which forwards it to the node's other GPUs that
-                // need it. A relay that serves none of the token's entries
-                // still holds the row (`held`, not a route: ids it does not
-                // match, and no output for the combine to pull).
+                // receive rows of that node's relay (`Relays`), which
+                // forwards it to the node's GPUs that need it. A relay that
+                // serves none of the token's entries still holds the row
+                // (`held`, not a route: ids it does not match, and no output
+                // for the combine to pull).
                 let gpn = plan.cluster.gpus_per_node.max(1) as usize;
-                let relay_of = |s: usize, d: usize| -> Option<usize> {
-                    c.relay.filter(|_| d / gpn != s / gpn).map(|_| (d / gpn) * gpn + s % gpn)
-                };
+                let relays = Relays::of(plan, c);
+                let relay_of = |s: usize, d: usize| relays.of_pair(s, d);
                 let mut to: Routes = vec![vec![]; self.buffers.len()];
                 let mut held: Routes = vec![vec![]; self.buffers.len()];
                 // Where each (source, token) landed on each destination.
@@ -1140,10 +1139,10 @@ impl Executor {
                 // as the bundle's compiled `combine` program. Direct: every
                 // row in rank order. Relayed (§5's hierarchical path, Zepp's
                 // merge): first, on each other node holding some of a token's
-                // rows, the GPU with the source's local rank sums them into
-                // one bf16 row of its `via` buffer (one batch, NVLink reads);
-                // then the source sums, node by node, its own node's rows and
-                // the relays' (one row per node over the scale-out link).
+                // rows, its relay (`Relays`) sums them into one bf16 row of
+                // its `via` rows (one batch, NVLink reads); then the source
+                // sums the rows that came straight and the relays' (one row
+                // per relay over the scale-out link).
                 let code = self.code(&self.combine, "combine")?;
                 let h = u64::from(plan.model.hidden);
                 let (rs, rt) = (row(c.from), row(c.to));
@@ -1161,6 +1160,7 @@ impl Executor {
                     }
                 }
                 let (mut partials, mut sums) = (vec![], vec![]);
+                let relays = Relays::of(plan, c);
                 let mut relay_rows: BTreeMap<usize, u64> = BTreeMap::new();
                 for &s in &group {
                     let base = at(s, c.to)?;
@@ -1169,57 +1169,53 @@ impl Executor {
                         let gpn = plan.cluster.gpus_per_node.max(1) as usize;
                         for &(d, _) in &rows {
                             let t = &mut self.traffic;
-                            match (d as usize / gpn == s / gpn, c.relay.is_some()) {
+                            match (d as usize / gpn == s / gpn, relays.of_pair(s, d as usize).is_some()) {
                                 (true, _) => t.node_rows += 1,
                                 (false, true) => t.relayed_rows += 1,
                                 (false, false) => t.scale_out_rows += 1,
                             }
                         }
-                        let sources = match c.relay {
-                            None => rows,
-                            Some(r) => {
-                                let g = r.gpus_per_node.max(1) as usize;
-                                let mut by_node: BTreeMap<usize, Vec<(u32, u64)>> = BTreeMap::new();
-                                for x in rows {
-                                    by_node.entry(x.0 as usize / g).or_default().push(x);
-                                }
-                                let mut out = vec![];
-                                for (node, rows) in by_node {
-                                    if node == s / g {
-                                        out.extend(rows);
-                                        continue;
-                                    }
-                                    let relay = node * g + s % g;
-                                    if !group.contains(&relay) {
-                                        return Err(ExecError::Plan(format!(
-                                            "op `{}`: rank {s}'s relay on node {node}, rank {relay}, is not in the group",
-                                            op.name
-                                        )));
-                                    }
-                                    let used = relay_rows.entry(relay).or_insert(0);
-                                    let cap = mem.buffer(mode, r.via).map_or(0, |b| b.slice_bytes(mbs)) / rs;
-                                    if *used >= cap {
-                                        return Err(ExecError::Capacity(format!(
-                                            "rank {relay} relays more than the {cap} rows of its {:?} slots",
-                                            r.via
-                                        )));
-                                    }
-                                    let dst_offset = row_at(at(relay, r.via)?, *used, rs)?;
-                                    *used += 1;
-                                    self.traffic.scale_out_rows += 1;
-                                    self.traffic.relay_rows += 1;
-                                    partials.push(Sum {
-                                        dst: relay as u32,
-                                        dst_offset,
-                                        sources: rows,
-                                        elems: h,
-                                        elem: Elem::Bf16,
-                                        out: Elem::Bf16,
-                                    });
-                                    out.push((relay as u32, dst_offset));
-                                }
-                                out
+                        let sources = {
+                            // Rows that go straight, then each relay's.
+                            let mut by_relay: BTreeMap<Option<usize>, Vec<(u32, u64)>> = BTreeMap::new();
+                            for x in rows {
+                                by_relay.entry(relays.of_pair(s, x.0 as usize)).or_default().push(x);
                             }
+                            let mut out = vec![];
+                            for (relay, rows) in by_relay {
+                                let Some(relay) = relay else {
+                                    out.extend(rows);
+                                    continue;
+                                };
+                                if !group.contains(&relay) {
+                                    return Err(ExecError::Plan(format!(
+                                        "op `{}`: rank {s}'s relay, rank {relay}, is not in the group",
+                                        op.name
+                                    )));
+                                }
+                                let via = relays.via;
+                                let used = relay_rows.entry(relay).or_insert(0);
+                                let cap = mem.buffer(mode, via).map_or(0, |b| b.slice_bytes(mbs)) / rs;
+                                if *used >= cap {
+                                    return Err(ExecError::Capacity(format!(
+                                        "rank {relay} relays more than the {cap} rows of its {via:?} slots"
+                                    )));
+                                }
+                                let dst_offset = row_at(at(relay, via)?, *used, rs)?;
+                                *used += 1;
+                                self.traffic.scale_out_rows += 1;
+                                self.traffic.relay_rows += 1;
+                                partials.push(Sum {
+                                    dst: relay as u32,
+                                    dst_offset,
+                                    sources: rows,
+                                    elems: h,
+                                    elem: Elem::Bf16,
+                                    out: Elem::Bf16,
+                                });
+                                out.push((relay as u32, dst_offset));
+                            }
+                            out
                         };
                         sums.push(Sum {
                             dst: s as u32,
@@ -1335,6 +1331,53 @@ fn rendezvous<'p>(
         }
     }
     Ok(out)
+}
+
+/// Where a dispatch's or combine's rows between two nodes meet (ExpertPlex
+/// §5's hierarchical path): a colocated relayed op (`Comm::relay`) meets on
+/// the destination node's GPU with the source's local rank; a role plan's
+/// prefill posts through `Path::Relay { via }` meet on the prefill server
+/// `via`. Rows on one node, and every other op's, go straight. A relay
+/// holds the rows it forwards, and the partial sums it returns, in its
+/// `dispatch` rows (the receive rows; an attention server's are otherwise unused).
+struct Relays {
+    gpus_per_node: usize,
+    colocated: bool,
+    posts: BTreeMap<(usize, usize), usize>,
+    via: BufferName,
+}
+
+impl Relays {
+    fn of(plan: &Plan, c: &moeforge_plan::program::Comm) -> Relays {
+        let posts = plan
+            .roles
+            .iter()
+            .flat_map(|r| &r.posts)
+            .filter_map(|p| match p.path {
+                moeforge_plan::roles::Path::Relay { via } => Some(((p.src as usize, p.dst as usize), via as usize)),
+                _ => None,
+            })
+            .collect();
+        Relays {
+            gpus_per_node: plan.cluster.gpus_per_node.max(1) as usize,
+            colocated: c.relay.is_some(),
+            posts,
+            via: c.relay.map_or(BufferName::Dispatch, |r| r.via),
+        }
+    }
+
+    /// The relay of rows from `s` to `d` (`d` itself when `d` is its own
+    /// node's relay), or `None` when they go straight.
+    fn of_pair(&self, s: usize, d: usize) -> Option<usize> {
+        let g = self.gpus_per_node;
+        if d / g == s / g {
+            return None;
+        }
+        match self.colocated {
+            true => Some((d / g) * g + s % g),
+            false => self.posts.get(&(s, d)).copied(),
+        }
+    }
 }
 
 fn route_parts(site: &Site<'_>, plan: &Plan) -> RouteIndexParts {
