@@ -446,8 +446,8 @@ fn roles(s: &mut String, plan: &Plan) {
             s,
             "- **Paths** (§5, `roles.posts[].path`): {} posts stay on NVLink; {} decode posts go straight over RDMA \
              on virtual lane 0; {} prefill posts cross once to the destination node's prefill server (the sender's \
-             local rank where it is one), which multicasts over NVLink and gathers the combine, on a link no decode \
-             traffic uses; {prefill_direct} prefill posts go to nodes without a prefill server straight over RDMA, {}.",
+             local rank where it is one), which forwards them over NVLink from its own `dispatch` rows and gathers \
+             the combine, on a link no decode traffic uses; {prefill_direct} prefill posts go to nodes without a prefill server straight over RDMA, {}.",
             count(&|p| *p == Path::Nvlink),
             count(&|p| *p == Path::Rdma { lane: 0 }) - prefill_direct * usize::from(r.lanes < 2),
             count(&|p| matches!(p, Path::Relay { .. })),
