@@ -820,6 +820,8 @@ fn on_two_nodes_of_the_emulated_device(
     // Relayed or not, a row crosses nodes at most once per remote GPU
     // that computes it, and reaches every one.
     assert!(d.scale_out_rows <= d.remote_rows && d.forwarded_rows <= d.remote_rows, "{label}: {d:?}");
+    // Zepp's NIC split never loads the busiest NIC more.
+    assert!(d.busiest_nic_rows <= d.busiest_nic_rows_unsplit, "{label}: {d:?}");
     (b, c, d)
 }
 
@@ -961,6 +963,9 @@ fn the_prefill_dispatch_and_combine_relay_across_nodes_on_the_emulated_device() 
         assert!(relayed(Phase::Prefill, name) && !relayed(Phase::Decode, name), "{name}: prefill relays, decode not");
     }
     assert!(d.forwarded_rows > 0 && d.scale_out_rows < d.remote_rows, "no relay merged two rows: {d:?}");
+    // Zepp's split: some GPU sent more than its node's share, and handed
+    // the excess to its peer's NIC.
+    assert!(d.split_rows > 0 && d.busiest_nic_rows < d.busiest_nic_rows_unsplit, "no NIC split: {d:?}");
     assert!(d.node_rows > 0, "{d:?}");
     assert!(c.relay_rows > 0 && c.relay_rows < c.relayed_rows, "no relay merged two rows: {c:?}");
     assert!(c.scale_out_rows >= c.relay_rows && c.node_rows > 0, "{c:?}");

@@ -522,7 +522,10 @@ pub struct Comm {
     ///   scale-out link once per other node that needs it, into the relay's
     ///   `via` rows (its own receive rows: a row it serves no entry of
     ///   carries ids no expert of its matches), and the relay forwards it
-    ///   over NVLink to the node's other GPUs that need it.
+    ///   over NVLink to the node's other GPUs that need it. The source
+    ///   node's sends are split over its NICs (Zepp §4.2): a GPU above
+    ///   ⌈the node's sends / its GPUs⌉ hands its excess sends over NVLink
+    ///   to the least-loaded GPUs of its node below that share.
     /// - Combine: the relay sums the token's rows computed on its node
     ///   (NVLink) into its `via` rows, and the one pre-reduced row crosses
     ///   the scale-out link.

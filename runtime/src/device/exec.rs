@@ -147,13 +147,19 @@ pub struct Executor {
 /// (`remote_rows`), and how rows crossed the scale-out link
 /// (`scale_out_rows`: every remote row of a direct dispatch; relayed, one
 /// per (token, other node), to the relay) and were then forwarded over
-/// NVLink by a relay (`forwarded_rows`).
+/// NVLink by a relay (`forwarded_rows`). Zepp's NIC split: sends handed to
+/// another GPU's NIC of the node (`split_rows`), and, summed over relayed
+/// dispatches, the busiest NIC's sends after the split and as they would
+/// have been without it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DispatchTraffic {
     pub node_rows: u64,
     pub remote_rows: u64,
     pub scale_out_rows: u64,
     pub forwarded_rows: u64,
+    pub split_rows: u64,
+    pub busiest_nic_rows: u64,
+    pub busiest_nic_rows_unsplit: u64,
 }
 
 /// Where the combines' rows went so far, counted per (token, computing
@@ -1026,6 +1032,62 @@ impl Executor {
                         }
                     }
                 }
+                // Zepp's NIC split (§4.2) of a relayed dispatch: each
+                // node's scale-out sends (one per (token, other node))
+                // spread over its GPUs' NICs. A GPU sending more than its
+                // share, ⌈the node's sends / its GPUs⌉, hands only the
+                // excess (its last sends) to the least-loaded GPUs of its
+                // node below the share, over NVLink; every other send keeps
+                // its own NIC. A handed-over row is held in the sending
+                // GPU's receive rows (unless it receives it anyway).
+                let mut sent_by: BTreeMap<(usize, usize, usize), usize> = BTreeMap::new();
+                if c.relay.is_some() {
+                    let mut sends: BTreeMap<usize, Vec<(usize, usize)>> = BTreeMap::new();
+                    for &(s, tok, r) in landed.keys() {
+                        if r / gpn != s / gpn && relay_of(s, r) == Some(r) {
+                            sends.entry(s).or_default().push((tok, r));
+                        }
+                    }
+                    let nodes: std::collections::BTreeSet<usize> = group.iter().map(|g| g / gpn).collect();
+                    let (mut busiest, mut busiest_before) = (0u64, 0u64);
+                    for n in nodes {
+                        let gpus: Vec<usize> = group.iter().copied().filter(|g| g / gpn == n).collect();
+                        let mut load: BTreeMap<usize, usize> =
+                            gpus.iter().map(|&g| (g, sends.get(&g).map_or(0, Vec::len))).collect();
+                        let total: usize = load.values().sum();
+                        let share = total.div_ceil(gpus.len().max(1));
+                        busiest_before = busiest_before.max(load.values().copied().max().unwrap_or(0) as u64);
+                        for &g in &gpus {
+                            let excess = load[&g].saturating_sub(share);
+                            let own = sends.get(&g).map_or(&[][..], Vec::as_slice);
+                            for &(tok, r) in &own[own.len() - excess..] {
+                                let Some(p) =
+                                    gpus.iter().copied().filter(|p| load[p] < share).min_by_key(|p| (load[p], *p))
+                                else {
+                                    break;
+                                };
+                                *load.entry(p).or_insert(0) += 1;
+                                *load.entry(g).or_insert(0) -= 1;
+                                sent_by.insert((g, tok, r), p);
+                            }
+                        }
+                        busiest = busiest.max(load.values().copied().max().unwrap_or(0) as u64);
+                    }
+                    let t = &mut self.dispatch_traffic;
+                    t.split_rows += sent_by.len() as u64;
+                    t.busiest_nic_rows += busiest;
+                    t.busiest_nic_rows_unsplit += busiest_before;
+                    for (&(s, tok, _), &p) in &sent_by {
+                        if let std::collections::btree_map::Entry::Vacant(e) = landed.entry((s, tok, p)) {
+                            let row = (to[p].len() + held[p].len()) as u64;
+                            e.insert(row);
+                            held[p].push((row, s, tok));
+                        }
+                    }
+                }
+                // The GPUs that send a handed-over row: each receives it first.
+                let staged: std::collections::BTreeSet<(usize, usize, usize)> =
+                    sent_by.iter().map(|(&(s, tok, _), &p)| (s, tok, p)).collect();
                 // Each destination's received rows: up to the last one filled.
                 let extents: Vec<u64> =
                     to.iter().zip(&held).map(|(a, b)| a.iter().chain(b).map(|x| x.0 + 1).max().unwrap_or(0)).collect();
@@ -1038,9 +1100,10 @@ impl Executor {
                 })?;
                 let pairs: Vec<[BufferName; 2]> =
                     std::iter::once([c.from, c.to]).chain(c.with.iter().copied()).collect();
-                // Two batches: every row's first hop (straight from its
-                // source), then the relays' forwards over NVLink.
-                let (mut hops, mut forwards) = (vec![], vec![]);
+                // Three batches: the rows handed to another GPU's NIC, then
+                // every row's hop (straight from its source, or from the GPU
+                // it was handed to), then the relays' forwards over NVLink.
+                let (mut handed, mut hops, mut forwards) = (vec![], vec![], vec![]);
                 let t = &mut self.dispatch_traffic;
                 for &d in &group {
                     for [src, dst] in &pairs {
@@ -1075,11 +1138,21 @@ impl Executor {
                                 }
                                 None => row_at(at(s, *src)?, tok as u64, rs)?,
                             };
-                            hops.push(Transfer {
-                                src: s as u32,
-                                dst: d as u32,
-                                copy: StridedCopy::one_run(from, into, rs),
-                            });
+                            if let Some(&p) = sent_by.get(&(s, tok, d)) {
+                                let at_p = landed.get(&(s, tok, p)).copied().ok_or_else(|| {
+                                    ExecError::Plan(format!("op `{}`: rank {p} holds no row of {s}", op.name))
+                                })?;
+                                let from = row_at(at(p, *dst)?, at_p, rd)?;
+                                let copy = StridedCopy::one_run(from, into, rs);
+                                hops.push(Transfer { src: p as u32, dst: d as u32, copy });
+                                continue;
+                            }
+                            let copy =
+                                Transfer { src: s as u32, dst: d as u32, copy: StridedCopy::one_run(from, into, rs) };
+                            match staged.contains(&(s, tok, d)) {
+                                true => handed.push(copy),
+                                false => hops.push(copy),
+                            }
                         }
                     }
                     // Rows (not bytes), once per (row, destination).
@@ -1096,12 +1169,18 @@ impl Executor {
                             }
                         }
                     }
-                    t.scale_out_rows += held[d].len() as u64;
+                    // A relay's held rows crossed; a row held to be sent on
+                    // (a split) stayed on its node.
+                    t.scale_out_rows += held[d].iter().filter(|&&(_, s, _)| d / gpn != s / gpn).count() as u64;
                     counts[d][m].received = extents[d] as u32;
                     counts[d][m].received_entries = (extents[d] * k as u64) as u32;
                 }
                 let bad = |e: moeforge_xfer::XferError| ExecError::Plan(format!("op `{}`: {e}", op.name));
-                let batches = [code.program.batch(&hops).map_err(bad)?, code.program.batch(&forwards).map_err(bad)?];
+                let batches = [
+                    code.program.batch(&handed).map_err(bad)?,
+                    code.program.batch(&hops).map_err(bad)?,
+                    code.program.batch(&forwards).map_err(bad)?,
+                ];
                 self.dev.transfer(&code, &batches, &self.buffers)?;
                 if plan.placement.is_some() || !posts.is_empty() {
                     // Each destination's view of a row's entries: the ids
