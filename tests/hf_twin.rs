@@ -909,6 +909,7 @@ fn zepp_swaps_exchange_slot_contents_on_the_emulated_device() {
             let r = r as usize;
             let held = t.slot_experts(l, r).to_vec();
             assert_eq!(held.len(), plan.slot_experts(l - first, r).len());
+            assert_eq!(t.device_slot_experts(l, r), Some(held.clone()), "layer {l} GPU {r}: the dispatch's table");
             for role in [TensorRole::ExpertsW13, TensorRole::ExpertsW2] {
                 let now = t.device_view_bytes(r, Mode::Ep, role, l as u32).unwrap();
                 let per = now.len() / held.len();

@@ -276,6 +276,47 @@ pub struct Batch {
     per_swap: Vec<Vec<Instance>>,
 }
 
+/// Refuses one-run copies of one batch that race: two destinations that
+/// overlap, or a destination that overlaps a source (a copy onto itself,
+/// same bytes, excepted).
+fn races(transfers: &[Transfer]) -> Result<(), XferError> {
+    let span = |buf: u32, off: u64, bytes: u64, i: usize| (buf, off, off.saturating_add(bytes), i);
+    let rows = transfers.iter().enumerate().filter(|(_, t)| t.copy.counts == [1, 1] && t.copy.run_bytes > 0);
+    let mut writes: Vec<(u32, u64, u64, usize)> =
+        rows.clone().map(|(i, t)| span(t.dst, t.copy.dst_offset, t.copy.run_bytes, i)).collect();
+    writes.sort_unstable();
+    for w in writes.windows(2) {
+        if w[0].0 == w[1].0 && w[1].1 < w[0].2 {
+            return Err(XferError::Copy {
+                index: w[1].3,
+                message: format!(
+                    "it writes bytes [{}, {}) of buffer {} that transfer {} also writes (a batch's copies run in parallel)",
+                    w[1].1, w[1].2, w[1].0, w[0].3
+                ),
+            });
+        }
+    }
+    for (i, t) in rows {
+        let (buf, start, end, _) = span(t.src, t.copy.src_offset, t.copy.run_bytes, i);
+        // Writes are disjoint and sorted: their ends rise with their starts,
+        // so the last one starting before `end` is the only one to check.
+        let at = writes.partition_point(|w| (w.0, w.1) < (buf, end));
+        let Some(w) = at.checked_sub(1).map(|j| writes[j]) else { continue };
+        let itself = w.3 == i && w.1 == start;
+        if w.0 == buf && w.2 > start && !itself {
+            return Err(XferError::Copy {
+                index: i,
+                message: format!(
+                    "it reads bytes [{start}, {end}) of buffer {buf} that transfer {} writes in the same batch \
+                     (a batch's copies run in parallel)",
+                    w.3
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// The widest of 16, 8, 4, 2 and 1 bytes dividing every bit of `bits`.
 fn widest_piece(bits: u64) -> u64 {
     [16u64, 8, 4, 2, 1].into_iter().find(|p| bits.is_multiple_of(*p)).unwrap_or(1)
@@ -462,7 +503,9 @@ impl Program {
     /// all-reduce's reduce-scatter): each sum an instance of the shape with
     /// its element count, source count and element type. Refuses a sum no
     /// shape has, and one whose offsets are not multiples of its elements'
-    /// size.
+    /// size, and run-time row copies (one run each) that the batch's
+    /// parallel pieces would race on: two writing the same bytes, or one
+    /// writing bytes another (or itself, elsewhere) reads.
     pub fn batch_with_sums(&self, transfers: &[Transfer], sums: &[Sum]) -> Result<Batch, XferError> {
         let mut per_shape = vec![vec![]; self.shapes.len()];
         for (index, t) in transfers.iter().enumerate() {
@@ -490,6 +533,7 @@ impl Program {
             }
             per_shape[i].push(Instance { src: t.src, dst: t.dst, src_offset: c.src_offset, dst_offset: c.dst_offset });
         }
+        races(transfers)?;
         let mut per_sum = vec![vec![]; self.sums.len()];
         for (index, s) in sums.iter().enumerate() {
             let bad = |message: String| XferError::Sum { index, message };
@@ -785,6 +829,55 @@ mod tests {
         let odd = Transfer { copy: StridedCopy { run_bytes: 32, ..row(0, 0).copy }, ..row(0, 0) };
         let e = p.batch(&[row(0, 0), odd]).unwrap_err().to_string();
         assert!(e.starts_with("transfer 1:") && e.contains("no shape"), "{e}");
+    }
+
+    /// Run-time row copies of one batch run in parallel: against brute
+    /// force over random rows, a batch is refused exactly when two
+    /// destinations overlap or a destination overlaps another copy's source
+    /// (or its own, elsewhere).
+    #[test]
+    fn run_time_batches_refuse_copies_that_race() {
+        let (p, _) =
+            Program::build(&[vec![Transfer { src: 0, dst: 0, copy: StridedCopy::one_run(0, 16, 16) }]]).unwrap();
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        let (mut refused, mut accepted) = (0, 0);
+        for _ in 0..5_000 {
+            let copies: Vec<Transfer> = (0..1 + next(4))
+                .map(|_| Transfer {
+                    src: next(2) as u32,
+                    dst: next(2) as u32,
+                    copy: StridedCopy::one_run(16 * next(8), 16 * next(8), 16),
+                })
+                .collect();
+            let range = |b: u32, o: u64| (b, o, o + 16);
+            let hit = |a: (u32, u64, u64), b: (u32, u64, u64)| a.0 == b.0 && a.1 < b.2 && b.1 < a.2;
+            let mut race = false;
+            for (i, a) in copies.iter().enumerate() {
+                for (j, b) in copies.iter().enumerate() {
+                    let (wa, rb) = (range(a.dst, a.copy.dst_offset), range(b.src, b.copy.src_offset));
+                    let same = i == j && wa == rb;
+                    race |= i < j && hit(wa, range(b.dst, b.copy.dst_offset));
+                    race |= hit(wa, rb) && !same;
+                }
+            }
+            match p.batch(&copies) {
+                Ok(_) => {
+                    accepted += 1;
+                    assert!(!race, "{copies:?}");
+                }
+                Err(e) => {
+                    refused += 1;
+                    assert!(race, "{copies:?}: {e}");
+                }
+            }
+        }
+        assert!(refused > 500 && accepted > 500, "{refused} refused, {accepted} accepted");
     }
 
     /// Exchanges: one shape per byte count (its piece narrowed by every

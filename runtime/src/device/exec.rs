@@ -361,6 +361,12 @@ impl Executor {
         Ok(exchanges.iter().map(|x| x.bytes).sum())
     }
 
+    /// The experts rank `rank`'s slots of MoE layer `moe_layer` hold now, as
+    /// the dispatch routes to them.
+    pub fn slot_experts(&self, moe_layer: usize, rank: usize) -> Option<&[u32]> {
+        self.slots.get(moe_layer)?.get(rank).map(Vec::as_slice)
+    }
+
     /// The routed entries per MoE layer and expert the dispatches counted
     /// since the last call (what a drift window sums), and a fresh count.
     pub fn take_expert_loads(&mut self) -> Vec<Vec<f64>> {
@@ -1060,7 +1066,7 @@ impl Executor {
                         for &g in &gpus {
                             let excess = load[&g].saturating_sub(share);
                             let own = sends.get(&g).map_or(&[][..], Vec::as_slice);
-                            for &(tok, r) in &own[own.len() - excess..] {
+                            for &(tok, r) in &own[own.len().saturating_sub(excess)..] {
                                 let Some(p) =
                                     gpus.iter().copied().filter(|p| load[p] < share).min_by_key(|p| (load[p], *p))
                                 else {
@@ -1220,8 +1226,9 @@ impl Executor {
                 // merge): first, on each other node holding some of a token's
                 // rows, its relay (`Relays`) sums them into one bf16 row of
                 // its `via` rows (one batch, NVLink reads); then the source
-                // sums the rows that came straight and the relays' (one row
-                // per relay over the scale-out link).
+                // sums the rows that came straight, in rank order, then the
+                // relays' partial rows, in rank order (one row per relay over
+                // the scale-out link).
                 let code = self.code(&self.combine, "combine")?;
                 let h = u64::from(plan.model.hidden);
                 let (rs, rt) = (row(c.from), row(c.to));
@@ -1438,6 +1445,8 @@ impl Relays {
             })
             .collect();
         Relays {
+            // The cluster's node size: the validator refuses a `Comm::relay`
+            // over any other.
             gpus_per_node: plan.cluster.gpus_per_node.max(1) as usize,
             colocated: c.relay.is_some(),
             posts,

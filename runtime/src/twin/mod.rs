@@ -370,6 +370,13 @@ impl Twin {
         self.slots.experts(layer, rank)
     }
 
+    /// The same, as the attached device's dispatch routes to them (`None`
+    /// without a device).
+    pub fn device_slot_experts(&self, layer: usize, rank: usize) -> Option<Vec<u32>> {
+        let moe = layer.checked_sub(self.slots.first_moe_layer())?;
+        self.device.as_ref()?.slot_experts(moe, rank).map(<[u32]>::to_vec)
+    }
+
     /// Runs until every submitted request finished (or `max_steps`).
     pub fn run_to_completion(&mut self, max_steps: usize) -> Result<(), EngineError> {
         for _ in 0..max_steps {
@@ -621,6 +628,8 @@ impl Engine for Twin {
             if let Some(dev) = self.device.as_mut() {
                 self.slots.record(dev.take_expert_loads());
             }
+            // (The twin's table already holds every swap: a failed exchange
+            // fails the step, and the device's table stays behind.)
             for (layer, s) in self.slots.end_step() {
                 self.exchange_slots(layer, s)?;
             }

@@ -115,6 +115,11 @@ impl Slots {
         }
     }
 
+    /// Model layer of MoE layer 0.
+    pub(super) fn first_moe_layer(&self) -> usize {
+        self.first_moe_layer
+    }
+
     /// The slot table of (absolute) layer `l`.
     fn layer(&self, l: usize) -> &[Vec<u32>] {
         self.table.get(l.wrapping_sub(self.first_moe_layer)).map_or(&[], Vec::as_slice)
