@@ -739,19 +739,23 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::panic)]
     use super::*;
 
+    /// A seeded xorshift: each call a value below `n`.
+    fn xorshift(mut x: u64) -> impl FnMut(u64) -> u64 {
+        move |n| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        }
+    }
+
     /// `build`'s refusal of copies whose destination runs may overlap,
     /// against brute force: every pair of runs compared as byte ranges, over
     /// small random copies. What it accepts never overlaps; what overlaps is
     /// refused; and `check`'s extents are the last byte any run touches.
     #[test]
     fn accepted_copies_have_disjoint_destination_runs_and_exact_extents() {
-        let mut x = 0x2545_f491_4f6c_dd1du64;
-        let mut next = |n: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % n
-        };
+        let mut next = xorshift(0x2545_f491_4f6c_dd1du64);
         let (mut accepted, mut refused_overlapping) = (0, 0);
         for _ in 0..20_000 {
             let c = StridedCopy {
@@ -839,13 +843,7 @@ mod tests {
     fn run_time_batches_refuse_copies_that_race() {
         let (p, _) =
             Program::build(&[vec![Transfer { src: 0, dst: 0, copy: StridedCopy::one_run(0, 16, 16) }]]).unwrap();
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = |n: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % n
-        };
+        let mut next = xorshift(0x9e37_79b9_7f4a_7c15u64);
         let (mut refused, mut accepted) = (0, 0);
         for _ in 0..5_000 {
             let copies: Vec<Transfer> = (0..1 + next(4))

@@ -1054,31 +1054,8 @@ impl Executor {
                             sends.entry(s).or_default().push((tok, r));
                         }
                     }
-                    let nodes: std::collections::BTreeSet<usize> = group.iter().map(|g| g / gpn).collect();
-                    let (mut busiest, mut busiest_before) = (0u64, 0u64);
-                    for n in nodes {
-                        let gpus: Vec<usize> = group.iter().copied().filter(|g| g / gpn == n).collect();
-                        let mut load: BTreeMap<usize, usize> =
-                            gpus.iter().map(|&g| (g, sends.get(&g).map_or(0, Vec::len))).collect();
-                        let total: usize = load.values().sum();
-                        let share = total.div_ceil(gpus.len().max(1));
-                        busiest_before = busiest_before.max(load.values().copied().max().unwrap_or(0) as u64);
-                        for &g in &gpus {
-                            let excess = load[&g].saturating_sub(share);
-                            let own = sends.get(&g).map_or(&[][..], Vec::as_slice);
-                            for &(tok, r) in &own[own.len().saturating_sub(excess)..] {
-                                let Some(p) =
-                                    gpus.iter().copied().filter(|p| load[p] < share).min_by_key(|p| (load[p], *p))
-                                else {
-                                    break;
-                                };
-                                *load.entry(p).or_insert(0) += 1;
-                                *load.entry(g).or_insert(0) -= 1;
-                                sent_by.insert((g, tok, r), p);
-                            }
-                        }
-                        busiest = busiest.max(load.values().copied().max().unwrap_or(0) as u64);
-                    }
+                    let (split, busiest, busiest_before) = nic_split(&sends, &group, gpn);
+                    sent_by = split;
                     let t = &mut self.dispatch_traffic;
                     t.split_rows += sent_by.len() as u64;
                     t.busiest_nic_rows += busiest;
@@ -1419,6 +1396,44 @@ fn rendezvous<'p>(
     Ok(out)
 }
 
+/// Zepp's NIC split (§4.2) of one relayed dispatch's scale-out sends
+/// (`sends[gpu]`: its (token, landing GPU) sends, in order): on each node
+/// of `group`, a GPU above the node's share, ⌈the node's sends / its
+/// GPUs⌉, hands its excess (its last sends) to the least-loaded GPUs of
+/// its node below the share (the lower rank on a tie); every other send
+/// keeps its own NIC. Returns who sends each handed-over (source, token,
+/// landing GPU), and the busiest NIC's sends after and before the split.
+fn nic_split(
+    sends: &BTreeMap<usize, Vec<(usize, usize)>>,
+    group: &[usize],
+    gpn: usize,
+) -> (BTreeMap<(usize, usize, usize), usize>, u64, u64) {
+    let mut sent_by = BTreeMap::new();
+    let nodes: std::collections::BTreeSet<usize> = group.iter().map(|g| g / gpn).collect();
+    let (mut busiest, mut busiest_before) = (0u64, 0u64);
+    for n in nodes {
+        let gpus: Vec<usize> = group.iter().copied().filter(|g| g / gpn == n).collect();
+        let mut load: BTreeMap<usize, usize> = gpus.iter().map(|&g| (g, sends.get(&g).map_or(0, Vec::len))).collect();
+        let total: usize = load.values().sum();
+        let share = total.div_ceil(gpus.len().max(1));
+        busiest_before = busiest_before.max(load.values().copied().max().unwrap_or(0) as u64);
+        for &g in &gpus {
+            let excess = load[&g].saturating_sub(share);
+            let own = sends.get(&g).map_or(&[][..], Vec::as_slice);
+            for &(tok, r) in &own[own.len().saturating_sub(excess)..] {
+                let Some(p) = gpus.iter().copied().filter(|p| load[p] < share).min_by_key(|p| (load[p], *p)) else {
+                    break;
+                };
+                *load.entry(p).or_insert(0) += 1;
+                *load.entry(g).or_insert(0) -= 1;
+                sent_by.insert((g, tok, r), p);
+            }
+        }
+        busiest = busiest.max(load.values().copied().max().unwrap_or(0) as u64);
+    }
+    (sent_by, busiest, busiest_before)
+}
+
 /// Where a dispatch's or combine's rows between two nodes meet (ExpertPlex
 /// §5's hierarchical path): a colocated relayed op (`Comm::relay`) meets on
 /// the destination node's GPU with the source's local rank; a role plan's
@@ -1534,4 +1549,52 @@ fn assign_entries(
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::nic_split;
+    use std::collections::BTreeMap;
+
+    /// The split on random sends over 2 nodes of 4 GPUs, against its
+    /// definition counted per GPU: afterwards no GPU sends more than its
+    /// node's share (when the node's spare room allows), a GPU hands over
+    /// exactly its excess and only its last sends, a receiver stays on the
+    /// sender's node, and the busiest NIC's sends never rise.
+    #[test]
+    fn the_nic_split_moves_only_the_excess_within_a_node() {
+        let mut x = 0x5eed_u64;
+        let mut next = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % n) as usize
+        };
+        let (group, gpn): (Vec<usize>, usize) = ((0..8).collect(), 4);
+        let mut moved_any = false;
+        for _ in 0..500 {
+            let sends: BTreeMap<usize, Vec<(usize, usize)>> = group
+                .iter()
+                .map(|&g| (g, (0..next(9)).map(|t| (t, (1 - g / gpn) * gpn + g % gpn)).collect()))
+                .collect();
+            let (by, after, before) = nic_split(&sends, &group, gpn);
+            assert!(after <= before);
+            for n in 0..2 {
+                let gpus: Vec<usize> = (n * gpn..(n + 1) * gpn).collect();
+                let share = gpus.iter().map(|g| sends[g].len()).sum::<usize>().div_ceil(gpn);
+                for &g in &gpus {
+                    let out: Vec<usize> = by.keys().filter(|k| k.0 == g).map(|k| k.1).collect();
+                    let excess = sends[&g].len().saturating_sub(share);
+                    assert_eq!(out.len(), excess, "GPU {g} hands over exactly its excess");
+                    let last: Vec<usize> = sends[&g][sends[&g].len() - excess..].iter().map(|s| s.0).collect();
+                    assert_eq!(out, last, "GPU {g} hands over its last sends");
+                    let load = sends[&g].len() - excess + by.values().filter(|&&p| p == g).count();
+                    assert!(load <= share, "GPU {g} sends {load} of a share of {share}");
+                }
+            }
+            assert!(by.iter().all(|(k, &p)| p / gpn == k.0 / gpn && p != k.0));
+            moved_any |= !by.is_empty();
+        }
+        assert!(moved_any);
+    }
 }
