@@ -239,7 +239,9 @@ fn sensitivity_moves_one_constant_at_a_time_and_memory_bound_decode_follows_band
     let f = fixture("minimax-m2-h800");
     let b = f.bench();
     let probe = Probe { seconds: 10.0, seed: 1 };
-    let rows = b.sensitivity(&[System::ExpertPlex, System::Colocated, System::StaticTp], probe, &[0.8, 1.2]).unwrap();
+    let rows = b
+        .sensitivity(&[System::ExpertPlex, System::Colocated, System::StaticTp], probe, &[0.8, 1.2], Default::default())
+        .unwrap();
     let n = moeforge::plan::cost::Calibration::published().entries().len();
     assert_eq!(rows.len(), 1 + 2 * n);
     // Systems that cannot run here (no TP mode) are left out, not reported as zero.
@@ -254,6 +256,37 @@ fn sensitivity_moves_one_constant_at_a_time_and_memory_bound_decode_follows_band
     assert!(xp("gemm_memory_efficiency", 0.8) < rows[0].goodput[0].1);
     let table = moeforge::runtime::sim::report::sensitivity_table(&rows, 1);
     assert_eq!(table.lines().count(), rows.len() + 2, "{table}");
+}
+
+/// The sweep carries Moebius's bursty-trace figures in every row, each on
+/// that row's constants, so Moebius's published conclusions can be checked
+/// under every move (`simulate --bursty --sensitivity`).
+#[test]
+fn the_sensitivity_sweep_replays_the_bursty_trace_on_every_rows_constants() {
+    use moeforge::runtime::sim::report::{claims, BurstyMeasures, Claim, MoebiusRuns, MOEBIUS_CLAIMS};
+    let f = fixture("qwen3-235b-a22b-bursty");
+    let b = f.bench();
+    let runs = MoebiusRuns { rollout: None, bursty: true, seed: 1 };
+    let rows = b.sensitivity(&[], Probe { seconds: 10.0, seed: 1 }, &[0.8, 1.2], runs).unwrap();
+    let n = moeforge::plan::cost::Calibration::published().entries().len();
+    assert_eq!(rows.len(), 1 + 2 * n);
+    assert!(rows.iter().all(|r| r.goodput.is_empty() && r.moebius.rollout_gain.is_none()));
+    // The published row is the bench's own bursty trace.
+    assert_eq!(rows[0].moebius.bursty, BurstyMeasures::of(&b.bursty(1)));
+    let quiet = |name: &str, factor: f64| {
+        let r = rows.iter().find(|r| r.constant == Some(name) && r.factor == factor).unwrap();
+        r.moebius.bursty.unwrap().quiet_tpot
+    };
+    // Quiet-period decode streams expert weights: more HBM bandwidth, lower
+    // TPOT for static TP and static EP (memory-bound decode GEMMs).
+    let (slow, fast) = (quiet("gemm_memory_efficiency", 0.8), quiet("gemm_memory_efficiency", 1.2));
+    assert!(fast[0] < slow[0] && fast[1] < slow[1], "{slow:?} {fast:?}");
+    // Every Moebius claim gets a verdict on every row; the rollout one needs --rollout.
+    let got = claims(&rows, &MOEBIUS_CLAIMS, 1);
+    for r in &got {
+        let want_verdict = !matches!(r.claim, Claim::RolloutGain { .. });
+        assert_eq!(r.now.is_some(), want_verdict, "{:?}", r.claim);
+    }
 }
 
 #[test]

@@ -159,8 +159,10 @@ pub fn run(a: Args) -> Result<(), ExitCode> {
         let paper = report::published(&bench.spec.model(d.model).name, &d.workload.input);
         // A published setting also gets the wider sweep its claims are checked on.
         let factors: &[f64] = if paper.is_some() { &report::CLAIM_FACTORS } else { &report::SENSITIVITY_FACTORS };
-        let rows =
-            bench.sensitivity(&systems, probe, factors).map_err(|e| error(e, "run --sensitivity without --profile"))?;
+        let runs = report::MoebiusRuns { rollout: a.rollout, bursty: a.bursty, seed: a.seed };
+        let rows = bench
+            .sensitivity(&systems, probe, factors, runs)
+            .map_err(|e| error(e, "run --sensitivity without --profile"))?;
         let near: Vec<report::SensitivityRow> = rows
             .iter()
             .filter(|r| r.constant.is_none() || report::SENSITIVITY_FACTORS.contains(&r.factor))

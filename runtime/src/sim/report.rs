@@ -226,10 +226,26 @@ pub struct Published {
     pub setting: &'static str,
     pub goodput_per_node: Option<f64>,
     pub ratios: &'static [(System, f64)],
+    /// The setting's other conclusions (Moebius's rollout and bursty trace).
+    pub others: &'static [Claim],
 }
 
+/// Moebius's published conclusions on Qwen3-235B-A22B, 8×H200: the rollout
+/// gain over the better static layout per step (§6.3, 1.16–1.25×) and the
+/// bursty trace (§6.2, Fig. 9: four switches, quiet-period TPOT TP 37 ms
+/// against EP 52 ms, Moebius tracking TP, burst TTFT peaks TP 9.9 s against
+/// Moebius 3.1 s).
+pub const MOEBIUS_CLAIMS: [Claim; 5] = [
+    Claim::RolloutGain { lo: 1.16, hi: 1.25 },
+    Claim::Switches { paper: 4 },
+    Claim::QuietTpAhead { paper: 52.0 / 37.0 },
+    Claim::TracksTp,
+    Claim::BurstBelowTp,
+];
+
 /// The published setting a deployment reproduces, by model and input
-/// distribution: MiniMax-M2 and GLM-5 on ShareGPT and LooGLE.
+/// distribution: MiniMax-M2 and GLM-5 on ShareGPT and LooGLE (ExpertPlex),
+/// Qwen3-235B-A22B on any (Moebius: its claims need `--rollout`/`--bursty`).
 pub fn published(model: &str, input: &moeforge_dsl::spec::LengthDist) -> Option<Published> {
     use moeforge_dsl::spec::LengthDist::{Loogle, Sharegpt};
     use System::{ChunkedPrefill, Colocated, GreenContext, PdDisagg};
@@ -237,6 +253,13 @@ pub fn published(model: &str, input: &moeforge_dsl::spec::LengthDist) -> Option<
         "minimax"
     } else if model.starts_with("glm-5") {
         "glm-5"
+    } else if model.starts_with("qwen3-235b") {
+        return Some(Published {
+            setting: "Moebius §6.2–6.3: Qwen3-235B-A22B, 8×H200",
+            goodput_per_node: None,
+            ratios: &[],
+            others: &MOEBIUS_CLAIMS,
+        });
     } else {
         return None;
     };
@@ -245,21 +268,25 @@ pub fn published(model: &str, input: &moeforge_dsl::spec::LengthDist) -> Option<
             setting: "ExpertPlex Fig. 7: MiniMax-M2.7, ShareGPT, 8×H800",
             goodput_per_node: Some(11.3),
             ratios: &[(PdDisagg, 2.01), (GreenContext, 1.41), (Colocated, 2.72), (ChunkedPrefill, 5.65)],
+            others: &[],
         },
         ("minimax", Loogle) => Published {
             setting: "ExpertPlex Fig. 8: MiniMax-M2.7, LooGLE, 8×H800",
             goodput_per_node: None,
             ratios: &[(GreenContext, 1.28), (Colocated, 4.12)],
+            others: &[],
         },
         ("glm-5", Sharegpt) => Published {
             setting: "ExpertPlex Fig. 9: GLM-5.1-FP8, ShareGPT, 3×8 H800",
             goodput_per_node: Some(1.5),
             ratios: &[(GreenContext, 1.0), (Colocated, 1.5), (ChunkedPrefill, 3.3)],
+            others: &[],
         },
         ("glm-5", Loogle) => Published {
             setting: "ExpertPlex Fig. 10: GLM-5.1-FP8, LooGLE, 3×8 H800",
             goodput_per_node: None,
             ratios: &[(GreenContext, 1.66), (Colocated, 2.5), (ChunkedPrefill, 5.0)],
+            others: &[],
         },
         _ => return None,
     })
@@ -307,7 +334,7 @@ pub fn table(results: &[SystemResult], nodes: u32, paper: Option<&Published>) ->
     if let Some(f) = reference {
         let _ = writeln!(s, "ratio = {} goodput / system goodput", f.system.name());
     }
-    if let Some(p) = paper {
+    if let Some(p) = paper.filter(|p| p.goodput_per_node.is_some() || !p.ratios.is_empty()) {
         let _ = writeln!(s, "paper = {} (expertplex goodput / system goodput)", p.setting);
     }
     s
@@ -440,13 +467,80 @@ impl Bench<'_> {
     }
 }
 
+/// Moebius's rollout speed over the better static layout's (Moebius
+/// §6.3's "beating an oracle that picks the better static layout"): the
+/// faster static completion time over Moebius's; 0 when Moebius did not
+/// finish.
+pub fn rollout_gain(rs: &[RolloutResult]) -> f64 {
+    let best_static =
+        rs.iter().filter(|r| r.system != System::Moebius).map(|r| r.seconds).fold(f64::INFINITY, f64::min);
+    match rs.iter().find(|r| r.system == System::Moebius) {
+        Some(m) if m.seconds.is_finite() && best_static.is_finite() => best_static / m.seconds,
+        _ => 0.0,
+    }
+}
+
 /// One row of the sensitivity report: the systems' goodputs with one
-/// calibrated constant scaled by `factor` (`None`: the published set).
+/// calibrated constant scaled by `factor` (`None`: the published set), and
+/// Moebius's runs where the sweep was asked for them ([`MoebiusRuns`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct SensitivityRow {
     pub constant: Option<&'static str>,
     pub factor: f64,
     pub goodput: Vec<(System, f64)>,
+    pub moebius: MoebiusMeasures,
+}
+
+/// Which of Moebius's runs each sweep row adds to the goodputs: a rollout
+/// step of `rollout` prompts, the bursty trace, both seeded with `seed`.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct MoebiusRuns {
+    pub rollout: Option<usize>,
+    pub bursty: bool,
+    pub seed: u64,
+}
+
+/// What Moebius's published conclusions are checked on in one sweep row
+/// (`None` where that run was not asked for).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct MoebiusMeasures {
+    /// [`rollout_gain`] of the rollout step.
+    pub rollout_gain: Option<f64>,
+    pub bursty: Option<BurstyMeasures>,
+}
+
+/// The bursty trace's figures of static TP, static EP and Moebius.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BurstyMeasures {
+    /// Moebius's mode switches.
+    pub switches: usize,
+    /// Mean quiet-period TPOT of TP, EP and Moebius (seconds).
+    pub quiet_tpot: [f64; 3],
+    /// Burst TTFT peak of TP, EP and Moebius (seconds).
+    pub burst_ttft_peak: [f64; 3],
+}
+
+impl BurstyMeasures {
+    /// From [`Bench::bursty`]'s results; `None` unless all three ran.
+    pub fn of(rs: &[BurstyResult]) -> Option<BurstyMeasures> {
+        let get = |s: System| rs.iter().find(|r| r.system == s && r.deployment.is_ok());
+        let (tp, ep, mo) = (get(System::StaticTp)?, get(System::StaticEp)?, get(System::Moebius)?);
+        Some(BurstyMeasures {
+            switches: mo.switches,
+            quiet_tpot: [tp.quiet_tpot, ep.quiet_tpot, mo.quiet_tpot],
+            burst_ttft_peak: [tp.burst_ttft_peak, ep.burst_ttft_peak, mo.burst_ttft_peak],
+        })
+    }
+}
+
+impl Bench<'_> {
+    /// The Moebius runs `runs` asks for, on this bench's cost model.
+    pub fn moebius_measures(&self, runs: MoebiusRuns) -> MoebiusMeasures {
+        MoebiusMeasures {
+            rollout_gain: runs.rollout.map(|n| rollout_gain(&self.rollout(n, runs.seed))),
+            bursty: if runs.bursty { BurstyMeasures::of(&self.bursty(runs.seed)) } else { None },
+        }
+    }
 }
 
 impl Bench<'_> {
@@ -462,13 +556,15 @@ impl Bench<'_> {
     /// system re-evaluated on the same request streams. ExpertPlex keeps the
     /// compiled layout (the search is not rerun), so a row shows how the
     /// conclusions move with the constant, not a re-optimized deployment.
-    /// Refused for a plan whose cost model is a measured profile (it has no
+    /// Each row also holds the Moebius runs `runs` asks for (rollout step,
+    /// bursty trace) on that row's constants. Refused for a plan whose cost model is a measured profile (it has no
     /// roofline constants to move).
     pub fn sensitivity(
         &self,
         systems: &[System],
         probe: Probe,
         factors: &[f64],
+        runs: MoebiusRuns,
     ) -> Result<Vec<SensitivityRow>, String> {
         if self.plan.cost.source != "roofline" {
             return Err(format!(
@@ -481,7 +577,12 @@ impl Bench<'_> {
         let base = self.plan.cost.calib;
         let systems: Vec<System> = systems.iter().copied().filter(|&s| self.deployments(s).is_ok()).collect();
         let systems = &systems[..];
-        let mut rows = vec![SensitivityRow { constant: None, factor: 1.0, goodput: self.goodputs(systems, probe) }];
+        let mut rows = vec![SensitivityRow {
+            constant: None,
+            factor: 1.0,
+            goodput: self.goodputs(systems, probe),
+            moebius: self.moebius_measures(runs),
+        }];
         for (name, _, _) in base.entries() {
             for &factor in factors {
                 let k = base.scaled(name, factor).ok_or_else(|| format!("unknown constant `{name}`"))?;
@@ -489,7 +590,12 @@ impl Bench<'_> {
                 plan.cost = moeforge_plan::cost::CostModel::roofline_with(m, c, t, k);
                 let mut bench = Bench::new(self.spec, &plan)?;
                 bench.search = self.search.clone();
-                rows.push(SensitivityRow { constant: Some(name), factor, goodput: bench.goodputs(systems, probe) });
+                rows.push(SensitivityRow {
+                    constant: Some(name),
+                    factor,
+                    goodput: bench.goodputs(systems, probe),
+                    moebius: bench.moebius_measures(runs),
+                });
             }
         }
         Ok(rows)
@@ -558,6 +664,18 @@ pub enum Claim {
     /// ExpertPlex ahead of `system` where the paper measured it ahead
     /// (`paper` > 1), or at parity with it (`paper` = 1, within [`PARITY`]).
     Leads { system: System, paper: f64 },
+    /// Moebius's rollout speed over the better static layout's within the
+    /// published range.
+    RolloutGain { lo: f64, hi: f64 },
+    /// Moebius switches modes `paper` times over the bursty trace.
+    Switches { paper: usize },
+    /// Static TP decodes faster than static EP in the bursty trace's quiet
+    /// period: EP's TPOT over TP's within [`PARITY`] of the published ratio.
+    QuietTpAhead { paper: f64 },
+    /// Moebius's quiet-period TPOT within [`PARITY`] of static TP's.
+    TracksTp,
+    /// Moebius's burst TTFT peak below static TP's.
+    BurstBelowTp,
 }
 
 impl Claim {
@@ -567,6 +685,7 @@ impl Claim {
             .map(|g| Claim::Goodput { per_node: g })
             .into_iter()
             .chain(p.ratios.iter().map(|&(system, paper)| Claim::Leads { system, paper }))
+            .chain(p.others.iter().copied())
             .collect()
     }
 
@@ -577,34 +696,52 @@ impl Claim {
                 format!("expertplex at parity with {} (±{:.0}%)", system.name(), (PARITY - 1.0) * 100.0)
             }
             Claim::Leads { system, paper } => format!("expertplex ahead of {} (paper {paper:.2}×)", system.name()),
+            Claim::RolloutGain { lo, hi } => format!("moebius {lo}–{hi}× the better static layout, rollout"),
+            Claim::Switches { paper } => format!("moebius switches {paper} times, bursty trace"),
+            Claim::QuietTpAhead { paper } => format!("quiet TPOT: static-ep {paper:.2}× static-tp (±{:.0}%)", pct()),
+            Claim::TracksTp => format!("quiet TPOT: moebius tracks static-tp (±{:.0}%)", pct()),
+            Claim::BurstBelowTp => "burst TTFT peak: moebius below static-tp".into(),
         }
     }
 
-    /// Whether the claim holds for one set of goodputs; `None` when a system
-    /// it names did not run.
-    pub fn holds(&self, goodput: &[(System, f64)], nodes: u32) -> Option<bool> {
-        let of = |s: System| goodput.iter().find(|g| g.0 == s).map(|g| g.1);
-        let xp = of(System::ExpertPlex)?;
-        Some(match *self {
+    /// Whether the claim holds in one sweep row; `None` when a system or
+    /// run it names did not run.
+    pub fn holds(&self, row: &SensitivityRow, nodes: u32) -> Option<bool> {
+        let of = |s: System| row.goodput.iter().find(|g| g.0 == s).map(|g| g.1);
+        let within = |ratio: f64, paper: f64| (1.0 / PARITY..=PARITY).contains(&(ratio / paper));
+        let bursty = row.moebius.bursty;
+        // [TP, EP, Moebius] of the bursty trace.
+        let (tp, ep, mo) = (0, 1, 2);
+        match *self {
             Claim::Goodput { per_node } => {
-                let ratio = xp / f64::from(nodes.max(1)) / per_node;
-                (1.0 / GOODPUT_WITHIN..=GOODPUT_WITHIN).contains(&ratio)
+                let ratio = of(System::ExpertPlex)? / f64::from(nodes.max(1)) / per_node;
+                Some((1.0 / GOODPUT_WITHIN..=GOODPUT_WITHIN).contains(&ratio))
             }
             Claim::Leads { system, paper } => {
-                let other = of(system)?;
+                let (xp, other) = (of(System::ExpertPlex)?, of(system)?);
                 if other <= 0.0 && xp <= 0.0 {
                     // Neither serves: no verdict on their order.
-                    return None;
+                    None
                 } else if other <= 0.0 {
-                    paper > 1.0
+                    Some(paper > 1.0)
                 } else if paper <= 1.0 {
-                    (1.0 / PARITY..=PARITY).contains(&(xp / other))
+                    Some(within(xp / other, 1.0))
                 } else {
-                    xp > other
+                    Some(xp > other)
                 }
             }
-        })
+            Claim::RolloutGain { lo, hi } => row.moebius.rollout_gain.map(|g| (lo..=hi).contains(&g)),
+            Claim::Switches { paper } => bursty.map(|b| b.switches == paper),
+            Claim::QuietTpAhead { paper } => bursty.map(|b| within(b.quiet_tpot[ep] / b.quiet_tpot[tp], paper)),
+            Claim::TracksTp => bursty.map(|b| within(b.quiet_tpot[mo] / b.quiet_tpot[tp], 1.0)),
+            Claim::BurstBelowTp => bursty.map(|b| b.burst_ttft_peak[mo] < b.burst_ttft_peak[tp]),
+        }
     }
+}
+
+/// [`PARITY`] as a percentage.
+fn pct() -> f64 {
+    (PARITY - 1.0) * 100.0
 }
 
 /// One claim under the sweep: whether it holds with the published
@@ -631,11 +768,11 @@ pub fn claims(rows: &[SensitivityRow], claims: &[Claim], nodes: u32) -> Vec<Clai
     claims
         .iter()
         .map(|&claim| {
-            let now = now_row.and_then(|r| claim.holds(&r.goodput, nodes));
+            let now = now_row.and_then(|r| claim.holds(r, nodes));
             let mut changes: Vec<Change> = Vec::new();
             for r in rows {
                 let Some(name) = r.constant else { continue };
-                let Some(h) = claim.holds(&r.goodput, nodes) else { continue };
+                let Some(h) = claim.holds(r, nodes) else { continue };
                 if now.is_none_or(|n| n == h) {
                     continue;
                 }
@@ -674,7 +811,14 @@ pub fn claims_table(results: &[ClaimResult], base: &moeforge_plan::cost::Calibra
         let verb = if r.now == Some(true) { "breaks" } else { "holds" };
         let _ = write!(s, "{:<52} {now:>4}  ", r.claim.describe());
         if r.now.is_none() {
-            let _ = writeln!(s, "a system it names did not run");
+            let needs = match r.claim {
+                Claim::RolloutGain { .. } => "not run: give --rollout N",
+                Claim::Switches { .. } | Claim::QuietTpAhead { .. } | Claim::TracksTp | Claim::BurstBelowTp => {
+                    "not run: give --bursty"
+                }
+                Claim::Goodput { .. } | Claim::Leads { .. } => "a system it names did not run",
+            };
+            let _ = writeln!(s, "{needs}");
             continue;
         }
         if r.changes.is_empty() {
@@ -695,7 +839,7 @@ pub fn claims_table(results: &[ClaimResult], base: &moeforge_plan::cost::Calibra
     }
     let _ = writeln!(
         s,
-        "one constant moves at a time; ExpertPlex keeps the compiled layout; the nearest factor below and above ×1 is shown"
+        "one constant moves at a time; every layout stays the compiled one; the nearest factor below and above ×1 is shown"
     );
     s
 }
@@ -842,12 +986,17 @@ mod tests {
     use moeforge_plan::cost::Calibration;
 
     fn row(constant: Option<&'static str>, factor: f64, xp: f64, green: f64) -> SensitivityRow {
-        SensitivityRow { constant, factor, goodput: vec![(System::ExpertPlex, xp), (System::GreenContext, green)] }
+        SensitivityRow {
+            constant,
+            factor,
+            goodput: vec![(System::ExpertPlex, xp), (System::GreenContext, green)],
+            moebius: MoebiusMeasures::default(),
+        }
     }
 
     #[test]
     fn a_claim_holds_by_its_published_rule() {
-        let g = |xp: f64, other: f64| vec![(System::ExpertPlex, xp), (System::GreenContext, other)];
+        let g = |xp: f64, other: f64| row(None, 1.0, xp, other);
         let goodput = Claim::Goodput { per_node: 10.0 };
         // Within 2× either way, per node.
         assert_eq!(goodput.holds(&g(20.0, 1.0), 1), Some(true));
@@ -917,6 +1066,61 @@ mod tests {
         assert!(table.contains("breaks at op_overhead ×2.000 = 0.00001000 (assumed, nothing published)"), "{table}");
     }
 
+    /// A sweep row holding only Moebius's runs.
+    fn moebius_row(gain: Option<f64>, bursty: Option<BurstyMeasures>) -> SensitivityRow {
+        SensitivityRow {
+            constant: None,
+            factor: 1.0,
+            goodput: vec![],
+            moebius: MoebiusMeasures { rollout_gain: gain, bursty },
+        }
+    }
+
+    #[test]
+    fn moebius_claims_hold_by_their_published_rules() {
+        // The paper's own figures: quiet TPOT TP 37, EP 52 ms, Moebius on
+        // TP's; burst TTFT TP 9.9, EP 2.0, Moebius 3.1 s; four switches.
+        let paper = BurstyMeasures { switches: 4, quiet_tpot: [0.037, 0.052, 0.037], burst_ttft_peak: [9.9, 2.0, 3.1] };
+        let all = |row: &SensitivityRow| MOEBIUS_CLAIMS.map(|c| c.holds(row, 1));
+        assert_eq!(all(&moebius_row(Some(1.2), Some(paper))), [Some(true); 5]);
+        // Without the runs, no verdict.
+        assert_eq!(all(&moebius_row(None, None)), [None; 5]);
+        let gain = Claim::RolloutGain { lo: 1.16, hi: 1.25 };
+        assert_eq!(gain.holds(&moebius_row(Some(1.09), None), 1), Some(false));
+        assert_eq!(gain.holds(&moebius_row(Some(1.16), None), 1), Some(true));
+        assert_eq!(gain.holds(&moebius_row(Some(1.31), None), 1), Some(false));
+        // The model's figures before this sweep existed: 6 switches, TP 50.6
+        // and EP ~equal quiet TPOTs (1.02×: not TP's published 1.41× lead,
+        // below 1.41 / 1.2 = 1.18), Moebius at 49.7 ms (tracks), 0.17 s
+        // burst peak against TP's 97 s.
+        let model =
+            BurstyMeasures { switches: 6, quiet_tpot: [0.0506, 0.0516, 0.0497], burst_ttft_peak: [97.0, 0.16, 0.17] };
+        assert_eq!(all(&moebius_row(None, Some(model)))[1..], [Some(false), Some(false), Some(true), Some(true)]);
+        // EP 1.18× TP's is inside ±20% of 1.41× (1.175–1.69), 1.17× is not.
+        let quiet = |ep: f64| BurstyMeasures { quiet_tpot: [0.1, ep, 0.1], ..paper };
+        let ahead = Claim::QuietTpAhead { paper: 52.0 / 37.0 };
+        assert_eq!(ahead.holds(&moebius_row(None, Some(quiet(0.118))), 1), Some(true));
+        assert_eq!(ahead.holds(&moebius_row(None, Some(quiet(0.117))), 1), Some(false));
+        // A burst peak equal to TP's is not below it.
+        let tie = BurstyMeasures { burst_ttft_peak: [3.0, 1.0, 3.0], ..paper };
+        assert_eq!(Claim::BurstBelowTp.holds(&moebius_row(None, Some(tie)), 1), Some(false));
+        // The claims table says which flag a missing run needs.
+        let none = claims(&[moebius_row(None, None)], &MOEBIUS_CLAIMS, 1);
+        let table = claims_table(&none, &Calibration::published(), &CLAIM_FACTORS);
+        assert!(table.contains("not run: give --rollout N"), "{table}");
+        assert!(table.contains("not run: give --bursty"), "{table}");
+    }
+
+    #[test]
+    fn the_rollout_gain_is_over_the_faster_static_layout() {
+        let r = |system, seconds| RolloutResult { system, deployment: Err(String::new()), seconds };
+        let rs = [r(System::StaticTp, 1062.4), r(System::StaticEp, 826.9), r(System::Moebius, 749.5)];
+        assert!((rollout_gain(&rs) - 826.9 / 749.5).abs() < 1e-12);
+        // Moebius unfinished: no gain.
+        let rs = [r(System::StaticTp, 10.0), r(System::Moebius, f64::INFINITY)];
+        assert_eq!(rollout_gain(&rs), 0.0);
+    }
+
     #[test]
     fn every_published_setting_has_its_claims() {
         use moeforge_dsl::spec::LengthDist;
@@ -927,5 +1131,7 @@ mod tests {
         assert!(c.contains(&Claim::Leads { system: System::GreenContext, paper: 1.41 }));
         let glm = published("glm-5", &LengthDist::Sharegpt).unwrap_or_else(|| panic!("glm sharegpt"));
         assert!(Claim::of(&glm)[1].describe().contains("parity"));
+        let moebius = published("qwen3-235b-a22b", &LengthDist::Rollout).unwrap_or_else(|| panic!("qwen3-235b"));
+        assert_eq!(Claim::of(&moebius), MOEBIUS_CLAIMS.to_vec());
     }
 }
