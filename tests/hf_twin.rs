@@ -876,30 +876,128 @@ fn role_plans_give_transformers_tokens_on_the_emulated_device() {
 /// Zepp's intra-node swaps on the emulated device (§4.3): ExpertPlex roles
 /// on one node of 4 GPUs with two MoE servers holding Zepp's replicas, a
 /// drift window of one step and no tolerance, so the MoE servers exchange
-/// slot contents between steps, each swap the bundle's compiled
-/// `expert_swap` program (an in-place exchange, no staging). The tokens
-/// are transformers', and afterwards every slot on the device holds the
-/// bytes of the expert the runtime's table says it holds: the checkpoint's
-/// expert as the CPU twin loaded it into its original slot.
+/// slot contents, each swap the bundle's compiled `expert_swap` program (an
+/// in-place exchange, no staging) queued on the device's side stream and
+/// running beside the next step until that step reaches the layer's expert
+/// computation. The tokens are transformers', and afterwards every slot on
+/// the device holds the bytes of the expert the runtime's table says it
+/// holds: the checkpoint's expert as the CPU twin loaded it into its
+/// original slot.
 #[test]
 fn zepp_swaps_exchange_slot_contents_on_the_emulated_device() {
+    use moeforge::runtime::device::emu::EmuDevice;
+    let cache = tempfile::tempdir().unwrap();
+    let dev = EmuDevice::start(cache.path()).unwrap_or_else(|e| panic!("{e}"));
+    let o = zepp_swap_run(Box::new(dev), "zepp swaps on the emulated device");
+    eprintln!(
+        "side stream: {} swaps, {} main-stream ops issued beside them, {} finished on the device while they were queued",
+        o.swaps, o.ops_beside, o.device_overlapped
+    );
+}
+
+/// The same run on a device whose side stream runs a swap only when it is
+/// waited on, as late as the schedule allows: a step that computed a
+/// layer's experts before waiting for that layer's swap would compute the
+/// rows routed to a moved replica with the bytes it left, and the tokens
+/// would not be transformers'.
+#[test]
+fn a_swap_finishes_before_its_layers_expert_computation_and_not_before() {
+    use moeforge::runtime::device::emu::EmuDevice;
+    let cache = tempfile::tempdir().unwrap();
+    let dev = EmuDevice::start(cache.path()).unwrap_or_else(|e| panic!("{e}"));
+    let lazy = LazySide { dev: Box::new(dev), queued: Vec::new(), next: 0, ran: 0 };
+    let o = zepp_swap_run(Box::new(lazy), "zepp swaps run as late as their waits");
+    assert_eq!(o.device_overlapped, 0);
+}
+
+/// A device whose side stream runs nothing until it is waited on.
+struct LazySide {
+    dev: Box<dyn moeforge::runtime::device::Device + Send>,
+    queued: Vec<(u64, moeforge::runtime::device::Code, Vec<moeforge::runtime::device::Batch>, Vec<BufferId>)>,
+    next: u64,
+    ran: u64,
+}
+
+use moeforge::runtime::device::{
+    Batch as XBatch, BufferId, Code as XCode, Device, DeviceError, KernelArg, ModuleId, SideEvent,
+};
+
+impl Device for LazySide {
+    fn alloc(&mut self, bytes: u64) -> Result<BufferId, DeviceError> {
+        self.dev.alloc(bytes)
+    }
+    fn upload(&mut self, buffer: BufferId, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+        self.dev.upload(buffer, offset, data)
+    }
+    fn download(&mut self, buffer: BufferId, offset: u64, len: u64) -> Result<Vec<u8>, DeviceError> {
+        self.dev.download(buffer, offset, len)
+    }
+    fn transfer(&mut self, code: &XCode, batches: &[XBatch], buffers: &[BufferId]) -> Result<(), DeviceError> {
+        self.dev.transfer(code, batches, buffers)
+    }
+    fn side_transfer(
+        &mut self,
+        code: &XCode,
+        batches: &[XBatch],
+        buffers: &[BufferId],
+    ) -> Result<SideEvent, DeviceError> {
+        self.next += 1;
+        self.queued.push((self.next, code.clone(), batches.to_vec(), buffers.to_vec()));
+        Ok(SideEvent(self.next))
+    }
+    fn side_wait(&mut self, event: SideEvent) -> Result<u64, DeviceError> {
+        assert!(event.0 > self.ran, "waited twice for side transfer {}", event.0);
+        for (n, code, batches, buffers) in std::mem::take(&mut self.queued) {
+            if n <= event.0 {
+                self.dev.transfer(&code, &batches, &buffers)?;
+                self.ran = n;
+            } else {
+                self.queued.push((n, code, batches, buffers));
+            }
+        }
+        Ok(0)
+    }
+    fn load(&mut self, name: &str, source: &str) -> Result<ModuleId, DeviceError> {
+        self.dev.load(name, source)
+    }
+    fn launch(
+        &mut self,
+        module: ModuleId,
+        entry: &str,
+        grid: u32,
+        block: u32,
+        args: &[KernelArg],
+    ) -> Result<(), DeviceError> {
+        self.dev.launch(module, entry, grid, block, args)
+    }
+}
+
+/// ExpertPlex roles with Zepp replicas on 1 node × 4 GPUs (two MoE
+/// servers), swapping on a one-step drift window with no tolerance: tokens
+/// must be transformers', every slot's bytes the expert the tables name,
+/// and every swap must have run on the side stream beside a later step's
+/// ops. Returns how the swaps overlapped.
+fn zepp_swap_run(dev: Box<dyn Device + Send>, label: &str) -> moeforge::runtime::device::exec::SwapOverlap {
     use moeforge::plan::memory::TensorRole;
     use moeforge::plan::roles::Role;
-    use moeforge::runtime::device::emu::EmuDevice;
     let Qwen3Moe { f, bound, steps, ck, block } = qwen3_moe();
-    let (cache, tmp) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let tmp = tempfile::tempdir().unwrap();
     let extra = "strategy = expertplex placement { policy = zepp redundant_experts = 4 }";
     let b = compile_text(&cpu_cluster_deployment(&block, 1, 4, 0.25, extra), tmp.path());
     let plan = b.plan.plan();
     assert!(b.transfers.contains_key("expert_swap"), "a Zepp bundle carries the slot exchange");
     let moe = plan.roles.as_ref().expect("roles").ranks(Role::Moe);
     assert_eq!(moe.len(), 2, "two MoE servers on the node to swap between");
-    let dev = EmuDevice::start(cache.path()).unwrap_or_else(|e| panic!("{e}"));
-    let mut t = Twin::on_device(&b, &ck, Mode::Ep, Box::new(dev)).unwrap();
+    let mut t = Twin::on_device(&b, &ck, Mode::Ep, dev).unwrap();
     t.set_swap_policy(SwapPolicy { window: 1, threshold: 1.0 });
     let at = |i: usize, s: usize| bound.max(steps[i][s]);
-    let (e, _, _) = check_run_within(&f, &mut t, "zepp swaps on the emulated device", &[], &at, &at);
+    let (e, _, _) = check_run_within(&f, &mut t, label, &[], &at, &at);
     assert!(t.swaps() > 0, "no swap happened between the MoE servers");
+    // Every swap queued on the side stream, and some ran beside a later
+    // step's ops (the last one may have had no step after it).
+    let o = t.swap_overlap().unwrap();
+    assert_eq!(o.swaps, t.swaps(), "{o:?}");
+    assert!(o.ops_beside > 0, "no swap ran beside a step: {o:?}");
     // The reference: each expert's bytes where the plan's placement put them.
     let reference = Twin::new(&b, &ck, Mode::Ep).unwrap();
     let first = plan.memory.slots.first_moe_layer as usize;
@@ -933,10 +1031,8 @@ fn zepp_swaps_exchange_slot_contents_on_the_emulated_device() {
         }
     }
     assert!(moved > 0, "no slot holds another slot's expert after {} swaps", t.swaps());
-    eprintln!(
-        "{} swaps on the emulated device, worst logit error {e:.2e}; {moved} of {checked} slot views moved",
-        t.swaps()
-    );
+    eprintln!("{label}: {} swaps, worst logit error {e:.2e}; {moved} of {checked} slot views moved", t.swaps());
+    t.swap_overlap().unwrap()
 }
 
 /// The hierarchical prefill path on the emulated device (ExpertPlex §5,

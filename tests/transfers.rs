@@ -659,3 +659,46 @@ fn the_emulated_device_runs_sums_like_a_naive_f32_loop() {
         assert!(dev.download(*id, 0, size).unwrap() == want[i], "buffer {i} differs from the naive sums");
     }
 }
+
+/// The emulated device's side stream (what Zepp's swaps run on): side
+/// transfers run in the order they were queued, beside the main stream,
+/// and a wait returns once its transfer and every earlier one finished.
+/// The second transfer reads what the first wrote, so only that order
+/// gives these bytes; a wait on an event never queued is an error.
+#[test]
+fn the_side_stream_runs_its_transfers_in_queue_order() {
+    use moeforge::runtime::device::SideEvent;
+    let run = |src: u64, dst: u64| StridedCopy::one_run(src, dst, 64);
+    let (program, built) = Program::build(&[
+        vec![Transfer { src: 0, dst: 1, copy: run(0, 0) }],
+        vec![Transfer { src: 1, dst: 0, copy: run(0, 64) }],
+    ])
+    .unwrap();
+    let code = Code::new(
+        program.clone(),
+        moeforge::xfer::ptx(&program, "sm_90a").unwrap(),
+        moeforge::xfer::host_ir(&program).unwrap(),
+    )
+    .unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let mut dev = EmuDevice::start(cache.path()).unwrap();
+    let mut rng = Rng(5);
+    let first = random_bytes(&mut rng, 64);
+    let ids = [dev.alloc(128).unwrap(), dev.alloc(64).unwrap()];
+    dev.upload(ids[0], 0, &first).unwrap();
+    let a = dev.side_transfer(&code, &built[..1], &ids).unwrap();
+    let b = dev.side_transfer(&code, &built[1..], &ids).unwrap();
+    assert!(a < b, "{a:?} {b:?}");
+    // The main stream goes on meanwhile (bytes no side transfer touches).
+    dev.upload(ids[1], 0, &[0u8; 0]).unwrap();
+    dev.side_wait(b).unwrap();
+    assert_eq!(dev.download(ids[0], 64, 64).unwrap(), first, "buffer 0's second run is its first, through buffer 1");
+    assert_eq!(dev.download(ids[1], 0, 64).unwrap(), first);
+    // Waiting again, or on the earlier event, returns at once.
+    dev.side_wait(a).unwrap();
+    let e = dev.side_wait(SideEvent(b.0 + 1)).unwrap_err().to_string();
+    assert!(e.contains("no side transfer"), "{e}");
+    // A side batch that does not fit the buffers is refused before it is queued.
+    let e = dev.side_transfer(&code, &built[..1], &ids[..1]).unwrap_err().to_string();
+    assert!(e.contains("buffer 1 of 1 buffers"), "{e}");
+}

@@ -17,20 +17,33 @@
 //              buffers' sizes)                          -> nothing
 //     7 load transfer u32 len, path: a transfer program's shared library,
 //              LLVM's host code for its IR               -> u32 program
-//     0 quit
+//     8 side transfer: as 6, queued on the side stream  -> u64 event
+//     9 wait   u64 event                                -> u64 overlapped
+//     0 quit (after the side stream drained)
 //   reply: u8 0 and the result, or u8 1, u32 len and a message.
 //
-// Launches run to completion in the order they arrive (a launch's blocks one
-// after another, its threads as fibers), so any order the program's
-// streams and events allow is respected. A kernel that traps aborts the
-// process: the runtime reports the launch it was running.
+// Launches and transfers on the main stream run to completion in the order
+// they arrive (a launch's blocks one after another, its threads as
+// fibers), so any order the program's streams and events allow is
+// respected. The side stream is one worker thread running its transfers in
+// the order they were queued, beside the main stream: a side transfer's
+// event is its place in that queue, and `wait` returns once it and every
+// transfer before it finished, with the main-stream launches and transfers
+// that finished while side work was queued (the overlap, as timed here).
+// The runtime waits before anything touches what a side transfer moves. A
+// kernel that traps aborts the process: the runtime reports the launch it
+// was running.
 #include <dlfcn.h>
 
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -47,6 +60,45 @@ std::vector<LaunchFn> modules;
 // moeforge_xfer(bases, table, worker, workers): a transfer program's entry.
 using TransferFn = void (*)(unsigned char**, const uint64_t*, uint64_t, uint64_t);
 std::vector<TransferFn> transfers;
+
+// The side stream: queued transfers, run in order by one worker thread.
+struct SideJob {
+  TransferFn fn;
+  std::vector<unsigned char*> bases;
+  std::vector<uint64_t> table;
+};
+std::mutex side_mu;
+std::condition_variable side_cv;
+std::deque<SideJob> side_queue;
+uint64_t side_queued = 0, side_done = 0;
+// Never destroyed: a process that exits with side work queued just ends
+// (a joinable std::thread's destructor would abort it).
+std::thread* side_worker = nullptr;
+bool side_quit = false;
+// Main-stream launches and transfers that finished while side work was queued.
+uint64_t overlapped = 0;
+
+void side_loop() {
+  std::unique_lock<std::mutex> lock(side_mu);
+  for (;;) {
+    side_cv.wait(lock, [] { return side_quit || !side_queue.empty(); });
+    if (side_queue.empty()) return;
+    SideJob job = std::move(side_queue.front());
+    side_queue.pop_front();
+    lock.unlock();
+    job.fn(job.bases.data(), job.table.data(), 0, 1);
+    lock.lock();
+    ++side_done;
+    side_cv.notify_all();
+  }
+}
+
+// Counts one finished main-stream launch or transfer as overlapped when
+// side work is queued or running.
+void count_overlap() {
+  std::lock_guard<std::mutex> lock(side_mu);
+  if (side_done < side_queued) ++overlapped;
+}
 
 bool read_exact(void* dst, size_t n) { return n == 0 || std::fread(dst, 1, n, stdin) == n; }
 
@@ -130,13 +182,16 @@ void launch() {
   const int rc = modules[module](entry.c_str(), grid, block, args.data());
   if (rc == 1) return fail("no entry `" + entry + "`");
   if (rc != 0) return fail("the launch was refused (code " + std::to_string(rc) + ": a tensor map the driver refuses)");
+  count_overlap();
   ok();
 }
 
 // One batch of a transfer program: its code (LLVM's host code for the
 // program's IR) over the batch's table, with buffer i of the batch at
-// bases[i]. The runtime checked every run inside its buffer.
-void transfer() {
+// bases[i]. The runtime checked every run inside its buffer. On the side
+// stream (`side`) it is queued behind the side stream's earlier transfers
+// and the reply is its event.
+void transfer(bool side) {
   const uint32_t program = get<uint32_t>(), n = get<uint32_t>();
   if (n > (1u << 16)) std::exit(2);
   std::vector<unsigned char*> bases(n, nullptr);
@@ -154,8 +209,48 @@ void transfer() {
   if (!read_exact(table.data(), words * 8)) std::exit(0);
   if (program >= transfers.size()) return fail("no transfer program " + std::to_string(program));
   if (!bad.empty()) return fail(bad);
-  transfers[program](bases.data(), table.data(), 0, 1);
+  if (!side) {
+    transfers[program](bases.data(), table.data(), 0, 1);
+    count_overlap();
+    return ok();
+  }
+  uint64_t event = 0;
+  {
+    std::lock_guard<std::mutex> lock(side_mu);
+    if (!side_worker) side_worker = new std::thread(side_loop);
+    side_queue.push_back(SideJob{transfers[program], std::move(bases), std::move(table)});
+    event = ++side_queued;
+  }
+  side_cv.notify_all();
   ok();
+  std::fwrite(&event, 8, 1, stdout);
+}
+
+// Blocks until side transfer `event` and every one before it finished.
+void wait_side() {
+  const uint64_t event = get<uint64_t>();
+  uint64_t n = 0;
+  {
+    std::unique_lock<std::mutex> lock(side_mu);
+    if (event > side_queued) {
+      lock.unlock();
+      return fail("no side transfer " + std::to_string(event));
+    }
+    side_cv.wait(lock, [event] { return side_done >= event; });
+    n = overlapped;
+  }
+  ok();
+  std::fwrite(&n, 8, 1, stdout);
+}
+
+// Drains and stops the side stream.
+void stop_side() {
+  {
+    std::lock_guard<std::mutex> lock(side_mu);
+    side_quit = true;
+  }
+  side_cv.notify_all();
+  if (side_worker && side_worker->joinable()) side_worker->join();
 }
 
 // Loads the shared library at the request's path and appends its `symbol`
@@ -182,6 +277,7 @@ int main() {
     const uint8_t op = get<uint8_t>();
     switch (op) {
       case 0:
+        stop_side();
         return 0;
       case 1: {
         const uint64_t bytes = get<uint64_t>();
@@ -229,12 +325,19 @@ int main() {
         launch();
         break;
       case 6:
-        transfer();
+        transfer(false);
         break;
       case 7:
         load(transfers, "moeforge_xfer");
         break;
+      case 8:
+        transfer(true);
+        break;
+      case 9:
+        wait_side();
+        break;
       default:
+        stop_side();
         return 2;
     }
     std::fflush(stdout);

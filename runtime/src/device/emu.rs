@@ -17,7 +17,7 @@
 //! or `~/.cache/moeforge/emu`; entries are renamed into place, so
 //! concurrent builds are safe.
 
-use super::{Batch, BufferId, Code, Device, DeviceError, KernelArg, ModuleId};
+use super::{Batch, BufferId, Code, Device, DeviceError, KernelArg, ModuleId, SideEvent};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::io::{BufReader, BufWriter, Read, Write};
@@ -261,6 +261,47 @@ impl EmuDevice {
 }
 
 impl EmuDevice {
+    /// Checks a transfer program's batches against the buffers, then runs
+    /// them on the main stream, or (`side`) queues them on the side stream
+    /// and returns the last one's event (`SideEvent(0)`: nothing queued).
+    fn queue_transfer(
+        &mut self,
+        code: &Code,
+        batches: &[Batch],
+        buffers: &[BufferId],
+        side: bool,
+    ) -> Result<SideEvent, DeviceError> {
+        let program = &code.program;
+        let sizes = buffers
+            .iter()
+            .map(|b| self.sizes.get(b.0 as usize).copied().ok_or_else(|| other(format!("transfer: no buffer {}", b.0))))
+            .collect::<Result<Vec<u64>, _>>()?;
+        for b in batches {
+            b.check(program, &sizes).map_err(other)?;
+        }
+        let id = self.transfer_program(code)?;
+        let mut event = SideEvent(0);
+        for b in batches.iter().filter(|b| !b.is_empty()) {
+            let words = b.words();
+            let mut m = vec![if side { 8u8 } else { 6u8 }];
+            m.extend(id.to_le_bytes());
+            m.extend((buffers.len() as u32).to_le_bytes());
+            for x in buffers {
+                m.extend(x.0.to_le_bytes());
+            }
+            m.extend((words.len() as u64).to_le_bytes());
+            for w in words {
+                m.extend(w.to_le_bytes());
+            }
+            self.send(&m)?;
+            self.reply("transfer")?.map_err(other)?;
+            if side {
+                event = SideEvent(u64::from_le_bytes(self.read_n(8, "transfer")?.try_into().unwrap_or_default()));
+            }
+        }
+        Ok(event)
+    }
+
     /// Loads a transfer program into the device process: its host IR
     /// compiled by LLVM's `llc` ([`llc`]) and linked into a shared library,
     /// cached by the IR's content.
@@ -355,31 +396,27 @@ impl Device for EmuDevice {
     }
 
     fn transfer(&mut self, code: &Code, batches: &[Batch], buffers: &[BufferId]) -> Result<(), DeviceError> {
-        let program = &code.program;
-        let sizes = buffers
-            .iter()
-            .map(|b| self.sizes.get(b.0 as usize).copied().ok_or_else(|| other(format!("transfer: no buffer {}", b.0))))
-            .collect::<Result<Vec<u64>, _>>()?;
-        for b in batches {
-            b.check(program, &sizes).map_err(other)?;
+        self.queue_transfer(code, batches, buffers, false).map(|_| ())
+    }
+
+    fn side_transfer(
+        &mut self,
+        code: &Code,
+        batches: &[Batch],
+        buffers: &[BufferId],
+    ) -> Result<SideEvent, DeviceError> {
+        self.queue_transfer(code, batches, buffers, true)
+    }
+
+    fn side_wait(&mut self, event: SideEvent) -> Result<u64, DeviceError> {
+        if event.0 == 0 {
+            return Ok(0);
         }
-        let id = self.transfer_program(code)?;
-        for b in batches.iter().filter(|b| !b.is_empty()) {
-            let words = b.words();
-            let mut m = vec![6u8];
-            m.extend(id.to_le_bytes());
-            m.extend((buffers.len() as u32).to_le_bytes());
-            for x in buffers {
-                m.extend(x.0.to_le_bytes());
-            }
-            m.extend((words.len() as u64).to_le_bytes());
-            for w in words {
-                m.extend(w.to_le_bytes());
-            }
-            self.send(&m)?;
-            self.reply("transfer")?.map_err(other)?;
-        }
-        Ok(())
+        let mut m = vec![9u8];
+        m.extend(event.0.to_le_bytes());
+        self.send(&m)?;
+        self.reply("a side-stream wait")?.map_err(other)?;
+        Ok(u64::from_le_bytes(self.read_n(8, "a side-stream wait")?.try_into().unwrap_or_default()))
     }
 
     fn load(&mut self, name: &str, source: &str) -> Result<ModuleId, DeviceError> {

@@ -43,7 +43,7 @@
 //! the compiled `kv_handoff` program ([`Executor::hand_off_pages`]).
 
 use super::bind::{self, Counts, Site};
-use super::{BufferId, Code, Device, DeviceError, Elem, KernelArg, ModuleId, StridedCopy, Sum, Transfer};
+use super::{BufferId, Code, Device, DeviceError, Elem, KernelArg, ModuleId, SideEvent, StridedCopy, Sum, Transfer};
 use moeforge_plan::memory::{
     BufferName, MemoryPlan, Mode, RouteIndexParts, TensorPart, TensorRole, WeightReshard, KV_MOVE_CHUNK,
 };
@@ -140,6 +140,27 @@ pub struct Executor {
     expert_loads: Vec<Vec<f64>>,
     traffic: CombineTraffic,
     dispatch_traffic: DispatchTraffic,
+    /// Slot swaps queued on the device's side stream and not yet waited
+    /// on: (model layer, event, main-stream ops issued before it).
+    side: Vec<(u32, SideEvent, u64)>,
+    /// Kernel and communication ops issued on the main stream so far.
+    main_ops: u64,
+    swap_overlap: SwapOverlap,
+}
+
+/// How Zepp's swaps overlapped serving: `swaps` exchanges queued on the
+/// side stream; `ops_beside`, summed over them, the main-stream kernel and
+/// communication ops the executor issued between queueing a swap and
+/// waiting for it (the next step's ops up to the swapped layer's expert
+/// computation: what the schedule lets the swap run beside, whatever the
+/// timing); `device_overlapped`, the main-stream launches and transfers the
+/// device reports finished while side work was queued (as timed on it; 0
+/// on a device that runs side transfers at once).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SwapOverlap {
+    pub swaps: u64,
+    pub ops_beside: u64,
+    pub device_overlapped: u64,
 }
 
 /// Where the dispatches' rows went so far, counted per (token, receiving
@@ -255,6 +276,9 @@ impl Executor {
             expert_loads: vec![vec![0.0; plan.model.experts as usize]; layers],
             traffic: CombineTraffic::default(),
             dispatch_traffic: DispatchTraffic::default(),
+            side: Vec::new(),
+            main_ops: 0,
+            swap_overlap: SwapOverlap::default(),
         })
     }
 
@@ -284,9 +308,43 @@ impl Executor {
         Ok(self.dev.upload(b, offset, data)?)
     }
 
+    /// Reads `len` bytes at `offset` of rank `rank`'s buffer, after every
+    /// queued slot swap finished (a swap's slots may be among them).
     pub fn download(&mut self, rank: usize, offset: u64, len: u64) -> Result<Vec<u8>, ExecError> {
+        self.settle(None)?;
+        self.fetch(rank, offset, len)
+    }
+
+    /// A read inside a step: the step itself waits for a swap before its
+    /// layer's expert computation, and reads nothing a swap moves.
+    fn fetch(&mut self, rank: usize, offset: u64, len: u64) -> Result<Vec<u8>, ExecError> {
         let b = *self.buffers.get(rank).ok_or_else(|| ExecError::Plan(format!("no rank {rank}")))?;
         Ok(self.dev.download(b, offset, len)?)
+    }
+
+    /// Waits for the queued slot swaps of model layer `layer` (every queued
+    /// one with `None`), and for the side stream's earlier ones, which
+    /// finish first.
+    fn settle(&mut self, layer: Option<u32>) -> Result<(), ExecError> {
+        let Some(last) = self.side.iter().filter(|x| layer.is_none_or(|l| x.0 == l)).map(|x| x.1).max() else {
+            return Ok(());
+        };
+        self.swap_overlap.device_overlapped = self.dev.side_wait(last)?;
+        let main_ops = self.main_ops;
+        self.side.retain(|&(_, event, issued)| {
+            if event <= last {
+                self.swap_overlap.ops_beside += main_ops - issued;
+                false
+            } else {
+                true
+            }
+        });
+        Ok(())
+    }
+
+    /// How the swaps so far overlapped serving.
+    pub fn swap_overlap(&self) -> SwapOverlap {
+        self.swap_overlap
     }
 
     fn buffer(&self, rank: u32) -> Result<BufferId, ExecError> {
@@ -336,10 +394,14 @@ impl Executor {
     /// Zepp's intra-node swap `s` in model layer `layer` (§4.3): the two
     /// slots' contents trade places in place, every routed-expert view's
     /// slot, as the compiled `expert_swap` program (one launch; on a GPU
-    /// node a peer exchange over NVLink). The slots keep their addresses;
-    /// the dispatch's table of which slot holds which expert follows the
-    /// swap, so the next step routes to the moved replicas. Returns the
-    /// bytes each side moved.
+    /// node a peer exchange over NVLink), queued on the device's side
+    /// stream: it runs beside the next step, which waits for it just
+    /// before that layer's expert computation (the swap is Zepp's
+    /// "overlapped swap": no step drains for it). The slots keep their
+    /// addresses; the dispatch's table of which slot holds which expert
+    /// follows the swap at once (rows routed to a moved replica reach its
+    /// slot before the wait, and are computed after it). Returns the bytes
+    /// each side moved.
     pub fn exchange_slots(&mut self, layer: u32, s: &Swap) -> Result<u64, ExecError> {
         let code = self.code(&self.expert_swap, "expert_swap")?;
         let moe = layer.checked_sub(self.plan.memory.slots.first_moe_layer).map(|l| l as usize);
@@ -353,7 +415,9 @@ impl Executor {
         };
         let exchanges = moeforge_plan::transfers::slot_exchanges(&self.plan.memory, layer, s);
         let batch = code.program.exchange_batch(&exchanges).map_err(|e| ExecError::Plan(format!("swap {s:?}: {e}")))?;
-        self.dev.transfer(&code, &[batch], &self.buffers)?;
+        let event = self.dev.side_transfer(&code, &[batch], &self.buffers)?;
+        self.side.push((layer, event, self.main_ops));
+        self.swap_overlap.swaps += 1;
         if let Some(l) = moe.and_then(|l| self.slots.get_mut(l)) {
             l[s.a][s.slot_a] = y;
             l[s.b][s.slot_b] = x;
@@ -567,14 +631,14 @@ impl Executor {
                 };
                 let words = mem.buffer(mode, BufferName::RequestMeta).map_or(0, |b| b.row_bytes / 4);
                 let rows = counts[r][m].sampled_rows as u64;
-                let tokens = i32s(&self.download(r, sampled, rows * 4)?);
-                let all = f32s(&self.download(r, logits, rows * vocab * 4)?);
+                let tokens = i32s(&self.fetch(r, sampled, rows * 4)?);
+                let all = f32s(&self.fetch(r, logits, rows * vocab * 4)?);
                 let mut j = 0usize;
                 for (i, w) in work[r][range.clone()].iter().enumerate() {
                     if !w.sample {
                         continue;
                     }
-                    let hdr = i32s(&self.download(r, meta + i as u64 * words * 4, 32)?);
+                    let hdr = i32s(&self.fetch(r, meta + i as u64 * words * 4, 32)?);
                     let rng = u64::from(hdr[6] as u32) | (u64::from(hdr[7] as u32) << 32);
                     let row = all[j * vocab as usize..(j + 1) * vocab as usize].to_vec();
                     per[range.start + i] = Some(Sampled { token: tokens[j] as u32, rng, logits: row });
@@ -675,12 +739,21 @@ impl Executor {
         phase: Phase,
         counts: &mut Counts,
     ) -> Result<(), ExecError> {
+        if matches!(op.kernel, KernelRef::Post { .. } | KernelRef::Launch { .. }) {
+            self.main_ops += 1;
+        }
         match &op.kernel {
             KernelRef::Missing { family } => Err(ExecError::Missing { op: op.name.clone(), family: family.clone() }),
             KernelRef::Skip { .. } => Ok(()),
             KernelRef::Transfer => Ok(()),
-            KernelRef::Post { instance } => self.apk(plan, site, op, instance, phase, counts),
+            // Expert computation reads the layer's slots: a swap queued
+            // for them finishes first.
+            KernelRef::Post { instance } => {
+                self.settle(Some(site.layer))?;
+                self.apk(plan, site, op, instance, phase, counts)
+            }
             KernelRef::Launch { instance, .. } if op.gemm.is_some() || op.kind == OpKind::Experts => {
+                self.settle(Some(site.layer))?;
                 self.apk(plan, site, op, instance, phase, counts)
             }
             KernelRef::Launch { entry, .. } => {
@@ -871,6 +944,7 @@ impl Executor {
     ) -> Result<(), ExecError> {
         let mem = &plan.memory;
         let c = op.comm.as_ref().ok_or_else(|| ExecError::Plan(format!("op `{}` moves nothing", op.name)))?;
+        self.main_ops += 1;
         let group: Vec<usize> = c.group.iter().map(|&r| r as usize).collect();
         let buffers = self.buffers.clone();
         let site = |r: usize| Site { mem, mode, micro_batches: mbs, rank: r as u32, layer, buffer: buffers[r] };
@@ -945,7 +1019,7 @@ impl Executor {
                 let mut ids_of: BTreeMap<usize, Vec<i32>> = BTreeMap::new();
                 for &s in &group {
                     let t = counts[s][m].tokens as usize;
-                    ids_of.insert(s, i32s(&self.download(s, at(s, ids_name)?, (t * k * 4) as u64)?));
+                    ids_of.insert(s, i32s(&self.fetch(s, at(s, ids_name)?, (t * k * 4) as u64)?));
                 }
                 let moe_layer = layer.saturating_sub(plan.memory.slots.first_moe_layer) as usize;
                 if let Some(loads) = self.expert_loads.get_mut(moe_layer) {

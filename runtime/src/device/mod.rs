@@ -10,9 +10,13 @@
 //!
 //! A launch here runs to completion before the call returns (the emulated
 //! device's semantics), so issuing a program's ops in program order is a
-//! legal execution of its streams and events. Streams, events and peer
-//! addresses join this interface with the CUDA device (the cuda-backend
-//! issue), where launches are asynchronous.
+//! legal execution of its streams and events. One stream of its own
+//! exists beside them: the side stream ([`Device::side_transfer`]), on
+//! which Zepp's slot swaps run while the next step's launches go on; its
+//! [`SideEvent`]s are waited on before anything touches what it moves.
+//! The program's own streams, events and peer addresses join this
+//! interface with the CUDA device (the cuda-backend issue), where launches
+//! are asynchronous.
 
 pub mod bind;
 pub mod emu;
@@ -27,6 +31,11 @@ pub struct BufferId(pub u32);
 /// A loaded kernel instance.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ModuleId(pub u32);
+
+/// A side-stream transfer's completion: its place in the side stream's
+/// queue (transfers there finish in the order they were queued).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct SideEvent(pub u64);
 
 /// One argument value of a launch.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -66,6 +75,29 @@ pub trait Device {
     /// once per program, and checks every batch against the buffers' sizes
     /// before anything runs.
     fn transfer(&mut self, code: &Code, batches: &[Batch], buffers: &[BufferId]) -> Result<(), DeviceError>;
+    /// Queues a transfer on the side stream, behind the side stream's
+    /// earlier transfers and beside the launches and transfers that follow,
+    /// and returns its event. Nothing may touch the bytes it reads or
+    /// writes before [`Device::side_wait`] on that event returned. A device
+    /// without a side stream runs it at once (this default), which is a
+    /// legal schedule of the same program.
+    fn side_transfer(
+        &mut self,
+        code: &Code,
+        batches: &[Batch],
+        buffers: &[BufferId],
+    ) -> Result<SideEvent, DeviceError> {
+        self.transfer(code, batches, buffers)?;
+        Ok(SideEvent(0))
+    }
+    /// Blocks until side transfer `event`, and every one queued before it,
+    /// finished. Returns how many main-stream launches and transfers this
+    /// device has finished so far while side work was queued (its measure of
+    /// the overlap; 0 for a device that runs side transfers at once).
+    fn side_wait(&mut self, event: SideEvent) -> Result<u64, DeviceError> {
+        let _ = event;
+        Ok(0)
+    }
     /// Builds (or finds in its cache) and loads kernel instance `name` from its source.
     fn load(&mut self, name: &str, source: &str) -> Result<ModuleId, DeviceError>;
     /// Runs `entry` of `module` over `grid` blocks of `block` threads.

@@ -293,6 +293,11 @@ impl Twin {
         self.device.as_ref().map(crate::device::exec::Executor::dispatch_traffic)
     }
 
+    /// How the device's slot swaps overlapped serving (`None` without a device).
+    pub fn swap_overlap(&self) -> Option<crate::device::exec::SwapOverlap> {
+        self.device.as_ref().map(crate::device::exec::Executor::swap_overlap)
+    }
+
     pub fn swaps(&self) -> u64 {
         self.slots.swaps
     }
@@ -306,7 +311,8 @@ impl Twin {
     /// each slot's bytes, the slots' addresses unchanged, so every view,
     /// descriptor and kernel argument stays valid. The bytes are the plan's
     /// (`transfers::slot_exchanges`); on a device they move as its compiled
-    /// `expert_swap` program.
+    /// `expert_swap` program on the device's side stream, beside the next
+    /// step, which waits for them before that layer's expert computation.
     fn exchange_slots(&mut self, layer: usize, s: moeforge_plan::placement::Swap) -> Result<(), EngineError> {
         if let Some(dev) = self.device.as_mut() {
             return dev.exchange_slots(layer as u32, &s).map(|_| ()).map_err(|e| EngineError::Backend(e.to_string()));
