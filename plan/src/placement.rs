@@ -193,6 +193,18 @@ pub fn route_local(slots: &[Vec<u32>], demand: &[Vec<f64>], t: Topology, slack: 
         let rows: f64 = demand.iter().map(|d| d[e]).sum();
         let bound = ((1.0 + slack.max(0.0)) * rows / reps[e].len() as f64).ceil();
         bounds[e] = bound;
+        if let [g] = reps[e][..] {
+            // One replica: its bound (at least every row) admits each
+            // source's rows whole, whatever the tier, which is what the
+            // tiers below would give.
+            for (src, d) in demand.iter().enumerate() {
+                if d[e] > 0.0 {
+                    out[src][e].push((g, d[e]));
+                    used[e][g] += d[e];
+                }
+            }
+            continue;
+        }
         need.clear();
         need.extend(demand.iter().map(|d| d[e]));
         for level in 0..3 {
