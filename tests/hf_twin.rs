@@ -905,17 +905,27 @@ fn a_swap_finishes_before_its_layers_expert_computation_and_not_before() {
     use moeforge::runtime::device::emu::EmuDevice;
     let cache = tempfile::tempdir().unwrap();
     let dev = EmuDevice::start(cache.path()).unwrap_or_else(|e| panic!("{e}"));
-    let lazy = LazySide { dev: Box::new(dev), queued: Vec::new(), next: 0, ran: 0 };
-    let o = zepp_swap_run(Box::new(lazy), "zepp swaps run as late as their waits");
-    assert_eq!(o.device_overlapped, 0);
+    let waits = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let lazy =
+        LazySide { dev: Box::new(dev), queued: Vec::new(), next: 0, ran: 0, last: String::new(), waits: waits.clone() };
+    zepp_swap_run(Box::new(lazy), "zepp swaps run as late as their waits");
+    // Each wait came after the swapped layer's dispatch and permutation
+    // (the permutation's last kernel, the gather, ran just before), so it
+    // is the expert computation that waited, not the layer's attention.
+    let waits = waits.lock().unwrap();
+    assert!(!waits.is_empty());
+    assert!(waits.iter().all(|w| w == "moe_gather"), "the launches just before each wait: {waits:?}");
 }
 
-/// A device whose side stream runs nothing until it is waited on.
+/// A device whose side stream runs nothing until it is waited on, and
+/// which records the launch just before each wait.
 struct LazySide {
     dev: Box<dyn moeforge::runtime::device::Device + Send>,
     queued: Vec<(u64, moeforge::runtime::device::Code, Vec<moeforge::runtime::device::Batch>, Vec<BufferId>)>,
     next: u64,
     ran: u64,
+    last: String,
+    waits: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 use moeforge::runtime::device::{
@@ -947,6 +957,7 @@ impl Device for LazySide {
     }
     fn side_wait(&mut self, event: SideEvent) -> Result<u64, DeviceError> {
         assert!(event.0 > self.ran, "waited twice for side transfer {}", event.0);
+        self.waits.lock().unwrap().push(self.last.clone());
         for (n, code, batches, buffers) in std::mem::take(&mut self.queued) {
             if n <= event.0 {
                 self.dev.transfer(&code, &batches, &buffers)?;
@@ -968,6 +979,7 @@ impl Device for LazySide {
         block: u32,
         args: &[KernelArg],
     ) -> Result<(), DeviceError> {
+        self.last = entry.to_string();
         self.dev.launch(module, entry, grid, block, args)
     }
 }

@@ -685,12 +685,19 @@ fn the_side_stream_runs_its_transfers_in_queue_order() {
     let mut rng = Rng(5);
     let first = random_bytes(&mut rng, 64);
     let ids = [dev.alloc(128).unwrap(), dev.alloc(64).unwrap()];
+    let untouched = dev.alloc(64).unwrap();
     dev.upload(ids[0], 0, &first).unwrap();
     let a = dev.side_transfer(&code, &built[..1], &ids).unwrap();
     let b = dev.side_transfer(&code, &built[1..], &ids).unwrap();
     assert!(a < b, "{a:?} {b:?}");
-    // The main stream goes on meanwhile (bytes no side transfer touches).
-    dev.upload(ids[1], 0, &[0u8; 0]).unwrap();
+    // The main stream goes on meanwhile, on bytes no side transfer touches:
+    // a write and a main-stream transfer (buffer 0's first run into the
+    // untouched buffer, which the side transfers only read).
+    let other = random_bytes(&mut rng, 64);
+    dev.upload(untouched, 0, &other).unwrap();
+    assert_eq!(dev.download(untouched, 0, 64).unwrap(), other);
+    dev.transfer(&code, &built[..1], &[ids[0], untouched]).unwrap();
+    assert_eq!(dev.download(untouched, 0, 64).unwrap(), first);
     dev.side_wait(b).unwrap();
     assert_eq!(dev.download(ids[0], 64, 64).unwrap(), first, "buffer 0's second run is its first, through buffer 1");
     assert_eq!(dev.download(ids[1], 0, 64).unwrap(), first);

@@ -67,12 +67,15 @@ struct SideJob {
   std::vector<unsigned char*> bases;
   std::vector<uint64_t> table;
 };
-std::mutex side_mu;
-std::condition_variable side_cv;
-std::deque<SideJob> side_queue;
+// The worker's state is never destroyed: a process that exits (the runtime
+// went away, a malformed request) while the worker waits or runs a job
+// just ends, instead of destroying what the worker uses (a joinable
+// std::thread's destructor would abort it, a destroyed mutex or condition
+// variable the worker holds is undefined).
+std::mutex& side_mu = *new std::mutex;
+std::condition_variable& side_cv = *new std::condition_variable;
+std::deque<SideJob>& side_queue = *new std::deque<SideJob>;
 uint64_t side_queued = 0, side_done = 0;
-// Never destroyed: a process that exits with side work queued just ends
-// (a joinable std::thread's destructor would abort it).
 std::thread* side_worker = nullptr;
 bool side_quit = false;
 // Main-stream launches and transfers that finished while side work was queued.

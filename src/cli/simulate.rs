@@ -156,10 +156,17 @@ pub fn run(a: Args) -> Result<(), ExitCode> {
     if a.sensitivity {
         let probe = Probe { seconds: a.seconds, seed: a.seed };
         let d = &bench.spec.deploys[0];
-        let paper = report::published(&bench.spec.model(d.model).name, &d.workload.input);
-        // A published setting also gets the wider sweep its claims are checked on.
+        // A published setting also gets the wider sweep its claims are
+        // checked on; Moebius's only with the runs they need.
+        let paper = report::published(&bench.spec.model(d.model).name, &d.workload.input, bench.env.world)
+            .filter(|p| p.goodput_per_node.is_some() || !p.ratios.is_empty() || a.rollout.is_some() || a.bursty);
         let factors: &[f64] = if paper.is_some() { &report::CLAIM_FACTORS } else { &report::SENSITIVITY_FACTORS };
-        let runs = report::MoebiusRuns { rollout: a.rollout, bursty: a.bursty, seed: a.seed };
+        let runs = match &paper {
+            Some(p) if !p.others.is_empty() => {
+                report::MoebiusRuns { rollout: a.rollout, bursty: a.bursty, seed: a.seed }
+            }
+            _ => report::MoebiusRuns::default(),
+        };
         let rows = bench
             .sensitivity(&systems, probe, factors, runs)
             .map_err(|e| error(e, "run --sensitivity without --profile"))?;
@@ -224,7 +231,7 @@ fn compare(bench: &Bench, systems: &[System], a: &Args) -> (String, Vec<(&'stati
     let mut text = String::new();
     let _ = writeln!(text, "{title}\n");
     let model = &bench.spec.model(d.model).name;
-    let paper = report::published(model, &d.workload.input);
+    let paper = report::published(model, &d.workload.input, bench.env.world);
     text.push_str(&report::table(&results, nodes, paper.as_ref()));
     let mut files = vec![
         ("goodput.csv", report::goodput_csv(&results, nodes)),

@@ -143,19 +143,21 @@ pub struct Executor {
     /// Slot swaps queued on the device's side stream and not yet waited
     /// on: (model layer, event, main-stream ops issued before it).
     side: Vec<(u32, SideEvent, u64)>,
+    /// `main_ops` when the side queue last went from empty to busy.
+    side_since: Option<u64>,
     /// Kernel and communication ops issued on the main stream so far.
     main_ops: u64,
     swap_overlap: SwapOverlap,
 }
 
 /// How Zepp's swaps overlapped serving: `swaps` exchanges queued on the
-/// side stream; `ops_beside`, summed over them, the main-stream kernel and
-/// communication ops the executor issued between queueing a swap and
-/// waiting for it (the next step's ops up to the swapped layer's expert
-/// computation: what the schedule lets the swap run beside, whatever the
-/// timing); `device_overlapped`, the main-stream launches and transfers the
-/// device reports finished while side work was queued (as timed on it; 0
-/// on a device that runs side transfers at once).
+/// side stream; `ops_beside`, the main-stream kernel and communication ops
+/// the executor issued while at least one swap was queued and not yet
+/// waited on (each op once: the next step's ops up to the swapped layer's
+/// expert computation, what the schedule lets the swaps run beside,
+/// whatever the timing); `device_overlapped`, the main-stream launches and
+/// transfers the device reports finished while side work was queued (as
+/// timed on it; 0 on a device that runs side transfers at once).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SwapOverlap {
     pub swaps: u64,
@@ -277,6 +279,7 @@ impl Executor {
             traffic: CombineTraffic::default(),
             dispatch_traffic: DispatchTraffic::default(),
             side: Vec::new(),
+            side_since: None,
             main_ops: 0,
             swap_overlap: SwapOverlap::default(),
         })
@@ -304,6 +307,12 @@ impl Executor {
 
     /// Writes `data` at `offset` of rank `rank`'s buffer (weights).
     pub fn upload(&mut self, rank: usize, offset: u64, data: &[u8]) -> Result<(), ExecError> {
+        self.settle(None)?;
+        self.store(rank, offset, data)
+    }
+
+    /// A write inside a step (of nothing a swap moves).
+    fn store(&mut self, rank: usize, offset: u64, data: &[u8]) -> Result<(), ExecError> {
         let b = *self.buffers.get(rank).ok_or_else(|| ExecError::Plan(format!("no rank {rank}")))?;
         Ok(self.dev.upload(b, offset, data)?)
     }
@@ -329,16 +338,14 @@ impl Executor {
         let Some(last) = self.side.iter().filter(|x| layer.is_none_or(|l| x.0 == l)).map(|x| x.1).max() else {
             return Ok(());
         };
-        self.swap_overlap.device_overlapped = self.dev.side_wait(last)?;
-        let main_ops = self.main_ops;
-        self.side.retain(|&(_, event, issued)| {
-            if event <= last {
-                self.swap_overlap.ops_beside += main_ops - issued;
-                false
-            } else {
-                true
-            }
-        });
+        let overlapped = self.dev.side_wait(last)?;
+        if last.0 > 0 {
+            self.swap_overlap.device_overlapped = overlapped;
+        }
+        self.side.retain(|&(_, event, _)| event > last);
+        if let (true, Some(since)) = (self.side.is_empty(), self.side_since.take()) {
+            self.swap_overlap.ops_beside += self.main_ops - since;
+        }
         Ok(())
     }
 
@@ -356,6 +363,8 @@ impl Executor {
     /// MoE layer in the schedule's order (`moeforge_plan::reshard::transfers`;
     /// a peer copy between GPUs). Returns the bytes that crossed between ranks.
     pub fn reshard(&mut self, w: &WeightReshard) -> Result<u64, ExecError> {
+        // The reshard moves expert slots: queued swaps finish first.
+        self.settle(None)?;
         let plan = self.plan.clone();
         let (code, t) = self
             .reshard
@@ -370,6 +379,7 @@ impl Executor {
     /// destination page)` each, one batch of the bundle's compiled
     /// `kv_handoff` program. Returns the bytes moved.
     pub fn hand_off_pages(&mut self, src: usize, dst: usize, pages: &[(u32, u32)]) -> Result<u64, ExecError> {
+        self.settle(None)?;
         let code = self.code(&self.kv_handoff, "kv_handoff")?;
         let plan = std::sync::Arc::clone(&self.plan);
         let (base, page) = moeforge_plan::transfers::kv_pages(&plan)
@@ -416,6 +426,7 @@ impl Executor {
         let exchanges = moeforge_plan::transfers::slot_exchanges(&self.plan.memory, layer, s);
         let batch = code.program.exchange_batch(&exchanges).map_err(|e| ExecError::Plan(format!("swap {s:?}: {e}")))?;
         let event = self.dev.side_transfer(&code, &[batch], &self.buffers)?;
+        self.side_since.get_or_insert(self.main_ops);
         self.side.push((layer, event, self.main_ops));
         self.swap_overlap.swaps += 1;
         if let Some(l) = moe.and_then(|l| self.slots.get_mut(l)) {
@@ -450,6 +461,7 @@ impl Executor {
         dst: usize,
         moves: &[[i32; 3]],
     ) -> Result<u64, ExecError> {
+        self.settle(None)?;
         let plan = self.plan.clone();
         let mem = &plan.memory;
         let bad = |what: &str| ExecError::Plan(format!("KV migration: {what}"));
@@ -739,6 +751,11 @@ impl Executor {
         phase: Phase,
         counts: &mut Counts,
     ) -> Result<(), ExecError> {
+        // The routed experts' computation reads the layer's slots: a swap
+        // queued for them finishes first (nothing else of the layer waits).
+        if op.kind == OpKind::Experts {
+            self.settle(Some(site.layer))?;
+        }
         if matches!(op.kernel, KernelRef::Post { .. } | KernelRef::Launch { .. }) {
             self.main_ops += 1;
         }
@@ -746,14 +763,8 @@ impl Executor {
             KernelRef::Missing { family } => Err(ExecError::Missing { op: op.name.clone(), family: family.clone() }),
             KernelRef::Skip { .. } => Ok(()),
             KernelRef::Transfer => Ok(()),
-            // Expert computation reads the layer's slots: a swap queued
-            // for them finishes first.
-            KernelRef::Post { instance } => {
-                self.settle(Some(site.layer))?;
-                self.apk(plan, site, op, instance, phase, counts)
-            }
+            KernelRef::Post { instance } => self.apk(plan, site, op, instance, phase, counts),
             KernelRef::Launch { instance, .. } if op.gemm.is_some() || op.kind == OpKind::Experts => {
-                self.settle(Some(site.layer))?;
                 self.apk(plan, site, op, instance, phase, counts)
             }
             KernelRef::Launch { entry, .. } => {
@@ -1259,7 +1270,7 @@ impl Executor {
                             }
                         }
                         let a = at(d, ids_to)?;
-                        self.upload(d, a, &data)?;
+                        self.store(d, a, &data)?;
                     }
                 }
                 // Only this group's destinations: another group's dispatch

@@ -243,17 +243,18 @@ pub const MOEBIUS_CLAIMS: [Claim; 5] = [
     Claim::BurstBelowTp,
 ];
 
-/// The published setting a deployment reproduces, by model and input
-/// distribution: MiniMax-M2 and GLM-5 on ShareGPT and LooGLE (ExpertPlex),
-/// Qwen3-235B-A22B on any (Moebius: its claims need `--rollout`/`--bursty`).
-pub fn published(model: &str, input: &moeforge_dsl::spec::LengthDist) -> Option<Published> {
+/// The published setting a deployment reproduces, by model, input
+/// distribution and GPU count: MiniMax-M2 on 8 and GLM-5 on 24 GPUs on
+/// ShareGPT and LooGLE (ExpertPlex), Qwen3-235B-A22B on 8 with any input
+/// (Moebius: its claims need `--rollout`/`--bursty`).
+pub fn published(model: &str, input: &moeforge_dsl::spec::LengthDist, gpus: u32) -> Option<Published> {
     use moeforge_dsl::spec::LengthDist::{Loogle, Sharegpt};
     use System::{ChunkedPrefill, Colocated, GreenContext, PdDisagg};
-    let family = if model.starts_with("minimax-m2") {
+    let family = if model.starts_with("minimax-m2") && gpus == 8 {
         "minimax"
-    } else if model.starts_with("glm-5") {
+    } else if model.starts_with("glm-5") && gpus == 24 {
         "glm-5"
-    } else if model.starts_with("qwen3-235b") {
+    } else if model.starts_with("qwen3-235b") && gpus == 8 {
         return Some(Published {
             setting: "Moebius §6.2–6.3: Qwen3-235B-A22B, 8×H200",
             goodput_per_node: None,
@@ -469,15 +470,13 @@ impl Bench<'_> {
 
 /// Moebius's rollout speed over the better static layout's (Moebius
 /// §6.3's "beating an oracle that picks the better static layout"): the
-/// faster static completion time over Moebius's; 0 when Moebius did not
-/// finish.
-pub fn rollout_gain(rs: &[RolloutResult]) -> f64 {
+/// faster static completion time over Moebius's; `None` when Moebius or
+/// every static layout did not run or finish (no verdict, not a loss).
+pub fn rollout_gain(rs: &[RolloutResult]) -> Option<f64> {
     let best_static =
         rs.iter().filter(|r| r.system != System::Moebius).map(|r| r.seconds).fold(f64::INFINITY, f64::min);
-    match rs.iter().find(|r| r.system == System::Moebius) {
-        Some(m) if m.seconds.is_finite() && best_static.is_finite() => best_static / m.seconds,
-        _ => 0.0,
-    }
+    let m = rs.iter().find(|r| r.system == System::Moebius)?;
+    (m.seconds.is_finite() && m.seconds > 0.0 && best_static.is_finite()).then(|| best_static / m.seconds)
 }
 
 /// One row of the sensitivity report: the systems' goodputs with one
@@ -537,7 +536,7 @@ impl Bench<'_> {
     /// The Moebius runs `runs` asks for, on this bench's cost model.
     pub fn moebius_measures(&self, runs: MoebiusRuns) -> MoebiusMeasures {
         MoebiusMeasures {
-            rollout_gain: runs.rollout.map(|n| rollout_gain(&self.rollout(n, runs.seed))),
+            rollout_gain: runs.rollout.and_then(|n| rollout_gain(&self.rollout(n, runs.seed))),
             bursty: if runs.bursty { BurstyMeasures::of(&self.bursty(runs.seed)) } else { None },
         }
     }
@@ -1091,12 +1090,12 @@ mod tests {
         assert_eq!(gain.holds(&moebius_row(Some(1.31), None), 1), Some(false));
         // The model's figures before this sweep existed: 6 switches, TP 50.6
         // and EP ~equal quiet TPOTs (1.02×: not TP's published 1.41× lead,
-        // below 1.41 / 1.2 = 1.18), Moebius at 49.7 ms (tracks), 0.17 s
+        // below 52/37/1.2 = 1.171), Moebius at 49.7 ms (tracks), 0.17 s
         // burst peak against TP's 97 s.
         let model =
             BurstyMeasures { switches: 6, quiet_tpot: [0.0506, 0.0516, 0.0497], burst_ttft_peak: [97.0, 0.16, 0.17] };
         assert_eq!(all(&moebius_row(None, Some(model)))[1..], [Some(false), Some(false), Some(true), Some(true)]);
-        // EP 1.18× TP's is inside ±20% of 1.41× (1.175–1.69), 1.17× is not.
+        // EP 1.18× TP's is inside ±20% of 52/37 (1.171–1.686), 1.17× is not.
         let quiet = |ep: f64| BurstyMeasures { quiet_tpot: [0.1, ep, 0.1], ..paper };
         let ahead = Claim::QuietTpAhead { paper: 52.0 / 37.0 };
         assert_eq!(ahead.holds(&moebius_row(None, Some(quiet(0.118))), 1), Some(true));
@@ -1115,23 +1114,26 @@ mod tests {
     fn the_rollout_gain_is_over_the_faster_static_layout() {
         let r = |system, seconds| RolloutResult { system, deployment: Err(String::new()), seconds };
         let rs = [r(System::StaticTp, 1062.4), r(System::StaticEp, 826.9), r(System::Moebius, 749.5)];
-        assert!((rollout_gain(&rs) - 826.9 / 749.5).abs() < 1e-12);
-        // Moebius unfinished: no gain.
+        assert_eq!(rollout_gain(&rs), Some(826.9 / 749.5));
+        // Moebius unfinished, or not run: no verdict.
         let rs = [r(System::StaticTp, 10.0), r(System::Moebius, f64::INFINITY)];
-        assert_eq!(rollout_gain(&rs), 0.0);
+        assert_eq!(rollout_gain(&rs), None);
+        assert_eq!(rollout_gain(&rs[..1]), None);
     }
 
     #[test]
     fn every_published_setting_has_its_claims() {
         use moeforge_dsl::spec::LengthDist;
-        let p = published("minimax-m2", &LengthDist::Sharegpt).unwrap_or_else(|| panic!("minimax sharegpt"));
+        let p = published("minimax-m2", &LengthDist::Sharegpt, 8).unwrap_or_else(|| panic!("minimax sharegpt"));
+        // Another cluster is not the paper's setting.
+        assert!(published("minimax-m2", &LengthDist::Sharegpt, 16).is_none());
         let c = Claim::of(&p);
         assert_eq!(c.len(), 5);
         assert_eq!(c[0], Claim::Goodput { per_node: 11.3 });
         assert!(c.contains(&Claim::Leads { system: System::GreenContext, paper: 1.41 }));
-        let glm = published("glm-5", &LengthDist::Sharegpt).unwrap_or_else(|| panic!("glm sharegpt"));
+        let glm = published("glm-5", &LengthDist::Sharegpt, 24).unwrap_or_else(|| panic!("glm sharegpt"));
         assert!(Claim::of(&glm)[1].describe().contains("parity"));
-        let moebius = published("qwen3-235b-a22b", &LengthDist::Rollout).unwrap_or_else(|| panic!("qwen3-235b"));
+        let moebius = published("qwen3-235b-a22b", &LengthDist::Rollout, 8).unwrap_or_else(|| panic!("qwen3-235b"));
         assert_eq!(Claim::of(&moebius), MOEBIUS_CLAIMS.to_vec());
     }
 }
