@@ -623,3 +623,49 @@ fn an_expertplex_role_bundle_runs_on_the_cpu_twin_and_the_emulated_device() {
     assert!(e.status.success(), "{}", text(&e.stderr));
     assert_eq!(tokens(&text(&e.stdout)), tokens(&text(&b.stdout)));
 }
+
+/// A role plan's decode servers write into posts of fixed rows on the MoE
+/// server (`roles.posts`: one search-sized decode step each). More decode
+/// requests than a post holds run in dispatch rounds of whole requests on
+/// the emulated device, with the CPU twin's tokens (which count the rounds
+/// but compute in one pass); before, the device refused the step.
+#[test]
+fn decode_servers_past_their_posts_dispatch_in_rounds_on_the_emulated_device() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (w, b, spec) = (tmp.path().join("w"), tmp.path().join("b"), tmp.path().join("xp.moe"));
+    let text_of = std::fs::read_to_string(root().join("examples/tiny-qwen3-cpu4.moe")).unwrap();
+    let models = root().join("models");
+    let xp = text_of
+        .replace("\"../models/", &format!("\"{}/", models.display()))
+        .replace("  strategy = colocated\n", "")
+        .replace("  switch { t_high = auto  window = 4  cooldown = 0s }", "  strategy = expertplex");
+    assert!(xp.contains("strategy = expertplex") && !xp.contains("switch"), "{xp}");
+    std::fs::write(&spec, xp).unwrap();
+    let o = moeforge(&["init-weights", spec.to_str().unwrap(), "-o", w.to_str().unwrap()], None);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let o = moeforge(&["compile", spec.to_str().unwrap(), "-o", b.to_str().unwrap(), "--nvcc", "off"], None);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let plan = load_bundle(&b).unwrap().plan;
+    let roles = plan.roles.as_ref().expect("expertplex realizes roles");
+    let decode = roles.ranks(moeforge::plan::roles::Role::Decode);
+    let post = roles.posts.iter().filter(|p| decode.contains(&p.src)).map(|p| p.rows).max().unwrap();
+    // Enough one-token prompts that each decode server holds more requests than its post's rows.
+    let n = post as usize * decode.len() + 40;
+    let run = |backend: &str| {
+        let mut args: Vec<String> =
+            ["run", b.to_str().unwrap(), "--backend", backend, "--weights", w.to_str().unwrap(), "--max-new", "2"]
+                .map(String::from)
+                .to_vec();
+        for i in 0..n {
+            args.extend(["--prompt".to_string(), (i % 50 + 1).to_string()]);
+        }
+        let o = moeforge(&args.iter().map(String::as_str).collect::<Vec<_>>(), None);
+        assert!(o.status.success(), "{backend}: {}", text(&o.stderr));
+        text(&o.stdout)
+    };
+    let (cpu, emu) = (run("cpu"), run("emu"));
+    let tokens = |s: &str| s.lines().filter(|l| l.starts_with("request ")).map(String::from).collect::<Vec<_>>();
+    assert_eq!(tokens(&emu).len(), n);
+    assert_eq!(tokens(&cpu), tokens(&emu));
+    assert!(emu.contains("dispatch rounds: "), "{emu}");
+}

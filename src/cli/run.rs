@@ -337,5 +337,11 @@ pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
         out(&format!("{:>4}  {:<4}  {:>7}  {:>6}  {:.2}", s.step, mode, s.running, s.tokens, s.seconds * 1e3));
     }
     out(&format!("{} requests, {} steps, {:.3} s", n, steps.len(), total));
+    if let Some(d) = driver.engine.dispatch_traffic().filter(|d| d.rounds > 0) {
+        out(&format!(
+            "dispatch rounds: {} beyond one per step (sources with more rows than their posts reserve ran in rounds of whole requests)",
+            d.rounds
+        ));
+    }
     Ok(())
 }

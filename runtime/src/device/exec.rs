@@ -173,7 +173,9 @@ pub struct SwapOverlap {
 /// NVLink by a relay (`forwarded_rows`). Zepp's NIC split: sends handed to
 /// another GPU's NIC of the node (`split_rows`), and, summed over relayed
 /// dispatches, the busiest NIC's sends after the split and as they would
-/// have been without it.
+/// have been without it. `rounds`: the dispatch rounds steps took beyond
+/// their first, where a source had more rows for a MoE rank than its post
+/// reserves ([`post_rounds`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DispatchTraffic {
     pub node_rows: u64,
@@ -183,6 +185,7 @@ pub struct DispatchTraffic {
     pub split_rows: u64,
     pub busiest_nic_rows: u64,
     pub busiest_nic_rows_unsplit: u64,
+    pub rounds: u64,
 }
 
 /// Where the combines' rows went so far, counted per (token, computing
@@ -507,6 +510,16 @@ impl Executor {
 
     /// Runs one step of `mode`'s `phase` program: `work[r]` is rank `r`'s
     /// requests. Returns, per rank and request, what was sampled.
+    ///
+    /// In a role plan each attention rank writes into a post of fixed rows
+    /// in every MoE rank's dispatch buffer (`roles.posts`), so a source with
+    /// more rows than its post dispatches in rounds, each after the MoE rank
+    /// consumed the last (the schedule's rule). The rounds here are whole
+    /// requests ([`post_rounds`]): each round is the program over a subset
+    /// of every rank's requests that fits the posts, one after another. A
+    /// request's rows never depend on another's, so the tokens are the
+    /// one-round step's; only a request whose own tokens exceed its post is
+    /// refused.
     pub fn step(
         &mut self,
         mode: Mode,
@@ -514,7 +527,23 @@ impl Executor {
         work: &[Vec<Work>],
     ) -> Result<Vec<Vec<Option<Sampled>>>, ExecError> {
         let plan = std::sync::Arc::clone(&self.plan);
-        self.step_with(&plan, mode, phase, work)
+        let rounds = post_rounds(&plan, mode, phase, work);
+        if rounds.len() <= 1 {
+            return self.step_with(&plan, mode, phase, work);
+        }
+        let mut out: Vec<Vec<Option<Sampled>>> = work.iter().map(|w| vec![None; w.len()]).collect();
+        for round in &rounds {
+            let part: Vec<Vec<Work>> =
+                round.iter().zip(work).map(|(ix, w)| ix.iter().map(|&i| w[i].clone()).collect()).collect();
+            let got = self.step_with(&plan, mode, phase, &part)?;
+            for ((ix, o), g) in round.iter().zip(out.iter_mut()).zip(got) {
+                for (&i, s) in ix.iter().zip(g) {
+                    o[i] = s;
+                }
+            }
+        }
+        self.dispatch_traffic.rounds += rounds.len() as u64 - 1;
+        Ok(out)
     }
 
     fn step_with(
@@ -1111,7 +1140,8 @@ impl Executor {
                                     if *used >= rows {
                                         return Err(ExecError::Capacity(format!(
                                             "attention rank {s} sends MoE rank {d} more than the {rows} rows its post \
-                                             reserves per micro-batch; dispatch rounds run on the cpu twin only"
+                                             reserves per micro-batch: one request's tokens exceed it (a step's \
+                                             dispatch rounds are whole requests)"
                                         )));
                                     }
                                     *used += 1;
@@ -1571,6 +1601,50 @@ impl Relays {
 fn route_parts(site: &Site<'_>, plan: &Plan) -> RouteIndexParts {
     let bytes = site.mem.buffer(site.mode, BufferName::RouteIndex).map_or(0, |b| b.slice_bytes(site.micro_batches));
     RouteIndexParts::of(bytes, u64::from(plan.model.experts))
+}
+
+/// A step's dispatch rounds in a role plan: for each round, the indices of
+/// every rank's requests it runs. A source's requests go in order into
+/// the current round while each of its micro-batches (the step's split:
+/// whole requests, `⌈n / micro-batches⌉` per micro-batch, in order) holds at
+/// most the fewest rows any of its posts reserves per micro-batch; a token
+/// sends a MoE rank at most one row, so tokens bound rows. Round k runs
+/// every rank's k-th group (an empty one for a rank with fewer). One round
+/// of everything where no post caps a source, or a plan has no posts. A
+/// request whose own tokens exceed its post gets a round of its own, which
+/// the dispatch then refuses.
+pub fn post_rounds(plan: &Plan, mode: Mode, phase: Phase, work: &[Vec<Work>]) -> Vec<Vec<Vec<usize>>> {
+    let whole = || vec![work.iter().map(|w| (0..w.len()).collect()).collect()];
+    let Some(roles) = plan.roles.as_ref().filter(|r| !r.posts.is_empty()) else { return whole() };
+    let mut groups: Vec<Vec<Vec<usize>>> = Vec::with_capacity(work.len());
+    for (r, w) in work.iter().enumerate() {
+        let program =
+            plan.programs.iter().find(|g| g.mode == mode && g.phase == phase && g.ranks.contains(&(r as u32)));
+        let mbs = program.map_or(1, |g| u64::from(g.micro_batches.max(1)));
+        let cap = roles.posts.iter().filter(|p| p.src as usize == r).map(|p| p.rows / mbs).min();
+        let Some(cap) = cap else {
+            groups.push(vec![(0..w.len()).collect()]);
+            continue;
+        };
+        // The largest micro-batch's tokens when `n` requests from `start` run together.
+        let widest = |start: usize, n: usize| {
+            let per = n.div_ceil(mbs as usize).max(1);
+            w[start..start + n].chunks(per).map(|c| c.iter().map(|x| x.tokens.len() as u64).sum::<u64>()).max()
+        };
+        let (mut mine, mut start) = (Vec::new(), 0usize);
+        for i in 0..w.len() {
+            if i > start && widest(start, i + 1 - start).is_some_and(|t| t > cap) {
+                mine.push((start..i).collect());
+                start = i;
+            }
+        }
+        if start < w.len() || mine.is_empty() {
+            mine.push((start..w.len()).collect());
+        }
+        groups.push(mine);
+    }
+    let rounds = groups.iter().map(Vec::len).max().unwrap_or(1).max(1);
+    (0..rounds).map(|k| groups.iter().map(|g| g.get(k).cloned().unwrap_or_default()).collect()).collect()
 }
 
 /// Where each (source rank, entry) of a dispatch goes: `(destination rank,
