@@ -88,7 +88,12 @@ impl Topology {
 
 /// Which replica serves each (source GPU, expert) demand:
 /// `routing[src][e]` = list of (gpu, rows).
-pub type Routing = Vec<Vec<Vec<(usize, f64)>>>;
+pub type Routing = Vec<Vec<Reps>>;
+
+/// One (source, expert)'s replicas and the rows each takes, in the order
+/// its rows go to them. Two inline: most experts have one or two replicas,
+/// so routing a layer allocates per source, not per (source, expert).
+pub type Reps = smallvec::SmallVec<[(usize, f64); 2]>;
 
 /// Replicas of each expert (GPUs holding it, ascending) in one layer's slot table.
 pub fn replicas_of(slots: &[Vec<u32>], experts: usize) -> Vec<Vec<usize>> {
@@ -130,7 +135,7 @@ pub fn route_uniform(slots: &[Vec<u32>], demand: &[Vec<f64>]) -> Routing {
                 .map(|(e, &need)| {
                     let r = &reps[e];
                     if r.is_empty() || need <= 0.0 {
-                        return Vec::new();
+                        return Reps::new();
                     }
                     let n = r.len() as f64;
                     let whole = need.fract() == 0.0;
@@ -154,7 +159,7 @@ pub fn route_uniform(slots: &[Vec<u32>], demand: &[Vec<f64>]) -> Routing {
 /// One source's routing as whole rows: for each expert, the replica each of
 /// its rows takes, in order (the runtime hands a source's rows of an expert
 /// to these in token order, so the twin and the devices agree row by row).
-pub fn row_queues(row: &[Vec<(usize, f64)>]) -> Vec<std::vec::IntoIter<usize>> {
+pub fn row_queues(row: &[Reps]) -> Vec<std::vec::IntoIter<usize>> {
     row.iter()
         .map(|reps| reps.iter().flat_map(|&(g, n)| std::iter::repeat_n(g, n as usize)).collect::<Vec<_>>().into_iter())
         .collect()
@@ -182,27 +187,38 @@ pub fn route_local(slots: &[Vec<u32>], demand: &[Vec<f64>], t: Topology, slack: 
             2
         }
     };
-    let mut out: Routing = vec![vec![Vec::new(); experts]; w];
+    // Built, not cloned: cloning a SmallVec goes element by element.
+    let mut out: Routing = (0..w).map(|_| (0..experts).map(|_| Reps::new()).collect()).collect();
     let mut bounds = vec![0.0; experts];
     let mut used = vec![vec![0.0f64; t.world().max(w)]; experts];
+    // Each expert's rows, summed source by source (row-major: the demand
+    // is one row per source).
+    let mut rows_of = vec![0.0f64; experts];
+    for d in demand {
+        for (r, x) in rows_of.iter_mut().zip(d) {
+            *r += x;
+        }
+    }
+    // An expert with one replica: its bound (at least every row) admits
+    // each source's rows whole, whatever the tier, which is what the tiers
+    // below would give. Placed source by source, in row order.
+    for (src, d) in demand.iter().enumerate() {
+        for (e, &x) in d.iter().enumerate() {
+            if let (&[g], true) = (reps[e].as_slice(), x > 0.0) {
+                out[src][e].push((g, x));
+                used[e][g] += x;
+            }
+        }
+    }
     let (mut need, mut cands) = (Vec::with_capacity(w), Vec::new());
     for e in 0..experts {
         if reps[e].is_empty() {
             continue;
         }
-        let rows: f64 = demand.iter().map(|d| d[e]).sum();
+        let rows = rows_of[e];
         let bound = ((1.0 + slack.max(0.0)) * rows / reps[e].len() as f64).ceil();
         bounds[e] = bound;
-        if let [g] = reps[e][..] {
-            // One replica: its bound (at least every row) admits each
-            // source's rows whole, whatever the tier, which is what the
-            // tiers below would give.
-            for (src, d) in demand.iter().enumerate() {
-                if d[e] > 0.0 {
-                    out[src][e].push((g, d[e]));
-                    used[e][g] += d[e];
-                }
-            }
+        if reps[e].len() == 1 {
             continue;
         }
         need.clear();
@@ -293,7 +309,7 @@ fn water_fill(levels: &mut [f64], cap: f64, mut need: f64) -> Vec<f64> {
     takes
 }
 
-fn add(list: &mut Vec<(usize, f64)>, g: usize, rows: f64) {
+fn add(list: &mut Reps, g: usize, rows: f64) {
     match list.iter_mut().find(|x| x.0 == g) {
         Some(x) => x.1 += rows,
         None => list.push((g, rows)),

@@ -7,7 +7,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use moeforge_dsl::spec::PlacementPolicy;
-use moeforge_plan::placement::{consolidate, replicas_of, route, route_local, Routing, Topology};
+use moeforge_plan::placement::{consolidate, replicas_of, route, route_local, Reps, Routing, Topology};
 use moeforge_plan::rng::SplitMix64;
 
 /// A seeded instance: every GPU holds `per` distinct experts, every expert
@@ -146,16 +146,20 @@ fn consolidation_merges_a_lone_remote_flow_into_a_node_already_sent_to() {
     let demand = vec![vec![2.0, 2.0, 0.0], vec![0.0; 3], vec![0.0; 3]];
     let reps = replicas_of(&slots, 3);
     // What water-filling alone gives (checked by hand above).
-    let mut split: Routing =
-        vec![vec![vec![(1, 1.0), (2, 1.0)], vec![(1, 2.0)], vec![]], vec![vec![]; 3], vec![vec![]; 3]];
+    let lists = |l: Vec<Vec<(usize, f64)>>| l.into_iter().map(Reps::from_vec).collect::<Vec<_>>();
+    let mut split: Routing = vec![
+        lists(vec![vec![(1, 1.0), (2, 1.0)], vec![(1, 2.0)], vec![]]),
+        lists(vec![vec![]; 3]),
+        lists(vec![vec![]; 3]),
+    ];
     let mut used = vec![vec![0.0, 1.0, 1.0], vec![0.0, 2.0, 0.0], vec![0.0; 3]];
     consolidate(&mut split, &reps, &[2.0, 3.0, 0.0], &mut used, t);
-    assert_eq!(split[0][0], vec![(1, 2.0)]);
-    assert_eq!(split[0][1], vec![(1, 2.0)]);
+    assert_eq!(split[0][0].as_slice(), [(1, 2.0)]);
+    assert_eq!(split[0][1].as_slice(), [(1, 2.0)]);
     assert_eq!(used[0], vec![0.0, 2.0, 0.0]);
     // route_local ends at the same place.
     let r = route_local(&slots, &demand, t, 0.1);
-    assert_eq!(r[0][0], vec![(1, 2.0)]);
+    assert_eq!(r[0][0].as_slice(), [(1, 2.0)]);
     // With no room on GPU 1 (slack 0: expert 0's bound is 1) the flow stays split.
     let r = route_local(&slots, &demand, t, 0.0);
     let mut to: Vec<usize> = r[0][0].iter().map(|x| x.0).collect();

@@ -272,7 +272,7 @@ impl Twin {
                     None => route(table, &demand),
                     // PD: each whole-model instance routes its own rows over its own GPUs.
                     Some(r) => {
-                        let mut out = vec![vec![Vec::new(); m.experts]; p];
+                        let mut out = vec![vec![placement::Reps::new(); m.experts]; p];
                         for g in &r.ep_groups {
                             let inside = |x: usize| g.contains(&(x as u32));
                             let t: Vec<Vec<u32>> = table
