@@ -203,7 +203,7 @@ pub fn route_local(slots: &[Vec<u32>], demand: &[Vec<f64>], t: Topology, slack: 
     // each source's rows whole, whatever the tier, which is what the tiers
     // below would give. Placed source by source, in row order.
     for (src, d) in demand.iter().enumerate() {
-        for (e, &x) in d.iter().enumerate() {
+        for (e, &x) in d.iter().enumerate().take(experts) {
             if let (&[g], true) = (reps[e].as_slice(), x > 0.0) {
                 out[src][e].push((g, x));
                 used[e][g] += x;

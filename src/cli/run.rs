@@ -339,7 +339,7 @@ pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
     out(&format!("{} requests, {} steps, {:.3} s", n, steps.len(), total));
     if let Some(d) = driver.engine.dispatch_traffic().filter(|d| d.rounds > 0) {
         out(&format!(
-            "dispatch rounds: {} beyond one per step (sources with more rows than their posts reserve ran in rounds of whole requests)",
+            "dispatch rounds: {} beyond one per step (sources with more tokens than their posts reserve ran in rounds of whole requests)",
             d.rounds
         ));
     }

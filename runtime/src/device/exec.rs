@@ -174,8 +174,10 @@ pub struct SwapOverlap {
 /// another GPU's NIC of the node (`split_rows`), and, summed over relayed
 /// dispatches, the busiest NIC's sends after the split and as they would
 /// have been without it. `rounds`: the dispatch rounds steps took beyond
-/// their first, where a source had more rows for a MoE rank than its post
-/// reserves ([`post_rounds`]).
+/// their first, where a source's tokens in a micro-batch exceeded what its
+/// posts reserve ([`post_rounds`]; the CPU twin's `Routed::rounds` counts
+/// rounds per (source, MoE rank) pair of its rows instead, so the two are
+/// not the same count).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DispatchTraffic {
     pub node_rows: u64,
@@ -527,7 +529,7 @@ impl Executor {
         work: &[Vec<Work>],
     ) -> Result<Vec<Vec<Option<Sampled>>>, ExecError> {
         let plan = std::sync::Arc::clone(&self.plan);
-        let rounds = post_rounds(&plan, mode, phase, work);
+        let rounds = post_rounds(&plan, mode, phase, work)?;
         if rounds.len() <= 1 {
             return self.step_with(&plan, mode, phase, work);
         }
@@ -1608,14 +1610,20 @@ fn route_parts(site: &Site<'_>, plan: &Plan) -> RouteIndexParts {
 /// the current round while each of its micro-batches (the step's split:
 /// whole requests, `⌈n / micro-batches⌉` per micro-batch, in order) holds at
 /// most the fewest rows any of its posts reserves per micro-batch; a token
-/// sends a MoE rank at most one row, so tokens bound rows. Round k runs
-/// every rank's k-th group (an empty one for a rank with fewer). One round
-/// of everything where no post caps a source, or a plan has no posts. A
-/// request whose own tokens exceed its post gets a round of its own, which
-/// the dispatch then refuses.
-pub fn post_rounds(plan: &Plan, mode: Mode, phase: Phase, work: &[Vec<Work>]) -> Vec<Vec<Vec<usize>>> {
+/// sends a MoE rank at most one row, so tokens bound rows (rows per MoE
+/// rank are not known before routing: rounds start on tokens, the safe
+/// side). Round k runs every rank's k-th group (an empty one for a rank
+/// with fewer). One round of everything where every source fits, or a plan
+/// has no posts. A request whose own tokens exceed its post is refused
+/// before any round runs.
+pub fn post_rounds(
+    plan: &Plan,
+    mode: Mode,
+    phase: Phase,
+    work: &[Vec<Work>],
+) -> Result<Vec<Vec<Vec<usize>>>, ExecError> {
     let whole = || vec![work.iter().map(|w| (0..w.len()).collect()).collect()];
-    let Some(roles) = plan.roles.as_ref().filter(|r| !r.posts.is_empty()) else { return whole() };
+    let Some(roles) = plan.roles.as_ref().filter(|r| !r.posts.is_empty()) else { return Ok(whole()) };
     let mut groups: Vec<Vec<Vec<usize>>> = Vec::with_capacity(work.len());
     for (r, w) in work.iter().enumerate() {
         let program =
@@ -1631,6 +1639,19 @@ pub fn post_rounds(plan: &Plan, mode: Mode, phase: Phase, work: &[Vec<Work>]) ->
             let per = n.div_ceil(mbs as usize).max(1);
             w[start..start + n].chunks(per).map(|c| c.iter().map(|x| x.tokens.len() as u64).sum::<u64>()).max()
         };
+        if widest(0, w.len()).is_none_or(|t| t <= cap) {
+            groups.push(vec![(0..w.len()).collect()]);
+            continue;
+        }
+        // Refused before any round runs (no round's KV, loads or traffic
+        // are left behind by a step that fails).
+        if let Some(x) = w.iter().find(|x| x.tokens.len() as u64 > cap) {
+            return Err(ExecError::Capacity(format!(
+                "attention rank {r}: a request of {} tokens exceeds the {cap} rows a micro-batch's post reserves on \
+                 a MoE rank (a step's dispatch rounds are whole requests)",
+                x.tokens.len()
+            )));
+        }
         let (mut mine, mut start) = (Vec::new(), 0usize);
         for i in 0..w.len() {
             if i > start && widest(start, i + 1 - start).is_some_and(|t| t > cap) {
@@ -1644,7 +1665,7 @@ pub fn post_rounds(plan: &Plan, mode: Mode, phase: Phase, work: &[Vec<Work>]) ->
         groups.push(mine);
     }
     let rounds = groups.iter().map(Vec::len).max().unwrap_or(1).max(1);
-    (0..rounds).map(|k| groups.iter().map(|g| g.get(k).cloned().unwrap_or_default()).collect()).collect()
+    Ok((0..rounds).map(|k| groups.iter().map(|g| g.get(k).cloned().unwrap_or_default()).collect()).collect())
 }
 
 /// Where each (source rank, entry) of a dispatch goes: `(destination rank,
