@@ -242,8 +242,7 @@ fn compare(bench: &Bench, systems: &[System], a: &Args) -> (String, Vec<(&'stati
         let rs = bench.rollout(n, a.seed);
         let _ = writeln!(text, "\nRL rollout step: {n} prompts at once, completion time");
         let mut csv = String::from("system,deployment,seconds\n");
-        let best_static =
-            rs.iter().filter(|r| r.system != System::Moebius).map(|r| r.seconds).fold(f64::INFINITY, f64::min);
+        let best_static = report::better_static_seconds(&rs);
         for r in &rs {
             match &r.deployment {
                 Ok(dep) => {

@@ -141,8 +141,8 @@ pub struct Executor {
     traffic: CombineTraffic,
     dispatch_traffic: DispatchTraffic,
     /// Slot swaps queued on the device's side stream and not yet waited
-    /// on: (model layer, event, main-stream ops issued before it).
-    side: Vec<(u32, SideEvent, u64)>,
+    /// on: (model layer, event).
+    side: Vec<(u32, SideEvent)>,
     /// `main_ops` when the side queue last went from empty to busy.
     side_since: Option<u64>,
     /// Kernel and communication ops issued on the main stream so far.
@@ -347,7 +347,7 @@ impl Executor {
         if last.0 > 0 {
             self.swap_overlap.device_overlapped = overlapped;
         }
-        self.side.retain(|&(_, event, _)| event > last);
+        self.side.retain(|&(_, event)| event > last);
         if let (true, Some(since)) = (self.side.is_empty(), self.side_since.take()) {
             self.swap_overlap.ops_beside += self.main_ops - since;
         }
@@ -432,7 +432,7 @@ impl Executor {
         let batch = code.program.exchange_batch(&exchanges).map_err(|e| ExecError::Plan(format!("swap {s:?}: {e}")))?;
         let event = self.dev.side_transfer(&code, &[batch], &self.buffers)?;
         self.side_since.get_or_insert(self.main_ops);
-        self.side.push((layer, event, self.main_ops));
+        self.side.push((layer, event));
         self.swap_overlap.swaps += 1;
         if let Some(l) = moe.and_then(|l| self.slots.get_mut(l)) {
             l[s.a][s.slot_a] = y;
