@@ -813,3 +813,160 @@ fn check_mla<'a>(
         }
     }
 }
+
+/// The emitted replica routing (`kernels/zepp_route.cu`: `zepp_count`, then
+/// `zepp_route`) on the emulated device, on random instances (1–4 nodes of
+/// 1–4 GPUs, 2–41 experts, 1–4 slots per GPU, skewed top-k picks, every
+/// source or a random dispatch group), against the runtime's host routing
+/// (`moeforge_plan::placement::route` and `row_queues`, a separate Rust
+/// implementation): the physical slot of every entry of every source, for
+/// Zepp (GLM-5's example: water-filling and consolidation) and EPLB
+/// (DeepSeek-V3's: the even split). Demand rows of GPUs outside the group
+/// hold garbage the kernel must ignore, and the work area keeps the last
+/// instance's values.
+#[test]
+fn emitted_replica_routing_matches_the_host_routing() {
+    use moeforge::dsl::spec::PlacementPolicy;
+    use moeforge::plan::memory::ZeppRouteParts;
+    use moeforge::plan::placement::{route, row_queues, PlacementPlan, Topology};
+    use moeforge::runtime::device::emu::EmuDevice;
+    use moeforge::runtime::device::{Device, KernelArg};
+    use std::collections::BTreeMap;
+    const BYTES: u64 = 1 << 20;
+    const ROUTE: u64 = 1 << 16;
+    for (example, policy) in [("glm-5-h800x24", PlacementPolicy::Zepp), ("deepseek-v3-h100x32", PlacementPolicy::Eplb)]
+    {
+        let e = emit(&root().join(format!("examples/{example}.moe")));
+        let placement = e.plan.placement.as_ref().unwrap();
+        assert_eq!(placement.policy, policy);
+        let src = text(&e.files["kernels/zepp_route.cu"]);
+        let cache = tempfile::tempdir().unwrap();
+        let mut dev = EmuDevice::start(cache.path()).unwrap();
+        let module = dev.load("zepp_route", &src).unwrap();
+        let bufs: Vec<_> = (0..16).map(|_| dev.alloc(BYTES).unwrap()).collect();
+        let ptr = |g: usize, offset: u64| KernelArg::Ptr { buffer: bufs[g], offset };
+        let int = |x: usize| KernelArg::I32(x as i32);
+        let mut rng = Rng(0x5eed ^ policy as u64);
+        let (mut entries, mut remote, mut uneven) = (0usize, 0usize, 0usize);
+        for case in 0..80 {
+            let (nodes, gpn) = (1 + rng.below(4), 1 + rng.below(4));
+            let w = nodes * gpn;
+            let experts = 2 + rng.below(40);
+            let s = (1 + rng.below(4)).min(experts);
+            let k = 1 + rng.below(4.min(experts));
+            let slots: Vec<Vec<u32>> =
+                (0..w).map(|_| rng.permutation(experts)[..s].iter().map(|&x| x as u32).collect()).collect();
+            let group: Vec<usize> =
+                if rng.below(3) == 0 { (0..w).filter(|_| rng.below(3) > 0).collect() } else { (0..w).collect() };
+            if group.is_empty() {
+                continue;
+            }
+            // Skewed picks: low ids are hot.
+            let ids_of: BTreeMap<usize, Vec<i32>> = group
+                .iter()
+                .map(|&g| {
+                    let mut ids = vec![];
+                    for _ in 0..rng.below(24) {
+                        let mut token: Vec<i32> = vec![];
+                        while token.len() < k {
+                            let x = rng.below(experts).min(rng.below(experts)) as i32;
+                            if !token.contains(&x) {
+                                token.push(x);
+                            }
+                        }
+                        ids.extend(token);
+                    }
+                    (g, ids)
+                })
+                .collect();
+            // The host routing over the group's slots.
+            let table: Vec<Vec<u32>> =
+                (0..w).map(|r| if group.contains(&r) { slots[r].clone() } else { vec![] }).collect();
+            let mut demand = vec![vec![0f64; experts]; w];
+            for (&g, ids) in &ids_of {
+                for &x in ids {
+                    demand[g][x as usize] += 1.0;
+                }
+            }
+            let routing = route(policy, &table, &demand, Topology { nodes, gpus_per_node: gpn }, placement.slack);
+            // The device: counts, the exchange (by the test), the routing.
+            let width = PlacementPlan { replicas: vec![slots.clone()], ..placement.clone() }.max_replicas();
+            let parts = ZeppRouteParts::of(w as u64, experts as u64, width as u64, 1024);
+            let row = |g: usize| ROUTE + parts.demand + (g * experts * 4) as u64;
+            for (&g, ids) in &ids_of {
+                dev.upload(bufs[g], 0, &le(ids)).unwrap();
+                dev.launch(
+                    module,
+                    "zepp_count",
+                    experts.div_ceil(256) as u32,
+                    256,
+                    &[ptr(g, 0), int(ids.len()), int(experts), ptr(g, row(g))],
+                )
+                .unwrap();
+            }
+            let member: Vec<i32> = (0..w).map(|r| i32::from(group.contains(&r))).collect();
+            let tbl = PlacementPlan::replica_table(&slots, experts, s, width);
+            for (&g, ids) in ids_of.iter().filter(|(_, ids)| !ids.is_empty()) {
+                for r in 0..w {
+                    let counts = match ids_of.get(&r) {
+                        Some(_) => dev.download(bufs[r], row(r), (experts * 4) as u64).unwrap(),
+                        None => le(&vec![7; experts]),
+                    };
+                    dev.upload(bufs[g], row(r), &counts).unwrap();
+                }
+                dev.upload(bufs[g], ROUTE + parts.member, &le(&member)).unwrap();
+                dev.upload(bufs[g], 4096, &le(&tbl)).unwrap();
+                dev.launch(
+                    module,
+                    "zepp_route",
+                    1,
+                    256,
+                    &[
+                        ptr(g, 0),
+                        int(ids.len()),
+                        ptr(g, ROUTE + parts.demand),
+                        ptr(g, 4096),
+                        ptr(g, ROUTE + parts.member),
+                        int(experts),
+                        int(width),
+                        int(w),
+                        int(gpn),
+                        int(s),
+                        int(g),
+                        ptr(g, ROUTE + parts.work),
+                        ptr(g, ROUTE + parts.dest),
+                    ],
+                )
+                .unwrap();
+                let got = i32s(&dev.download(bufs[g], ROUTE + parts.dest, (ids.len() * 4) as u64).unwrap());
+                let mut take = row_queues(&routing[g]);
+                let want: Vec<i32> = ids
+                    .iter()
+                    .map(|&x| {
+                        take[x as usize]
+                            .next()
+                            .map_or(-1, |d| (d * s + slots[d].iter().position(|&y| y as i32 == x).unwrap()) as i32)
+                    })
+                    .collect();
+                assert_eq!(got, want, "{example} case {case}: source {g} of {nodes}x{gpn}, group {group:?}");
+                for (&d, &x) in got.iter().zip(ids) {
+                    if d < 0 {
+                        continue;
+                    }
+                    let d = d as usize / s;
+                    entries += 1;
+                    remote += usize::from(d / gpn != g / gpn);
+                    // Not the replica the even split would start at.
+                    let reps: Vec<usize> = (0..w).filter(|&r| table[r].contains(&(x as u32))).collect();
+                    uneven += usize::from(reps.len() > 1 && d != reps[0]);
+                }
+            }
+        }
+        // The instances exercised every tier and several replicas.
+        assert!(entries > 1000 && remote > 0 && uneven > 0, "{example}: {entries} entries, {remote} remote, {uneven}");
+    }
+}
+
+fn le(v: &[i32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}

@@ -116,6 +116,13 @@ pub enum BufferName {
     /// TP with an all-head QK-norm (MiniMax-M2): per token, the partial sum
     /// of squares of q and of k that the ranks all-reduce.
     QkSumSq,
+    /// A replicated placement: the replica table of every MoE layer, i32
+    /// `[moe layer][expert][replica]` physical slots (GPUs ascending, −1
+    /// padded), at a fixed address (a swap rewrites its layer's rows).
+    ReplicaTable,
+    /// A replicated placement: the routing kernel's demand matrix, group,
+    /// work and per-entry destinations ([`ZeppRouteParts`]).
+    ZeppRoute,
     /// Dual plans: a live switch's KV page moves into this rank, i32
     /// (source page, destination page, tokens) per row, read by the
     /// migration kernel (Moebius §4.3), [`KV_MOVE_CHUNK`] rows at a time.
@@ -195,6 +202,34 @@ impl RouteIndexParts {
         let row_entry = head;
         let row_expert = row_entry + 4 * capacity;
         RouteIndexParts { counts: 0, offsets, row_entry, row_expert, entry_row: row_expert + 4 * capacity, capacity }
+    }
+}
+
+/// Where the routing kernel's arrays lie in a `ZeppRoute` buffer (byte
+/// offsets): every source's counts per expert (`[world][experts]`), the
+/// dispatch group's membership (`[world]`), the kernel's work area and the
+/// physical slot of each of this source's entries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ZeppRouteParts {
+    pub demand: u64,
+    pub member: u64,
+    pub work: u64,
+    pub dest: u64,
+    /// Bytes in all, for `entries` entries.
+    pub bytes: u64,
+}
+
+impl ZeppRouteParts {
+    pub fn of(world: u64, experts: u64, reps: u64, entries: u64) -> ZeppRouteParts {
+        let (w, e, r) = (world, experts, reps);
+        // `zepp_route`'s views: nrep, rep, bounds, used, need, lens, lists,
+        // scratch, moves, nmoves, flow, order, ctl (kernels/zepp_route.cu).
+        let work_words = e + e * r + e + 3 * e * w + 2 * e * w * r + 2 * e * r + 3 * e * r + e + 2 * w + 2;
+        let demand = 0;
+        let member = demand + 4 * w * e;
+        let work = member + 4 * w;
+        let dest = work + 4 * work_words;
+        ZeppRouteParts { demand, member, work, dest, bytes: dest + 4 * entries }
     }
 }
 
@@ -339,9 +374,32 @@ impl Workspace {
         v
     }
 
+    /// A replicated placement's routing buffers, for `world` GPUs, `reps`
+    /// replicas at most per expert and `moe_layers` layers: in the
+    /// requests region, in both modes (they persist across a switch).
+    pub fn zepp_buffers(m: &Model, world: u64, reps: u64) -> Vec<BufferSpec> {
+        let (e, k) = (u64::from(m.moe.experts), u64::from(m.moe.top_k));
+        let parts = ZeppRouteParts::of(world, e, reps, MAX_BATCH_TOKENS * k);
+        let b = |name, rows, row_bytes| BufferSpec {
+            name,
+            region: RegionKind::Requests,
+            modes: BufferModes::Both,
+            rows,
+            row_bytes,
+        };
+        vec![
+            b(BufferName::ReplicaTable, u64::from(m.moe_layers()) * e, 4 * reps),
+            b(BufferName::ZeppRoute, 1, parts.bytes),
+        ]
+    }
+
     /// The workspace of model `m`: the three regions' sizes from [`Workspace::buffers`].
     pub fn of(m: &Model, dual: bool) -> Workspace {
-        let specs = Workspace::buffers(m, dual);
+        Workspace::of_specs(&Workspace::buffers(m, dual))
+    }
+
+    /// The three regions' sizes holding `specs`.
+    pub fn of_specs(specs: &[BufferSpec]) -> Workspace {
         let sum = |region: RegionKind, mode: Mode| {
             specs
                 .iter()

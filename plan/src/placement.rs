@@ -58,6 +58,34 @@ impl PlacementPlan {
     pub fn slots_per_gpu(&self) -> usize {
         self.replicas.first().and_then(|l| l.iter().map(Vec::len).max()).unwrap_or(0)
     }
+
+    /// The most GPUs holding one expert in any layer: the replica table's
+    /// width (swaps exchange slot contents inside a node and never put an
+    /// expert twice on a GPU, so no swap changes it).
+    pub fn max_replicas(&self) -> usize {
+        self.replicas
+            .iter()
+            .flat_map(|layer| {
+                let experts = layer.iter().flatten().map(|&e| e as usize + 1).max().unwrap_or(0);
+                replicas_of(layer, experts).into_iter().map(|r| r.len())
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// One layer's replica table as the routing kernel reads it: for each
+    /// of `experts` experts, `width` physical slots (`gpu · slots_per_gpu +`
+    /// the first slot of the GPU holding it), GPUs ascending, −1 past the last.
+    pub fn replica_table(layer: &[Vec<u32>], experts: usize, slots_per_gpu: usize, width: usize) -> Vec<i32> {
+        let mut out = vec![-1i32; experts * width];
+        for (e, gpus) in replicas_of(layer, experts).iter().enumerate() {
+            for (i, &g) in gpus.iter().take(width).enumerate() {
+                let slot = layer[g].iter().position(|&x| x as usize == e).unwrap_or(0);
+                out[e * width + i] = (g * slots_per_gpu + slot) as i32;
+            }
+        }
+        out
+    }
 }
 
 /// How one placement policy spreads the loads: the busiest GPU's routed

@@ -251,6 +251,22 @@ pub enum KernelParams {
     Permute(PermuteParams),
     Apk(ApkParams),
     Layer(LayerParams),
+    Zepp(ZeppParams),
+}
+
+/// The replica routing of a placement (`kernels/zepp_route.cu`): each
+/// source's routed entries counted per expert, then the placement policy's
+/// routing of every source's counts over the layer's replica table, at
+/// fixed addresses ([`crate::memory::ZeppRouteParts`]), and each of this
+/// source's entries given its physical slot. Sizes are run-time arguments.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ZeppParams {
+    /// Zepp's locality-preferred water-filling and consolidation, or EPLB's
+    /// even split.
+    pub policy: moeforge_dsl::spec::PlacementPolicy,
+    /// The load bound's relaxation (`PlacementPlan::slack`).
+    pub slack: f64,
+    pub threads: u32,
 }
 
 /// The per-token kernels around the GEMMs and attention: embedding,

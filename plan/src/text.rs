@@ -204,6 +204,7 @@ impl Display for Plan {
                 KernelParams::Permute(p) => serde_json::to_string(p),
                 KernelParams::Apk(p) => serde_json::to_string(p),
                 KernelParams::Layer(p) => serde_json::to_string(p),
+                KernelParams::Zepp(p) => serde_json::to_string(p),
             }
             .unwrap_or_default();
             writeln!(f, "  kernel {} ({}): {}", k.name, k.arch.name(), consts)?;

@@ -11,7 +11,9 @@
 //!   program's code is fixed here and each step's copies are its batch
 //!   ([`Program::batch`]); its pieces are the widest every row address of
 //!   the pair's buffers allows (a buffer's offset plus whole rows, in every
-//!   micro-batch's slice).
+//!   micro-batch's slice). A replicated placement's dispatch first exchanges
+//!   each source's counts per expert (a row of the routing kernel's demand
+//!   matrix) with the same program.
 //! - `combine`: an EP combine, pulled by each token's source rank: its row
 //!   becomes the f32 sum of the bf16 rows the ranks its entries went to
 //!   computed, in rank order (a sum shape per number of such ranks, none to
@@ -38,7 +40,7 @@
 //!   one ([`slot_exchanges`]); each swap is its batch. Slots keep their
 //!   addresses, so the programs' bindings and descriptors stay valid.
 
-use crate::memory::{MemoryPlan, Mode, View};
+use crate::memory::{BufferName, MemoryPlan, Mode, View, ZeppRouteParts};
 use crate::placement::Swap;
 use crate::program::CommKind;
 use crate::roles::Path;
@@ -227,6 +229,14 @@ pub fn dispatch_pairs(plan: &Plan) -> Vec<(u64, u64, u64)> {
                 }
             }
         }
+    }
+    // A replicated placement's counts exchange before the rows: each
+    // source's row of the routing kernel's demand matrix, at the same
+    // address on every rank (`ZeppRouteParts::demand`).
+    let replicated = plan.placement.as_ref().is_some_and(|p| p.policy != PlacementPolicy::None);
+    if let (true, Some(z)) = (replicated, mem.buffers.iter().find(|b| b.name == BufferName::ZeppRoute)) {
+        let at = z.offset + ZeppRouteParts::of(1, 1, 1, 0).demand;
+        out.push((at, at, 4 * u64::from(plan.model.experts)));
     }
     out
 }

@@ -18,6 +18,7 @@
 use crate::memory::{expected_shard, BufferName, Mode, RegionKind, TensorPart, TensorRole, ALIGN};
 use crate::plan::{ApkForm, Grid, KernelParams, MmaPath, Plan, WeightFormat};
 use crate::roles::Role;
+use moeforge_dsl::spec::PlacementPolicy;
 use std::fmt;
 
 /// A plan that passed [`validate`]. Only this module constructs it.
@@ -694,6 +695,12 @@ fn reshard(c: &mut Check, p: &Plan, dual: bool) {
 }
 
 fn kernels(c: &mut Check, p: &Plan) {
+    // A replicated placement routes on the devices (once the kernels pass ran).
+    let replicated = p.placement.as_ref().is_some_and(|pl| pl.policy != PlacementPolicy::None);
+    let routes = p.kernels.iter().any(|k| matches!(k.params, KernelParams::Zepp(_)));
+    c.ensure(p.kernels.is_empty() || replicated == routes, "kernels".to_string(), || {
+        format!("a replicated placement needs the routing kernel, and only one does (placement: {replicated}, kernel: {routes})")
+    });
     for (i, k) in p.kernels.iter().enumerate() {
         let f = format!("kernels[{i}]");
         match &k.params {
@@ -717,6 +724,20 @@ fn kernels(c: &mut Check, p: &Plan) {
                     && q.hidden == p.model.hidden
                     && q.block_m > 0;
                 c.ensure(ok, format!("{f}.params"), || format!("permute constants inconsistent: {q:?}"));
+            }
+            KernelParams::Zepp(z) => {
+                // The routing kernel serves the plan's placement, at its
+                // policy and slack, from buffers the memory plan holds.
+                let has = |n| p.memory.buffers.iter().any(|b| b.name == n);
+                let ok = p.placement.as_ref().is_some_and(|pl| {
+                    pl.policy == z.policy && pl.slack == z.slack && pl.policy != PlacementPolicy::None
+                }) && has(crate::memory::BufferName::ReplicaTable)
+                    && has(crate::memory::BufferName::ZeppRoute)
+                    && z.threads % 32 == 0
+                    && (32..=1024).contains(&z.threads);
+                c.ensure(ok, format!("{f}.params"), || {
+                    format!("routing-kernel constants inconsistent with the placement and memory plan: {z:?}")
+                });
             }
             KernelParams::Layer(l) => {
                 let meta = p.memory.buffers.iter().find(|b| b.name == crate::memory::BufferName::RequestMeta);

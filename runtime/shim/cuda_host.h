@@ -576,6 +576,7 @@ inline void __threadfence() {
 [[noreturn]] inline void __trap() { shim::die("__trap()"); }
 inline void __nanosleep(unsigned) { shim::yield(); }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
 inline float __expf(float x) { return std::exp(x); }
 template <typename T>
 inline T __ldg(const T* p) {

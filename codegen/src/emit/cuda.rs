@@ -15,6 +15,7 @@ const APK: &str = include_str!("../../templates/apk.cu.tera");
 const PTX: &str = include_str!("../../templates/ptx.cu.tera");
 const LAYER: &str = include_str!("../../templates/layer.cu.tera");
 const EMU_LAUNCH: &str = include_str!("../../templates/emu_launch.cu.tera");
+const ZEPP: &str = include_str!("../../templates/zepp_route.cu.tera");
 
 /// An entry of the emulated device's launch table: its symbol and its
 /// parameters' C types, in order.
@@ -93,6 +94,13 @@ pub fn render(plan: &ValidPlan, k: &KernelInstance) -> Result<String, TemplateEr
         KernelParams::Permute(p) => {
             ctx.insert("p", p);
             ("permute.cu", vec![("permute.cu", PERMUTE), ("emu_launch.cu", EMU_LAUNCH)])
+        }
+        KernelParams::Zepp(p) => {
+            ctx.insert("p", p);
+            ctx.insert("zepp", &(p.policy == moeforge_dsl::spec::PlacementPolicy::Zepp));
+            // The double the plan holds, digit for digit (the host routing's bound).
+            ctx.insert("slack", &format!("{:?}", p.slack));
+            ("zepp_route.cu", vec![("zepp_route.cu", ZEPP), ("emu_launch.cu", EMU_LAUNCH)])
         }
         KernelParams::Layer(p) => {
             ctx.insert("p", p);

@@ -94,6 +94,7 @@ pub fn render(plan: &Plan, model: &moeforge_dsl::spec::Model, toolchain: &Toolch
             KernelParams::Permute(p) => serde_json::to_value(p),
             KernelParams::Apk(p) => serde_json::to_value(p),
             KernelParams::Layer(p) => serde_json::to_value(p),
+            KernelParams::Zepp(p) => serde_json::to_value(p),
         };
         if let Ok(serde_json::Value::Object(map)) = consts {
             let row: Vec<String> = map.iter().map(|(k, v)| format!("{k} = {v}")).collect();
@@ -514,8 +515,12 @@ fn placement(s: &mut String, plan: &Plan) {
     let _ = writeln!(
         s,
         "Realized: each GPU's EP expert views hold {per_gpu} slots per MoE layer, loaded with the replicas below \
-         (every layer's table is in `plan.json` `placement.replicas`). Every iteration the runtime routes \
-         the live routed counts per (source GPU, expert) with {routing}.\n"
+         (every layer's table is in `plan.json` `placement.replicas`). Every iteration each dispatch routes \
+         the live routed counts per (source GPU, expert) with {routing}: on the devices as \
+         `kernels/zepp_route.cu` (each source counts its entries, the counts are exchanged, every source \
+         routes over the layer's replica table in the `replica_table` buffer and writes the per-expert \
+         bounds and each entry's physical slot into `zepp_route`, both at fixed addresses), on the CPU \
+         twin with the same routing in Rust.\n"
     );
     if !p.stats.is_empty() {
         let _ = writeln!(s, "| routing | busiest GPU / mean | rows served on the sender's node |\n|---|---|---|");

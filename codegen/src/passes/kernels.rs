@@ -9,15 +9,17 @@
 
 use super::{At, Ctx, PassError};
 use crate::target::{self, ApkInput, TileError, FP8_SCALE_BLOCK};
+use moeforge_dsl::spec::PlacementPolicy;
 use moeforge_dsl::spec::{Deploy, Routing, Spec};
 use moeforge_dsl::Code;
 use moeforge_plan::cost::expected_x_moe;
 use moeforge_plan::cost::CostModel;
 use moeforge_plan::memory::MAX_BATCH_TOKENS;
+use moeforge_plan::placement::PlacementPlan;
 use moeforge_plan::search::Candidate;
 use moeforge_plan::{
     ApkForm, ApkParams, EntryPoint, GqaLayerParams, Grid, GridVar, KernelInstance, KernelParams, LayerParams,
-    MlaLayerParams, PermuteParams, Plan, QkNormKind, RankPlan, RouterParams, Scoring, WeightFormat,
+    MlaLayerParams, PermuteParams, Plan, QkNormKind, RankPlan, RouterParams, Scoring, WeightFormat, ZeppParams,
 };
 
 const ROUTER_WARPS: u32 = 4;
@@ -27,6 +29,8 @@ const ROUTER_MIN_BLOCKS: u32 = 8;
 const PERMUTE_THREADS: u32 = 256;
 /// One block of 256 threads per token or row for the layer kernels.
 const LAYER_THREADS: u32 = 256;
+/// The routing kernel: one thread per expert (strided), one block.
+const ZEPP_THREADS: u32 = 256;
 
 /// Writes `plan.kernels`: the router, the permutation and the APKs. It
 /// emits no source (that is `emit`).
@@ -65,6 +69,9 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
         kernels.extend(dense(cx, &plan.ranks, apks.first(), WeightFormat::Fp8E4m3).map_err(|e| vec![e])?);
     }
     kernels.push(layer(cx, &plan.memory));
+    if let Some(p) = plan.placement.as_ref().filter(|p| p.policy != PlacementPolicy::None) {
+        kernels.push(zepp_route(cx, p));
+    }
     plan.kernels = kernels;
     unused_tiles(cx);
     Ok(())
@@ -250,6 +257,62 @@ fn routing(spec: &Spec, d: &Deploy, max_local: u32) -> Vec<KernelInstance> {
             ],
         },
     ]
+}
+
+/// The replica routing every dispatch of a replicated placement runs
+/// (`kernels/zepp_route.cu`): sizes are run-time arguments, the policy and
+/// the load bound's slack are the placement's.
+fn zepp_route(cx: &Ctx<'_>, p: &PlacementPlan) -> KernelInstance {
+    let arch = cx.cluster.gpu.arch;
+    let p_ = |s: &str| s.to_string();
+    let experts = cx.model.moe.experts;
+    KernelInstance {
+        name: "zepp_route".into(),
+        purpose: format!(
+            "{} routing of every source's routed entries over each layer's replica table",
+            match p.policy {
+                PlacementPolicy::Zepp => "Zepp's locality-preferred water-filling and consolidation",
+                _ => "EPLB's even-split",
+            }
+        ),
+        arch,
+        params: KernelParams::Zepp(ZeppParams { policy: p.policy, slack: p.slack, threads: ZEPP_THREADS }),
+        entries: vec![
+            EntryPoint {
+                symbol: "zepp_count".into(),
+                grid: Grid::Fixed { blocks: experts.div_ceil(ZEPP_THREADS) },
+                block: ZEPP_THREADS,
+                dynamic_smem: 0,
+                params: vec![
+                    p_("const int32_t* topk_ids"),
+                    p_("int entries"),
+                    p_("int experts"),
+                    p_("int32_t* counts"),
+                ],
+            },
+            EntryPoint {
+                symbol: "zepp_route".into(),
+                grid: Grid::Fixed { blocks: 1 },
+                block: ZEPP_THREADS,
+                dynamic_smem: 0,
+                params: vec![
+                    p_("const int32_t* topk_ids"),
+                    p_("int entries"),
+                    p_("const int32_t* demand"),
+                    p_("const int32_t* table"),
+                    p_("const int32_t* member"),
+                    p_("int experts"),
+                    p_("int reps"),
+                    p_("int world"),
+                    p_("int gpus_per_node"),
+                    p_("int slots_per_gpu"),
+                    p_("int src"),
+                    p_("int32_t* work"),
+                    p_("int32_t* dest"),
+                ],
+            },
+        ],
+    }
 }
 
 /// Decode tokens one rank dispatches per step (DeepEP low-latency's default

@@ -214,8 +214,13 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     // weights and KV pool, MoE servers' expert slots.
     let attention_roles = vec![Role::Prefill, Role::Decode];
     let role_plan = plan.roles.as_ref().is_some_and(Roles::moe_servers);
-    let ws = Workspace::of(m, dual);
-    let specs = Workspace::buffers(m, dual);
+    let mut specs = Workspace::buffers(m, dual);
+    // A replicated placement routes on the devices: its replica tables and
+    // the routing kernel's arrays sit in the workspace at fixed addresses.
+    if let Some(p) = &plan.placement {
+        specs.extend(Workspace::zepp_buffers(m, u64::from(c.world_size()), p.max_replicas() as u64));
+    }
+    let ws = Workspace::of_specs(&specs);
     let mut buffers = Vec::new();
     let mut workspace = |b: &mut Builder| {
         for (kind, bytes) in

@@ -45,7 +45,7 @@
 use super::bind::{self, Counts, Site};
 use super::{BufferId, Code, Device, DeviceError, Elem, KernelArg, ModuleId, SideEvent, StridedCopy, Sum, Transfer};
 use moeforge_plan::memory::{
-    BufferName, MemoryPlan, Mode, RouteIndexParts, TensorPart, TensorRole, WeightReshard, KV_MOVE_CHUNK,
+    BufferName, MemoryPlan, Mode, RouteIndexParts, TensorPart, TensorRole, WeightReshard, ZeppRouteParts, KV_MOVE_CHUNK,
 };
 use moeforge_plan::placement::Swap;
 use moeforge_plan::program::{CommKind, KernelRef, Op, OpKind, Operand, Phase, Program};
@@ -116,6 +116,10 @@ pub struct KvMigration {
 /// rank, token row).
 type Routes = Vec<Vec<(u64, usize, usize)>>;
 
+/// Where each (source rank, entry) of a dispatch goes: (destination rank,
+/// the id its permutation matches).
+type Assigned = BTreeMap<(usize, usize), (usize, i32)>;
+
 pub struct Executor {
     dev: Box<dyn Device + Send>,
     plan: std::sync::Arc<Plan>,
@@ -148,6 +152,24 @@ pub struct Executor {
     /// Kernel and communication ops issued on the main stream so far.
     main_ops: u64,
     swap_overlap: SwapOverlap,
+    /// A replicated placement's routing kernel and where its tables lie.
+    zepp: Option<ZeppRouting>,
+}
+
+/// The routing kernel of a replicated placement (`kernels/zepp_route.cu`)
+/// and its buffers: every dispatch routes on the device.
+#[derive(Clone, Copy, Debug)]
+struct ZeppRouting {
+    module: ModuleId,
+    /// `ReplicaTable`'s offset, and its width (replicas per expert).
+    table: u64,
+    width: usize,
+    /// `ZeppRoute`'s offset, and its parts.
+    route: u64,
+    parts: ZeppRouteParts,
+    slots_per_gpu: usize,
+    count_blocks: u32,
+    threads: u32,
 }
 
 /// How Zepp's swaps overlapped serving: `swaps` exchanges queued on the
@@ -266,9 +288,45 @@ impl Executor {
                 modules.insert(instance.clone(), dev.load(instance, src)?);
             }
         }
+        let zepp = match (&plan.placement, plan.kernels.iter().find(|k| matches!(k.params, KernelParams::Zepp(_)))) {
+            (Some(p), Some(k)) => {
+                let src = sources.get(&k.name).ok_or_else(|| ExecError::NoSource(k.name.clone()))?;
+                let module = dev.load(&k.name, src)?;
+                let at = |name| {
+                    plan.memory
+                        .buffers
+                        .iter()
+                        .find(|b| b.name == name)
+                        .map(|b| b.offset)
+                        .ok_or_else(|| ExecError::Plan(format!("the replicated placement has no {name:?} buffer")))
+                };
+                let width = p.max_replicas();
+                let (experts, k_top) = (u64::from(plan.model.experts), u64::from(plan.model.top_k));
+                let threads = k.entries.first().map_or(256, |e| e.block);
+                Some(ZeppRouting {
+                    module,
+                    table: at(BufferName::ReplicaTable)?,
+                    width,
+                    route: at(BufferName::ZeppRoute)?,
+                    parts: ZeppRouteParts::of(
+                        plan.ranks.len() as u64,
+                        experts,
+                        width as u64,
+                        moeforge_plan::memory::MAX_BATCH_TOKENS * k_top,
+                    ),
+                    slots_per_gpu: p.slots_per_gpu(),
+                    count_blocks: plan.model.experts.div_ceil(threads.max(1)),
+                    threads,
+                })
+            }
+            (Some(p), None) if p.policy != moeforge_dsl::spec::PlacementPolicy::None => {
+                return Err(ExecError::Missing { op: "dispatch".into(), family: "the replica routing kernel".into() })
+            }
+            _ => None,
+        };
         let buffers =
             (0..plan.memory.group).map(|_| dev.alloc(plan.memory.buffer_bytes)).collect::<Result<Vec<_>, _>>()?;
-        Ok(Executor {
+        let mut ex = Executor {
             dev,
             plan: std::sync::Arc::new(plan.clone()),
             buffers,
@@ -287,7 +345,26 @@ impl Executor {
             side_since: None,
             main_ops: 0,
             swap_overlap: SwapOverlap::default(),
-        })
+            zepp,
+        };
+        for l in 0..layers {
+            ex.store_replica_table(l)?;
+        }
+        Ok(ex)
+    }
+
+    /// Writes MoE layer `moe_layer`'s replica table, as the slots hold
+    /// experts now, at its fixed address on every rank (every source routes).
+    fn store_replica_table(&mut self, moe_layer: usize) -> Result<(), ExecError> {
+        let (Some(z), Some(slots)) = (self.zepp, self.slots.get(moe_layer)) else { return Ok(()) };
+        let experts = self.plan.model.experts as usize;
+        let table = moeforge_plan::placement::PlacementPlan::replica_table(slots, experts, z.slots_per_gpu, z.width);
+        let at = z.table + (moe_layer * experts * z.width * 4) as u64;
+        let bytes = le32(&table);
+        for r in 0..self.buffers.len() {
+            self.store(r, at, &bytes)?;
+        }
+        Ok(())
     }
 
     /// A compiled transfer program the plan needs, or why the bundle lacks it.
@@ -437,6 +514,9 @@ impl Executor {
         if let Some(l) = moe.and_then(|l| self.slots.get_mut(l)) {
             l[s.a][s.slot_a] = y;
             l[s.b][s.slot_b] = x;
+        }
+        if let Some(l) = moe {
+            self.store_replica_table(l)?;
         }
         Ok(exchanges.iter().map(|x| x.bytes).sum())
     }
@@ -697,6 +777,105 @@ impl Executor {
     /// positions, KV slots, request headers with page tables, each row's
     /// request and the sampled rows. Returns (tokens, sampled rows).
     #[allow(clippy::too_many_arguments)]
+    /// A replicated placement's routing of one dispatch, on the device
+    /// (Zepp §5): each source counts its entries per expert (`zepp_count`,
+    /// its row of the demand matrix), the rows are exchanged among the
+    /// group (one batch of the compiled dispatch program), and every source
+    /// with entries runs `zepp_route` over MoE layer `moe_layer`'s replica
+    /// table, reading back only the physical slot of each of its entries:
+    /// `(source, entry) → (destination rank, physical slot id)`.
+    fn route(
+        &mut self,
+        plan: &Plan,
+        z: ZeppRouting,
+        moe_layer: usize,
+        ids_of: &BTreeMap<usize, Vec<i32>>,
+        ids_at: &BTreeMap<usize, u64>,
+        group: &[usize],
+    ) -> Result<Assigned, ExecError> {
+        let (world, experts) = (self.buffers.len(), plan.model.experts as usize);
+        let gpn = (plan.cluster.gpus_per_node as usize).max(1);
+        if world != plan.ranks.len() || world % gpn != 0 || z.slots_per_gpu == 0 {
+            return Err(ExecError::Plan(format!(
+                "the replica routing needs whole nodes of {gpn} GPUs and slots on them ({world} ranks)"
+            )));
+        }
+        let capacity = (z.parts.bytes - z.parts.dest) / 4;
+        let row = |s: usize| z.route + z.parts.demand + (s * experts * 4) as u64;
+        let buffers = self.buffers.clone();
+        let ptr = |s: usize, offset: u64| KernelArg::Ptr { buffer: buffers[s], offset };
+        let int = |x: usize| i32::try_from(x).map(KernelArg::I32);
+        let too_big = |what: &str| ExecError::Capacity(format!("the replica routing: {what} past an i32"));
+        for (&s, ids) in ids_of {
+            if ids.len() as u64 > capacity {
+                return Err(ExecError::Capacity(format!(
+                    "rank {s}: {} routed entries for a routing of {capacity}",
+                    ids.len()
+                )));
+            }
+            let args = [
+                ptr(s, ids_at[&s]),
+                int(ids.len()).map_err(|_| too_big("entries"))?,
+                int(experts).map_err(|_| too_big("experts"))?,
+                ptr(s, row(s)),
+            ];
+            self.dev.launch(z.module, "zepp_count", z.count_blocks, z.threads, &args)?;
+        }
+        // Every source's row to every source that routes (the counts
+        // exchange: ExpertPlex's metadata before the rows, Zepp's "metadata
+        // exchange"), rows of ranks outside the group masked by `member`.
+        let routing: Vec<usize> = ids_of.iter().filter(|(_, ids)| !ids.is_empty()).map(|(&s, _)| s).collect();
+        let mut copies = Vec::new();
+        for &s in ids_of.keys() {
+            for &d in routing.iter().filter(|&&d| d != s) {
+                copies.push(Transfer {
+                    src: s as u32,
+                    dst: d as u32,
+                    copy: StridedCopy::one_run(row(s), row(s), (experts * 4) as u64),
+                });
+            }
+        }
+        if !copies.is_empty() {
+            let code = self.code(&self.dispatch, "dispatch")?;
+            let batch =
+                code.program.batch(&copies).map_err(|e| ExecError::Plan(format!("the counts exchange: {e}")))?;
+            self.dev.transfer(&code, &[batch], &self.buffers)?;
+        }
+        let member: Vec<i32> = (0..world).map(|r| i32::from(group.contains(&r))).collect();
+        let table = z.table + (moe_layer * experts * z.width * 4) as u64;
+        let mut out = BTreeMap::new();
+        for s in routing {
+            let ids = &ids_of[&s];
+            self.store(s, z.route + z.parts.member, &le32(&member))?;
+            let args = [
+                ptr(s, ids_at[&s]),
+                int(ids.len()).map_err(|_| too_big("entries"))?,
+                ptr(s, z.route + z.parts.demand),
+                ptr(s, table),
+                ptr(s, z.route + z.parts.member),
+                int(experts).map_err(|_| too_big("experts"))?,
+                int(z.width).map_err(|_| too_big("replicas"))?,
+                int(world).map_err(|_| too_big("ranks"))?,
+                int(gpn).map_err(|_| too_big("GPUs per node"))?,
+                int(z.slots_per_gpu).map_err(|_| too_big("slots"))?,
+                int(s).map_err(|_| too_big("ranks"))?,
+                ptr(s, z.route + z.parts.work),
+                ptr(s, z.route + z.parts.dest),
+            ];
+            self.dev.launch(z.module, "zepp_route", 1, z.threads, &args)?;
+            let dest = i32s(&self.fetch(s, z.route + z.parts.dest, (ids.len() * 4) as u64)?);
+            for (i, &p) in dest.iter().enumerate() {
+                let Ok(p) = usize::try_from(p) else { continue };
+                let g = p / z.slots_per_gpu;
+                if g >= world || !group.contains(&g) {
+                    return Err(ExecError::Plan(format!("the replica routing sent an entry to slot {p}")));
+                }
+                out.insert((s, i), (g, p as i32));
+            }
+        }
+        Ok(out)
+    }
+
     fn write_inputs(
         &mut self,
         mem: &MemoryPlan,
@@ -1049,18 +1228,22 @@ impl Executor {
             CommKind::AllToAll if !c.with.is_empty() => {
                 // Dispatch: each token row to every rank holding one of its
                 // (token, k) entries. Striped: the expert's owner. Replicated:
-                // the replica the placement's routing chose for the entry
-                // (`moeforge_plan::placement::route` on this layer's counts per
-                // source and expert, the cpu twin's function; over this
-                // micro-batch's rows, where the twin routes the whole step, so
-                // the replicas chosen can differ, never the tokens), and the row's ids
-                // are rewritten per destination: the entries it serves carry
-                // their physical slot id (`Plan::ep_ids`), the others -1.
+                // the replica the placement's routing chose for the entry, on
+                // the device (`kernels/zepp_route.cu`, [`Executor::route`]:
+                // the same routing as the cpu twin's
+                // `moeforge_plan::placement::route` on the same counts; over
+                // this micro-batch's rows, where the twin routes the whole
+                // step, so the replicas chosen can differ, never the
+                // tokens), and the row's ids are rewritten per destination:
+                // the entries it serves carry their physical slot id
+                // (`Plan::ep_ids`), the others -1.
                 let k = plan.model.top_k as usize;
                 let ids_name = c.with[0][0];
                 let mut ids_of: BTreeMap<usize, Vec<i32>> = BTreeMap::new();
+                let mut ids_at: BTreeMap<usize, u64> = BTreeMap::new();
                 for &s in &group {
                     let t = counts[s][m].tokens as usize;
+                    ids_at.insert(s, at(s, ids_name)?);
                     ids_of.insert(s, i32s(&self.fetch(s, at(s, ids_name)?, (t * k * 4) as u64)?));
                 }
                 let moe_layer = layer.saturating_sub(plan.memory.slots.first_moe_layer) as usize;
@@ -1073,8 +1256,10 @@ impl Executor {
                         }
                     }
                 }
-                let table = self.slots.get(moe_layer).map_or(&[][..], Vec::as_slice);
-                let assigned = assign_entries(plan, table, &ids_of, k, &group);
+                let assigned = match self.zepp {
+                    Some(z) => self.route(plan, z, moe_layer, &ids_of, &ids_at, &group)?,
+                    None => stripe_entries(plan, &ids_of, &group),
+                };
                 // Where each source's rows land on a destination. A role
                 // plan's MoE server reserves each attention server rows of
                 // its `dispatch` (`roles.posts`: micro-batch m's slice holds
@@ -1668,63 +1853,20 @@ pub fn post_rounds(
     Ok((0..rounds).map(|k| groups.iter().map(|g| g.get(k).cloned().unwrap_or_default()).collect()).collect())
 }
 
-/// Where each (source rank, entry) of a dispatch goes: `(destination rank,
-/// the id its permutation matches)`. Striped plans: the owner of the
-/// expert's stripe and the logical id. Replicated plans: the placement's
-/// routing over this layer's counts per (source, expert), each source's
-/// entries of an expert taking the replicas it was given in entry order, and
-/// the physical slot id `rank·S + slot`.
-fn assign_entries(
-    plan: &Plan,
-    slots: &[Vec<u32>],
-    ids_of: &BTreeMap<usize, Vec<i32>>,
-    k: usize,
-    group: &[usize],
-) -> BTreeMap<(usize, usize), (usize, i32)> {
+/// Where each (source rank, entry) of a striped plan's dispatch goes:
+/// `(the owner of the expert's stripe, the logical id)`.
+fn stripe_entries(plan: &Plan, ids_of: &BTreeMap<usize, Vec<i32>>, group: &[usize]) -> Assigned {
+    let owner = |e: i32| {
+        group
+            .iter()
+            .copied()
+            .find(|&g| plan.ranks.get(g).is_some_and(|x| (x.experts[0] as i32..x.experts[1] as i32).contains(&e)))
+    };
     let mut out = BTreeMap::new();
-    let experts = plan.model.experts as usize;
-    let Some(p) = &plan.placement else {
-        let owner = |e: i32| {
-            group
-                .iter()
-                .copied()
-                .find(|&g| plan.ranks.get(g).is_some_and(|x| (x.experts[0] as i32..x.experts[1] as i32).contains(&e)))
-        };
-        for (&s, ids) in ids_of {
-            for (i, &e) in ids.iter().enumerate() {
-                if let Some(d) = owner(e) {
-                    out.insert((s, i), (d, e));
-                }
-            }
-        }
-        return out;
-    };
-    let world = plan.ranks.len();
-    // The group's slots as they are now (a PD instance routes over its own GPUs).
-    let table: Vec<Vec<u32>> = (0..world)
-        .map(|r| if group.contains(&r) { slots.get(r).cloned().unwrap_or_default() } else { vec![] })
-        .collect();
-    let mut demand = vec![vec![0f64; experts]; world];
     for (&s, ids) in ids_of {
-        for &e in ids.iter().take(ids.len() / k.max(1) * k) {
-            if let Some(x) = demand.get_mut(s).and_then(|d| d.get_mut(e as usize)) {
-                *x += 1.0;
-            }
-        }
-    }
-    let topo = moeforge_plan::placement::Topology {
-        nodes: plan.cluster.nodes as usize,
-        gpus_per_node: plan.cluster.gpus_per_node as usize,
-    };
-    let routing = moeforge_plan::placement::route(p.policy, &table, &demand, topo, p.slack);
-    let per = p.slots_per_gpu();
-    for (&s, ids) in ids_of {
-        let Some(row) = routing.get(s) else { continue };
-        let mut take = moeforge_plan::placement::row_queues(row);
         for (i, &e) in ids.iter().enumerate() {
-            let Some(g) = take.get_mut(e as usize).and_then(Iterator::next) else { continue };
-            if let Some(slot) = table[g].iter().position(|&x| x as i32 == e) {
-                out.insert((s, i), (g, (g * per + slot) as i32));
+            if let Some(d) = owner(e) {
+                out.insert((s, i), (d, e));
             }
         }
     }
