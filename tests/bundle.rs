@@ -398,3 +398,53 @@ fn a_strategy_that_falls_back_to_colocated_keeps_the_switch() {
     assert!(report.contains("the plan is the colocated DP-attention + EP layout"), "{report}");
     assert!(!report.contains("Realized:") && !report.contains("ExpertPlex roles put attention"), "{report}");
 }
+
+/// A replicated placement's routing buffers are checked against what the
+/// routing kernel reads and writes: a `zepp_route` buffer a word short, or a
+/// replica table of another width, is refused at the routing kernel (the
+/// kernel would write past the buffer), and a placement that says `none` is
+/// refused at its policy (striped experts have logical ids, a placement's
+/// are physical).
+#[test]
+fn undersized_routing_buffers_and_a_striped_placement_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("b");
+    let spec = SPEC
+        .replace("switch { t_high = 4 window = 2 cooldown = 0s }", "placement { policy = zepp redundant_experts = 2 }");
+    let checked = moeforge::dsl::check_str("tiny.moe", &spec).unwrap_or_else(|f| panic!("{}", f.render(false)));
+    let id = moeforge::dsl::spec::DeployId(0);
+    let plan =
+        codegen::plan_deployment(&checked, id).unwrap_or_else(|d| panic!("{}", d.render(&checked.sources, false)));
+    codegen::emit(&checked, id, &plan, &NvccMode::Off).unwrap().0.write(&dir).unwrap();
+    assert!(load_bundle(&dir).is_ok());
+    let v0: Value = serde_json::from_slice(&std::fs::read(dir.join("plan.json")).unwrap()).unwrap();
+    let buffer = |name: &str| {
+        v0["memory"]["buffers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .position(|b| b["name"] == name)
+            .unwrap_or_else(|| panic!("a replicated plan holds `{name}`"))
+    };
+    let refused = |edit: &dyn Fn(&mut Value)| {
+        let mut v = v0.clone();
+        edit(&mut v);
+        rewrite(&dir, &v);
+        load_bundle(&dir).err().map(|e| e.to_string()).unwrap_or_default()
+    };
+    let (route, table) = (buffer("zepp_route"), buffer("replica_table"));
+    let e = refused(&|v| {
+        let b = &mut v["memory"]["buffers"][route]["row_bytes"];
+        *b = Value::from(b.as_u64().unwrap() - 4);
+    });
+    assert!(e.contains("kernels[") && e.contains("routing-kernel"), "{e}");
+    let e = refused(&|v| {
+        let b = &mut v["memory"]["buffers"][table]["row_bytes"];
+        *b = Value::from(b.as_u64().unwrap() + 4);
+    });
+    assert!(e.contains("kernels[") && e.contains("routing-kernel"), "{e}");
+    let e = refused(&|v| v["placement"]["policy"] = Value::from("none"));
+    assert!(e.contains("placement.policy"), "{e}");
+    rewrite(&dir, &v0);
+    assert!(load_bundle(&dir).is_ok());
+}

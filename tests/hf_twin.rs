@@ -780,10 +780,13 @@ fn on_the_emulated_device_with(name: &'static str, runs: &[(u32, Mode, &[usize])
 /// Replicated expert slots on the emulated device: the 2 nodes × 2 ranks
 /// Zepp plan of `replicated_expert_slots_give_transformers_tokens`, every
 /// step through the bundle's kernels. The dispatch routes each (token, k)
-/// entry with the placement's routing and rewrites its id to the physical
-/// slot it chose, which the emitted permutation matches (`Plan::ep_ids`);
-/// a replica computed twice or never would change the tokens. Held to the
-/// bounds of `on_the_emulated_device`.
+/// entry on the device (`kernels/zepp_route.cu`) and rewrites its id to the
+/// physical slot it chose, which the emitted permutation matches
+/// (`Plan::ep_ids`); a replica computed twice or never would change the
+/// tokens. Held to the bounds of `on_the_emulated_device`. Zepp's
+/// locality-preferred routing keeps rows on their node: fewer rows reach
+/// the other node than with the striped experts of the same plan without a
+/// placement.
 #[test]
 fn replicated_expert_slots_on_the_emulated_device_give_transformers_tokens() {
     let (b, _, d) = on_two_nodes_of_the_emulated_device(
@@ -793,6 +796,15 @@ fn replicated_expert_slots_on_the_emulated_device_give_transformers_tokens() {
     assert!(b.plan.plan().placement.is_some());
     // The relays forward rows whose ids are then rewritten per destination.
     assert!(d.forwarded_rows > 0, "{d:?}");
+    let (_, _, striped) = on_two_nodes_of_the_emulated_device("", "striped experts on the emulated device");
+    assert!(d.remote_rows < striped.remote_rows, "Zepp's routing {d:?} against the stripes' {striped:?}");
+    eprintln!(
+        "rows to the other node: zepp {} of {}, striped {} of {}",
+        d.remote_rows,
+        d.remote_rows + d.node_rows,
+        striped.remote_rows,
+        striped.remote_rows + striped.node_rows
+    );
 }
 
 /// Qwen3-MoE's 2 nodes × 2 ranks EP plan with `placement` compiled, run on
@@ -812,8 +824,13 @@ fn on_two_nodes_of_the_emulated_device(
     let b = compile_text(&cpu_cluster_deployment(&block, 2, 2, 0.25, placement), tmp.path());
     let dev = EmuDevice::start(cache.path()).unwrap_or_else(|e| panic!("{e}"));
     let mut t = Twin::on_device(&b, &ck, Mode::Ep, Box::new(dev)).unwrap_or_else(|e| panic!("{e}"));
+    // Every device routing of a replicated placement is checked against
+    // the host routing of the same counts.
+    t.verify_device_routing(true);
     let at = |i: usize, s: usize| bound.max(steps[i][s]);
     let (e, ekv, _) = check_run_within(&f, &mut t, label, &[], &at, &at);
+    let checked = t.device_routing_checked().unwrap_or(0);
+    assert_eq!(checked > 0, b.plan.plan().placement.is_some(), "{label}: {checked} entries' routing checked");
     let c = t.combine_traffic().unwrap_or_else(|| panic!("{label}: no device"));
     let d = t.dispatch_traffic().unwrap_or_else(|| panic!("{label}: no device"));
     eprintln!("{label}: worst logit error {e:.2e} ({ekv:.2e} against a bf16 KV cache); {c:?}; {d:?}");
@@ -1002,9 +1019,13 @@ fn zepp_swap_run(dev: Box<dyn Device + Send>, label: &str) -> moeforge::runtime:
     assert_eq!(moe.len(), 2, "two MoE servers on the node to swap between");
     let mut t = Twin::on_device(&b, &ck, Mode::Ep, dev).unwrap();
     t.set_swap_policy(SwapPolicy { window: 1, threshold: 1.0 });
+    // The device's routing after each swap rewrote the layer's replica
+    // table is the host routing over the swapped slots.
+    t.verify_device_routing(true);
     let at = |i: usize, s: usize| bound.max(steps[i][s]);
     let (e, _, _) = check_run_within(&f, &mut t, label, &[], &at, &at);
     assert!(t.swaps() > 0, "no swap happened between the MoE servers");
+    assert!(t.device_routing_checked().is_some_and(|n| n > 0), "{label}: no routing checked");
     // Every swap queued on the side stream, and some ran beside a later
     // step's ops (the last one may have had no step after it).
     let o = t.swap_overlap().unwrap();

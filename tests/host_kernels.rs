@@ -816,14 +816,17 @@ fn check_mla<'a>(
 
 /// The emitted replica routing (`kernels/zepp_route.cu`: `zepp_count`, then
 /// `zepp_route`) on the emulated device, on random instances (1–4 nodes of
-/// 1–4 GPUs, 2–41 experts, 1–4 slots per GPU, skewed top-k picks, every
-/// source or a random dispatch group), against the runtime's host routing
+/// 1–4 GPUs; 2–41 experts in 1–4 slots per GPU, or, one case in eight,
+/// 257–316 experts dealt over the GPUs with a replica more on each, so
+/// threads stride over experts; skewed top-k picks; every source or a
+/// random dispatch group), against the runtime's host routing
 /// (`moeforge_plan::placement::route` and `row_queues`, a separate Rust
 /// implementation): the physical slot of every entry of every source, for
 /// Zepp (GLM-5's example: water-filling and consolidation) and EPLB
 /// (DeepSeek-V3's: the even split). Demand rows of GPUs outside the group
 /// hold garbage the kernel must ignore, and the work area keeps the last
-/// instance's values.
+/// instance's values. (Seeded: skipping the consolidation, flipping its
+/// tie-break or reversing the water-filling's last-row order each fails it.)
 #[test]
 fn emitted_replica_routing_matches_the_host_routing() {
     use moeforge::dsl::spec::PlacementPolicy;
@@ -847,20 +850,36 @@ fn emitted_replica_routing_matches_the_host_routing() {
         let ptr = |g: usize, offset: u64| KernelArg::Ptr { buffer: bufs[g], offset };
         let int = |x: usize| KernelArg::I32(x as i32);
         let mut rng = Rng(0x5eed ^ policy as u64);
-        let (mut entries, mut remote, mut uneven) = (0usize, 0usize, 0usize);
+        let (mut instances, mut entries, mut remote, mut uneven) = (0usize, 0usize, 0usize, 0usize);
         for case in 0..80 {
             let (nodes, gpn) = (1 + rng.below(4), 1 + rng.below(4));
             let w = nodes * gpn;
-            let experts = 2 + rng.below(40);
-            let s = (1 + rng.below(4)).min(experts);
+            let wide = case % 8 == 7;
+            let experts = if wide { 257 + rng.below(60) } else { 2 + rng.below(40) };
             let k = 1 + rng.below(4.min(experts));
-            let slots: Vec<Vec<u32>> =
-                (0..w).map(|_| rng.permutation(experts)[..s].iter().map(|&x| x as u32).collect()).collect();
+            let slots: Vec<Vec<u32>> = if wide {
+                // Every expert dealt once, then one more replica on each GPU.
+                let mut v: Vec<Vec<u32>> = vec![vec![]; w];
+                for (i, e) in rng.permutation(experts).into_iter().enumerate() {
+                    v[i % w].push(e as u32);
+                }
+                for held in v.iter_mut() {
+                    if let Some(extra) = (0..experts as u32).find(|e| !held.contains(e)) {
+                        held.push(extra);
+                    }
+                }
+                v
+            } else {
+                let s = 1 + rng.below(4.min(experts));
+                (0..w).map(|_| rng.permutation(experts)[..s].iter().map(|&x| x as u32).collect()).collect()
+            };
+            let s = slots.iter().map(Vec::len).max().unwrap();
             let group: Vec<usize> =
                 if rng.below(3) == 0 { (0..w).filter(|_| rng.below(3) > 0).collect() } else { (0..w).collect() };
             if group.is_empty() {
                 continue;
             }
+            instances += 1;
             // Skewed picks: low ids are hot.
             let ids_of: BTreeMap<usize, Vec<i32>> = group
                 .iter()
@@ -963,6 +982,7 @@ fn emitted_replica_routing_matches_the_host_routing() {
             }
         }
         // The instances exercised every tier and several replicas.
+        assert!(instances >= 60, "{example}: {instances} instances");
         assert!(entries > 1000 && remote > 0 && uneven > 0, "{example}: {entries} entries, {remote} remote, {uneven}");
     }
 }

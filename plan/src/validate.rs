@@ -727,12 +727,27 @@ fn kernels(c: &mut Check, p: &Plan) {
             }
             KernelParams::Zepp(z) => {
                 // The routing kernel serves the plan's placement, at its
-                // policy and slack, from buffers the memory plan holds.
-                let has = |n| p.memory.buffers.iter().any(|b| b.name == n);
+                // policy and slack, from buffers the memory plan holds, each
+                // as large as the kernel reads and writes: every layer's
+                // replica table at its width, and the routing's arrays for
+                // every rank and a full batch's entries.
+                let buffer = |n| p.memory.buffers.iter().find(|b| b.name == n);
+                let sized = p.placement.as_ref().is_some_and(|pl| {
+                    let (e, r) = (u64::from(p.model.experts), pl.max_replicas() as u64);
+                    let k = u64::from(p.model.top_k);
+                    let route = crate::memory::ZeppRouteParts::of(
+                        p.ranks.len() as u64,
+                        e,
+                        r,
+                        crate::memory::MAX_BATCH_TOKENS * k,
+                    );
+                    let table = buffer(BufferName::ReplicaTable)
+                        .is_some_and(|b| b.row_bytes == 4 * r && b.rows >= u64::from(p.model.moe_layers) * e);
+                    table && buffer(BufferName::ZeppRoute).is_some_and(|b| b.bytes() >= route.bytes)
+                });
                 let ok = p.placement.as_ref().is_some_and(|pl| {
                     pl.policy == z.policy && pl.slack == z.slack && pl.policy != PlacementPolicy::None
-                }) && has(crate::memory::BufferName::ReplicaTable)
-                    && has(crate::memory::BufferName::ZeppRoute)
+                }) && sized
                     && z.threads % 32 == 0
                     && (32..=1024).contains(&z.threads);
                 c.ensure(ok, format!("{f}.params"), || {
@@ -896,6 +911,10 @@ fn search(c: &mut Check, p: &Plan) {
 /// least one replica (a row routed to an expert must find it somewhere).
 fn placement(c: &mut Check, p: &Plan) {
     let Some(pl) = &p.placement else { return };
+    // Striped experts are no placement: their ids are logical, a placement's physical.
+    c.ensure(pl.policy != PlacementPolicy::None, "placement.policy", || {
+        "a placement with policy `none` (striped experts have no placement)".to_string()
+    });
     c.ensure(pl.slack.is_finite() && (0.0..=10.0).contains(&pl.slack), "placement.slack", || {
         format!("{} is not a load-bound relaxation in [0, 10]", pl.slack)
     });

@@ -518,7 +518,7 @@ fn placement(s: &mut String, plan: &Plan) {
          (every layer's table is in `plan.json` `placement.replicas`). Every iteration each dispatch routes \
          the live routed counts per (source GPU, expert) with {routing}: on the devices as \
          `kernels/zepp_route.cu` (each source counts its entries, the counts are exchanged, every source \
-         routes over the layer's replica table in the `replica_table` buffer and writes the per-expert \
+         with entries routes all sources' counts over the layer's replica table in the `replica_table` buffer and writes the per-expert \
          bounds and each entry's physical slot into `zepp_route`, both at fixed addresses), on the CPU \
          twin with the same routing in Rust.\n"
     );

@@ -217,7 +217,7 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
     let mut specs = Workspace::buffers(m, dual);
     // A replicated placement routes on the devices: its replica tables and
     // the routing kernel's arrays sit in the workspace at fixed addresses.
-    if let Some(p) = &plan.placement {
+    if let Some(p) = plan.placement.as_ref().filter(|p| p.policy != moeforge_dsl::spec::PlacementPolicy::None) {
         specs.extend(Workspace::zepp_buffers(m, u64::from(c.world_size()), p.max_replicas() as u64));
     }
     let ws = Workspace::of_specs(&specs);

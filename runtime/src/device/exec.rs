@@ -154,6 +154,11 @@ pub struct Executor {
     swap_overlap: SwapOverlap,
     /// A replicated placement's routing kernel and where its tables lie.
     zepp: Option<ZeppRouting>,
+    /// Whether each device routing is checked against the host's
+    /// (`placement::route` on the same counts and table), and the entries
+    /// checked so far.
+    verify_routing: bool,
+    routing_checked: u64,
 }
 
 /// The routing kernel of a replicated placement (`kernels/zepp_route.cu`)
@@ -346,6 +351,8 @@ impl Executor {
             main_ops: 0,
             swap_overlap: SwapOverlap::default(),
             zepp,
+            verify_routing: false,
+            routing_checked: 0,
         };
         for l in 0..layers {
             ex.store_replica_table(l)?;
@@ -519,6 +526,19 @@ impl Executor {
             self.store_replica_table(l)?;
         }
         Ok(exchanges.iter().map(|x| x.bytes).sum())
+    }
+
+    /// Checks every device routing of a replicated placement against the
+    /// host's routing of the same counts over the same table (a step whose
+    /// routings differ fails with both); a verification mode, which costs the
+    /// host routing each dispatch.
+    pub fn verify_routing(&mut self, on: bool) {
+        self.verify_routing = on;
+    }
+
+    /// Routed entries whose device routing [`Executor::verify_routing`] checked.
+    pub fn routing_checked(&self) -> u64 {
+        self.routing_checked
     }
 
     /// The experts rank `rank`'s slots of MoE layer `moe_layer` hold now, as
@@ -773,10 +793,6 @@ impl Executor {
         Ok(out)
     }
 
-    /// Writes one micro-batch's step inputs on rank `r`: token ids,
-    /// positions, KV slots, request headers with page tables, each row's
-    /// request and the sampled rows. Returns (tokens, sampled rows).
-    #[allow(clippy::too_many_arguments)]
     /// A replicated placement's routing of one dispatch, on the device
     /// (Zepp §5): each source counts its entries per expert (`zepp_count`,
     /// its row of the demand matrix), the rows are exchanged among the
@@ -795,9 +811,17 @@ impl Executor {
     ) -> Result<Assigned, ExecError> {
         let (world, experts) = (self.buffers.len(), plan.model.experts as usize);
         let gpn = (plan.cluster.gpus_per_node as usize).max(1);
-        if world != plan.ranks.len() || world % gpn != 0 || z.slots_per_gpu == 0 {
+        if world != plan.ranks.len() {
             return Err(ExecError::Plan(format!(
-                "the replica routing needs whole nodes of {gpn} GPUs and slots on them ({world} ranks)"
+                "the replica routing routes over every rank: {world} buffers for {} ranks",
+                plan.ranks.len()
+            )));
+        }
+        if world % gpn != 0 || z.slots_per_gpu == 0 {
+            return Err(ExecError::Plan(format!(
+                "the replica routing needs whole nodes of {gpn} GPUs and expert slots on them ({world} ranks, {} \
+                 slots per GPU)",
+                z.slots_per_gpu
             )));
         }
         let capacity = (z.parts.bytes - z.parts.dest) / 4;
@@ -873,9 +897,34 @@ impl Executor {
                 out.insert((s, i), (g, p as i32));
             }
         }
+        if self.verify_routing {
+            let slots = self.slots.get(moe_layer).map_or(&[][..], Vec::as_slice);
+            let want = host_routing(plan, slots, ids_of, group);
+            if let Some(((s, i), got)) =
+                want.iter().find(|&(key, w)| out.get(key) != Some(w)).map(|(k, _)| (*k, out.get(k)))
+            {
+                return Err(ExecError::Plan(format!(
+                    "MoE layer {moe_layer}: the device routed source {s}'s entry {i} to {got:?}, the host routing to \
+                     {:?}",
+                    want.get(&(s, i))
+                )));
+            }
+            if out.len() != want.len() {
+                return Err(ExecError::Plan(format!(
+                    "MoE layer {moe_layer}: the device routed {} entries, the host routing {}",
+                    out.len(),
+                    want.len()
+                )));
+            }
+            self.routing_checked += out.len() as u64;
+        }
         Ok(out)
     }
 
+    /// Writes one micro-batch's step inputs on rank `r`: token ids,
+    /// positions, KV slots, request headers with page tables, each row's
+    /// request and the sampled rows. Returns (tokens, sampled rows).
+    #[allow(clippy::too_many_arguments)]
     fn write_inputs(
         &mut self,
         mem: &MemoryPlan,
@@ -1263,10 +1312,12 @@ impl Executor {
                 // Where each source's rows land on a destination. A role
                 // plan's MoE server reserves each attention server rows of
                 // its `dispatch` (`roles.posts`: micro-batch m's slice holds
-                // each region's m-th share), so no source waits on another's
-                // counts; rows between the regions' used parts carry no
-                // entry (ids −1). Otherwise the counts are exchanged first:
-                // rows packed in source-rank, then token order.
+                // each region's m-th share), so no source needs another's
+                // counts to place its rows (a replicated placement's routing
+                // above exchanges counts, to choose replicas); rows between
+                // the regions' used parts carry no entry (ids −1). Otherwise
+                // the counts are exchanged first: rows packed in source-rank,
+                // then token order.
                 let posts: BTreeMap<(usize, usize), (u64, u64)> = plan
                     .roles
                     .iter()
@@ -1851,6 +1902,46 @@ pub fn post_rounds(
     }
     let rounds = groups.iter().map(Vec::len).max().unwrap_or(1).max(1);
     Ok((0..rounds).map(|k| groups.iter().map(|g| g.get(k).cloned().unwrap_or_default()).collect()).collect())
+}
+
+/// The host's routing of a replicated placement's dispatch, what
+/// [`Executor::verify_routing`] checks the device's against: the
+/// placement's routing (`placement::route`) of the counts per (source,
+/// expert) over the group's slots, each source's entries of an expert taking
+/// the replicas it was given in entry order, and the physical slot id
+/// `rank·S + slot`.
+fn host_routing(plan: &Plan, slots: &[Vec<u32>], ids_of: &BTreeMap<usize, Vec<i32>>, group: &[usize]) -> Assigned {
+    let mut out = BTreeMap::new();
+    let Some(p) = &plan.placement else { return out };
+    let (world, experts) = (plan.ranks.len(), plan.model.experts as usize);
+    let table: Vec<Vec<u32>> = (0..world)
+        .map(|r| if group.contains(&r) { slots.get(r).cloned().unwrap_or_default() } else { vec![] })
+        .collect();
+    let mut demand = vec![vec![0f64; experts]; world];
+    for (&s, ids) in ids_of {
+        for &e in ids {
+            if let Some(x) = demand.get_mut(s).and_then(|d| d.get_mut(e as usize)) {
+                *x += 1.0;
+            }
+        }
+    }
+    let topo = moeforge_plan::placement::Topology {
+        nodes: plan.cluster.nodes as usize,
+        gpus_per_node: plan.cluster.gpus_per_node as usize,
+    };
+    let routing = moeforge_plan::placement::route(p.policy, &table, &demand, topo, p.slack);
+    let per = p.slots_per_gpu();
+    for (&s, ids) in ids_of {
+        let Some(row) = routing.get(s) else { continue };
+        let mut take = moeforge_plan::placement::row_queues(row);
+        for (i, &e) in ids.iter().enumerate() {
+            let Some(g) = take.get_mut(e as usize).and_then(Iterator::next) else { continue };
+            if let Some(slot) = table[g].iter().position(|&x| x as i32 == e) {
+                out.insert((s, i), (g, (g * per + slot) as i32));
+            }
+        }
+    }
+    out
 }
 
 /// Where each (source rank, entry) of a striped plan's dispatch goes:

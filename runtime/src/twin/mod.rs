@@ -293,6 +293,20 @@ impl Twin {
         self.device.as_ref().map(crate::device::exec::Executor::dispatch_traffic)
     }
 
+    /// Checks every device routing against the host's
+    /// ([`crate::device::exec::Executor::verify_routing`]); no effect
+    /// without a device.
+    pub fn verify_device_routing(&mut self, on: bool) {
+        if let Some(d) = self.device.as_mut() {
+            d.verify_routing(on);
+        }
+    }
+
+    /// Routed entries whose device routing was checked (`None` without a device).
+    pub fn device_routing_checked(&self) -> Option<u64> {
+        self.device.as_ref().map(crate::device::exec::Executor::routing_checked)
+    }
+
     /// How the device's slot swaps overlapped serving (`None` without a device).
     pub fn swap_overlap(&self) -> Option<crate::device::exec::SwapOverlap> {
         self.device.as_ref().map(crate::device::exec::Executor::swap_overlap)
