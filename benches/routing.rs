@@ -8,55 +8,23 @@
 //! at a decode and a prefill volume per GPU.
 //!
 //! `cargo bench --bench routing`
+//!
+//! With `MOEFORGE_ROUTING_CASES=DIR` it instead writes the two cases for the
+//! GPU check's routing step (`scripts/gpu/route_check.cu`, which runs the
+//! bundle's `kernels/zepp_route.cu` on them): `DIR/{decode,prefill}.txt`,
+//! each the topology, the replica table, every source's routed expert ids
+//! and the physical slot the host routing gives each of them, and the
+//! modeled layer (`common/routing_cases.rs`).
 
 #![allow(clippy::print_stdout)] // the side-by-side report is the point
 
-use criterion::{criterion_group, criterion_main, Criterion};
-use moeforge::codegen::placement::{layer_cost, zepp, zepp_latency, zipf_loads, Flows, LayerShape, Topology};
-use moeforge::dsl::{check_paths, FsLoader};
-use moeforge::plan::cost::CostModel;
+#[path = "common/routing_cases.rs"]
+mod routing_cases;
+
+use criterion::{criterion_group, Criterion};
 use moeforge::plan::placement::{route_local, SLACK};
-use moeforge::plan::rng::SplitMix64;
+use routing_cases::cases;
 use std::time::Instant;
-
-struct Case {
-    name: &'static str,
-    slots: Vec<Vec<u32>>,
-    demand: Vec<Vec<f64>>,
-    t: Topology,
-    modeled: f64,
-}
-
-fn cases() -> Vec<Case> {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/deepseek-v3-h100x32.moe");
-    let Ok(c) = check_paths(&[path], &FsLoader) else { return vec![] };
-    let d = &c.spec.deploys[0];
-    let (m, cl) = (c.spec.model(d.model), c.spec.cluster(d.cluster));
-    let cm = CostModel::roofline(m, cl, c.spec.tile_set(d.tiles));
-    let t = Topology { nodes: cl.nodes as usize, gpus_per_node: cl.gpus_per_node as usize };
-    let (experts, top_k) = (m.moe.experts as usize, m.moe.top_k as usize);
-    let shape = LayerShape { experts, top_k: top_k as f64, hidden: f64::from(m.hidden) };
-    let mut out = Vec::new();
-    for (name, tokens) in [("decode, 64 tokens/GPU", 64usize), ("prefill, 4096 tokens/GPU", 4096)] {
-        let rows = (tokens * top_k * t.world()) as f64;
-        let loads = zipf_loads(1, experts, rows, 1.1, 0x6d6f65).remove(0);
-        let Ok(p) = zepp(&loads, 32, t, &zepp_latency(&loads, t, shape, &cm)) else { continue };
-        // Whole counts per source: each source's share of each expert, jittered.
-        let mut rng = SplitMix64(9);
-        let demand: Vec<Vec<f64>> = (0..t.world())
-            .map(|_| {
-                loads
-                    .iter()
-                    .map(|l| (l / t.world() as f64 * (0.5 + (rng.next_u64() % 1000) as f64 / 1000.0)).round())
-                    .collect()
-            })
-            .collect();
-        let routing = route_local(&p.gpus, &demand, t, SLACK);
-        let modeled = layer_cost(&routing, t, shape, &cm, Flows::ZEPP).latency;
-        out.push(Case { name, slots: p.gpus, demand, t, modeled });
-    }
-    out
-}
 
 fn bench(c: &mut Criterion) {
     let cases = cases();
@@ -89,4 +57,22 @@ fn bench(c: &mut Criterion) {
 }
 
 criterion_group!(benches, bench);
-criterion_main!(benches);
+
+fn main() -> std::process::ExitCode {
+    if let Some(dir) = std::env::var_os("MOEFORGE_ROUTING_CASES") {
+        let dir = std::path::PathBuf::from(dir);
+        let cases = cases();
+        assert!(!cases.is_empty(), "examples/deepseek-v3-h100x32.moe did not load");
+        let write =
+            |k: &routing_cases::Case| std::fs::write(dir.join(format!("{}.txt", k.file)), routing_cases::text(k));
+        if let Err(e) = std::fs::create_dir_all(&dir).and_then(|()| cases.iter().try_for_each(write)) {
+            eprintln!("{}: {e}", dir.display());
+            return std::process::ExitCode::FAILURE;
+        }
+        println!("wrote {} routing cases into {}", cases.len(), dir.display());
+        return std::process::ExitCode::SUCCESS;
+    }
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+    std::process::ExitCode::SUCCESS
+}

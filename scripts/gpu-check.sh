@@ -31,6 +31,11 @@
 #               cuda`, live switches included; greedy tokens = transformers'.
 #   (e) sanitizer  compute-sanitizer memcheck on one end-to-end run and
 #               racecheck on a small APK run.
+#   (j) route   the replica routing (GLM-5's kernels/zepp_route.cu) on the
+#               DeepSeek-V3 4 x 8 decode and prefill cases `cargo bench --bench
+#               routing` writes: every entry's slot against the host routing,
+#               and one GPU's routing time per MoE layer over the modeled layer
+#               (Zepp's budget: ~5% of an iteration).
 # Exit status: 0 when every step passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -66,6 +71,8 @@ if [[ "${1:-}" == "--prepare" ]]; then
     python3 scripts/gpu/e2e.py --compile ./target/release/moeforge "tests/fixtures/models/$fixture" "$ranks" \
       "gpu-bundles.tmp/e2e/$fixture-$ranks${tiles:+-$tiles}" "$tiles"
   done
+  # The routing cases (j): the host routing's answers beside their inputs.
+  MOEFORGE_ROUTING_CASES="$PWD/gpu-bundles.tmp/routing" cargo bench --quiet --bench routing
   # The runner the GPU machine gets links no LLVM (the bundles carry their
   # transfer programs compiled): the same moeforge without the `llvm` feature.
   CARGO_TARGET_DIR=target/runner cargo build --release --quiet --no-default-features --bin moeforge
@@ -239,6 +246,13 @@ if [[ -n "$NVCC" ]]; then
   done
   run_step build copy_check 300 "$NVCC" -O3 -std=c++17 -Xptxas -v -gencode=arch=compute_90a,code=sm_90a \
     -o "$BUILD/copy_check" scripts/gpu/copy_check.cu &
+  route_src="$BUNDLES/glm-5-h800x24/kernels/zepp_route.cu"
+  if [[ -f "$route_src" ]]; then
+    run_step build route_check 300 "$NVCC" -O3 -std=c++17 -Xptxas -v -gencode=arch=compute_90a,code=sm_90a \
+      -DKERNEL_SOURCE="\"$(realpath "$route_src")\"" -o "$BUILD/route_check" scripts/gpu/route_check.cu &
+  elif [[ $EMU -eq 0 ]]; then
+    record build route_check 0 0 "missing $route_src: run scripts/gpu-check.sh --prepare and carry gpu-bundles"
+  fi
   wait
 fi
 
@@ -350,6 +364,17 @@ PY
   done
 fi
 
+# (j) The replica routing on the GPU: correctness and time per MoE layer.
+if [[ $have_gpu -eq 1 && -x "$BUILD/route_check" ]]; then
+  for case in decode prefill; do
+    if [[ -f "$BUNDLES/routing/$case.txt" ]]; then
+      run_step route "$case" 60 "$BUILD/route_check" "$BUNDLES/routing/$case.txt" 50
+    else
+      record route "$case" 0 0 "missing $BUNDLES/routing/$case.txt: run scripts/gpu-check.sh --prepare"
+    fi
+  done
+fi
+
 # (e) racecheck on a small APK run (memcheck ran after the end-to-end runs).
 if [[ $have_gpu -eq 1 && -x "$SAN" ]]; then
   tiny="$BUILD/tiny-qwen3-cpu4-apk"
@@ -402,6 +427,9 @@ for k in ("glm-5-h800x24/apk_e10", "minimax-m2-h800/apk"):
 for s in steps:
     if s["step"] == "copy" and "kernel_vs_d2d" in res(s):
         goals[f"reshard transfer / D2D copy ({s['name']}, >= 0.9)"] = res(s)["kernel_vs_d2d"]
+for s in steps:
+    if s["step"] == "route" and "routing_over_layer" in res(s):
+        goals[f"zepp routing / modeled MoE layer ({s['name']}, Zepp's budget ~0.05)"] = res(s)["routing_over_layer"]
 e2e = [s for s in steps if s["step"] == "e2e"]
 goals["end-to-end tokens = transformers'"] = f"{sum(1 for s in e2e if s['ok'])}/{len(e2e)} runs"
 report["goals"] = goals
@@ -419,6 +447,8 @@ for s in steps:
         d = f"bf16 {r.get('torch_bf16_tflops', r.get('torch_bf16_error', '?'))} TFLOP/s, fp8 {r.get('torch_fp8_tflops', r.get('torch_fp8_error', '?'))}"
     elif s["step"] == "copy" and r:
         d = f"kernel {r.get('kernel_gbs')} GB/s, memcpy2d {r.get('memcpy2d_gbs')}, d2d {r.get('d2d_gbs')}"
+    elif s["step"] == "route" and r:
+        d = f"{r.get('mismatches')} mismatches in {r.get('entries')} entries, {r.get('routing_us')} us per layer ({r.get('routing_over_layer')} of {r.get('modeled_layer_us')} us)"
     elif s["step"] == "static" and r:
         d = f"static prefill {r.get('static_prefill_us')} us"
     elif s["step"] == "build" and r:

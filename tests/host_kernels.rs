@@ -987,6 +987,78 @@ fn emitted_replica_routing_matches_the_host_routing() {
     }
 }
 
+#[path = "../benches/common/routing_cases.rs"]
+mod routing_cases;
+
+/// The emitted Zepp routing at DeepSeek-V3's scale: the decode case of
+/// `cargo bench --bench routing` and the GPU check's routing step (4 × 8
+/// GPUs, 256 experts, 32 redundant replicas, the hottest expert on 14 GPUs;
+/// every source's 64 tokens' top-8 entries over 4 nodes) through GLM-5's
+/// `zepp_route` on the emulated device: every source's entries get the
+/// slots the host routing gives them. (Skipping the consolidation leaves
+/// this case's routing unchanged: most experts have one replica, so each
+/// remote node a source sends to holds rows with nowhere else to go; the
+/// random instances of `emitted_replica_routing_matches_the_host_routing`
+/// exercise it.)
+#[test]
+fn emitted_zepp_routing_matches_the_host_routing_at_deepseek_v3_scale() {
+    use moeforge::plan::memory::ZeppRouteParts;
+    use moeforge::runtime::device::emu::EmuDevice;
+    use moeforge::runtime::device::{Device, KernelArg};
+    let case = routing_cases::cases().into_iter().find(|k| k.file == "decode").expect("the decode case");
+    let r = routing_cases::routed(&case);
+    let (w, gpn, experts) = (case.t.world(), case.t.gpus_per_node, case.demand[0].len());
+    assert!((w, experts) == (32, 256) && r.reps > 2, "{w} GPUs, {experts} experts, {} wide", r.reps);
+    let e = emit(&root().join("examples/glm-5-h800x24.moe"));
+    let cache = tempfile::tempdir().unwrap();
+    let mut dev = EmuDevice::start(cache.path()).unwrap();
+    let module = dev.load("zepp_route", &text(&e.files["kernels/zepp_route.cu"])).unwrap();
+    let most = r.ids.iter().map(Vec::len).max().unwrap();
+    let parts = ZeppRouteParts::of(w as u64, experts as u64, r.reps as u64, most as u64);
+    let (ids_at, table_at, route) = (0u64, (w * most * 4) as u64, (w * most * 4 + r.table.len() * 4) as u64);
+    let buf = dev.alloc(route + parts.bytes).unwrap();
+    let ptr = |offset: u64| KernelArg::Ptr { buffer: buf, offset };
+    let int = |x: usize| KernelArg::I32(x as i32);
+    dev.upload(buf, table_at, &le(&r.table)).unwrap();
+    dev.upload(buf, route + parts.member, &le(&vec![1; w])).unwrap();
+    let ids = |s: usize| ids_at + (s * most * 4) as u64;
+    for (s, mine) in r.ids.iter().enumerate() {
+        dev.upload(buf, ids(s), &le(mine)).unwrap();
+        let row = route + parts.demand + (s * experts * 4) as u64;
+        dev.launch(module, "zepp_count", 1, 256, &[ptr(ids(s)), int(mine.len()), int(experts), ptr(row)]).unwrap();
+    }
+    let (mut entries, mut remote) = (0, 0);
+    for (s, mine) in r.ids.iter().enumerate() {
+        dev.launch(
+            module,
+            "zepp_route",
+            1,
+            256,
+            &[
+                ptr(ids(s)),
+                int(mine.len()),
+                ptr(route + parts.demand),
+                ptr(table_at),
+                ptr(route + parts.member),
+                int(experts),
+                int(r.reps),
+                int(w),
+                int(gpn),
+                int(r.per),
+                int(s),
+                ptr(route + parts.work),
+                ptr(route + parts.dest),
+            ],
+        )
+        .unwrap();
+        let got = i32s(&dev.download(buf, route + parts.dest, (mine.len() * 4) as u64).unwrap());
+        assert!(got == r.dest[s], "source {s}: the kernel's slots differ from the host routing's");
+        entries += got.len();
+        remote += got.iter().filter(|&&d| d as usize / r.per / gpn != s / gpn).count();
+    }
+    assert!(entries > 15_000 && remote > 0, "{entries} entries, {remote} remote");
+}
+
 fn le(v: &[i32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }

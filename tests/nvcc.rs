@@ -147,9 +147,10 @@ fn nvcc_errors_are_reported_with_the_kernel_name() {
     assert!(e.contains("kernels/serial.cu") && e.contains("serializes wgmma"), "serialized wgmma passed: {e}");
 }
 
-/// The GPU check's driver (scripts/gpu/apk_check.cu) builds, host code and
-/// all, around an emitted APK for both targets, so `scripts/gpu-check.sh`
-/// does not first fail on a device machine.
+/// The GPU check's drivers build, host code and all: scripts/gpu/apk_check.cu
+/// around an emitted APK for both targets, and scripts/gpu/route_check.cu
+/// around an emitted routing kernel, so `scripts/gpu-check.sh` does not
+/// first fail on a device machine.
 #[test]
 fn the_gpu_check_driver_builds_around_emitted_apks() {
     let Some(nvcc) = nvcc() else {
@@ -180,4 +181,20 @@ fn the_gpu_check_driver_builds_around_emitted_apks() {
             .unwrap_or_else(|e| panic!("{e}"));
         assert!(o.status.success(), "{example}: {}", text(&o.stderr));
     }
+    // The routing step's driver, around GLM-5's routing kernel.
+    let out = tmp.path().join("glm-5");
+    let o = moeforge(
+        &["compile", "examples/glm-5-h800x24.moe", "-o", out.to_str().unwrap_or_default(), "--nvcc", "off"],
+        None,
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let o = std::process::Command::new(&nvcc)
+        .args(["-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "-Werror", "all-warnings"])
+        .arg(format!("-DKERNEL_SOURCE=\"{}\"", out.join("kernels/zepp_route.cu").display()))
+        .arg("-o")
+        .arg(tmp.path().join("route_check"))
+        .arg(root().join("scripts/gpu/route_check.cu"))
+        .output()
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(o.status.success(), "route_check: {}", text(&o.stderr));
 }
