@@ -23,6 +23,11 @@ pub struct Case {
 }
 
 pub fn cases() -> Vec<Case> {
+    cases_of(&["decode", "prefill"])
+}
+
+/// The cases named (`decode`, `prefill`) that built.
+pub fn cases_of(files: &[&str]) -> Vec<Case> {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/deepseek-v3-h100x32.moe");
     let Ok(c) = check_paths(&[path], &FsLoader) else { return vec![] };
     let d = &c.spec.deploys[0];
@@ -35,6 +40,9 @@ pub fn cases() -> Vec<Case> {
     for (name, file, tokens) in
         [("decode, 64 tokens/GPU", "decode", 64usize), ("prefill, 4096 tokens/GPU", "prefill", 4096)]
     {
+        if !files.contains(&file) {
+            continue;
+        }
         let rows = (tokens * top_k * t.world()) as f64;
         let loads = zipf_loads(1, experts, rows, 1.1, 0x6d6f65).remove(0);
         let Ok(p) = zepp(&loads, 32, t, &zepp_latency(&loads, t, shape, &cm)) else { continue };
