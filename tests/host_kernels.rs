@@ -995,7 +995,8 @@ mod routing_cases;
 /// GPUs, 256 experts, 32 redundant replicas, the hottest expert on 14 GPUs;
 /// every source's 64 tokens' top-8 entries over 4 nodes) through GLM-5's
 /// `zepp_route` on the emulated device: every source's entries get the
-/// slots the host routing gives them. (Skipping the consolidation leaves
+/// slots the host routing gives them, and the per-expert bounds sit where
+/// the plan says (`ZeppRouteParts::bounds`). (Skipping the consolidation leaves
 /// this case's routing unchanged: most experts have one replica, so each
 /// remote node a source sends to holds rows with nowhere else to go; the
 /// random instances of `emitted_replica_routing_matches_the_host_routing`
@@ -1060,6 +1061,16 @@ fn emitted_zepp_routing_matches_the_host_routing_at_deepseek_v3_scale() {
         remote += got.iter().filter(|&&d| d >= 0 && d as usize / r.per / gpn != s / gpn).count();
     }
     assert!(entries > 15_000 && remote > 0, "{entries} entries, {remote} remote");
+    // The bounds the routing wrote at their place in the work area: each
+    // replica of expert e takes at most ⌈1.1 · rows_e / replicas_e⌉ (Zepp
+    // §4.1's relaxed balance constraint, the placement's 10% slack).
+    let bounds = i32s(&dev.download(buf, route + parts.bounds, (experts * 4) as u64).unwrap());
+    let reps = moeforge::plan::placement::replicas_of(&case.slots, experts);
+    for (e, &b) in bounds.iter().enumerate() {
+        let rows: f64 = case.demand.iter().map(|d| d[e]).sum();
+        let want = if reps[e].is_empty() { 0.0 } else { (1.1 * rows / reps[e].len() as f64).ceil() };
+        assert_eq!(f64::from(b), want, "expert {e}: {rows} rows over {} replicas", reps[e].len());
+    }
 }
 
 fn le(v: &[i32]) -> Vec<u8> {

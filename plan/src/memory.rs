@@ -214,6 +214,9 @@ pub struct ZeppRouteParts {
     pub demand: u64,
     pub member: u64,
     pub work: u64,
+    /// Inside the work area: the per-expert load bounds of the latest
+    /// routing (after `nrep` and `rep`).
+    pub bounds: u64,
     pub dest: u64,
     /// Bytes in all, for `entries` entries.
     pub bytes: u64,
@@ -229,7 +232,7 @@ impl ZeppRouteParts {
         let member = demand + 4 * w * e;
         let work = member + 4 * w;
         let dest = work + 4 * work_words;
-        ZeppRouteParts { demand, member, work, dest, bytes: dest + 4 * entries }
+        ZeppRouteParts { demand, member, work, bounds: work + 4 * (e + e * r), dest, bytes: dest + 4 * entries }
     }
 }
 

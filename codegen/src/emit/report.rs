@@ -536,7 +536,53 @@ fn placement(s: &mut String, plan: &Plan) {
             let _ = writeln!(s, "- GPU {g}: {}", list.join(" "));
         }
         let _ = writeln!(s);
+        replica_bounds(s, plan, p, l0);
     }
+}
+
+/// Where the routing kernel finds the replica table and writes the bounds,
+/// and layer 0's replicated experts with the share of their rows each
+/// replica may take.
+fn replica_bounds(s: &mut String, plan: &Plan, p: &moeforge_plan::placement::PlacementPlan, l0: &[Vec<u32>]) {
+    use moeforge_plan::memory::BufferName;
+    let buffer = |n| plan.memory.buffers.iter().find(|b| b.name == n);
+    let (Some(table), Some(route)) = (buffer(BufferName::ReplicaTable), buffer(BufferName::ZeppRoute)) else {
+        return;
+    };
+    let experts = plan.model.experts as usize;
+    let width = p.max_replicas();
+    let parts = moeforge_plan::memory::ZeppRouteParts::of(
+        plan.ranks.len() as u64,
+        experts as u64,
+        width as u64,
+        moeforge_plan::memory::MAX_BATCH_TOKENS * u64::from(plan.model.top_k),
+    );
+    let bounds = route.offset + parts.bounds;
+    let _ = writeln!(
+        s,
+        "On the devices the routing kernel reads each layer's replica table at a fixed address, `replica_table` \
+         at {} ({} i32 per expert: its replicas' physical slots, GPUs ascending), rewritten for a layer when a \
+         swap exchanges its slots, and writes every iteration's per-expert bounds at {bounds} (in `zepp_route`, \
+         at {}).\n",
+        table.offset, width, route.offset
+    );
+    let gpn = (plan.cluster.gpus_per_node as usize).max(1);
+    let reps = moeforge_plan::placement::replicas_of(l0, experts);
+    let replicated: Vec<(usize, &Vec<usize>)> = reps.iter().enumerate().filter(|(_, r)| r.len() > 1).collect();
+    if replicated.is_empty() {
+        return;
+    }
+    let bound = |n: usize| match p.policy {
+        moeforge_dsl::spec::PlacementPolicy::Zepp => format!("≤ {:.1}%", 100.0 * (1.0 + p.slack) / n as f64),
+        _ => format!("{:.1}% (even split)", 100.0 / n as f64),
+    };
+    let _ = writeln!(s, "Layer 0's replicated experts (of rows_e, the share one replica may take):\n");
+    let _ = writeln!(s, "| expert | replicas on GPUs (node) | per replica |\n|---|---|---|");
+    for (e, gpus) in replicated {
+        let on: Vec<String> = gpus.iter().map(|&g| format!("{g} ({})", g / gpn)).collect();
+        let _ = writeln!(s, "| {e} | {} | {} |", on.join(", "), bound(gpus.len()));
+    }
+    let _ = writeln!(s);
 }
 
 /// The per-rank programs: per mode and phase, the overlap, streams and the
