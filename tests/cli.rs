@@ -671,3 +671,61 @@ fn decode_servers_past_their_posts_dispatch_in_rounds_on_the_emulated_device() {
     assert!(emu.contains("dispatch rounds: 1 beyond one per step"), "{emu}");
     assert!(!cpu.contains("dispatch rounds"), "the CPU twin computes in one pass");
 }
+
+/// `run --verify-routing` on the emulated device: the tiny Qwen3 model on
+/// its 4 ranks with a Zepp placement; every dispatch routes on the device
+/// (`kernels/zepp_route.cu`) and is checked against the host routing of the
+/// same counts, the run prints how many entries were checked, and its
+/// tokens are the CPU twin's. The flag is
+/// refused on the CPU twin (which routes on the host) and on a plan without
+/// a placement, with a hint.
+#[test]
+fn run_verifies_the_device_replica_routing_against_the_host_routing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (w, b, spec) = (tmp.path().join("w"), tmp.path().join("b"), tmp.path().join("zepp.moe"));
+    let text_of = std::fs::read_to_string(root().join("examples/tiny-qwen3-cpu4.moe")).unwrap();
+    let models = root().join("models");
+    let zepp = text_of
+        .replace("\"../models/", &format!("\"{}/", models.display()))
+        .replace("  strategy = colocated\n", "")
+        .replace(
+            "  switch { t_high = auto  window = 4  cooldown = 0s }",
+            "  placement { policy = zepp redundant_experts = 4 }",
+        );
+    assert!(zepp.contains("policy = zepp") && !zepp.contains("switch"), "{zepp}");
+    std::fs::write(&spec, zepp).unwrap();
+    let o = moeforge(&["init-weights", spec.to_str().unwrap(), "-o", w.to_str().unwrap()], None);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let o = moeforge(&["compile", spec.to_str().unwrap(), "-o", b.to_str().unwrap(), "--nvcc", "off"], None);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let run = |backend: &str, bundle: &std::path::Path, verify: bool| {
+        let mut args = vec!["run", bundle.to_str().unwrap(), "--backend", backend, "--weights", w.to_str().unwrap()];
+        args.extend(["--max-new", "4", "--prompt", "3 17 42 99 5 64 7", "--prompt", "120 1", "--prompt", "9 8 7 6"]);
+        if verify {
+            args.push("--verify-routing");
+        }
+        moeforge(&args, None)
+    };
+    let (emu, cpu) = (run("emu", &b, true), run("cpu", &b, false));
+    assert!(emu.status.success() && cpu.status.success(), "{}{}", text(&emu.stderr), text(&cpu.stderr));
+    let (emu, cpu) = (text(&emu.stdout), text(&cpu.stdout));
+    let tokens = |s: &str| s.lines().filter(|l| l.starts_with("request ")).map(String::from).collect::<Vec<_>>();
+    assert_eq!(tokens(&emu).len(), 3, "{emu}");
+    assert_eq!(tokens(&emu), tokens(&cpu));
+    let checked = emu
+        .lines()
+        .find_map(|l| l.strip_prefix("replica routing: "))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|n| n.parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("no routing line: {emu}"));
+    assert!(checked > 0, "{emu}");
+    // Refused where it has nothing to check, with a hint.
+    let o = run("cpu", &b, true);
+    assert!(!o.status.success() && text(&o.stderr).contains("--backend emu"), "{}", text(&o.stderr));
+    let plain = tmp.path().join("plain");
+    let o =
+        moeforge(&["compile", "examples/tiny-qwen3-cpu4.moe", "-o", plain.to_str().unwrap(), "--nvcc", "off"], None);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let o = run("emu", &plain, true);
+    assert!(!o.status.success() && text(&o.stderr).contains("no replicated placement"), "{}", text(&o.stderr));
+}

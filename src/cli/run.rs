@@ -82,6 +82,11 @@ pub struct Options {
     /// Force a switch before these steps (comma-separated), instead of the policy.
     #[arg(long, value_delimiter = ',')]
     switch_at: Vec<usize>,
+    /// Check every device routing of the replicated placement
+    /// (`kernels/zepp_route.cu`) against the host routing of the same counts
+    /// (a verification mode: each dispatch also routes on the host).
+    #[arg(long)]
+    verify_routing: bool,
 }
 
 /// Parses `"1 2 3"` / `"1,2,3"`; `where_` names the source in errors.
@@ -256,8 +261,21 @@ pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
         Start::Ep => Mode::Ep,
     };
     let prompts = prompts(a)?;
+    if a.verify_routing && matches!(a.backend, Backend::Cpu) {
+        return Err(error(
+            "--verify-routing checks the devices' replica routing, and the cpu twin routes on the host",
+            "run with --backend emu (or cuda)",
+        ));
+    }
+    if a.verify_routing && bundle.plan.placement.is_none() {
+        return Err(error(
+            "--verify-routing: the plan has no replicated placement, so no dispatch routes to replicas",
+            "compile a deployment with `placement { policy = zepp }` (or `eplb`)",
+        ));
+    }
     let ck = prepare(bundle, &a.weights, a.backend)?;
     let (mut driver, calibration) = driver(bundle, &ck, a.backend, start, a.switch_at.is_empty())?;
+    driver.engine.verify_device_routing(a.verify_routing);
     let n = prompts.len();
     let mut arrivals: Vec<(usize, Request)> = prompts
         .into_iter()
@@ -337,6 +355,12 @@ pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
         out(&format!("{:>4}  {:<4}  {:>7}  {:>6}  {:.2}", s.step, mode, s.running, s.tokens, s.seconds * 1e3));
     }
     out(&format!("{} requests, {} steps, {:.3} s", n, steps.len(), total));
+    if a.verify_routing {
+        out(&format!(
+            "replica routing: {} routed entries routed on the device, each to the slot the host routing gives it",
+            driver.engine.device_routing_checked().unwrap_or(0)
+        ));
+    }
     if let Some(d) = driver.engine.dispatch_traffic().filter(|d| d.rounds > 0) {
         out(&format!(
             "dispatch rounds: {} beyond one per step (sources with more tokens than their posts reserve ran in rounds of whole requests)",
