@@ -53,6 +53,15 @@ fn numeric_leaves(v: &Value, at: String, out: &mut Vec<String>) {
     }
 }
 
+/// Checks, plans and emits `spec`'s deployment into `dir` (no nvcc).
+fn write_bundle(spec: &str, dir: &Path) {
+    let checked = moeforge::dsl::check_str("tiny.moe", spec).unwrap_or_else(|f| panic!("{}", f.render(false)));
+    let id = moeforge::dsl::spec::DeployId(0);
+    let plan =
+        codegen::plan_deployment(&checked, id).unwrap_or_else(|d| panic!("{}", d.render(&checked.sources, false)));
+    codegen::emit(&checked, id, &plan, &NvccMode::Off).unwrap().0.write(dir).unwrap();
+}
+
 /// Writes `plan` as the bundle's plan.json and re-hashes the manifest.
 fn rewrite(dir: &Path, plan: &Value) {
     let bytes = serde_json::to_vec_pretty(plan).unwrap();
@@ -299,11 +308,7 @@ fn an_edited_relay_is_refused() {
             "latency = 1us } scale_out net { nics_per_node = 2 bandwidth = 10Gb/s latency = 5us }",
         )
         .replace("switch { t_high = 4 window = 2 cooldown = 0s }", "");
-    let checked = moeforge::dsl::check_str("tiny.moe", &spec).unwrap_or_else(|f| panic!("{}", f.render(false)));
-    let id = moeforge::dsl::spec::DeployId(0);
-    let plan =
-        codegen::plan_deployment(&checked, id).unwrap_or_else(|d| panic!("{}", d.render(&checked.sources, false)));
-    codegen::emit(&checked, id, &plan, &NvccMode::Off).unwrap().0.write(&dir).unwrap();
+    write_bundle(&spec, &dir);
     let v0: Value = serde_json::from_slice(&std::fs::read(dir.join("plan.json")).unwrap()).unwrap();
     // The first relayed op named `name`: (program, block, op).
     let first = |name: &str| {
@@ -411,11 +416,7 @@ fn undersized_routing_buffers_and_a_striped_placement_are_refused() {
     let dir = tmp.path().join("b");
     let spec = SPEC
         .replace("switch { t_high = 4 window = 2 cooldown = 0s }", "placement { policy = zepp redundant_experts = 2 }");
-    let checked = moeforge::dsl::check_str("tiny.moe", &spec).unwrap_or_else(|f| panic!("{}", f.render(false)));
-    let id = moeforge::dsl::spec::DeployId(0);
-    let plan =
-        codegen::plan_deployment(&checked, id).unwrap_or_else(|d| panic!("{}", d.render(&checked.sources, false)));
-    codegen::emit(&checked, id, &plan, &NvccMode::Off).unwrap().0.write(&dir).unwrap();
+    write_bundle(&spec, &dir);
     assert!(load_bundle(&dir).is_ok());
     let v0: Value = serde_json::from_slice(&std::fs::read(dir.join("plan.json")).unwrap()).unwrap();
     let buffer = |name: &str| {

@@ -624,6 +624,25 @@ fn an_expertplex_role_bundle_runs_on_the_cpu_twin_and_the_emulated_device() {
     assert_eq!(tokens(&text(&e.stdout)), tokens(&text(&b.stdout)));
 }
 
+/// examples/tiny-qwen3-cpu4.moe with `deploy` in place of its strategy and
+/// switch policy, in `dir`: its random weights (`init-weights`) and its
+/// bundle, compiled without nvcc.
+fn tiny_qwen3_with(dir: &std::path::Path, deploy: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    let (w, b, spec) = (dir.join("w"), dir.join("b"), dir.join("tiny.moe"));
+    let text_of = std::fs::read_to_string(root().join("examples/tiny-qwen3-cpu4.moe")).unwrap();
+    let edited = text_of
+        .replace("\"../models/", &format!("\"{}/", root().join("models").display()))
+        .replace("  strategy = colocated\n", "")
+        .replace("  switch { t_high = auto  window = 4  cooldown = 0s }", &format!("  {deploy}"));
+    assert!(edited.contains(deploy) && !edited.contains("switch"), "{edited}");
+    std::fs::write(&spec, edited).unwrap();
+    let o = moeforge(&["init-weights", spec.to_str().unwrap(), "-o", w.to_str().unwrap()], None);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let o = moeforge(&["compile", spec.to_str().unwrap(), "-o", b.to_str().unwrap(), "--nvcc", "off"], None);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    (w, b)
+}
+
 /// A role plan's decode servers write into posts of fixed rows on the MoE
 /// server (`roles.posts`: one search-sized decode step each). More decode
 /// requests than a post holds run in dispatch rounds of whole requests on
@@ -632,19 +651,7 @@ fn an_expertplex_role_bundle_runs_on_the_cpu_twin_and_the_emulated_device() {
 #[test]
 fn decode_servers_past_their_posts_dispatch_in_rounds_on_the_emulated_device() {
     let tmp = tempfile::tempdir().unwrap();
-    let (w, b, spec) = (tmp.path().join("w"), tmp.path().join("b"), tmp.path().join("xp.moe"));
-    let text_of = std::fs::read_to_string(root().join("examples/tiny-qwen3-cpu4.moe")).unwrap();
-    let models = root().join("models");
-    let xp = text_of
-        .replace("\"../models/", &format!("\"{}/", models.display()))
-        .replace("  strategy = colocated\n", "")
-        .replace("  switch { t_high = auto  window = 4  cooldown = 0s }", "  strategy = expertplex");
-    assert!(xp.contains("strategy = expertplex") && !xp.contains("switch"), "{xp}");
-    std::fs::write(&spec, xp).unwrap();
-    let o = moeforge(&["init-weights", spec.to_str().unwrap(), "-o", w.to_str().unwrap()], None);
-    assert!(o.status.success(), "{}", text(&o.stderr));
-    let o = moeforge(&["compile", spec.to_str().unwrap(), "-o", b.to_str().unwrap(), "--nvcc", "off"], None);
-    assert!(o.status.success(), "{}", text(&o.stderr));
+    let (w, b) = tiny_qwen3_with(tmp.path(), "strategy = expertplex");
     let plan = load_bundle(&b).unwrap().plan;
     let roles = plan.roles.as_ref().expect("expertplex realizes roles");
     let decode = roles.ranks(moeforge::plan::roles::Role::Decode);
@@ -682,22 +689,7 @@ fn decode_servers_past_their_posts_dispatch_in_rounds_on_the_emulated_device() {
 #[test]
 fn run_verifies_the_device_replica_routing_against_the_host_routing() {
     let tmp = tempfile::tempdir().unwrap();
-    let (w, b, spec) = (tmp.path().join("w"), tmp.path().join("b"), tmp.path().join("zepp.moe"));
-    let text_of = std::fs::read_to_string(root().join("examples/tiny-qwen3-cpu4.moe")).unwrap();
-    let models = root().join("models");
-    let zepp = text_of
-        .replace("\"../models/", &format!("\"{}/", models.display()))
-        .replace("  strategy = colocated\n", "")
-        .replace(
-            "  switch { t_high = auto  window = 4  cooldown = 0s }",
-            "  placement { policy = zepp redundant_experts = 4 }",
-        );
-    assert!(zepp.contains("policy = zepp") && !zepp.contains("switch"), "{zepp}");
-    std::fs::write(&spec, zepp).unwrap();
-    let o = moeforge(&["init-weights", spec.to_str().unwrap(), "-o", w.to_str().unwrap()], None);
-    assert!(o.status.success(), "{}", text(&o.stderr));
-    let o = moeforge(&["compile", spec.to_str().unwrap(), "-o", b.to_str().unwrap(), "--nvcc", "off"], None);
-    assert!(o.status.success(), "{}", text(&o.stderr));
+    let (w, b) = tiny_qwen3_with(tmp.path(), "placement { policy = zepp redundant_experts = 4 }");
     let run = |backend: &str, bundle: &std::path::Path, verify: bool| {
         let mut args = vec!["run", bundle.to_str().unwrap(), "--backend", backend, "--weights", w.to_str().unwrap()];
         args.extend(["--max-new", "4", "--prompt", "3 17 42 99 5 64 7", "--prompt", "120 1", "--prompt", "9 8 7 6"]);

@@ -23,15 +23,7 @@
 #include <cstring>
 #include <vector>
 
-#define CHECK(x)                                                                                        \
-  do {                                                                                                  \
-    cudaError_t e_ = (x);                                                                               \
-    if (e_ != cudaSuccess) {                                                                            \
-      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorName(e_), __FILE__, __LINE__, \
-                   cudaGetErrorString(e_));                                                             \
-      std::exit(2);                                                                                     \
-    }                                                                                                   \
-  } while (0)
+#include "cuda_check.h"
 
 #include <fstream>
 #include <sstream>

@@ -29,15 +29,7 @@
 
 #include KERNEL_SOURCE
 
-#define CHECK(x)                                                                                        \
-  do {                                                                                                  \
-    cudaError_t e_ = (x);                                                                               \
-    if (e_ != cudaSuccess) {                                                                            \
-      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorName(e_), __FILE__, __LINE__, \
-                   cudaGetErrorString(e_));                                                             \
-      std::exit(2);                                                                                     \
-    }                                                                                                   \
-  } while (0)
+#include "cuda_check.h"
 
 static double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
