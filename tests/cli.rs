@@ -419,6 +419,16 @@ fn init_weights_compile_and_run_on_the_cpu_twin() {
             assert_eq!(tokens(&s), tokens(&text(&o.stdout)));
         }
     }
+    // The GPUs it drives are named by index; anything else is refused first.
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_moeforge"))
+        .args(&cuda)
+        .current_dir(common::root())
+        .env("MOEFORGE_CUDA_DEVICES", "0,x")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    let e = text(&o.stderr);
+    assert!(e.contains("MOEFORGE_CUDA_DEVICES = `0,x` is not a list of GPU indices") && e.contains("help: "), "{e}");
 }
 
 #[test]

@@ -25,10 +25,22 @@
 //! - A launch returns once the GPU finished it (the [`Device`] contract):
 //!   the stream is polled, and a launch still running after
 //!   `MOEFORGE_CUDA_WATCHDOG_S` seconds (60) is an error naming it.
-//! - Every rank's buffer lives on one GPU (ordinal 0 unless
-//!   `MOEFORGE_CUDA_DEVICE` says otherwise): the interpreter's communication
-//!   ops are copies between buffers of one process. Peer access across a
-//!   node's GPUs, CUDA graphs and one-sided communication are not here yet.
+//! - One process drives a node's GPUs ([`CudaDevice::open`] with the
+//!   ordinals `MOEFORGE_CUDA_DEVICES` names, else every GPU, at most one per
+//!   rank): rank r's unified buffer on GPU r mod n ([`gpu_of`]), each kernel
+//!   instance built once and loaded into every GPU's context, a launch on
+//!   the GPU of its rank's buffer, and peer access enabled between every
+//!   pair, so a transfer program's pieces read and write any rank's buffer
+//!   through its address (one address space). Why one process and not one
+//!   per GPU with IPC handles: the program interpreter meets every rank at
+//!   each communication op in one loop, and a transfer program addresses
+//!   all the ranks' buffers through one table of base addresses, the same
+//!   program the emulated device runs; with one process per GPU every
+//!   meeting would be a cross-process barrier and every buffer an imported
+//!   IPC mapping, for the same copies. With one GPU every rank's buffer is
+//!   on it (the test configuration). CUDA graphs and one-sided
+//!   communication (device-side dispatch) are not here yet; every call
+//!   waits for its stream, so ops on different GPUs are ordered by the host.
 
 use cudarc::driver::result;
 use cudarc::driver::sys;
@@ -126,6 +138,62 @@ fn nvcc() -> PathBuf {
     on_path.unwrap_or_else(|| PathBuf::from("/usr/local/cuda/bin/nvcc"))
 }
 
+/// The GPUs a run drives, from the ones the driver sees: `chosen` (the
+/// ordinals `MOEFORGE_CUDA_DEVICES` names, in its order) or else every GPU,
+/// at most one per rank. Errors name an ordinal the driver does not see,
+/// or one named twice.
+pub fn select(visible: &[Gpu], chosen: Option<&[usize]>, ranks: usize) -> Result<Vec<Gpu>, String> {
+    let picked: Vec<Gpu> = match chosen {
+        None => visible.to_vec(),
+        Some(ordinals) => {
+            let mut out: Vec<Gpu> = Vec::with_capacity(ordinals.len());
+            for &o in ordinals {
+                let g = visible
+                    .iter()
+                    .find(|g| g.ordinal == o)
+                    .ok_or_else(|| format!("GPU {o} does not exist: the driver sees {} GPU(s)", visible.len()))?;
+                if out.iter().any(|x| x.ordinal == o) {
+                    return Err(format!("GPU {o} is named twice"));
+                }
+                out.push(g.clone());
+            }
+            out
+        }
+    };
+    if picked.is_empty() {
+        return Err("no GPU to run on".into());
+    }
+    Ok(picked.into_iter().take(ranks.max(1)).collect())
+}
+
+/// Which of the driven GPUs holds buffer `k` (the executor allocates one
+/// buffer per rank, in rank order): rank r on GPU r with a GPU per rank;
+/// with fewer GPUs the ranks go round them (r mod n), several unified
+/// buffers to a GPU.
+pub fn gpu_of(k: usize, gpus: usize) -> usize {
+    k % gpus.max(1)
+}
+
+/// Checks that `ranks` unified buffers of `buffer_bytes` fit the GPUs they
+/// go to ([`gpu_of`]); the error names the first GPU that is too small.
+pub fn check_fit(ranks: usize, buffer_bytes: u64, gpus: &[Gpu]) -> Result<(), String> {
+    for (i, g) in gpus.iter().enumerate() {
+        let held = (0..ranks).filter(|&k| gpu_of(k, gpus.len()) == i).count() as u64;
+        let need = held.saturating_mul(buffer_bytes);
+        if need > g.memory_bytes {
+            return Err(format!(
+                "GPU {} ({}) would hold {held} rank buffer(s) of {buffer_bytes} bytes = {need} bytes, more than its {} \
+                 bytes ({ranks} ranks over {} GPU(s))",
+                g.ordinal,
+                g.name,
+                g.memory_bytes,
+                gpus.len()
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The APK entry's launch geometry and layout, from its `_layout` kernel.
 struct Apk {
     prepare: sys::CUfunction,
@@ -143,14 +211,20 @@ struct Apk {
     calls: sys::CUdeviceptr,
 }
 
-struct Module {
-    name: String,
+/// A module as loaded into one GPU's context.
+struct Loaded {
     module: sys::CUmodule,
     functions: BTreeMap<String, sys::CUfunction>,
+    /// Per APK entry: its launch on this GPU, set up on first use.
+    apk: BTreeMap<String, Apk>,
+}
+
+struct Module {
+    name: String,
     /// The entries with a `_prepare` kernel in the source (APK launches).
     apk_entries: Vec<String>,
-    /// Per APK entry: its launch, set up on first use.
-    apk: BTreeMap<String, Apk>,
+    /// The one cubin, loaded into every GPU's context (index: the GPU's place in [`CudaDevice::gpus`]).
+    per_gpu: Vec<Loaded>,
 }
 
 /// The entries whose source defines `{entry}_prepare` (the APK's cuda launch).
@@ -170,110 +244,189 @@ const MAX_MAPS: usize = 4;
 /// The APK's per-operation launch arguments (apk::FlatOp).
 const APK_ARGS: usize = 18;
 
-pub struct CudaDevice {
+/// One GPU the device drives: its primary context, its work stream, and
+/// what lives in its context (the transfer programs, their table scratch).
+struct Ctx {
     gpu: Gpu,
-    ctx: sys::CUcontext,
     device: sys::CUdevice,
+    ctx: sys::CUcontext,
     stream: sys::CUstream,
-    buffers: Vec<(sys::CUdeviceptr, u64)>,
-    modules: Vec<Module>,
-    cache: PathBuf,
-    arch: String,
-    watchdog: Duration,
     /// Loaded transfer programs (their PTX through the driver's JIT) by content key.
     transfers: BTreeMap<String, (sys::CUmodule, sys::CUfunction)>,
     /// A batch's buffer addresses and table, uploaded before its launch.
     scratch: Option<(sys::CUdeviceptr, usize)>,
+}
+
+/// A rank's unified buffer: its address, size and the GPU (index into
+/// [`CudaDevice::gpus`]) that holds it.
+#[derive(Clone, Copy)]
+struct Buffer {
+    ptr: sys::CUdeviceptr,
+    bytes: u64,
+    gpu: usize,
+}
+
+pub struct CudaDevice {
+    /// The GPUs this process drives, every pair with peer access.
+    ctxs: Vec<Ctx>,
+    buffers: Vec<Buffer>,
+    modules: Vec<Module>,
+    cache: PathBuf,
+    arch: String,
+    watchdog: Duration,
     /// The launch a watchdog gave up on: the GPU may still run it.
     poisoned: std::cell::OnceCell<String>,
 }
 
 // SAFETY: the handles are the driver's; every method first makes the
-// device's context current on the calling thread, and `&mut self` keeps
+// context it uses current on the calling thread, and `&mut self` keeps
 // calls from two threads apart.
 unsafe impl Send for CudaDevice {}
 
+fn arch_of(capability: (u32, u32)) -> String {
+    match capability {
+        (9, 0) => "sm_90a".to_string(),
+        (10, 0) => "sm_100a".to_string(),
+        (major, minor) => format!("sm_{major}{minor}"),
+    }
+}
+
 impl CudaDevice {
-    /// Opens GPU `ordinal` (after [`probe`]), with its primary context and one stream.
-    pub fn open(ordinal: usize, cache: &Path) -> Result<CudaDevice, DeviceError> {
-        let gpus = probe()?;
-        let gpu = gpus
-            .get(ordinal)
-            .cloned()
-            .ok_or_else(|| other(format!("GPU {ordinal} does not exist: the driver sees {} GPU(s)", gpus.len())))?;
+    /// Opens the GPUs `ordinals` (after [`probe`]; the first one alone for
+    /// a single-GPU run), each with its primary context and one stream, and
+    /// enables peer access between every pair: a kernel or transfer on one
+    /// of them reads and writes the others' buffers through their
+    /// addresses (one address space, UVA). The GPUs must share one
+    /// architecture (the kernels are built once).
+    pub fn open(ordinals: &[usize], cache: &Path) -> Result<CudaDevice, DeviceError> {
+        let visible = probe()?;
+        let gpus = select(&visible, Some(ordinals), usize::MAX).map_err(other)?;
+        if let Some(g) = gpus.iter().find(|g| g.capability != gpus[0].capability) {
+            return Err(other(format!(
+                "GPU {} is compute capability {}.{} and GPU {} {}.{}: one run drives GPUs of one architecture",
+                g.ordinal, g.capability.0, g.capability.1, gpus[0].ordinal, gpus[0].capability.0, gpus[0].capability.1
+            )));
+        }
         std::fs::create_dir_all(cache).map_err(|e| other(format!("cannot create {}: {e}", cache.display())))?;
-        let device = result::device::get(ordinal as i32).map_err(|e| driver("cuDeviceGet", e))?;
-        // SAFETY: `device` is valid; the primary context is released in Drop.
-        let ctx = unsafe { result::primary_ctx::retain(device) }.map_err(|e| driver("cuDevicePrimaryCtxRetain", e))?;
-        // SAFETY: `ctx` was just retained.
-        unsafe { result::ctx::set_current(ctx) }.map_err(|e| driver("cuCtxSetCurrent", e))?;
-        let stream =
-            result::stream::create(result::stream::StreamKind::NonBlocking).map_err(|e| driver("cuStreamCreate", e))?;
-        let arch = match gpu.capability {
-            (9, 0) => "sm_90a".to_string(),
-            (10, 0) => "sm_100a".to_string(),
-            (major, minor) => format!("sm_{major}{minor}"),
-        };
         let watchdog = std::env::var("MOEFORGE_CUDA_WATCHDOG_S")
             .ok()
             .and_then(|s| s.parse::<f64>().ok())
             .filter(|s| *s > 0.0)
             .and_then(|s| Duration::try_from_secs_f64(s).ok())
             .unwrap_or(Duration::from_secs(60));
-        Ok(CudaDevice {
-            gpu,
-            ctx,
-            device,
-            stream,
+        let mut dev = CudaDevice {
+            ctxs: Vec::with_capacity(gpus.len()),
             buffers: Vec::new(),
             modules: Vec::new(),
             cache: cache.to_path_buf(),
-            arch,
+            arch: arch_of(gpus[0].capability),
             watchdog,
-            transfers: BTreeMap::new(),
-            scratch: None,
             poisoned: std::cell::OnceCell::new(),
-        })
+        };
+        // Each context is pushed as soon as it exists, so Drop releases it if a later one fails.
+        for gpu in gpus {
+            let device = result::device::get(gpu.ordinal as i32).map_err(|e| driver("cuDeviceGet", e))?;
+            // SAFETY: `device` is valid; the primary context is released in Drop.
+            let ctx =
+                unsafe { result::primary_ctx::retain(device) }.map_err(|e| driver("cuDevicePrimaryCtxRetain", e))?;
+            // SAFETY: `ctx` was just retained.
+            unsafe { result::ctx::set_current(ctx) }.map_err(|e| driver("cuCtxSetCurrent", e))?;
+            let stream = match result::stream::create(result::stream::StreamKind::NonBlocking) {
+                Ok(s) => s,
+                Err(e) => {
+                    // SAFETY: retained above and not recorded anywhere else.
+                    let _ = unsafe { result::primary_ctx::release(device) };
+                    return Err(driver("cuStreamCreate", e));
+                }
+            };
+            dev.ctxs.push(Ctx { gpu, device, ctx, stream, transfers: BTreeMap::new(), scratch: None });
+        }
+        dev.enable_peers()?;
+        Ok(dev)
     }
 
-    pub fn gpu(&self) -> &Gpu {
-        &self.gpu
+    /// Peer access from every driven GPU to every other.
+    fn enable_peers(&self) -> Result<(), DeviceError> {
+        for a in &self.ctxs {
+            for b in self.ctxs.iter().filter(|b| b.gpu.ordinal != a.gpu.ordinal) {
+                let mut can = 0i32;
+                // SAFETY: both devices are valid; `can` receives the answer.
+                let r = unsafe { sys::cuDeviceCanAccessPeer(&raw mut can, a.device, b.device) };
+                if r != sys::cudaError_enum::CUDA_SUCCESS {
+                    return Err(driver("cuDeviceCanAccessPeer", result::DriverError(r)));
+                }
+                if can == 0 {
+                    return Err(other(format!(
+                        "GPU {} cannot access GPU {}'s memory (no peer path): the cuda backend drives a node's GPUs \
+                         from one process through peer access; set MOEFORGE_CUDA_DEVICES to GPUs that reach each \
+                         other, or to one GPU",
+                        a.gpu.ordinal, b.gpu.ordinal
+                    )));
+                }
+                // SAFETY: `a.ctx` is retained; enabling access maps `b`'s allocations into it.
+                unsafe { result::ctx::set_current(a.ctx) }.map_err(|e| driver("cuCtxSetCurrent", e))?;
+                // SAFETY: `b.ctx` is a retained primary context of another device.
+                match unsafe { sys::cuCtxEnablePeerAccess(b.ctx, 0) } {
+                    sys::cudaError_enum::CUDA_SUCCESS | sys::cudaError_enum::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
+                    }
+                    e => {
+                        return Err(driver(
+                            &format!("cuCtxEnablePeerAccess (GPU {} to GPU {})", a.gpu.ordinal, b.gpu.ordinal),
+                            result::DriverError(e),
+                        ))
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
-    fn current(&self) -> Result<(), DeviceError> {
-        // SAFETY: `ctx` is retained for the device's lifetime.
-        unsafe { result::ctx::set_current(self.ctx) }.map_err(|e| driver("cuCtxSetCurrent", e))
+    /// The GPUs this device drives, in the order [`gpu_of`] counts them.
+    pub fn gpus(&self) -> Vec<Gpu> {
+        self.ctxs.iter().map(|c| c.gpu.clone()).collect()
     }
 
-    /// Host to device on the work stream (after everything issued before it), waited for.
-    fn h2d<T>(&self, at: sys::CUdeviceptr, data: &[T], what: &str) -> Result<(), DeviceError> {
+    fn ctx(&self, g: usize) -> Result<&Ctx, DeviceError> {
+        self.ctxs.get(g).ok_or_else(|| other(format!("no GPU {g} in this device")))
+    }
+
+    /// Makes GPU `g`'s context current on this thread.
+    fn current(&self, g: usize) -> Result<(), DeviceError> {
+        // SAFETY: the context is retained for the device's lifetime.
+        unsafe { result::ctx::set_current(self.ctx(g)?.ctx) }.map_err(|e| driver("cuCtxSetCurrent", e))
+    }
+
+    /// Host to device on GPU `g`'s work stream (after everything issued before it), waited for.
+    fn h2d<T>(&self, g: usize, at: sys::CUdeviceptr, data: &[T], what: &str) -> Result<(), DeviceError> {
         // SAFETY: the caller checked that `at` holds `size_of_val(data)` bytes;
         // `data` outlives the copy, which `finish` waits for.
-        unsafe { result::memcpy_htod_async(at, data, self.stream) }
+        unsafe { result::memcpy_htod_async(at, data, self.ctx(g)?.stream) }
             .map_err(|e| driver(&format!("{what}: cuMemcpyHtoDAsync"), e))?;
-        self.finish(what)
+        self.finish(g, what)
     }
 
-    /// Device to host on the work stream (after everything issued before it), waited for.
-    fn d2h<T>(&self, out: &mut [T], at: sys::CUdeviceptr, what: &str) -> Result<(), DeviceError> {
+    /// Device to host on GPU `g`'s work stream (after everything issued before it), waited for.
+    fn d2h<T>(&self, g: usize, out: &mut [T], at: sys::CUdeviceptr, what: &str) -> Result<(), DeviceError> {
         // SAFETY: the caller checked that `at` holds `size_of_val(out)` bytes;
         // `out` outlives the copy, which `finish` waits for.
-        unsafe { result::memcpy_dtoh_async(out, at, self.stream) }
+        unsafe { result::memcpy_dtoh_async(out, at, self.ctx(g)?.stream) }
             .map_err(|e| driver(&format!("{what}: cuMemcpyDtoHAsync"), e))?;
-        self.finish(what)
+        self.finish(g, what)
     }
 
-    /// Waits for the stream, polling so that a hung kernel is an error. After
-    /// a hang the device is poisoned: every later call fails at once.
-    fn finish(&self, what: &str) -> Result<(), DeviceError> {
+    /// Waits for GPU `g`'s stream, polling so that a hung kernel is an
+    /// error. After a hang the device is poisoned: every later call fails
+    /// at once.
+    fn finish(&self, g: usize, what: &str) -> Result<(), DeviceError> {
         if let Some(hung) = self.poisoned.get() {
             return Err(other(format!("the GPU is still running `{hung}`, which hung: restart the process")));
         }
+        let stream = self.ctx(g)?.stream;
         let t0 = Instant::now();
         let mut spins = 0u32;
         loop {
             // SAFETY: `stream` lives as long as the device.
-            match unsafe { sys::cuStreamQuery(self.stream) } {
+            match unsafe { sys::cuStreamQuery(stream) } {
                 sys::cudaError_enum::CUDA_SUCCESS => return Ok(()),
                 sys::cudaError_enum::CUDA_ERROR_NOT_READY => {}
                 e => return Err(driver(what, result::DriverError(e))),
@@ -295,13 +448,13 @@ impl CudaDevice {
         }
     }
 
-    fn address(&self, buffer: BufferId, offset: u64, len: u64) -> Result<sys::CUdeviceptr, DeviceError> {
-        let &(base, size) =
-            self.buffers.get(buffer.0 as usize).ok_or_else(|| other(format!("no buffer {}", buffer.0)))?;
-        if offset.checked_add(len).is_none_or(|end| end > size) {
-            return Err(other(format!("bytes {offset}..+{len} lie outside buffer {} ({size} bytes)", buffer.0)));
+    /// Bytes `offset..+len` of `buffer`: their address and the GPU holding them.
+    fn address(&self, buffer: BufferId, offset: u64, len: u64) -> Result<(usize, sys::CUdeviceptr), DeviceError> {
+        let b = self.buffers.get(buffer.0 as usize).ok_or_else(|| other(format!("no buffer {}", buffer.0)))?;
+        if offset.checked_add(len).is_none_or(|end| end > b.bytes) {
+            return Err(other(format!("bytes {offset}..+{len} lie outside buffer {} ({} bytes)", buffer.0, b.bytes)));
         }
-        Ok(base + offset)
+        Ok((b.gpu, b.ptr + offset))
     }
 
     /// Builds kernel instance `name` into a cubin for this GPU, or finds it in the cache.
@@ -353,72 +506,83 @@ impl CudaDevice {
         std::fs::read(&cubin).map_err(|e| other(format!("cannot read {}: {e}", cubin.display())))
     }
 
-    fn function(&mut self, module: ModuleId, entry: &str) -> Result<sys::CUfunction, DeviceError> {
-        let m = self.modules.get_mut(module.0 as usize).ok_or_else(|| other(format!("no module {}", module.0)))?;
-        if let Some(&f) = m.functions.get(entry) {
+    fn loaded(&mut self, module: ModuleId, g: usize) -> Result<&mut Loaded, DeviceError> {
+        self.modules
+            .get_mut(module.0 as usize)
+            .and_then(|m| m.per_gpu.get_mut(g))
+            .ok_or_else(|| other(format!("no module {} on GPU {g}", module.0)))
+    }
+
+    fn function(&mut self, module: ModuleId, g: usize, entry: &str) -> Result<sys::CUfunction, DeviceError> {
+        let name = self.modules.get(module.0 as usize).map(|m| m.name.clone()).unwrap_or_default();
+        let l = self.loaded(module, g)?;
+        if let Some(&f) = l.functions.get(entry) {
             return Ok(f);
         }
-        let name = CString::new(entry).map_err(|_| other(format!("entry `{entry}` holds a NUL")))?;
-        // SAFETY: `m.module` is loaded; the name is NUL-terminated.
-        let f = unsafe { result::module::get_function(m.module, name) }.map_err(|e| DeviceError::Launch {
-            entry: format!("{}::{entry}", m.name),
+        let c_entry = CString::new(entry).map_err(|_| other(format!("entry `{entry}` holds a NUL")))?;
+        // SAFETY: `l.module` is loaded; the name is NUL-terminated.
+        let f = unsafe { result::module::get_function(l.module, c_entry) }.map_err(|e| DeviceError::Launch {
+            entry: format!("{name}::{entry}"),
             message: format!("no such entry in the module ({e:?})"),
         })?;
-        m.functions.insert(entry.to_string(), f);
+        l.functions.insert(entry.to_string(), f);
         Ok(f)
     }
 
-    /// Launches `f` on the stream with parameters `params` (each a pointer to its value).
+    /// Launches `f` on GPU `g`'s stream with parameters `params` (each a
+    /// pointer to its value); `g`'s context must be current.
     fn raw_launch(
         &self,
+        g: usize,
         f: sys::CUfunction,
         grid: u32,
         block: u32,
         smem: u32,
         params: &mut [*mut c_void],
-    ) -> Result<(), result::DriverError> {
-        // SAFETY: `f` is a function of a loaded module; `params` point to live
-        // values of the entry's parameter sizes (the caller's storage outlives
-        // the launch, which `finish` waits for before it is dropped).
-        unsafe { result::launch_kernel(f, (grid.max(1), 1, 1), (block, 1, 1), smem, self.stream, params) }
+    ) -> Result<(), DeviceError> {
+        let stream = self.ctx(g)?.stream;
+        // SAFETY: `f` is a function of a module loaded in `g`'s context;
+        // `params` point to live values of the entry's parameter sizes (the
+        // caller's storage outlives the launch, which `finish` waits for
+        // before it is dropped).
+        unsafe { result::launch_kernel(f, (grid.max(1), 1, 1), (block, 1, 1), smem, stream, params) }
+            .map_err(|e| driver("cuLaunchKernel", e))
     }
 
-    /// The APK launch of `entry` (see the module docs), set up on first use;
-    /// none for a plain kernel.
-    fn apk(&mut self, module: ModuleId, entry: &str) -> Result<Option<&Apk>, DeviceError> {
+    /// The APK launch of `entry` on GPU `g` (see the module docs), set up
+    /// on first use; none for a plain kernel.
+    fn apk(&mut self, module: ModuleId, g: usize, entry: &str) -> Result<Option<&Apk>, DeviceError> {
         let idx = module.0 as usize;
         let Some(m) = self.modules.get(idx) else { return Err(other(format!("no module {}", module.0))) };
         if !m.apk_entries.iter().any(|e| e == entry) {
             return Ok(None);
         }
-        if !m.apk.contains_key(entry) {
-            let apk = self.setup_apk(module, entry)?;
-            if let Some(m) = self.modules.get_mut(idx) {
-                m.apk.insert(entry.to_string(), apk);
-            }
+        if !self.loaded(module, g)?.apk.contains_key(entry) {
+            let apk = self.setup_apk(module, g, entry)?;
+            self.loaded(module, g)?.apk.insert(entry.to_string(), apk);
         }
-        Ok(self.modules.get(idx).and_then(|m| m.apk.get(entry)))
+        Ok(self.modules.get(idx).and_then(|m| m.per_gpu.get(g)).and_then(|l| l.apk.get(entry)))
     }
 
-    fn setup_apk(&mut self, module: ModuleId, entry: &str) -> Result<Apk, DeviceError> {
-        let prepare = self.function(module, &format!("{entry}_prepare"))?;
-        let layout = self.function(module, &format!("{entry}_layout"))?;
+    fn setup_apk(&mut self, module: ModuleId, g: usize, entry: &str) -> Result<Apk, DeviceError> {
+        let prepare = self.function(module, g, &format!("{entry}_prepare"))?;
+        let layout = self.function(module, g, &format!("{entry}_layout"))?;
         let alloc = |bytes: usize| {
-            // SAFETY: a plain allocation in the current context, freed in Drop.
+            // SAFETY: a plain allocation in `g`'s context (current), freed in Drop.
             unsafe { result::malloc_sync(bytes.max(256)) }.map_err(|e| driver("cuMemAlloc", e))
         };
         let out = alloc(16 * 8)?;
         let mut out_ptr = out;
         let mut words = [0u64; 9];
         let read = self
-            .raw_launch(layout, 1, 32, 0, &mut [(&raw mut out_ptr).cast()])
-            .map_err(|e| driver(&format!("{entry}_layout"), e))
-            .and_then(|()| self.d2h(&mut words, out, &format!("{entry}_layout")));
+            .raw_launch(g, layout, 1, 32, 0, &mut [(&raw mut out_ptr).cast()])
+            .map_err(|e| other(format!("{entry}_layout: {e}")))
+            .and_then(|()| self.d2h(g, &mut words, out, &format!("{entry}_layout")));
         // SAFETY: `out` is not used again (the stream finished, or failed).
         let _ = unsafe { result::free_sync(out) };
         read?;
         let [templates_bytes, state_bytes, smem, threads, cluster, max_clusters, done0, done1, call_words] = words;
-        let f = self.function(module, entry)?;
+        let f = self.function(module, g, entry)?;
         // SAFETY: `f` is valid; the attribute raises the dynamic shared memory limit.
         unsafe {
             result::function::set_function_attribute(
@@ -430,7 +594,8 @@ impl CudaDevice {
         .map_err(|e| driver(&format!("{entry}: dynamic shared memory of {smem} bytes"), e))?;
         // Co-resident clusters: the driver's answer for this launch shape.
         let cluster = cluster.max(1) as u32;
-        let mut clusters = (self.gpu.sms / cluster).min(max_clusters as u32);
+        let c = self.ctx(g)?;
+        let mut clusters = (c.gpu.sms / cluster).min(max_clusters as u32);
         let cfg = sys::CUlaunchConfig {
             gridDimX: clusters * cluster,
             gridDimY: 1,
@@ -439,7 +604,7 @@ impl CudaDevice {
             blockDimY: 1,
             blockDimZ: 1,
             sharedMemBytes: smem as u32,
-            hStream: self.stream,
+            hStream: c.stream,
             attrs: std::ptr::null_mut(),
             numAttrs: 0,
         };
@@ -470,12 +635,12 @@ impl CudaDevice {
         })
     }
 
-    /// A transfer program's kernel: the bundle's PTX of it (compiled for the
-    /// plan's architecture, which `run` checks against the GPU's) loaded
-    /// through the driver's JIT, once per program.
-    fn transfer_function(&mut self, code: &Code) -> Result<sys::CUfunction, DeviceError> {
+    /// A transfer program's kernel on GPU `g`: the bundle's PTX of it
+    /// (compiled for the plan's architecture, which `run` checks against the
+    /// GPU's) loaded through the driver's JIT, once per program and GPU.
+    fn transfer_function(&mut self, g: usize, code: &Code) -> Result<sys::CUfunction, DeviceError> {
         let key = code.program.key();
-        if let Some(&(_, f)) = self.transfers.get(&key) {
+        if let Some(&(_, f)) = self.ctx(g)?.transfers.get(&key) {
             return Ok(f);
         }
         let build = |message: String| DeviceError::Build {
@@ -490,35 +655,39 @@ impl CudaDevice {
         let name = CString::new(moeforge_xfer::ENTRY).map_err(|_| other("NUL"))?;
         // SAFETY: `module` is loaded; the name is NUL-terminated.
         let f = unsafe { result::module::get_function(module, name) }.map_err(|e| driver(moeforge_xfer::ENTRY, e))?;
-        self.transfers.insert(key, (module, f));
+        if let Some(c) = self.ctxs.get_mut(g) {
+            c.transfers.insert(key, (module, f));
+        }
         Ok(f)
     }
 
-    /// At least `bytes` of scratch device memory (grown, never shrunk).
-    fn scratch(&mut self, bytes: usize) -> Result<sys::CUdeviceptr, DeviceError> {
-        if let Some((p, n)) = self.scratch {
+    /// At least `bytes` of scratch device memory on GPU `g` (grown, never shrunk).
+    fn scratch(&mut self, g: usize, bytes: usize) -> Result<sys::CUdeviceptr, DeviceError> {
+        let c = self.ctxs.get_mut(g).ok_or_else(|| other(format!("no GPU {g} in this device")))?;
+        if let Some((p, n)) = c.scratch {
             if n >= bytes {
                 return Ok(p);
             }
             // SAFETY: the stream is idle (every transfer finishes before it returns).
             let _ = unsafe { result::free_sync(p) };
-            self.scratch = None;
+            c.scratch = None;
         }
         let n = bytes.next_power_of_two().max(4096);
-        // SAFETY: a plain allocation, freed here or in Drop.
+        // SAFETY: a plain allocation in `g`'s context (current), freed here or in Drop.
         let p = unsafe { result::malloc_sync(n) }.map_err(|e| driver("cuMemAlloc (transfer table)", e))?;
-        self.scratch = Some((p, n));
+        c.scratch = Some((p, n));
         Ok(p)
     }
 
     fn launch_apk(
         &mut self,
         module: ModuleId,
+        g: usize,
         entry: &str,
         grid: u32,
         values: &mut [[u8; 8]],
     ) -> Result<bool, DeviceError> {
-        let Some(apk) = self.apk(module, entry)? else { return Ok(false) };
+        let Some(apk) = self.apk(module, g, entry)? else { return Ok(false) };
         if values.len() != APK_ARGS {
             return Err(DeviceError::Launch {
                 entry: entry.into(),
@@ -534,12 +703,12 @@ impl CudaDevice {
         let mut scratch = [tm_ptr, st_ptr, calls_ptr];
         let mut params: Vec<*mut c_void> = values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
         params.extend(scratch.iter_mut().map(|p| (p as *mut u64).cast::<c_void>()));
-        self.raw_launch(prepare, 1, 256, 0, &mut params).map_err(|e| driver(&name, e))?;
+        self.raw_launch(g, prepare, 1, 256, 0, &mut params).map_err(|e| other(format!("{name}: {e}")))?;
         let mut calls = vec![0u64; (1 + MAX_MAPS) * words];
-        self.d2h(&mut calls, calls_ptr, &name)?;
+        self.d2h(g, &mut calls, calls_ptr, &name)?;
         // Whole words of the templates: the allocation was rounded up to 256 bytes.
         let mut templates = vec![0u64; tb.div_ceil(8)];
-        self.d2h(&mut templates, tm_ptr, &name)?;
+        self.d2h(g, &mut templates, tm_ptr, &name)?;
         let count = calls[0];
         if count > MAX_MAPS as u64 {
             return Err(DeviceError::Launch {
@@ -558,16 +727,17 @@ impl CudaDevice {
             templates[off / 8..off / 8 + 16].copy_from_slice(&map.opaque);
         }
         // 3. The persistent grid, with the operation and `stop` posted.
-        let f = self.function(module, entry)?;
+        let f = self.function(module, g, entry)?;
         let use_clusters = (grid / cluster).clamp(1, clusters);
         let mut state = st_ptr;
         let mut params: [*mut c_void; 2] = [templates.as_mut_ptr().cast(), (&raw mut state).cast()];
-        self.raw_launch(f, use_clusters * cluster, threads, smem, &mut params).map_err(|e| driver(entry, e))?;
-        self.finish(entry)?;
+        self.raw_launch(g, f, use_clusters * cluster, threads, smem, &mut params)
+            .map_err(|e| other(format!("{entry}: {e}")))?;
+        self.finish(g, entry)?;
         let phase = u32::from_le_bytes(values.get(9).map_or([0; 4], |v| [v[0], v[1], v[2], v[3]]));
         let mut done = [0u32; 1];
         let at = st_ptr + done_offset[(phase as usize).min(1)];
-        self.d2h(&mut done, at, entry)?;
+        self.d2h(g, &mut done, at, entry)?;
         if done[0] != 1 {
             return Err(DeviceError::Launch {
                 entry: entry.into(),
@@ -662,87 +832,105 @@ fn encode(c: &[u64]) -> Result<sys::CUtensorMap, String> {
 }
 
 impl Device for CudaDevice {
+    /// Buffer k on GPU [`gpu_of`]`(k, GPUs)`: rank r's unified buffer on
+    /// its own GPU when there is one per rank.
     fn alloc(&mut self, bytes: u64) -> Result<BufferId, DeviceError> {
-        self.current()?;
-        // SAFETY: a plain allocation in the current context, freed in Drop.
-        let ptr = unsafe { result::malloc_sync(bytes.max(1) as usize) }.map_err(|e| {
-            driver(&format!("cuMemAlloc of {bytes} bytes (a rank's unified buffer on {})", self.gpu.name), e)
-        })?;
-        self.buffers.push((ptr, bytes));
-        // SAFETY: `ptr` holds `bytes` bytes; the memset is ordered on the work stream.
-        unsafe { result::memset_d8_async(ptr, 0, bytes as usize, self.stream) }
+        let g = gpu_of(self.buffers.len(), self.ctxs.len());
+        self.current(g)?;
+        let name = self.ctx(g)?.gpu.name.clone();
+        // SAFETY: a plain allocation in `g`'s context, freed in Drop.
+        let ptr = unsafe { result::malloc_sync(bytes.max(1) as usize) }
+            .map_err(|e| driver(&format!("cuMemAlloc of {bytes} bytes (a rank's unified buffer on {name})"), e))?;
+        self.buffers.push(Buffer { ptr, bytes, gpu: g });
+        // SAFETY: `ptr` holds `bytes` bytes; the memset is ordered on `g`'s work stream.
+        unsafe { result::memset_d8_async(ptr, 0, bytes as usize, self.ctx(g)?.stream) }
             .map_err(|e| driver("cuMemsetD8Async", e))?;
-        self.finish("zeroing a rank buffer")?;
+        self.finish(g, "zeroing a rank buffer")?;
         Ok(BufferId(self.buffers.len() as u32 - 1))
     }
 
     fn upload(&mut self, buffer: BufferId, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
-        self.current()?;
-        let at = self.address(buffer, offset, data.len() as u64).map_err(|e| other(format!("upload: {e}")))?;
-        self.h2d(at, data, "upload")
+        let (g, at) = self.address(buffer, offset, data.len() as u64).map_err(|e| other(format!("upload: {e}")))?;
+        self.current(g)?;
+        self.h2d(g, at, data, "upload")
     }
 
     fn download(&mut self, buffer: BufferId, offset: u64, len: u64) -> Result<Vec<u8>, DeviceError> {
-        self.current()?;
-        let at = self.address(buffer, offset, len).map_err(|e| other(format!("download: {e}")))?;
+        let (g, at) = self.address(buffer, offset, len).map_err(|e| other(format!("download: {e}")))?;
+        self.current(g)?;
         let mut v = vec![0u8; len as usize];
-        self.d2h(&mut v, at, "download")?;
+        self.d2h(g, &mut v, at, "download")?;
         Ok(v)
     }
 
+    /// On the first GPU, which reaches every other's buffers through peer
+    /// access: a batch's pieces may read and write any rank's buffer.
     fn transfer(&mut self, code: &Code, batches: &[Batch], buffers: &[BufferId]) -> Result<(), DeviceError> {
+        const G: usize = 0;
         // A poisoned device fails before the scratch is freed or regrown
         // under a kernel that may still run.
-        self.finish("transfer")?;
-        self.current()?;
+        self.finish(G, "transfer")?;
+        self.current(G)?;
         let program = &code.program;
         let mut words: Vec<u64> = vec![];
         let mut sizes = vec![];
         for b in buffers {
-            let &(p, size) =
-                self.buffers.get(b.0 as usize).ok_or_else(|| other(format!("transfer: no buffer {}", b.0)))?;
-            words.push(p);
-            sizes.push(size);
+            let x = self.buffers.get(b.0 as usize).ok_or_else(|| other(format!("transfer: no buffer {}", b.0)))?;
+            words.push(x.ptr);
+            sizes.push(x.bytes);
         }
         for b in batches {
             b.check(program, &sizes).map_err(other)?;
         }
-        let f = self.transfer_function(code)?;
+        let f = self.transfer_function(G, code)?;
+        let sms = u64::from(self.ctx(G)?.gpu.sms);
         let n = words.len();
         for b in batches.iter().filter(|b| !b.is_empty()) {
             words.truncate(n);
             words.extend(b.words());
-            let at = self.scratch(words.len() * 8)?;
+            let at = self.scratch(G, words.len() * 8)?;
             // The scratch holds the buffer addresses, then the batch's table.
-            self.h2d(at, &words, "transfer table")?;
-            let grid = b.pieces(program).div_ceil(256).clamp(1, 16 * u64::from(self.gpu.sms)) as u32;
+            self.h2d(G, at, &words, "transfer table")?;
+            let grid = b.pieces(program).div_ceil(256).clamp(1, 16 * sms) as u32;
             let (mut bases, mut table) = (at, at + 8 * n as u64);
             let mut params: [*mut c_void; 2] = [(&raw mut bases).cast(), (&raw mut table).cast()];
-            self.raw_launch(f, grid, 256, 0, &mut params).map_err(|e| driver(moeforge_xfer::ENTRY, e))?;
-            self.finish("transfer")?;
+            self.raw_launch(G, f, grid, 256, 0, &mut params)
+                .map_err(|e| other(format!("{}: {e}", moeforge_xfer::ENTRY)))?;
+            self.finish(G, "transfer")?;
         }
         Ok(())
     }
 
+    /// Built once, loaded into every GPU's context.
     fn load(&mut self, name: &str, source: &str) -> Result<ModuleId, DeviceError> {
-        self.current()?;
         let image = self.build(name, source)?;
-        // SAFETY: `image` is a cubin nvcc wrote for this GPU's architecture.
-        let module = unsafe { result::module::load_data(image.as_ptr().cast()) }.map_err(|e| DeviceError::Build {
-            kernel: name.into(),
-            device: "cuda device",
-            message: format!("cuModuleLoadData: {e:?}"),
-        })?;
-        self.modules.push(Module {
-            name: name.into(),
-            module,
-            functions: BTreeMap::new(),
-            apk_entries: apk_entries(source),
-            apk: BTreeMap::new(),
-        });
+        let mut per_gpu = Vec::with_capacity(self.ctxs.len());
+        for g in 0..self.ctxs.len() {
+            self.current(g)?;
+            // SAFETY: `image` is a cubin nvcc wrote for this GPU's architecture.
+            match unsafe { result::module::load_data(image.as_ptr().cast()) } {
+                Ok(module) => per_gpu.push(Loaded { module, functions: BTreeMap::new(), apk: BTreeMap::new() }),
+                Err(e) => {
+                    for (h, l) in per_gpu.iter().enumerate() {
+                        if self.current(h).is_ok() {
+                            // SAFETY: loaded just above, never launched.
+                            let _ = unsafe { result::module::unload(l.module) };
+                        }
+                    }
+                    return Err(DeviceError::Build {
+                        kernel: name.into(),
+                        device: "cuda device",
+                        message: format!("cuModuleLoadData on GPU {}: {e:?}", self.ctxs[g].gpu.ordinal),
+                    });
+                }
+            }
+        }
+        self.modules.push(Module { name: name.into(), apk_entries: apk_entries(source), per_gpu });
         Ok(ModuleId(self.modules.len() as u32 - 1))
     }
 
+    /// On the GPU of its first pointer argument (the rank whose op it is);
+    /// a launch without one runs on the first GPU.
     fn launch(
         &mut self,
         module: ModuleId,
@@ -751,15 +939,19 @@ impl Device for CudaDevice {
         block: u32,
         args: &[KernelArg],
     ) -> Result<(), DeviceError> {
-        self.current()?;
         let module_name = self.modules.get(module.0 as usize).map(|m| m.name.clone()).unwrap_or_default();
         let what = format!("{module_name}::{entry}");
+        let mut g = None;
         // One 8-byte slot per parameter, holding its value as the kernel reads it.
         let mut values: Vec<[u8; 8]> = Vec::with_capacity(args.len());
         for a in args {
             let mut v = [0u8; 8];
             match *a {
-                KernelArg::Ptr { buffer, offset } => v = self.address(buffer, offset, 0)?.to_le_bytes(),
+                KernelArg::Ptr { buffer, offset } => {
+                    let (on, at) = self.address(buffer, offset, 0)?;
+                    g.get_or_insert(on);
+                    v = at.to_le_bytes();
+                }
                 KernelArg::Null => {}
                 KernelArg::I32(x) => v[..4].copy_from_slice(&x.to_le_bytes()),
                 KernelArg::I64(x) => v = x.to_le_bytes(),
@@ -767,49 +959,69 @@ impl Device for CudaDevice {
             }
             values.push(v);
         }
-        if self.launch_apk(module, entry, grid, &mut values)? {
+        let g = g.unwrap_or(0);
+        self.current(g)?;
+        if self.launch_apk(module, g, entry, grid, &mut values)? {
             return Ok(());
         }
-        let f = self.function(module, entry)?;
+        let f = self.function(module, g, entry)?;
         let mut params: Vec<*mut c_void> = values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
-        self.raw_launch(f, grid, block, 0, &mut params)
-            .map_err(|e| DeviceError::Launch { entry: what.clone(), message: format!("{e:?}") })?;
-        self.finish(&what)
+        self.raw_launch(g, f, grid, block, 0, &mut params)
+            .map_err(|e| DeviceError::Launch { entry: what.clone(), message: e.to_string() })?;
+        self.finish(g, &what)
     }
 }
 
 impl Drop for CudaDevice {
     fn drop(&mut self) {
         // A hung kernel may still use everything: leave it to the process's exit.
-        if self.poisoned.get().is_some() || self.current().is_err() || self.finish("teardown").is_err() {
+        if self.poisoned.get().is_some() {
             return;
         }
-        for m in &self.modules {
-            for apk in m.apk.values() {
-                for p in [apk.templates, apk.state, apk.calls] {
-                    // SAFETY: allocated in setup_apk, not used after this.
-                    let _ = unsafe { result::free_sync(p) };
-                }
+        for g in 0..self.ctxs.len() {
+            if self.current(g).is_err() || self.finish(g, "teardown").is_err() {
+                return;
             }
-            // SAFETY: no launch of this module is pending (the stream finished).
-            let _ = unsafe { result::module::unload(m.module) };
         }
-        for &(module, _) in self.transfers.values() {
-            // SAFETY: the stream is idle; the module is not used after this.
-            let _ = unsafe { result::module::unload(module) };
+        for m in &self.modules {
+            for (g, l) in m.per_gpu.iter().enumerate() {
+                if self.current(g).is_err() {
+                    continue;
+                }
+                for apk in l.apk.values() {
+                    for p in [apk.templates, apk.state, apk.calls] {
+                        // SAFETY: allocated in setup_apk, not used after this.
+                        let _ = unsafe { result::free_sync(p) };
+                    }
+                }
+                // SAFETY: no launch of this module is pending (every stream finished).
+                let _ = unsafe { result::module::unload(l.module) };
+            }
         }
-        if let Some((p, _)) = self.scratch {
-            // SAFETY: as above.
-            let _ = unsafe { result::free_sync(p) };
+        for b in &self.buffers {
+            if self.current(b.gpu).is_ok() {
+                // SAFETY: allocated in alloc, not used after this.
+                let _ = unsafe { result::free_sync(b.ptr) };
+            }
         }
-        for &(p, _) in &self.buffers {
-            // SAFETY: allocated in alloc, not used after this.
-            let _ = unsafe { result::free_sync(p) };
+        for c in &self.ctxs {
+            // SAFETY: retained in open.
+            if unsafe { result::ctx::set_current(c.ctx) }.is_err() {
+                continue;
+            }
+            for &(module, _) in c.transfers.values() {
+                // SAFETY: the stream is idle; the module is not used after this.
+                let _ = unsafe { result::module::unload(module) };
+            }
+            if let Some((p, _)) = c.scratch {
+                // SAFETY: as above.
+                let _ = unsafe { result::free_sync(p) };
+            }
+            // SAFETY: the stream is idle and not used after this.
+            let _ = unsafe { result::stream::destroy(c.stream) };
+            // SAFETY: retained in open.
+            let _ = unsafe { result::primary_ctx::release(c.device) };
         }
-        // SAFETY: the stream is idle and not used after this.
-        let _ = unsafe { result::stream::destroy(self.stream) };
-        // SAFETY: retained in open.
-        let _ = unsafe { result::primary_ctx::release(self.device) };
     }
 }
 
@@ -836,7 +1048,7 @@ mod tests {
             Err(e) => {
                 let m = e.to_string();
                 assert!(m.contains("no CUDA driver found") || m.contains("sees no GPU") || m.contains("cuInit"), "{m}");
-                let Err(open) = CudaDevice::open(0, &std::env::temp_dir()) else { panic!("opened without a GPU") };
+                let Err(open) = CudaDevice::open(&[0], &std::env::temp_dir()) else { panic!("opened without a GPU") };
                 assert_eq!(open.to_string(), m);
             }
             Ok(gpus) => assert!(!gpus.is_empty() && gpus.iter().all(|g| g.sms > 0 && g.capability.0 >= 7)),
@@ -859,5 +1071,46 @@ mod tests {
         bad[2] = 6;
         assert!(encode(&bad).unwrap_err().contains("rank 6"));
         assert!(encode(&call[..20]).unwrap_err().contains("20 words"));
+    }
+
+    fn h100(ordinal: usize) -> Gpu {
+        Gpu { ordinal, name: "NVIDIA H100 80GB HBM3".into(), capability: (9, 0), sms: 132, memory_bytes: 80 << 30 }
+    }
+
+    /// A GPU per rank while there are enough; the chosen ordinals in their
+    /// order; an unknown or repeated ordinal is refused by name.
+    #[test]
+    fn a_run_drives_at_most_one_gpu_per_rank_of_the_ones_chosen() {
+        let eight: Vec<Gpu> = (0..8).map(h100).collect();
+        let ordinals = |v: Vec<Gpu>| v.iter().map(|g| g.ordinal).collect::<Vec<_>>();
+        assert_eq!(ordinals(select(&eight, None, 4).unwrap()), vec![0, 1, 2, 3]);
+        assert_eq!(ordinals(select(&eight, None, 16).unwrap()).len(), 8);
+        assert_eq!(ordinals(select(&eight, Some(&[5, 2]), 4).unwrap()), vec![5, 2]);
+        assert_eq!(ordinals(select(&eight, Some(&[7]), 4).unwrap()), vec![7]);
+        assert!(select(&eight, Some(&[8]), 4).unwrap_err().contains("GPU 8 does not exist"));
+        assert!(select(&eight, Some(&[1, 1]), 4).unwrap_err().contains("named twice"));
+        assert!(select(&[], None, 4).is_err());
+    }
+
+    /// Rank r on GPU r mod n: every GPU holds ⌈ranks / n⌉ or ⌊ranks / n⌋
+    /// buffers, and the check counts exactly those against each GPU's memory.
+    #[test]
+    fn rank_buffers_go_round_the_gpus_and_must_fit_each() {
+        for (ranks, n) in [(8usize, 8usize), (8, 2), (8, 3), (2, 1), (5, 4)] {
+            let mut held = vec![0usize; n];
+            for k in 0..ranks {
+                held[gpu_of(k, n)] += 1;
+            }
+            assert!(held.iter().all(|&h| h == ranks / n || h == ranks.div_ceil(n)), "{ranks} over {n}: {held:?}");
+            assert_eq!(held.iter().sum::<usize>(), ranks);
+        }
+        let two = [h100(0), h100(1)];
+        // Four 30 GiB buffers over two 80 GiB GPUs fit; over one they do not.
+        assert!(check_fit(4, 30 << 30, &two).is_ok());
+        let e = check_fit(4, 30 << 30, &two[..1]).unwrap_err();
+        assert!(e.contains("GPU 0") && e.contains("4 rank buffer(s)"), "{e}");
+        // Three over two: GPU 0 holds two (60 GiB), fits; at 41 GiB it does not.
+        assert!(check_fit(3, 30 << 30, &two).is_ok());
+        assert!(check_fit(3, 41 << 30, &two).unwrap_err().contains("GPU 0 (NVIDIA H100 80GB HBM3) would hold 2"));
     }
 }

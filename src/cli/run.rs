@@ -129,14 +129,52 @@ pub fn load_dir(bundle: &Path) -> Result<LoadedBundle, ExitCode> {
     moeforge::runtime::load_bundle(bundle).map_err(|e| error(e, "compile the spec again with `moeforge compile`"))
 }
 
-/// The GPU `--backend cuda` runs on: `MOEFORGE_CUDA_DEVICE`, else 0.
-fn cuda_ordinal() -> Result<usize, ExitCode> {
-    match std::env::var("MOEFORGE_CUDA_DEVICE") {
-        Err(_) => Ok(0),
-        Ok(v) => v.trim().parse().map_err(|_| {
-            error(format!("MOEFORGE_CUDA_DEVICE = `{v}` is not a GPU index"), "give an index such as 0, or unset it")
-        }),
+/// The GPUs `--backend cuda` drives for `bundle`: those
+/// `MOEFORGE_CUDA_DEVICES` names (comma-separated ordinals, in that order),
+/// else every GPU the driver sees; at most one per rank. Checked before the
+/// checkpoint is read: no driver or no GPU, a GPU of another architecture,
+/// or GPUs too small for the rank buffers they would hold fail at once.
+fn cuda_gpus(bundle: &LoadedBundle) -> Result<Vec<moeforge_cuda::Gpu>, ExitCode> {
+    let chosen = match std::env::var("MOEFORGE_CUDA_DEVICES") {
+        Err(_) => None,
+        Ok(v) => {
+            Some(v.split(',').map(|x| x.trim().parse::<usize>()).collect::<Result<Vec<_>, _>>().map_err(|_| {
+                error(
+                    format!("MOEFORGE_CUDA_DEVICES = `{v}` is not a list of GPU indices"),
+                    "give comma-separated indices such as 0,1,2,3, or unset it to use every GPU",
+                )
+            })?)
+        }
+    };
+    let visible = moeforge_cuda::probe().map_err(|e| {
+        error(format!("--backend cuda: {e}"), "run it on a machine with an NVIDIA GPU, or use --backend emu")
+    })?;
+    let mem = &bundle.plan.memory;
+    let ranks = mem.group as usize;
+    let gpus = moeforge_cuda::select(&visible, chosen.as_deref(), ranks).map_err(|e| {
+        error(format!("--backend cuda: MOEFORGE_CUDA_DEVICES: {e}"), "name GPUs the driver sees, each once")
+    })?;
+    // sm_90a code (wgmma, TMA, clusters) runs on compute capability 9.0 only.
+    if bundle.plan.cluster.arch == moeforge::dsl::spec::Arch::Sm90a {
+        if let Some(gpu) = gpus.iter().find(|g| g.capability != (9, 0)) {
+            return Err(error(
+                format!(
+                    "--backend cuda: the bundle is compiled for sm_90a (Hopper) but GPU {} ({}) is compute \
+                     capability {}.{}",
+                    gpu.ordinal, gpu.name, gpu.capability.0, gpu.capability.1
+                ),
+                "compile the spec for a cluster of this GPU's architecture, or leave that GPU out of MOEFORGE_CUDA_DEVICES",
+            ));
+        }
     }
+    moeforge_cuda::check_fit(ranks, mem.buffer_bytes, &gpus).map_err(|e| {
+        error(
+            format!("--backend cuda: {e}"),
+            "give the run a GPU per rank (MOEFORGE_CUDA_DEVICES), or compile a smaller plan (`hbm` or \
+             `memory_fraction` in the spec)",
+        )
+    })?;
+    Ok(gpus)
 }
 
 /// Checks that the backend can run `bundle` on this machine, then loads the
@@ -153,39 +191,7 @@ pub fn prepare(bundle: &LoadedBundle, weights: &Path, backend: Backend) -> Resul
         // Before the checkpoint is read: no driver or no GPU, a GPU of another
         // architecture, or one too small for every rank's buffer fails at once.
         Backend::Cuda => {
-            let gpus = moeforge_cuda::probe().map_err(|e| {
-                error(format!("--backend cuda: {e}"), "run it on a machine with an NVIDIA GPU, or use --backend emu")
-            })?;
-            let ordinal = cuda_ordinal()?;
-            let gpu = gpus.get(ordinal).ok_or_else(|| {
-                error(
-                    format!("--backend cuda: MOEFORGE_CUDA_DEVICE = {ordinal}, but the driver sees {} GPU(s)", gpus.len()),
-                    "set MOEFORGE_CUDA_DEVICE to one of them (0 is the default)",
-                )
-            })?;
-            // sm_90a code (wgmma, TMA, clusters) runs on compute capability 9.0 only.
-            if bundle.plan.cluster.arch == moeforge::dsl::spec::Arch::Sm90a && gpu.capability != (9, 0) {
-                return Err(error(
-                    format!(
-                        "--backend cuda: the bundle is compiled for sm_90a (Hopper) but GPU {} ({}) is compute \
-                         capability {}.{}",
-                        gpu.ordinal, gpu.name, gpu.capability.0, gpu.capability.1
-                    ),
-                    "compile the spec for a cluster of this GPU's architecture",
-                ));
-            }
-            let mem = &bundle.plan.memory;
-            let need = u64::from(mem.group).saturating_mul(mem.buffer_bytes);
-            if need > gpu.memory_bytes {
-                return Err(error(
-                    format!(
-                        "--backend cuda: every rank's buffer lives on GPU {} here: {} × {} bytes = {need} bytes, \
-                         more than its {} bytes",
-                        gpu.ordinal, mem.group, mem.buffer_bytes, gpu.memory_bytes
-                    ),
-                    "this backend runs small plans on one GPU (a smaller `hbm` or `memory_fraction` in the spec)",
-                ));
-            }
+            cuda_gpus(bundle)?;
         }
     }
     let ck =
@@ -214,6 +220,10 @@ pub fn driver(
     let vocab = deploy.map_or(1, |d| bundle.spec.model(d.model).vocab as usize);
     let switch = deploy.map(|d| &d.switch);
     let cache = moeforge::runtime::device::emu::default_cache();
+    let ordinals: Vec<usize> = match backend {
+        Backend::Cuda => cuda_gpus(bundle)?.iter().map(|g| g.ordinal).collect(),
+        Backend::Cpu | Backend::Emu => vec![],
+    };
     let make = |mode| match backend {
         Backend::Cpu => twin::Twin::new(bundle, ck, mode).map_err(Into::into),
         Backend::Emu => {
@@ -222,9 +232,7 @@ pub fn driver(
             twin::Twin::on_device(bundle, ck, mode, Box::new(dev)).map_err(Into::into)
         }
         Backend::Cuda => {
-            let ordinal =
-                cuda_ordinal().map_err(|_| EngineError::Backend("MOEFORGE_CUDA_DEVICE is not an index".into()))?;
-            let dev = moeforge_cuda::CudaDevice::open(ordinal, &moeforge_cuda::default_cache())
+            let dev = moeforge_cuda::CudaDevice::open(&ordinals, &moeforge_cuda::default_cache())
                 .map_err(|e| EngineError::Backend(format!("the cuda device: {e}")))?;
             twin::Twin::on_device(bundle, ck, mode, Box::new(dev)).map_err(Into::into)
         }
