@@ -22,6 +22,12 @@
 //!   persistent grid (its compile-time cluster dims, its dynamic shared
 //!   memory, at most the clusters that can be co-resident) with the
 //!   operation and `stop` posted, and checks the operation's `done`.
+//! - Zepp's slot swaps ([`Device::side_transfer`]) run on a side stream
+//!   of the first GPU: each batch's table in device memory of its own, an
+//!   event recorded after the swap; [`Device::side_wait`] polls that event
+//!   under the watchdog and frees what the swaps held. The launches and
+//!   transfers that finish while a swap still runs are counted (the
+//!   overlap `side_wait` reports).
 //! - A launch returns once the GPU finished it (the [`Device`] contract):
 //!   the stream is polled, and a launch still running after
 //!   `MOEFORGE_CUDA_WATCHDOG_S` seconds (60) is an error naming it.
@@ -44,7 +50,7 @@
 
 use cudarc::driver::result;
 use cudarc::driver::sys;
-use moeforge_runtime::device::{Batch, BufferId, Code, Device, DeviceError, KernelArg, ModuleId};
+use moeforge_runtime::device::{Batch, BufferId, Code, Device, DeviceError, KernelArg, ModuleId, SideEvent};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::ffi::{c_void, CString};
@@ -266,9 +272,33 @@ struct Buffer {
     gpu: usize,
 }
 
+/// The side stream (on the first GPU, beside its work stream): Zepp's slot
+/// swaps run there while the next launches go on.
+struct Side {
+    stream: sys::CUstream,
+    /// The last event handed out (events count from 1).
+    last: u64,
+    /// Queued transfers not yet waited for, in queue order.
+    pending: Vec<Pending>,
+    /// Main-stream launches and transfers that finished while side work was
+    /// still running (cumulative; what [`Device::side_wait`] reports).
+    beside: u64,
+}
+
+/// One queued side transfer: its completion event, and the tables its
+/// launches read (device copies and the host words they were copied from,
+/// both kept until the event completed).
+struct Pending {
+    id: u64,
+    event: sys::CUevent,
+    tables: Vec<(sys::CUdeviceptr, Vec<u64>)>,
+}
+
 pub struct CudaDevice {
     /// The GPUs this process drives, every pair with peer access.
     ctxs: Vec<Ctx>,
+    /// Created on the first side transfer.
+    side: Option<Side>,
     buffers: Vec<Buffer>,
     modules: Vec<Module>,
     cache: PathBuf,
@@ -316,6 +346,7 @@ impl CudaDevice {
             .unwrap_or(Duration::from_secs(60));
         let mut dev = CudaDevice {
             ctxs: Vec::with_capacity(gpus.len()),
+            side: None,
             buffers: Vec::new(),
             modules: Vec::new(),
             cache: cache.to_path_buf(),
@@ -418,15 +449,21 @@ impl CudaDevice {
     /// error. After a hang the device is poisoned: every later call fails
     /// at once.
     fn finish(&self, g: usize, what: &str) -> Result<(), DeviceError> {
+        let stream = self.ctx(g)?.stream;
+        // SAFETY: `stream` lives as long as the device.
+        self.poll(what, || unsafe { sys::cuStreamQuery(stream) })
+    }
+
+    /// Polls `query` (a stream's or an event's) until it reports done,
+    /// under the watchdog.
+    fn poll(&self, what: &str, query: impl Fn() -> sys::CUresult) -> Result<(), DeviceError> {
         if let Some(hung) = self.poisoned.get() {
             return Err(other(format!("the GPU is still running `{hung}`, which hung: restart the process")));
         }
-        let stream = self.ctx(g)?.stream;
         let t0 = Instant::now();
         let mut spins = 0u32;
         loop {
-            // SAFETY: `stream` lives as long as the device.
-            match unsafe { sys::cuStreamQuery(stream) } {
+            match query() {
                 sys::cudaError_enum::CUDA_SUCCESS => return Ok(()),
                 sys::cudaError_enum::CUDA_ERROR_NOT_READY => {}
                 e => return Err(driver(what, result::DriverError(e))),
@@ -445,6 +482,39 @@ impl CudaDevice {
             if spins > 1000 {
                 std::thread::sleep(Duration::from_micros(50));
             }
+        }
+    }
+
+    /// A main-stream launch or transfer finished: counted as beside the
+    /// side stream's work while some of it still runs.
+    fn main_op_done(&mut self) {
+        let Some(side) = self.side.as_mut() else { return };
+        // SAFETY: the events live until they are waited for and destroyed.
+        let running = side
+            .pending
+            .iter()
+            .any(|p| unsafe { sys::cuEventQuery(p.event) } == sys::cudaError_enum::CUDA_ERROR_NOT_READY);
+        if running {
+            side.beside += 1;
+        }
+    }
+
+    /// The side stream's queued work up to and including `id`: its tables
+    /// freed and its events destroyed (after it finished).
+    fn retire(&mut self, id: u64) {
+        let Some(side) = self.side.as_mut() else { return };
+        let done: Vec<Pending> = {
+            let (done, rest): (Vec<Pending>, Vec<Pending>) = side.pending.drain(..).partition(|p| p.id <= id);
+            side.pending = rest;
+            done
+        };
+        for p in done {
+            for (t, _) in p.tables {
+                // SAFETY: the transfer that read it finished.
+                let _ = unsafe { result::free_sync(t) };
+            }
+            // SAFETY: recorded and completed; not used after this.
+            let _ = unsafe { result::event::destroy(p.event) };
         }
     }
 
@@ -679,6 +749,41 @@ impl CudaDevice {
         Ok(p)
     }
 
+    /// A transfer's kernel on the first GPU and, per non-empty batch, its
+    /// table (the buffers' addresses, then the batch's words) and grid;
+    /// every batch checked against the buffers' sizes first.
+    #[allow(clippy::type_complexity)]
+    fn prepare_transfer(
+        &mut self,
+        code: &Code,
+        batches: &[Batch],
+        buffers: &[BufferId],
+    ) -> Result<(sys::CUfunction, Vec<(Vec<u64>, u32)>), DeviceError> {
+        let program = &code.program;
+        let mut bases: Vec<u64> = vec![];
+        let mut sizes = vec![];
+        for b in buffers {
+            let x = self.buffers.get(b.0 as usize).ok_or_else(|| other(format!("transfer: no buffer {}", b.0)))?;
+            bases.push(x.ptr);
+            sizes.push(x.bytes);
+        }
+        for b in batches {
+            b.check(program, &sizes).map_err(other)?;
+        }
+        let f = self.transfer_function(0, code)?;
+        let sms = u64::from(self.ctx(0)?.gpu.sms);
+        let tables = batches
+            .iter()
+            .filter(|b| !b.is_empty())
+            .map(|b| {
+                let mut words = bases.clone();
+                words.extend(b.words());
+                (words, b.pieces(program).div_ceil(256).clamp(1, 16 * sms) as u32)
+            })
+            .collect();
+        Ok((f, tables))
+    }
+
     fn launch_apk(
         &mut self,
         module: ModuleId,
@@ -866,39 +971,100 @@ impl Device for CudaDevice {
     /// On the first GPU, which reaches every other's buffers through peer
     /// access: a batch's pieces may read and write any rank's buffer.
     fn transfer(&mut self, code: &Code, batches: &[Batch], buffers: &[BufferId]) -> Result<(), DeviceError> {
-        const G: usize = 0;
         // A poisoned device fails before the scratch is freed or regrown
         // under a kernel that may still run.
-        self.finish(G, "transfer")?;
-        self.current(G)?;
-        let program = &code.program;
-        let mut words: Vec<u64> = vec![];
-        let mut sizes = vec![];
-        for b in buffers {
-            let x = self.buffers.get(b.0 as usize).ok_or_else(|| other(format!("transfer: no buffer {}", b.0)))?;
-            words.push(x.ptr);
-            sizes.push(x.bytes);
-        }
-        for b in batches {
-            b.check(program, &sizes).map_err(other)?;
-        }
-        let f = self.transfer_function(G, code)?;
-        let sms = u64::from(self.ctx(G)?.gpu.sms);
-        let n = words.len();
-        for b in batches.iter().filter(|b| !b.is_empty()) {
-            words.truncate(n);
-            words.extend(b.words());
-            let at = self.scratch(G, words.len() * 8)?;
+        self.finish(0, "transfer")?;
+        self.current(0)?;
+        let (f, tables) = self.prepare_transfer(code, batches, buffers)?;
+        for (words, grid) in tables {
+            let at = self.scratch(0, words.len() * 8)?;
             // The scratch holds the buffer addresses, then the batch's table.
-            self.h2d(G, at, &words, "transfer table")?;
-            let grid = b.pieces(program).div_ceil(256).clamp(1, 16 * sms) as u32;
-            let (mut bases, mut table) = (at, at + 8 * n as u64);
+            self.h2d(0, at, &words, "transfer table")?;
+            let (mut bases, mut table) = (at, at + 8 * buffers.len() as u64);
             let mut params: [*mut c_void; 2] = [(&raw mut bases).cast(), (&raw mut table).cast()];
-            self.raw_launch(G, f, grid, 256, 0, &mut params)
+            self.raw_launch(0, f, grid, 256, 0, &mut params)
                 .map_err(|e| other(format!("{}: {e}", moeforge_xfer::ENTRY)))?;
-            self.finish(G, "transfer")?;
+            self.finish(0, "transfer")?;
         }
+        self.main_op_done();
         Ok(())
+    }
+
+    /// On the side stream of the first GPU: every batch's table copied to
+    /// memory of its own (kept until the wait), the launches queued, one
+    /// event recorded after them. Nothing on the work streams waits for it.
+    fn side_transfer(
+        &mut self,
+        code: &Code,
+        batches: &[Batch],
+        buffers: &[BufferId],
+    ) -> Result<SideEvent, DeviceError> {
+        self.finish(0, "side transfer")?;
+        self.current(0)?;
+        let (f, tables) = self.prepare_transfer(code, batches, buffers)?;
+        if self.side.is_none() {
+            let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
+                .map_err(|e| driver("cuStreamCreate (side stream)", e))?;
+            self.side = Some(Side { stream, last: 0, pending: Vec::new(), beside: 0 });
+        }
+        let stream = self.side.as_ref().map(|x| x.stream).ok_or_else(|| other("no side stream"))?;
+        let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| driver("cuEventCreate", e))?;
+        let id = self.side.as_ref().map_or(0, |x| x.last) + 1;
+        let mut pending = Pending { id, event, tables: Vec::with_capacity(tables.len()) };
+        let queued = || -> Result<(), DeviceError> {
+            for (words, grid) in tables {
+                // SAFETY: a plain allocation in the first GPU's context, freed by `retire`.
+                let at = unsafe { result::malloc_sync(words.len() * 8) }
+                    .map_err(|e| driver("cuMemAlloc (side transfer table)", e))?;
+                pending.tables.push((at, words));
+                let words = &pending.tables[pending.tables.len() - 1].1;
+                // SAFETY: `at` holds the words; they stay in `pending` until the event completed.
+                unsafe { result::memcpy_htod_async(at, words.as_slice(), stream) }
+                    .map_err(|e| driver("side transfer table: cuMemcpyHtoDAsync", e))?;
+                let (mut bases, mut table) = (at, at + 8 * buffers.len() as u64);
+                let mut params: [*mut c_void; 2] = [(&raw mut bases).cast(), (&raw mut table).cast()];
+                // SAFETY: `f` is the program's kernel in this context; the
+                // parameters are read at launch.
+                unsafe { result::launch_kernel(f, (grid, 1, 1), (256, 1, 1), 0, stream, &mut params) }
+                    .map_err(|e| driver(&format!("{} (side stream)", moeforge_xfer::ENTRY), e))?;
+            }
+            // SAFETY: `event` was just created; `stream` is the side stream.
+            unsafe { result::event::record(event, stream) }.map_err(|e| driver("cuEventRecord", e))
+        };
+        let queued = queued();
+        if let Err(e) = queued {
+            // Nothing may be freed under a launch that might run: wait for the side stream first.
+            // SAFETY: `stream` lives as long as the device.
+            if self.poll("side transfer", || unsafe { sys::cuStreamQuery(stream) }).is_ok() {
+                for (t, _) in pending.tables {
+                    // SAFETY: nothing reads it any more.
+                    let _ = unsafe { result::free_sync(t) };
+                }
+                // SAFETY: not used after this.
+                let _ = unsafe { result::event::destroy(event) };
+            }
+            return Err(e);
+        }
+        if let Some(side) = self.side.as_mut() {
+            side.last = id;
+            side.pending.push(pending);
+        }
+        Ok(SideEvent(id))
+    }
+
+    /// Polls the event (the side stream runs in order, so every earlier
+    /// transfer finished too), then frees what they held.
+    fn side_wait(&mut self, event: SideEvent) -> Result<u64, DeviceError> {
+        let Some(side) = self.side.as_ref() else { return Ok(0) };
+        let beside = side.beside;
+        let Some(p) = side.pending.iter().rev().find(|p| p.id <= event.0) else { return Ok(beside) };
+        let e = p.event;
+        self.current(0)?;
+        // SAFETY: the event lives until `retire` destroys it.
+        self.poll("a side-stream transfer (slot swap)", || unsafe { sys::cuEventQuery(e) })?;
+        self.retire(event.0);
+        Ok(beside)
     }
 
     /// Built once, loaded into every GPU's context.
@@ -962,13 +1128,16 @@ impl Device for CudaDevice {
         let g = g.unwrap_or(0);
         self.current(g)?;
         if self.launch_apk(module, g, entry, grid, &mut values)? {
+            self.main_op_done();
             return Ok(());
         }
         let f = self.function(module, g, entry)?;
         let mut params: Vec<*mut c_void> = values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
         self.raw_launch(g, f, grid, block, 0, &mut params)
             .map_err(|e| DeviceError::Launch { entry: what.clone(), message: e.to_string() })?;
-        self.finish(g, &what)
+        self.finish(g, &what)?;
+        self.main_op_done();
+        Ok(())
     }
 }
 
@@ -982,6 +1151,15 @@ impl Drop for CudaDevice {
             if self.current(g).is_err() || self.finish(g, "teardown").is_err() {
                 return;
             }
+        }
+        if let Some(stream) = self.side.as_ref().map(|x| x.stream) {
+            // SAFETY: the side stream lives until destroyed below.
+            if self.current(0).is_err() || self.poll("teardown", || unsafe { sys::cuStreamQuery(stream) }).is_err() {
+                return;
+            }
+            self.retire(u64::MAX);
+            // SAFETY: idle, not used after this.
+            let _ = unsafe { result::stream::destroy(stream) };
         }
         for m in &self.modules {
             for (g, l) in m.per_gpu.iter().enumerate() {
