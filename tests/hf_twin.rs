@@ -761,6 +761,8 @@ fn on_the_emulated_device_with(name: &'static str, runs: &[(u32, Mode, &[usize])
         let b = compile_with(&f, p, tmp.path(), tiles);
         let dev = EmuDevice::start(cache.path()).unwrap_or_else(|e| panic!("{e}"));
         let mut t = Twin::on_device(&b, &ck, start, Box::new(dev)).unwrap_or_else(|e| panic!("{name} P={p}: {e}"));
+        // The weights went from the checkpoint to the device: no rank buffer on the host.
+        assert_eq!(t.host_buffer_bytes(), 0, "{name} P={p}");
         let label = format!("{name} P={p} {start:?} switching at {switch_at:?} on the emulated device");
         let t0 = std::time::Instant::now();
         // A step is held to the continuous bound, or to transformers' own

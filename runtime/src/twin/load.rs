@@ -1,4 +1,5 @@
-//! Loading a checkpoint into the ranks' unified buffers, through the views:
+//! Loading a checkpoint into the ranks' unified buffers (the host twin's,
+//! or straight into an attached device's), through the views:
 //! each view's bytes are the slice of the checkpoint tensor its shard says
 //! (whole tensors, head rows or columns, local experts, or every expert's
 //! `1/P` of the intermediate dimension).
@@ -9,7 +10,8 @@ use moeforge_plan::memory::{head_block, HeadSet, Mode, Shard, TensorPart, Tensor
 
 impl Twin {
     /// Writes every tensor into the views that hold it: replicated and both
-    /// attention layouts in every plan mode, experts in the current mode.
+    /// attention layouts in every plan mode, experts in the current mode; on
+    /// the attached device when there is one, else in the host buffers.
     pub(super) fn load(&mut self, ck: &Checkpoint) -> Result<(), TwinError> {
         let m = self.model.clone();
         let p = self.ranks.len();
@@ -44,8 +46,19 @@ impl Twin {
                             v.bytes()
                         )));
                     }
-                    let at = v.offset_of(l) as usize;
-                    self.ranks[r].buf[at..at + bytes.len()].copy_from_slice(&bytes);
+                    let at = v.offset_of(l);
+                    match self.device.as_mut() {
+                        Some(dev) => dev
+                            .upload(r, at, &bytes)
+                            .map_err(|e| TwinError::Unsupported(format!("uploading `{name}` to rank {r}: {e}")))?,
+                        None => {
+                            let at = at as usize;
+                            let out = self.ranks[r].buf.get_mut(at..at + bytes.len()).ok_or_else(|| {
+                                TwinError::Unsupported(format!("`{name}`'s view lies outside rank {r}'s buffer"))
+                            })?;
+                            out.copy_from_slice(&bytes);
+                        }
+                    }
                 }
             }
         }

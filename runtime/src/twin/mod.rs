@@ -110,6 +110,7 @@ struct Rank {
     id: usize,
     /// Its ExpertPlex role in a role plan.
     role: Option<Role>,
+    /// Its unified buffer; empty on a device, whose buffers hold everything.
     buf: Vec<u8>,
     pages: Pages,
     /// Page table per request held by this rank.
@@ -172,6 +173,14 @@ impl Twin {
     /// says the twin cannot run, and a plan whose views do not have the
     /// shapes the model needs, before allocating anything.
     pub fn new(bundle: &LoadedBundle, ck: &Checkpoint, start: Mode) -> Result<Twin, TwinError> {
+        let mut twin = Twin::build(bundle, ck, start, true)?;
+        twin.load(ck)?;
+        Ok(twin)
+    }
+
+    /// The twin's ranks and state, with host buffers (`host`) or without
+    /// (a device holds the weights and KV); nothing loaded yet.
+    fn build(bundle: &LoadedBundle, ck: &Checkpoint, start: Mode, host: bool) -> Result<Twin, TwinError> {
         let spec = &bundle.spec;
         let m = spec.models.first().ok_or_else(|| TwinError::Unsupported("the bundle's spec has no model".into()))?;
         let mut model = TwinModel::from_spec(m).map_err(TwinError::Unsupported)?;
@@ -182,7 +191,7 @@ impl Twin {
             return Err(TwinError::NoMode(start));
         }
         let need = plan.buffer_bytes.saturating_mul(u64::from(plan.group));
-        if need > MAX_TWIN_BYTES {
+        if host && need > MAX_TWIN_BYTES {
             return Err(TwinError::TooLarge { need, ranks: plan.group, limit: MAX_TWIN_BYTES });
         }
         let p = plan.group as usize;
@@ -200,14 +209,14 @@ impl Twin {
             .map(|id| Rank {
                 id,
                 role: full.role(id),
-                buf: vec![0u8; plan.buffer_bytes as usize],
+                buf: if host { vec![0u8; plan.buffer_bytes as usize] } else { Vec::new() },
                 // MoE servers hold no KV.
                 pages: Pages::new(if full.role(id) == Some(Role::Moe) { 0 } else { pages }),
                 tables: BTreeMap::new(),
                 requests: vec![],
             })
             .collect();
-        let mut twin = Twin {
+        let twin = Twin {
             model,
             plan,
             views,
@@ -229,42 +238,33 @@ impl Twin {
             roles: full.roles.clone(),
             handoffs: Handoffs::default(),
         };
-        twin.load(ck)?;
         Ok(twin)
     }
 
     /// The twin's scheduling (admission, KV pages, sampling state) over
     /// `dev`: each step runs the bundle's program for its mode and phase on
-    /// the device, every kernel the bundle's own. The weights are loaded
-    /// through the views as for the twin and uploaded once.
+    /// the device, every kernel the bundle's own. No rank buffer exists on
+    /// the host: every view's bytes go from the checkpoint straight to the
+    /// device (the same slicing as the host twin's load), so the host holds
+    /// the checkpoint and nothing the size of the plan.
     pub fn on_device(
         bundle: &LoadedBundle,
         ck: &Checkpoint,
         start: Mode,
         dev: Box<dyn crate::device::Device + Send>,
     ) -> Result<Twin, TwinError> {
-        let mut twin = Twin::new(bundle, ck, start)?;
+        let mut twin = Twin::build(bundle, ck, start, false)?;
         let device = |e: crate::device::exec::ExecError| TwinError::Unsupported(e.to_string());
-        let mut exec = crate::device::exec::Executor::new(dev, bundle.plan.plan(), &bundle.kernels, &bundle.transfers)
+        let exec = crate::device::exec::Executor::new(dev, bundle.plan.plan(), &bundle.kernels, &bundle.transfers)
             .map_err(device)?;
-        // The weight regions (everything below the first workspace region).
-        use moeforge_plan::memory::RegionKind;
-        let weights = |k: RegionKind| {
-            matches!(
-                k,
-                RegionKind::Replicated | RegionKind::AttentionEp | RegionKind::AttentionTp | RegionKind::Experts
-            )
-        };
-        for region in twin.plan.regions.iter().filter(|r| weights(r.kind)) {
-            let (a, b) = (region.offset as usize, (region.offset + region.bytes) as usize);
-            for (r, rank) in twin.ranks.iter().enumerate() {
-                let bytes =
-                    rank.buf.get(a..b).ok_or_else(|| TwinError::Unsupported("a region outside the buffer".into()))?;
-                exec.upload(r, region.offset, bytes).map_err(device)?;
-            }
-        }
         twin.device = Some(exec);
+        twin.load(ck)?;
         Ok(twin)
+    }
+
+    /// Bytes of rank buffers this process holds on the host (0 on a device).
+    pub fn host_buffer_bytes(&self) -> u64 {
+        self.ranks.iter().map(|r| r.buf.len() as u64).sum()
     }
 
     pub fn mode(&self) -> Mode {
