@@ -325,17 +325,20 @@ if [[ $have_gpu -eq 1 || $EMU -eq 1 ]]; then
     [[ $EMU -eq 1 ]] && break  # the emulated run: the first case only
   done
 fi
-# (d, peers) With a GPU per rank the runs above put rank r's buffer on GPU r, every transfer
-# reaching the others through peer access; the first case again with every rank on GPU 0.
-if [[ $have_gpu -eq 1 ]]; then
+# (d, peers) With two or more GPUs the runs above spread the ranks over them (rank r on the
+# r-th GPU, mod their count), every transfer reaching the others through peer access; the
+# first case again with every rank on GPU 0. (nvidia-smi counts the GPUs the driver has, not
+# CUDA_VISIBLE_DEVICES's.)
+if [[ $have_gpu -eq 1 && -n "$MOEFORGE" ]]; then
   ngpu=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
   read -r fixture ranks start switch tiles <<<"${E2E_CASES[0]}"
+  [[ "$switch" == - ]] && switch=""
+  [[ "$tiles" == - ]] && tiles=""
   if (( ngpu >= 2 )); then
-    export MOEFORGE_CUDA_DEVICES=0
-    E2E_BUNDLE="$BUNDLES/e2e/$fixture-$ranks" run_step e2e "$fixture P=$ranks $start one GPU" 240 python3 \
-      scripts/gpu/e2e.py "$MOEFORGE" cuda "tests/fixtures/models/$fixture" "$ranks" "$start" \
-      "$BUILD/e2e-$fixture-$ranks-$start-one-gpu" "${switch#-}" ""
-    unset MOEFORGE_CUDA_DEVICES
+    MOEFORGE_CUDA_DEVICES=0 E2E_BUNDLE="$BUNDLES/e2e/$fixture-$ranks${tiles:+-$tiles}" run_step e2e \
+      "$fixture P=$ranks $start${switch:+ switch@$switch}${tiles:+ $tiles} one GPU" 240 python3 scripts/gpu/e2e.py \
+      "$MOEFORGE" cuda "tests/fixtures/models/$fixture" "$ranks" "$start" \
+      "$BUILD/e2e-$fixture-$ranks-$start-one-gpu" "$switch" "$tiles"
   fi
 fi
 # (e) compute-sanitizer memcheck: the first end-to-end run's bundle served again (a few tokens).
@@ -404,7 +407,7 @@ emu = sys.argv[3] == "1"
 res = lambda s: s.get("result", {})
 missing = {
     "graphs": "(g) CUDA graphs: the cuda backend launches every op and waits for it; no graph capture yet",
-    "multi_gpu": "one process drives the machine's GPUs, rank r on GPU r with peer access, only where there is a GPU per rank (on one GPU every rank's buffer is on it, and the peer path is not exercised); no NCCL or NVSHMEM path across nodes yet",
+    "multi_gpu": "one process drives the machine's GPUs with peer access (rank r on the r-th GPU, mod their count), exercised only with two or more GPUs (on one, every rank's buffer is on it); no NCCL or NVSHMEM path across nodes yet",
     "transfer_programs": "every communication op (reshard, dispatch, combine, TP all-reduce) is an inkwell-generated transfer program; only the reshard's is timed here (copy_check), the others run inside the model steps untimed",
     "profile_components": "the profile measures the APK (`moe`) only: attention, dense GEMMs and communication are not measured",
 }

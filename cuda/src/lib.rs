@@ -44,9 +44,16 @@
 //!   program the emulated device runs; with one process per GPU every
 //!   meeting would be a cross-process barrier and every buffer an imported
 //!   IPC mapping, for the same copies. With one GPU every rank's buffer is
-//!   on it (the test configuration). CUDA graphs and one-sided
-//!   communication (device-side dispatch) are not here yet; every call
-//!   waits for its stream, so ops on different GPUs are ordered by the host.
+//!   on it (the test configuration). Every transfer runs on the first
+//!   GPU's SMs, so a copy between two other GPUs crosses the first one's
+//!   links twice. CUDA graphs and one-sided communication (device-side
+//!   dispatch) are not here yet.
+//! - Ordering: every launch and transfer waits for its stream, so ops on
+//!   different GPUs are ordered by the host. Uploads go through two pinned
+//!   staging chunks per GPU and return once queued (the host fills one
+//!   chunk while the other copies); the GPU's stream orders them before its
+//!   next launch, and a launch or transfer that can reach another GPU's
+//!   memory first waits for that GPU's uploads.
 
 use cudarc::driver::result;
 use cudarc::driver::sys;
@@ -200,6 +207,40 @@ pub fn check_fit(ranks: usize, buffer_bytes: u64, gpus: &[Gpu]) -> Result<(), St
     Ok(())
 }
 
+/// Checks that the GPUs can be driven together: one architecture (the
+/// kernels are built once), and a peer path from each to every other (the
+/// transfers and cross-rank kernels reach other GPUs' buffers through
+/// peer access). Needs only the driver's init ([`probe`]), no context.
+pub fn check_together(gpus: &[Gpu]) -> Result<(), String> {
+    if let Some(g) = gpus.iter().find(|g| g.capability != gpus[0].capability) {
+        return Err(format!(
+            "GPU {} is compute capability {}.{} and GPU {} {}.{}: one run drives GPUs of one architecture",
+            g.ordinal, g.capability.0, g.capability.1, gpus[0].ordinal, gpus[0].capability.0, gpus[0].capability.1
+        ));
+    }
+    for a in gpus {
+        for b in gpus.iter().filter(|b| b.ordinal != a.ordinal) {
+            let dev = |g: &Gpu| {
+                result::device::get(g.ordinal as i32).map_err(|e| format!("cuDeviceGet({}): {e:?}", g.ordinal))
+            };
+            let mut can = 0i32;
+            // SAFETY: both devices are valid; `can` receives the answer.
+            let r = unsafe { sys::cuDeviceCanAccessPeer(&raw mut can, dev(a)?, dev(b)?) };
+            if r != sys::cudaError_enum::CUDA_SUCCESS {
+                return Err(format!("cuDeviceCanAccessPeer(GPU {}, GPU {}): {r:?}", a.ordinal, b.ordinal));
+            }
+            if can == 0 {
+                return Err(format!(
+                    "GPU {} cannot access GPU {}'s memory (no peer path): the cuda backend drives a node's GPUs from \
+                     one process through peer access",
+                    a.ordinal, b.ordinal
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The APK entry's launch geometry and layout, from its `_layout` kernel.
 struct Apk {
     prepare: sys::CUfunction,
@@ -250,8 +291,20 @@ const MAX_MAPS: usize = 4;
 /// The APK's per-operation launch arguments (apk::FlatOp).
 const APK_ARGS: usize = 18;
 
+/// Bytes of one pinned staging chunk.
+const STAGING_CHUNK: usize = 16 << 20;
+
+/// A GPU's upload staging: two chunks of pinned host memory, each with the
+/// event recorded after the last copy out of it. The host fills one while
+/// the other's copy runs; an upload returns once its last chunk is queued.
+struct Staging {
+    chunks: [(*mut u8, sys::CUevent, bool); 2],
+    next: usize,
+}
+
 /// One GPU the device drives: its primary context, its work stream, and
-/// what lives in its context (the transfer programs, their table scratch).
+/// what lives in its context (the transfer programs, their table scratch,
+/// the upload staging).
 struct Ctx {
     gpu: Gpu,
     device: sys::CUdevice,
@@ -261,6 +314,11 @@ struct Ctx {
     transfers: BTreeMap<String, (sys::CUmodule, sys::CUfunction)>,
     /// A batch's buffer addresses and table, uploaded before its launch.
     scratch: Option<(sys::CUdeviceptr, usize)>,
+    staging: Option<Staging>,
+    /// Uploads may still be copying on the work stream (cleared by
+    /// [`CudaDevice::finish`]): work on another GPU that could read this
+    /// one's memory waits for them first.
+    copying: std::cell::Cell<bool>,
 }
 
 /// A rank's unified buffer: its address, size and the GPU (index into
@@ -331,12 +389,7 @@ impl CudaDevice {
     pub fn open(ordinals: &[usize], cache: &Path) -> Result<CudaDevice, DeviceError> {
         let visible = probe()?;
         let gpus = select(&visible, Some(ordinals), usize::MAX).map_err(other)?;
-        if let Some(g) = gpus.iter().find(|g| g.capability != gpus[0].capability) {
-            return Err(other(format!(
-                "GPU {} is compute capability {}.{} and GPU {} {}.{}: one run drives GPUs of one architecture",
-                g.ordinal, g.capability.0, g.capability.1, gpus[0].ordinal, gpus[0].capability.0, gpus[0].capability.1
-            )));
-        }
+        check_together(&gpus).map_err(other)?;
         std::fs::create_dir_all(cache).map_err(|e| other(format!("cannot create {}: {e}", cache.display())))?;
         let watchdog = std::env::var("MOEFORGE_CUDA_WATCHDOG_S")
             .ok()
@@ -361,39 +414,39 @@ impl CudaDevice {
             let ctx =
                 unsafe { result::primary_ctx::retain(device) }.map_err(|e| driver("cuDevicePrimaryCtxRetain", e))?;
             // SAFETY: `ctx` was just retained.
-            unsafe { result::ctx::set_current(ctx) }.map_err(|e| driver("cuCtxSetCurrent", e))?;
-            let stream = match result::stream::create(result::stream::StreamKind::NonBlocking) {
+            let stream = match unsafe { result::ctx::set_current(ctx) }
+                .map_err(|e| driver("cuCtxSetCurrent", e))
+                .and_then(|()| {
+                    result::stream::create(result::stream::StreamKind::NonBlocking)
+                        .map_err(|e| driver("cuStreamCreate", e))
+                }) {
                 Ok(s) => s,
                 Err(e) => {
                     // SAFETY: retained above and not recorded anywhere else.
                     let _ = unsafe { result::primary_ctx::release(device) };
-                    return Err(driver("cuStreamCreate", e));
+                    return Err(e);
                 }
             };
-            dev.ctxs.push(Ctx { gpu, device, ctx, stream, transfers: BTreeMap::new(), scratch: None });
+            dev.ctxs.push(Ctx {
+                gpu,
+                device,
+                ctx,
+                stream,
+                transfers: BTreeMap::new(),
+                scratch: None,
+                staging: None,
+                copying: std::cell::Cell::new(false),
+            });
         }
         dev.enable_peers()?;
         Ok(dev)
     }
 
-    /// Peer access from every driven GPU to every other.
+    /// Peer access from every driven GPU to every other ([`check_together`]
+    /// found the paths).
     fn enable_peers(&self) -> Result<(), DeviceError> {
         for a in &self.ctxs {
             for b in self.ctxs.iter().filter(|b| b.gpu.ordinal != a.gpu.ordinal) {
-                let mut can = 0i32;
-                // SAFETY: both devices are valid; `can` receives the answer.
-                let r = unsafe { sys::cuDeviceCanAccessPeer(&raw mut can, a.device, b.device) };
-                if r != sys::cudaError_enum::CUDA_SUCCESS {
-                    return Err(driver("cuDeviceCanAccessPeer", result::DriverError(r)));
-                }
-                if can == 0 {
-                    return Err(other(format!(
-                        "GPU {} cannot access GPU {}'s memory (no peer path): the cuda backend drives a node's GPUs \
-                         from one process through peer access; set MOEFORGE_CUDA_DEVICES to GPUs that reach each \
-                         other, or to one GPU",
-                        a.gpu.ordinal, b.gpu.ordinal
-                    )));
-                }
                 // SAFETY: `a.ctx` is retained; enabling access maps `b`'s allocations into it.
                 unsafe { result::ctx::set_current(a.ctx) }.map_err(|e| driver("cuCtxSetCurrent", e))?;
                 // SAFETY: `b.ctx` is a retained primary context of another device.
@@ -412,9 +465,13 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// The GPUs this device drives, in the order [`gpu_of`] counts them.
-    pub fn gpus(&self) -> Vec<Gpu> {
-        self.ctxs.iter().map(|c| c.gpu.clone()).collect()
+    /// Fails at once after a hang: a hung kernel may still touch any GPU's
+    /// memory, so nothing more is queued anywhere.
+    fn live(&self) -> Result<(), DeviceError> {
+        match self.poisoned.get() {
+            Some(hung) => Err(other(format!("the GPU is still running `{hung}`, which hung: restart the process"))),
+            None => Ok(()),
+        }
     }
 
     fn ctx(&self, g: usize) -> Result<&Ctx, DeviceError> {
@@ -449,17 +506,104 @@ impl CudaDevice {
     /// error. After a hang the device is poisoned: every later call fails
     /// at once.
     fn finish(&self, g: usize, what: &str) -> Result<(), DeviceError> {
-        let stream = self.ctx(g)?.stream;
+        let c = self.ctx(g)?;
+        let stream = c.stream;
         // SAFETY: `stream` lives as long as the device.
-        self.poll(what, || unsafe { sys::cuStreamQuery(stream) })
+        self.poll(what, || unsafe { sys::cuStreamQuery(stream) })?;
+        c.copying.set(false);
+        Ok(())
+    }
+
+    /// Waits for the uploads still copying on any GPU but `g` (whose own
+    /// stream orders them before what follows on it).
+    fn settle_uploads(&self, g: usize, what: &str) -> Result<(), DeviceError> {
+        for h in (0..self.ctxs.len()).filter(|&h| h != g) {
+            if self.ctxs[h].copying.get() {
+                self.current(h)?;
+                self.finish(h, what)?;
+            }
+        }
+        self.current(g)
+    }
+
+    /// Host bytes to device address `at` of GPU `g` through its pinned
+    /// staging chunks (see [`Staging`]); `g`'s context must be current.
+    /// Returns with the last chunk's copy queued, not finished: `data` is
+    /// free to go, and the stream orders the copy before what follows on it.
+    fn staged_upload(&mut self, g: usize, at: sys::CUdeviceptr, data: &[u8]) -> Result<(), DeviceError> {
+        let c = self.ctxs.get(g).ok_or_else(|| other(format!("no GPU {g} in this device")))?;
+        if c.staging.is_none() {
+            let mut chunks = [(std::ptr::null_mut(), std::ptr::null_mut(), false); 2];
+            for (i, chunk) in chunks.iter_mut().enumerate() {
+                // SAFETY: pinned host memory, freed in Drop (or just below when the other fails).
+                let host = unsafe { result::malloc_host(STAGING_CHUNK, sys::CU_MEMHOSTALLOC_PORTABLE) };
+                let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
+                match (host, event) {
+                    (Ok(h), Ok(e)) => *chunk = (h.cast::<u8>(), e, false),
+                    (h, e) => {
+                        for &(p, ev, _) in chunks.iter().take(i) {
+                            // SAFETY: allocated above, never used.
+                            let _ = unsafe { result::free_host(p.cast()) };
+                            // SAFETY: created above, never recorded.
+                            let _ = unsafe { result::event::destroy(ev) };
+                        }
+                        if let Ok(p) = h {
+                            // SAFETY: as above.
+                            let _ = unsafe { result::free_host(p) };
+                        }
+                        if let Ok(ev) = e {
+                            // SAFETY: as above.
+                            let _ = unsafe { result::event::destroy(ev) };
+                        }
+                        return Err(other(
+                            "cannot allocate the pinned upload staging (cuMemHostAlloc / cuEventCreate)",
+                        ));
+                    }
+                }
+            }
+            if let Some(c) = self.ctxs.get_mut(g) {
+                c.staging = Some(Staging { chunks, next: 0 });
+            }
+        }
+        let stream = self.ctx(g)?.stream;
+        let mut off = 0usize;
+        while off < data.len() {
+            let n = (data.len() - off).min(STAGING_CHUNK);
+            let (host, event, used, slot) = {
+                let st = self.ctxs[g].staging.as_ref().ok_or_else(|| other("no upload staging"))?;
+                let (h, e, u) = st.chunks[st.next];
+                (h, e, u, st.next)
+            };
+            if used {
+                // SAFETY: the event lives as long as the staging.
+                self.poll("upload", || unsafe { sys::cuEventQuery(event) })?;
+            }
+            // SAFETY: `host` holds STAGING_CHUNK bytes, no copy reads it any
+            // more (its event completed), and `n` <= STAGING_CHUNK.
+            let chunk = unsafe {
+                std::ptr::copy_nonoverlapping(data[off..].as_ptr(), host, n);
+                std::slice::from_raw_parts(host.cast_const(), n)
+            };
+            // SAFETY: the caller checked that `at` holds `data.len()` bytes;
+            // the pinned chunk is not written again before the event below completed.
+            unsafe { result::memcpy_htod_async(at + off as u64, chunk, stream) }
+                .map_err(|e| driver("upload: cuMemcpyHtoDAsync", e))?;
+            // SAFETY: the event and the stream are the same context's.
+            unsafe { result::event::record(event, stream) }.map_err(|e| driver("upload: cuEventRecord", e))?;
+            if let Some(st) = self.ctxs[g].staging.as_mut() {
+                st.chunks[slot].2 = true;
+                st.next = 1 - slot;
+            }
+            self.ctxs[g].copying.set(true);
+            off += n;
+        }
+        Ok(())
     }
 
     /// Polls `query` (a stream's or an event's) until it reports done,
     /// under the watchdog.
     fn poll(&self, what: &str, query: impl Fn() -> sys::CUresult) -> Result<(), DeviceError> {
-        if let Some(hung) = self.poisoned.get() {
-            return Err(other(format!("the GPU is still running `{hung}`, which hung: restart the process")));
-        }
+        self.live()?;
         let t0 = Instant::now();
         let mut spins = 0u32;
         loop {
@@ -584,11 +728,11 @@ impl CudaDevice {
     }
 
     fn function(&mut self, module: ModuleId, g: usize, entry: &str) -> Result<sys::CUfunction, DeviceError> {
-        let name = self.modules.get(module.0 as usize).map(|m| m.name.clone()).unwrap_or_default();
-        let l = self.loaded(module, g)?;
-        if let Some(&f) = l.functions.get(entry) {
+        if let Some(&f) = self.loaded(module, g)?.functions.get(entry) {
             return Ok(f);
         }
+        let name = self.modules.get(module.0 as usize).map(|m| m.name.clone()).unwrap_or_default();
+        let l = self.loaded(module, g)?;
         let c_entry = CString::new(entry).map_err(|_| other(format!("entry `{entry}` holds a NUL")))?;
         // SAFETY: `l.module` is loaded; the name is NUL-terminated.
         let f = unsafe { result::module::get_function(l.module, c_entry) }.map_err(|e| DeviceError::Launch {
@@ -940,6 +1084,7 @@ impl Device for CudaDevice {
     /// Buffer k on GPU [`gpu_of`]`(k, GPUs)`: rank r's unified buffer on
     /// its own GPU when there is one per rank.
     fn alloc(&mut self, bytes: u64) -> Result<BufferId, DeviceError> {
+        self.live()?;
         let g = gpu_of(self.buffers.len(), self.ctxs.len());
         self.current(g)?;
         let name = self.ctx(g)?.gpu.name.clone();
@@ -954,13 +1099,16 @@ impl Device for CudaDevice {
         Ok(BufferId(self.buffers.len() as u32 - 1))
     }
 
+    /// Through the GPU's pinned staging, returning once the copy is queued.
     fn upload(&mut self, buffer: BufferId, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+        self.live()?;
         let (g, at) = self.address(buffer, offset, data.len() as u64).map_err(|e| other(format!("upload: {e}")))?;
         self.current(g)?;
-        self.h2d(g, at, data, "upload")
+        self.staged_upload(g, at, data)
     }
 
     fn download(&mut self, buffer: BufferId, offset: u64, len: u64) -> Result<Vec<u8>, DeviceError> {
+        self.live()?;
         let (g, at) = self.address(buffer, offset, len).map_err(|e| other(format!("download: {e}")))?;
         self.current(g)?;
         let mut v = vec![0u8; len as usize];
@@ -971,10 +1119,11 @@ impl Device for CudaDevice {
     /// On the first GPU, which reaches every other's buffers through peer
     /// access: a batch's pieces may read and write any rank's buffer.
     fn transfer(&mut self, code: &Code, batches: &[Batch], buffers: &[BufferId]) -> Result<(), DeviceError> {
+        self.live()?;
         // A poisoned device fails before the scratch is freed or regrown
         // under a kernel that may still run.
+        self.settle_uploads(0, "transfer")?;
         self.finish(0, "transfer")?;
-        self.current(0)?;
         let (f, tables) = self.prepare_transfer(code, batches, buffers)?;
         for (words, grid) in tables {
             let at = self.scratch(0, words.len() * 8)?;
@@ -999,8 +1148,9 @@ impl Device for CudaDevice {
         batches: &[Batch],
         buffers: &[BufferId],
     ) -> Result<SideEvent, DeviceError> {
+        self.live()?;
+        self.settle_uploads(0, "side transfer")?;
         self.finish(0, "side transfer")?;
-        self.current(0)?;
         let (f, tables) = self.prepare_transfer(code, batches, buffers)?;
         if self.side.is_none() {
             let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
@@ -1056,6 +1206,7 @@ impl Device for CudaDevice {
     /// Polls the event (the side stream runs in order, so every earlier
     /// transfer finished too), then frees what they held.
     fn side_wait(&mut self, event: SideEvent) -> Result<u64, DeviceError> {
+        self.live()?;
         let Some(side) = self.side.as_ref() else { return Ok(0) };
         let beside = side.beside;
         let Some(p) = side.pending.iter().rev().find(|p| p.id <= event.0) else { return Ok(beside) };
@@ -1069,12 +1220,16 @@ impl Device for CudaDevice {
 
     /// Built once, loaded into every GPU's context.
     fn load(&mut self, name: &str, source: &str) -> Result<ModuleId, DeviceError> {
+        self.live()?;
         let image = self.build(name, source)?;
         let mut per_gpu = Vec::with_capacity(self.ctxs.len());
         for g in 0..self.ctxs.len() {
-            self.current(g)?;
-            // SAFETY: `image` is a cubin nvcc wrote for this GPU's architecture.
-            match unsafe { result::module::load_data(image.as_ptr().cast()) } {
+            let loaded = self.current(g).and_then(|()| {
+                // SAFETY: `image` is a cubin nvcc wrote for this GPU's architecture.
+                unsafe { result::module::load_data(image.as_ptr().cast()) }
+                    .map_err(|e| other(format!("cuModuleLoadData on GPU {}: {e:?}", self.ctxs[g].gpu.ordinal)))
+            });
+            match loaded {
                 Ok(module) => per_gpu.push(Loaded { module, functions: BTreeMap::new(), apk: BTreeMap::new() }),
                 Err(e) => {
                     for (h, l) in per_gpu.iter().enumerate() {
@@ -1086,7 +1241,7 @@ impl Device for CudaDevice {
                     return Err(DeviceError::Build {
                         kernel: name.into(),
                         device: "cuda device",
-                        message: format!("cuModuleLoadData on GPU {}: {e:?}", self.ctxs[g].gpu.ordinal),
+                        message: e.to_string(),
                     });
                 }
             }
@@ -1105,6 +1260,7 @@ impl Device for CudaDevice {
         block: u32,
         args: &[KernelArg],
     ) -> Result<(), DeviceError> {
+        self.live()?;
         let module_name = self.modules.get(module.0 as usize).map(|m| m.name.clone()).unwrap_or_default();
         let what = format!("{module_name}::{entry}");
         let mut g = None;
@@ -1126,7 +1282,8 @@ impl Device for CudaDevice {
             values.push(v);
         }
         let g = g.unwrap_or(0);
-        self.current(g)?;
+        // Its pointers may reach another GPU's buffer through peer access.
+        self.settle_uploads(g, &what)?;
         if self.launch_apk(module, g, entry, grid, &mut values)? {
             self.main_op_done();
             return Ok(());
@@ -1194,6 +1351,12 @@ impl Drop for CudaDevice {
             if let Some((p, _)) = c.scratch {
                 // SAFETY: as above.
                 let _ = unsafe { result::free_sync(p) };
+            }
+            for &(host, event, _) in c.staging.iter().flat_map(|st| st.chunks.iter()) {
+                // SAFETY: the stream finished every copy out of it; not used after this.
+                let _ = unsafe { result::free_host(host.cast()) };
+                // SAFETY: as above.
+                let _ = unsafe { result::event::destroy(event) };
             }
             // SAFETY: the stream is idle and not used after this.
             let _ = unsafe { result::stream::destroy(c.stream) };

@@ -24,8 +24,8 @@ pub enum Backend {
     /// plan's addresses; the twin schedules.
     Emu,
     /// An NVIDIA GPU: the same program as `emu`, the kernels built with nvcc
-    /// for the GPU and launched through the CUDA driver (every rank's buffer
-    /// on one GPU for now).
+    /// for the GPU and launched through the CUDA driver, one process driving
+    /// the node's GPUs (`MOEFORGE_CUDA_DEVICES`) with peer access.
     Cuda,
 }
 
@@ -135,6 +135,12 @@ pub fn load_dir(bundle: &Path) -> Result<LoadedBundle, ExitCode> {
 /// checkpoint is read: no driver or no GPU, a GPU of another architecture,
 /// or GPUs too small for the rank buffers they would hold fail at once.
 fn cuda_gpus(bundle: &LoadedBundle) -> Result<Vec<moeforge_cuda::Gpu>, ExitCode> {
+    if let Ok(v) = std::env::var("MOEFORGE_CUDA_DEVICE") {
+        return Err(error(
+            format!("MOEFORGE_CUDA_DEVICE = `{v}` is no longer read: the cuda backend drives several GPUs"),
+            "set MOEFORGE_CUDA_DEVICES instead (comma-separated indices, e.g. 0 or 0,1,2,3) and unset MOEFORGE_CUDA_DEVICE",
+        ));
+    }
     let chosen = match std::env::var("MOEFORGE_CUDA_DEVICES") {
         Err(_) => None,
         Ok(v) => {
@@ -167,6 +173,12 @@ fn cuda_gpus(bundle: &LoadedBundle) -> Result<Vec<moeforge_cuda::Gpu>, ExitCode>
             ));
         }
     }
+    moeforge_cuda::check_together(&gpus).map_err(|e| {
+        error(
+            format!("--backend cuda: {e}"),
+            "set MOEFORGE_CUDA_DEVICES to GPUs of one architecture that reach each other (NVLink or PCIe P2P), or to one GPU",
+        )
+    })?;
     moeforge_cuda::check_fit(ranks, mem.buffer_bytes, &gpus).map_err(|e| {
         error(
             format!("--backend cuda: {e}"),
@@ -188,8 +200,9 @@ pub fn prepare(bundle: &LoadedBundle, weights: &Path, backend: Backend) -> Resul
                 "run it on the cluster it was compiled for (the cpu backend runs small specs such as models/clusters.moe's `cpu4`)",
             )
         })?,
-        // Before the checkpoint is read: no driver or no GPU, a GPU of another
-        // architecture, or one too small for every rank's buffer fails at once.
+        // Before the checkpoint is read: no driver or no GPU, GPUs of another
+        // or of mixed architectures, without a peer path, or too small for the
+        // rank buffers they would hold fail at once.
         Backend::Cuda => {
             cuda_gpus(bundle)?;
         }
