@@ -321,6 +321,17 @@ fn tampered_bundles_are_refused() {
     assert!(load_bundle(&out).is_ok());
     let manifest = out.join("manifest.json");
     let m = std::fs::read_to_string(&manifest).unwrap_or_default();
+    // A cubin (listed, hash right) for a kernel the bundle has no source of.
+    let ghost = b"\x7fELF not a kernel of this plan";
+    std::fs::write(out.join("kernels/ghost.cubin"), ghost).ok();
+    let mut j: serde_json::Value = serde_json::from_str(&m).unwrap();
+    let hash = moeforge::plan::bundle::sha256_hex(ghost);
+    j["files"]["kernels/ghost.cubin"] = serde_json::Value::String(hash);
+    std::fs::write(&manifest, serde_json::to_string(&j).unwrap()).ok();
+    let e = load_bundle(&out).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("kernels/ghost.cubin") && e.contains("without its kernel source"), "{e}");
+    std::fs::write(&manifest, &m).ok();
+    assert!(load_bundle(&out).is_ok());
     let current = format!("\"format_version\": {}", moeforge::plan::FORMAT_VERSION);
     assert!(m.contains(&current));
     std::fs::write(&manifest, m.replace(&current, "\"format_version\": 99")).ok();

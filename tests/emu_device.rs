@@ -76,7 +76,7 @@ fn rig(b: &Bundle) -> Rig {
     let mut modules = BTreeMap::new();
     for k in ["layer", "router", "permute"] {
         let src = String::from_utf8(b.files[&format!("kernels/{k}.cu")].clone()).unwrap();
-        modules.insert(k.to_string(), dev.load(k, &src).unwrap_or_else(|e| panic!("{e}")));
+        modules.insert(k.to_string(), dev.load(k, &src, None).unwrap_or_else(|e| panic!("{e}")));
     }
     let buf = dev.alloc(b.plan.memory.buffer_bytes).unwrap();
     Rig { dev, buf, modules, _cache: cache }
@@ -221,7 +221,7 @@ fn a_kernel_that_does_not_build_or_traps_is_an_error_naming_it() {
     let mut dev = EmuDevice::start(cache.path()).unwrap();
     let src = String::from_utf8(b.files["kernels/layer.cu"].clone()).unwrap();
     let broken = src.replacen("extern \"C\" __global__ void", "extern \"C\" __global__ oops void", 1);
-    match dev.load("layer", &broken) {
+    match dev.load("layer", &broken, None) {
         Err(DeviceError::Build { kernel, message, .. }) => {
             assert_eq!(kernel, "layer");
             assert!(message.contains("oops"), "{message}");

@@ -649,7 +649,7 @@ fn checkpoints_the_twin_would_compute_wrongly_are_refused_by_tensor_name() {
     let bias = "model.layers.1.self_attn.q_proj.bias";
     ck.tensors.insert(
         bias.into(),
-        Tensor { shape: vec![128], dtype: moeforge::runtime::twin::weights::Dtype::Bf16, data: vec![0; 256] },
+        Tensor { shape: vec![128], dtype: moeforge::runtime::twin::weights::Dtype::Bf16, data: vec![0; 256].into() },
     );
     let e = ck.validate(&model).unwrap_err();
     assert!(matches!(&e, WeightsError::Unused { name, .. } if name == bias), "{e}");
@@ -987,8 +987,8 @@ impl Device for LazySide {
         }
         Ok(0)
     }
-    fn load(&mut self, name: &str, source: &str) -> Result<ModuleId, DeviceError> {
-        self.dev.load(name, source)
+    fn load(&mut self, name: &str, source: &str, cubin: Option<&[u8]>) -> Result<ModuleId, DeviceError> {
+        self.dev.load(name, source, cubin)
     }
     fn launch(
         &mut self,

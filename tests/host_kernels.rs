@@ -845,7 +845,7 @@ fn emitted_replica_routing_matches_the_host_routing() {
         let src = text(&e.files["kernels/zepp_route.cu"]);
         let cache = tempfile::tempdir().unwrap();
         let mut dev = EmuDevice::start(cache.path()).unwrap();
-        let module = dev.load("zepp_route", &src).unwrap();
+        let module = dev.load("zepp_route", &src, None).unwrap();
         let bufs: Vec<_> = (0..16).map(|_| dev.alloc(BYTES).unwrap()).collect();
         let ptr = |g: usize, offset: u64| KernelArg::Ptr { buffer: bufs[g], offset };
         let int = |x: usize| KernelArg::I32(x as i32);
@@ -1013,7 +1013,7 @@ fn emitted_zepp_routing_matches_the_host_routing_at_deepseek_v3_scale() {
     let e = emit(&root().join("examples/glm-5-h800x24.moe"));
     let cache = tempfile::tempdir().unwrap();
     let mut dev = EmuDevice::start(cache.path()).unwrap();
-    let module = dev.load("zepp_route", &text(&e.files["kernels/zepp_route.cu"])).unwrap();
+    let module = dev.load("zepp_route", &text(&e.files["kernels/zepp_route.cu"]), None).unwrap();
     let threads = e.plan.kernels.iter().find(|k| k.name == "zepp_route").unwrap().entries[1].block;
     let most = r.ids.iter().map(Vec::len).max().unwrap();
     let parts = ZeppRouteParts::of(w as u64, experts as u64, r.reps as u64, most as u64);

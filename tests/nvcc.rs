@@ -30,7 +30,10 @@ fn every_example_compiles_with_nvcc_without_spills() {
         for k in &b.plan.kernels {
             let cubin = std::fs::read(out.join(format!("kernels/{}.cubin", k.name))).unwrap_or_default();
             assert!(cubin.starts_with(b"\x7fELF"), "{}: {} is not an ELF cubin", ex.display(), k.name);
+            // What a device is handed with the source (a serving machine loads it without nvcc).
+            assert_eq!(b.cubins.get(&k.name), Some(&cubin), "{}: {}", ex.display(), k.name);
         }
+        assert_eq!(b.cubins.len(), b.plan.kernels.len(), "{}", ex.display());
         let report = std::fs::read_to_string(out.join("report.md")).unwrap_or_default();
         assert!(report.contains("Compiled with nvcc"), "{report}");
         // The APK's hardware path, from its SASS: warpgroup MMA fed by TMA on

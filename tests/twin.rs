@@ -355,7 +355,7 @@ fn views_hold_the_checkpoint_bytes_in_both_modes() {
     let su = setup(s, Family::Qwen3Moe, 9, 0.25);
     let mut t = Twin::new(&su.bundle, &su.ck, Mode::Ep).unwrap();
     let (hd, h, i) = (su.model.head_dim, su.model.hidden, su.model.expert_ffn);
-    let ck = |name: &str| su.ck.tensors[name].data.clone();
+    let ck = |name: &str| su.ck.tensors[name].data.to_vec();
     let rows = |data: &[u8], cols: usize, a: usize, b: usize| data[2 * a * cols..2 * b * cols].to_vec();
     let p = s.p as usize;
     for l in 0..s.layers {

@@ -10,10 +10,12 @@
 //! - [`probe`] answers first: no driver library, a driver without a GPU, or
 //!   the GPUs it sees. A missing driver is an error, never a panic (cudarc
 //!   panics at the first call into a library it cannot load).
-//! - Kernel instances are built from the bundle's emitted source with nvcc
-//!   for this GPU (`sm_90a` on compute capability 9.0), cached by content
-//!   under `MOEFORGE_CUDA_CACHE` (`~/.cache/moeforge/cuda`), and loaded as
-//!   cubins.
+//! - Kernel instances are the bundle's cubins (`kernels/{name}.cubin`,
+//!   built by the compile's nvcc for the plan's architecture), so a serving
+//!   machine needs no nvcc; a bundle compiled without nvcc, or a cubin the
+//!   driver refuses, is built here from the emitted source with nvcc for
+//!   this GPU (`sm_90a` on compute capability 9.0), cached by content under
+//!   `MOEFORGE_CUDA_CACHE` (`~/.cache/moeforge/cuda`).
 //! - The APK's per-operation launch: the entry's `_prepare` kernel binds the
 //!   flat arguments into its `Templates` and `State` on the GPU
 //!   (`apk::bind_operation`, the emulated device's binding), recording the
@@ -127,6 +129,21 @@ pub fn probe() -> Result<Vec<Gpu>, DeviceError> {
             })
         })
         .collect()
+}
+
+/// A checkpoint file mapped read-only into memory, for
+/// `Checkpoint::load_with`: the tensors kept as stored are ranges of the
+/// mapping, so loading reads only the pages a view's slice touches and the
+/// host holds no copy of the weights (the page cache may drop them once
+/// they reached the GPU). The file must not change while it is mapped.
+pub fn map_file(path: &Path) -> std::io::Result<moeforge_runtime::twin::weights::FileBytes> {
+    let file = std::fs::File::open(path)?;
+    // SAFETY: a read-only private mapping of a file this process only
+    // reads; a checkpoint rewritten under a running server is outside what
+    // the loader supports (said above), and every read of it goes through
+    // bounds-checked slices.
+    let map = unsafe { memmap2::Mmap::map(&file) }?;
+    Ok(std::sync::Arc::new(map))
 }
 
 /// The default build cache.
@@ -928,6 +945,38 @@ impl CudaDevice {
         Ok((f, tables))
     }
 
+    /// Loads `image` (a cubin) into every GPU's context as kernel instance
+    /// `name`; nothing stays loaded when one GPU refuses it.
+    fn load_image(&mut self, name: &str, source: &str, image: &[u8]) -> Result<ModuleId, DeviceError> {
+        let mut per_gpu = Vec::with_capacity(self.ctxs.len());
+        for g in 0..self.ctxs.len() {
+            let loaded = self.current(g).and_then(|()| {
+                // SAFETY: `image` is a whole cubin (the bundle's, hash-checked
+                // by its manifest, or nvcc's); the driver validates it.
+                unsafe { result::module::load_data(image.as_ptr().cast()) }
+                    .map_err(|e| other(format!("cuModuleLoadData on GPU {}: {e:?}", self.ctxs[g].gpu.ordinal)))
+            });
+            match loaded {
+                Ok(module) => per_gpu.push(Loaded { module, functions: BTreeMap::new(), apk: BTreeMap::new() }),
+                Err(e) => {
+                    for (h, l) in per_gpu.iter().enumerate() {
+                        if self.current(h).is_ok() {
+                            // SAFETY: loaded just above, never launched.
+                            let _ = unsafe { result::module::unload(l.module) };
+                        }
+                    }
+                    return Err(DeviceError::Build {
+                        kernel: name.into(),
+                        device: "cuda device",
+                        message: e.to_string(),
+                    });
+                }
+            }
+        }
+        self.modules.push(Module { name: name.into(), apk_entries: apk_entries(source), per_gpu });
+        Ok(ModuleId(self.modules.len() as u32 - 1))
+    }
+
     fn launch_apk(
         &mut self,
         module: ModuleId,
@@ -1218,36 +1267,28 @@ impl Device for CudaDevice {
         Ok(beside)
     }
 
-    /// Built once, loaded into every GPU's context.
-    fn load(&mut self, name: &str, source: &str) -> Result<ModuleId, DeviceError> {
+    /// The bundle's cubin where the driver takes it (no nvcc needed on a
+    /// serving machine); otherwise, or without one, built here with nvcc
+    /// for this GPU (cached). Loaded into every GPU's context.
+    fn load(&mut self, name: &str, source: &str, cubin: Option<&[u8]>) -> Result<ModuleId, DeviceError> {
         self.live()?;
-        let image = self.build(name, source)?;
-        let mut per_gpu = Vec::with_capacity(self.ctxs.len());
-        for g in 0..self.ctxs.len() {
-            let loaded = self.current(g).and_then(|()| {
-                // SAFETY: `image` is a cubin nvcc wrote for this GPU's architecture.
-                unsafe { result::module::load_data(image.as_ptr().cast()) }
-                    .map_err(|e| other(format!("cuModuleLoadData on GPU {}: {e:?}", self.ctxs[g].gpu.ordinal)))
-            });
-            match loaded {
-                Ok(module) => per_gpu.push(Loaded { module, functions: BTreeMap::new(), apk: BTreeMap::new() }),
-                Err(e) => {
-                    for (h, l) in per_gpu.iter().enumerate() {
-                        if self.current(h).is_ok() {
-                            // SAFETY: loaded just above, never launched.
-                            let _ = unsafe { result::module::unload(l.module) };
-                        }
-                    }
-                    return Err(DeviceError::Build {
-                        kernel: name.into(),
-                        device: "cuda device",
-                        message: e.to_string(),
-                    });
-                }
-            }
+        if let Some(c) = cubin {
+            let bundled = match self.load_image(name, source, c) {
+                Ok(id) => return Ok(id),
+                Err(e) => e,
+            };
+            // A cubin this driver or GPU does not take: build it here.
+            let image = self.build(name, source).map_err(|e| DeviceError::Build {
+                kernel: name.into(),
+                device: "cuda device",
+                message: format!(
+                    "the bundle's cubin does not load ({bundled}) and building the source here failed: {e}"
+                ),
+            })?;
+            return self.load_image(name, source, &image);
         }
-        self.modules.push(Module { name: name.into(), apk_entries: apk_entries(source), per_gpu });
-        Ok(ModuleId(self.modules.len() as u32 - 1))
+        let image = self.build(name, source)?;
+        self.load_image(name, source, &image)
     }
 
     /// On the GPU of its first pointer argument (the rank whose op it is);
@@ -1412,6 +1453,26 @@ mod tests {
         bad[2] = 6;
         assert!(encode(&bad).unwrap_err().contains("rank 6"));
         assert!(encode(&call[..20]).unwrap_err().contains("20 words"));
+    }
+
+    /// A mapped checkpoint holds the same tensors as a read one (two ways
+    /// of getting the bytes), and the tensors loading keeps as stored are
+    /// ranges of the mapping, not copies.
+    #[test]
+    fn a_mapped_checkpoint_is_the_read_one_without_copies() {
+        use moeforge_runtime::twin::weights::{Bytes, Checkpoint};
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/models/qwen3-moe");
+        let read = Checkpoint::load(&dir).unwrap();
+        let mapped = Checkpoint::load_with(&dir, &map_file).unwrap();
+        assert_eq!(read.tensors.len(), mapped.tensors.len());
+        assert!(read.tensors.len() > 10);
+        for (name, t) in &read.tensors {
+            assert_eq!(Some(t), mapped.tensors.get(name), "{name}");
+        }
+        let in_file = mapped.tensors.values().filter(|t| matches!(t.data, Bytes::InFile { .. })).count();
+        assert_eq!(in_file, mapped.tensors.len(), "a bf16 checkpoint is kept as stored");
+        let missing = Checkpoint::load_with(&dir.join("absent"), &map_file);
+        assert!(missing.is_err());
     }
 
     fn h100(ordinal: usize) -> Gpu {

@@ -201,6 +201,9 @@ pub struct LoadedBundle {
     pub spec: moeforge_dsl::Spec,
     /// Kernel sources by name.
     pub kernels: BTreeMap<String, String>,
+    /// The compile's nvcc builds of them for the plan's architecture
+    /// (`kernels/{name}.cubin`, present when nvcc ran), by name.
+    pub cubins: BTreeMap<String, Vec<u8>>,
     /// The plan's transfer programs, compiled (`kernels/xfer_{name}.*`) and
     /// checked against the programs the validated plan makes, by name
     /// (`crate::transfers::NAMES`).
@@ -275,6 +278,7 @@ fn load_with(dir: &Path, read: &dyn Fn(&str) -> Result<Vec<u8>, BundleError>) ->
         return Err(BundleError::Format { found: manifest.format_version, expected: FORMAT_VERSION });
     }
     let mut kernels = BTreeMap::new();
+    let mut cubins = BTreeMap::new();
     for (rel, hash) in &manifest.files {
         if rel.contains("..") || Path::new(rel).is_absolute() {
             return Err(BundleError::Parse {
@@ -289,6 +293,8 @@ fn load_with(dir: &Path, read: &dyn Fn(&str) -> Result<Vec<u8>, BundleError>) ->
         }
         if let Some(name) = rel.strip_prefix("kernels/").and_then(|r| r.strip_suffix(".cu")) {
             kernels.insert(name.to_string(), String::from_utf8_lossy(&bytes).into_owned());
+        } else if let Some(name) = rel.strip_prefix("kernels/").and_then(|r| r.strip_suffix(".cubin")) {
+            cubins.insert(name.to_string(), bytes);
         }
     }
     for required in ["spec.json", "plan.json"] {
@@ -375,7 +381,14 @@ fn load_with(dir: &Path, read: &dyn Fn(&str) -> Result<Vec<u8>, BundleError>) ->
         })?;
         transfers.insert(name.to_string(), code);
     }
-    Ok(LoadedBundle { dir: dir.to_path_buf(), manifest, plan, spec, kernels, transfers })
+    if let Some(name) = cubins.keys().find(|n| !kernels.contains_key(*n)) {
+        return Err(BundleError::Parse {
+            path: format!("kernels/{name}.cubin"),
+            what: "bundle",
+            err: "a cubin without its kernel source".into(),
+        });
+    }
+    Ok(LoadedBundle { dir: dir.to_path_buf(), manifest, plan, spec, kernels, cubins, transfers })
 }
 
 /// The plan's model and cluster facts are those of its spec: a plan edited

@@ -207,8 +207,10 @@ pub fn prepare(bundle: &LoadedBundle, weights: &Path, backend: Backend) -> Resul
             cuda_gpus(bundle)?;
         }
     }
-    let ck =
-        Checkpoint::load(weights).map_err(|e| error(e, "write weights with `moeforge init-weights SPEC -o DIR`"))?;
+    // Mapped, not read: the tensors kept as stored stay ranges of the files
+    // (the backends cut their views' slices from them).
+    let ck = Checkpoint::load_with(weights, &moeforge_cuda::map_file)
+        .map_err(|e| error(e, "write weights with `moeforge init-weights SPEC -o DIR`"))?;
     if let Some(first) = ck.rounded.first() {
         eprintln!(
             "note: {} f32 tensor(s) rounded to bf16 for the twin's bf16 views, starting with `{first}`",

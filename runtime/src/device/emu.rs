@@ -419,7 +419,8 @@ impl Device for EmuDevice {
         Ok(u64::from_le_bytes(self.read_n(8, "a side-stream wait")?.try_into().unwrap_or_default()))
     }
 
-    fn load(&mut self, name: &str, source: &str) -> Result<ModuleId, DeviceError> {
+    /// Always from the source, built for the host (a cubin is GPU code).
+    fn load(&mut self, name: &str, source: &str, _cubin: Option<&[u8]>) -> Result<ModuleId, DeviceError> {
         let lib = self.build(name, source)?;
         let path = lib.to_string_lossy().into_owned();
         let mut m = vec![4u8];

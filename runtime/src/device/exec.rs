@@ -245,10 +245,13 @@ impl Executor {
     /// allocates each rank's unified buffer. `transfers` are the bundle's
     /// compiled transfer programs (`LoadedBundle::transfers`): the executor
     /// rebuilds each from the plan and refuses code that is not its plan's.
+    /// `cubins` are the bundle's builds of `sources` (`LoadedBundle::cubins`),
+    /// handed to the device with each source.
     pub fn new(
         mut dev: Box<dyn Device + Send>,
         plan: &Plan,
         sources: &BTreeMap<String, String>,
+        cubins: &BTreeMap<String, Vec<u8>>,
         transfers: &BTreeMap<String, Code>,
     ) -> Result<Executor, ExecError> {
         let programs = moeforge_plan::transfers::programs(plan)
@@ -290,13 +293,13 @@ impl Executor {
                     continue;
                 }
                 let src = sources.get(instance).ok_or_else(|| ExecError::NoSource(instance.clone()))?;
-                modules.insert(instance.clone(), dev.load(instance, src)?);
+                modules.insert(instance.clone(), dev.load(instance, src, cubins.get(instance).map(Vec::as_slice))?);
             }
         }
         let zepp = match (&plan.placement, plan.kernels.iter().find(|k| matches!(k.params, KernelParams::Zepp(_)))) {
             (Some(p), Some(k)) => {
                 let src = sources.get(&k.name).ok_or_else(|| ExecError::NoSource(k.name.clone()))?;
-                let module = dev.load(&k.name, src)?;
+                let module = dev.load(&k.name, src, cubins.get(&k.name).map(Vec::as_slice))?;
                 let at = |name| {
                     plan.memory
                         .buffers

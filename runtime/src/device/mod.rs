@@ -98,8 +98,11 @@ pub trait Device {
         let _ = event;
         Ok(0)
     }
-    /// Builds (or finds in its cache) and loads kernel instance `name` from its source.
-    fn load(&mut self, name: &str, source: &str) -> Result<ModuleId, DeviceError>;
+    /// Loads kernel instance `name`: `cubin` is the bundle's build of its
+    /// `source` for the plan's architecture (when the compile ran nvcc),
+    /// which a device that runs that architecture loads as it is; otherwise
+    /// the device builds the source itself (or finds it in its cache).
+    fn load(&mut self, name: &str, source: &str, cubin: Option<&[u8]>) -> Result<ModuleId, DeviceError>;
     /// Runs `entry` of `module` over `grid` blocks of `block` threads.
     fn launch(
         &mut self,

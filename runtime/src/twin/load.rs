@@ -89,13 +89,13 @@ impl Twin {
             // The indexer key's LayerNorm: one view of two rows, the checkpoint's weight and bias.
             Shard::Full if v.role == TensorRole::IndexerKNorm => {
                 let d = v.shape.get(1).copied().unwrap_or(0) as usize;
-                let mut out = ck.get(name, &[d])?.data.clone();
+                let mut out = ck.get(name, &[d])?.data.to_vec();
                 out.extend_from_slice(&ck.get(&name.replace(".weight", ".bias"), &[d])?.data);
                 out
             }
             Shard::Full => {
                 let shape: Vec<usize> = v.shape.iter().map(|&x| x as usize).collect();
-                ck.get(name, &shape)?.data.clone()
+                ck.get(name, &shape)?.data.to_vec()
             }
             Shard::Heads { .. } if scale || m.fp8(v.role) => {
                 return Err(TwinError::Unsupported(format!(
@@ -195,7 +195,7 @@ impl Twin {
         let p = self.ranks.len();
         let short = || TwinError::Unsupported(format!("`{name}` is smaller than its view's shard of it"));
         Ok(match v.shard {
-            Shard::Full => ck.get(name, &[v.shape.iter().product::<u64>() as usize])?.data.clone(),
+            Shard::Full => ck.get(name, &[v.shape.iter().product::<u64>() as usize])?.data.to_vec(),
             Shard::Heads { heads, .. } => {
                 let hd = m.head_rows(v.role);
                 let [a, b] = match heads {

@@ -255,8 +255,14 @@ impl Twin {
     ) -> Result<Twin, TwinError> {
         let mut twin = Twin::build(bundle, ck, start, false)?;
         let device = |e: crate::device::exec::ExecError| TwinError::Unsupported(e.to_string());
-        let exec = crate::device::exec::Executor::new(dev, bundle.plan.plan(), &bundle.kernels, &bundle.transfers)
-            .map_err(device)?;
+        let exec = crate::device::exec::Executor::new(
+            dev,
+            bundle.plan.plan(),
+            &bundle.kernels,
+            &bundle.cubins,
+            &bundle.transfers,
+        )
+        .map_err(device)?;
         twin.device = Some(exec);
         twin.load(ck)?;
         Ok(twin)

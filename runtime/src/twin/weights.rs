@@ -65,7 +65,59 @@ impl Dtype {
 pub struct Tensor {
     pub shape: Vec<usize>,
     pub dtype: Dtype,
-    pub data: Vec<u8>,
+    pub data: Bytes,
+}
+
+/// A checkpoint file's bytes as loading holds them: read into memory
+/// ([`read_file`]), or mapped (the cuda crate's `map_file`, where this
+/// project's `unsafe` lives).
+pub type FileBytes = std::sync::Arc<dyn AsRef<[u8]> + Send + Sync>;
+
+/// Opens a checkpoint file for [`Checkpoint::load_with`].
+pub type OpenFile<'a> = &'a dyn Fn(&Path) -> std::io::Result<FileBytes>;
+
+/// The whole file, read.
+pub fn read_file(path: &Path) -> std::io::Result<FileBytes> {
+    Ok(std::sync::Arc::new(std::fs::read(path)?))
+}
+
+/// A tensor's bytes: a range of its checkpoint file (a tensor loaded as
+/// stored: no copy of its own; with a mapped file, its pages are read when
+/// a view's slice is cut from them), or bytes of its own (a tensor loading
+/// converted: widened, narrowed or unfused).
+#[derive(Clone)]
+pub enum Bytes {
+    InFile { file: FileBytes, at: usize, len: usize },
+    Owned(Vec<u8>),
+}
+
+impl std::ops::Deref for Bytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Bytes::InFile { file, at, len } => (**file).as_ref().get(*at..*at + *len).unwrap_or_default(),
+            Bytes::Owned(v) => v,
+        }
+    }
+}
+
+impl From<Vec<u8>> for Bytes {
+    fn from(v: Vec<u8>) -> Bytes {
+        Bytes::Owned(v)
+    }
+}
+
+impl PartialEq for Bytes {
+    fn eq(&self, other: &Bytes) -> bool {
+        **self == **other
+    }
+}
+
+impl std::fmt::Debug for Bytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let how = if matches!(self, Bytes::InFile { .. }) { "in-file" } else { "owned" };
+        write!(f, "{} {how} bytes", self.len())
+    }
 }
 
 /// All tensors of a model under canonical names.
@@ -140,7 +192,7 @@ fn unfuse(name: &str, t: &Tensor) -> Result<Option<Vec<(String, Tensor)>>, Weigh
             let data = t.data.get(at..at + r * cols * elem).ok_or_else(bad)?.to_vec();
             out.push((
                 format!("{pre}.mlp.experts.{x}.{part}.weight"),
-                Tensor { shape: vec![r, cols], dtype: t.dtype, data },
+                Tensor { shape: vec![r, cols], dtype: t.dtype, data: data.into() },
             ));
         }
     }
@@ -177,7 +229,7 @@ fn unfuse_gpt_oss(name: &str, t: &Tensor) -> Result<Option<Vec<(String, Tensor)>
         t.data.get(2 * i..2 * i + 2).map(|b| [b[0], b[1]]).ok_or_else(bad)
     };
     let mut out = Vec::new();
-    let tensor = |shape: Vec<usize>, data: Vec<u8>| Tensor { shape, dtype: Dtype::Bf16, data };
+    let tensor = |shape: Vec<usize>, data: Vec<u8>| Tensor { shape, dtype: Dtype::Bf16, data: data.into() };
     match (k, t.shape.as_slice()) {
         (0, &[e, h, i2]) if i2 % 2 == 0 => {
             for x in 0..e {
@@ -236,8 +288,14 @@ fn family_name(canonical: &str, family: Family) -> String {
 }
 
 impl Checkpoint {
-    /// Loads every `*.safetensors` file in `dir`.
+    /// Loads every `*.safetensors` file in `dir`, each read into memory once.
     pub fn load(dir: &Path) -> Result<Checkpoint, WeightsError> {
+        Checkpoint::load_with(dir, &read_file)
+    }
+
+    /// Loads every `*.safetensors` file in `dir` opened by `open`: a tensor
+    /// kept as stored is a range of its file's bytes, never a copy.
+    pub fn load_with(dir: &Path, open: OpenFile<'_>) -> Result<Checkpoint, WeightsError> {
         let io = |e: std::io::Error| WeightsError::Io { path: dir.display().to_string(), err: e.to_string() };
         let mut files: Vec<_> = std::fs::read_dir(dir)
             .map_err(io)?
@@ -256,8 +314,9 @@ impl Checkpoint {
             .is_some_and(|c| c.get("model_type").and_then(|m| m.as_str()) == Some("gpt_oss"));
         for f in files {
             let path = f.display().to_string();
-            let bytes = std::fs::read(&f).map_err(|e| WeightsError::Io { path: path.clone(), err: e.to_string() })?;
-            let st = safetensors::SafeTensors::deserialize(&bytes)
+            let file = open(&f).map_err(|e| WeightsError::Io { path: path.clone(), err: e.to_string() })?;
+            let whole: &[u8] = (*file).as_ref();
+            let st = safetensors::SafeTensors::deserialize(whole)
                 .map_err(|e| WeightsError::Format { path: path.clone(), err: e.to_string() })?;
             for (name, view) in st.tensors() {
                 let dtype = match view.dtype() {
@@ -273,20 +332,28 @@ impl Checkpoint {
                     }
                 };
                 let canon = canonical(&name);
-                let mut t = Tensor { shape: view.shape().to_vec(), dtype, data: view.data().to_vec() };
+                // Where the tensor's bytes lie in the file (safetensors hands
+                // out a slice of the buffer it was given).
+                let at = (view.data().as_ptr() as usize).wrapping_sub(whole.as_ptr() as usize);
+                let data = if at.checked_add(view.data().len()).is_some_and(|end| end <= whole.len()) {
+                    Bytes::InFile { file: std::sync::Arc::clone(&file), at, len: view.data().len() }
+                } else {
+                    Bytes::Owned(view.data().to_vec())
+                };
+                let mut t = Tensor { shape: view.shape().to_vec(), dtype, data };
                 // The selection bias and block scales are computed in f32; a
                 // bf16 bias widens exactly. Other f32 tensors become the bf16
                 // the views hold.
                 let f32_kept = canon.ends_with("e_score_correction_bias") || canon.ends_with("_scale_inv");
                 if f32_kept && t.dtype == Dtype::Bf16 {
-                    t.data = bf16s(&t.data, 0, t.data.len() / 2).flat_map(f32::to_le_bytes).collect();
+                    t.data = Bytes::Owned(bf16s(&t.data, 0, t.data.len() / 2).flat_map(f32::to_le_bytes).collect());
                     t.dtype = Dtype::F32;
                 } else if !f32_kept && t.dtype == Dtype::F32 {
                     let (data, exact) = narrow(&t.data);
                     if !exact {
                         out.rounded.push(canon.clone());
                     }
-                    t = Tensor { data, dtype: Dtype::Bf16, ..t };
+                    t = Tensor { data: Bytes::Owned(data), dtype: Dtype::Bf16, ..t };
                 }
                 let parts = if gpt_oss { unfuse_gpt_oss(&canon, &t)? } else { unfuse(&canon, &t)? };
                 match parts {
