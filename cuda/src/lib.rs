@@ -381,6 +381,9 @@ pub struct CudaDevice {
     watchdog: Duration,
     /// The launch a watchdog gave up on: the GPU may still run it.
     poisoned: std::cell::OnceCell<String>,
+    /// Kernel instances loaded from the bundle's cubins, and built here with nvcc.
+    from_bundle: u32,
+    built: u32,
 }
 
 // SAFETY: the handles are the driver's; every method first makes the
@@ -423,6 +426,8 @@ impl CudaDevice {
             arch: arch_of(gpus[0].capability),
             watchdog,
             poisoned: std::cell::OnceCell::new(),
+            from_bundle: 0,
+            built: 0,
         };
         // Each context is pushed as soon as it exists, so Drop releases it if a later one fails.
         for gpu in gpus {
@@ -1274,7 +1279,10 @@ impl Device for CudaDevice {
         self.live()?;
         if let Some(c) = cubin {
             let bundled = match self.load_image(name, source, c) {
-                Ok(id) => return Ok(id),
+                Ok(id) => {
+                    self.from_bundle += 1;
+                    return Ok(id);
+                }
                 Err(e) => e,
             };
             // A cubin this driver or GPU does not take: build it here.
@@ -1285,10 +1293,36 @@ impl Device for CudaDevice {
                     "the bundle's cubin does not load ({bundled}) and building the source here failed: {e}"
                 ),
             })?;
-            return self.load_image(name, source, &image);
+            let id = self.load_image(name, source, &image)?;
+            self.built += 1;
+            return Ok(id);
         }
         let image = self.build(name, source)?;
-        self.load_image(name, source, &image)
+        let id = self.load_image(name, source, &image)?;
+        self.built += 1;
+        Ok(id)
+    }
+
+    /// `GPU 0 (NVIDIA H200): ranks 0, 2; …; peer access between them;
+    /// kernels: 6 from the bundle's cubins, 0 built here with nvcc`.
+    fn describe(&self) -> Option<String> {
+        let gpus: Vec<String> = self
+            .ctxs
+            .iter()
+            .enumerate()
+            .map(|(g, c)| {
+                let ranks: Vec<String> =
+                    self.buffers.iter().enumerate().filter(|(_, b)| b.gpu == g).map(|(k, _)| k.to_string()).collect();
+                format!("GPU {} ({}): ranks {}", c.gpu.ordinal, c.gpu.name, ranks.join(", "))
+            })
+            .collect();
+        let peers = if self.ctxs.len() > 1 { "; peer access between them" } else { "" };
+        Some(format!(
+            "{}{peers}; kernels: {} from the bundle's cubins, {} built here with nvcc",
+            gpus.join("; "),
+            self.from_bundle,
+            self.built
+        ))
     }
 
     /// On the GPU of its first pointer argument (the rank whose op it is);

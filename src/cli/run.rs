@@ -340,6 +340,9 @@ pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
         plan.modes.iter().map(|m| m.name()).collect::<Vec<_>>().join(", "),
         start.name()
     ));
+    if let Some(d) = driver.engine.device_description() {
+        out(&format!("device: {d}"));
+    }
     if let Some(r) = &bundle.plan.roles {
         use moeforge::plan::roles::Role;
         let of = |role: Role| r.ranks(role).iter().map(u32::to_string).collect::<Vec<_>>().join(",");

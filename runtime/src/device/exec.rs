@@ -393,6 +393,11 @@ impl Executor {
         self.dispatch_traffic
     }
 
+    /// The device's own description ([`Device::describe`]).
+    pub fn describe(&self) -> Option<String> {
+        self.dev.describe()
+    }
+
     pub fn ranks(&self) -> usize {
         self.buffers.len()
     }

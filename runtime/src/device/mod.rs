@@ -103,6 +103,12 @@ pub trait Device {
     /// which a device that runs that architecture loads as it is; otherwise
     /// the device builds the source itself (or finds it in its cache).
     fn load(&mut self, name: &str, source: &str, cubin: Option<&[u8]>) -> Result<ModuleId, DeviceError>;
+    /// What the device is, for a run's report: its GPUs and where each
+    /// rank's buffer lives, where its kernels came from (`None`: nothing to
+    /// add to the backend's name).
+    fn describe(&self) -> Option<String> {
+        None
+    }
     /// Runs `entry` of `module` over `grid` blocks of `block` threads.
     fn launch(
         &mut self,

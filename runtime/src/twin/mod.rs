@@ -313,6 +313,12 @@ impl Twin {
         self.device.as_ref().map(crate::device::exec::Executor::routing_checked)
     }
 
+    /// The attached device's description (`None` without a device, or when
+    /// it has nothing to add).
+    pub fn device_description(&self) -> Option<String> {
+        self.device.as_ref().and_then(crate::device::exec::Executor::describe)
+    }
+
     /// How the device's slot swaps overlapped serving (`None` without a device).
     pub fn swap_overlap(&self) -> Option<crate::device::exec::SwapOverlap> {
         self.device.as_ref().map(crate::device::exec::Executor::swap_overlap)
