@@ -104,6 +104,9 @@ def main() -> int:
                    match=all(got.get(i, [])[: len(w)] == w for i, w in want.items()),
                    switches=len(re.findall(r"^switch before step", text, re.M)),
                    median_step_ms=statistics.median(steps) if steps else None, steps=len(steps))
+        device = re.search(r"^device: (.*)$", text, re.M)
+        if device:
+            out["device"] = device.group(1)
     except (RuntimeError, OSError, KeyError, ValueError) as e:
         out.update(match=False, error=str(e))
     print(json.dumps(out))
