@@ -201,3 +201,98 @@ fn the_gpu_check_driver_builds_around_emitted_apks() {
         .unwrap_or_else(|e| panic!("{e}"));
     assert!(o.status.success(), "route_check: {}", text(&o.stderr));
 }
+
+/// Each `load`'s kernel name and the cubin it was handed.
+type Loads = std::sync::Arc<std::sync::Mutex<Vec<(String, Option<Vec<u8>>)>>>;
+
+/// A device that records what each `load` was handed and loads nothing.
+struct Recorder(Loads, u32);
+
+impl moeforge::runtime::device::Device for Recorder {
+    fn alloc(&mut self, _: u64) -> Result<moeforge::runtime::device::BufferId, moeforge::runtime::device::DeviceError> {
+        self.1 += 1;
+        Ok(moeforge::runtime::device::BufferId(self.1 - 1))
+    }
+    fn upload(
+        &mut self,
+        _: moeforge::runtime::device::BufferId,
+        _: u64,
+        _: &[u8],
+    ) -> Result<(), moeforge::runtime::device::DeviceError> {
+        Ok(())
+    }
+    fn download(
+        &mut self,
+        _: moeforge::runtime::device::BufferId,
+        _: u64,
+        len: u64,
+    ) -> Result<Vec<u8>, moeforge::runtime::device::DeviceError> {
+        Ok(vec![0; len as usize])
+    }
+    fn transfer(
+        &mut self,
+        _: &moeforge::runtime::device::Code,
+        _: &[moeforge::runtime::device::Batch],
+        _: &[moeforge::runtime::device::BufferId],
+    ) -> Result<(), moeforge::runtime::device::DeviceError> {
+        Ok(())
+    }
+    fn load(
+        &mut self,
+        name: &str,
+        _: &str,
+        cubin: Option<&[u8]>,
+    ) -> Result<moeforge::runtime::device::ModuleId, moeforge::runtime::device::DeviceError> {
+        let mut l = self.0.lock().unwrap();
+        l.push((name.to_string(), cubin.map(<[u8]>::to_vec)));
+        Ok(moeforge::runtime::device::ModuleId(l.len() as u32 - 1))
+    }
+    fn launch(
+        &mut self,
+        _: moeforge::runtime::device::ModuleId,
+        _: &str,
+        _: u32,
+        _: u32,
+        _: &[moeforge::runtime::device::KernelArg],
+    ) -> Result<(), moeforge::runtime::device::DeviceError> {
+        Ok(())
+    }
+}
+
+/// A bundle compiled with nvcc hands each kernel's cubin to the device with
+/// its source (what lets the cuda device load it without nvcc), the bytes
+/// of `kernels/{name}.cubin`; compiled without, none.
+#[test]
+fn the_executor_hands_the_bundles_cubins_to_the_device() {
+    let Some(nvcc) = nvcc() else {
+        eprintln!("skipping: no nvcc");
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    for (with, dir) in [(true, tmp.path().join("with")), (false, tmp.path().join("without"))] {
+        let mut args = vec!["compile", "examples/tiny-qwen3-cpu4.moe", "-o", dir.to_str().unwrap()];
+        if !with {
+            args.extend(["--nvcc", "off"]);
+        }
+        let o = moeforge(&args, with.then_some(nvcc.as_path()));
+        assert!(o.status.success(), "{}", text(&o.stderr));
+        let b = load_bundle(&dir).unwrap();
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(vec![]));
+        let dev = Recorder(std::sync::Arc::clone(&seen), 0);
+        moeforge::runtime::device::exec::Executor::new(
+            Box::new(dev),
+            b.plan.plan(),
+            &b.kernels,
+            &b.cubins,
+            &b.transfers,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let seen = seen.lock().unwrap();
+        assert!(seen.len() >= 4, "{seen:?}");
+        for (name, cubin) in seen.iter() {
+            let file = std::fs::read(dir.join(format!("kernels/{name}.cubin"))).ok();
+            assert_eq!(cubin, &file, "{name}: with nvcc {with}");
+            assert_eq!(cubin.is_some(), with, "{name}");
+        }
+    }
+}

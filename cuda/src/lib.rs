@@ -5,7 +5,8 @@
 //! (`moeforge_runtime::device::exec`) runs the same programs on it as on the
 //! emulated device: each rank's unified buffer one `cuMemAlloc` at the plan's
 //! size, weights uploaded into their views, every op's launch bound by the
-//! same `bind`, the reshard's strided copies as `cuMemcpy2D`.
+//! same `bind`, every data movement (reshard, dispatch, combine, all-reduce,
+//! KV handoff, slot swap) a launch of the bundle's transfer program.
 //!
 //! - [`probe`] answers first: no driver library, a driver without a GPU, or
 //!   the GPUs it sees. A missing driver is an error, never a panic (cudarc
@@ -138,10 +139,11 @@ pub fn probe() -> Result<Vec<Gpu>, DeviceError> {
 /// they reached the GPU). The file must not change while it is mapped.
 pub fn map_file(path: &Path) -> std::io::Result<moeforge_runtime::twin::weights::FileBytes> {
     let file = std::fs::File::open(path)?;
-    // SAFETY: a read-only private mapping of a file this process only
-    // reads; a checkpoint rewritten under a running server is outside what
-    // the loader supports (said above), and every read of it goes through
-    // bounds-checked slices.
+    // SAFETY: a read-only shared mapping of a file this process only
+    // reads. A checkpoint rewritten under a running server is outside what
+    // the loader supports (said above): another process changing it changes
+    // the bytes read, and truncating it makes a later read of the lost pages
+    // a SIGBUS, which no bounds check here can prevent.
     let map = unsafe { memmap2::Mmap::map(&file) }?;
     Ok(std::sync::Arc::new(map))
 }
@@ -358,15 +360,27 @@ struct Side {
     /// Main-stream launches and transfers that finished while side work was
     /// still running (cumulative; what [`Device::side_wait`] reports).
     beside: u64,
+    /// Tables no queued transfer reads, for the next ones: grown, never
+    /// freed before Drop (an allocation or free between queued commands
+    /// would wait for the device, undoing the overlap).
+    free: Vec<SideTable>,
+}
+
+/// A side transfer's table: device memory its launch reads, and the pinned
+/// host memory it is copied from (a copy from pageable memory may wait for
+/// the stream).
+struct SideTable {
+    dev: sys::CUdeviceptr,
+    host: *mut u8,
+    bytes: usize,
 }
 
 /// One queued side transfer: its completion event, and the tables its
-/// launches read (device copies and the host words they were copied from,
-/// both kept until the event completed).
+/// launches read (kept until the event completed).
 struct Pending {
     id: u64,
     event: sys::CUevent,
-    tables: Vec<(sys::CUdeviceptr, Vec<u64>)>,
+    tables: Vec<SideTable>,
 }
 
 pub struct CudaDevice {
@@ -606,17 +620,24 @@ impl CudaDevice {
                 std::ptr::copy_nonoverlapping(data[off..].as_ptr(), host, n);
                 std::slice::from_raw_parts(host.cast_const(), n)
             };
+            // Before the copy is queued: whatever happens next, later work
+            // on other GPUs waits for this stream.
+            self.ctxs[g].copying.set(true);
             // SAFETY: the caller checked that `at` holds `data.len()` bytes;
             // the pinned chunk is not written again before the event below completed.
             unsafe { result::memcpy_htod_async(at + off as u64, chunk, stream) }
                 .map_err(|e| driver("upload: cuMemcpyHtoDAsync", e))?;
             // SAFETY: the event and the stream are the same context's.
-            unsafe { result::event::record(event, stream) }.map_err(|e| driver("upload: cuEventRecord", e))?;
+            if let Err(e) = unsafe { result::event::record(event, stream) } {
+                // The chunk's copy may still run and its event says nothing:
+                // wait for the stream before anything reuses the chunk.
+                self.finish(g, "upload")?;
+                return Err(driver("upload: cuEventRecord", e));
+            }
             if let Some(st) = self.ctxs[g].staging.as_mut() {
                 st.chunks[slot].2 = true;
                 st.next = 1 - slot;
             }
-            self.ctxs[g].copying.set(true);
             off += n;
         }
         Ok(())
@@ -675,12 +696,31 @@ impl CudaDevice {
             done
         };
         for p in done {
-            for (t, _) in p.tables {
-                // SAFETY: the transfer that read it finished.
-                let _ = unsafe { result::free_sync(t) };
-            }
+            // The transfers that read them finished: free for the next ones.
+            side.free.extend(p.tables);
             // SAFETY: recorded and completed; not used after this.
             let _ = unsafe { result::event::destroy(p.event) };
+        }
+    }
+
+    /// A side table of at least `bytes` (`None`: the pool had none and the
+    /// allocation failed), in the first GPU's context (current).
+    fn side_table(&mut self, bytes: usize) -> Result<SideTable, DeviceError> {
+        let side = self.side.as_mut().ok_or_else(|| other("no side stream"))?;
+        if let Some(i) = side.free.iter().position(|t| t.bytes >= bytes) {
+            return Ok(side.free.swap_remove(i));
+        }
+        let bytes = bytes.next_power_of_two().max(4096);
+        // SAFETY: a plain allocation in the first GPU's context, freed in Drop.
+        let dev = unsafe { result::malloc_sync(bytes) }.map_err(|e| driver("cuMemAlloc (side transfer table)", e))?;
+        // SAFETY: pinned host memory, freed in Drop (or at once below).
+        match unsafe { result::malloc_host(bytes, sys::CU_MEMHOSTALLOC_PORTABLE) } {
+            Ok(host) => Ok(SideTable { dev, host: host.cast(), bytes }),
+            Err(e) => {
+                // SAFETY: allocated above, never used.
+                let _ = unsafe { result::free_sync(dev) };
+                Err(driver("cuMemHostAlloc (side transfer table)", e))
+            }
         }
     }
 
@@ -1209,44 +1249,51 @@ impl Device for CudaDevice {
         if self.side.is_none() {
             let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
                 .map_err(|e| driver("cuStreamCreate (side stream)", e))?;
-            self.side = Some(Side { stream, last: 0, pending: Vec::new(), beside: 0 });
+            self.side = Some(Side { stream, last: 0, pending: Vec::new(), beside: 0, free: Vec::new() });
         }
         let stream = self.side.as_ref().map(|x| x.stream).ok_or_else(|| other("no side stream"))?;
         let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
             .map_err(|e| driver("cuEventCreate", e))?;
         let id = self.side.as_ref().map_or(0, |x| x.last) + 1;
         let mut pending = Pending { id, event, tables: Vec::with_capacity(tables.len()) };
-        let queued = || -> Result<(), DeviceError> {
-            for (words, grid) in tables {
-                // SAFETY: a plain allocation in the first GPU's context, freed by `retire`.
-                let at = unsafe { result::malloc_sync(words.len() * 8) }
-                    .map_err(|e| driver("cuMemAlloc (side transfer table)", e))?;
-                pending.tables.push((at, words));
-                let words = &pending.tables[pending.tables.len() - 1].1;
-                // SAFETY: `at` holds the words; they stay in `pending` until the event completed.
-                unsafe { result::memcpy_htod_async(at, words.as_slice(), stream) }
+        let mut queue = || -> Result<(), DeviceError> {
+            for (words, grid) in &tables {
+                let t = self.side_table(words.len() * 8)?;
+                // SAFETY: `t.host` holds `t.bytes` >= the words' bytes, and no
+                // queued copy reads it (it came from the pool or is new).
+                let chunk = unsafe {
+                    std::ptr::copy_nonoverlapping(words.as_ptr().cast::<u8>(), t.host, words.len() * 8);
+                    std::slice::from_raw_parts(t.host.cast_const(), words.len() * 8)
+                };
+                let at = t.dev;
+                pending.tables.push(t);
+                // SAFETY: `at` holds the words; the pinned copy stays in
+                // `pending` until the event completed.
+                unsafe { result::memcpy_htod_async(at, chunk, stream) }
                     .map_err(|e| driver("side transfer table: cuMemcpyHtoDAsync", e))?;
                 let (mut bases, mut table) = (at, at + 8 * buffers.len() as u64);
                 let mut params: [*mut c_void; 2] = [(&raw mut bases).cast(), (&raw mut table).cast()];
                 // SAFETY: `f` is the program's kernel in this context; the
                 // parameters are read at launch.
-                unsafe { result::launch_kernel(f, (grid, 1, 1), (256, 1, 1), 0, stream, &mut params) }
+                unsafe { result::launch_kernel(f, (*grid, 1, 1), (256, 1, 1), 0, stream, &mut params) }
                     .map_err(|e| driver(&format!("{} (side stream)", moeforge_xfer::ENTRY), e))?;
             }
             // SAFETY: `event` was just created; `stream` is the side stream.
             unsafe { result::event::record(event, stream) }.map_err(|e| driver("cuEventRecord", e))
         };
-        let queued = queued();
-        if let Err(e) = queued {
-            // Nothing may be freed under a launch that might run: wait for the side stream first.
+        if let Err(e) = queue() {
+            // What was queued may still run: the tables go back to the pool
+            // only once the side stream is idle (else they stay allocated
+            // until Drop, which waits for it).
             // SAFETY: `stream` lives as long as the device.
             if self.poll("side transfer", || unsafe { sys::cuStreamQuery(stream) }).is_ok() {
-                for (t, _) in pending.tables {
-                    // SAFETY: nothing reads it any more.
-                    let _ = unsafe { result::free_sync(t) };
+                if let Some(side) = self.side.as_mut() {
+                    side.free.append(&mut pending.tables);
                 }
                 // SAFETY: not used after this.
                 let _ = unsafe { result::event::destroy(event) };
+            } else if let Some(side) = self.side.as_mut() {
+                side.pending.push(Pending { id: u64::MAX, event, tables: std::mem::take(&mut pending.tables) });
             }
             return Err(e);
         }
@@ -1390,6 +1437,12 @@ impl Drop for CudaDevice {
                 return;
             }
             self.retire(u64::MAX);
+            for t in self.side.as_mut().map(|x| std::mem::take(&mut x.free)).unwrap_or_default() {
+                // SAFETY: the side stream is idle: nothing reads them.
+                let _ = unsafe { result::free_sync(t.dev) };
+                // SAFETY: as above.
+                let _ = unsafe { result::free_host(t.host.cast()) };
+            }
             // SAFETY: idle, not used after this.
             let _ = unsafe { result::stream::destroy(stream) };
         }
@@ -1491,10 +1544,11 @@ mod tests {
 
     /// A mapped checkpoint holds the same tensors as a read one (two ways
     /// of getting the bytes), and the tensors loading keeps as stored are
-    /// ranges of the mapping, not copies.
+    /// ranges of the mapping, not copies: their bytes lie in the file's
+    /// mapping as the kernel lists it (Linux's /proc/self/maps).
     #[test]
     fn a_mapped_checkpoint_is_the_read_one_without_copies() {
-        use moeforge_runtime::twin::weights::{Bytes, Checkpoint};
+        use moeforge_runtime::twin::weights::Checkpoint;
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/models/qwen3-moe");
         let read = Checkpoint::load(&dir).unwrap();
         let mapped = Checkpoint::load_with(&dir, &map_file).unwrap();
@@ -1503,8 +1557,27 @@ mod tests {
         for (name, t) in &read.tensors {
             assert_eq!(Some(t), mapped.tensors.get(name), "{name}");
         }
-        let in_file = mapped.tensors.values().filter(|t| matches!(t.data, Bytes::InFile { .. })).count();
-        assert_eq!(in_file, mapped.tensors.len(), "a bf16 checkpoint is kept as stored");
+        assert!(mapped.tensors.values().all(|t| t.data.is_in_file()), "a bf16 checkpoint is kept as stored");
+        if let Ok(maps) = std::fs::read_to_string("/proc/self/maps") {
+            let file = std::fs::canonicalize(dir.join("model.safetensors")).unwrap();
+            let ranges: Vec<(usize, usize)> = maps
+                .lines()
+                .filter(|l| l.ends_with(file.to_str().unwrap()))
+                .filter_map(|l| {
+                    let (a, b) = l.split_whitespace().next()?.split_once('-')?;
+                    Some((usize::from_str_radix(a, 16).ok()?, usize::from_str_radix(b, 16).ok()?))
+                })
+                .collect();
+            assert!(!ranges.is_empty(), "model.safetensors is not mapped");
+            for (name, t) in &mapped.tensors {
+                let p = t.data.as_ptr() as usize;
+                assert!(ranges.iter().any(|&(a, b)| a <= p && p + t.data.len() <= b), "{name} is not in the mapping");
+            }
+            for (name, t) in &read.tensors {
+                let p = t.data.as_ptr() as usize;
+                assert!(!ranges.iter().any(|&(a, b)| a <= p && p < b), "{name}: the read checkpoint is mapped");
+            }
+        }
         let missing = Checkpoint::load_with(&dir.join("absent"), &map_file);
         assert!(missing.is_err());
     }

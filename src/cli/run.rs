@@ -132,10 +132,11 @@ pub fn load_dir(bundle: &Path) -> Result<LoadedBundle, ExitCode> {
 /// The GPUs `--backend cuda` drives for `bundle`: those
 /// `MOEFORGE_CUDA_DEVICES` names (comma-separated ordinals, in that order),
 /// else every GPU the driver sees; at most one per rank. Checked before the
-/// checkpoint is read: no driver or no GPU, a GPU of another architecture,
-/// or GPUs too small for the rank buffers they would hold fail at once.
+/// checkpoint is read: no driver or no GPU, GPUs of another or of mixed
+/// architectures, without a peer path between them, or too small for the
+/// rank buffers they would hold fail at once.
 fn cuda_gpus(bundle: &LoadedBundle) -> Result<Vec<moeforge_cuda::Gpu>, ExitCode> {
-    if let Ok(v) = std::env::var("MOEFORGE_CUDA_DEVICE") {
+    if let Some(v) = std::env::var("MOEFORGE_CUDA_DEVICE").ok().filter(|v| !v.trim().is_empty()) {
         return Err(error(
             format!("MOEFORGE_CUDA_DEVICE = `{v}` is no longer read: the cuda backend drives several GPUs"),
             "set MOEFORGE_CUDA_DEVICES instead (comma-separated indices, e.g. 0 or 0,1,2,3) and unset MOEFORGE_CUDA_DEVICE",

@@ -440,8 +440,10 @@ impl Executor {
             self.swap_overlap.device_overlapped = overlapped;
         }
         self.side.retain(|&(_, event)| event > last);
-        if let (true, Some(since)) = (self.side.is_empty(), self.side_since.take()) {
-            self.swap_overlap.ops_beside += self.main_ops - since;
+        if self.side.is_empty() {
+            if let Some(since) = self.side_since.take() {
+                self.swap_overlap.ops_beside += self.main_ops - since;
+            }
         }
         Ok(())
     }

@@ -66,6 +66,9 @@ pub enum DeviceError {
 pub trait Device {
     /// Allocates `bytes` of zeroed device memory.
     fn alloc(&mut self, bytes: u64) -> Result<BufferId, DeviceError>;
+    /// Copies `data` into `buffer` at `offset`. It may return before the
+    /// bytes landed (`data` is free to go at once); every later download,
+    /// launch, transfer or side transfer sees them.
     fn upload(&mut self, buffer: BufferId, offset: u64, data: &[u8]) -> Result<(), DeviceError>;
     fn download(&mut self, buffer: BufferId, offset: u64, len: u64) -> Result<Vec<u8>, DeviceError>;
     /// Runs a compiled transfer program's batches in order (each batch's

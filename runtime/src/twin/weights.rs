@@ -82,28 +82,66 @@ pub fn read_file(path: &Path) -> std::io::Result<FileBytes> {
 }
 
 /// A tensor's bytes: a range of its checkpoint file (a tensor loaded as
-/// stored: no copy of its own; with a mapped file, its pages are read when
-/// a view's slice is cut from them), or bytes of its own (a tensor loading
-/// converted: widened, narrowed or unfused).
+/// stored, or a contiguous part of a fused one: no copy of its own; with a
+/// mapped file, its pages are read when a view's slice is cut from them),
+/// or bytes of its own (a tensor loading converted: widened, narrowed, or
+/// unfused from GPT-OSS's interleaved layout).
 #[derive(Clone)]
-pub enum Bytes {
-    InFile { file: FileBytes, at: usize, len: usize },
+pub struct Bytes(Repr);
+
+#[derive(Clone)]
+enum Repr {
+    /// Checked in range when made ([`Bytes::in_file`]; a file's bytes never change length).
+    InFile {
+        file: FileBytes,
+        at: usize,
+        len: usize,
+    },
     Owned(Vec<u8>),
+}
+
+impl Bytes {
+    /// Bytes `at..at + len` of `file`; `None` past its end.
+    pub fn in_file(file: &FileBytes, at: usize, len: usize) -> Option<Bytes> {
+        let end = at.checked_add(len)?;
+        ((**file).as_ref().len() >= end).then(|| Bytes(Repr::InFile { file: std::sync::Arc::clone(file), at, len }))
+    }
+
+    /// Bytes `at..at + len` of these, sharing the file's where they are a
+    /// file's; `None` past their end.
+    pub fn sub(&self, at: usize, len: usize) -> Option<Bytes> {
+        let end = at.checked_add(len)?;
+        if end > self.len() {
+            return None;
+        }
+        match &self.0 {
+            Repr::InFile { file, at: base, .. } => Bytes::in_file(file, base + at, len),
+            Repr::Owned(v) => Some(Bytes(Repr::Owned(v[at..end].to_vec()))),
+        }
+    }
+
+    /// Whether these are a range of a checkpoint file (no copy of their own).
+    pub fn is_in_file(&self) -> bool {
+        matches!(self.0, Repr::InFile { .. })
+    }
 }
 
 impl std::ops::Deref for Bytes {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        match self {
-            Bytes::InFile { file, at, len } => (**file).as_ref().get(*at..*at + *len).unwrap_or_default(),
-            Bytes::Owned(v) => v,
+        match &self.0 {
+            // In range by construction.
+            Repr::InFile { file, at, len } => {
+                (**file).as_ref().get(*at..).and_then(|b| b.get(..*len)).unwrap_or_default()
+            }
+            Repr::Owned(v) => v,
         }
     }
 }
 
 impl From<Vec<u8>> for Bytes {
     fn from(v: Vec<u8>) -> Bytes {
-        Bytes::Owned(v)
+        Bytes(Repr::Owned(v))
     }
 }
 
@@ -115,7 +153,7 @@ impl PartialEq for Bytes {
 
 impl std::fmt::Debug for Bytes {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let how = if matches!(self, Bytes::InFile { .. }) { "in-file" } else { "owned" };
+        let how = if self.is_in_file() { "in-file" } else { "owned" };
         write!(f, "{} {how} bytes", self.len())
     }
 }
@@ -188,11 +226,12 @@ fn unfuse(name: &str, t: &Tensor) -> Result<Option<Vec<(String, Tensor)>>, Weigh
     let mut out = Vec::with_capacity(e * parts.len());
     for x in 0..e {
         for (i, part) in parts.iter().enumerate() {
+            // Each expert's part is contiguous: a range of the fused tensor's bytes.
             let at = (x * rows + i * r) * cols * elem;
-            let data = t.data.get(at..at + r * cols * elem).ok_or_else(bad)?.to_vec();
+            let data = t.data.sub(at, r * cols * elem).ok_or_else(bad)?;
             out.push((
                 format!("{pre}.mlp.experts.{x}.{part}.weight"),
-                Tensor { shape: vec![r, cols], dtype: t.dtype, data: data.into() },
+                Tensor { shape: vec![r, cols], dtype: t.dtype, data },
             ));
         }
     }
@@ -335,25 +374,23 @@ impl Checkpoint {
                 // Where the tensor's bytes lie in the file (safetensors hands
                 // out a slice of the buffer it was given).
                 let at = (view.data().as_ptr() as usize).wrapping_sub(whole.as_ptr() as usize);
-                let data = if at.checked_add(view.data().len()).is_some_and(|end| end <= whole.len()) {
-                    Bytes::InFile { file: std::sync::Arc::clone(&file), at, len: view.data().len() }
-                } else {
-                    Bytes::Owned(view.data().to_vec())
-                };
+                let data = Bytes::in_file(&file, at, view.data().len())
+                    .filter(|b| b.as_ptr() == view.data().as_ptr())
+                    .unwrap_or_else(|| view.data().to_vec().into());
                 let mut t = Tensor { shape: view.shape().to_vec(), dtype, data };
                 // The selection bias and block scales are computed in f32; a
                 // bf16 bias widens exactly. Other f32 tensors become the bf16
                 // the views hold.
                 let f32_kept = canon.ends_with("e_score_correction_bias") || canon.ends_with("_scale_inv");
                 if f32_kept && t.dtype == Dtype::Bf16 {
-                    t.data = Bytes::Owned(bf16s(&t.data, 0, t.data.len() / 2).flat_map(f32::to_le_bytes).collect());
+                    t.data = bf16s(&t.data, 0, t.data.len() / 2).flat_map(f32::to_le_bytes).collect::<Vec<u8>>().into();
                     t.dtype = Dtype::F32;
                 } else if !f32_kept && t.dtype == Dtype::F32 {
                     let (data, exact) = narrow(&t.data);
                     if !exact {
                         out.rounded.push(canon.clone());
                     }
-                    t = Tensor { data: Bytes::Owned(data), dtype: Dtype::Bf16, ..t };
+                    t = Tensor { data: data.into(), dtype: Dtype::Bf16, ..t };
                 }
                 let parts = if gpt_oss { unfuse_gpt_oss(&canon, &t)? } else { unfuse(&canon, &t)? };
                 match parts {
