@@ -65,6 +65,12 @@ if [[ "${1:-}" == "--prepare" ]]; then
   for ex in "${EXAMPLES[@]}"; do
     ./target/release/moeforge compile "examples/$ex.moe" -o "gpu-bundles.tmp/$ex" --nvcc off >/dev/null 2>&1
   done
+  # The end-to-end bundles carry cubins (nvcc from MOEFORGE_NVCC, else setup.sh's, else the PATH).
+  if [[ -z "${MOEFORGE_NVCC:-}" ]]; then
+    for c in .toolchain/venv/lib/python3*/site-packages/nvidia/cu13/bin/nvcc; do
+      [[ -x "$c" ]] && export MOEFORGE_NVCC="$PWD/$c"
+    done
+  fi
   for c in "${E2E_CASES[@]}"; do
     read -r fixture ranks _ _ tiles <<<"$c"
     [[ "$tiles" == - ]] && tiles=""

@@ -10,7 +10,8 @@ Usage: python3 e2e.py MOEFORGE BACKEND FIXTURE_DIR RANKS START WORKDIR [SWITCH_A
        python3 e2e.py --compile MOEFORGE FIXTURE_DIR RANKS OUT_BUNDLE [TILES]
 TILES names a tile set of models/tiles.moe (default: 64×64 tiles sized for the tiny models).
 The second form only compiles the bundle (scripts/gpu-check.sh --prepare, where moeforge
-links LLVM); with E2E_BUNDLE set to such a bundle, the first form serves it instead of
+links LLVM), with nvcc when it finds one (MOEFORGE_NVCC or the PATH), so the bundle carries
+the cubins the GPU run loads; with E2E_BUNDLE set to such a bundle, the first form serves it instead of
 compiling (a runner built without LLVM compiles no plan).
 """
 import json
@@ -51,14 +52,15 @@ def run(cmd: list, what: str) -> str:
     return p.stdout
 
 
-def compile_bundle(moeforge: str, fixture: str, ranks: int, bundle: str, tiles: str, work: str) -> None:
-    """import-hf, the deployment on RANKS ranks, `moeforge compile` into BUNDLE."""
+def compile_bundle(moeforge: str, fixture: str, ranks: int, bundle: str, tiles: str, work: str,
+                   nvcc: str = "off") -> None:
+    """import-hf, the deployment on RANKS ranks, `moeforge compile --nvcc NVCC` into BUNDLE."""
     model = os.path.join(work, "model.moe")
     run([moeforge, "import-hf", fixture, "-o", model, "--name", "tiny"], "import-hf")
     spec = os.path.join(work, "tiny.moe")
     with open(spec, "w") as f:
         f.write(deployment(open(model).read(), ranks, tiles))
-    run([moeforge, "compile", spec, "-o", bundle, "--nvcc", "off"], "compile")
+    run([moeforge, "compile", spec, "-o", bundle, "--nvcc", nvcc], "compile")
 
 
 def main() -> int:
@@ -67,7 +69,9 @@ def main() -> int:
         tiles = sys.argv[6] if len(sys.argv) > 6 else ""
         work = out_bundle + ".work"
         os.makedirs(work, exist_ok=True)
-        compile_bundle(moeforge, fixture, int(ranks), out_bundle, tiles, work)
+        # With nvcc where --prepare runs: the bundle carries cubins, which the
+        # GPU machine's run loads without building (its device line says so).
+        compile_bundle(moeforge, fixture, int(ranks), out_bundle, tiles, work, nvcc="auto")
         shutil.rmtree(work, ignore_errors=True)
         return 0
     moeforge, backend, fixture, ranks, start, work = sys.argv[1:7]
