@@ -347,6 +347,17 @@ if [[ $have_gpu -eq 1 && -n "$MOEFORGE" ]]; then
       "$BUILD/e2e-$fixture-$ranks-$start-one-gpu" "$switch" "$tiles"
   fi
 fi
+# (g') The first case again with every launch waited for (MOEFORGE_CUDA_SYNC=1): its median
+# step beside the queued launches' (the run above), the cost of waiting per launch.
+if [[ $have_gpu -eq 1 && -n "$MOEFORGE" ]]; then
+  read -r fixture ranks start switch tiles <<<"${E2E_CASES[0]}"
+  [[ "$switch" == - ]] && switch=""
+  [[ "$tiles" == - ]] && tiles=""
+  MOEFORGE_CUDA_SYNC=1 E2E_BUNDLE="$BUNDLES/e2e/$fixture-$ranks${tiles:+-$tiles}" run_step e2e \
+    "$fixture P=$ranks $start${switch:+ switch@$switch}${tiles:+ $tiles} launches waited" 240 python3 \
+    scripts/gpu/e2e.py "$MOEFORGE" cuda "tests/fixtures/models/$fixture" "$ranks" "$start" \
+    "$BUILD/e2e-$fixture-$ranks-$start-sync" "$switch" "$tiles"
+fi
 # (e) compute-sanitizer memcheck: the first end-to-end run's bundle served again (a few tokens).
 SAN="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
 if [[ $have_gpu -eq 1 ]]; then
@@ -457,6 +468,12 @@ for s in steps:
         goals[f"zepp routing / modeled MoE layer ({s['name']}, Zepp's budget ~0.05)"] = (
             res(s)["routing_over_layer"] if ok else f"FAIL: {res(s).get('mismatches')} entries routed wrongly")
 e2e = [s for s in steps if s["step"] == "e2e"]
+waited = [s for s in e2e if s["name"].endswith(" launches waited") and res(s).get("median_step_ms")]
+if waited:
+    queued = [s for s in e2e if s["name"] == waited[0]["name"][: -len(" launches waited")]]
+    if queued and res(queued[0]).get("median_step_ms"):
+        q, w = res(queued[0])["median_step_ms"], res(waited[0])["median_step_ms"]
+        goals[f"median step, launches queued / waited ({queued[0]['name']})"] = f"{q} / {w} ms = {q / w:.2f}"
 goals["end-to-end tokens = transformers'"] = f"{sum(1 for s in e2e if s['ok'])}/{len(e2e)} runs"
 report["goals"] = goals
 report["ok"] = all(s["ok"] for s in steps)

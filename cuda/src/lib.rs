@@ -51,12 +51,16 @@
 //!   GPU's SMs, so a copy between two other GPUs crosses the first one's
 //!   links twice. CUDA graphs and one-sided communication (device-side
 //!   dispatch) are not here yet.
-//! - Ordering: every launch and transfer waits for its stream, so ops on
-//!   different GPUs are ordered by the host. Uploads go through two pinned
-//!   staging chunks per GPU and return once queued (the host fills one
-//!   chunk while the other copies); the GPU's stream orders them before its
-//!   next launch, and a launch or transfer that can reach another GPU's
-//!   memory first waits for that GPU's uploads.
+//! - Ordering: a GPU's work stream orders its own work. A plain launch
+//!   returns once queued (every launch waited for with
+//!   `MOEFORGE_CUDA_SYNC=1`); uploads go through two pinned staging chunks
+//!   per GPU and return once queued (the host fills one chunk while the
+//!   other copies). Everything else waits: an APK launch (its `done` is
+//!   read back), a transfer, a download. Before any work that can touch
+//!   another GPU's memory through peer access (every launch, transfer,
+//!   upload and download), the host waits for what that GPU still has
+//!   queued; a fault or hang in a queued launch is reported at that wait,
+//!   naming the launch.
 
 use cudarc::driver::result;
 use cudarc::driver::sys;
@@ -334,10 +338,13 @@ struct Ctx {
     /// A batch's buffer addresses and table, uploaded before its launch.
     scratch: Option<(sys::CUdeviceptr, usize)>,
     staging: Option<Staging>,
-    /// Uploads may still be copying on the work stream (cleared by
-    /// [`CudaDevice::finish`]): work on another GPU that could read this
-    /// one's memory waits for them first.
-    copying: std::cell::Cell<bool>,
+    /// Work queued on the work stream that the host has not waited for
+    /// (uploads, and launches unless `MOEFORGE_CUDA_SYNC` is set; cleared by
+    /// [`CudaDevice::finish`]): work on another GPU, which could touch this
+    /// one's memory through peer access, waits for it first.
+    pending: std::cell::Cell<bool>,
+    /// The last launch queued without a wait, for the error a later wait reports.
+    last_launch: std::cell::RefCell<String>,
 }
 
 /// A rank's unified buffer: its address, size and the GPU (index into
@@ -398,6 +405,9 @@ pub struct CudaDevice {
     /// Kernel instances loaded from the bundle's cubins, and built here with nvcc.
     from_bundle: u32,
     built: u32,
+    /// Every plain launch waited for (`MOEFORGE_CUDA_SYNC=1`: for debugging
+    /// a fault to the launch that made it, and the GPU check's comparison).
+    sync_launches: bool,
 }
 
 // SAFETY: the handles are the driver's; every method first makes the
@@ -442,6 +452,7 @@ impl CudaDevice {
             poisoned: std::cell::OnceCell::new(),
             from_bundle: 0,
             built: 0,
+            sync_launches: std::env::var("MOEFORGE_CUDA_SYNC").is_ok_and(|v| v == "1"),
         };
         // Each context is pushed as soon as it exists, so Drop releases it if a later one fails.
         for gpu in gpus {
@@ -471,7 +482,8 @@ impl CudaDevice {
                 transfers: BTreeMap::new(),
                 scratch: None,
                 staging: None,
-                copying: std::cell::Cell::new(false),
+                pending: std::cell::Cell::new(false),
+                last_launch: std::cell::RefCell::new(String::new()),
             });
         }
         dev.enable_peers()?;
@@ -544,17 +556,21 @@ impl CudaDevice {
     fn finish(&self, g: usize, what: &str) -> Result<(), DeviceError> {
         let c = self.ctx(g)?;
         let stream = c.stream;
+        // A launch queued without a wait fails or hangs here: name it too.
+        let last = c.last_launch.borrow().clone();
+        let what = if c.pending.get() && !last.is_empty() { format!("{what} (after `{last}`)") } else { what.into() };
         // SAFETY: `stream` lives as long as the device.
-        self.poll(what, || unsafe { sys::cuStreamQuery(stream) })?;
-        c.copying.set(false);
+        self.poll(&what, || unsafe { sys::cuStreamQuery(stream) })?;
+        c.pending.set(false);
         Ok(())
     }
 
-    /// Waits for the uploads still copying on any GPU but `g` (whose own
-    /// stream orders them before what follows on it).
-    fn settle_uploads(&self, g: usize, what: &str) -> Result<(), DeviceError> {
+    /// Waits for the work queued without a wait on every GPU but `g` (whose
+    /// own stream orders it before what follows there), and makes `g`'s
+    /// context current.
+    fn settle_others(&self, g: usize, what: &str) -> Result<(), DeviceError> {
         for h in (0..self.ctxs.len()).filter(|&h| h != g) {
-            if self.ctxs[h].copying.get() {
+            if self.ctxs[h].pending.get() {
                 self.current(h)?;
                 self.finish(h, what)?;
             }
@@ -622,7 +638,7 @@ impl CudaDevice {
             };
             // Before the copy is queued: whatever happens next, later work
             // on other GPUs waits for this stream.
-            self.ctxs[g].copying.set(true);
+            self.ctxs[g].pending.set(true);
             // SAFETY: the caller checked that `at` holds `data.len()` bytes;
             // the pinned chunk is not written again before the event below completed.
             unsafe { result::memcpy_htod_async(at + off as u64, chunk, stream) }
@@ -1197,14 +1213,16 @@ impl Device for CudaDevice {
     fn upload(&mut self, buffer: BufferId, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
         self.live()?;
         let (g, at) = self.address(buffer, offset, data.len() as u64).map_err(|e| other(format!("upload: {e}")))?;
-        self.current(g)?;
+        // A kernel on another GPU may still read these bytes through peer access.
+        self.settle_others(g, "upload")?;
         self.staged_upload(g, at, data)
     }
 
     fn download(&mut self, buffer: BufferId, offset: u64, len: u64) -> Result<Vec<u8>, DeviceError> {
         self.live()?;
         let (g, at) = self.address(buffer, offset, len).map_err(|e| other(format!("download: {e}")))?;
-        self.current(g)?;
+        // A kernel on another GPU may still write these bytes through peer access.
+        self.settle_others(g, "download")?;
         let mut v = vec![0u8; len as usize];
         self.d2h(g, &mut v, at, "download")?;
         Ok(v)
@@ -1216,7 +1234,7 @@ impl Device for CudaDevice {
         self.live()?;
         // A poisoned device fails before the scratch is freed or regrown
         // under a kernel that may still run.
-        self.settle_uploads(0, "transfer")?;
+        self.settle_others(0, "transfer")?;
         self.finish(0, "transfer")?;
         let (f, tables) = self.prepare_transfer(code, batches, buffers)?;
         for (words, grid) in tables {
@@ -1243,7 +1261,7 @@ impl Device for CudaDevice {
         buffers: &[BufferId],
     ) -> Result<SideEvent, DeviceError> {
         self.live()?;
-        self.settle_uploads(0, "side transfer")?;
+        self.settle_others(0, "side transfer")?;
         self.finish(0, "side transfer")?;
         let (f, tables) = self.prepare_transfer(code, batches, buffers)?;
         if self.side.is_none() {
@@ -1405,7 +1423,7 @@ impl Device for CudaDevice {
         }
         let g = g.unwrap_or(0);
         // Its pointers may reach another GPU's buffer through peer access.
-        self.settle_uploads(g, &what)?;
+        self.settle_others(g, &what)?;
         if self.launch_apk(module, g, entry, grid, &mut values)? {
             self.main_op_done();
             return Ok(());
@@ -1414,7 +1432,15 @@ impl Device for CudaDevice {
         let mut params: Vec<*mut c_void> = values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
         self.raw_launch(g, f, grid, block, 0, &mut params)
             .map_err(|e| DeviceError::Launch { entry: what.clone(), message: e.to_string() })?;
-        self.finish(g, &what)?;
+        if self.sync_launches {
+            self.finish(g, &what)?;
+        } else {
+            // Queued: the stream orders it before the GPU's next work; any
+            // work that can touch this GPU's memory from another waits for it.
+            let c = self.ctx(g)?;
+            c.pending.set(true);
+            *c.last_launch.borrow_mut() = what;
+        }
         self.main_op_done();
         Ok(())
     }

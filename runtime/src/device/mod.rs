@@ -8,15 +8,15 @@
 //! rows, the combine's and the all-reduce's sums) is a transfer program ([`moeforge_xfer`]): one LLVM IR that each
 //! device compiles for itself.
 //!
-//! A launch here runs to completion before the call returns (the emulated
-//! device's semantics), so issuing a program's ops in program order is a
+//! Every call behaves as if the work before it finished: a device may
+//! return from a launch or an upload once it is queued (the cuda device
+//! does; the emulated device runs each to completion), but every later
+//! call sees its effects, so issuing a program's ops in program order is a
 //! legal execution of its streams and events. One stream of its own
 //! exists beside them: the side stream ([`Device::side_transfer`]), on
 //! which Zepp's slot swaps run while the next step's launches go on; its
 //! [`SideEvent`]s are waited on before anything touches what it moves.
-//! The program's own streams, events and peer addresses join this
-//! interface with the CUDA device (the cuda-backend issue), where launches
-//! are asynchronous.
+//! The program's own streams and events do not reach this interface yet.
 
 pub mod bind;
 pub mod emu;
