@@ -67,7 +67,7 @@ if [[ "${1:-}" == "--prepare" ]]; then
   done
   # The end-to-end bundles carry cubins (nvcc from MOEFORGE_NVCC, else setup.sh's, else the PATH).
   if [[ -z "${MOEFORGE_NVCC:-}" ]]; then
-    for c in .toolchain/venv/lib/python3*/site-packages/nvidia/cu13/bin/nvcc; do
+    for c in .toolchain/venv/lib/python3*/site-packages/nvidia/cu*/bin/nvcc; do
       [[ -x "$c" ]] && export MOEFORGE_NVCC="$PWD/$c"
     done
   fi

@@ -434,12 +434,24 @@ fn init_weights_compile_and_run_on_the_cpu_twin() {
     let o = std::process::Command::new(env!("CARGO_BIN_EXE_moeforge"))
         .args(&cuda)
         .current_dir(common::root())
+        .env_remove("MOEFORGE_CUDA_DEVICE")
         .env("MOEFORGE_CUDA_DEVICES", "0,x")
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(1));
     let e = text(&o.stderr);
     assert!(e.contains("MOEFORGE_CUDA_DEVICES = `0,x` is not a list of GPU indices") && e.contains("help: "), "{e}");
+    // The old single-GPU variable is refused by name, not silently ignored.
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_moeforge"))
+        .args(&cuda)
+        .current_dir(common::root())
+        .env("MOEFORGE_CUDA_DEVICE", "1")
+        .env_remove("MOEFORGE_CUDA_DEVICES")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    let e = text(&o.stderr);
+    assert!(e.contains("MOEFORGE_CUDA_DEVICE = `1` is no longer read") && e.contains("MOEFORGE_CUDA_DEVICES"), "{e}");
 }
 
 #[test]

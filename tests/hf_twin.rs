@@ -581,6 +581,8 @@ fn fused_expert_checkpoint_loads_as_the_per_expert_one() {
     );
     for (name, t) in &per_expert.tensors {
         assert_eq!(&fused.tensors[name], t, "{name}");
+        // Split, not copied: each expert's part is a range of the fused file.
+        assert!(fused.tensors[name].data.is_in_file(), "{name}");
     }
 }
 

@@ -32,6 +32,8 @@ fn every_example_compiles_with_nvcc_without_spills() {
             assert!(cubin.starts_with(b"\x7fELF"), "{}: {} is not an ELF cubin", ex.display(), k.name);
             // What a device is handed with the source (a serving machine loads it without nvcc).
             assert_eq!(b.cubins.get(&k.name), Some(&cubin), "{}: {}", ex.display(), k.name);
+            // And what the cuda device lets through to the driver.
+            moeforge::cuda::check_cubin(&cubin).unwrap_or_else(|e| panic!("{}: {}: {e}", ex.display(), k.name));
         }
         assert_eq!(b.cubins.len(), b.plan.kernels.len(), "{}", ex.display());
         let report = std::fs::read_to_string(out.join("report.md")).unwrap_or_default();

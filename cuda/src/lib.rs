@@ -28,9 +28,9 @@
 //! - Zepp's slot swaps ([`Device::side_transfer`]) run on a side stream
 //!   of the first GPU: each batch's table in device memory of its own, an
 //!   event recorded after the swap; [`Device::side_wait`] polls that event
-//!   under the watchdog and frees what the swaps held. The launches and
-//!   transfers that finish while a swap still runs are counted (the
-//!   overlap `side_wait` reports).
+//!   under the watchdog and returns the swaps' tables to a pool. The
+//!   launches and transfers issued while a swap still runs are counted
+//!   (the overlap `side_wait` reports).
 //! - A launch returns once the GPU finished it (the [`Device`] contract):
 //!   the stream is polled, and a launch still running after
 //!   `MOEFORGE_CUDA_WATCHDOG_S` seconds (60) is an error naming it.
@@ -225,6 +225,50 @@ pub fn check_fit(ranks: usize, buffer_bytes: u64, gpus: &[Gpu]) -> Result<(), St
                 g.memory_bytes,
                 gpus.len()
             ));
+        }
+    }
+    Ok(())
+}
+
+/// Checks that `image` is a whole ELF64 object before it reaches
+/// `cuModuleLoadData`, which takes no length (bytes that are not ELF it
+/// reads as PTX text up to a NUL; an ELF's header it trusts): the header,
+/// the program and section header tables, and every section with file
+/// contents lie inside the bytes.
+pub fn check_cubin(image: &[u8]) -> Result<(), String> {
+    let word = |at: usize, n: usize| -> Result<u64, String> {
+        let b = image.get(at..at + n).ok_or_else(|| format!("truncated at byte {at} of {}", image.len()))?;
+        Ok(b.iter().rev().fold(0u64, |v, &x| (v << 8) | u64::from(x)))
+    };
+    if image.len() < 64 || &image[..4] != b"\x7fELF" {
+        return Err(format!("not an ELF object ({} bytes)", image.len()));
+    }
+    if image[4] != 2 || image[5] != 1 {
+        return Err("not a little-endian ELF64 object".into());
+    }
+    let table = |off: u64, count: u64, size: u64, what: &str| -> Result<(), String> {
+        let end = count.checked_mul(size).and_then(|n| n.checked_add(off));
+        match end {
+            Some(e) if e <= image.len() as u64 => Ok(()),
+            _ => Err(format!("its {what} table ({count} entries at byte {off}) runs past its {} bytes", image.len())),
+        }
+    };
+    let (phoff, shoff) = (word(32, 8)?, word(40, 8)?);
+    let (phentsize, phnum, shentsize, shnum) = (word(54, 2)?, word(56, 2)?, word(58, 2)?, word(60, 2)?);
+    table(phoff, phnum, phentsize, "program header")?;
+    table(shoff, shnum, shentsize, "section header")?;
+    if shnum > 0 && shentsize < 64 {
+        return Err(format!("section headers of {shentsize} bytes"));
+    }
+    for i in 0..shnum {
+        let at = (shoff + i * shentsize) as usize;
+        const NOBITS: u64 = 8;
+        if word(at + 4, 4)? == NOBITS {
+            continue;
+        }
+        let (off, size) = (word(at + 24, 8)?, word(at + 32, 8)?);
+        if off.checked_add(size).is_none_or(|e| e > image.len() as u64) {
+            return Err(format!("section {i} (byte {off}, {size} bytes) runs past its {} bytes", image.len()));
         }
     }
     Ok(())
@@ -688,8 +732,9 @@ impl CudaDevice {
         }
     }
 
-    /// A main-stream launch or transfer finished: counted as beside the
-    /// side stream's work while some of it still runs.
+    /// A main-stream launch or transfer was issued (and, but for a queued
+    /// plain launch, finished): counted as beside the side stream's work
+    /// while some of it still runs.
     fn main_op_done(&mut self) {
         let Some(side) = self.side.as_mut() else { return };
         // SAFETY: the events live until they are waited for and destroyed.
@@ -702,8 +747,8 @@ impl CudaDevice {
         }
     }
 
-    /// The side stream's queued work up to and including `id`: its tables
-    /// freed and its events destroyed (after it finished).
+    /// The side stream's queued work up to and including `id` (after it
+    /// finished): its tables back to the pool, its events destroyed.
     fn retire(&mut self, id: u64) {
         let Some(side) = self.side.as_mut() else { return };
         let done: Vec<Pending> = {
@@ -719,8 +764,8 @@ impl CudaDevice {
         }
     }
 
-    /// A side table of at least `bytes` (`None`: the pool had none and the
-    /// allocation failed), in the first GPU's context (current).
+    /// A side table of at least `bytes`: from the pool, or allocated in the
+    /// first GPU's context (current) when the pool has none that large.
     fn side_table(&mut self, bytes: usize) -> Result<SideTable, DeviceError> {
         let side = self.side.as_mut().ok_or_else(|| other("no side stream"))?;
         if let Some(i) = side.free.iter().position(|t| t.bytes >= bytes) {
@@ -1009,11 +1054,16 @@ impl CudaDevice {
     /// Loads `image` (a cubin) into every GPU's context as kernel instance
     /// `name`; nothing stays loaded when one GPU refuses it.
     fn load_image(&mut self, name: &str, source: &str, image: &[u8]) -> Result<ModuleId, DeviceError> {
+        check_cubin(image).map_err(|m| DeviceError::Build {
+            kernel: name.into(),
+            device: "cuda device",
+            message: format!("the cubin is refused before the driver sees it: {m}"),
+        })?;
         let mut per_gpu = Vec::with_capacity(self.ctxs.len());
         for g in 0..self.ctxs.len() {
             let loaded = self.current(g).and_then(|()| {
-                // SAFETY: `image` is a whole cubin (the bundle's, hash-checked
-                // by its manifest, or nvcc's); the driver validates it.
+                // SAFETY: `check_cubin` found a whole ELF64 object: its header,
+                // header tables and sections lie inside `image`, which outlives the call.
                 unsafe { result::module::load_data(image.as_ptr().cast()) }
                     .map_err(|e| other(format!("cuModuleLoadData on GPU {}: {e:?}", self.ctxs[g].gpu.ordinal)))
             });
@@ -1311,7 +1361,10 @@ impl Device for CudaDevice {
                 // SAFETY: not used after this.
                 let _ = unsafe { result::event::destroy(event) };
             } else if let Some(side) = self.side.as_mut() {
-                side.pending.push(Pending { id: u64::MAX, event, tables: std::mem::take(&mut pending.tables) });
+                // Under this id (handed to no one): the next wait for a later
+                // event, which the side stream reaches after it, retires it.
+                side.last = id;
+                side.pending.push(Pending { id, event, tables: std::mem::take(&mut pending.tables) });
             }
             return Err(e);
         }
@@ -1323,7 +1376,7 @@ impl Device for CudaDevice {
     }
 
     /// Polls the event (the side stream runs in order, so every earlier
-    /// transfer finished too), then frees what they held.
+    /// transfer finished too), then returns their tables to the pool.
     fn side_wait(&mut self, event: SideEvent) -> Result<u64, DeviceError> {
         self.live()?;
         let Some(side) = self.side.as_ref() else { return Ok(0) };
@@ -1606,6 +1659,43 @@ mod tests {
         }
         let missing = Checkpoint::load_with(&dir.join("absent"), &map_file);
         assert!(missing.is_err());
+    }
+
+    /// An ELF64 with one section, its bytes and header tables as `check_cubin` reads them.
+    fn elf(section_off: u64, section_size: u64) -> Vec<u8> {
+        let mut b = vec![0u8; 256];
+        b[..4].copy_from_slice(b"\x7fELF");
+        b[4] = 2; // 64-bit
+        b[5] = 1; // little-endian
+        b[40..48].copy_from_slice(&128u64.to_le_bytes()); // e_shoff
+        b[58..60].copy_from_slice(&64u16.to_le_bytes()); // e_shentsize
+        b[60..62].copy_from_slice(&1u16.to_le_bytes()); // e_shnum
+        b[128 + 4..128 + 8].copy_from_slice(&1u32.to_le_bytes()); // SHT_PROGBITS
+        b[128 + 24..128 + 32].copy_from_slice(&section_off.to_le_bytes());
+        b[128 + 32..128 + 40].copy_from_slice(&section_size.to_le_bytes());
+        b
+    }
+
+    /// Bytes the driver would read past (not ELF, truncated, a header table
+    /// or a section outside them) are refused before `cuModuleLoadData`
+    /// (tests/nvcc.rs checks that nvcc's real cubins pass).
+    #[test]
+    fn only_whole_elf_objects_reach_the_driver() {
+        assert!(check_cubin(&elf(64, 64)).is_ok());
+        assert!(check_cubin(&[]).unwrap_err().contains("not an ELF"));
+        assert!(check_cubin(b"\x7fELF not a kernel of this plan, but long enough to pass the length check.....")
+            .unwrap_err()
+            .contains("ELF64"));
+        assert!(check_cubin(&elf(200, 100)).unwrap_err().contains("section 0"));
+        assert!(check_cubin(&elf(u64::MAX, 2)).unwrap_err().contains("section 0"));
+        let mut far = elf(64, 64);
+        far[40..48].copy_from_slice(&250u64.to_le_bytes());
+        assert!(check_cubin(&far).unwrap_err().contains("section header table"));
+        let mut many = elf(64, 64);
+        many[56..58].copy_from_slice(&u16::MAX.to_le_bytes()); // e_phnum
+        many[54..56].copy_from_slice(&56u16.to_le_bytes());
+        assert!(check_cubin(&many).unwrap_err().contains("program header table"));
+        assert!(check_cubin(&elf(64, 64)[..150]).unwrap_err().contains("section header table"));
     }
 
     fn h100(ordinal: usize) -> Gpu {

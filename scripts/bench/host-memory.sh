@@ -2,13 +2,15 @@
 # Host memory of serving a checkpoint on the emulated device: a ~0.86 GB
 # bf16 checkpoint (scripts/bench/mid-qwen3-cpu4.moe) on four ranks, one
 # prompt. Prints the peak resident memory of the moeforge process (anonymous:
-# what it allocated; total: with the mapped checkpoint's file pages, which
-# are page cache) and of the emulated device's process (the four rank
-# buffers, what a GPU would hold). Needs ~6 GB of RAM and a release build.
+# what it allocated, sampled every 50 ms, so a lower bound; VmHWM: the true
+# peak, with the mapped checkpoint's file pages, which are page cache) and
+# the largest child's (the emulated device's process with the four rank
+# buffers, what a GPU would hold; the kernel builds are smaller). Needs
+# ~6 GB of RAM and a release build; give another build's binary to compare.
 #   scripts/bench/host-memory.sh [MOEFORGE_BINARY]
 set -euo pipefail
+bin="$(realpath "${1:-$(dirname "$0")/../../target/release/moeforge}")"
 cd "$(dirname "$0")/../.."
-bin="${1:-target/release/moeforge}"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 "$bin" init-weights scripts/bench/mid-qwen3-cpu4.moe --seed 7 -o "$work/w" >/dev/null
@@ -16,8 +18,9 @@ trap 'rm -rf "$work"' EXIT
 python3 - "$bin" "$work" <<'PY'
 import os, subprocess, sys, time
 bin, work = sys.argv[1:3]
+err_path = f"{work}/run.err"
 p = subprocess.Popen([bin, "run", f"{work}/b", "--backend", "emu", "--weights", f"{work}/w", "--prompt", "1 2 3",
-                      "--max-new", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                      "--max-new", "2"], stdout=subprocess.DEVNULL, stderr=open(err_path, "w"))
 peak = {}
 def field(pid, name):
     try:
@@ -40,7 +43,7 @@ while p.poll() is None:
             if v is not None:
                 peak[(who, name)] = max(peak.get((who, name), 0), v)
     time.sleep(0.05)
-err = p.stderr.read().decode()
+err = open(err_path).read()
 if p.returncode:
     sys.exit(f"run failed ({p.returncode}): {err[-2000:]}")
 ckpt = os.path.getsize(f"{work}/w/model.safetensors") / 2**20

@@ -136,15 +136,16 @@ pub fn load_dir(bundle: &Path) -> Result<LoadedBundle, ExitCode> {
 /// architectures, without a peer path between them, or too small for the
 /// rank buffers they would hold fail at once.
 fn cuda_gpus(bundle: &LoadedBundle) -> Result<Vec<moeforge_cuda::Gpu>, ExitCode> {
-    if let Some(v) = std::env::var("MOEFORGE_CUDA_DEVICE").ok().filter(|v| !v.trim().is_empty()) {
+    // Set at all (empty or not Unicode too): the old name is refused, not ignored.
+    if let Some(v) = std::env::var_os("MOEFORGE_CUDA_DEVICE").map(|v| v.to_string_lossy().into_owned()) {
         return Err(error(
             format!("MOEFORGE_CUDA_DEVICE = `{v}` is no longer read: the cuda backend drives several GPUs"),
             "set MOEFORGE_CUDA_DEVICES instead (comma-separated indices, e.g. 0 or 0,1,2,3) and unset MOEFORGE_CUDA_DEVICE",
         ));
     }
-    let chosen = match std::env::var("MOEFORGE_CUDA_DEVICES") {
-        Err(_) => None,
-        Ok(v) => {
+    let chosen = match std::env::var_os("MOEFORGE_CUDA_DEVICES").map(|v| v.to_string_lossy().into_owned()) {
+        None => None,
+        Some(v) => {
             Some(v.split(',').map(|x| x.trim().parse::<usize>()).collect::<Result<Vec<_>, _>>().map_err(|_| {
                 error(
                     format!("MOEFORGE_CUDA_DEVICES = `{v}` is not a list of GPU indices"),

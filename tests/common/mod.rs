@@ -50,6 +50,8 @@ pub fn moeforge_with_cache(args: &[&str], nvcc: Option<&Path>, cache: &Path) -> 
     cmd.args(args)
         .current_dir(root())
         .env_remove("MOEFORGE_NVCC")
+        .env_remove("MOEFORGE_CUDA_DEVICE")
+        .env_remove("MOEFORGE_CUDA_DEVICES")
         .env("PATH", "/usr/bin:/bin")
         .env("MOEFORGE_CACHE_DIR", cache);
     if let Some(n) = nvcc {

@@ -95,8 +95,9 @@ pub trait Device {
     }
     /// Blocks until side transfer `event`, and every one queued before it,
     /// finished. Returns how many main-stream launches and transfers this
-    /// device has finished so far while side work was queued (its measure of
-    /// the overlap; 0 for a device that runs side transfers at once).
+    /// device has run so far while side work was queued and not finished
+    /// (the cuda device counts a queued launch when it is issued): its
+    /// measure of the overlap, 0 for a device that runs side transfers at once.
     fn side_wait(&mut self, event: SideEvent) -> Result<u64, DeviceError> {
         let _ = event;
         Ok(0)

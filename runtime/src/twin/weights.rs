@@ -204,6 +204,13 @@ pub fn canonical(name: &str) -> String {
     n
 }
 
+/// Whether a fused tensor has elements and exactly its shape's bytes (so
+/// its expert count bounds the work of splitting it).
+fn holds_its_shape(t: &Tensor) -> bool {
+    let n = t.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+    n.and_then(|n| n.checked_mul(t.dtype.bytes())).is_some_and(|b| b > 0 && b == t.data.len())
+}
+
 /// The per-expert tensors of a fused expert tensor, as transformers 5 holds
 /// them (`mlp.experts.gate_up_proj` `[E, 2I, H]`, gate rows first;
 /// `mlp.experts.down_proj` `[E, H, I]`); `None` for any other tensor.
@@ -217,13 +224,16 @@ fn unfuse(name: &str, t: &Tensor) -> Result<Option<Vec<(String, Tensor)>>, Weigh
             return Ok(None);
         };
     let bad = || WeightsError::Fused { name: name.to_string(), found: t.shape.clone(), rows: what };
+    if !holds_its_shape(t) {
+        return Err(bad());
+    }
     let &[e, rows, cols] = t.shape.as_slice() else { return Err(bad()) };
     if rows % parts.len() != 0 {
         return Err(bad());
     }
     let r = rows / parts.len();
     let elem = t.dtype.bytes();
-    let mut out = Vec::with_capacity(e * parts.len());
+    let mut out = Vec::new();
     for x in 0..e {
         for (i, part) in parts.iter().enumerate() {
             // Each expert's part is contiguous: a range of the fused tensor's bytes.
@@ -263,6 +273,9 @@ fn unfuse_gpt_oss(name: &str, t: &Tensor) -> Result<Option<Vec<(String, Tensor)>
     let bad = || WeightsError::Fused { name: name.to_string(), found: t.shape.clone(), rows: what };
     if t.dtype != Dtype::Bf16 {
         return Err(WeightsError::Dtype { name: name.to_string(), dtype: t.dtype.name().into(), expected: "bf16" });
+    }
+    if !holds_its_shape(t) {
+        return Err(bad());
     }
     let at = |i: usize| -> Result<[u8; 2], WeightsError> {
         t.data.get(2 * i..2 * i + 2).map(|b| [b[0], b[1]]).ok_or_else(bad)
