@@ -333,10 +333,14 @@ if [[ $have_gpu -eq 1 || $EMU -eq 1 ]]; then
 fi
 # (d, peers) With two or more GPUs the runs above spread the ranks over them (rank r on the
 # r-th GPU, mod their count), every transfer reaching the others through peer access; the
-# first case again with every rank on GPU 0. (nvidia-smi counts the GPUs the driver has, not
-# CUDA_VISIBLE_DEVICES's.)
+# first case again with every rank on GPU 0.
 if [[ $have_gpu -eq 1 && -n "$MOEFORGE" ]]; then
-  ngpu=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
+  # The GPUs this process may use: CUDA_VISIBLE_DEVICES's, else every one nvidia-smi lists.
+  if [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
+    ngpu=$(tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c . || true)
+  else
+    ngpu=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
+  fi
   read -r fixture ranks start switch tiles <<<"${E2E_CASES[0]}"
   [[ "$switch" == - ]] && switch=""
   [[ "$tiles" == - ]] && tiles=""
