@@ -210,53 +210,28 @@ type Loads = std::sync::Arc<std::sync::Mutex<Vec<(String, Option<Vec<u8>>)>>>;
 /// A device that records what each `load` was handed and loads nothing.
 struct Recorder(Loads, u32);
 
-impl moeforge::runtime::device::Device for Recorder {
-    fn alloc(&mut self, _: u64) -> Result<moeforge::runtime::device::BufferId, moeforge::runtime::device::DeviceError> {
+use moeforge::runtime::device::{Batch, BufferId, Code, Device, DeviceError, KernelArg, ModuleId};
+
+impl Device for Recorder {
+    fn alloc(&mut self, _: u64) -> Result<BufferId, DeviceError> {
         self.1 += 1;
-        Ok(moeforge::runtime::device::BufferId(self.1 - 1))
+        Ok(BufferId(self.1 - 1))
     }
-    fn upload(
-        &mut self,
-        _: moeforge::runtime::device::BufferId,
-        _: u64,
-        _: &[u8],
-    ) -> Result<(), moeforge::runtime::device::DeviceError> {
+    fn upload(&mut self, _: BufferId, _: u64, _: &[u8]) -> Result<(), DeviceError> {
         Ok(())
     }
-    fn download(
-        &mut self,
-        _: moeforge::runtime::device::BufferId,
-        _: u64,
-        len: u64,
-    ) -> Result<Vec<u8>, moeforge::runtime::device::DeviceError> {
+    fn download(&mut self, _: BufferId, _: u64, len: u64) -> Result<Vec<u8>, DeviceError> {
         Ok(vec![0; len as usize])
     }
-    fn transfer(
-        &mut self,
-        _: &moeforge::runtime::device::Code,
-        _: &[moeforge::runtime::device::Batch],
-        _: &[moeforge::runtime::device::BufferId],
-    ) -> Result<(), moeforge::runtime::device::DeviceError> {
+    fn transfer(&mut self, _: &Code, _: &[Batch], _: &[BufferId]) -> Result<(), DeviceError> {
         Ok(())
     }
-    fn load(
-        &mut self,
-        name: &str,
-        _: &str,
-        cubin: Option<&[u8]>,
-    ) -> Result<moeforge::runtime::device::ModuleId, moeforge::runtime::device::DeviceError> {
+    fn load(&mut self, name: &str, _: &str, cubin: Option<&[u8]>) -> Result<ModuleId, DeviceError> {
         let mut l = self.0.lock().unwrap();
         l.push((name.to_string(), cubin.map(<[u8]>::to_vec)));
-        Ok(moeforge::runtime::device::ModuleId(l.len() as u32 - 1))
+        Ok(ModuleId(l.len() as u32 - 1))
     }
-    fn launch(
-        &mut self,
-        _: moeforge::runtime::device::ModuleId,
-        _: &str,
-        _: u32,
-        _: u32,
-        _: &[moeforge::runtime::device::KernelArg],
-    ) -> Result<(), moeforge::runtime::device::DeviceError> {
+    fn launch(&mut self, _: ModuleId, _: &str, _: u32, _: u32, _: &[KernelArg]) -> Result<(), DeviceError> {
         Ok(())
     }
 }
