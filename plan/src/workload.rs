@@ -4,6 +4,8 @@
 //! - ShareGPT-like chat: mean input 215, output 197 tokens, what vLLM's and
 //!   SGLang's serving benchmarks send from ShareGPT v3 after their length
 //!   filter (vLLM: 215,196 input and ~197k output tokens for 1,000 prompts).
+//!   That holds with both sides ShareGPT; an output drawn alone misses the
+//!   joint 2048 cap and averages about 206.
 //! - LooGLE-like long documents: mean input 24k (LooGLE's documents average
 //!   over 24k tokens, Li et al. 2023), output 80 tokens.
 //! - RL rollout (Moebius §6.3, DeepMath on Qwen3-235B): short prompts

@@ -78,7 +78,7 @@ fn length(rng: &mut SplitMix64, d: &LengthDist, input: bool) -> u32 {
         (LengthDist::Lognormal { mean, sigma, max }, _) => {
             lognormal(rng, mean / (sigma * sigma / 2.0).exp(), *sigma).min(f64::from(*max))
         }
-        // Unbounded here: [`requests`] redraws what the benchmarks' filter skips.
+        // Unbounded here: [`lengths`] redraws what the benchmarks' filter skips.
         (LengthDist::Sharegpt, true) => lognormal(rng, 156.0, 1.0),
         (LengthDist::Sharegpt, false) => lognormal(rng, 125.0, 1.0),
         // LooGLE's documents: over 24k tokens on average (Li et al., 2023).
