@@ -96,7 +96,7 @@ fn length(rng: &mut SplitMix64, d: &LengthDist, input: bool) -> u32 {
 /// checked, so a pair with a fixed side always has a passing draw.
 fn sharegpt_keeps(w: &Workload, input: u32, output: u32) -> bool {
     let (i, o) = (matches!(w.input, LengthDist::Sharegpt), matches!(w.output, LengthDist::Sharegpt));
-    (!i || (4..=1024).contains(&input)) && (!o || output >= 4) && (!(i && o) || input + output <= 2048)
+    (!i || (4..=1024).contains(&input)) && (!o || output >= 4) && (!(i && o) || input.saturating_add(output) <= 2048)
 }
 
 /// One request's (input, output) lengths; a pair the ShareGPT filter
