@@ -125,15 +125,15 @@ impl<'a> Detok<'a> {
             return (new, true);
         }
         // Hold back a trailing replacement character (an incomplete UTF-8
-        // sequence) and any suffix that may begin a stop string.
-        let mut end = full.len();
-        if full.ends_with('\u{fffd}') {
-            end = full.trim_end_matches('\u{fffd}').len();
-        }
+        // sequence) and any suffix of the rest that may begin a stop string:
+        // each stop's longest proper prefix ending the text, measured from
+        // the same end (a char boundary, since the prefix is whole characters).
+        let whole = full.trim_end_matches('\u{fffd}').len();
+        let mut end = whole;
         for s in self.stops {
             for k in (1..s.len()).rev() {
-                if s.is_char_boundary(k) && full[..end].ends_with(&s[..k]) {
-                    end = end.min(full.len() - k);
+                if s.is_char_boundary(k) && full[..whole].ends_with(&s[..k]) {
+                    end = end.min(whole - k);
                     break;
                 }
             }

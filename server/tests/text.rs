@@ -79,6 +79,52 @@ fn stop_strings_cut_the_text_before_them() {
     }
 }
 
+/// Several stops, some of several-byte characters, each a possible start
+/// of the text's tail: what is held back is the longest such tail, and
+/// what is emitted is always whole characters of the decoding. The text's
+/// pieces come from `tokenizers`' encoding of it (the fixture), the
+/// expected cut from `str::find`.
+#[test]
+fn non_ascii_stops_hold_back_whole_characters() {
+    let (text, _) = fixture();
+    let prix = "Prix: 5€ ou 5£, été à Zürich. fin";
+    for (full, stops) in [
+        ("Prix: 5€a et 5€ab", vec!["ab", "€q", "zz"]),
+        ("Prix: 5€a et 5€ab", vec!["zz", "€q", "ab"]),
+        (prix, vec!["€ ou", "£,", "é"]),
+        (prix, vec!["Zü", "ürich", "h. f"]),
+        (prix, vec!["ü", "€", "£"]),
+        (prix, vec!["x€", "5€", "ou 5£"]),
+        (prix, vec!["€q", "£q", "éq"]),
+    ] {
+        let all = text.encode(full).unwrap();
+        let stops: Vec<String> = stops.into_iter().map(String::from).collect();
+        let mut d = Detok::new(&text, &stops);
+        let mut got = String::new();
+        let mut stopped = false;
+        for &id in &all {
+            let (s, end) = d.push(id);
+            got.push_str(&s);
+            if end {
+                stopped = true;
+                break;
+            }
+        }
+        let first = stops.iter().filter_map(|s| full.find(s.as_str())).min();
+        match first {
+            Some(at) => {
+                assert!(stopped, "{stops:?} stops the stream");
+                assert_eq!(got, full[..at], "text before {stops:?}");
+            }
+            None => {
+                assert!(!stopped, "{stops:?} is not in the text");
+                got.push_str(&d.flush());
+                assert_eq!(got, full, "the whole text with {stops:?}");
+            }
+        }
+    }
+}
+
 #[test]
 fn chat_prompts_are_transformers_apply_chat_template() {
     let (text, ex) = fixture();
