@@ -110,7 +110,7 @@ fn edit_every_field(spec: &str) {
     let (mut refused, mut ran) = (0, 0);
     for leaf in &leaves {
         let Some(n) = original.pointer(leaf).and_then(Value::as_f64) else { continue };
-        for edited in [0.0, n + 1.0, 1e15] {
+        for edited in [0.0, n + 1.0, f64::from(u32::MAX), 1e15] {
             if edited == n {
                 continue;
             }
@@ -240,6 +240,14 @@ fn structural_edits_are_refused() {
     copies.push(extra);
     rewrite(&dir, &p);
     assert!(refused(&dir).contains("memory.reshard"), "{}", refused(&dir));
+    // A program naming 100,000 streams (nothing uses them): refused by
+    // count before the happens-before check sizes a clock per stream pair.
+    let mut p = plan0.clone();
+    let streams = p["programs"][0]["streams"].as_array_mut().unwrap();
+    let one = streams[0].clone();
+    streams.extend(std::iter::repeat_n(one, 100_000));
+    rewrite(&dir, &p);
+    assert!(refused(&dir).contains("programs[0].streams"), "{}", refused(&dir));
     rewrite(&dir, &plan0);
     assert!(load_bundle(&dir).is_ok());
     // spec.json with a rotary width beyond the head (out of the checker's range).
@@ -446,6 +454,10 @@ fn undersized_routing_buffers_and_a_striped_placement_are_refused() {
     assert!(e.contains("kernels[") && e.contains("routing-kernel"), "{e}");
     let e = refused(&|v| v["placement"]["policy"] = Value::from("none"));
     assert!(e.contains("placement.policy"), "{e}");
+    // An expert id at u32's limit: refused by its range, and sizing the
+    // routing kernel's table for it costs nothing (it once asked for ~100 GB).
+    let e = refused(&|v| v["placement"]["replicas"][0][0][0] = Value::from(u32::MAX));
+    assert!(e.contains("placement"), "{e}");
     rewrite(&dir, &v0);
     assert!(load_bundle(&dir).is_ok());
 }

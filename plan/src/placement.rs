@@ -62,12 +62,25 @@ impl PlacementPlan {
     /// The most GPUs holding one expert in any layer: the replica table's
     /// width (swaps exchange slot contents inside a node and never put an
     /// expert twice on a GPU, so no swap changes it).
+    ///
+    /// Counted over the ids the table holds (each GPU's distinct ids,
+    /// sorted together), so an id out of the model's range, which the
+    /// plan's checks refuse later, costs no table as large as the id.
     pub fn max_replicas(&self) -> usize {
         self.replicas
             .iter()
-            .flat_map(|layer| {
-                let experts = layer.iter().flatten().map(|&e| e as usize + 1).max().unwrap_or(0);
-                replicas_of(layer, experts).into_iter().map(|r| r.len())
+            .filter_map(|layer| {
+                let mut held: Vec<u32> = layer
+                    .iter()
+                    .flat_map(|es| {
+                        let mut v = es.clone();
+                        v.sort_unstable();
+                        v.dedup();
+                        v
+                    })
+                    .collect();
+                held.sort_unstable();
+                held.chunk_by(|a, b| a == b).map(<[u32]>::len).max()
             })
             .max()
             .unwrap_or(0)

@@ -823,6 +823,11 @@ fn covers(w: Option<u32>, a: Option<u32>) -> bool {
 
 /// Verifies program `pi` of a plan against its memory plan, kernels and
 /// world size (see the module documentation).
+/// Most streams and events a program may name (the compiler emits at most
+/// four streams and a dozen events per program).
+pub const MAX_STREAMS: usize = 16;
+pub const MAX_EVENTS: usize = 1024;
+
 pub fn check(
     pi: usize,
     p: &Program,
@@ -836,6 +841,19 @@ pub fn check(
     let ns = p.streams.len();
     if ns == 0 {
         out.push((format!("programs[{pi}].streams"), "a program needs a stream".into()));
+        return out;
+    }
+    // The happens-before check keeps a vector clock per stream and a
+    // snapshot per event: bounded here, since a file may list any number.
+    if ns > MAX_STREAMS || p.events.len() > MAX_EVENTS {
+        out.push((
+            format!("programs[{pi}].streams"),
+            format!(
+                "{ns} streams and {} events; a program has at most {MAX_STREAMS} and {MAX_EVENTS} (the compiler \
+                 emits a handful)",
+                p.events.len()
+            ),
+        ));
         return out;
     }
     if p.micro_batches == 0 {

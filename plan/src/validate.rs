@@ -610,9 +610,14 @@ fn kv(c: &mut Check, p: &Plan, dual: bool) {
         (Some(tp), true) => {
             mode(c, "tp", tp, 1);
             let all = kv.ep.heads_per_rank;
-            c.ensure(kv.tp_heads.len() == m.group as usize, "memory.kv.tp_heads", || {
+            // One entry per rank, or nothing more to compare: the
+            // ownership below is one entry per rank of `group`, which a
+            // file could set to any u32 (the entries it holds bound it).
+            if !c.ensure(kv.tp_heads.len() == m.group as usize, "memory.kv.tp_heads", || {
                 format!("{} entries for {} ranks", kv.tp_heads.len(), m.group)
-            });
+            }) {
+                return;
+            }
             // Each rank's KV heads are those its query heads read (head_block).
             let (local, rep, heads) = crate::memory::tp_kv_heads(all, m.group);
             c.ensure(kv.tp_heads == heads && tp.heads_per_rank == local && kv.replication == rep, "memory.kv.tp_heads", || {
