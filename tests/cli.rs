@@ -369,6 +369,13 @@ fn init_weights_compile_and_run_on_the_cpu_twin() {
         v.extend_from_slice(extra);
         v.into_iter().map(String::from).collect::<Vec<_>>()
     };
+    // Arrivals past the run's steps (or past usize) are refused up front.
+    for every in ["100000", "18446744073709551615"] {
+        let late = args(&["--arrive-every", every]);
+        let o = moeforge(&late.iter().map(String::as_str).collect::<Vec<_>>(), None);
+        let e = text(&o.stderr);
+        assert!(!o.status.success() && e.contains("--arrive-every") && e.contains("give at most 99999"), "{e}");
+    }
     let forced = args(&["--switch-at", "1,3", "--arrive-every", "1"]);
     let o = moeforge(&forced.iter().map(String::as_str).collect::<Vec<_>>(), None);
     assert!(o.status.success(), "{}", text(&o.stderr));

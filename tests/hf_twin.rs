@@ -828,6 +828,11 @@ fn on_two_nodes_of_the_emulated_device(
     let b = compile_text(&cpu_cluster_deployment(&block, 2, 2, 0.25, placement), tmp.path());
     let dev = EmuDevice::start(cache.path()).unwrap_or_else(|e| panic!("{e}"));
     let mut t = Twin::on_device(&b, &ck, Mode::Ep, Box::new(dev)).unwrap_or_else(|e| panic!("{e}"));
+    // A prompt past what one step carries per rank (8192 tokens, the plan's
+    // step inputs) is refused at submit, not at the step that would fail
+    // every running request; nothing of it is queued.
+    let e = t.submit(Request::new(1 << 40, vec![1; 8193], 1)).map(|_| ()).unwrap_err().to_string();
+    assert!(e.contains("8193 tokens") && e.contains("one step carries per rank"), "{label}: {e}");
     // Every device routing of a replicated placement is checked against
     // the host routing of the same counts.
     t.verify_device_routing(true);

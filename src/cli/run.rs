@@ -15,6 +15,9 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 /// The execution backend.
+/// Steps `run` takes at most.
+const MAX_STEPS: usize = 100_000;
+
 #[derive(Clone, Copy, ValueEnum)]
 pub enum Backend {
     /// The CPU twin: simulated ranks on the host, real numerics.
@@ -298,6 +301,21 @@ pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
             "compile a deployment with `placement { policy = zepp }` (or `eplb`)",
         ));
     }
+    // The last request must arrive within the run's steps.
+    let last = prompts.len().saturating_sub(1).checked_mul(a.arrive_every).filter(|&at| at < MAX_STEPS);
+    if last.is_none() {
+        return Err(error(
+            format!(
+                "--arrive-every {}: request {} would arrive after the run's {MAX_STEPS} steps",
+                a.arrive_every,
+                prompts.len().saturating_sub(1)
+            ),
+            &format!(
+                "give at most {} (the steps between arrivals)",
+                (MAX_STEPS - 1) / prompts.len().saturating_sub(1).max(1)
+            ),
+        ));
+    }
     let ck = prepare(bundle, &a.weights, a.backend)?;
     let (mut driver, calibration) = driver(bundle, &ck, a.backend, start, a.switch_at.is_empty())?;
     driver.engine.verify_device_routing(a.verify_routing);
@@ -312,7 +330,7 @@ pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
     let mut steps: Vec<StepOutput> = Vec::new();
     let mut forced = Vec::new();
     let t0 = std::time::Instant::now();
-    for step in 0..100_000 {
+    for step in 0..MAX_STEPS {
         while arrivals.last().is_some_and(|(at, _)| *at <= step) {
             if let Some((_, r)) = arrivals.pop() {
                 driver.engine.submit(r).map_err(|e| error(e, ""))?;

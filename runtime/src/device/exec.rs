@@ -398,6 +398,22 @@ impl Executor {
         self.dev.describe()
     }
 
+    /// Most tokens one rank's step may carry on this device: each
+    /// micro-batch's slice of the step inputs must hold them all, since a
+    /// step splits a rank's requests over micro-batches by count, not by
+    /// tokens. The smallest over the plan's programs.
+    pub fn step_tokens(&self) -> usize {
+        let mem = &self.plan.memory;
+        self.plan
+            .programs
+            .iter()
+            .filter_map(|g| {
+                let b = mem.buffer(g.mode, BufferName::TokenIds)?;
+                Some(b.slice_bytes(g.micro_batches) / b.row_bytes.max(1))
+            })
+            .min()
+            .map_or(0, |t| usize::try_from(t).unwrap_or(usize::MAX))
+    }
     pub fn ranks(&self) -> usize {
         self.buffers.len()
     }

@@ -455,12 +455,17 @@ impl Twin {
     /// to process that has room for the prompt's KV (the decode server is
     /// chosen at the handoff, [`Twin::hand_off`]).
     fn place(&mut self, id: RequestId) -> bool {
+        // On a device a rank's step carries at most `step_tokens` tokens:
+        // a prompt joins a rank whose next step has room for it.
+        let budget = self.device.as_ref().map_or(usize::MAX, crate::device::exec::Executor::step_tokens);
+        let prompt = self.requests.get(&id).map_or(0, |q| q.prompt.len());
+        let fits = |r: &Rank| self.step_tokens(r).saturating_add(prompt) <= budget;
         if self.roles.is_some() {
             let best = (0..self.ranks.len())
                 .filter(|&r| self.ranks[r].role == Some(Role::Prefill))
                 .filter(|&r| {
                     let rank = &self.ranks[r];
-                    self.reserved(rank) + self.pages_on(rank.role, id) <= rank.pages.total as usize
+                    self.reserved(rank) + self.pages_on(rank.role, id) <= rank.pages.total as usize && fits(rank)
                 })
                 .min_by_key(|&r| (self.load_tokens(r), self.ranks[r].requests.len(), r));
             let Some(r) = best else { return false };
@@ -468,7 +473,7 @@ impl Twin {
             return true;
         }
         let need = self.pages_needed(id);
-        let room = |r: &Rank| self.reserved(r) + need <= r.pages.total as usize;
+        let room = |r: &Rank| self.reserved(r) + need <= r.pages.total as usize && fits(r);
         match self.mode {
             Mode::Tp => {
                 if !self.ranks.iter().all(room) {
@@ -492,6 +497,18 @@ impl Twin {
     /// it is held, not computed.
     fn awaits_handoff(&self, rank: &Rank, id: RequestId) -> bool {
         rank.role == Some(Role::Prefill) && self.requests.get(&id).is_some_and(|q| q.cached > 0)
+    }
+
+    /// Tokens rank `r`'s next step computes: a whole prompt for a request
+    /// not prefilled yet, one token for a decoding one, none for one held
+    /// for its handoff.
+    fn step_tokens(&self, r: &Rank) -> usize {
+        r.requests
+            .iter()
+            .filter(|&&id| !self.awaits_handoff(r, id))
+            .filter_map(|id| self.requests.get(id))
+            .map(|q| if q.cached == 0 { q.prompt.len() } else { 1 })
+            .sum()
     }
 
     fn load_tokens(&self, r: usize) -> usize {
@@ -610,6 +627,16 @@ impl Engine for Twin {
                 "token {t} of request {} is outside the vocabulary of {}",
                 req.id, self.model.vocab
             )));
+        }
+        if let Some(most) = self.device.as_ref().map(crate::device::exec::Executor::step_tokens) {
+            if req.prompt.len() > most {
+                return Err(EngineError::Capacity(format!(
+                    "request {}'s prompt of {} tokens is more than the {most} one step carries per rank on this \
+                     device (the plan's step inputs; prompts are prefilled in one step)",
+                    req.id,
+                    req.prompt.len()
+                )));
+            }
         }
         let page = self.plan.kv.page_tokens.max(1) as usize;
         let ep_pages = self.plan.kv.ep.pages as usize;
