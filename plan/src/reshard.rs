@@ -45,8 +45,10 @@ fn slices(slots: &ExpertSlots, d: Dims, r: u64, q: u64) -> Vec<Copy> {
     let down = Copy {
         src_rank: r as u32,
         dst_rank: q as u32,
-        src_offset: slots.w13_bytes + q * ip * elt,
-        dst_offset: slots.w13_bytes + first * h * ip * elt,
+        // Saturating: an edited plan's slot sizes are refused by the
+        // checks that compare these descriptors; they must not wrap first.
+        src_offset: slots.w13_bytes.saturating_add(q * ip * elt),
+        dst_offset: slots.w13_bytes.saturating_add(first * h * ip * elt),
         run_bytes: ip * elt,
         counts: [el, h],
         src_strides: [h * i * elt, i * elt],

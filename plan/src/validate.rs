@@ -493,7 +493,7 @@ fn views(c: &mut Check, p: &Plan) {
             let inner_ok = match (v.role, v.part) {
                 (TensorRole::ExpertsW13, TensorPart::Weight) => inner == Some(0) && bytes <= sl.w13_bytes,
                 (TensorRole::ExpertsW2, TensorPart::Weight) => inner == Some(sl.w13_bytes) && bytes <= sl.w2_bytes,
-                _ => inner.is_some_and(|x| x >= sl.w13_bytes + sl.w2_bytes),
+                _ => inner.is_some_and(|x| sl.w13_bytes.checked_add(sl.w2_bytes).is_some_and(|end| x >= end)),
             };
             let ok = inner_ok && v.layer_stride == sl.slot_bytes && v.layers == [sl.first_moe_layer, layers];
             if !c.ensure(ok, format!("{f}.offset"), || {
