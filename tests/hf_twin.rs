@@ -932,8 +932,15 @@ fn a_swap_finishes_before_its_layers_expert_computation_and_not_before() {
     let cache = tempfile::tempdir().unwrap();
     let dev = EmuDevice::start(cache.path()).unwrap_or_else(|e| panic!("{e}"));
     let waits = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let lazy =
-        LazySide { dev: Box::new(dev), queued: Vec::new(), next: 0, ran: 0, last: String::new(), waits: waits.clone() };
+    let lazy = LazySide {
+        dev: Box::new(dev),
+        queued: Vec::new(),
+        next: 0,
+        ran: 0,
+        last: String::new(),
+        waits: waits.clone(),
+        downloads: Default::default(),
+    };
     zepp_swap_run(Box::new(lazy), "zepp swaps run as late as their waits");
     // Each wait came after the swapped layer's dispatch and permutation
     // (the permutation's last kernel, the gather, ran just before), so it
@@ -944,7 +951,8 @@ fn a_swap_finishes_before_its_layers_expert_computation_and_not_before() {
 }
 
 /// A device whose side stream runs nothing until it is waited on, and
-/// which records the launch just before each wait.
+/// which records the launch just before each wait, and every readback
+/// (buffer, offset, bytes).
 struct LazySide {
     dev: Box<dyn moeforge::runtime::device::Device + Send>,
     queued: Vec<(u64, moeforge::runtime::device::Code, Vec<moeforge::runtime::device::Batch>, Vec<BufferId>)>,
@@ -952,6 +960,7 @@ struct LazySide {
     ran: u64,
     last: String,
     waits: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    downloads: std::sync::Arc<std::sync::Mutex<Vec<(u32, u64, u64)>>>,
 }
 
 use moeforge::runtime::device::{
@@ -966,6 +975,7 @@ impl Device for LazySide {
         self.dev.upload(buffer, offset, data)
     }
     fn download(&mut self, buffer: BufferId, offset: u64, len: u64) -> Result<Vec<u8>, DeviceError> {
+        self.downloads.lock().unwrap().push((buffer.0, offset, len));
         self.dev.download(buffer, offset, len)
     }
     fn transfer(&mut self, code: &XCode, batches: &[XBatch], buffers: &[BufferId]) -> Result<(), DeviceError> {
@@ -1008,6 +1018,82 @@ impl Device for LazySide {
         self.last = entry.to_string();
         self.dev.launch(module, entry, grid, block, args)
     }
+}
+
+/// The permutation's padded row count stays on the device (issue 12's
+/// CUDA-graph prerequisite): on a 2-GPU EP plan (TBO prefill, so two
+/// micro-batch slices, and single-batch decode), the only readbacks from
+/// the permutation's `RouteIndex` buffer are the 4-byte overflow word of
+/// each slice, once per step, never a layer's `offsets[num_local]`; the
+/// tokens are still transformers'. The words' addresses come from the
+/// memory plan's layout (`RouteIndexParts`), the tokens from transformers.
+#[test]
+fn the_permutations_row_count_is_never_read_back_on_the_emulated_device() {
+    use moeforge::plan::memory::{BufferName, RouteIndexParts};
+    use moeforge::runtime::device::emu::EmuDevice;
+    let Qwen3Moe { f, bound, steps, ck, block } = qwen3_moe();
+    let (cache, tmp) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let b = compile_text(&cpu_cluster_deployment(&block, 1, 2, 0.25, ""), tmp.path());
+    let plan = b.plan.plan();
+    let downloads = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    // A plan without replicas has no side transfers: the lazy side stream changes nothing here.
+    let dev = LazySide {
+        dev: Box::new(EmuDevice::start(cache.path()).unwrap()),
+        queued: Vec::new(),
+        next: 0,
+        ran: 0,
+        last: String::new(),
+        waits: Default::default(),
+        downloads: downloads.clone(),
+    };
+    let mut t = Twin::on_device(&b, &ck, Mode::Ep, Box::new(dev)).unwrap_or_else(|e| panic!("{e}"));
+    let at = |i: usize, s: usize| bound.max(steps[i][s]);
+    check_run_within(&f, &mut t, "the row count on the device", &[], &at, &at);
+    let ri = plan.memory.buffers.iter().find(|x| x.name == BufferName::RouteIndex).expect("a RouteIndex buffer");
+    let words: Vec<u64> = [1u32, 2]
+        .into_iter()
+        .flat_map(|n| {
+            let slice = ri.slice_bytes(n);
+            let word = RouteIndexParts::of(slice, u64::from(plan.model.experts)).overflow;
+            (0..u64::from(n)).map(move |m| ri.offset + m * slice + word)
+        })
+        .collect();
+    let reads: Vec<(u32, u64, u64)> = downloads
+        .lock()
+        .unwrap()
+        .iter()
+        .copied()
+        .filter(|&(_, at, _)| at >= ri.offset && at < ri.offset + ri.bytes())
+        .collect();
+    assert!(!reads.is_empty(), "the overflow words are read after each step");
+    for &(buffer, at, len) in &reads {
+        assert!(
+            len == 4 && words.contains(&at),
+            "buffer {buffer}: {len} bytes read back at {at}, not an overflow word"
+        );
+    }
+    let per_step = reads.len() as f64 / t.stats().steps as f64;
+    assert!(per_step <= 4.0, "{per_step} RouteIndex reads per step: at most one per rank and micro-batch slice");
+    // The device writes up to the room each layout is given, unchecked: a
+    // plan giving more than its buffers hold is refused before any step.
+    let mut edited = plan.clone();
+    let op = edited
+        .programs
+        .iter_mut()
+        .flat_map(|g| g.blocks.iter_mut().flat_map(|b| b.ops.iter_mut()))
+        .find(|op| op.name == "permute_offsets")
+        .expect("a permutation");
+    let room = match op.args[2] {
+        moeforge::plan::program::Arg::Int { value } => value,
+        ref a => panic!("the room is {a:?}"),
+    };
+    op.args[2] = moeforge::plan::program::Arg::Int { value: room + 1 };
+    let dev = EmuDevice::start(cache.path()).unwrap();
+    let e = moeforge::runtime::device::exec::Executor::new(Box::new(dev), &edited, &b.kernels, &b.cubins, &b.transfers)
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("permute_offsets") && e.contains(&format!("its buffers hold {room}")), "{e}");
 }
 
 /// ExpertPlex roles with Zepp replicas on 1 node × 4 GPUs (two MoE

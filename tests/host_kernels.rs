@@ -132,17 +132,32 @@ fn emitted_permutation_and_combine_match_reference() {
             }
             let weights: Vec<f32> = (0..tokens * k).map(|_| rng.unit().abs() + 0.01).collect();
             let x: Vec<u16> = (0..tokens * hidden).map(|_| reference::f32_to_bf16(rng.unit() * 4.0)).collect();
-            let mut input = Vec::new();
-            for v in [tokens as i32, begin, num_local as i32] {
-                input.extend(v.to_le_bytes());
-            }
-            ids.iter().for_each(|v| input.extend(v.to_le_bytes()));
-            weights.iter().for_each(|v| input.extend(v.to_le_bytes()));
-            x.iter().for_each(|v| input.extend(v.to_le_bytes()));
-            let out = run(&bin, &input, tmp.path());
-
+            let input = |room: i32| {
+                let mut input = Vec::new();
+                for v in [tokens as i32, begin, num_local as i32, room] {
+                    input.extend(v.to_le_bytes());
+                }
+                ids.iter().for_each(|v| input.extend(v.to_le_bytes()));
+                weights.iter().for_each(|v| input.extend(v.to_le_bytes()));
+                x.iter().for_each(|v| input.extend(v.to_le_bytes()));
+                input
+            };
             let want = reference::permute(&ids, begin, num_local, m_t);
             let rows = *want.offsets.last().unwrap() as usize;
+            // One row short of the room the layout needs: the device lays out
+            // nothing (counts and offsets zero, the total -1), raises its
+            // overflow word, and the combine finds no rows.
+            let out = run(&bin, &input(rows as i32 - 1), tmp.path());
+            let w = |n: usize| i32s(&out[..n * 4]);
+            let words = w(2 * num_local + 3);
+            assert_eq!(words[..num_local], vec![0; num_local], "{name}: counts after an overflow");
+            assert_eq!(words[num_local..2 * num_local], vec![0; num_local], "{name}: offsets after an overflow");
+            assert_eq!(words[2 * num_local..], [-1, -1, 1], "{name}: total, total, overflow");
+            let rest = &out[(2 * num_local + 3) * 4..];
+            assert_eq!(i32s(&rest[..tokens * k * 4]), vec![-1; tokens * k], "{name}: entry_row after an overflow");
+            assert!(u16s(&rest[tokens * k * 4..][..tokens * hidden * 2]).iter().all(|&v| v == 0), "{name}: combine");
+            // Exactly the room it needs: laid out, no overflow.
+            let out = run(&bin, &input(rows as i32), tmp.path());
             let mut at = 0;
             let mut take = |n: usize| {
                 let s = &out[at..at + n];
@@ -152,6 +167,7 @@ fn emitted_permutation_and_combine_match_reference() {
             assert_eq!(i32s(take(num_local * 4)), want.counts, "{name}: counts");
             assert_eq!(i32s(take((num_local + 1) * 4)), want.offsets, "{name}: offsets");
             assert_eq!(i32s(take(4)), vec![rows as i32], "{name}: rows");
+            assert_eq!(i32s(take(4)), vec![0], "{name}: no overflow");
             assert!(want.counts.iter().any(|&c| c > 1), "{name}: the test should give some expert several rows");
             assert_eq!(i32s(take(rows * 4)), want.row_entry, "{name}: row_entry");
             assert_eq!(i32s(take(rows * 4)), want.row_expert, "{name}: row_expert");

@@ -654,7 +654,7 @@ fn the_verifier_refuses_arguments_the_kernel_would_misread() {
     });
     assert_finds(&f, "e_score_correction_bias");
     let f = broken(&plan, pi, |p| {
-        op_mut(p, "permute_offsets").args[2] =
+        op_mut(p, "permute_offsets").args[3] =
             Arg::Ptr { operand: Operand::Buffer { name: BufferName::RouteIndex }, at: 1 << 40 }
     });
     assert_finds(&f, "-byte slice of RouteIndex");

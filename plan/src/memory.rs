@@ -179,13 +179,18 @@ impl Buffer {
 
 /// Where the permutation's arrays lie inside a `RouteIndex` slice of
 /// `bytes` bytes for `experts` experts (byte offsets, 16-byte aligned): the
-/// per-expert counts and offsets (`experts + 1` words) first, then three
-/// equal arrays of `capacity` words: row → entry, row → expert and
-/// entry → row.
+/// per-expert counts and offsets (`experts + 1` words) first, the overflow
+/// word in the alignment gap after them (8·experts + 4 bytes is never a
+/// multiple of 16, so the gap holds at least one word), then three equal
+/// arrays of `capacity` words: row → entry, row → expert and entry → row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RouteIndexParts {
     pub counts: u64,
     pub offsets: u64,
+    /// Set on the device when a layer's padded rows would pass the room
+    /// of its buffers (`moe_offsets`); the host clears it before a step
+    /// and reads it after.
+    pub overflow: u64,
     pub row_entry: u64,
     pub row_expert: u64,
     pub entry_row: u64,
@@ -201,7 +206,15 @@ impl RouteIndexParts {
         let capacity = bytes.saturating_sub(head) / 12 / 4 * 4;
         let row_entry = head;
         let row_expert = row_entry + 4 * capacity;
-        RouteIndexParts { counts: 0, offsets, row_entry, row_expert, entry_row: row_expert + 4 * capacity, capacity }
+        RouteIndexParts {
+            counts: 0,
+            offsets,
+            overflow: offsets + 4 * (experts + 1),
+            row_entry,
+            row_expert,
+            entry_row: row_expert + 4 * capacity,
+            capacity,
+        }
     }
 }
 
@@ -578,6 +591,19 @@ impl MemoryPlan {
     pub fn buffer(&self, mode: Mode, name: BufferName) -> Option<&Buffer> {
         self.buffers.iter().find(|b| b.name == name && b.modes.contains(mode))
     }
+    /// Padded rows one micro-batch's permutation may lay out (of a step
+    /// split into `micro_batches`) for a model of `experts` experts: the
+    /// `RouteIndex` maps' capacity and the rows of the `Permuted`, `GateUp`
+    /// and `ExpertOut` slices, whichever is least. `moe_offsets` refuses a
+    /// layout past it on the device.
+    pub fn permute_room(&self, mode: Mode, micro_batches: u32, experts: u32) -> u64 {
+        let rows = |n| self.buffer(mode, n).map_or(0, |b| b.slice_bytes(micro_batches) / b.row_bytes.max(1));
+        let maps = self.buffer(mode, BufferName::RouteIndex).map_or(0, |b| b.slice_bytes(micro_batches));
+        [BufferName::Permuted, BufferName::GateUp, BufferName::ExpertOut]
+            .into_iter()
+            .map(rows)
+            .fold(RouteIndexParts::of(maps, u64::from(experts)).capacity, u64::min)
+    }
 }
 
 impl View {
@@ -938,4 +964,23 @@ pub fn head_block(heads: u32, p: u32, r: u32) -> [u32; 2] {
 
 pub fn align(x: u64) -> u64 {
     x.div_ceil(ALIGN) * ALIGN
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RouteIndexParts;
+
+    /// The overflow word lies after the last offset and before the first
+    /// map, for every expert count and slice size (against the layout's
+    /// byte arithmetic spelled out: 4·E counts, 4·(E + 1) offsets).
+    #[test]
+    fn the_overflow_word_fits_the_alignment_gap() {
+        for experts in 1..=1024u64 {
+            for bytes in [0, 4096, 1 << 20, 12 * 4 * 1000 + 7] {
+                let p = RouteIndexParts::of(bytes, experts);
+                assert_eq!(p.overflow, 4 * experts + 4 * (experts + 1));
+                assert!(p.overflow + 4 <= p.row_entry && p.row_entry.is_multiple_of(16), "{experts} experts: {p:?}");
+            }
+        }
+    }
 }

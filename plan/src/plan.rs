@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 
 /// Bumped whenever `plan.json` or the bundle layout changes incompatibly.
-pub const FORMAT_VERSION: u32 = 10;
+pub const FORMAT_VERSION: u32 = 11;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
@@ -545,9 +545,6 @@ pub enum GridVar {
     Tokens,
     /// (token, k) routing entries: tokens × top-k.
     Entries,
-    /// Rows of the expert-contiguous layout, padding included (the
-    /// permutation computes it on the device: `offsets[num_local]`).
-    Rows,
     /// Routed experts this rank holds.
     LocalExperts,
     /// Rows sampled this step (one per request finishing a prompt or decoding).
@@ -585,7 +582,6 @@ impl fmt::Display for Grid {
         let var = |v: &GridVar| match v {
             GridVar::Tokens => "tokens",
             GridVar::Entries => "entries",
-            GridVar::Rows => "rows",
             GridVar::LocalExperts => "num_local",
             GridVar::SampledRows => "sampled_rows",
             GridVar::Received => "received",

@@ -1,11 +1,12 @@
 // Runs the emitted permutation kernels (KERNEL_SOURCE) on the host shim, with
 // a stand-in for the grouped GEMMs between gather and combine:
 //   y[row][j] = bf16(x_perm[row][j] * (row_expert[row] + 1) * 0.5)
-// in:  i32 tokens, i32 expert_begin, i32 num_local, i32 topk_ids[tokens*kTopK],
-//      f32 topk_weights[tokens*kTopK], u16 x[tokens*kHidden] (bf16 bits)
-// out: i32 counts[num_local], i32 offsets[num_local+1], i32 rows,
-//      i32 row_entry[rows], i32 row_expert[rows], i32 entry_row[tokens*kTopK],
-//      u16 x_perm[rows*kHidden], u16 out[tokens*kHidden] (moe_combine),
+// in:  i32 tokens, i32 expert_begin, i32 num_local, i32 room (rows the layout may fill),
+//      i32 topk_ids[tokens*kTopK], f32 topk_weights[tokens*kTopK], u16 x[tokens*kHidden] (bf16 bits)
+// out: i32 counts[num_local], i32 offsets[num_local+1], i32 rows (offsets[num_local]: -1 refused),
+//      i32 overflow, then with R = max(rows, 0):
+//      i32 row_entry[R], i32 row_expert[R], i32 entry_row[tokens*kTopK],
+//      u16 x_perm[R*kHidden], u16 out[tokens*kHidden] (moe_combine),
 //      f32 out_f32[tokens*kHidden] (moe_combine_f32)
 #include "cuda_host.h"
 #include KERNEL_SOURCE
@@ -19,8 +20,10 @@ int main(int argc, char** argv) {
   if (argc != 3) return 2;
   FILE* in = std::fopen(argv[1], "rb");
   if (!in) return 3;
-  int32_t tokens = 0, expert_begin = 0, num_local = 0;
-  if (!read_all(in, &tokens, 4) || !read_all(in, &expert_begin, 4) || !read_all(in, &num_local, 4)) return 4;
+  int32_t tokens = 0, expert_begin = 0, num_local = 0, room = 0;
+  if (!read_all(in, &tokens, 4) || !read_all(in, &expert_begin, 4) || !read_all(in, &num_local, 4) ||
+      !read_all(in, &room, 4))
+    return 4;
   const int entries = tokens * kTopK;
   std::vector<int32_t> ids(entries);
   std::vector<float> weights(entries);
@@ -33,18 +36,23 @@ int main(int argc, char** argv) {
   std::vector<int32_t> counts(num_local, -7), offsets(num_local + 1, -7), entry_row(entries, -7);
   shim::launch(moe_count, num_local, kThreads, ids.data(), entries, expert_begin, num_local, counts.data(),
                entry_row.data());
-  shim::launch(moe_offsets, 1, 32, static_cast<const int32_t*>(counts.data()), num_local, offsets.data());
+  int32_t overflow = 0;
+  shim::launch(moe_offsets, 1, 32, counts.data(), num_local, room, offsets.data(), &overflow);
+  // The driver reads the total to size its arrays; the kernels read it on the device.
   const int rows = offsets[num_local];
-  std::vector<int32_t> row_entry(rows, -7), row_expert(rows, -7);
+  const int held = std::max(rows, 0);
+  std::vector<int32_t> row_entry(held, -7), row_expert(held, -7);
   shim::launch(moe_scatter, num_local, kThreads, static_cast<const int32_t*>(ids.data()), entries, expert_begin,
                static_cast<const int32_t*>(counts.data()), static_cast<const int32_t*>(offsets.data()),
                row_entry.data(), row_expert.data(), entry_row.data());
-  std::vector<uint16_t> x_perm(static_cast<size_t>(rows) * kHidden, 0xdead);
+  std::vector<uint16_t> x_perm(static_cast<size_t>(held) * kHidden, 0xdead);
   const unsigned vec_threads = std::min(kThreads, kRowVectors);
-  shim::launch(moe_gather, std::max(1, std::min(rows, 8)), vec_threads, reinterpret_cast<const uint4*>(x.data()),
-               static_cast<const int32_t*>(row_entry.data()), rows, reinterpret_cast<uint4*>(x_perm.data()));
+  // A fixed grid of 3 blocks strides over the rows (as the plan's one block per SM does).
+  shim::launch(moe_gather, 3, vec_threads, reinterpret_cast<const uint4*>(x.data()),
+               static_cast<const int32_t*>(row_entry.data()), static_cast<const int32_t*>(offsets.data()), num_local,
+               reinterpret_cast<uint4*>(x_perm.data()));
   std::vector<uint16_t> y(x_perm.size());
-  for (int r = 0; r < rows; ++r) {
+  for (int r = 0; r < held; ++r) {
     const float scale = static_cast<float>(row_expert[r] + 1) * 0.5f;
     for (int j = 0; j < kHidden; ++j) {
       const size_t i = static_cast<size_t>(r) * kHidden + j;
@@ -65,6 +73,7 @@ int main(int argc, char** argv) {
   std::fwrite(counts.data(), 4, counts.size(), o);
   std::fwrite(offsets.data(), 4, offsets.size(), o);
   std::fwrite(&rows, 4, 1, o);
+  std::fwrite(&overflow, 4, 1, o);
   std::fwrite(row_entry.data(), 4, row_entry.size(), o);
   std::fwrite(row_expert.data(), 4, row_expert.size(), o);
   std::fwrite(entry_row.data(), 4, entry_row.size(), o);

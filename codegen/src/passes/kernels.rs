@@ -127,7 +127,7 @@ fn unused_tiles(cx: &Ctx<'_>) {
 /// The router and permutation kernels.
 fn routing(spec: &Spec, d: &Deploy, max_local: u32) -> Vec<KernelInstance> {
     let m = spec.model(d.model);
-    let arch = spec.cluster(d.cluster).gpu.arch;
+    let (arch, sms) = (spec.cluster(d.cluster).gpu.arch, spec.cluster(d.cluster).gpu.sms.max(1));
     let tiles = spec.tile_set(d.tiles);
     let (scoring, norm_topk, scaling, selection_bias, groups, top_groups) = match m.moe.routing {
         Routing::SoftmaxTopk { norm_topk } => (Scoring::Softmax, norm_topk, 1.0, false, 1, 1),
@@ -226,7 +226,13 @@ fn routing(spec: &Spec, d: &Deploy, max_local: u32) -> Vec<KernelInstance> {
                     grid: Grid::Fixed { blocks: 1 },
                     block: 32,
                     dynamic_smem: 0,
-                    params: vec![p("const int32_t* counts"), p("int num_local"), p("int32_t* offsets")],
+                    params: vec![
+                        p("int32_t* counts"),
+                        p("int num_local"),
+                        p("int room"),
+                        p("int32_t* offsets"),
+                        p("int32_t* overflow"),
+                    ],
                 },
                 EntryPoint {
                     symbol: "moe_scatter".into(),
@@ -246,10 +252,18 @@ fn routing(spec: &Spec, d: &Deploy, max_local: u32) -> Vec<KernelInstance> {
                 },
                 EntryPoint {
                     symbol: "moe_gather".into(),
-                    grid: Grid::Per { over: GridVar::Rows, per: 1 },
+                    // One block per SM striding over the rows, which the
+                    // kernel reads on the device: no count sizes the grid.
+                    grid: Grid::Fixed { blocks: sms },
                     block: PERMUTE_THREADS.min(m.hidden / 8),
                     dynamic_smem: 0,
-                    params: vec![p("const uint4* x"), p("const int32_t* row_entry"), p("int rows"), p("uint4* x_perm")],
+                    params: vec![
+                        p("const uint4* x"),
+                        p("const int32_t* row_entry"),
+                        p("const int32_t* offsets"),
+                        p("int num_local"),
+                        p("uint4* x_perm"),
+                    ],
                 },
                 combine("moe_combine", "uint4* out"),
                 // TP: the same sum in f32, the rank's partial sums for the all-reduce.

@@ -980,8 +980,10 @@ impl Config<'_> {
         let part = |at: u64| ptr_at(Buf::RouteIndex, at);
         o.push("permute_count", OpKind::Permute, c, mb, vec![buf(ids)], vec![ri], permute("moe_count"));
         o.args(vec![ptr(ids), cnt(entries), begin.clone(), local.clone(), part(parts.counts), part(parts.entry_row)]);
+        // The rows the layout may fill (the device refuses more).
+        let room = self.mem.permute_room(self.mode, self.micro_batches(), e).min(i32::MAX as u64) as i64;
         o.push("permute_offsets", OpKind::Permute, c, mb, vec![ri], vec![ri], permute("moe_offsets"));
-        o.args(vec![part(parts.counts), local, part(parts.offsets)]);
+        o.args(vec![part(parts.counts), local.clone(), int(room), part(parts.offsets), part(parts.overflow)]);
         o.push("permute_scatter", OpKind::Permute, c, mb, vec![buf(ids), ri], vec![ri], permute("moe_scatter"));
         o.args(vec![
             ptr(ids),
@@ -1002,7 +1004,7 @@ impl Config<'_> {
             vec![buf(Buf::Permuted)],
             launch("permute", "moe_gather"),
         );
-        o.args(vec![ptr(input), part(parts.row_entry), cnt(GridVar::Rows), ptr(Buf::Permuted)]);
+        o.args(vec![ptr(input), part(parts.row_entry), part(parts.offsets), local, ptr(Buf::Permuted)]);
         let kernel = match self.apk {
             Some(apk) if ep => KernelRef::Post { instance: apk.to_string() },
             None if ep => KernelRef::Skip { reason: "the rank holds no routed experts".into() },

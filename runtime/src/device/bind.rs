@@ -16,7 +16,6 @@ use std::collections::BTreeMap;
 pub struct Counts {
     pub tokens: u32,
     pub entries: u32,
-    pub rows: u32,
     pub local_experts: u32,
     pub sampled_rows: u32,
     pub received: u32,
@@ -29,7 +28,6 @@ impl Counts {
         match v {
             GridVar::Tokens => self.tokens,
             GridVar::Entries => self.entries,
-            GridVar::Rows => self.rows,
             GridVar::LocalExperts => self.local_experts,
             GridVar::SampledRows => self.sampled_rows,
             GridVar::Received => self.received,

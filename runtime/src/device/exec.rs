@@ -22,8 +22,11 @@
 //!   peers' buffers through their pointers); the host reads only the
 //!   dispatch's top-k ids, and writes the rewritten ids of a replicated
 //!   placement.
-//! - Counts the device computes (the permutation's padded rows) are read
-//!   back where the program needs them for a grid.
+//! - Counts the device computes stay there: the permutation's padded rows
+//!   (`offsets[num_local]`) are read by the scatter, the gather (a fixed
+//!   grid striding over them) and the experts on the device; a layout past
+//!   the room of its buffers sets its slice's overflow word, which the
+//!   step clears before it and reads once after it.
 //!
 //! - A live switch runs here too: the weight reshard's descriptors as one
 //!   transfer program between the ranks' buffers ([`Executor::reshard`]), and
@@ -254,6 +257,23 @@ impl Executor {
         cubins: &BTreeMap<String, Vec<u8>>,
         transfers: &BTreeMap<String, Code>,
     ) -> Result<Executor, ExecError> {
+        // The room each layout is given is the room its buffers have: the
+        // device writes up to it without a host check.
+        for g in &plan.programs {
+            let room = plan.memory.permute_room(g.mode, g.micro_batches, plan.model.experts);
+            for op in g.blocks.iter().flat_map(|b| &b.ops).filter(|op| lays_out(op)) {
+                match op.args.get(2) {
+                    Some(moeforge_plan::program::Arg::Int { value })
+                        if u64::try_from(*value).is_ok_and(|v| v <= room) => {}
+                    a => {
+                        return Err(ExecError::Plan(format!(
+                            "op `{}` gives the permutation {a:?} rows of room; its buffers hold {room}",
+                            op.name
+                        )))
+                    }
+                }
+            }
+        }
         let programs = moeforge_plan::transfers::programs(plan)
             .map_err(|e| ExecError::Plan(format!("the plan's transfer programs: {e}")))?;
         let mut codes = BTreeMap::new();
@@ -751,6 +771,22 @@ impl Executor {
                 };
             }
         }
+        // Each micro-batch slice's permutation overflow word, on every rank
+        // that lays out routed rows: cleared before the step, read after it.
+        let overflow: Vec<(usize, u32, u64)> = running
+            .iter()
+            .filter(|(_, g)| g.blocks.iter().flat_map(|b| &b.ops).any(lays_out))
+            .flat_map(|&(r, _)| (0..mbs as u32).map(move |m| (r, m)))
+            .filter_map(|(r, m)| {
+                let site =
+                    Site { mem, mode, micro_batches: mbs as u32, rank: r as u32, layer: 0, buffer: self.buffers[r] };
+                let at = bind::buffer_address(&site, Some(m).filter(|_| mbs > 1), BufferName::RouteIndex)?;
+                Some((r, m, at + route_parts(&site, plan).overflow))
+            })
+            .collect();
+        for &(r, _, at) in &overflow {
+            self.dev.upload(self.buffers[r], at, &0i32.to_le_bytes())?;
+        }
         let mut routes: Vec<Routes> = vec![vec![]; mbs];
         for (bi, block) in first.blocks.iter().enumerate() {
             for layer in block.layers.map_or(0..1, |[a, e]| a..e) {
@@ -777,6 +813,15 @@ impl Executor {
                         self.comm(plan, mode, mbs as u32, op, layer, &mut counts, m, &mut routes[m])?;
                     }
                 }
+            }
+        }
+        for &(r, m, at) in &overflow {
+            if i32s(&self.fetch(r, at, 4)?).first().is_some_and(|&x| x != 0) {
+                let room = mem.permute_room(mode, mbs as u32, plan.model.experts);
+                return Err(ExecError::Capacity(format!(
+                    "rank {r}, micro-batch {m}: a layer's routed rows, each expert's padded to its tile, passed the \
+                     {room} rows of the permutation's buffers (the step's outputs are not used)"
+                )));
             }
         }
         // Read back what was sampled.
@@ -1058,27 +1103,11 @@ impl Executor {
                         site.rank, parts.capacity
                     )));
                 }
+                // The padded rows stay on the device (`offsets[num_local]`,
+                // read there by the scatter, the gather and the experts);
+                // a layout past its room sets the slice's overflow word,
+                // which the step reads once at its end.
                 bind::launch(self.dev.as_mut(), &plan.kernels, &self.modules, site, op, counts)?;
-                if entry == "moe_offsets" {
-                    // The padded rows of the layout: offsets[num_local].
-                    let base = bind::address(site, op, &Operand::Buffer { name: BufferName::RouteIndex })
-                        .ok_or_else(|| ExecError::Plan("no RouteIndex buffer".into()))?;
-                    let at = base + parts.offsets + u64::from(counts.local_experts) * 4;
-                    let b = self.dev.download(site.buffer, at, 4)?;
-                    counts.rows = i32s(&b).first().copied().unwrap_or(0).max(0) as u32;
-                    let rows = |name| {
-                        site.mem
-                            .buffer(site.mode, name)
-                            .map_or(0, |b| b.slice_bytes(site.micro_batches) / b.row_bytes.max(1))
-                    };
-                    let room = parts.capacity.min(rows(BufferName::Permuted));
-                    if u64::from(counts.rows) > room {
-                        return Err(ExecError::Capacity(format!(
-                            "rank {}: {} padded expert rows for {room}",
-                            site.rank, counts.rows
-                        )));
-                    }
-                }
                 Ok(())
             }
         }
@@ -1175,7 +1204,14 @@ impl Executor {
             if a.form == ApkForm::Dense {
                 return Err(bad("an experts op on the dense APK".into()));
             }
-            if counts.rows == 0 {
+            // No routed entry to scan, no work (the counts, and so the
+            // rows, stay on the device: with entries none of them this
+            // rank's, the experts find zero rows and do nothing).
+            let scanned = match site.mode {
+                Mode::Ep => counts.received_entries,
+                Mode::Tp => counts.entries,
+            };
+            if scanned == 0 {
                 return Ok(());
             }
             // The permutation's layout is contiguous, each expert padded to
@@ -1204,7 +1240,8 @@ impl Executor {
                 wptr(TensorPart::ScaleInv, 0)?,
                 wptr(TensorPart::ScaleInv, 1)?,
                 ptr(ri + parts.counts),
-                i(counts.rows),
+                // The rows: the APK sums the device counts (unused with them).
+                i(0),
                 i(0),
                 i(0),
                 i(0),
@@ -1855,6 +1892,11 @@ impl Relays {
             false => self.posts.get(&(s, d)).copied(),
         }
     }
+}
+
+/// Whether `op` lays out routed rows (the permutation's `moe_offsets`).
+fn lays_out(op: &Op) -> bool {
+    matches!(&op.kernel, KernelRef::Launch { entry, .. } if entry == "moe_offsets")
 }
 
 fn route_parts(site: &Site<'_>, plan: &Plan) -> RouteIndexParts {
