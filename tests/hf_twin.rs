@@ -1093,7 +1093,35 @@ fn the_permutations_row_count_is_never_read_back_on_the_emulated_device() {
         .map(|_| ())
         .unwrap_err()
         .to_string();
-    assert!(e.contains("permute_offsets") && e.contains(&format!("its buffers hold {room}")), "{e}");
+    assert!(e.contains("permute_offsets") && e.contains(&format!("experts hold {room} rows")), "{e}");
+    // A plan giving every layout no room at all (which it may: less room
+    // is safe): the first layer's layout overflows on the device, the
+    // kernels after it do nothing, and the step is refused at its end.
+    let mut v: Value = serde_json::from_slice(&std::fs::read(tmp.path().join("plan.json")).unwrap()).unwrap();
+    let mut zeroed = 0;
+    for g in v["programs"].as_array_mut().unwrap() {
+        for blk in g["blocks"].as_array_mut().unwrap() {
+            for op in blk["ops"].as_array_mut().unwrap() {
+                if op["name"].as_str().is_some_and(|n| n.starts_with("permute_offsets")) {
+                    op["args"][2]["value"] = Value::from(0);
+                    zeroed += 1;
+                }
+            }
+        }
+    }
+    assert!(zeroed > 0);
+    let bytes = serde_json::to_vec_pretty(&v).unwrap();
+    std::fs::write(tmp.path().join("plan.json"), &bytes).unwrap();
+    let mpath = tmp.path().join("manifest.json");
+    let mut m: moeforge::plan::bundle::Manifest = serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
+    m.files.insert("plan.json".into(), moeforge::plan::bundle::sha256_hex(&bytes));
+    std::fs::write(&mpath, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+    let tight = moeforge::runtime::load_bundle(tmp.path()).unwrap();
+    let dev = EmuDevice::start(cache.path()).unwrap();
+    let mut t = Twin::on_device(&tight, &ck, Mode::Ep, Box::new(dev)).unwrap_or_else(|e| panic!("{e}"));
+    t.submit(Request::new(1, f.prompts[0].clone(), 2)).unwrap();
+    let e = t.step().map(|_| ()).unwrap_err().to_string();
+    assert!(e.contains("passed the 0 rows"), "{e}");
 }
 
 /// ExpertPlex roles with Zepp replicas on 1 node × 4 GPUs (two MoE

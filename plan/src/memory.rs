@@ -592,17 +592,18 @@ impl MemoryPlan {
         self.buffers.iter().find(|b| b.name == name && b.modes.contains(mode))
     }
     /// Padded rows one micro-batch's permutation may lay out (of a step
-    /// split into `micro_batches`) for a model of `experts` experts: the
-    /// `RouteIndex` maps' capacity and the rows of the `Permuted`, `GateUp`
-    /// and `ExpertOut` slices, whichever is least. `moe_offsets` refuses a
+    /// split into `micro_batches`) for a model of `experts` experts whose
+    /// grouped GEMMs take at most `apk_rows`: the `RouteIndex` maps'
+    /// capacity, the rows of the `Permuted`, `GateUp` and `ExpertOut`
+    /// slices and `apk_rows`, whichever is least. `moe_offsets` refuses a
     /// layout past it on the device.
-    pub fn permute_room(&self, mode: Mode, micro_batches: u32, experts: u32) -> u64 {
+    pub fn permute_room(&self, mode: Mode, micro_batches: u32, experts: u32, apk_rows: u64) -> u64 {
         let rows = |n| self.buffer(mode, n).map_or(0, |b| b.slice_bytes(micro_batches) / b.row_bytes.max(1));
         let maps = self.buffer(mode, BufferName::RouteIndex).map_or(0, |b| b.slice_bytes(micro_batches));
         [BufferName::Permuted, BufferName::GateUp, BufferName::ExpertOut]
             .into_iter()
             .map(rows)
-            .fold(RouteIndexParts::of(maps, u64::from(experts)).capacity, u64::min)
+            .fold(RouteIndexParts::of(maps, u64::from(experts)).capacity.min(apk_rows), u64::min)
     }
 }
 

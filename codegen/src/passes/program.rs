@@ -107,6 +107,7 @@ pub fn run(cx: &Ctx<'_>, plan: &mut Plan) -> Result<(), Vec<PassError>> {
                         gpus_per_node: plan.cluster.gpus_per_node.max(1),
                         experts: &experts,
                         apk: apk.as_deref(),
+                        apk_rows: apk_rows(plan, apk.as_deref()),
                         dense,
                         flash,
                         relayed_posts,
@@ -170,6 +171,8 @@ struct Config<'a> {
     /// (`Plan::ep_ids`: its stripe, or its physical slots), indexed by rank.
     experts: &'a [[u32; 2]],
     apk: Option<&'a str>,
+    /// The most rows that APK's grouped GEMMs take (`max_prefill_rows`).
+    apk_rows: u64,
     /// The bundle has the dense APK for bf16 weights (`dense`) and for fp8
     /// e4m3 ones (`dense_fp8`).
     dense: [bool; 2],
@@ -275,6 +278,17 @@ fn wptr(role: W) -> Arg {
 fn kv() -> Arg {
     Arg::Ptr { operand: Operand::Kv, at: 0 }
 }
+/// The most rows the experts APK `name` takes (unbounded without one: the
+/// rank computes no routed experts).
+fn apk_rows(plan: &Plan, name: Option<&str>) -> u64 {
+    name.and_then(|n| plan.kernels.iter().find(|k| k.name == n))
+        .and_then(|k| match &k.params {
+            KernelParams::Apk(a) => Some(u64::from(a.max_prefill_rows)),
+            _ => None,
+        })
+        .unwrap_or(u64::MAX)
+}
+
 fn cnt(var: GridVar) -> Arg {
     Arg::Count { var }
 }
@@ -981,7 +995,7 @@ impl Config<'_> {
         o.push("permute_count", OpKind::Permute, c, mb, vec![buf(ids)], vec![ri], permute("moe_count"));
         o.args(vec![ptr(ids), cnt(entries), begin.clone(), local.clone(), part(parts.counts), part(parts.entry_row)]);
         // The rows the layout may fill (the device refuses more).
-        let room = self.mem.permute_room(self.mode, self.micro_batches(), e).min(i32::MAX as u64) as i64;
+        let room = self.mem.permute_room(self.mode, self.micro_batches(), e, self.apk_rows).min(i32::MAX as u64) as i64;
         o.push("permute_offsets", OpKind::Permute, c, mb, vec![ri], vec![ri], permute("moe_offsets"));
         o.args(vec![part(parts.counts), local.clone(), int(room), part(parts.offsets), part(parts.overflow)]);
         o.push("permute_scatter", OpKind::Permute, c, mb, vec![buf(ids), ri], vec![ri], permute("moe_scatter"));

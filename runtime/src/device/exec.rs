@@ -257,20 +257,30 @@ impl Executor {
         cubins: &BTreeMap<String, Vec<u8>>,
         transfers: &BTreeMap<String, Code>,
     ) -> Result<Executor, ExecError> {
-        // The room each layout is given is the room its buffers have: the
-        // device writes up to it without a host check.
+        // The room each layout is given is the room its buffers and its
+        // experts have, and its overflow word the one the step reads: the
+        // device writes up to the room without a host check.
         for g in &plan.programs {
-            let room = plan.memory.permute_room(g.mode, g.micro_batches, plan.model.experts);
+            use moeforge_plan::program::Arg;
+            let room = layout_room(plan, g);
+            let word = plan
+                .memory
+                .buffer(g.mode, BufferName::RouteIndex)
+                .map(|b| RouteIndexParts::of(b.slice_bytes(g.micro_batches), u64::from(plan.model.experts)).overflow);
             for op in g.blocks.iter().flat_map(|b| &b.ops).filter(|op| lays_out(op)) {
-                match op.args.get(2) {
-                    Some(moeforge_plan::program::Arg::Int { value })
-                        if u64::try_from(*value).is_ok_and(|v| v <= room) => {}
-                    a => {
-                        return Err(ExecError::Plan(format!(
-                            "op `{}` gives the permutation {a:?} rows of room; its buffers hold {room}",
-                            op.name
-                        )))
-                    }
+                let room_ok = matches!(op.args.get(2), Some(Arg::Int { value }) if u64::try_from(*value).is_ok_and(|v| v <= room));
+                let word_ok = matches!(
+                    op.args.get(4),
+                    Some(Arg::Ptr { operand: Operand::Buffer { name: BufferName::RouteIndex }, at }) if Some(*at) == word
+                );
+                if !room_ok || !word_ok {
+                    return Err(ExecError::Plan(format!(
+                        "op `{}` gives the permutation {:?} rows of room and its overflow word {:?}; its buffers and \
+                         experts hold {room} rows, and the word is RouteIndex byte {word:?}",
+                        op.name,
+                        op.args.get(2),
+                        op.args.get(4)
+                    )));
                 }
             }
         }
@@ -787,6 +797,10 @@ impl Executor {
         for &(r, _, at) in &overflow {
             self.dev.upload(self.buffers[r], at, &0i32.to_le_bytes())?;
         }
+        // A refused layout is seen only after the step: what the step
+        // counted (expert loads for Zepp's drift window, traffic) is put
+        // back then, as if it had not run.
+        let counted = (self.expert_loads.clone(), self.traffic, self.dispatch_traffic);
         let mut routes: Vec<Routes> = vec![vec![]; mbs];
         for (bi, block) in first.blocks.iter().enumerate() {
             for layer in block.layers.map_or(0..1, |[a, e]| a..e) {
@@ -817,10 +831,19 @@ impl Executor {
         }
         for &(r, m, at) in &overflow {
             if i32s(&self.fetch(r, at, 4)?).first().is_some_and(|&x| x != 0) {
-                let room = mem.permute_room(mode, mbs as u32, plan.model.experts);
+                // The room the layout was given (checked at start against
+                // its buffers and experts).
+                let room = programs[r]
+                    .and_then(|g| g.blocks.iter().flat_map(|b| &b.ops).find(|op| lays_out(op)))
+                    .and_then(|op| match op.args.get(2) {
+                        Some(moeforge_plan::program::Arg::Int { value }) => Some(*value),
+                        _ => None,
+                    })
+                    .unwrap_or(0);
+                (self.expert_loads, self.traffic, self.dispatch_traffic) = counted;
                 return Err(ExecError::Capacity(format!(
                     "rank {r}, micro-batch {m}: a layer's routed rows, each expert's padded to its tile, passed the \
-                     {room} rows of the permutation's buffers (the step's outputs are not used)"
+                     {room} rows its permutation is given (the step's outputs are not used)"
                 )));
             }
         }
@@ -1892,6 +1915,29 @@ impl Relays {
             false => self.posts.get(&(s, d)).copied(),
         }
     }
+}
+
+/// The most padded rows program `g`'s permutation may lay out: its
+/// buffers' slices and the rows its experts APK takes.
+fn layout_room(plan: &Plan, g: &Program) -> u64 {
+    let apk_rows = g
+        .blocks
+        .iter()
+        .flat_map(|b| &b.ops)
+        .filter(|op| op.kind == OpKind::Experts)
+        .filter_map(|op| match &op.kernel {
+            KernelRef::Post { instance } | KernelRef::Launch { instance, .. } => {
+                plan.kernels.iter().find(|k| &k.name == instance)
+            }
+            _ => None,
+        })
+        .filter_map(|k| match &k.params {
+            KernelParams::Apk(a) => Some(u64::from(a.max_prefill_rows)),
+            _ => None,
+        })
+        .min()
+        .unwrap_or(u64::MAX);
+    plan.memory.permute_room(g.mode, g.micro_batches, plan.model.experts, apk_rows)
 }
 
 /// Whether `op` lays out routed rows (the permutation's `moe_offsets`).
