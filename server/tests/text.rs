@@ -56,24 +56,29 @@ fn streamed_text_is_the_whole_decoding() {
     }
 }
 
+/// Streams `tokenizers`' encoding of `full` through a detokenizer with
+/// `stops`: the text emitted until a stop ended the stream (then `true`),
+/// or all of it, the final flush included (then `false`).
+fn stream(text: &Text, full: &str, stops: &[String]) -> (String, bool) {
+    let mut d = Detok::new(text, stops);
+    let mut got = String::new();
+    for id in text.encode(full).unwrap() {
+        let (s, end) = d.push(id);
+        got.push_str(&s);
+        if end {
+            return (got, true);
+        }
+    }
+    got.push_str(&d.flush());
+    (got, false)
+}
+
 #[test]
 fn stop_strings_cut_the_text_before_them() {
     let (text, _) = fixture();
     let full = "The quick brown fox jumps over the lazy dog.";
-    let all = text.encode(full).unwrap();
     for stop in ["fox", "lazy dog", " o", "."] {
-        let stops = [stop.to_string()];
-        let mut d = Detok::new(&text, &stops);
-        let mut got = String::new();
-        let mut stopped = false;
-        for &id in &all {
-            let (s, end) = d.push(id);
-            got.push_str(&s);
-            if end {
-                stopped = true;
-                break;
-            }
-        }
+        let (got, stopped) = stream(&text, full, &[stop.to_string()]);
         assert!(stopped, "{stop:?} stops the stream");
         assert_eq!(got, full[..full.find(stop).unwrap()], "text before {stop:?}");
     }
@@ -97,19 +102,8 @@ fn non_ascii_stops_hold_back_whole_characters() {
         (prix, vec!["x€", "5€", "ou 5£"]),
         (prix, vec!["€q", "£q", "éq"]),
     ] {
-        let all = text.encode(full).unwrap();
         let stops: Vec<String> = stops.into_iter().map(String::from).collect();
-        let mut d = Detok::new(&text, &stops);
-        let mut got = String::new();
-        let mut stopped = false;
-        for &id in &all {
-            let (s, end) = d.push(id);
-            got.push_str(&s);
-            if end {
-                stopped = true;
-                break;
-            }
-        }
+        let (got, stopped) = stream(&text, full, &stops);
         let first = stops.iter().filter_map(|s| full.find(s.as_str())).min();
         match first {
             Some(at) => {
@@ -118,7 +112,6 @@ fn non_ascii_stops_hold_back_whole_characters() {
             }
             None => {
                 assert!(!stopped, "{stops:?} is not in the text");
-                got.push_str(&d.flush());
                 assert_eq!(got, full, "the whole text with {stops:?}");
             }
         }

@@ -783,18 +783,27 @@ impl Executor {
         }
         // Each micro-batch slice's permutation overflow word, on every rank
         // that lays out routed rows: cleared before the step, read after it.
-        let overflow: Vec<(usize, u32, u64)> = running
+        // With it, the room the rank's layouts are given (checked against
+        // its buffers and experts by `Executor::new`), for the error.
+        let overflow: Vec<(usize, u32, u64, i64)> = running
             .iter()
-            .filter(|(_, g)| g.blocks.iter().flat_map(|b| &b.ops).any(lays_out))
-            .flat_map(|&(r, _)| (0..mbs as u32).map(move |m| (r, m)))
-            .filter_map(|(r, m)| {
+            .filter_map(|&(r, g)| {
+                let op = g.blocks.iter().flat_map(|b| &b.ops).find(|op| lays_out(op))?;
+                let room = match op.args.get(2) {
+                    Some(moeforge_plan::program::Arg::Int { value }) => *value,
+                    _ => 0,
+                };
+                Some((r, room))
+            })
+            .flat_map(|(r, room)| (0..mbs as u32).map(move |m| (r, m, room)))
+            .filter_map(|(r, m, room)| {
                 let site =
                     Site { mem, mode, micro_batches: mbs as u32, rank: r as u32, layer: 0, buffer: self.buffers[r] };
                 let at = bind::buffer_address(&site, Some(m).filter(|_| mbs > 1), BufferName::RouteIndex)?;
-                Some((r, m, at + route_parts(&site, plan).overflow))
+                Some((r, m, at + route_parts(&site, plan).overflow, room))
             })
             .collect();
-        for &(r, _, at) in &overflow {
+        for &(r, _, at, _) in &overflow {
             self.dev.upload(self.buffers[r], at, &0i32.to_le_bytes())?;
         }
         // A refused layout is seen only after the step: what the step
@@ -829,17 +838,8 @@ impl Executor {
                 }
             }
         }
-        for &(r, m, at) in &overflow {
+        for &(r, m, at, room) in &overflow {
             if i32s(&self.fetch(r, at, 4)?).first().is_some_and(|&x| x != 0) {
-                // The room the layout was given (checked at start against
-                // its buffers and experts).
-                let room = programs[r]
-                    .and_then(|g| g.blocks.iter().flat_map(|b| &b.ops).find(|op| lays_out(op)))
-                    .and_then(|op| match op.args.get(2) {
-                        Some(moeforge_plan::program::Arg::Int { value }) => Some(*value),
-                        _ => None,
-                    })
-                    .unwrap_or(0);
                 (self.expert_loads, self.traffic, self.dispatch_traffic) = counted;
                 return Err(ExecError::Capacity(format!(
                     "rank {r}, micro-batch {m}: a layer's routed rows, each expert's padded to its tile, passed the \

@@ -459,7 +459,7 @@ impl Twin {
         // a prompt joins a rank whose next step has room for it.
         let budget = self.device.as_ref().map_or(usize::MAX, crate::device::exec::Executor::step_tokens);
         let prompt = self.requests.get(&id).map_or(0, |q| q.prompt.len());
-        let fits = |r: &Rank| self.step_tokens(r).saturating_add(prompt) <= budget;
+        let fits = |r: &Rank| self.next_step_tokens(r).saturating_add(prompt) <= budget;
         if self.roles.is_some() {
             let best = (0..self.ranks.len())
                 .filter(|&r| self.ranks[r].role == Some(Role::Prefill))
@@ -502,7 +502,7 @@ impl Twin {
     /// Tokens rank `r`'s next step computes: a whole prompt for a request
     /// not prefilled yet, one token for a decoding one, none for one held
     /// for its handoff.
-    fn step_tokens(&self, r: &Rank) -> usize {
+    fn next_step_tokens(&self, r: &Rank) -> usize {
         r.requests
             .iter()
             .filter(|&&id| !self.awaits_handoff(r, id))
