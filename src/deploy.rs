@@ -283,11 +283,26 @@ spec:
           resources:
             limits:
               nvidia.com/gpu: {gpus}
+          # /health answers 503 once the engine is out of service (a
+          # device failure): not ready at once, restarted after 30 s. The
+          # startup probe gives weight loading 30 minutes before that.
           readinessProbe:
             httpGet:
               path: /health
               port: http
             periodSeconds: 5
+            failureThreshold: 3
+          startupProbe:
+            httpGet:
+              path: /health
+              port: http
+            periodSeconds: 10
+            failureThreshold: 180
+          livenessProbe:
+            httpGet:
+              path: /health
+              port: http
+            periodSeconds: 10
             failureThreshold: 3
           volumeMounts:
             - name: weights
@@ -316,7 +331,9 @@ fn k8s_readme(plan: &Plan, deploy: &str) -> String {
         r#"# Kubernetes: `{deploy}`
 
 `k8s.yaml` runs one pod per node of the cluster block: a StatefulSet with `replicas: {nodes}`,
-each pod asking for `nvidia.com/gpu: {gpus}`, ready when `GET /health` answers; a headless
+each pod asking for `nvidia.com/gpu: {gpus}`, ready when `GET /health` answers 200 and
+restarted when it answers 503 (the engine is out of service after a device failure; the startup
+probe allows 30 minutes for loading the weights first); a headless
 Service `{name}-pods` gives the pods stable names (`{name}-0.{name}-pods` is the leader), and
 the Service `{name}` exposes the API of pod 0 on port {port}.
 

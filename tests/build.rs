@@ -114,7 +114,7 @@ fn launchers_are_sized_from_the_cluster_block() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("dep");
     build("examples/deepseek-v3-h100x32.moe", &out);
-    // Kubernetes: one pod per node, GPUs per node, readiness on /health.
+    // Kubernetes: one pod per node, GPUs per node, probes on /health.
     let d = docs(&out.join("launch/k8s.yaml"));
     let kinds: Vec<&str> = d.iter().map(|x| x["kind"].as_str().unwrap()).collect();
     assert_eq!(kinds, ["Service", "Service", "StatefulSet"]);
@@ -124,7 +124,10 @@ fn launchers_are_sized_from_the_cluster_block() {
     assert_eq!(sts["spec"]["serviceName"], d[0]["metadata"]["name"]);
     let c = &sts["spec"]["template"]["spec"]["containers"][0];
     assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"].as_i64(), Some(8));
-    assert_eq!(c["readinessProbe"]["httpGet"]["path"].as_str(), Some("/health"));
+    // /health is 503 once the engine is out of service: not ready, then restarted.
+    for probe in ["readinessProbe", "startupProbe", "livenessProbe"] {
+        assert_eq!(c[probe]["httpGet"]["path"].as_str(), Some("/health"), "{probe}");
+    }
     assert_eq!(c["command"][0].as_str(), Some("/usr/local/bin/deepseek-v3-h100x32"));
     let env: Vec<&str> = c["env"].as_vec().unwrap().iter().map(|e| e["name"].as_str().unwrap()).collect();
     assert_eq!(env, ["MOEFORGE_NODES", "MOEFORGE_NODE_RANK", "MOEFORGE_LEADER_ADDR", "MOEFORGE_LEADER_PORT"]);

@@ -405,3 +405,43 @@ fn sigterm_drains_the_streams_in_flight() {
     let o = Command::new("curl").args(["-sS", &format!("{}/health", server.url)]).output().unwrap();
     assert!(!o.status.success());
 }
+
+/// The emulated device's process dies under a live server (what a GPU
+/// that faults or falls off the bus looks like to the engine): the request
+/// in flight fails with the device's error, and from then on the server is
+/// out of service, `/health` 503 with the error, every request 503, instead
+/// of a healthy-looking server whose every step fails.
+#[test]
+fn a_lost_device_puts_the_server_out_of_service() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (bundle, weights) = setup(tmp.path());
+    let server = Server::start(&bundle, &weights, &["--backend", "emu"]);
+    let u = &server.url;
+    let ask = r#"{"prompt":[5,6,7,8],"max_tokens":4,"temperature":0}"#;
+    let (code, body) = curl(u, "/v1/completions", &["-d", ask]);
+    // (Its tokens are not compared: this model's random weights leave
+    // near-ties that the device's bf16 kernels and the twin can break
+    // differently; `hf_twin`'s emulated-device tests pin its numerics.)
+    assert_eq!(code, 200, "{body}");
+    assert!(!ids(&json(&body)["choices"][0]["token_ids"]).is_empty(), "{body}");
+    // The device is the server's child process.
+    let o = Command::new("pgrep").args(["-P", &server.child.id().to_string()]).output().unwrap();
+    let device = text(&o.stdout);
+    assert!(!device.trim().is_empty(), "no device process under the server");
+    for pid in device.split_whitespace() {
+        assert!(Command::new("kill").args(["-KILL", pid]).status().unwrap().success());
+    }
+    let (code, body) = curl(u, "/v1/completions", &["-d", ask]);
+    assert_eq!(code, 500, "{body}");
+    let msg = json(&body)["error"]["message"].as_str().unwrap().to_string();
+    assert!(msg.contains("out of service"), "{msg}");
+    let (code, body) = curl(u, "/health", &[]);
+    assert_eq!(code, 503, "{body}");
+    let h = json(&body);
+    assert_eq!(h["status"], "out_of_service");
+    assert!(h["error"].as_str().is_some_and(|e| !e.is_empty()), "{h}");
+    let (code, body) = curl(u, "/v1/completions", &["-d", ask]);
+    assert_eq!(code, 503, "{body}");
+    assert_eq!(metric(u, "moeforge_engine_out_of_service"), 1.0);
+    assert_eq!(metric(u, "moeforge_step_failures_total"), 1.0);
+}

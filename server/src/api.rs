@@ -45,6 +45,10 @@ impl ApiError {
             param: None,
         }
     }
+    /// The engine is out of service (503): retrying here will not help.
+    pub fn unavailable(message: impl Into<String>) -> ApiError {
+        ApiError { status: StatusCode::SERVICE_UNAVAILABLE, kind: "server_error", message: message.into(), param: None }
+    }
     pub fn body(&self) -> Value {
         json!({ "error": { "message": self.message, "type": self.kind, "param": self.param, "code": Value::Null } })
     }

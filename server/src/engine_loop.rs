@@ -7,12 +7,23 @@
 //! string ended it) is cancelled at once, freeing its KV. When every sender
 //! of commands is dropped and nothing is in flight, the thread ends: that is
 //! the graceful shutdown's last step.
+//!
+//! A failed step fails the requests in flight (the engine cannot say which
+//! one the failure belongs to) with its message. A capacity error (a step
+//! that does not fit the plan, which admission is meant to prevent) leaves
+//! the engine consistent once they are cancelled, so it goes on serving. A
+//! backend error (a device that faulted, hung or went away, a broken
+//! invariant of the engine's own state) does not: the engine is out of
+//! service from then on ([`Health`]). Later submissions are refused without
+//! touching it and `GET /health` answers 503 with the error, so an
+//! orchestrator's probe restarts the server instead of routing requests to
+//! an engine that can only fail them.
 
 use crate::metrics::Metrics;
 use moeforge_runtime::engine::{Engine, EngineError, Request, RequestId};
 use moeforge_runtime::policy::Driver;
 use std::collections::BTreeMap;
-use std::sync::mpsc;
+use std::sync::{mpsc, Mutex};
 use std::time::Instant;
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
@@ -35,6 +46,40 @@ pub enum Command {
     Cancel(RequestId),
 }
 
+/// Whether the engine still serves: `None`, or the backend failure that put
+/// it out of service (sticky: nothing in this process brings it back).
+#[derive(Default)]
+pub struct Health {
+    failed: Mutex<Option<Failure>>,
+}
+
+/// The step that failed and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Failure {
+    pub step: usize,
+    pub message: String,
+}
+
+impl Failure {
+    /// What a refused request is told.
+    pub fn refusal(&self) -> String {
+        format!(
+            "the engine is out of service: step {} failed ({}); restart the server (GET /health says 503 until then)",
+            self.step, self.message
+        )
+    }
+}
+
+impl Health {
+    pub fn failure(&self) -> Option<Failure> {
+        self.failed.lock().map_or_else(|p| p.into_inner().clone(), |g| g.clone())
+    }
+    fn fail(&self, f: Failure) {
+        let mut g = self.failed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        g.get_or_insert(f);
+    }
+}
+
 struct Live {
     events: tmpsc::UnboundedSender<Event>,
     submitted: Instant,
@@ -43,7 +88,7 @@ struct Live {
 }
 
 /// Runs the engine until `commands` is closed and nothing is in flight.
-pub fn run<E: Engine>(mut driver: Driver<E>, commands: mpsc::Receiver<Command>, metrics: &Metrics) {
+pub fn run<E: Engine>(mut driver: Driver<E>, commands: mpsc::Receiver<Command>, metrics: &Metrics, health: &Health) {
     let mut live: BTreeMap<RequestId, Live> = BTreeMap::new();
     let mut closed = false;
     loop {
@@ -53,13 +98,13 @@ pub fn run<E: Engine>(mut driver: Driver<E>, commands: mpsc::Receiver<Command>, 
                 return;
             }
             match commands.recv() {
-                Ok(c) => handle(&mut driver, &mut live, c, metrics),
+                Ok(c) => handle(&mut driver, &mut live, c, metrics, health),
                 Err(_) => return,
             }
         }
         loop {
             match commands.try_recv() {
-                Ok(c) => handle(&mut driver, &mut live, c, metrics),
+                Ok(c) => handle(&mut driver, &mut live, c, metrics, health),
                 Err(mpsc::TryRecvError::Empty) => break,
                 Err(mpsc::TryRecvError::Disconnected) => {
                     closed = true;
@@ -74,8 +119,19 @@ pub fn run<E: Engine>(mut driver: Driver<E>, commands: mpsc::Receiver<Command>, 
         let step = match driver.step() {
             Ok(s) => s,
             Err(e) => {
+                metrics.step_failures.inc();
+                let message = match &e {
+                    EngineError::Backend(m) => {
+                        let f = Failure { step: driver.engine.stats().steps, message: m.clone() };
+                        metrics.out_of_service.set(1);
+                        let refusal = f.refusal();
+                        health.fail(f);
+                        refusal
+                    }
+                    e => format!("the step failed and every request in it with it: {e}"),
+                };
                 for (id, l) in std::mem::take(&mut live) {
-                    let _ = l.events.send(Event::Failed(e.to_string()));
+                    let _ = l.events.send(Event::Failed(message.clone()));
                     driver.engine.cancel(id);
                 }
                 continue;
@@ -113,12 +169,23 @@ pub fn run<E: Engine>(mut driver: Driver<E>, commands: mpsc::Receiver<Command>, 
     }
 }
 
-fn handle<E: Engine>(driver: &mut Driver<E>, live: &mut BTreeMap<RequestId, Live>, c: Command, metrics: &Metrics) {
+fn handle<E: Engine>(
+    driver: &mut Driver<E>,
+    live: &mut BTreeMap<RequestId, Live>,
+    c: Command,
+    metrics: &Metrics,
+    health: &Health,
+) {
     let t0 = Instant::now();
     match c {
         Command::Submit { req, accepted, events } => {
             let (id, prompt) = (req.id, req.prompt.len());
-            let r = driver.engine.submit(req);
+            // An engine out of service takes nothing more (the HTTP side
+            // checks first; this catches a submission already on its way).
+            let r = match health.failure() {
+                Some(f) => Err(EngineError::Backend(f.refusal())),
+                None => driver.engine.submit(req),
+            };
             if r.is_ok() {
                 live.insert(id, Live { events, submitted: Instant::now(), first: None, tokens: 0 });
                 metrics.tokens_in.inc_by(prompt as u64);

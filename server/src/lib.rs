@@ -10,6 +10,9 @@
 //! rule; the queue is bounded (429 beyond it); bad requests get 400 with an
 //! OpenAI-style error body; a client that disconnects cancels its request
 //! and frees its KV; shutdown stops accepting and drains what is in flight.
+//! A backend failure puts the engine out of service: the requests in flight
+//! fail with its message, later ones get 503, and `GET /health` answers 503
+//! with the error ([`engine_loop::Health`]).
 
 pub mod api;
 pub mod engine_loop;
@@ -24,7 +27,7 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use engine_loop::{Command, Event};
+use engine_loop::{Command, Event, Health};
 use metrics::Metrics;
 use moeforge_runtime::engine::{Engine, EngineError, Request, RequestId, Sampling};
 use moeforge_runtime::policy::Driver;
@@ -58,6 +61,7 @@ struct AppState {
     max_queue: usize,
     inflight: AtomicUsize,
     next_id: AtomicU64,
+    health: Arc<Health>,
 }
 
 type Shared = Arc<AppState>;
@@ -77,9 +81,11 @@ where
 {
     let metrics = Arc::new(Metrics::new().map_err(std::io::Error::other)?);
     let (tx, rx) = mpsc::channel();
-    let m = metrics.clone();
-    let engine =
-        std::thread::Builder::new().name("moeforge-engine".into()).spawn(move || engine_loop::run(driver, rx, &m))?;
+    let (m, health) = (metrics.clone(), Arc::new(Health::default()));
+    let h = health.clone();
+    let engine = std::thread::Builder::new()
+        .name("moeforge-engine".into())
+        .spawn(move || engine_loop::run(driver, rx, &m, &h))?;
     let state = Arc::new(AppState {
         commands: Mutex::new(tx),
         text: cfg.text,
@@ -89,12 +95,13 @@ where
         max_queue: cfg.max_queue.max(1),
         inflight: AtomicUsize::new(0),
         next_id: AtomicU64::new(0),
+        health,
     });
     let app = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/models", get(models))
-        .route("/health", get(health))
+        .route("/health", get(health_check))
         .route("/metrics", get(metrics_text))
         .with_state(state);
     axum::serve(listener, app).with_graceful_shutdown(shutdown).await?;
@@ -141,6 +148,10 @@ async fn submit(
     prompt: Vec<u32>,
     p: &Params,
 ) -> Result<(Ticket, tmpsc::UnboundedReceiver<Event>), ApiError> {
+    if let Some(f) = state.health.failure() {
+        state.metrics.rejected.inc();
+        return Err(ApiError::unavailable(f.refusal()));
+    }
     if state.inflight.fetch_add(1, Ordering::SeqCst) >= state.max_queue {
         state.inflight.fetch_sub(1, Ordering::SeqCst);
         state.metrics.rejected.inc();
@@ -172,7 +183,7 @@ async fn submit(
                 EngineError::Capacity(m) => {
                     ApiError::bad(format!("prompt + max_tokens do not fit: {m}"), Some("max_tokens"))
                 }
-                EngineError::Backend(m) => ApiError::internal(m),
+                EngineError::Backend(m) => ApiError::unavailable(m),
             })
         }
         Err(_) => Err(ApiError::internal("the engine has stopped")),
@@ -437,8 +448,17 @@ async fn models(State(state): State<Shared>) -> Response {
     (StatusCode::OK, axum::Json(body)).into_response()
 }
 
-async fn health() -> Response {
-    (StatusCode::OK, axum::Json(json!({ "status": "ok" }))).into_response()
+/// 200 while the engine serves; 503 with the failure once a backend error
+/// put it out of service (what a readiness or liveness probe reads).
+async fn health_check(State(state): State<Shared>) -> Response {
+    match state.health.failure() {
+        None => (StatusCode::OK, axum::Json(json!({ "status": "ok" }))).into_response(),
+        Some(f) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(json!({ "status": "out_of_service", "failed_step": f.step, "error": f.message })),
+        )
+            .into_response(),
+    }
 }
 
 async fn metrics_text(State(state): State<Shared>) -> Response {

@@ -1,7 +1,8 @@
 //! The server's Prometheus metrics (`GET /metrics`, text format): request
 //! latencies (TTFT, TPOT, end to end), load (running and waiting requests,
-//! KV pages), the parallelism mode and its switches, token counts, and the
-//! time the server spends outside engine steps (its own cost).
+//! KV pages), the parallelism mode and its switches, token counts, failed
+//! steps and whether the engine is out of service, and the time the server
+//! spends outside engine steps (its own cost).
 
 use moeforge_plan::memory::Mode;
 use moeforge_runtime::engine::{Stats, SwitchEvent};
@@ -25,6 +26,10 @@ pub struct Metrics {
     pub requests: IntCounter,
     pub rejected: IntCounter,
     pub cancelled: IntCounter,
+    /// Engine steps that failed (each failed the requests in it), and 1
+    /// once a backend failure put the engine out of service.
+    pub step_failures: IntCounter,
+    pub out_of_service: IntGauge,
     /// Seconds inside engine steps, and seconds the server spent around them
     /// (commands, token dispatch, HTTP handling).
     pub step_seconds: prometheus::Counter,
@@ -53,8 +58,16 @@ impl Metrics {
             tokens_in: IntCounter::new("moeforge_tokens_in_total", "prompt tokens admitted")?,
             tokens_out: IntCounter::new("moeforge_tokens_out_total", "tokens generated")?,
             requests: IntCounter::new("moeforge_requests_total", "requests accepted")?,
-            rejected: IntCounter::new("moeforge_requests_rejected_total", "requests refused (400, 429)")?,
+            rejected: IntCounter::new("moeforge_requests_rejected_total", "requests refused (400, 429, 503)")?,
             cancelled: IntCounter::new("moeforge_requests_cancelled_total", "requests cancelled by their client")?,
+            step_failures: IntCounter::new(
+                "moeforge_step_failures_total",
+                "engine steps that failed, failing the requests in them",
+            )?,
+            out_of_service: IntGauge::new(
+                "moeforge_engine_out_of_service",
+                "1 once a backend failure put the engine out of service (GET /health answers 503)",
+            )?,
             step_seconds: prometheus::Counter::new("moeforge_step_seconds_total", "seconds inside engine steps")?,
             overhead: prometheus::Counter::new(
                 "moeforge_server_seconds_total",
@@ -65,11 +78,11 @@ impl Metrics {
         for c in [&m.ttft, &m.tpot, &m.e2e, &m.switch_seconds] {
             m.registry.register(Box::new(c.clone()))?;
         }
-        for g in [&m.running, &m.waiting, &m.kv_used, &m.kv_free] {
+        for g in [&m.running, &m.waiting, &m.kv_used, &m.kv_free, &m.out_of_service] {
             m.registry.register(Box::new(g.clone()))?;
         }
         m.registry.register(Box::new(m.mode.clone()))?;
-        for c in [&m.switches, &m.tokens_in, &m.tokens_out, &m.requests, &m.rejected, &m.cancelled] {
+        for c in [&m.switches, &m.tokens_in, &m.tokens_out, &m.requests, &m.rejected, &m.cancelled, &m.step_failures] {
             m.registry.register(Box::new(c.clone()))?;
         }
         m.registry.register(Box::new(m.step_seconds.clone()))?;
