@@ -796,11 +796,15 @@ fn replicated_expert_slots_on_the_emulated_device_give_transformers_tokens() {
     let (b, _, d) = on_two_nodes_of_the_emulated_device(
         "placement { policy = zepp redundant_experts = 4 }",
         "zepp replicas on the emulated device",
+        false,
     );
     assert!(b.plan.plan().placement.is_some());
     // The relays forward rows whose ids are then rewritten per destination.
     assert!(d.forwarded_rows > 0, "{d:?}");
-    let (_, _, striped) = on_two_nodes_of_the_emulated_device("", "striped experts on the emulated device");
+    // The stripes' decode steps route too (not fixed slots, which send every
+    // row to every rank): routing against routing.
+    let (_, _, striped) = on_two_nodes_of_the_emulated_device("", "striped experts on the emulated device", true);
+    assert_eq!(striped.fixed, 0, "{striped:?}");
     assert!(d.remote_rows < striped.remote_rows, "Zepp's routing {d:?} against the stripes' {striped:?}");
     eprintln!(
         "rows to the other node: zepp {} of {}, striped {} of {}",
@@ -817,6 +821,7 @@ fn replicated_expert_slots_on_the_emulated_device_give_transformers_tokens() {
 fn on_two_nodes_of_the_emulated_device(
     placement: &str,
     label: &str,
+    route_decode: bool,
 ) -> (
     moeforge::plan::LoadedBundle,
     moeforge::runtime::device::exec::CombineTraffic,
@@ -836,6 +841,7 @@ fn on_two_nodes_of_the_emulated_device(
     // Every device routing of a replicated placement is checked against
     // the host routing of the same counts.
     t.verify_device_routing(true);
+    t.route_decode_on_device(route_decode);
     let at = |i: usize, s: usize| bound.max(steps[i][s]);
     let (e, ekv, _) = check_run_within(&f, &mut t, label, &[], &at, &at);
     let checked = t.device_routing_checked().unwrap_or(0);
@@ -896,6 +902,86 @@ fn role_plans_give_transformers_tokens_on_the_emulated_device() {
         eprintln!(
             "{strategy} on the emulated device: worst logit error {e:.2e} ({ekv:.2e} against a bf16 KV cache); {h:?}"
         );
+    }
+}
+
+/// A decode step's dispatch takes fixed slots on the emulated device (what
+/// a CUDA graph of the step needs: nothing the host reads back decides its
+/// copies): every token row goes to every rank holding experts, at the row
+/// its source and index fix, so no decode step reads a rank's top-k ids
+/// back, while prefill steps still route (and read them). Counted by the
+/// device wrapper's record of downloads inside the `TopkIds` buffer (its
+/// range from the memory plan), for a colocated EP plan and an ExpertPlex
+/// role plan with two expert ranks (the fixture's top-k); over four, more
+/// than top-k, decode routes (fixed slots would move more rows than the
+/// routed pairs), and so it does with `route_decode` (so the count can see
+/// the reads); the tokens are transformers' either way.
+#[test]
+fn decode_steps_dispatch_on_fixed_slots_reading_nothing_back_on_the_emulated_device() {
+    use moeforge::plan::memory::BufferName;
+    use moeforge::runtime::device::emu::EmuDevice;
+    let Qwen3Moe { f, ck, block, .. } = qwen3_moe();
+    let cases = [
+        ("colocated EP", 2, "", true),
+        ("ExpertPlex roles", 4, "strategy = expertplex", true),
+        ("colocated EP over more ranks than top-k", 4, "", false),
+    ];
+    for (label, ranks, extra, fixes) in cases {
+        let (cache, tmp) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let b = compile_text(&cpu_cluster_deployment(&block, 1, ranks, 0.25, extra), tmp.path());
+        let plan = b.plan.plan();
+        assert_eq!(plan.roles.is_some(), !extra.is_empty(), "{label}");
+        let ids = plan.memory.buffers.iter().find(|x| x.name == BufferName::TopkIds).expect("a TopkIds buffer");
+        let in_ids = |at: u64| at >= ids.offset && at < ids.offset + ids.bytes();
+        for route in [false, true].into_iter().filter(|&r| fixes || !r) {
+            let downloads = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+            let dev = LazySide {
+                dev: Box::new(EmuDevice::start(cache.path()).unwrap()),
+                queued: Vec::new(),
+                next: 0,
+                ran: 0,
+                last: String::new(),
+                waits: Default::default(),
+                downloads: downloads.clone(),
+            };
+            let mut t = Twin::on_device(&b, &ck, Mode::Ep, Box::new(dev)).unwrap_or_else(|e| panic!("{label}: {e}"));
+            t.route_decode_on_device(route);
+            for (i, p) in f.prompts.iter().enumerate() {
+                t.submit(Request::new(i as u64, p.clone(), f.tokens[i].len())).unwrap();
+            }
+            let (mut decode_steps, mut decode_reads, mut prefill_reads) = (0, 0, 0);
+            for _ in 0..100 {
+                if t.idle() {
+                    break;
+                }
+                let before = downloads.lock().unwrap().len();
+                let out = t.step().unwrap_or_else(|e| panic!("{label}: {e}"));
+                let reads = downloads.lock().unwrap()[before..].iter().filter(|d| in_ids(d.1)).count();
+                // A step that processed one token per token it produced decoded only.
+                if out.tokens > 0 && out.tokens == out.produced.len() {
+                    decode_steps += 1;
+                    decode_reads += reads;
+                } else {
+                    prefill_reads += reads;
+                }
+            }
+            assert!(t.idle(), "{label}: requests did not finish");
+            for (i, want) in f.tokens.iter().enumerate() {
+                assert_eq!(&t.request(i as u64).unwrap().generated, want, "{label}, route_decode {route}: request {i}");
+            }
+            let fixed = t.dispatch_traffic().unwrap().fixed;
+            eprintln!(
+                "{label}, route_decode {route}: {decode_steps} decode steps, top-k id reads {decode_reads} in them and \
+                 {prefill_reads} in prefill steps; {fixed} fixed-slot dispatches"
+            );
+            assert!(decode_steps > 0 && prefill_reads > 0, "{label}");
+            if route || !fixes {
+                assert!(decode_reads > 0 && fixed == 0, "{label}: routed decode dispatches read the ids");
+            } else {
+                assert_eq!(decode_reads, 0, "{label}: a decode step read top-k ids back");
+                assert!(fixed > 0, "{label}");
+            }
+        }
     }
 }
 
@@ -1206,7 +1292,8 @@ fn zepp_swap_run(dev: Box<dyn Device + Send>, label: &str) -> moeforge::runtime:
 #[test]
 fn the_prefill_dispatch_and_combine_relay_across_nodes_on_the_emulated_device() {
     use moeforge::plan::program::Phase;
-    let (b, c, d) = on_two_nodes_of_the_emulated_device("", "relayed dispatch and combine on the emulated device");
+    let (b, c, d) =
+        on_two_nodes_of_the_emulated_device("", "relayed dispatch and combine on the emulated device", false);
     let relayed = |phase, name: &str| {
         b.plan.plan().programs.iter().filter(|p| p.phase == phase && p.mode == Mode::Ep).all(|p| {
             p.ops().any(|(_, o)| o.name.starts_with(name) && o.comm.as_ref().is_some_and(|c| c.relay.is_some()))

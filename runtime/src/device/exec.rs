@@ -13,15 +13,18 @@
 //!   in rank order, tokens in order) with its top-k ids and weights, as one
 //!   batch of the bundle's compiled dispatch program (`kernels/xfer_dispatch.*`:
 //!   the host reads only the top-k ids, which fix where every row lands);
+//!   a decode step's dispatch instead takes fixed slots, every row to
+//!   every rank holding experts, so the token counts fix every copy and
+//!   the host reads nothing;
 //!   the combine is pulled by each token's source rank, its row the f32 sum
 //!   of the rows the receiving ranks computed, in rank order (the bundle's
 //!   compiled `combine` program: the host reads nothing); the TP all-reduce
 //!   is the compiled `all_reduce` program, a reduce-scatter then an
 //!   all-gather, rows summed in rank order. Every byte a communication op
 //!   moves is moved by a transfer program (on a GPU the same code reads
-//!   peers' buffers through their pointers); the host reads only the
-//!   dispatch's top-k ids, and writes the rewritten ids of a replicated
-//!   placement.
+//!   peers' buffers through their pointers); the host reads only a
+//!   routed dispatch's top-k ids, and writes the rewritten ids of a
+//!   replicated placement.
 //! - Counts the device computes stay there: the permutation's padded rows
 //!   (`offsets[num_local]`) are read by the scatter, the gather (a fixed
 //!   grid striding over them) and the experts on the device; a layout past
@@ -162,6 +165,9 @@ pub struct Executor {
     /// checked so far.
     verify_routing: bool,
     routing_checked: u64,
+    /// Whether decode steps route their dispatch as prefill does instead
+    /// of taking fixed slots ([`Executor::route_decode`]).
+    route_decode: bool,
 }
 
 /// The routing kernel of a replicated placement (`kernels/zepp_route.cu`)
@@ -207,7 +213,10 @@ pub struct SwapOverlap {
 /// their first, where a source's tokens in a micro-batch exceeded what its
 /// posts reserve ([`post_rounds`]; the CPU twin's `Routed::rounds` counts
 /// rounds per (source, MoE rank) pair of its rows instead, so the two are
-/// not the same count).
+/// not the same count). `fixed`: dispatches (one per op and micro-batch)
+/// that ran on fixed slots, every row to every rank holding experts, with
+/// nothing read back (a decode step's); the others read their sources'
+/// top-k ids.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DispatchTraffic {
     pub node_rows: u64,
@@ -218,6 +227,7 @@ pub struct DispatchTraffic {
     pub busiest_nic_rows: u64,
     pub busiest_nic_rows_unsplit: u64,
     pub rounds: u64,
+    pub fixed: u64,
 }
 
 /// Where the combines' rows went so far, counted per (token, computing
@@ -386,6 +396,7 @@ impl Executor {
             zepp,
             verify_routing: false,
             routing_checked: 0,
+            route_decode: false,
         };
         for l in 0..layers {
             ex.store_replica_table(l)?;
@@ -590,6 +601,14 @@ impl Executor {
     /// host routing each dispatch.
     pub fn verify_routing(&mut self, on: bool) {
         self.verify_routing = on;
+    }
+
+    /// Routes every decode dispatch as prefill's are routed (the host reads
+    /// the top-k ids and each row goes only where its entries go) instead of
+    /// taking fixed slots: a diagnostic, to compare the two (their tokens
+    /// are the same) or to count routed traffic alone.
+    pub fn route_decode(&mut self, on: bool) {
+        self.route_decode = on;
     }
 
     /// Routed entries whose device routing [`Executor::verify_routing`] checked.
@@ -833,7 +852,7 @@ impl Executor {
                     }
                     for op in meet {
                         let m = op.micro_batch.unwrap_or(0) as usize;
-                        self.comm(plan, mode, mbs as u32, op, layer, &mut counts, m, &mut routes[m])?;
+                        self.comm(plan, mode, phase, mbs as u32, op, layer, &mut counts, m, &mut routes[m])?;
                     }
                 }
             }
@@ -1282,10 +1301,12 @@ impl Executor {
 
     /// A communication op across its group.
     #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::too_many_arguments)]
     fn comm(
         &mut self,
         plan: &Plan,
         mode: Mode,
+        phase: Phase,
         mbs: u32,
         op: &Op,
         layer: u32,
@@ -1369,14 +1390,66 @@ impl Executor {
                 // (`Plan::ep_ids`), the others -1.
                 let k = plan.model.top_k as usize;
                 let ids_name = c.with[0][0];
+                let moe_layer = layer.saturating_sub(plan.memory.slots.first_moe_layer) as usize;
+                let posts: BTreeMap<(usize, usize), (u64, u64)> = plan
+                    .roles
+                    .iter()
+                    .flat_map(|r| &r.posts)
+                    .map(|x| {
+                        ((x.src as usize, x.dst as usize), (x.first_row / u64::from(mbs), x.rows / u64::from(mbs)))
+                    })
+                    .collect();
+                // A decode step's dispatch on fixed slots (DeepEP's
+                // low-latency layout, ExpertPlex's per-source regions taken
+                // whole): every token row goes to every rank of the group
+                // that holds experts, to the row its source and its index
+                // fix, with its top-k ids as they are (a striped rank's
+                // permutation takes the entries of its own experts and
+                // leaves the others; its combine row for a token it serves
+                // none of is +0.0, which the source's in-order f32 sum adds
+                // exactly). Where every row lands and what the combine pulls
+                // then follow from the token counts alone: the host reads
+                // nothing, so the step's launches and copies are the same
+                // for every step of its batch shape (what a CUDA graph
+                // captures). It moves a row per rank holding experts, at
+                // most top-k of them (a group of more ranks would move more
+                // rows than the routed dispatch's pairs, which the cost
+                // model charges; it routes until the device skips the
+                // rows a rank does not need). Prefill keeps the routed
+                // dispatch (each row only where its entries go, in fewer
+                // bytes), as do a replicated placement (its routing picks
+                // the replicas) and a relayed path; so does a decode step
+                // whose group's rows do not all fit a receiver.
+                let holders: Vec<usize> = group.iter().copied().filter(|&d| plan.local_experts(d) > 0).collect();
+                let fixed = phase == Phase::Decode
+                    && !self.route_decode
+                    && plan.placement.is_none()
+                    && self.zepp.is_none()
+                    && c.relay.is_none()
+                    && holders.len() <= k
+                    && {
+                        let cap = mem.buffer(mode, c.to).map_or(0, |b| b.slice_bytes(mbs)) / row(c.to).max(1);
+                        let tokens = |s: usize| u64::from(counts[s][m].tokens);
+                        if posts.is_empty() {
+                            group.iter().map(|&s| tokens(s)).sum::<u64>() <= cap
+                        } else {
+                            group.iter().all(|&s| {
+                                holders.iter().all(|&d| {
+                                    tokens(s) == 0
+                                        || posts
+                                            .get(&(s, d))
+                                            .is_some_and(|&(first, rows)| tokens(s) <= rows && first + rows <= cap)
+                                })
+                            })
+                        }
+                    };
                 let mut ids_of: BTreeMap<usize, Vec<i32>> = BTreeMap::new();
                 let mut ids_at: BTreeMap<usize, u64> = BTreeMap::new();
-                for &s in &group {
+                for &s in group.iter().filter(|_| !fixed) {
                     let t = counts[s][m].tokens as usize;
                     ids_at.insert(s, at(s, ids_name)?);
                     ids_of.insert(s, i32s(&self.fetch(s, at(s, ids_name)?, (t * k * 4) as u64)?));
                 }
-                let moe_layer = layer.saturating_sub(plan.memory.slots.first_moe_layer) as usize;
                 if let Some(loads) = self.expert_loads.get_mut(moe_layer) {
                     for ids in ids_of.values() {
                         for &e in ids {
@@ -1390,6 +1463,9 @@ impl Executor {
                     Some(z) => self.route(plan, z, moe_layer, &ids_of, &ids_at, &group)?,
                     None => stripe_entries(plan, &ids_of, &group),
                 };
+                if fixed {
+                    self.dispatch_traffic.fixed += 1;
+                }
                 // Where each source's rows land on a destination. A role
                 // plan's MoE server reserves each attention server rows of
                 // its `dispatch` (`roles.posts`: micro-batch m's slice holds
@@ -1398,15 +1474,10 @@ impl Executor {
                 // above exchanges counts, to choose replicas); rows between
                 // the regions' used parts carry no entry (ids −1). Otherwise
                 // the counts are exchanged first: rows packed in source-rank,
-                // then token order.
-                let posts: BTreeMap<(usize, usize), (u64, u64)> = plan
-                    .roles
-                    .iter()
-                    .flat_map(|r| &r.posts)
-                    .map(|x| {
-                        ((x.src as usize, x.dst as usize), (x.first_row / u64::from(mbs), x.rows / u64::from(mbs)))
-                    })
-                    .collect();
+                // then token order. On fixed slots every row goes everywhere,
+                // so both orders put token `tok` of source `s` at a row that
+                // the token counts fix: the region's first row + `tok`, or
+                // the earlier sources' tokens + `tok`.
                 // A relayed dispatch (§5's hierarchical prefill path):
                 // a token's row crosses to each other node once, into the
                 // receive rows of that node's relay (`Relays`), which
@@ -1426,8 +1497,10 @@ impl Executor {
                 for &s in &group {
                     let t = counts[s][m].tokens as usize;
                     for tok in 0..t {
-                        let mut dests: Vec<usize> =
-                            (0..k).filter_map(|j| assigned.get(&(s, tok * k + j)).map(|x| x.0)).collect();
+                        let mut dests: Vec<usize> = match fixed {
+                            true => holders.clone(),
+                            false => (0..k).filter_map(|j| assigned.get(&(s, tok * k + j)).map(|x| x.0)).collect(),
+                        };
                         let relays: Vec<usize> = dests.iter().filter_map(|&d| relay_of(s, d)).collect();
                         dests.sort_unstable();
                         dests.dedup();
@@ -1607,6 +1680,24 @@ impl Executor {
                     let ids_to = c.with[0][1];
                     let rd = row(ids_to) as usize;
                     for &d in &group {
+                        if fixed {
+                            // The received rows' ids came with them; the
+                            // rows between the regions' used parts get -1.
+                            let mut used = vec![false; extents[d] as usize];
+                            for &(row, _, _) in &to[d] {
+                                used[row as usize] = true;
+                            }
+                            let mut row = 0;
+                            while row < used.len() {
+                                let end = (row..used.len()).find(|&i| used[i]).unwrap_or(used.len());
+                                if end > row {
+                                    let a = row_at(at(d, ids_to)?, row as u64, rd as u64)?;
+                                    self.store(d, a, &vec![0xffu8; (end - row) * rd])?;
+                                }
+                                row = (end..used.len()).find(|&i| !used[i]).unwrap_or(used.len());
+                            }
+                            continue;
+                        }
                         let mut data = vec![0xffu8; extents[d] as usize * rd];
                         for &(row, s, tok) in &to[d] {
                             let i = row as usize;

@@ -308,6 +308,15 @@ impl Twin {
         }
     }
 
+    /// Routes the device's decode dispatches as prefill's instead of on
+    /// fixed slots ([`crate::device::exec::Executor::route_decode`]); no
+    /// effect without a device.
+    pub fn route_decode_on_device(&mut self, on: bool) {
+        if let Some(d) = self.device.as_mut() {
+            d.route_decode(on);
+        }
+    }
+
     /// Routed entries whose device routing was checked (`None` without a device).
     pub fn device_routing_checked(&self) -> Option<u64> {
         self.device.as_ref().map(crate::device::exec::Executor::routing_checked)
