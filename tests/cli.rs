@@ -80,12 +80,61 @@ fn a_failed_compile_leaves_nothing_and_keeps_the_old_bundle() {
 fn recompiling_replaces_the_bundle() {
     let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let out = tmp.path().join("b");
-    std::fs::create_dir_all(out.join("kernels")).ok();
-    std::fs::write(out.join("stale.txt"), "old").ok();
     let o = moeforge(&["compile", "-o", out.to_str().unwrap_or_default(), "--nvcc", "off"], None);
     assert!(o.status.success(), "{}", text(&o.stderr));
-    assert!(!out.join("stale.txt").exists());
+    // A previous bundle, with a kernel this compile does not write: replaced whole.
+    std::fs::write(out.join("kernels/stale.cu"), "old").ok();
+    let o = moeforge(&["compile", "-o", out.to_str().unwrap_or_default(), "--nvcc", "off"], None);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert!(!out.join("kernels/stale.cu").exists());
     assert!(load_bundle(&out).is_ok());
+}
+
+/// An output directory holding anything a bundle does not (a user's files,
+/// a mistyped `-o`) is refused, naming it, and left as it was; so is
+/// `simulate -o` (its own outputs, whatever flags wrote them, are replaced).
+#[test]
+fn an_output_directory_holding_other_files_is_not_replaced() {
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let out = tmp.path().join("precious");
+    std::fs::create_dir_all(&out).ok();
+    std::fs::write(out.join("thesis.txt"), "years of work").ok();
+    let o = moeforge(&["compile", "-o", out.to_str().unwrap_or_default(), "--nvcc", "off"], None);
+    assert_eq!(o.status.code(), Some(1));
+    let e = text(&o.stderr);
+    assert!(e.contains("holds `thesis.txt`") && e.contains("refusing to replace"), "{e}");
+    assert_eq!(std::fs::read_to_string(out.join("thesis.txt")).ok().as_deref(), Some("years of work"));
+    assert_eq!(std::fs::read_dir(&out).map(Iterator::count).unwrap_or(0), 1);
+    let sim = tmp.path().join("sim");
+    let run = |extra: &[&str]| {
+        let mut args = vec!["simulate", "-o", sim.to_str().unwrap_or_default(), "--seconds", "2", "--rates", "2"];
+        args.extend_from_slice(extra);
+        moeforge(&args, None)
+    };
+    let o = run(&["--systems", "colocated,pd-disagg", "--rollout", "8"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert!(sim.join("rollout.csv").exists() || sim.join("goodput.csv").exists());
+    let o = run(&["--systems", "colocated"]);
+    assert!(o.status.success(), "a previous simulate output is replaced: {}", text(&o.stderr));
+    std::fs::write(sim.join("notes.md"), "mine").ok();
+    let o = run(&["--systems", "colocated"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stdout));
+    assert!(sim.join("notes.md").exists());
+}
+
+/// `init-weights` writes test-sized checkpoints: a full-size model is
+/// refused before anything is allocated or created.
+#[test]
+fn init_weights_refuses_a_full_size_model_and_creates_nothing() {
+    let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let out = tmp.path().join("w");
+    let spec = root().join("examples/qwen3-235b-a22b-h200.moe");
+    let o =
+        moeforge(&["init-weights", spec.to_str().unwrap_or_default(), "-o", out.to_str().unwrap_or_default()], None);
+    assert_eq!(o.status.code(), Some(1));
+    let e = text(&o.stderr);
+    assert!(e.contains("random checkpoints are for test-sized models") && e.contains("import-hf"), "{e}");
+    assert!(!out.exists());
 }
 
 #[test]

@@ -228,9 +228,32 @@ fn a_profile_with_negative_latencies_is_refused() {
         })
         .collect();
     let opts = PlanOptions { profile: Some((Profile { samples }, "neg".into())), ..PlanOptions::default() };
-    let planned = plan_deployment_with(&checked, DeployId(0), &opts).unwrap_or_else(|d| panic!("{d:?}"));
+    // The compile refuses it (as it refuses a negative or non-finite sample).
+    let err = format!(
+        "{:?}",
+        plan_deployment_with(&checked, DeployId(0), &opts).map(|_| ()).expect_err("the profile is refused")
+    );
+    assert!(err.contains("`moe`") && err.contains("non-negative"), "{err}");
+    let bad = Sample { x: 1e200, s: 0.0, t: f64::INFINITY };
+    let opts = PlanOptions {
+        profile: Some((
+            Profile { samples: vec![ProfileSample { component: "ffn".into(), sample: bad }] },
+            "inf".into(),
+        )),
+        ..PlanOptions::default()
+    };
+    let err = format!(
+        "{:?}",
+        plan_deployment_with(&checked, DeployId(0), &opts).map(|_| ()).expect_err("the sample is refused")
+    );
+    assert!(err.contains("sample 0 (`ffn`") && err.contains("finite and non-negative"), "{err}");
+    // So does the simulator, for a plan whose cost model was not compiled here.
+    let planned =
+        plan_deployment_with(&checked, DeployId(0), &PlanOptions::default()).unwrap_or_else(|d| panic!("{d:?}"));
+    let mut plan = planned.plan().clone();
+    plan.cost.moe = moeforge::plan::cost::Fit { alpha: 1e-4, beta: -1e-8, gamma: 0.0, delta: 0.0 };
     let spec = checked.spec.deployment(DeployId(0));
-    let err = Bench::new(&spec, planned.plan()).err().unwrap_or_default();
+    let err = Bench::new(&spec, &plan).err().unwrap_or_default();
     assert!(err.contains("`moe`") && err.contains("non-negative"), "{err}");
 }
 

@@ -146,6 +146,13 @@ impl Diagnostic {
     }
 }
 
+/// Diagnostics a terminal rendering shows (the rest are counted).
+const MAX_RENDERED: usize = 50;
+
+/// The furthest column a snippet is drawn for; past it a diagnostic is
+/// rendered in its plain one-line form.
+const MAX_COLUMN: usize = 1000;
+
 /// All diagnostics of one run, in the order they were found.
 #[derive(Clone, Debug, Default, PartialEq, Eq, thiserror::Error)]
 #[error("{} error(s)", .0.len())]
@@ -174,13 +181,34 @@ impl Diagnostics {
         let theme = if color { miette::GraphicalTheme::unicode() } else { miette::GraphicalTheme::unicode_nocolor() };
         let handler = miette::GraphicalReportHandler::new_themed(theme).with_width(100);
         let mut out = String::new();
-        for d in &self.0 {
+        for d in self.0.iter().take(MAX_RENDERED) {
+            // A label far along a line (a column miette cannot pad to, or a
+            // snippet too wide to read) gets the plain form, with its help.
+            let far = d
+                .primary
+                .iter()
+                .chain(&d.secondary)
+                .any(|l| sources.line_col(l.span.file, l.span.start).1 > MAX_COLUMN);
+            if far {
+                out.push_str(&plain(d, sources));
+                if let Some(h) = &d.help {
+                    out.push_str(&format!("  help: {h}\n"));
+                }
+                out.push('\n');
+                continue;
+            }
             let m = MietteDiag::new(d, sources);
             // Rendering into a String cannot fail; fall back to the plain form anyway.
             if handler.render_report(&mut out, &m).is_err() {
                 out.push_str(&plain(d, sources));
             }
             out.push('\n');
+        }
+        if self.0.len() > MAX_RENDERED {
+            out.push_str(&format!(
+                "… and {} more (the first {MAX_RENDERED} are shown; `--format json` lists every one)\n",
+                self.0.len() - MAX_RENDERED
+            ));
         }
         let errors = self.0.iter().filter(|d| d.severity == Severity::Error).count();
         let warnings = self.0.len() - errors;

@@ -120,7 +120,8 @@ fn attention_block(
             let mut g = Fields::new(blk, "attention", diags, spans);
             let heads = g.req_count("heads", 1, 4096);
             let kv_heads = g.req_count("kv_heads", 1, 4096);
-            let head_dim = g.req_count("head_dim", 8, 1024);
+            // The attention kernels take heads of at most 256 (FlashAttention's bound too).
+            let head_dim = g.req_count("head_dim", 8, 256);
             let qk_norm = g.opt_choice(
                 "qk_norm",
                 &[

@@ -86,9 +86,28 @@ pub trait Loader {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct FsLoader;
 
+/// The largest spec file read (specs are kilobytes; a device or a huge
+/// file named by mistake must not be read to its end).
+pub const MAX_SPEC_BYTES: u64 = 16 << 20;
+
 impl Loader for FsLoader {
     fn load(&self, path: &Path) -> Result<String, String> {
-        std::fs::read_to_string(path).map_err(|e| e.to_string())
+        use std::io::Read;
+        let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
+        let meta = file.metadata().map_err(|e| e.to_string())?;
+        if !meta.is_file() {
+            return Err("not a regular file (a spec is a text file)".into());
+        }
+        if meta.len() > MAX_SPEC_BYTES {
+            return Err(format!("{} bytes: a spec file holds at most {MAX_SPEC_BYTES}", meta.len()));
+        }
+        let mut text = String::new();
+        // A file that grew since: still read at most the bound (and one byte, to see it).
+        file.take(MAX_SPEC_BYTES + 1).read_to_string(&mut text).map_err(|e| e.to_string())?;
+        if text.len() as u64 > MAX_SPEC_BYTES {
+            return Err(format!("more than {MAX_SPEC_BYTES} bytes: a spec file holds at most that"));
+        }
+        Ok(text)
     }
 }
 

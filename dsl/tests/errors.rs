@@ -450,3 +450,57 @@ fn indexer_narrower_than_rope() {
         &[Code::Inconsistent],
     );
 }
+
+#[test]
+fn head_dim_past_the_attention_kernels() {
+    // The kernels take heads of at most 256: refused where it is written.
+    check("head_dim_too_wide", "head_dim = 32", "head_dim = 264", &[Code::OutOfRange]);
+}
+
+/// A diagnostic far along a line (past the column a snippet is drawn for;
+/// past 65535 the renderer cannot even pad to it) is rendered in its plain
+/// form with its location and help, and never panics.
+#[test]
+fn a_diagnostic_past_column_65535_renders_plainly() {
+    let text = format!("{}@\n", " ".repeat(70_000));
+    let failed = check_str("wide.moe", &text).map(|_| ()).expect_err("a syntax error");
+    let shown = failed.render(false);
+    assert!(shown.contains("at wide.moe:1:70001") && shown.contains("help:"), "{}", &shown[..shown.len().min(400)]);
+}
+
+/// Thousands of diagnostics: the terminal rendering shows the first 50 and
+/// counts the rest (each rendering copies its file's text into the snippet).
+#[test]
+fn many_diagnostics_render_the_first_fifty() {
+    let fields: String = (0..2000).map(|i| format!("  nonsense_{i} = 1\n")).collect();
+    let text = BASE.replacen("  layers = 4\n", &format!("  layers = 4\n{fields}"), 1);
+    let failed = check_str("spec.moe", &text).map(|_| ()).expect_err("unknown fields");
+    assert!(failed.diagnostics.len() >= 2000);
+    let shown = failed.render(false);
+    assert!(
+        shown.contains(&format!("… and {} more", failed.diagnostics.len() - 50)),
+        "{}",
+        &shown[shown.len() - 300..]
+    );
+    assert_eq!(shown.matches("E0105").count(), 50);
+}
+
+/// `use` reads regular files of bounded size: a device is refused where
+/// the `use` is written (it would be read forever), as is a file past the bound.
+#[test]
+fn use_reads_only_regular_files_of_bounded_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let main = dir.path().join("main.moe");
+    std::fs::write(&main, "use \"/dev/zero\"\n").unwrap();
+    let failed =
+        check_paths(std::slice::from_ref(&main), &moeforge_dsl::FsLoader).map(|_| ()).expect_err("a device is refused");
+    let shown = failed.render(false);
+    assert!(shown.contains("not a regular file") && shown.contains("main.moe:1"), "{shown}");
+    let big = dir.path().join("big.moe");
+    let f = std::fs::File::create(&big).unwrap();
+    f.set_len(moeforge_dsl::source::MAX_SPEC_BYTES + 1).unwrap();
+    std::fs::write(&main, "use \"big.moe\"\n").unwrap();
+    let failed = check_paths(&[main], &moeforge_dsl::FsLoader).map(|_| ()).expect_err("a huge file is refused");
+    let shown = failed.render(false);
+    assert!(shown.contains("a spec file holds at most 16777216"), "{shown}");
+}

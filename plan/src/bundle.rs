@@ -122,24 +122,34 @@ impl Bundle {
     }
 
     /// Writes the bundle to `dir` atomically, replacing a previous bundle there.
+    /// (An existing directory is replaced only when it holds a bundle's
+    /// entries and nothing else.)
     pub fn write(&self, dir: &Path) -> std::io::Result<()> {
-        write_dir(dir, self.files.iter().map(|(p, b)| (p.as_str(), b.as_slice())))
+        let also = [MANIFEST, "spec.json", "plan.json", "report.md", "kernels"];
+        write_dir_exec(dir, self.files.iter().map(|(p, b)| (p.as_str(), b.as_slice())), &[], &also)
     }
 }
 
 /// Writes `files` (relative path, bytes) into `dir` atomically: into a
 /// sibling temp directory first, then moved into place; on any error the
-/// previous `dir` survives and nothing half-written is left.
+/// previous `dir` survives and nothing half-written is left. An existing
+/// `dir` is replaced only when it is empty or holds nothing but what such
+/// an output holds ([`write_dir_exec`]).
 pub fn write_dir<'a>(dir: &Path, files: impl Iterator<Item = (&'a str, &'a [u8])>) -> std::io::Result<()> {
-    write_dir_exec(dir, files, &[])
+    write_dir_exec(dir, files, &[], &[])
 }
 
 /// [`write_dir`], with the files in `executables` made executable (on Unix)
-/// before the directory is moved into place.
+/// before the directory is moved into place. An existing `dir` is replaced
+/// (a previous run's output) only when each entry at its top is one this
+/// output writes or one of `also` (what other runs of the same command
+/// write); anything else there (a user's files, another tool's output, a
+/// mistyped `-o`) is refused, naming it, and `dir` stays as it was.
 pub fn write_dir_exec<'a>(
     dir: &Path,
     files: impl Iterator<Item = (&'a str, &'a [u8])>,
     executables: &[&str],
+    also: &[&str],
 ) -> std::io::Result<()> {
     let parent = match dir.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
@@ -151,6 +161,23 @@ pub fn write_dir_exec<'a>(
             std::io::ErrorKind::AlreadyExists,
             format!("{} exists and is not a directory", dir.display()),
         ));
+    }
+    let files: Vec<(&str, &[u8])> = files.collect();
+    if dir.is_dir() {
+        let ours = |name: &str| also.contains(&name) || files.iter().any(|(p, _)| p.split('/').next() == Some(name));
+        for entry in std::fs::read_dir(dir)? {
+            let name = entry?.file_name().to_string_lossy().into_owned();
+            if !ours(&name) {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::AlreadyExists,
+                    format!(
+                        "{} holds `{name}`, which this output does not write: refusing to replace the directory \
+                         (choose another output directory, or remove it first)",
+                        dir.display()
+                    ),
+                ));
+            }
+        }
     }
     let stem = dir.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "bundle".into());
     let tmp = tempfile::Builder::new().prefix(&format!(".{stem}.tmp")).tempdir_in(&parent)?;

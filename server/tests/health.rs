@@ -8,7 +8,6 @@
 //!   requests get 503 without reaching the engine, `/health` answers 503
 //!   with the failure, and `/metrics` shows it.
 
-
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
 
 use moeforge_runtime::engine::{Engine, EngineError, Request, RequestId, Stats, StepOutput, SwitchEvent};

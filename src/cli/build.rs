@@ -52,6 +52,7 @@ pub fn run(a: Args) -> Result<(), ExitCode> {
         &a.output,
         files.iter().map(|(f, b)| (f.as_str(), b.as_slice())),
         &[bin.as_str()],
+        &[],
     )
     .map_err(|e| error(format!("cannot write {}: {e}", a.output.display()), ""))?;
     let c = &p.cluster;

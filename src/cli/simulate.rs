@@ -189,7 +189,17 @@ pub fn run(a: Args) -> Result<(), ExitCode> {
         }
         files.push(("sensitivity.txt", table));
     }
-    moeforge::plan::bundle::write_dir(&a.output, files.iter().map(|(n, b)| (*n, b.as_bytes())))
+    // What other runs of `simulate` write (flags add files).
+    let also = [
+        "goodput.csv",
+        "attainment.csv",
+        "attainment.svg",
+        "placement.csv",
+        "bursty.csv",
+        "rollout.csv",
+        "sensitivity.txt",
+    ];
+    moeforge::plan::bundle::write_dir_exec(&a.output, files.iter().map(|(n, b)| (*n, b.as_bytes())), &[], &also)
         .map_err(|e| error(format!("cannot write {}: {e}", a.output.display()), ""))?;
     out(&text);
     let names: Vec<&str> = files.iter().map(|f| f.0).collect();

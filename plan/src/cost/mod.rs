@@ -420,8 +420,44 @@ impl CostModel {
             + rows * (self.moe_row_io + self.moe_row_mid / slice) * stream
     }
 
+    /// Whether every fitted component gives a finite, non-negative latency
+    /// over the sizes serving reaches (what a fitted profile must, and what
+    /// the simulator needs: work takes time).
+    pub fn check_latencies(&self) -> Result<(), String> {
+        for (name, fit, s) in [
+            ("attn_prefill", &self.attn_prefill, 2048.0),
+            ("attn_decode", &self.attn_decode, 2048.0),
+            ("moe", &self.moe, 1.0),
+            ("ffn", &self.ffn, 0.0),
+            ("head", &self.head, 0.0),
+        ] {
+            for x in [0.0, 1.0, 16.0, 256.0, 4096.0, 65536.0] {
+                let t = fit.eval(x, s);
+                if !(t.is_finite() && t >= 0.0) {
+                    return Err(format!(
+                        "the cost model's `{name}` gives {t:e} s at x = {x}, s = {s} ({}); a latency must be finite \
+                         and non-negative",
+                        self.source
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Applies measured samples: every component with samples is refitted.
+    /// Samples must be finite, sizes and latencies non-negative, and the
+    /// fits must give latencies [`CostModel::check_latencies`] accepts.
     pub fn with_profile(mut self, profile: &Profile, digest: &str) -> Result<CostModel, String> {
+        if let Some((i, p)) = profile.samples.iter().enumerate().find(|(_, p)| {
+            let s = p.sample;
+            ![s.x, s.s, s.t].iter().all(|v| v.is_finite() && *v >= 0.0)
+        }) {
+            return Err(format!(
+                "sample {i} (`{}`: x = {}, s = {}, t = {}): sizes and latencies must be finite and non-negative",
+                p.component, p.sample.x, p.sample.s, p.sample.t
+            ));
+        }
         for (name, fit) in [
             ("attn_prefill", &mut self.attn_prefill),
             ("attn_decode", &mut self.attn_decode),
@@ -445,6 +481,7 @@ impl CostModel {
             return Err(format!("unknown component `{}` (known: {})", s.component, COMPONENTS.join(", ")));
         }
         self.source = format!("profile sha256:{digest}");
+        self.check_latencies()?;
         Ok(self)
     }
 

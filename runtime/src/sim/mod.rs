@@ -168,23 +168,7 @@ impl<'a> Bench<'a> {
     /// negative or non-finite latencies over the batch sizes serving reaches.
     pub fn new(spec: &'a Spec, plan: &'a Plan) -> Result<Bench<'a>, String> {
         let cm = &plan.cost;
-        for (name, fit, s) in [
-            ("attn_prefill", &cm.attn_prefill, 2048.0),
-            ("attn_decode", &cm.attn_decode, 2048.0),
-            ("moe", &cm.moe, 1.0),
-            ("ffn", &cm.ffn, 0.0),
-            ("head", &cm.head, 0.0),
-        ] {
-            for x in [0.0, 1.0, 16.0, 256.0, 4096.0, 65536.0] {
-                let t = fit.eval(x, s);
-                if !(t.is_finite() && t >= 0.0) {
-                    return Err(format!(
-                        "the cost model's `{name}` gives {t:e} s at x = {x}, s = {s} ({}); a latency must be finite and non-negative",
-                        cm.source
-                    ));
-                }
-            }
-        }
+        cm.check_latencies()?;
         let d = spec.deploys.first().ok_or("the bundle's spec holds no deployment")?;
         let (m, c, t) = (spec.model(d.model), spec.cluster(d.cluster), spec.tile_set(d.tiles));
         let workspace = Workspace::of(m, plan.memory.modes.len() == 2).bytes();

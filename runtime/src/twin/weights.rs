@@ -187,7 +187,17 @@ pub enum WeightsError {
     Fused { name: String, found: Vec<usize>, rows: &'static str },
     #[error("tensor `{name}` is in the checkpoint but the model computes without it ({why}); refusing rather than ignoring it")]
     Unused { name: String, why: &'static str },
+    #[error(
+        "a random checkpoint of this model holds {params} parameters (about {gb:.1} GB): random checkpoints are for \
+         test-sized models of at most {limit} parameters; serve a real checkpoint instead (`moeforge import-hf`)"
+    )]
+    TooLarge { params: u64, gb: f64, limit: u64 },
 }
+
+/// The most parameters [`write_random`] writes: it builds the checkpoint in
+/// memory (2 bytes a parameter, and the largest tensor's f32 values), which
+/// is for test-sized models.
+pub const MAX_RANDOM_PARAMS: u64 = 1 << 30;
 
 /// Canonical name of a checkpoint tensor name.
 pub fn canonical(name: &str) -> String {
@@ -523,9 +533,30 @@ pub fn quantize_e4m3(w: &[f32], rows: usize, cols: usize, block: usize) -> (Vec<
 
 /// Writes a random bf16 checkpoint for `m` to `dir/model.safetensors`
 /// (scaled like a trained model: 1/√fan_in weights, unit norms).
+/// Refuses models past [`MAX_RANDOM_PARAMS`] before allocating anything, and
+/// writes the file under a temporary name renamed into place, so a failure
+/// (a full disk) leaves no partial checkpoint (nor a directory it created).
 pub fn write_random(m: &TwinModel, seed: u64, family: Family, dir: &Path) -> Result<(), WeightsError> {
+    let params = m
+        .tensor_shapes()
+        .iter()
+        .map(|(_, s)| s.iter().try_fold(1u64, |a, &d| a.checked_mul(d as u64)))
+        .try_fold(0u64, |a, n| a.checked_add(n?))
+        .unwrap_or(u64::MAX);
+    if params > MAX_RANDOM_PARAMS {
+        return Err(WeightsError::TooLarge { params, gb: params as f64 * 2.0 / 1e9, limit: MAX_RANDOM_PARAMS });
+    }
     let io = |e: std::io::Error| WeightsError::Io { path: dir.display().to_string(), err: e.to_string() };
+    let created = !dir.exists();
     std::fs::create_dir_all(dir).map_err(io)?;
+    let written = write_random_into(m, seed, family, dir);
+    if written.is_err() && created {
+        let _ = std::fs::remove_dir(dir);
+    }
+    written
+}
+
+fn write_random_into(m: &TwinModel, seed: u64, family: Family, dir: &Path) -> Result<(), WeightsError> {
     let mut rng = moeforge_plan::rng::SplitMix64(seed ^ 0x6d6f_6566_6f72_6765);
     let mut next = move || rng.signed_unit();
     let mut tensors: Vec<(String, Vec<usize>, Dtype, Vec<u8>)> = Vec::new();
@@ -571,6 +602,11 @@ pub fn write_random(m: &TwinModel, seed: u64, family: Family, dir: &Path) -> Res
         })
         .collect::<Result<_, _>>()?;
     let path = dir.join("model.safetensors");
-    safetensors::serialize_to_file(views, &None, &path)
-        .map_err(|e| WeightsError::Io { path: path.display().to_string(), err: e.to_string() })
+    let tmp = dir.join(".model.safetensors.partial");
+    let fail = |e: String| {
+        let _ = std::fs::remove_file(&tmp);
+        WeightsError::Io { path: path.display().to_string(), err: e }
+    };
+    safetensors::serialize_to_file(views, &None, &tmp).map_err(|e| fail(e.to_string()))?;
+    std::fs::rename(&tmp, &path).map_err(|e| fail(e.to_string()))
 }
