@@ -101,6 +101,30 @@ pub fn expected_x_moe(routed: f64, total_experts: f64, experts: f64, m_t: f64) -
         return 0.0;
     }
     let mt = m_t.max(1.0);
+    // The layout search asks for the same (λ, M_t) many times over (each
+    // layout's batch sweep): the sum is remembered per exact pair (a pure
+    // function of its arguments, so results stay bit-identical).
+    thread_local! {
+        static TILES: std::cell::RefCell<std::collections::HashMap<(u64, u64), f64>> =
+            std::cell::RefCell::new(std::collections::HashMap::new());
+    }
+    let key = (lambda.to_bits(), mt.to_bits());
+    if let Some(t) = TILES.with(|c| c.borrow().get(&key).copied()) {
+        return experts * t;
+    }
+    let tiles = expected_tiles(lambda, mt);
+    TILES.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.len() >= 1 << 20 {
+            c.clear();
+        }
+        c.insert(key, tiles);
+    });
+    experts * tiles
+}
+
+/// E⌈m / M_t⌉ of one expert whose rows m are Poisson with mean `lambda`.
+fn expected_tiles(lambda: f64, mt: f64) -> f64 {
     let cap = lambda + 40.0 * lambda.sqrt() + 40.0;
     let mut tiles = 0.0;
     if lambda > 200.0 {
@@ -132,7 +156,7 @@ pub fn expected_x_moe(routed: f64, total_experts: f64, experts: f64, m_t: f64) -
             cdf += p;
         }
     }
-    experts * tiles
+    tiles
 }
 
 /// Expected number of the `experts` local experts that receive at least one
