@@ -113,7 +113,7 @@ fn an_output_directory_holding_other_files_is_not_replaced() {
     };
     let o = run(&["--systems", "colocated,pd-disagg", "--rollout", "8"]);
     assert!(o.status.success(), "{}", text(&o.stderr));
-    assert!(sim.join("rollout.csv").exists() || sim.join("goodput.csv").exists());
+    assert!(sim.join("rollout.csv").exists(), "the rollout's output, which the next run does not write");
     let o = run(&["--systems", "colocated"]);
     assert!(o.status.success(), "a previous simulate output is replaced: {}", text(&o.stderr));
     std::fs::write(sim.join("notes.md"), "mine").ok();
@@ -135,6 +135,18 @@ fn init_weights_refuses_a_full_size_model_and_creates_nothing() {
     let e = text(&o.stderr);
     assert!(e.contains("random checkpoints are for test-sized models") && e.contains("import-hf"), "{e}");
     assert!(!out.exists());
+    // A write that fails midway (the file-size limit stands in for a full
+    // disk) leaves no partial checkpoint, nor the directories it created.
+    let nested = tmp.path().join("a/b/c");
+    let tiny = root().join("examples/tiny-qwen3-cpu4.moe");
+    let o = std::process::Command::new("sh")
+        .arg("-c")
+        .arg("trap '' XFSZ; ulimit -f 64; exec \"$0\" init-weights \"$1\" -o \"$2\"")
+        .args([env!("CARGO_BIN_EXE_moeforge"), tiny.to_str().unwrap_or_default(), nested.to_str().unwrap_or_default()])
+        .output()
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
+    assert!(!tmp.path().join("a").exists(), "a failed write left {}", tmp.path().join("a").display());
 }
 
 #[test]

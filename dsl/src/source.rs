@@ -93,11 +93,12 @@ pub const MAX_SPEC_BYTES: u64 = 16 << 20;
 impl Loader for FsLoader {
     fn load(&self, path: &Path) -> Result<String, String> {
         use std::io::Read;
-        let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
-        let meta = file.metadata().map_err(|e| e.to_string())?;
+        // Before opening: opening a FIFO blocks until something writes to it.
+        let meta = std::fs::metadata(path).map_err(|e| e.to_string())?;
         if !meta.is_file() {
             return Err("not a regular file (a spec is a text file)".into());
         }
+        let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
         if meta.len() > MAX_SPEC_BYTES {
             return Err(format!("{} bytes: a spec file holds at most {MAX_SPEC_BYTES}", meta.len()));
         }

@@ -53,19 +53,23 @@ pub struct Health {
     failed: Mutex<Option<Failure>>,
 }
 
-/// The step that failed and why.
+/// The step that failed (`None`: the engine thread itself stopped) and why.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Failure {
-    pub step: usize,
+    pub step: Option<usize>,
     pub message: String,
 }
 
 impl Failure {
     /// What a refused request is told.
     pub fn refusal(&self) -> String {
+        let what = match self.step {
+            Some(s) => format!("step {s} (or the switch before it) failed"),
+            None => "the engine thread stopped".into(),
+        };
         format!(
-            "the engine is out of service: step {} failed ({}); restart the server (GET /health says 503 until then)",
-            self.step, self.message
+            "the engine is out of service: {what} ({}); restart the server (GET /health says 503 until then)",
+            self.message
         )
     }
 }
@@ -74,7 +78,7 @@ impl Health {
     pub fn failure(&self) -> Option<Failure> {
         self.failed.lock().map_or_else(|p| p.into_inner().clone(), |g| g.clone())
     }
-    fn fail(&self, f: Failure) {
+    pub(crate) fn fail(&self, f: Failure) {
         let mut g = self.failed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         g.get_or_insert(f);
     }
@@ -122,7 +126,7 @@ pub fn run<E: Engine>(mut driver: Driver<E>, commands: mpsc::Receiver<Command>, 
                 metrics.step_failures.inc();
                 let message = match &e {
                     EngineError::Backend(m) => {
-                        let f = Failure { step: driver.engine.stats().steps, message: m.clone() };
+                        let f = Failure { step: Some(driver.engine.stats().steps), message: m.clone() };
                         metrics.out_of_service.set(1);
                         let refusal = f.refusal();
                         health.fail(f);

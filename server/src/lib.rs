@@ -83,9 +83,20 @@ where
     let (tx, rx) = mpsc::channel();
     let (m, health) = (metrics.clone(), Arc::new(Health::default()));
     let h = health.clone();
-    let engine = std::thread::Builder::new()
-        .name("moeforge-engine".into())
-        .spawn(move || engine_loop::run(driver, rx, &m, &h))?;
+    // A panic in the engine (a bug) ends its thread; the server then says
+    // so as for a backend failure, instead of looking healthy with no engine.
+    let engine = std::thread::Builder::new().name("moeforge-engine".into()).spawn(move || {
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine_loop::run(driver, rx, &m, &h)));
+        if let Err(p) = ran {
+            let why = p
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic".into());
+            h.fail(engine_loop::Failure { step: None, message: format!("it panicked: {why}") });
+            m.out_of_service.set(1);
+        }
+    })?;
     let state = Arc::new(AppState {
         commands: Mutex::new(tx),
         text: cfg.text,
@@ -166,7 +177,7 @@ async fn submit(
     let sent =
         state.commands.lock().map(|c| c.send(Command::Submit { req, accepted, events }).is_ok()).unwrap_or(false);
     if !sent {
-        return Err(ApiError::internal("the engine has stopped"));
+        return Err(ApiError::unavailable(stopped(state)));
     }
     match answer.await {
         Ok(Ok(())) => {
@@ -186,7 +197,7 @@ async fn submit(
                 EngineError::Backend(m) => ApiError::unavailable(m),
             })
         }
-        Err(_) => Err(ApiError::internal("the engine has stopped")),
+        Err(_) => Err(ApiError::unavailable(stopped(state))),
     }
 }
 
@@ -265,6 +276,15 @@ async fn chat(State(state): State<Shared>, body: Bytes) -> Response {
             e.into_response()
         }
     }
+}
+
+/// What a request the engine dropped without an answer is told: the
+/// failure that put it out of service, if one was recorded.
+fn stopped(state: &AppState) -> String {
+    state
+        .health
+        .failure()
+        .map_or_else(|| "the engine stopped before the request finished; restart the server".into(), |f| f.refusal())
 }
 
 /// Without a tokenizer every choice carries its token ids.
@@ -352,6 +372,7 @@ async fn respond(state: Shared, kind: Kind, prompt: Vec<u32>, with_ids: bool, p:
         let mut out = Output::new(text, &p.stop);
         let mut s = String::new();
         let mut finish = "length";
+        let mut ended = false;
         while let Some(ev) = events.recv().await {
             let t0 = Instant::now();
             match ev {
@@ -360,12 +381,14 @@ async fn respond(state: Shared, kind: Kind, prompt: Vec<u32>, with_ids: bool, p:
                     s.push_str(&new);
                     if stop {
                         finish = "stop";
+                        ended = true;
                         break;
                     }
                 }
                 Event::Done => {
                     ticket.close();
                     s.push_str(&out.flush());
+                    ended = true;
                     break;
                 }
                 Event::Failed(m) => {
@@ -374,6 +397,10 @@ async fn respond(state: Shared, kind: Kind, prompt: Vec<u32>, with_ids: bool, p:
                 }
             }
             state.metrics.overhead.inc_by(t0.elapsed().as_secs_f64());
+        }
+        if !ended {
+            // The engine went away mid-request (its thread stopped).
+            return ApiError::unavailable(stopped(&state)).into_response();
         }
         let n = out.ids.len();
         let body = json!({
@@ -397,6 +424,7 @@ async fn respond(state: Shared, kind: Kind, prompt: Vec<u32>, with_ids: bool, p:
         };
         let mut first = true;
         let mut finish = "length";
+        let mut ended = false;
         while let Some(ev) = events.recv().await {
             let t0 = Instant::now();
             let (text, ids, end) = match ev {
@@ -404,12 +432,14 @@ async fn respond(state: Shared, kind: Kind, prompt: Vec<u32>, with_ids: bool, p:
                     let (new, stop) = out.push(t);
                     if stop {
                         finish = "stop";
+                        ended = true;
                         break;
                     }
                     (new, vec![t], false)
                 }
                 Event::Done => {
                     ticket.close();
+                    ended = true;
                     (out.flush(), vec![], true)
                 }
                 Event::Failed(m) => {
@@ -435,6 +465,13 @@ async fn respond(state: Shared, kind: Kind, prompt: Vec<u32>, with_ids: bool, p:
             if end {
                 break;
             }
+        }
+        if !ended {
+            // The engine went away mid-stream (its thread stopped): an error
+            // event, not a finished choice.
+            ticket.close();
+            let _ = tx.send(Ok(SseEvent::default().data(ApiError::unavailable(stopped(&st)).body().to_string()))).await;
+            return;
         }
         let _ = tx.send(Ok(chunk("", with_ids.then_some(&[][..]), Some(finish), first))).await;
         let _ = tx.send(Ok(SseEvent::default().data("[DONE]"))).await;

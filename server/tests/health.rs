@@ -27,6 +27,8 @@ struct Scripted {
     step: usize,
     fail_at: usize,
     failure: Option<EngineError>,
+    /// Panics (a bug in an engine) at step `fail_at` instead.
+    panics: bool,
     submitted: Arc<AtomicUsize>,
 }
 
@@ -39,6 +41,7 @@ impl Engine for Scripted {
     fn step(&mut self) -> Result<StepOutput, EngineError> {
         let step = self.step;
         if step == self.fail_at {
+            assert!(!self.panics, "the scripted engine's bug at step {step}");
             if let Some(e) = self.failure.take() {
                 return Err(e);
             }
@@ -96,12 +99,19 @@ fn metric(text: &str, name: &str) -> f64 {
         .unwrap_or_else(|| panic!("no {name} in /metrics"))
 }
 
-/// Serves a scripted engine failing its step `fail_at` with `failure`, runs
+/// Serves a scripted engine failing its step `fail_at` with `failure` (or
+/// panicking there without one), runs
 /// `check` against it, then shuts it down; returns the engine's submissions.
-fn with_server(fail_at: usize, failure: EngineError, check: impl FnOnce(std::net::SocketAddr)) -> usize {
+fn with_server(fail_at: usize, failure: Option<EngineError>, check: impl FnOnce(std::net::SocketAddr)) -> usize {
     let submitted = Arc::new(AtomicUsize::new(0));
-    let engine =
-        Scripted { running: VecDeque::new(), step: 0, fail_at, failure: Some(failure), submitted: submitted.clone() };
+    let engine = Scripted {
+        running: VecDeque::new(),
+        step: 0,
+        fail_at,
+        panics: failure.is_none(),
+        failure,
+        submitted: submitted.clone(),
+    };
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
     let addr = listener.local_addr().unwrap();
@@ -120,7 +130,7 @@ const ASK: &str = r#"{"prompt": [1, 2, 3], "max_tokens": 4}"#;
 
 #[test]
 fn a_capacity_failure_fails_its_step_and_the_server_goes_on() {
-    let submitted = with_server(1, EngineError::Capacity("rank 0 ran out of KV pages".into()), |addr| {
+    let submitted = with_server(1, Some(EngineError::Capacity("rank 0 ran out of KV pages".into())), |addr| {
         let (code, body) = http(addr, "POST", "/v1/completions", ASK);
         assert_eq!(code, 500, "{body}");
         let msg = json(&body)["error"]["message"].as_str().unwrap().to_string();
@@ -142,7 +152,7 @@ fn a_capacity_failure_fails_its_step_and_the_server_goes_on() {
 
 #[test]
 fn a_backend_failure_puts_the_engine_out_of_service() {
-    let submitted = with_server(2, EngineError::Backend("launch of `moe_apk` failed: trap".into()), |addr| {
+    let submitted = with_server(2, Some(EngineError::Backend("launch of `moe_apk` failed: trap".into())), |addr| {
         let (code, body) = http(addr, "GET", "/health", "");
         assert_eq!(code, 200, "{body}");
         // The request in flight fails with the device's message.
@@ -160,10 +170,35 @@ fn a_backend_failure_puts_the_engine_out_of_service() {
         let (code, body) = http(addr, "POST", "/v1/completions", ASK);
         assert_eq!(code, 503, "{body}");
         let msg = json(&body)["error"]["message"].as_str().unwrap().to_string();
-        assert!(msg.contains("step 2 failed") && msg.contains("restart the server"), "{msg}");
+        assert!(msg.contains("step 2 (or the switch before it) failed") && msg.contains("restart the server"), "{msg}");
         let (_, m) = http(addr, "GET", "/metrics", "");
         assert_eq!(metric(&m, "moeforge_step_failures_total"), 1.0);
         assert_eq!(metric(&m, "moeforge_engine_out_of_service"), 1.0);
     });
     assert_eq!(submitted, 1, "a request reached the engine after it went out of service");
+}
+
+/// An engine that panics (a bug) ends the engine thread: the request in
+/// flight gets a 503 rather than a truncated 200, and the server reports
+/// itself out of service as for a backend failure, with no step to name.
+#[test]
+fn an_engine_panic_puts_the_server_out_of_service() {
+    let submitted = with_server(1, None, |addr| {
+        let (code, body) = http(addr, "POST", "/v1/completions", ASK);
+        assert_eq!(code, 503, "{body}");
+        let (code, body) = http(addr, "GET", "/health", "");
+        assert_eq!(code, 503, "{body}");
+        let h = json(&body);
+        assert_eq!(h["failed_step"], Value::Null);
+        assert!(h["error"].as_str().is_some_and(|e| e.contains("panicked") && e.contains("bug at step 1")), "{h}");
+        let (code, body) = http(addr, "POST", "/v1/completions", ASK);
+        assert_eq!(code, 503, "{body}");
+        assert!(
+            json(&body)["error"]["message"].as_str().is_some_and(|m| m.contains("engine thread stopped")),
+            "{body}"
+        );
+        let (_, m) = http(addr, "GET", "/metrics", "");
+        assert_eq!(metric(&m, "moeforge_engine_out_of_service"), 1.0);
+    });
+    assert_eq!(submitted, 1);
 }

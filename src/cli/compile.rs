@@ -16,7 +16,8 @@ pub struct Args {
     /// A `.moe` file holding a `deploy` block; omitted: the embedded
     /// default (Qwen3-30B-A3B on 1×8 H200).
     file: Option<PathBuf>,
-    /// Output directory; replaced atomically if it exists.
+    /// Output directory, written atomically; an existing one is replaced only when it holds
+    /// nothing but this command's outputs (anything else there is refused).
     #[arg(short, long, default_value = "bundle")]
     output: PathBuf,
     /// Which deployment, when the file has several.

@@ -14,7 +14,8 @@ use std::process::ExitCode;
 pub struct Args {
     /// A `.moe` file holding a `deploy` block; omitted: the embedded default.
     file: Option<PathBuf>,
-    /// Output directory; replaced atomically if it exists.
+    /// Output directory, written atomically; an existing one is replaced only when it holds
+    /// nothing but this command's outputs (anything else there is refused).
     #[arg(short, long, default_value = "sim")]
     output: PathBuf,
     #[arg(long)]

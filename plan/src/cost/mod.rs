@@ -505,7 +505,9 @@ impl CostModel {
             return Err(format!("unknown component `{}` (known: {})", s.component, COMPONENTS.join(", ")));
         }
         self.source = format!("profile sha256:{digest}");
-        self.check_latencies()?;
+        self.check_latencies().map_err(|e| {
+            format!("{e}: a fit extrapolated past its samples can go negative; measure over the sizes serving reaches")
+        })?;
         Ok(self)
     }
 

@@ -13,9 +13,10 @@
 //!   in rank order, tokens in order) with its top-k ids and weights, as one
 //!   batch of the bundle's compiled dispatch program (`kernels/xfer_dispatch.*`:
 //!   the host reads only the top-k ids, which fix where every row lands);
-//!   a decode step's dispatch instead takes fixed slots, every row to
-//!   every rank holding experts, so the token counts fix every copy and
-//!   the host reads nothing;
+//!   a decode step's dispatch (striped, direct, over at most top-k ranks
+//!   holding experts, whose rows fit) instead takes fixed slots, every
+//!   row to every such rank, so the token counts fix every copy and the
+//!   host reads nothing;
 //!   the combine is pulled by each token's source rank, its row the f32 sum
 //!   of the rows the receiving ranks computed, in rank order (the bundle's
 //!   compiled `combine` program: the host reads nothing); the TP all-reduce
@@ -23,8 +24,9 @@
 //!   all-gather, rows summed in rank order. Every byte a communication op
 //!   moves is moved by a transfer program (on a GPU the same code reads
 //!   peers' buffers through their pointers); the host reads only a
-//!   routed dispatch's top-k ids, and writes the rewritten ids of a
-//!   replicated placement.
+//!   routed dispatch's top-k ids, and writes the ids each destination
+//!   sees where the plan needs them (a replicated placement's rewritten
+//!   ids, a role plan's per-destination ids, -1 in rows no source used).
 //! - Counts the device computes stay there: the permutation's padded rows
 //!   (`offsets[num_local]`) are read by the scatter, the gather (a fixed
 //!   grid striding over them) and the experts on the device; a layout past
@@ -146,7 +148,9 @@ pub struct Executor {
     /// order (the plan's placement, then every swap since).
     slots: Vec<Vec<Vec<u32>>>,
     /// Routed entries per MoE layer and expert since the last
-    /// [`Executor::take_expert_loads`].
+    /// [`Executor::take_expert_loads`], counted from the ids a routed
+    /// dispatch reads (a fixed-slot decode dispatch reads none; it runs
+    /// only without replicas, where nothing uses the loads).
     expert_loads: Vec<Vec<f64>>,
     traffic: CombineTraffic,
     dispatch_traffic: DispatchTraffic,
@@ -1301,7 +1305,6 @@ impl Executor {
 
     /// A communication op across its group.
     #[allow(clippy::too_many_arguments)]
-    #[allow(clippy::too_many_arguments)]
     fn comm(
         &mut self,
         plan: &Plan,
@@ -1666,13 +1669,23 @@ impl Executor {
                     counts[d][m].received_entries = (extents[d] * k as u64) as u32;
                 }
                 let bad = |e: moeforge_xfer::XferError| ExecError::Plan(format!("op `{}`: {e}", op.name));
+                if fixed && !posts.is_empty() {
+                    // The rows between the posts' used parts carry no entry:
+                    // -1 over every received row, one upload per destination,
+                    // before the rows (their ids with them) land.
+                    let ids_to = c.with[0][1];
+                    let rd = row(ids_to);
+                    for &d in group.iter().filter(|&&d| extents[d] > 0) {
+                        self.store(d, at(d, ids_to)?, &vec![0xffu8; (extents[d] * rd) as usize])?;
+                    }
+                }
                 let batches = [
                     code.program.batch(&handed).map_err(bad)?,
                     code.program.batch(&hops).map_err(bad)?,
                     code.program.batch(&forwards).map_err(bad)?,
                 ];
                 self.dev.transfer(&code, &batches, &self.buffers)?;
-                if plan.placement.is_some() || !posts.is_empty() {
+                if !fixed && (plan.placement.is_some() || !posts.is_empty()) {
                     // Each destination's view of a row's entries: the ids
                     // the rows carried (a replicated placement's rewritten
                     // to the physical slot the destination serves, -1 for
@@ -1680,24 +1693,6 @@ impl Executor {
                     let ids_to = c.with[0][1];
                     let rd = row(ids_to) as usize;
                     for &d in &group {
-                        if fixed {
-                            // The received rows' ids came with them; the
-                            // rows between the regions' used parts get -1.
-                            let mut used = vec![false; extents[d] as usize];
-                            for &(row, _, _) in &to[d] {
-                                used[row as usize] = true;
-                            }
-                            let mut row = 0;
-                            while row < used.len() {
-                                let end = (row..used.len()).find(|&i| used[i]).unwrap_or(used.len());
-                                if end > row {
-                                    let a = row_at(at(d, ids_to)?, row as u64, rd as u64)?;
-                                    self.store(d, a, &vec![0xffu8; (end - row) * rd])?;
-                                }
-                                row = (end..used.len()).find(|&i| !used[i]).unwrap_or(used.len());
-                            }
-                            continue;
-                        }
                         let mut data = vec![0xffu8; extents[d] as usize * rd];
                         for &(row, s, tok) in &to[d] {
                             let i = row as usize;

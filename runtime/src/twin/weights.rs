@@ -547,11 +547,13 @@ pub fn write_random(m: &TwinModel, seed: u64, family: Family, dir: &Path) -> Res
         return Err(WeightsError::TooLarge { params, gb: params as f64 * 2.0 / 1e9, limit: MAX_RANDOM_PARAMS });
     }
     let io = |e: std::io::Error| WeightsError::Io { path: dir.display().to_string(), err: e.to_string() };
-    let created = !dir.exists();
+    // The outermost directory this call creates, removed again on failure.
+    let created =
+        dir.ancestors().take_while(|a| !a.as_os_str().is_empty() && !a.exists()).last().map(Path::to_path_buf);
     std::fs::create_dir_all(dir).map_err(io)?;
     let written = write_random_into(m, seed, family, dir);
-    if written.is_err() && created {
-        let _ = std::fs::remove_dir(dir);
+    if let (Err(_), Some(c)) = (&written, &created) {
+        let _ = std::fs::remove_dir_all(c);
     }
     written
 }
