@@ -13,6 +13,10 @@ use crate::units::Dim;
 
 const BIG: u64 = 1 << 24;
 
+/// The longest prompt or output a workload may draw (a million tokens, past
+/// every context the zoo's models serve): the simulator decodes every token.
+const MAX_LENGTH: u64 = 1 << 20;
+
 pub fn model(b: &Block, name: &str, diags: &mut Diagnostics, spans: &mut SpanMap) -> Option<Model> {
     let mut f = Fields::new(b, "", diags, spans);
     let layers = f.req_count("layers", 1, 1024);
@@ -670,13 +674,13 @@ fn length_dist(kind: &Ident, blk: Option<&Block>, diags: &mut Diagnostics, spans
     let mut f = Fields::new(b, "workload.dist", diags, spans);
     let out = match kind.text.as_str() {
         "fixed" => {
-            let v = f.req_count("value", 1, BIG);
+            let v = f.req_count("value", 1, MAX_LENGTH);
             f.finish();
             LengthDist::Fixed { value: v? }
         }
         "uniform" => {
-            let min = f.req_count("min", 1, BIG);
-            let max = f.req_count("max", 1, BIG);
+            let min = f.req_count("min", 1, MAX_LENGTH);
+            let max = f.req_count("max", 1, MAX_LENGTH);
             let head = f.head();
             f.finish();
             let (min, max) = (min?, max?);
@@ -693,7 +697,7 @@ fn length_dist(kind: &Ident, blk: Option<&Block>, diags: &mut Diagnostics, spans
         "lognormal" => {
             let mean = f.req_qty("mean", Dim::None, 1.0, 1e7, "1024");
             let sigma = f.req_qty("sigma", Dim::None, 0.0, 10.0, "1.0");
-            let max = f.req_count("max", 1, BIG);
+            let max = f.req_count("max", 1, MAX_LENGTH);
             f.finish();
             LengthDist::Lognormal { mean: mean?, sigma: sigma?, max: max? }
         }

@@ -504,3 +504,10 @@ fn use_reads_only_regular_files_of_bounded_size() {
     let shown = failed.render(false);
     assert!(shown.contains("a spec file holds at most 16777216"), "{shown}");
 }
+
+#[test]
+fn a_workload_length_past_a_million_tokens() {
+    // The simulator decodes every token of every request: 16M-token outputs
+    // are refused where they are written.
+    check("length_too_long", "output = sharegpt", "output fixed { value = 16777216 }", &[Code::OutOfRange]);
+}
