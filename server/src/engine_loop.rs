@@ -17,7 +17,9 @@
 //! service from then on ([`Health`]). Later submissions are refused without
 //! touching it and `GET /health` answers 503 with the error, so an
 //! orchestrator's probe restarts the server instead of routing requests to
-//! an engine that can only fail them.
+//! an engine that can only fail them. A panic of this thread (a bug) does
+//! the same: the server catches it where it spawned the thread, and a
+//! request whose events end without an answer gets a 503.
 
 use crate::metrics::Metrics;
 use moeforge_runtime::engine::{Engine, EngineError, Request, RequestId};
