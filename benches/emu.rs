@@ -7,7 +7,8 @@
 //! and emitted kernels built for the host. Setup (compile, the kernels' host
 //! build, which is cached by content, and the weight upload) is outside the
 //! timing. Throughput is in generated tokens per second; steps per second
-//! are that divided by 3.
+//! are that divided by 3. A second group times the decode dispatch on fixed
+//! slots against the routed one on the same bundle.
 //!
 //!     cargo bench --bench emu
 
@@ -58,6 +59,35 @@ fn bench(c: &mut Criterion) {
                 )
             });
         }
+    }
+    group.finish();
+    // A decode step's dispatch on fixed slots (nothing read back: every row
+    // to both expert ranks) against the routed one (each source's top-k ids
+    // read back per layer), side by side on the same bundle: EP over 2 ranks,
+    // top-k 2, where fixed slots apply.
+    let mut group = c.benchmark_group("emu: decode dispatch, 3 requests × 8 tokens");
+    group.throughput(Throughput::Elements((PROMPTS.len() * NEW) as u64));
+    group.sample_size(10);
+    group.warm_up_time(Duration::from_secs(1));
+    group.measurement_time(Duration::from_secs(20));
+    let dir = root.join("qwen3-moe");
+    let ck = Checkpoint::load(&dir).expect("weights");
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let bundle = compile_text(&cpu_deployment(&imported_block(&dir), 2, 0.25), tmp.path());
+    for route in [false, true] {
+        let name = if route { "routed (ids read back)" } else { "fixed slots" };
+        group.bench_function(format!("qwen3-moe ep P=2 {name}"), |bch| {
+            bch.iter_batched(
+                || {
+                    let dev = EmuDevice::start(cache.path()).expect("emulated device");
+                    let mut t = Twin::on_device(&bundle, &ck, Mode::Ep, Box::new(dev)).expect("twin on emu");
+                    t.route_decode_on_device(route);
+                    submitted(t)
+                },
+                served,
+                BatchSize::PerIteration,
+            )
+        });
     }
     group.finish();
 }
