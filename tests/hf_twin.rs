@@ -934,16 +934,8 @@ fn decode_steps_dispatch_on_fixed_slots_reading_nothing_back_on_the_emulated_dev
         let ids = plan.memory.buffers.iter().find(|x| x.name == BufferName::TopkIds).expect("a TopkIds buffer");
         let in_ids = |at: u64| at >= ids.offset && at < ids.offset + ids.bytes();
         for route in [false, true].into_iter().filter(|&r| fixes || !r) {
-            let downloads = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-            let dev = LazySide {
-                dev: Box::new(EmuDevice::start(cache.path()).unwrap()),
-                queued: Vec::new(),
-                next: 0,
-                ran: 0,
-                last: String::new(),
-                waits: Default::default(),
-                downloads: downloads.clone(),
-            };
+            let dev = LazySide::new(Box::new(EmuDevice::start(cache.path()).unwrap()));
+            let downloads = dev.downloads.clone();
             let mut t = Twin::on_device(&b, &ck, Mode::Ep, Box::new(dev)).unwrap_or_else(|e| panic!("{label}: {e}"));
             t.route_decode_on_device(route);
             for (i, p) in f.prompts.iter().enumerate() {
@@ -1017,16 +1009,8 @@ fn a_swap_finishes_before_its_layers_expert_computation_and_not_before() {
     use moeforge::runtime::device::emu::EmuDevice;
     let cache = tempfile::tempdir().unwrap();
     let dev = EmuDevice::start(cache.path()).unwrap_or_else(|e| panic!("{e}"));
-    let waits = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let lazy = LazySide {
-        dev: Box::new(dev),
-        queued: Vec::new(),
-        next: 0,
-        ran: 0,
-        last: String::new(),
-        waits: waits.clone(),
-        downloads: Default::default(),
-    };
+    let lazy = LazySide::new(Box::new(dev));
+    let waits = lazy.waits.clone();
     zepp_swap_run(Box::new(lazy), "zepp swaps run as late as their waits");
     // Each wait came after the swapped layer's dispatch and permutation
     // (the permutation's last kernel, the gather, ran just before), so it
@@ -1052,6 +1036,21 @@ struct LazySide {
 use moeforge::runtime::device::{
     Batch as XBatch, BufferId, Code as XCode, Device, DeviceError, KernelArg, ModuleId, SideEvent,
 };
+
+impl LazySide {
+    /// Wraps `dev`, nothing queued or recorded yet.
+    fn new(dev: Box<dyn moeforge::runtime::device::Device + Send>) -> LazySide {
+        LazySide {
+            dev,
+            queued: Vec::new(),
+            next: 0,
+            ran: 0,
+            last: String::new(),
+            waits: Default::default(),
+            downloads: Default::default(),
+        }
+    }
+}
 
 impl Device for LazySide {
     fn alloc(&mut self, bytes: u64) -> Result<BufferId, DeviceError> {
@@ -1121,17 +1120,9 @@ fn the_permutations_row_count_is_never_read_back_on_the_emulated_device() {
     let (cache, tmp) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let b = compile_text(&cpu_cluster_deployment(&block, 1, 2, 0.25, ""), tmp.path());
     let plan = b.plan.plan();
-    let downloads = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     // A plan without replicas has no side transfers: the lazy side stream changes nothing here.
-    let dev = LazySide {
-        dev: Box::new(EmuDevice::start(cache.path()).unwrap()),
-        queued: Vec::new(),
-        next: 0,
-        ran: 0,
-        last: String::new(),
-        waits: Default::default(),
-        downloads: downloads.clone(),
-    };
+    let dev = LazySide::new(Box::new(EmuDevice::start(cache.path()).unwrap()));
+    let downloads = dev.downloads.clone();
     let mut t = Twin::on_device(&b, &ck, Mode::Ep, Box::new(dev)).unwrap_or_else(|e| panic!("{e}"));
     let at = |i: usize, s: usize| bound.max(steps[i][s]);
     check_run_within(&f, &mut t, "the row count on the device", &[], &at, &at);
