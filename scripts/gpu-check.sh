@@ -352,7 +352,9 @@ if [[ $have_gpu -eq 1 && -n "$MOEFORGE" ]]; then
   fi
 fi
 # (g') The first case again with every launch waited for (MOEFORGE_CUDA_SYNC=1): its median
-# step beside the queued launches' (the run above), the cost of waiting per launch.
+# step beside the queued launches' (the run above), the cost of waiting per launch. It also
+# re-encodes every APK launch's templates and fails if they differ from the ones the cuda
+# device kept for the same arguments (the queued run reads them back only once per launch).
 if [[ $have_gpu -eq 1 && -n "$MOEFORGE" ]]; then
   read -r fixture ranks start switch tiles <<<"${E2E_CASES[0]}"
   [[ "$switch" == - ]] && switch=""

@@ -24,7 +24,17 @@
 //!   `cuTensorMapEncodeTiled` into the templates, then launches the
 //!   persistent grid (its compile-time cluster dims, its dynamic shared
 //!   memory, at most the clusters that can be co-resident) with the
-//!   operation and `stop` posted, and checks the operation's `done`.
+//!   operation and `stop` posted. The templates are a function of the
+//!   launch's arguments alone (the experts' maps are bounded by the rows
+//!   the permutation may fill, not by the device counts), so they are read
+//!   back and encoded once per distinct launch and kept: a launch seen
+//!   before queues `_prepare` (which still binds the device counts into the
+//!   state) and the grid, and reads nothing back. Each operation's `done`
+//!   word is copied on the stream into the GPU's done log, checked at the
+//!   next download or transfer: an operation the grid returned without
+//!   finishing is reported there, by name. With `MOEFORGE_CUDA_SYNC=1`
+//!   every launch is read back, encoded again and compared with the kept
+//!   templates, and its `done` read at once.
 //! - Zepp's slot swaps ([`Device::side_transfer`]) run on a side stream
 //!   of the first GPU: each batch's table in device memory of its own, an
 //!   event recorded after the swap; [`Device::side_wait`] polls that event
@@ -55,8 +65,9 @@
 //!   returns once queued (every launch waited for with
 //!   `MOEFORGE_CUDA_SYNC=1`); uploads go through two pinned staging chunks
 //!   per GPU and return once queued (the host fills one chunk while the
-//!   other copies). Everything else waits: an APK launch (its `done` is
-//!   read back), a transfer, a download. Before any work that can touch
+//!   other copies); an APK launch returns once queued when its templates
+//!   were encoded before (the first launch of a distinct argument list waits
+//!   for its `_prepare`). Everything else waits: a transfer, a download. Before any work that can touch
 //!   another GPU's memory through peer access (every launch, transfer,
 //!   upload and download), the host waits for what that GPU still has
 //!   queued; a fault or hang in a queued launch is reported at that wait,
@@ -323,6 +334,34 @@ struct Apk {
     templates: sys::CUdeviceptr,
     state: sys::CUdeviceptr,
     calls: sys::CUdeviceptr,
+    /// The encoded templates of each distinct launch (its flat arguments'
+    /// bytes): a pure function of them (the experts' maps are bounded by
+    /// the launch's `rows`, not by the device counts), so a launch seen
+    /// before reads nothing back. At most [`ENCODED_LAUNCHES`], then cleared.
+    encoded: BTreeMap<Vec<u8>, Vec<u64>>,
+}
+
+/// Distinct launches an APK entry keeps encoded templates for (per GPU):
+/// every op of a step at each batch size the server sees.
+const ENCODED_LAUNCHES: usize = 4096;
+
+/// Words of a GPU's done log: APK operations whose `done` is checked at the
+/// next host wait on that GPU (or when the log is full).
+const DONE_LOG_WORDS: usize = 1024;
+
+/// APK operations queued on one GPU without a wait: each one's `done` word
+/// is copied (on the stream, after its grid) into slot i of `dev`; the host
+/// reads the slots at its next wait on the GPU ([`CudaDevice::check_done`]).
+struct DoneLog {
+    dev: sys::CUdeviceptr,
+    /// The entry of each queued operation, in slot order.
+    entries: Vec<String>,
+}
+
+/// The first queued APK operation whose grid returned without finishing
+/// it: its entry and its `done` word.
+fn unfinished<'a>(done: &[u32], entries: &'a [String]) -> Option<(&'a str, u32)> {
+    done.iter().zip(entries).find(|(&d, _)| d != 1).map(|(&d, e)| (e.as_str(), d))
 }
 
 /// A module as loaded into one GPU's context.
@@ -389,6 +428,8 @@ struct Ctx {
     pending: std::cell::Cell<bool>,
     /// The last launch queued without a wait, for the error a later wait reports.
     last_launch: std::cell::RefCell<String>,
+    /// APK operations queued without a wait (created on the first one).
+    done_log: Option<DoneLog>,
 }
 
 /// A rank's unified buffer: its address, size and the GPU (index into
@@ -528,6 +569,7 @@ impl CudaDevice {
                 staging: None,
                 pending: std::cell::Cell::new(false),
                 last_launch: std::cell::RefCell::new(String::new()),
+                done_log: None,
             });
         }
         dev.enable_peers()?;
@@ -969,6 +1011,7 @@ impl CudaDevice {
             templates: alloc(templates_bytes as usize)?,
             state: alloc(state_bytes as usize)?,
             calls: alloc((1 + MAX_MAPS) * call_words as usize * 8)?,
+            encoded: BTreeMap::new(),
         })
     }
 
@@ -1107,17 +1150,105 @@ impl CudaDevice {
             (apk.prepare, apk.templates_bytes, apk.call_words, apk.calls, apk.templates, apk.state);
         let (smem, threads, cluster, clusters, done_offset) =
             (apk.smem, apk.threads, apk.cluster, apk.clusters, apk.done_offset);
+        let key: Vec<u8> = values.iter().flatten().copied().collect();
+        let cached = apk.encoded.get(&key).cloned();
         let name = format!("{entry}_prepare");
         // 1. Bind on the GPU: the flat arguments, then the scratch pointers.
+        // Always: it zeroes the state and reads the device counts into it.
         let mut scratch = [tm_ptr, st_ptr, calls_ptr];
         let mut params: Vec<*mut c_void> = values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
         params.extend(scratch.iter_mut().map(|p| (p as *mut u64).cast::<c_void>()));
         self.raw_launch(g, prepare, 1, 256, 0, &mut params).map_err(|e| other(format!("{name}: {e}")))?;
+        // 2. The templates: encoded once per distinct launch (read back and
+        // encoded again, and compared, when every launch is waited for).
+        let mut templates = match cached {
+            Some(t) if !self.sync_launches => t,
+            cached => {
+                let t = self.encode_templates(g, entry, &name, calls_ptr, tm_ptr, tb, words)?;
+                if cached.as_ref().is_some_and(|c| *c != t) {
+                    return Err(DeviceError::Launch {
+                        entry: entry.into(),
+                        message: "the templates encoded for this launch differ from the ones encoded for the same \
+                                  arguments before: they depend on more than the arguments"
+                            .into(),
+                    });
+                }
+                if let Some(a) = self
+                    .modules
+                    .get_mut(module.0 as usize)
+                    .and_then(|m| m.per_gpu.get_mut(g))
+                    .and_then(|l| l.apk.get_mut(entry))
+                {
+                    if a.encoded.len() >= ENCODED_LAUNCHES {
+                        a.encoded.clear();
+                    }
+                    a.encoded.insert(key, t.clone());
+                }
+                t
+            }
+        };
+        // 3. The persistent grid, with the operation and `stop` posted.
+        let f = self.function(module, g, entry)?;
+        let use_clusters = (grid / cluster).clamp(1, clusters);
+        let mut state = st_ptr;
+        let mut params: [*mut c_void; 2] = [templates.as_mut_ptr().cast(), (&raw mut state).cast()];
+        self.raw_launch(g, f, use_clusters * cluster, threads, smem, &mut params)
+            .map_err(|e| other(format!("{entry}: {e}")))?;
+        let phase = u32::from_le_bytes(values.get(9).map_or([0; 4], |v| [v[0], v[1], v[2], v[3]]));
+        let at = st_ptr + done_offset[(phase as usize).min(1)];
+        if self.sync_launches {
+            self.finish(g, entry)?;
+            let mut done = [0u32; 1];
+            self.d2h(g, &mut done, at, entry)?;
+            return match unfinished(&done, &[entry.to_string()]) {
+                Some((e, d)) => Err(not_finished(e, d)),
+                None => Ok(true),
+            };
+        }
+        // 4. Queued: its `done` word is logged on the stream and checked at
+        // the next wait on this GPU (a full log is checked now).
+        if self.ctx(g)?.done_log.as_ref().is_some_and(|l| l.entries.len() >= DONE_LOG_WORDS) {
+            self.check_done(g)?;
+        }
+        if self.ctx(g)?.done_log.is_none() {
+            // SAFETY: a plain allocation in `g`'s context (current), freed in Drop.
+            let dev =
+                unsafe { result::malloc_sync(DONE_LOG_WORDS * 4) }.map_err(|e| driver("cuMemAlloc (done log)", e))?;
+            if let Some(c) = self.ctxs.get_mut(g) {
+                c.done_log = Some(DoneLog { dev, entries: Vec::new() });
+            }
+        }
+        let c = self.ctxs.get_mut(g).ok_or_else(|| other(format!("no GPU {g} in this device")))?;
+        let log = c.done_log.as_mut().ok_or_else(|| other("no done log"))?;
+        let slot = log.dev + 4 * log.entries.len() as u64;
+        // SAFETY: `slot` is inside the log (fewer than DONE_LOG_WORDS entries),
+        // `at` is the state's `done` word; both on `g`, ordered after the grid.
+        unsafe { result::memcpy_dtod_async(slot, at, 4, c.stream) }
+            .map_err(|e| driver(&format!("{entry}: cuMemcpyDtoDAsync (done)"), e))?;
+        log.entries.push(entry.to_string());
+        c.pending.set(true);
+        *c.last_launch.borrow_mut() = entry.to_string();
+        Ok(true)
+    }
+
+    /// Reads back what `_prepare` recorded on GPU `g` and encodes its
+    /// tensor maps with the driver into the templates (after waiting for it).
+    #[allow(clippy::too_many_arguments)]
+    fn encode_templates(
+        &self,
+        g: usize,
+        entry: &str,
+        name: &str,
+        calls_ptr: sys::CUdeviceptr,
+        tm_ptr: sys::CUdeviceptr,
+        tb: usize,
+        words: usize,
+    ) -> Result<Vec<u64>, DeviceError> {
         let mut calls = vec![0u64; (1 + MAX_MAPS) * words];
-        self.d2h(g, &mut calls, calls_ptr, &name)?;
+        self.d2h(g, &mut calls, calls_ptr, name)?;
         // Whole words of the templates: the allocation was rounded up to 256 bytes.
         let mut templates = vec![0u64; tb.div_ceil(8)];
-        self.d2h(g, &mut templates, tm_ptr, &name)?;
+        self.d2h(g, &mut templates, tm_ptr, name)?;
         let count = calls[0];
         if count > MAX_MAPS as u64 {
             return Err(DeviceError::Launch {
@@ -1125,7 +1256,6 @@ impl CudaDevice {
                 message: "the operation's arguments do not bind (a phase past 1, or a tensor map of rank > 5)".into(),
             });
         }
-        // 2. Encode the recorded tensor maps into the templates.
         for i in 0..count as usize {
             let c = &calls[(1 + i) * words..(2 + i) * words];
             let map = encode(c).map_err(|m| DeviceError::Launch { entry: entry.into(), message: m })?;
@@ -1135,25 +1265,42 @@ impl CudaDevice {
             }
             templates[off / 8..off / 8 + 16].copy_from_slice(&map.opaque);
         }
-        // 3. The persistent grid, with the operation and `stop` posted.
-        let f = self.function(module, g, entry)?;
-        let use_clusters = (grid / cluster).clamp(1, clusters);
-        let mut state = st_ptr;
-        let mut params: [*mut c_void; 2] = [templates.as_mut_ptr().cast(), (&raw mut state).cast()];
-        self.raw_launch(g, f, use_clusters * cluster, threads, smem, &mut params)
-            .map_err(|e| other(format!("{entry}: {e}")))?;
-        self.finish(g, entry)?;
-        let phase = u32::from_le_bytes(values.get(9).map_or([0; 4], |v| [v[0], v[1], v[2], v[3]]));
-        let mut done = [0u32; 1];
-        let at = st_ptr + done_offset[(phase as usize).min(1)];
-        self.d2h(g, &mut done, at, entry)?;
-        if done[0] != 1 {
-            return Err(DeviceError::Launch {
-                entry: entry.into(),
-                message: format!("the grid returned without finishing the operation (done = {})", done[0]),
-            });
+        Ok(templates)
+    }
+
+    /// [`CudaDevice::check_done`] on every GPU.
+    fn check_all_done(&mut self) -> Result<(), DeviceError> {
+        for g in 0..self.ctxs.len() {
+            self.check_done(g)?;
         }
-        Ok(true)
+        Ok(())
+    }
+
+    /// Waits for GPU `g` and checks the `done` word of every APK operation
+    /// queued there since the last check: an operation whose grid returned
+    /// without finishing it is an error naming it.
+    fn check_done(&mut self, g: usize) -> Result<(), DeviceError> {
+        let Some((dev, n)) =
+            self.ctx(g)?.done_log.as_ref().filter(|l| !l.entries.is_empty()).map(|l| (l.dev, l.entries.len()))
+        else {
+            return Ok(());
+        };
+        self.current(g)?;
+        let mut done = vec![0u32; n];
+        self.d2h(g, &mut done, dev, "the APK operations' done words")?;
+        let entries = self.ctxs.get_mut(g).and_then(|c| c.done_log.as_mut()).map(|l| std::mem::take(&mut l.entries));
+        match unfinished(&done, entries.as_deref().unwrap_or(&[])) {
+            Some((e, d)) => Err(not_finished(e, d)),
+            None => Ok(()),
+        }
+    }
+}
+
+/// An APK grid that returned with its operation unfinished.
+fn not_finished(entry: &str, done: u32) -> DeviceError {
+    DeviceError::Launch {
+        entry: entry.into(),
+        message: format!("the grid returned without finishing the operation (done = {done})"),
     }
 }
 
@@ -1275,6 +1422,8 @@ impl Device for CudaDevice {
         self.settle_others(g, "download")?;
         let mut v = vec![0u8; len as usize];
         self.d2h(g, &mut v, at, "download")?;
+        // What was read may be an unfinished operation's output.
+        self.check_all_done()?;
         Ok(v)
     }
 
@@ -1297,6 +1446,8 @@ impl Device for CudaDevice {
                 .map_err(|e| other(format!("{}: {e}", moeforge_xfer::ENTRY)))?;
             self.finish(0, "transfer")?;
         }
+        // What it moved may be an unfinished operation's output.
+        self.check_all_done()?;
         self.main_op_done();
         Ok(())
     }
@@ -1559,6 +1710,10 @@ impl Drop for CudaDevice {
                 // SAFETY: as above.
                 let _ = unsafe { result::free_sync(p) };
             }
+            if let Some(log) = &c.done_log {
+                // SAFETY: as above.
+                let _ = unsafe { result::free_sync(log.dev) };
+            }
             for &(host, event, _) in c.staging.iter().flat_map(|st| st.chunks.iter()) {
                 // SAFETY: the stream finished every copy out of it; not used after this.
                 let _ = unsafe { result::free_host(host.cast()) };
@@ -1590,6 +1745,18 @@ mod tests {
 
     /// Without a driver (every CI machine), opening the device is an error
     /// that says what is missing; with one, probing lists its GPUs.
+    #[test]
+    fn the_done_log_names_the_first_operation_left_unfinished() {
+        let entries: Vec<String> = ["qkv", "experts", "o_proj"].iter().map(|s| s.to_string()).collect();
+        assert_eq!(unfinished(&[1, 1, 1], &entries), None);
+        // A grid that returned early leaves its phase's `done` at 0; the
+        // first such operation in queue order is the one named.
+        assert_eq!(unfinished(&[1, 0, 0], &entries), Some(("experts", 0)));
+        assert_eq!(unfinished(&[2, 1, 1], &entries), Some(("qkv", 2)));
+        let e = not_finished("experts", 0).to_string();
+        assert!(e.contains("experts") && e.contains("done = 0"), "{e}");
+    }
+
     #[test]
     fn probing_without_a_driver_is_an_error_not_a_panic() {
         match probe() {

@@ -1273,6 +1273,8 @@ impl Executor {
                 )));
             }
             let parts = route_parts(site, plan);
+            let room =
+                site.mem.permute_room(site.mode, site.micro_batches, plan.model.experts, u64::from(a.max_prefill_rows));
             let ri = addr(&Operand::Buffer { name: BufferName::RouteIndex })?;
             let b = |name| addr(&Operand::Buffer { name });
             let w13 = Operand::Weight { role: TensorRole::ExpertsW13, part: TensorPart::Weight };
@@ -1286,8 +1288,11 @@ impl Executor {
                 wptr(TensorPart::ScaleInv, 0)?,
                 wptr(TensorPart::ScaleInv, 1)?,
                 ptr(ri + parts.counts),
-                // The rows: the APK sums the device counts (unused with them).
-                i(0),
+                // The rows stay on the device (the counts); `rows` bounds
+                // the experts' tensor maps: the rows the permutation may
+                // fill, so the launch's templates follow from its
+                // arguments alone (the cuda device encodes them once).
+                i(u32::try_from(room).unwrap_or(u32::MAX).min(i32::MAX as u32)),
                 i(0),
                 i(0),
                 i(0),
