@@ -31,8 +31,8 @@
 //!   before queues `_prepare` (which still binds the device counts into the
 //!   state) and the grid, and reads nothing back. Each operation's `done`
 //!   word is copied on the stream into the GPU's done log, checked at the
-//!   next download or transfer: an operation the grid returned without
-//!   finishing is reported there, by name. With `MOEFORGE_CUDA_SYNC=1`
+//!   next download (or when the log is full): an operation the grid
+//!   returned without finishing is reported there, by name. With `MOEFORGE_CUDA_SYNC=1`
 //!   every launch is read back, encoded again and compared with the kept
 //!   templates, and its `done` read at once.
 //! - Zepp's slot swaps ([`Device::side_transfer`]) run on a side stream
@@ -67,11 +67,15 @@
 //!   per GPU and return once queued (the host fills one chunk while the
 //!   other copies); an APK launch returns once queued when its templates
 //!   were encoded before (the first launch of a distinct argument list waits
-//!   for its `_prepare`). Everything else waits: a transfer, a download. Before any work that can touch
-//!   another GPU's memory through peer access (every launch, transfer,
-//!   upload and download), the host waits for what that GPU still has
-//!   queued; a fault or hang in a queued launch is reported at that wait,
-//!   naming the launch.
+//!   for its `_prepare`); a transfer returns once queued on the first GPU's
+//!   work stream (each batch's table copied from pinned memory into a pool
+//!   table that returns to the pool once the transfer's event completed).
+//!   A download waits. So a step whose APK launches were all seen before
+//!   queues every op and waits only for its downloads. Before any work that
+//!   can touch another GPU's memory through peer access (every launch,
+//!   transfer, upload and download), the host waits for what that GPU
+//!   still has queued; a fault or hang in a queued launch is reported at
+//!   that wait, naming the launch.
 
 use cudarc::driver::result;
 use cudarc::driver::sys;
@@ -409,8 +413,7 @@ struct Staging {
 }
 
 /// One GPU the device drives: its primary context, its work stream, and
-/// what lives in its context (the transfer programs, their table scratch,
-/// the upload staging).
+/// what lives in its context (the transfer programs, the upload staging).
 struct Ctx {
     gpu: Gpu,
     device: sys::CUdevice,
@@ -418,8 +421,6 @@ struct Ctx {
     stream: sys::CUstream,
     /// Loaded transfer programs (their PTX through the driver's JIT) by content key.
     transfers: BTreeMap<String, (sys::CUmodule, sys::CUfunction)>,
-    /// A batch's buffer addresses and table, uploaded before its launch.
-    scratch: Option<(sys::CUdeviceptr, usize)>,
     staging: Option<Staging>,
     /// Work queued on the work stream that the host has not waited for
     /// (uploads, and launches unless `MOEFORGE_CUDA_SYNC` is set; cleared by
@@ -452,27 +453,24 @@ struct Side {
     /// Main-stream launches and transfers that finished while side work was
     /// still running (cumulative; what [`Device::side_wait`] reports).
     beside: u64,
-    /// Tables no queued transfer reads, for the next ones: grown, never
-    /// freed before Drop (an allocation or free between queued commands
-    /// would wait for the device, undoing the overlap).
-    free: Vec<SideTable>,
 }
 
-/// A side transfer's table: device memory its launch reads, and the pinned
-/// host memory it is copied from (a copy from pageable memory may wait for
-/// the stream).
-struct SideTable {
+/// A transfer's table (the buffers' addresses, then the batch's words):
+/// device memory its launch reads, and the pinned host memory it is copied
+/// from (a copy from pageable memory may wait for the stream).
+struct Table {
     dev: sys::CUdeviceptr,
     host: *mut u8,
     bytes: usize,
 }
 
-/// One queued side transfer: its completion event, and the tables its
-/// launches read (kept until the event completed).
+/// One queued transfer (on the side stream or the first GPU's work
+/// stream): its completion event, and the tables its launches read (kept
+/// until the event completed).
 struct Pending {
     id: u64,
     event: sys::CUevent,
-    tables: Vec<SideTable>,
+    tables: Vec<Table>,
 }
 
 pub struct CudaDevice {
@@ -480,6 +478,13 @@ pub struct CudaDevice {
     ctxs: Vec<Ctx>,
     /// Created on the first side transfer.
     side: Option<Side>,
+    /// Transfers queued on the first GPU's work stream, not yet seen
+    /// finished (their tables stay out of the pool until then).
+    queued: Vec<Pending>,
+    /// Transfer tables no queued transfer reads (the first GPU's, for both
+    /// streams): grown, never freed before Drop (an allocation or free
+    /// between queued commands would wait for the device).
+    tables: Vec<Table>,
     buffers: Vec<Buffer>,
     modules: Vec<Module>,
     cache: PathBuf,
@@ -529,6 +534,8 @@ impl CudaDevice {
         let mut dev = CudaDevice {
             ctxs: Vec::with_capacity(gpus.len()),
             side: None,
+            queued: Vec::new(),
+            tables: Vec::new(),
             buffers: Vec::new(),
             modules: Vec::new(),
             cache: cache.to_path_buf(),
@@ -565,7 +572,6 @@ impl CudaDevice {
                 ctx,
                 stream,
                 transfers: BTreeMap::new(),
-                scratch: None,
                 staging: None,
                 pending: std::cell::Cell::new(false),
                 last_launch: std::cell::RefCell::new(String::new()),
@@ -616,15 +622,6 @@ impl CudaDevice {
     fn current(&self, g: usize) -> Result<(), DeviceError> {
         // SAFETY: the context is retained for the device's lifetime.
         unsafe { result::ctx::set_current(self.ctx(g)?.ctx) }.map_err(|e| driver("cuCtxSetCurrent", e))
-    }
-
-    /// Host to device on GPU `g`'s work stream (after everything issued before it), waited for.
-    fn h2d<T>(&self, g: usize, at: sys::CUdeviceptr, data: &[T], what: &str) -> Result<(), DeviceError> {
-        // SAFETY: the caller checked that `at` holds `size_of_val(data)` bytes;
-        // `data` outlives the copy, which `finish` waits for.
-        unsafe { result::memcpy_htod_async(at, data, self.ctx(g)?.stream) }
-            .map_err(|e| driver(&format!("{what}: cuMemcpyHtoDAsync"), e))?;
-        self.finish(g, what)
     }
 
     /// Device to host on GPU `g`'s work stream (after everything issued before it), waited for.
@@ -800,29 +797,45 @@ impl CudaDevice {
         };
         for p in done {
             // The transfers that read them finished: free for the next ones.
-            side.free.extend(p.tables);
+            self.tables.extend(p.tables);
             // SAFETY: recorded and completed; not used after this.
             let _ = unsafe { result::event::destroy(p.event) };
         }
     }
 
-    /// A side table of at least `bytes`: from the pool, or allocated in the
-    /// first GPU's context (current) when the pool has none that large.
-    fn side_table(&mut self, bytes: usize) -> Result<SideTable, DeviceError> {
-        let side = self.side.as_mut().ok_or_else(|| other("no side stream"))?;
-        if let Some(i) = side.free.iter().position(|t| t.bytes >= bytes) {
-            return Ok(side.free.swap_remove(i));
+    /// The work stream's queued transfers that finished (their events
+    /// complete; the stream runs in order, so the first unfinished one ends
+    /// the scan): tables back to the pool, events destroyed. Never waits.
+    fn reclaim(&mut self) {
+        let done = self
+            .queued
+            .iter()
+            // SAFETY: the events live until destroyed here or in Drop.
+            .take_while(|p| unsafe { sys::cuEventQuery(p.event) } == sys::cudaError_enum::CUDA_SUCCESS)
+            .count();
+        for p in self.queued.drain(..done) {
+            self.tables.extend(p.tables);
+            // SAFETY: recorded and completed; not used after this.
+            let _ = unsafe { result::event::destroy(p.event) };
+        }
+    }
+
+    /// A transfer table of at least `bytes`: from the pool, or allocated in
+    /// the first GPU's context (current) when the pool has none that large.
+    fn table(&mut self, bytes: usize) -> Result<Table, DeviceError> {
+        if let Some(i) = self.tables.iter().position(|t| t.bytes >= bytes) {
+            return Ok(self.tables.swap_remove(i));
         }
         let bytes = bytes.next_power_of_two().max(4096);
         // SAFETY: a plain allocation in the first GPU's context, freed in Drop.
-        let dev = unsafe { result::malloc_sync(bytes) }.map_err(|e| driver("cuMemAlloc (side transfer table)", e))?;
+        let dev = unsafe { result::malloc_sync(bytes) }.map_err(|e| driver("cuMemAlloc (transfer table)", e))?;
         // SAFETY: pinned host memory, freed in Drop (or at once below).
         match unsafe { result::malloc_host(bytes, sys::CU_MEMHOSTALLOC_PORTABLE) } {
-            Ok(host) => Ok(SideTable { dev, host: host.cast(), bytes }),
+            Ok(host) => Ok(Table { dev, host: host.cast(), bytes }),
             Err(e) => {
                 // SAFETY: allocated above, never used.
                 let _ = unsafe { result::free_sync(dev) };
-                Err(driver("cuMemHostAlloc (side transfer table)", e))
+                Err(driver("cuMemHostAlloc (transfer table)", e))
             }
         }
     }
@@ -1041,24 +1054,6 @@ impl CudaDevice {
         Ok(f)
     }
 
-    /// At least `bytes` of scratch device memory on GPU `g` (grown, never shrunk).
-    fn scratch(&mut self, g: usize, bytes: usize) -> Result<sys::CUdeviceptr, DeviceError> {
-        let c = self.ctxs.get_mut(g).ok_or_else(|| other(format!("no GPU {g} in this device")))?;
-        if let Some((p, n)) = c.scratch {
-            if n >= bytes {
-                return Ok(p);
-            }
-            // SAFETY: the stream is idle (every transfer finishes before it returns).
-            let _ = unsafe { result::free_sync(p) };
-            c.scratch = None;
-        }
-        let n = bytes.next_power_of_two().max(4096);
-        // SAFETY: a plain allocation in `g`'s context (current), freed here or in Drop.
-        let p = unsafe { result::malloc_sync(n) }.map_err(|e| driver("cuMemAlloc (transfer table)", e))?;
-        c.scratch = Some((p, n));
-        Ok(p)
-    }
-
     /// A transfer's kernel on the first GPU and, per non-empty batch, its
     /// table (the buffers' addresses, then the batch's words) and grid;
     /// every batch checked against the buffers' sizes first.
@@ -1092,6 +1087,85 @@ impl CudaDevice {
             })
             .collect();
         Ok((f, tables))
+    }
+
+    /// Queues a transfer's launches on `stream` (the first GPU's, current):
+    /// each batch's table copied from pinned memory into a pool table, its
+    /// launch, then one event after them. Returns the transfer's record
+    /// (its tables out of the pool until the event completed) and whether
+    /// queueing succeeded (what was queued before a failure may still run).
+    fn queue_transfer(
+        &mut self,
+        stream: sys::CUstream,
+        f: sys::CUfunction,
+        tables: &[(Vec<u64>, u32)],
+        buffers: usize,
+        id: u64,
+        what: &str,
+    ) -> Result<(Pending, Result<(), DeviceError>), DeviceError> {
+        let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| driver("cuEventCreate", e))?;
+        let mut pending = Pending { id, event, tables: Vec::with_capacity(tables.len()) };
+        let mut queue = || -> Result<(), DeviceError> {
+            for (words, grid) in tables {
+                let t = self.table(words.len() * 8)?;
+                // SAFETY: `t.host` holds `t.bytes` >= the words' bytes, and no
+                // queued copy reads it (it came from the pool or is new).
+                let chunk = unsafe {
+                    std::ptr::copy_nonoverlapping(words.as_ptr().cast::<u8>(), t.host, words.len() * 8);
+                    std::slice::from_raw_parts(t.host.cast_const(), words.len() * 8)
+                };
+                let at = t.dev;
+                pending.tables.push(t);
+                // SAFETY: `at` holds the words; the pinned copy stays in
+                // `pending` until the event completed.
+                unsafe { result::memcpy_htod_async(at, chunk, stream) }
+                    .map_err(|e| driver(&format!("{what} table: cuMemcpyHtoDAsync"), e))?;
+                let (mut bases, mut table) = (at, at + 8 * buffers as u64);
+                let mut params: [*mut c_void; 2] = [(&raw mut bases).cast(), (&raw mut table).cast()];
+                // SAFETY: `f` is the program's kernel in this context; the
+                // parameters are read at launch.
+                unsafe { result::launch_kernel(f, (*grid, 1, 1), (256, 1, 1), 0, stream, &mut params) }
+                    .map_err(|e| driver(&format!("{} ({what})", moeforge_xfer::ENTRY), e))?;
+            }
+            // SAFETY: `event` was just created; `stream` is the first GPU's.
+            unsafe { result::event::record(event, stream) }.map_err(|e| driver("cuEventRecord", e))
+        };
+        let queued = queue();
+        Ok((pending, queued))
+    }
+
+    /// Keeps a queued transfer's record until its event completed (in the
+    /// side stream's list when `side`, else the work stream's), or, when
+    /// queueing failed, waits for `stream` and returns its tables to the
+    /// pool (they stay in the list, under its id, if the wait fails too).
+    fn settle_queued(
+        &mut self,
+        stream: sys::CUstream,
+        pending: Pending,
+        queued: Result<(), DeviceError>,
+        side: bool,
+    ) -> Result<(), DeviceError> {
+        let keep = |dev: &mut CudaDevice, p: Pending| match (side, dev.side.as_mut()) {
+            (true, Some(x)) => {
+                x.last = x.last.max(p.id);
+                x.pending.push(p);
+            }
+            _ => dev.queued.push(p),
+        };
+        let Err(e) = queued else {
+            keep(self, pending);
+            return Ok(());
+        };
+        // SAFETY: `stream` lives as long as the device.
+        if self.poll("transfer", || unsafe { sys::cuStreamQuery(stream) }).is_ok() {
+            self.tables.extend(pending.tables);
+            // SAFETY: not used after this.
+            let _ = unsafe { result::event::destroy(pending.event) };
+        } else {
+            keep(self, pending);
+        }
+        Err(e)
     }
 
     /// Loads `image` (a cubin) into every GPU's context as kernel instance
@@ -1431,23 +1505,22 @@ impl Device for CudaDevice {
     /// access: a batch's pieces may read and write any rank's buffer.
     fn transfer(&mut self, code: &Code, batches: &[Batch], buffers: &[BufferId]) -> Result<(), DeviceError> {
         self.live()?;
-        // A poisoned device fails before the scratch is freed or regrown
-        // under a kernel that may still run.
+        // Work queued on another GPU may still touch these buffers through
+        // peer access; the first GPU's own stream orders its earlier work.
         self.settle_others(0, "transfer")?;
-        self.finish(0, "transfer")?;
         let (f, tables) = self.prepare_transfer(code, batches, buffers)?;
-        for (words, grid) in tables {
-            let at = self.scratch(0, words.len() * 8)?;
-            // The scratch holds the buffer addresses, then the batch's table.
-            self.h2d(0, at, &words, "transfer table")?;
-            let (mut bases, mut table) = (at, at + 8 * buffers.len() as u64);
-            let mut params: [*mut c_void; 2] = [(&raw mut bases).cast(), (&raw mut table).cast()];
-            self.raw_launch(0, f, grid, 256, 0, &mut params)
-                .map_err(|e| other(format!("{}: {e}", moeforge_xfer::ENTRY)))?;
+        self.reclaim();
+        let stream = self.ctx(0)?.stream;
+        let (pending, queued) = self.queue_transfer(stream, f, &tables, buffers.len(), 0, "transfer")?;
+        let c = self.ctx(0)?;
+        // Later work on another GPU waits for it; a fault in it is reported
+        // at the next wait on the first GPU, naming it.
+        c.pending.set(true);
+        *c.last_launch.borrow_mut() = moeforge_xfer::ENTRY.to_string();
+        self.settle_queued(stream, pending, queued, false)?;
+        if self.sync_launches {
             self.finish(0, "transfer")?;
         }
-        // What it moved may be an unfinished operation's output.
-        self.check_all_done()?;
         self.main_op_done();
         Ok(())
     }
@@ -1468,61 +1541,15 @@ impl Device for CudaDevice {
         if self.side.is_none() {
             let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
                 .map_err(|e| driver("cuStreamCreate (side stream)", e))?;
-            self.side = Some(Side { stream, last: 0, pending: Vec::new(), beside: 0, free: Vec::new() });
+            self.side = Some(Side { stream, last: 0, pending: Vec::new(), beside: 0 });
         }
         let stream = self.side.as_ref().map(|x| x.stream).ok_or_else(|| other("no side stream"))?;
-        let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-            .map_err(|e| driver("cuEventCreate", e))?;
         let id = self.side.as_ref().map_or(0, |x| x.last) + 1;
-        let mut pending = Pending { id, event, tables: Vec::with_capacity(tables.len()) };
-        let mut queue = || -> Result<(), DeviceError> {
-            for (words, grid) in &tables {
-                let t = self.side_table(words.len() * 8)?;
-                // SAFETY: `t.host` holds `t.bytes` >= the words' bytes, and no
-                // queued copy reads it (it came from the pool or is new).
-                let chunk = unsafe {
-                    std::ptr::copy_nonoverlapping(words.as_ptr().cast::<u8>(), t.host, words.len() * 8);
-                    std::slice::from_raw_parts(t.host.cast_const(), words.len() * 8)
-                };
-                let at = t.dev;
-                pending.tables.push(t);
-                // SAFETY: `at` holds the words; the pinned copy stays in
-                // `pending` until the event completed.
-                unsafe { result::memcpy_htod_async(at, chunk, stream) }
-                    .map_err(|e| driver("side transfer table: cuMemcpyHtoDAsync", e))?;
-                let (mut bases, mut table) = (at, at + 8 * buffers.len() as u64);
-                let mut params: [*mut c_void; 2] = [(&raw mut bases).cast(), (&raw mut table).cast()];
-                // SAFETY: `f` is the program's kernel in this context; the
-                // parameters are read at launch.
-                unsafe { result::launch_kernel(f, (*grid, 1, 1), (256, 1, 1), 0, stream, &mut params) }
-                    .map_err(|e| driver(&format!("{} (side stream)", moeforge_xfer::ENTRY), e))?;
-            }
-            // SAFETY: `event` was just created; `stream` is the side stream.
-            unsafe { result::event::record(event, stream) }.map_err(|e| driver("cuEventRecord", e))
-        };
-        if let Err(e) = queue() {
-            // What was queued may still run: the tables go back to the pool
-            // only once the side stream is idle (else they stay allocated
-            // until Drop, which waits for it).
-            // SAFETY: `stream` lives as long as the device.
-            if self.poll("side transfer", || unsafe { sys::cuStreamQuery(stream) }).is_ok() {
-                if let Some(side) = self.side.as_mut() {
-                    side.free.append(&mut pending.tables);
-                }
-                // SAFETY: not used after this.
-                let _ = unsafe { result::event::destroy(event) };
-            } else if let Some(side) = self.side.as_mut() {
-                // Under this id (handed to no one): the next wait for a later
-                // event, which the side stream reaches after it, retires it.
-                side.last = id;
-                side.pending.push(Pending { id, event, tables: std::mem::take(&mut pending.tables) });
-            }
-            return Err(e);
-        }
-        if let Some(side) = self.side.as_mut() {
-            side.last = id;
-            side.pending.push(pending);
-        }
+        let (pending, queued) = self.queue_transfer(stream, f, &tables, buffers.len(), id, "side stream")?;
+        // A failed queue keeps its record under this id (handed to no one):
+        // the next wait for a later event, which the side stream reaches
+        // after it, retires it.
+        self.settle_queued(stream, pending, queued, true)?;
         Ok(SideEvent(id))
     }
 
@@ -1667,14 +1694,18 @@ impl Drop for CudaDevice {
                 return;
             }
             self.retire(u64::MAX);
-            for t in self.side.as_mut().map(|x| std::mem::take(&mut x.free)).unwrap_or_default() {
-                // SAFETY: the side stream is idle: nothing reads them.
+            // SAFETY: idle, not used after this.
+            let _ = unsafe { result::stream::destroy(stream) };
+        }
+        // Every work stream finished: the queued transfers' tables are free.
+        if self.current(0).is_ok() {
+            self.reclaim();
+            for t in std::mem::take(&mut self.tables) {
+                // SAFETY: every stream is idle: nothing reads them.
                 let _ = unsafe { result::free_sync(t.dev) };
                 // SAFETY: as above.
                 let _ = unsafe { result::free_host(t.host.cast()) };
             }
-            // SAFETY: idle, not used after this.
-            let _ = unsafe { result::stream::destroy(stream) };
         }
         for m in &self.modules {
             for (g, l) in m.per_gpu.iter().enumerate() {
@@ -1705,10 +1736,6 @@ impl Drop for CudaDevice {
             for &(module, _) in c.transfers.values() {
                 // SAFETY: the stream is idle; the module is not used after this.
                 let _ = unsafe { result::module::unload(module) };
-            }
-            if let Some((p, _)) = c.scratch {
-                // SAFETY: as above.
-                let _ = unsafe { result::free_sync(p) };
             }
             if let Some(log) = &c.done_log {
                 // SAFETY: as above.
