@@ -9,8 +9,9 @@
 //! device compiles for itself.
 //!
 //! Every call behaves as if the work before it finished: a device may
-//! return from a launch or an upload once it is queued (the cuda device
-//! does; the emulated device runs each to completion), but every later
+//! return from a launch, an upload or a transfer once it is queued (the
+//! cuda device does, but for an APK launch of arguments it has not seen
+//! before; the emulated device runs each to completion), but every later
 //! call sees its effects, so issuing a program's ops in program order is a
 //! legal execution of its streams and events. One stream of its own
 //! exists beside them: the side stream ([`Device::side_transfer`]), on
