@@ -36,14 +36,15 @@
 //!   every launch is read back, encoded again and compared with the kept
 //!   templates, and its `done` read at once.
 //! - Zepp's slot swaps ([`Device::side_transfer`]) run on a side stream
-//!   of the first GPU: each batch's table in device memory of its own, an
+//!   of the first GPU: each batch's table from the transfer-table pool, an
 //!   event recorded after the swap; [`Device::side_wait`] polls that event
-//!   under the watchdog and returns the swaps' tables to a pool. The
+//!   under the watchdog and returns the swaps' tables to the pool. The
 //!   launches and transfers issued while a swap still runs are counted
 //!   (the overlap `side_wait` reports).
-//! - A launch returns once the GPU finished it (the [`Device`] contract):
-//!   the stream is polled, and a launch still running after
-//!   `MOEFORGE_CUDA_WATCHDOG_S` seconds (60) is an error naming it.
+//! - Every wait polls the stream: work still running after
+//!   `MOEFORGE_CUDA_WATCHDOG_S` seconds (60) is an error naming the last
+//!   launch queued there (the [`Device`] contract lets a call return once
+//!   its work is queued; see Ordering).
 //! - One process drives a node's GPUs ([`CudaDevice::open`] with the
 //!   ordinals `MOEFORGE_CUDA_DEVICES` names, else every GPU, at most one per
 //!   rank): rank r's unified buffer on GPU r mod n ([`gpu_of`]), each kernel
@@ -339,10 +340,13 @@ struct Apk {
     state: sys::CUdeviceptr,
     calls: sys::CUdeviceptr,
     /// The encoded templates of each distinct launch (its flat arguments'
-    /// bytes): a pure function of them (the experts' maps are bounded by
-    /// the launch's `rows`, not by the device counts), so a launch seen
-    /// before reads nothing back. At most [`ENCODED_LAUNCHES`], then cleared.
-    encoded: BTreeMap<Vec<u8>, Vec<u64>>,
+    /// bytes), with the tick it was last used at: a pure function of them
+    /// (the experts' maps are bounded by the launch's `rows`, not by the
+    /// device counts), so a launch seen before reads nothing back. At most
+    /// [`ENCODED_LAUNCHES`]; the least recently used goes first.
+    encoded: BTreeMap<Vec<u8>, (Vec<u64>, u64)>,
+    /// Launches so far (the clock of `encoded`).
+    tick: u64,
 }
 
 /// Distinct launches an APK entry keeps encoded templates for (per GPU):
@@ -350,12 +354,13 @@ struct Apk {
 const ENCODED_LAUNCHES: usize = 4096;
 
 /// Words of a GPU's done log: APK operations whose `done` is checked at the
-/// next host wait on that GPU (or when the log is full).
+/// next download (or when the log is full).
 const DONE_LOG_WORDS: usize = 1024;
 
 /// APK operations queued on one GPU without a wait: each one's `done` word
 /// is copied (on the stream, after its grid) into slot i of `dev`; the host
-/// reads the slots at its next wait on the GPU ([`CudaDevice::check_done`]).
+/// reads the slots at the next download, or when the log is full
+/// ([`CudaDevice::check_done`]).
 struct DoneLog {
     dev: sys::CUdeviceptr,
     /// The entry of each queued operation, in slot order.
@@ -423,7 +428,8 @@ struct Ctx {
     transfers: BTreeMap<String, (sys::CUmodule, sys::CUfunction)>,
     staging: Option<Staging>,
     /// Work queued on the work stream that the host has not waited for
-    /// (uploads, and launches unless `MOEFORGE_CUDA_SYNC` is set; cleared by
+    /// (uploads, plain and APK launches and transfers unless
+    /// `MOEFORGE_CUDA_SYNC` is set; cleared by
     /// [`CudaDevice::finish`]): work on another GPU, which could touch this
     /// one's memory through peer access, waits for it first.
     pending: std::cell::Cell<bool>,
@@ -495,8 +501,10 @@ pub struct CudaDevice {
     /// Kernel instances loaded from the bundle's cubins, and built here with nvcc.
     from_bundle: u32,
     built: u32,
-    /// Every plain launch waited for (`MOEFORGE_CUDA_SYNC=1`: for debugging
-    /// a fault to the launch that made it, and the GPU check's comparison).
+    /// Every launch and transfer waited for, and every APK launch's templates
+    /// encoded again and compared with the kept ones (`MOEFORGE_CUDA_SYNC=1`:
+    /// for debugging a fault to the launch that made it, and the GPU
+    /// check's comparison).
     sync_launches: bool,
 }
 
@@ -1025,6 +1033,7 @@ impl CudaDevice {
             state: alloc(state_bytes as usize)?,
             calls: alloc((1 + MAX_MAPS) * call_words as usize * 8)?,
             encoded: BTreeMap::new(),
+            tick: 0,
         })
     }
 
@@ -1224,15 +1233,33 @@ impl CudaDevice {
             (apk.prepare, apk.templates_bytes, apk.call_words, apk.calls, apk.templates, apk.state);
         let (smem, threads, cluster, clusters, done_offset) =
             (apk.smem, apk.threads, apk.cluster, apk.clusters, apk.done_offset);
+        // An experts launch with the device counts and no row bound binds
+        // maps sized by the counts: its templates are not kept.
+        let keep = !(values[7] != [0; 8] && values[8][..4] == [0; 4]);
         let key: Vec<u8> = values.iter().flatten().copied().collect();
-        let cached = apk.encoded.get(&key).cloned();
+        let cached = if keep { apk.encoded.get(&key).map(|e| e.0.clone()) } else { None };
         let name = format!("{entry}_prepare");
+        // The done log (queued launches): created on the first, read when full.
+        if !self.sync_launches {
+            if self.ctx(g)?.done_log.as_ref().is_some_and(|l| l.entries.len() >= DONE_LOG_WORDS) {
+                self.check_done(g)?;
+            }
+            if self.ctx(g)?.done_log.is_none() {
+                // SAFETY: a plain allocation in `g`'s context (current), freed in Drop.
+                let dev = unsafe { result::malloc_sync(DONE_LOG_WORDS * 4) }
+                    .map_err(|e| driver("cuMemAlloc (done log)", e))?;
+                if let Some(c) = self.ctxs.get_mut(g) {
+                    c.done_log = Some(DoneLog { dev, entries: Vec::new() });
+                }
+            }
+        }
         // 1. Bind on the GPU: the flat arguments, then the scratch pointers.
         // Always: it zeroes the state and reads the device counts into it.
         let mut scratch = [tm_ptr, st_ptr, calls_ptr];
         let mut params: Vec<*mut c_void> = values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
         params.extend(scratch.iter_mut().map(|p| (p as *mut u64).cast::<c_void>()));
         self.raw_launch(g, prepare, 1, 256, 0, &mut params).map_err(|e| other(format!("{name}: {e}")))?;
+        self.ctx(g)?.pending.set(true);
         // 2. The templates: encoded once per distinct launch (read back and
         // encoded again, and compared, when every launch is waited for).
         let mut templates = match cached {
@@ -1247,20 +1274,27 @@ impl CudaDevice {
                             .into(),
                     });
                 }
-                if let Some(a) = self
-                    .modules
-                    .get_mut(module.0 as usize)
-                    .and_then(|m| m.per_gpu.get_mut(g))
-                    .and_then(|l| l.apk.get_mut(entry))
-                {
-                    if a.encoded.len() >= ENCODED_LAUNCHES {
-                        a.encoded.clear();
+                if keep {
+                    if let Some(a) = self.apk_mut(module, g, entry) {
+                        if a.encoded.len() >= ENCODED_LAUNCHES && !a.encoded.contains_key(&key) {
+                            let oldest = a.encoded.iter().min_by_key(|e| e.1 .1).map(|e| e.0.clone());
+                            if let Some(k) = oldest {
+                                a.encoded.remove(&k);
+                            }
+                        }
+                        a.encoded.insert(key.clone(), (t.clone(), 0));
                     }
-                    a.encoded.insert(key, t.clone());
                 }
                 t
             }
         };
+        if let Some(a) = self.apk_mut(module, g, entry) {
+            a.tick += 1;
+            let tick = a.tick;
+            if let Some(e) = a.encoded.get_mut(&key) {
+                e.1 = tick;
+            }
+        }
         // 3. The persistent grid, with the operation and `stop` posted.
         let f = self.function(module, g, entry)?;
         let use_clusters = (grid / cluster).clamp(1, clusters);
@@ -1268,6 +1302,13 @@ impl CudaDevice {
         let mut params: [*mut c_void; 2] = [templates.as_mut_ptr().cast(), (&raw mut state).cast()];
         self.raw_launch(g, f, use_clusters * cluster, threads, smem, &mut params)
             .map_err(|e| other(format!("{entry}: {e}")))?;
+        {
+            // Queued: later work on another GPU waits for it, and a fault
+            // in it is reported at the next wait here, naming it.
+            let c = self.ctx(g)?;
+            c.pending.set(true);
+            *c.last_launch.borrow_mut() = entry.to_string();
+        }
         let phase = u32::from_le_bytes(values.get(9).map_or([0; 4], |v| [v[0], v[1], v[2], v[3]]));
         let at = st_ptr + done_offset[(phase as usize).min(1)];
         if self.sync_launches {
@@ -1279,30 +1320,22 @@ impl CudaDevice {
                 None => Ok(true),
             };
         }
-        // 4. Queued: its `done` word is logged on the stream and checked at
-        // the next wait on this GPU (a full log is checked now).
-        if self.ctx(g)?.done_log.as_ref().is_some_and(|l| l.entries.len() >= DONE_LOG_WORDS) {
-            self.check_done(g)?;
-        }
-        if self.ctx(g)?.done_log.is_none() {
-            // SAFETY: a plain allocation in `g`'s context (current), freed in Drop.
-            let dev =
-                unsafe { result::malloc_sync(DONE_LOG_WORDS * 4) }.map_err(|e| driver("cuMemAlloc (done log)", e))?;
-            if let Some(c) = self.ctxs.get_mut(g) {
-                c.done_log = Some(DoneLog { dev, entries: Vec::new() });
-            }
-        }
+        // 4. Its `done` word is logged on the stream, checked at the next download.
         let c = self.ctxs.get_mut(g).ok_or_else(|| other(format!("no GPU {g} in this device")))?;
         let log = c.done_log.as_mut().ok_or_else(|| other("no done log"))?;
         let slot = log.dev + 4 * log.entries.len() as u64;
-        // SAFETY: `slot` is inside the log (fewer than DONE_LOG_WORDS entries),
-        // `at` is the state's `done` word; both on `g`, ordered after the grid.
+        // SAFETY: `slot` is inside the log (fewer than DONE_LOG_WORDS entries:
+        // a full log was read above), `at` is the state's `done` word; both
+        // on `g`, ordered after the grid.
         unsafe { result::memcpy_dtod_async(slot, at, 4, c.stream) }
             .map_err(|e| driver(&format!("{entry}: cuMemcpyDtoDAsync (done)"), e))?;
         log.entries.push(entry.to_string());
-        c.pending.set(true);
-        *c.last_launch.borrow_mut() = entry.to_string();
         Ok(true)
+    }
+
+    /// The APK launch of `entry` on GPU `g`, once set up.
+    fn apk_mut(&mut self, module: ModuleId, g: usize, entry: &str) -> Option<&mut Apk> {
+        self.modules.get_mut(module.0 as usize)?.per_gpu.get_mut(g)?.apk.get_mut(entry)
     }
 
     /// Reads back what `_prepare` recorded on GPU `g` and encodes its
@@ -1362,11 +1395,14 @@ impl CudaDevice {
         self.current(g)?;
         let mut done = vec![0u32; n];
         self.d2h(g, &mut done, dev, "the APK operations' done words")?;
-        let entries = self.ctxs.get_mut(g).and_then(|c| c.done_log.as_mut()).map(|l| std::mem::take(&mut l.entries));
-        match unfinished(&done, entries.as_deref().unwrap_or(&[])) {
-            Some((e, d)) => Err(not_finished(e, d)),
-            None => Ok(()),
+        let log = self.ctxs.get_mut(g).and_then(|c| c.done_log.as_mut()).ok_or_else(|| other("no done log"))?;
+        // An unfinished operation stays in the log: every later check
+        // reports it again (the device's outputs cannot be trusted).
+        if let Some((e, d)) = unfinished(&done, &log.entries) {
+            return Err(not_finished(e, d));
         }
+        log.entries.clear();
+        Ok(())
     }
 }
 
@@ -1770,8 +1806,6 @@ mod tests {
         assert_eq!(apk_entries(src), vec!["moe_apk".to_string()]);
     }
 
-    /// Without a driver (every CI machine), opening the device is an error
-    /// that says what is missing; with one, probing lists its GPUs.
     #[test]
     fn the_done_log_names_the_first_operation_left_unfinished() {
         let entries: Vec<String> = ["qkv", "experts", "o_proj"].iter().map(|s| s.to_string()).collect();
@@ -1784,6 +1818,8 @@ mod tests {
         assert!(e.contains("experts") && e.contains("done = 0"), "{e}");
     }
 
+    /// Without a driver (every CI machine), opening the device is an error
+    /// that says what is missing; with one, probing lists its GPUs.
     #[test]
     fn probing_without_a_driver_is_an_error_not_a_panic() {
         match probe() {

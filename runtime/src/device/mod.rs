@@ -12,7 +12,8 @@
 //! return from a launch, an upload or a transfer once it is queued (the
 //! cuda device does, but for an APK launch of arguments it has not seen
 //! before; the emulated device runs each to completion), but every later
-//! call sees its effects, so issuing a program's ops in program order is a
+//! call sees its effects (and a fault in queued work is reported by a later
+//! call, at the latest the next download), so issuing a program's ops in program order is a
 //! legal execution of its streams and events. One stream of its own
 //! exists beside them: the side stream ([`Device::side_transfer`]), on
 //! which Zepp's slot swaps run while the next step's launches go on; its
