@@ -977,6 +977,94 @@ fn decode_steps_dispatch_on_fixed_slots_reading_nothing_back_on_the_emulated_dev
     }
 }
 
+/// The APK's launch arguments do not change with the batch (the cuda
+/// device then encodes each launch's templates once and reads nothing back
+/// on every later step): the dense GEMMs read the step's token and sampled
+/// rows from `StepCounts` on the device and bound their input maps by the
+/// input slice, the experts read their counts from the permutation and
+/// bound their maps by its room. Colocated EP over two ranks, a third
+/// request joining after three steps: decode batches of 2 and 3 tokens
+/// (1 and 2 on a rank), and every APK launch of every decode step repeats
+/// one of the decode step with the most launches. Tokens are transformers'.
+#[test]
+fn apk_launch_arguments_do_not_change_with_the_decode_batch_on_the_emulated_device() {
+    use moeforge::plan::KernelParams;
+    use moeforge::runtime::device::emu::EmuDevice;
+    let Qwen3Moe { f, ck, block, .. } = qwen3_moe();
+    let (cache, tmp) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let b = compile_text(&cpu_cluster_deployment(&block, 1, 2, 0.25, ""), tmp.path());
+    let apk: Vec<String> = b
+        .plan
+        .plan()
+        .kernels
+        .iter()
+        .filter(|k| matches!(k.params, KernelParams::Apk(_)))
+        .flat_map(|k| k.entries.iter().map(|e| e.symbol.clone()))
+        .collect();
+    assert!(!apk.is_empty());
+    let dev = LazySide::new(Box::new(EmuDevice::start(cache.path()).unwrap()));
+    let launches = dev.launches.clone();
+    let mut t = Twin::on_device(&b, &ck, Mode::Ep, Box::new(dev)).unwrap_or_else(|e| panic!("{e}"));
+    for i in 0..2 {
+        t.submit(Request::new(i as u64, f.prompts[i].clone(), f.tokens[i].len())).unwrap();
+    }
+    // Per decode step: its tokens and its APK launches. A launch is named by
+    // its entry and its pointers (the op, layer, rank and micro-batch: its
+    // buffers and weights); the rest are its values.
+    type Launch = (String, String);
+    let mut decode: Vec<(usize, Vec<Launch>)> = Vec::new();
+    let mut started = std::collections::BTreeSet::new();
+    for step in 0..100 {
+        if step == 3 {
+            t.submit(Request::new(2, f.prompts[2].clone(), f.tokens[2].len())).unwrap();
+        }
+        if t.idle() {
+            break;
+        }
+        let before = launches.lock().unwrap().len();
+        let out = t.step().unwrap_or_else(|e| panic!("{e}"));
+        let apk_launches: Vec<Launch> = launches.lock().unwrap()[before..]
+            .iter()
+            .filter(|(e, _)| apk.contains(e))
+            .map(|(e, a)| {
+                let (ptrs, values): (Vec<&KernelArg>, Vec<&KernelArg>) =
+                    a.iter().partition(|x| matches!(x, KernelArg::Ptr { .. } | KernelArg::Null));
+                (format!("{e} {ptrs:?}"), format!("{values:?}"))
+            })
+            .collect();
+        // A decode step: every request in it had produced a token before.
+        if !out.produced.is_empty() && out.produced.iter().all(|(id, _)| started.contains(id)) {
+            decode.push((out.tokens, apk_launches));
+        }
+        started.extend(out.produced.iter().map(|p| p.0));
+    }
+    assert!(t.idle(), "requests did not finish");
+    for (i, want) in f.tokens.iter().enumerate() {
+        assert_eq!(&t.request(i as u64).unwrap().generated, want, "request {i}");
+    }
+    let batches: std::collections::BTreeSet<usize> = decode.iter().map(|d| d.0).collect();
+    assert!(batches.len() >= 2, "decode batches {batches:?}: the batch never changed");
+    let mut values: std::collections::BTreeMap<&String, std::collections::BTreeSet<(&String, usize)>> =
+        std::collections::BTreeMap::new();
+    for (tokens, ls) in &decode {
+        for (op, v) in ls {
+            values.entry(op).or_default().insert((v, *tokens));
+        }
+    }
+    let launched: usize = decode.iter().map(|d| d.1.len()).sum();
+    eprintln!(
+        "{} decode steps over batches {batches:?}: {launched} APK launches of {} distinct ops",
+        decode.len(),
+        values.len()
+    );
+    for (op, vs) in &values {
+        let distinct: std::collections::BTreeSet<&&String> = vs.iter().map(|v| &v.0).collect();
+        assert_eq!(distinct.len(), 1, "{op}: its values change with the batch: {vs:?}");
+    }
+    // The decode steps launched some op more than once: the property is not vacuous.
+    assert!(launched > values.len());
+}
+
 /// Zepp's intra-node swaps on the emulated device (§4.3): ExpertPlex roles
 /// on one node of 4 GPUs with two MoE servers holding Zepp's replicas, a
 /// drift window of one step and no tolerance, so the MoE servers exchange
@@ -1021,8 +1109,8 @@ fn a_swap_finishes_before_its_layers_expert_computation_and_not_before() {
 }
 
 /// A device whose side stream runs nothing until it is waited on, and
-/// which records the launch just before each wait, and every readback
-/// (buffer, offset, bytes).
+/// which records the launch just before each wait, every readback
+/// (buffer, offset, bytes) and every launch (entry, arguments).
 struct LazySide {
     dev: Box<dyn moeforge::runtime::device::Device + Send>,
     queued: Vec<(u64, moeforge::runtime::device::Code, Vec<moeforge::runtime::device::Batch>, Vec<BufferId>)>,
@@ -1031,7 +1119,11 @@ struct LazySide {
     last: String,
     waits: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
     downloads: std::sync::Arc<std::sync::Mutex<Vec<(u32, u64, u64)>>>,
+    launches: Launches,
 }
+
+/// Every launch a device was asked for: (entry, arguments).
+type Launches = std::sync::Arc<std::sync::Mutex<Vec<(String, Vec<KernelArg>)>>>;
 
 use moeforge::runtime::device::{
     Batch as XBatch, BufferId, Code as XCode, Device, DeviceError, KernelArg, ModuleId, SideEvent,
@@ -1048,6 +1140,7 @@ impl LazySide {
             last: String::new(),
             waits: Default::default(),
             downloads: Default::default(),
+            launches: Default::default(),
         }
     }
 }
@@ -1101,6 +1194,7 @@ impl Device for LazySide {
         args: &[KernelArg],
     ) -> Result<(), DeviceError> {
         self.last = entry.to_string();
+        self.launches.lock().unwrap().push((entry.to_string(), args.to_vec()));
         self.dev.launch(module, entry, grid, block, args)
     }
 }

@@ -25,9 +25,10 @@
 //!   persistent grid (its compile-time cluster dims, its dynamic shared
 //!   memory, at most the clusters that can be co-resident) with the
 //!   operation and `stop` posted. The templates are a function of the
-//!   launch's arguments alone (the experts' maps are bounded by the rows
-//!   the permutation may fill, not by the device counts), so they are read
-//!   back and encoded once per distinct launch and kept: a launch seen
+//!   launch's arguments alone, and those do not change with the batch (the
+//!   rows are device counts, the maps bounded by the input slice or the
+//!   permutation's room), so they are read back and encoded once per
+//!   launch and kept: a launch seen
 //!   before queues `_prepare` (which still binds the device counts into the
 //!   state) and the grid, and reads nothing back. Each operation's `done`
 //!   word is copied on the stream into the GPU's done log, checked at the
@@ -341,8 +342,8 @@ struct Apk {
     calls: sys::CUdeviceptr,
     /// The encoded templates of each distinct launch (its flat arguments'
     /// bytes), with the tick it was last used at: a pure function of them
-    /// (the experts' maps are bounded by the launch's `rows`, not by the
-    /// device counts), so a launch seen before reads nothing back. At most
+    /// (the maps are bounded by the launch's `rows`, not by the device
+    /// counts), so a launch seen before reads nothing back. At most
     /// [`ENCODED_LAUNCHES`]; the least recently used goes first.
     encoded: BTreeMap<Vec<u8>, (Vec<u64>, u64)>,
     /// Launches so far (the clock of `encoded`).

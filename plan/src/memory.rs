@@ -68,6 +68,11 @@ pub enum BufferName {
     RowRequest,
     /// The rows whose logits are sampled (the last position of each request).
     SampleRows,
+    /// The step's row counts on the device, i32 per micro-batch slice:
+    /// [`STEP_TOKENS`] (the slice's token rows) and [`STEP_SAMPLED`] (its
+    /// sampled rows). The dense APK reads its GEMM's rows here, so its
+    /// launch arguments (and templates) do not change with the batch.
+    StepCounts,
     /// The sampled token of each sampled row, read back by the host.
     Sampled,
     /// f32 residual stream.
@@ -128,6 +133,10 @@ pub enum BufferName {
     /// migration kernel (Moebius §4.3), [`KV_MOVE_CHUNK`] rows at a time.
     KvMoves,
 }
+
+/// Byte offsets of a [`BufferName::StepCounts`] slice's words.
+pub const STEP_TOKENS: u64 = 0;
+pub const STEP_SAMPLED: u64 = 4;
 
 /// Which modes' programs use a buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -335,6 +344,8 @@ impl Workspace {
             b(RequestMeta, rq, Both, r, 32 + 4 * pages_per_request),
             b(RowRequest, rq, Both, t, 4),
             b(SampleRows, rq, Both, r, 4),
+            // One 16-byte row per micro-batch slice (at most 16 slices).
+            b(StepCounts, rq, Both, 16, 16),
             b(Sampled, rq, Both, r, 4),
             b(Residual, sc, Both, t, h * 4),
             b(Normed, sc, Both, t, h * 2),

@@ -753,7 +753,7 @@ fn check_args(op: &Op, ep: &crate::plan::EntryPoint, mode: Mode, mem: &MemoryPla
 /// Host inputs: written before the step, so read without a prior op.
 pub fn is_step_input(b: BufferName) -> bool {
     use BufferName::*;
-    matches!(b, TokenIds | Positions | SlotMap | RequestMeta | RowRequest | SampleRows)
+    matches!(b, TokenIds | Positions | SlotMap | RequestMeta | RowRequest | SampleRows | StepCounts)
 }
 
 /// A finding of [`check`]: the `plan.json` field and what is wrong.

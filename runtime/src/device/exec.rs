@@ -53,12 +53,13 @@
 use super::bind::{self, Counts, Site};
 use super::{BufferId, Code, Device, DeviceError, Elem, KernelArg, ModuleId, SideEvent, StridedCopy, Sum, Transfer};
 use moeforge_plan::memory::{
-    BufferName, MemoryPlan, Mode, RouteIndexParts, TensorPart, TensorRole, WeightReshard, ZeppRouteParts, KV_MOVE_CHUNK,
+    BufferName, MemoryPlan, Mode, RouteIndexParts, TensorPart, TensorRole, WeightReshard, ZeppRouteParts,
+    KV_MOVE_CHUNK, STEP_SAMPLED, STEP_TOKENS,
 };
 use moeforge_plan::placement::Swap;
 use moeforge_plan::program::{CommKind, KernelRef, Op, OpKind, Operand, Phase, Program};
 use moeforge_plan::reshard::ReshardTransfers;
-use moeforge_plan::{ApkForm, KernelParams, Plan};
+use moeforge_plan::{ApkForm, GridVar, KernelParams, Plan};
 use std::collections::BTreeMap;
 
 #[derive(Debug, thiserror::Error)]
@@ -1094,6 +1095,7 @@ impl Executor {
             (BufferName::SlotMap, le32(&slots)),
             (BufferName::RowRequest, le32(&row_req)),
             (BufferName::SampleRows, le32(&sample)),
+            (BufferName::StepCounts, le32(&[ids.len() as i32, sample.len() as i32, 0, 0])),
             (BufferName::RequestMeta, le32(&meta)),
         ] {
             let b = mem
@@ -1226,6 +1228,27 @@ impl Executor {
             }
             // Decode tiles where the rows fit them; the one group's layout is the same.
             let ph = u32::from(phase == Phase::Decode && rows <= a.max_decode_rows);
+            // The step's token or sampled rows are on the device
+            // (`StepCounts`, written with the step's inputs): the launch
+            // passes them by address and bounds its input's tensor map by
+            // the input slice's rows, so its arguments do not change with
+            // the batch (the cuda device encodes its templates once).
+            // Other row counts go by value.
+            let word = match g.rows {
+                GridVar::Tokens => Some(STEP_TOKENS),
+                GridVar::SampledRows => Some(STEP_SAMPLED),
+                _ => None,
+            };
+            let (counts_arg, rows_arg) = match word {
+                Some(w) => {
+                    let bound = xb.slice_bytes(site.micro_batches) / xb.row_bytes.max(1);
+                    (
+                        ptr(addr(&Operand::Buffer { name: BufferName::StepCounts })? + w),
+                        u32::try_from(bound).unwrap_or(u32::MAX).min(i32::MAX as u32),
+                    )
+                }
+                None => (KernelArg::Null, rows),
+            };
             vec![
                 ptr(x),
                 KernelArg::Null,
@@ -1234,8 +1257,8 @@ impl Executor {
                 if swiglu { KernelArg::Null } else { w },
                 if swiglu { sc } else { KernelArg::Null },
                 if swiglu { KernelArg::Null } else { sc },
-                KernelArg::Null,
-                i(rows),
+                counts_arg,
+                i(rows_arg),
                 i(ph),
                 i(0),
                 i(g.n),
