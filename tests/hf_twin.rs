@@ -915,7 +915,10 @@ fn role_plans_give_transformers_tokens_on_the_emulated_device() {
 /// role plan with two expert ranks (the fixture's top-k); over four, more
 /// than top-k, decode routes (fixed slots would move more rows than the
 /// routed pairs), and so it does with `route_decode` (so the count can see
-/// the reads); the tokens are transformers' either way.
+/// the reads); the tokens are transformers' either way. A fixed-slot decode
+/// step's device calls are its input uploads, then launches, transfers and
+/// fills (a role plan's -1 ids are filled on the device), then its
+/// readbacks: the shape a graph capture takes.
 #[test]
 fn decode_steps_dispatch_on_fixed_slots_reading_nothing_back_on_the_emulated_device() {
     use moeforge::plan::memory::BufferName;
@@ -935,7 +938,7 @@ fn decode_steps_dispatch_on_fixed_slots_reading_nothing_back_on_the_emulated_dev
         let in_ids = |at: u64| at >= ids.offset && at < ids.offset + ids.bytes();
         for route in [false, true].into_iter().filter(|&r| fixes || !r) {
             let dev = LazySide::new(Box::new(EmuDevice::start(cache.path()).unwrap()));
-            let downloads = dev.downloads.clone();
+            let (downloads, calls) = (dev.downloads.clone(), dev.calls.clone());
             let mut t = Twin::on_device(&b, &ck, Mode::Ep, Box::new(dev)).unwrap_or_else(|e| panic!("{label}: {e}"));
             t.route_decode_on_device(route);
             for (i, p) in f.prompts.iter().enumerate() {
@@ -947,12 +950,24 @@ fn decode_steps_dispatch_on_fixed_slots_reading_nothing_back_on_the_emulated_dev
                     break;
                 }
                 let before = downloads.lock().unwrap().len();
+                let first_call = calls.lock().unwrap().len();
                 let out = t.step().unwrap_or_else(|e| panic!("{label}: {e}"));
                 let reads = downloads.lock().unwrap()[before..].iter().filter(|d| in_ids(d.1)).count();
                 // A step that processed one token per token it produced decoded only.
                 if out.tokens > 0 && out.tokens == out.produced.len() {
                     decode_steps += 1;
                     decode_reads += reads;
+                    // A step on fixed slots is what a CUDA graph captures: its
+                    // inputs uploaded first, then launches, transfers and fills
+                    // only, then its outputs read back.
+                    if fixes && !route {
+                        let seq = calls.lock().unwrap()[first_call..].to_string();
+                        let body = seq.trim_start_matches('u').trim_end_matches('d');
+                        assert!(
+                            !body.is_empty() && body.chars().all(|c| "ltf".contains(c)),
+                            "{label}: a decode step's device calls {seq}"
+                        );
+                    }
                 } else {
                     prefill_reads += reads;
                 }
@@ -1110,7 +1125,8 @@ fn a_swap_finishes_before_its_layers_expert_computation_and_not_before() {
 
 /// A device whose side stream runs nothing until it is waited on, and
 /// which records the launch just before each wait, every readback
-/// (buffer, offset, bytes) and every launch (entry, arguments).
+/// (buffer, offset, bytes), every launch (entry, arguments) and the kind of
+/// every call in order (`u`pload, `f`ill, `l`aunch, `t`ransfer, `d`ownload).
 struct LazySide {
     dev: Box<dyn moeforge::runtime::device::Device + Send>,
     queued: Vec<(u64, moeforge::runtime::device::Code, Vec<moeforge::runtime::device::Batch>, Vec<BufferId>)>,
@@ -1120,6 +1136,7 @@ struct LazySide {
     waits: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
     downloads: std::sync::Arc<std::sync::Mutex<Vec<(u32, u64, u64)>>>,
     launches: Launches,
+    calls: std::sync::Arc<std::sync::Mutex<String>>,
 }
 
 /// Every launch a device was asked for: (entry, arguments).
@@ -1141,6 +1158,7 @@ impl LazySide {
             waits: Default::default(),
             downloads: Default::default(),
             launches: Default::default(),
+            calls: Default::default(),
         }
     }
 }
@@ -1150,13 +1168,20 @@ impl Device for LazySide {
         self.dev.alloc(bytes)
     }
     fn upload(&mut self, buffer: BufferId, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+        self.calls.lock().unwrap().push('u');
         self.dev.upload(buffer, offset, data)
     }
+    fn fill(&mut self, buffer: BufferId, offset: u64, len: u64, byte: u8) -> Result<(), DeviceError> {
+        self.calls.lock().unwrap().push('f');
+        self.dev.fill(buffer, offset, len, byte)
+    }
     fn download(&mut self, buffer: BufferId, offset: u64, len: u64) -> Result<Vec<u8>, DeviceError> {
+        self.calls.lock().unwrap().push('d');
         self.downloads.lock().unwrap().push((buffer.0, offset, len));
         self.dev.download(buffer, offset, len)
     }
     fn transfer(&mut self, code: &XCode, batches: &[XBatch], buffers: &[BufferId]) -> Result<(), DeviceError> {
+        self.calls.lock().unwrap().push('t');
         self.dev.transfer(code, batches, buffers)
     }
     fn side_transfer(
@@ -1194,6 +1219,7 @@ impl Device for LazySide {
         args: &[KernelArg],
     ) -> Result<(), DeviceError> {
         self.last = entry.to_string();
+        self.calls.lock().unwrap().push('l');
         self.launches.lock().unwrap().push((entry.to_string(), args.to_vec()));
         self.dev.launch(module, entry, grid, block, args)
     }

@@ -1526,6 +1526,24 @@ impl Device for CudaDevice {
         self.staged_upload(g, at, data)
     }
 
+    /// A memset queued on the buffer's GPU stream.
+    fn fill(&mut self, buffer: BufferId, offset: u64, len: u64, byte: u8) -> Result<(), DeviceError> {
+        self.live()?;
+        let (g, at) = self.address(buffer, offset, len).map_err(|e| other(format!("fill: {e}")))?;
+        // A kernel on another GPU may still read these bytes through peer access.
+        self.settle_others(g, "fill")?;
+        let c = self.ctx(g)?;
+        // SAFETY: `address` checked that `at` holds `len` bytes; the memset
+        // is ordered on `g`'s work stream.
+        unsafe { result::memset_d8_async(at, byte, len as usize, c.stream) }
+            .map_err(|e| driver("fill: cuMemsetD8Async", e))?;
+        c.pending.set(true);
+        if self.sync_launches {
+            self.finish(g, "fill")?;
+        }
+        Ok(())
+    }
+
     fn download(&mut self, buffer: BufferId, offset: u64, len: u64) -> Result<Vec<u8>, DeviceError> {
         self.live()?;
         let (g, at) = self.address(buffer, offset, len).map_err(|e| other(format!("download: {e}")))?;

@@ -16,7 +16,9 @@
 //!   a decode step's dispatch (striped, direct, over at most top-k ranks
 //!   holding experts, whose rows fit) instead takes fixed slots, every
 //!   row to every such rank, so the token counts fix every copy and the
-//!   host reads nothing;
+//!   host reads nothing (a role plan's rows between the posts' used parts
+//!   get -1 ids by a fill on the device, so such a step uploads nothing
+//!   after its inputs either);
 //!   the combine is pulled by each token's source rank, its row the f32 sum
 //!   of the rows the receiving ranks computed, in rank order (the bundle's
 //!   compiled `combine` program: the host reads nothing); the TP all-reduce
@@ -1699,12 +1701,13 @@ impl Executor {
                 let bad = |e: moeforge_xfer::XferError| ExecError::Plan(format!("op `{}`: {e}", op.name));
                 if fixed && !posts.is_empty() {
                     // The rows between the posts' used parts carry no entry:
-                    // -1 over every received row, one upload per destination,
-                    // before the rows (their ids with them) land.
+                    // -1 over every received row, one fill on the device per
+                    // destination, before the rows (their ids with them) land.
                     let ids_to = c.with[0][1];
                     let rd = row(ids_to);
                     for &d in group.iter().filter(|&&d| extents[d] > 0) {
-                        self.store(d, at(d, ids_to)?, &vec![0xffu8; (extents[d] * rd) as usize])?;
+                        let b = self.buffer(d as u32)?;
+                        self.dev.fill(b, at(d, ids_to)?, extents[d] * rd, 0xff)?;
                     }
                 }
                 let batches = [

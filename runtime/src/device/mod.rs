@@ -72,6 +72,14 @@ pub trait Device {
     /// bytes landed (`data` is free to go at once); every later download,
     /// launch, transfer or side transfer sees them.
     fn upload(&mut self, buffer: BufferId, offset: u64, data: &[u8]) -> Result<(), DeviceError>;
+    /// Sets `len` bytes of `buffer` at `offset` to `byte`, on the device: no
+    /// host data travels, so a step that fills mid-way still takes its
+    /// inputs before its first launch (the cuda device queues a memset; a
+    /// device without one uploads the bytes, this default).
+    fn fill(&mut self, buffer: BufferId, offset: u64, len: u64, byte: u8) -> Result<(), DeviceError> {
+        let len = usize::try_from(len).map_err(|_| DeviceError::Other(format!("a fill of {len} bytes")))?;
+        self.upload(buffer, offset, &vec![byte; len])
+    }
     fn download(&mut self, buffer: BufferId, offset: u64, len: u64) -> Result<Vec<u8>, DeviceError>;
     /// Runs a compiled transfer program's batches in order (each batch's
     /// pieces in parallel where the device can): buffer i of a batch is
