@@ -1099,11 +1099,14 @@ impl CudaDevice {
         Ok((f, tables))
     }
 
-    /// Queues a transfer's launches on `stream` (the first GPU's, current):
-    /// each batch's table copied from pinned memory into a pool table, its
-    /// launch, then one event after them. Returns the transfer's record
-    /// (its tables out of the pool until the event completed) and whether
-    /// queueing succeeded (what was queued before a failure may still run).
+    /// Queues a transfer's launches on `stream` (the first GPU's, current;
+    /// the side stream when `side`): each batch's table copied from pinned
+    /// memory into a pool table, its launch, then one event after them. The
+    /// transfer's record (its tables out of the pool until the event
+    /// completed) goes to that stream's list under `id`. When queueing
+    /// fails, what was queued before may still run: the stream is waited
+    /// for and the tables go back to the pool, or, if that wait fails too,
+    /// the record stays in the list (a later wait or reclaim retires it).
     fn queue_transfer(
         &mut self,
         stream: sys::CUstream,
@@ -1111,8 +1114,9 @@ impl CudaDevice {
         tables: &[(Vec<u64>, u32)],
         buffers: usize,
         id: u64,
-        what: &str,
-    ) -> Result<(Pending, Result<(), DeviceError>), DeviceError> {
+        side: bool,
+    ) -> Result<(), DeviceError> {
+        let what = if side { "side stream" } else { "transfer" };
         let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
             .map_err(|e| driver("cuEventCreate", e))?;
         let mut pending = Pending { id, event, tables: Vec::with_capacity(tables.len()) };
@@ -1142,20 +1146,6 @@ impl CudaDevice {
             unsafe { result::event::record(event, stream) }.map_err(|e| driver("cuEventRecord", e))
         };
         let queued = queue();
-        Ok((pending, queued))
-    }
-
-    /// Keeps a queued transfer's record until its event completed (in the
-    /// side stream's list when `side`, else the work stream's), or, when
-    /// queueing failed, waits for `stream` and returns its tables to the
-    /// pool (they stay in the list, under its id, if the wait fails too).
-    fn settle_queued(
-        &mut self,
-        stream: sys::CUstream,
-        pending: Pending,
-        queued: Result<(), DeviceError>,
-        side: bool,
-    ) -> Result<(), DeviceError> {
         let keep = |dev: &mut CudaDevice, p: Pending| match (side, dev.side.as_mut()) {
             (true, Some(x)) => {
                 x.last = x.last.max(p.id);
@@ -1566,13 +1556,12 @@ impl Device for CudaDevice {
         let (f, tables) = self.prepare_transfer(code, batches, buffers)?;
         self.reclaim();
         let stream = self.ctx(0)?.stream;
-        let (pending, queued) = self.queue_transfer(stream, f, &tables, buffers.len(), 0, "transfer")?;
         let c = self.ctx(0)?;
         // Later work on another GPU waits for it; a fault in it is reported
         // at the next wait on the first GPU, naming it.
         c.pending.set(true);
         *c.last_launch.borrow_mut() = moeforge_xfer::ENTRY.to_string();
-        self.settle_queued(stream, pending, queued, false)?;
+        self.queue_transfer(stream, f, &tables, buffers.len(), 0, false)?;
         if self.sync_launches {
             self.finish(0, "transfer")?;
         }
@@ -1580,9 +1569,9 @@ impl Device for CudaDevice {
         Ok(())
     }
 
-    /// On the side stream of the first GPU: every batch's table copied to
-    /// memory of its own (kept until the wait), the launches queued, one
-    /// event recorded after them. Nothing on the work streams waits for it.
+    /// On the side stream of the first GPU: every batch's table copied into
+    /// a pool table (kept until the wait), the launches queued, one event
+    /// recorded after them. Nothing on the work streams waits for it.
     fn side_transfer(
         &mut self,
         code: &Code,
@@ -1600,11 +1589,10 @@ impl Device for CudaDevice {
         }
         let stream = self.side.as_ref().map(|x| x.stream).ok_or_else(|| other("no side stream"))?;
         let id = self.side.as_ref().map_or(0, |x| x.last) + 1;
-        let (pending, queued) = self.queue_transfer(stream, f, &tables, buffers.len(), id, "side stream")?;
         // A failed queue keeps its record under this id (handed to no one):
         // the next wait for a later event, which the side stream reaches
         // after it, retires it.
-        self.settle_queued(stream, pending, queued, true)?;
+        self.queue_transfer(stream, f, &tables, buffers.len(), id, true)?;
         Ok(SideEvent(id))
     }
 

@@ -1207,6 +1207,9 @@ impl Executor {
         let clusters = a.max_clusters.clamp(1, 2);
         let grid = clusters * a.cluster_size.max(1);
         let i = |v: u32| KernelArg::I32(v as i32);
+        // A row bound, clamped to the int the APK takes (a bound only needs
+        // to cover the rows, which never come near it).
+        let bound = |rows: u64| KernelArg::I32(i32::try_from(rows).unwrap_or(i32::MAX));
         let args = if let Some(g) = op.gemm {
             if a.form != ApkForm::Dense {
                 return Err(bad(format!("a GEMM on the {:?} APK", a.form)));
@@ -1242,14 +1245,11 @@ impl Executor {
                 _ => None,
             };
             let (counts_arg, rows_arg) = match word {
-                Some(w) => {
-                    let bound = xb.slice_bytes(site.micro_batches) / xb.row_bytes.max(1);
-                    (
-                        ptr(addr(&Operand::Buffer { name: BufferName::StepCounts })? + w),
-                        u32::try_from(bound).unwrap_or(u32::MAX).min(i32::MAX as u32),
-                    )
-                }
-                None => (KernelArg::Null, rows),
+                Some(w) => (
+                    ptr(addr(&Operand::Buffer { name: BufferName::StepCounts })? + w),
+                    bound(xb.slice_bytes(site.micro_batches) / xb.row_bytes.max(1)),
+                ),
+                None => (KernelArg::Null, i(rows)),
             };
             vec![
                 ptr(x),
@@ -1260,7 +1260,7 @@ impl Executor {
                 if swiglu { sc } else { KernelArg::Null },
                 if swiglu { KernelArg::Null } else { sc },
                 counts_arg,
-                i(rows_arg),
+                rows_arg,
                 i(ph),
                 i(0),
                 i(g.n),
@@ -1317,7 +1317,7 @@ impl Executor {
                 // the experts' tensor maps: the rows the permutation may
                 // fill, so the launch's templates follow from its
                 // arguments alone (the cuda device encodes them once).
-                i(u32::try_from(room).unwrap_or(u32::MAX).min(i32::MAX as u32)),
+                bound(room),
                 i(0),
                 i(0),
                 i(0),
