@@ -29,6 +29,8 @@
 #   (d) e2e     tiny Qwen3-MoE, Mixtral, DeepSeek-V3 (bf16 and fp8), MiniMax-M2
 #               and GPT-OSS fixtures end to end with `moeforge run --backend
 #               cuda`, live switches included; greedy tokens = transformers'.
+#               Decode steps run as CUDA graphs (one per mode and batch bucket,
+#               one GPU); (d') the first case again with --eager beside it.
 #   (e) sanitizer  compute-sanitizer memcheck on one end-to-end run and
 #               racecheck on a small APK run.
 #   (j) route   the replica routing (GLM-5's kernels/zepp_route.cu) on the
@@ -351,6 +353,20 @@ if [[ $have_gpu -eq 1 && -n "$MOEFORGE" ]]; then
       "$BUILD/e2e-$fixture-$ranks-$start-one-gpu" "$switch" "$tiles"
   fi
 fi
+# (d') The first case again with --eager: every decode step call by call, no decode graphs.
+# The run above (one GPU: every rank's buffer on it) recorded each (mode, batch bucket)'s
+# decode step as a CUDA graph and replayed it (its JSON's "graphs"; a recording the GPU
+# refused is listed under "graph_refusals" and that step ran call by call); its median step
+# beside this one's is what the graphs save, and both must give transformers' tokens.
+if [[ $have_gpu -eq 1 && -n "$MOEFORGE" ]]; then
+  read -r fixture ranks start switch tiles <<<"${E2E_CASES[0]}"
+  [[ "$switch" == - ]] && switch=""
+  [[ "$tiles" == - ]] && tiles=""
+  E2E_EAGER=1 E2E_BUNDLE="$BUNDLES/e2e/$fixture-$ranks${tiles:+-$tiles}" run_step e2e \
+    "$fixture P=$ranks $start${switch:+ switch@$switch}${tiles:+ $tiles} eager" 240 python3 \
+    scripts/gpu/e2e.py "$MOEFORGE" cuda "tests/fixtures/models/$fixture" "$ranks" "$start" \
+    "$BUILD/e2e-$fixture-$ranks-$start-eager" "$switch" "$tiles"
+fi
 # (g') The first case again with every launch waited for (MOEFORGE_CUDA_SYNC=1): its median
 # step beside the queued launches' (the run above), the cost of waiting per launch. It also
 # re-encodes every APK launch's templates and fails if they differ from the ones the cuda
@@ -429,7 +445,7 @@ steps = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 emu = sys.argv[3] == "1"
 res = lambda s: s.get("result", {})
 missing = {
-    "graphs": "(g) CUDA graphs: the cuda backend launches every op and waits for it; no graph capture yet",
+    "graphs": "decode graphs are recorded only when the cuda device drives one GPU (with several, each step runs call by call), and only for decode steps whose dispatch takes fixed slots (not wider EP groups than top-k, replicas or relays); prefill is never a graph",
     "multi_gpu": "one process drives the machine's GPUs with peer access (rank r on the r-th GPU, mod their count), exercised only with two or more GPUs (on one, every rank's buffer is on it); no NCCL or NVSHMEM path across nodes yet",
     "transfer_programs": "every communication op (reshard, dispatch, combine, TP all-reduce) is an inkwell-generated transfer program; only the reshard's is timed here (copy_check), the others run inside the model steps untimed",
     "profile_components": "the profile measures the APK (`moe`) only: attention, dense GEMMs and communication are not measured",

@@ -55,6 +55,10 @@ fn the_gpu_check_runs_on_the_emulated_device_and_reports() {
     assert_eq!(r["match"], true, "{r}");
     assert_eq!(r["switches"], 1, "{r}");
     assert_eq!(r["tokens"], r["expected"]);
+    // Its decode steps ran as graphs (the emulated device records them), as
+    // the report reads them from the run's output.
+    assert!(r["graphs"]["recorded"].as_u64().unwrap() > 0 && r["graphs"]["replayed"].as_u64().unwrap() > 0, "{r}");
+    assert!(r.get("graph_refusals").is_none(), "{r}");
     // The steps it cannot run here are listed, not skipped silently.
     assert!(report["missing"]["gpu_steps"].as_str().unwrap().contains("need a GPU"));
     assert!(stdout.contains("end-to-end tokens = transformers': 1/1 runs"), "{stdout}");

@@ -773,9 +773,10 @@ fn on_the_emulated_device_with(name: &'static str, runs: &[(u32, Mode, &[usize])
         let (e, ekv, switched) = check_run_within(&f, &mut t, &label, switch_at, &at, &at);
         assert!(switched >= switch_at.len().min(2), "{label}: switched mid-decode only {switched} times");
         let steps = t.stats().steps;
+        let g = t.graph_stats().expect("a device");
         eprintln!(
             "{label}: worst logit error {e:.2e} ({ekv:.2e} against a bf16 KV cache; transformers in bf16: \
-             {bound:.2e}), {steps} steps in {:.1} s",
+             {bound:.2e}), {steps} steps in {:.1} s; graphs {g:?}",
             t0.elapsed().as_secs_f64()
         );
     }
@@ -895,12 +896,17 @@ fn role_plans_give_transformers_tokens_on_the_emulated_device() {
         let mut t = Twin::on_device(&b, &ck, Mode::Ep, Box::new(dev)).unwrap_or_else(|e| panic!("{strategy}: {e}"));
         let at = |i: usize, s: usize| bound.max(steps[i][s]);
         let (e, ekv, _) = check_run_within(&f, &mut t, strategy, &[], &at, &at);
+        // The decode servers' steps replay their bucket's graph (the MoE
+        // servers' part of the step in it: their dispatch takes fixed slots).
+        let g = t.graph_stats().expect("a device");
+        assert!(g.replayed > 0 && g.refused == 0 && g.eager == 0, "{strategy}: {g:?}");
         let decoding = f.tokens.iter().filter(|x| x.len() > 1).count() as u64;
         let h = t.handoffs();
         assert_eq!(h.requests, decoding, "{strategy}: {h:?}");
         assert_eq!(h.bytes, h.pages * roles.kv_handoff.page_bytes, "{strategy}");
         eprintln!(
-            "{strategy} on the emulated device: worst logit error {e:.2e} ({ekv:.2e} against a bf16 KV cache); {h:?}"
+            "{strategy} on the emulated device: worst logit error {e:.2e} ({ekv:.2e} against a bf16 KV cache); {h:?}; \
+             {g:?}"
         );
     }
 }
@@ -990,6 +996,128 @@ fn decode_steps_dispatch_on_fixed_slots_reading_nothing_back_on_the_emulated_dev
             }
         }
     }
+}
+
+/// Decode steps run as graphs on the emulated device (issue 12's CUDA
+/// graphs; the emulated device records a graph's launches, transfers and
+/// fills and refuses any upload or readback inside one, as a stream capture
+/// does): each decode step padded to its batch bucket, the first step of a
+/// (mode, bucket) run call by call as its warm-up, the second recorded,
+/// every later one a replay of the recorded calls over the step's new
+/// inputs. A dual-mode colocated plan over two ranks, a third request
+/// joining after three steps and live switches forced before steps 4, 7
+/// and 10, so both modes' graphs are recorded and replayed again after a
+/// switch moved the weights (at the same addresses) and back. The tokens
+/// are transformers'; a replay that ran other calls than the step's (a
+/// graph of another bucket, padding that wrote KV, a recorded upload)
+/// would change them.
+#[test]
+fn decode_steps_replay_their_buckets_graph_across_switches_on_the_emulated_device() {
+    use moeforge::runtime::device::emu::EmuDevice;
+    let Qwen3Moe { f, ck, block, .. } = qwen3_moe();
+    let (cache, tmp) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let b = compile_text(&cpu_cluster_deployment(&block, 1, 2, 0.25, ""), tmp.path());
+    assert_eq!(b.plan.plan().memory.modes, [Mode::Tp, Mode::Ep], "a dual-mode plan");
+    let dev = EmuDevice::start(cache.path()).unwrap();
+    let mut t = Twin::on_device(&b, &ck, Mode::Ep, Box::new(dev)).unwrap_or_else(|e| panic!("{e}"));
+    for i in 0..2 {
+        t.submit(Request::new(i as u64, f.prompts[i].clone(), f.tokens[i].len())).unwrap();
+    }
+    let (mut decode_steps, mut started) = (0u64, std::collections::BTreeSet::new());
+    for step in 0..100 {
+        if step == 3 {
+            t.submit(Request::new(2, f.prompts[2].clone(), f.tokens[2].len())).unwrap();
+        }
+        if t.idle() {
+            break;
+        }
+        if [4, 7, 10].contains(&step) {
+            let to = if t.mode() == Mode::Ep { Mode::Tp } else { Mode::Ep };
+            t.switch(to).unwrap_or_else(|e| panic!("switch before step {step}: {e}"));
+        }
+        let out = t.step().unwrap_or_else(|e| panic!("step {step}: {e}"));
+        if !out.produced.is_empty() && out.produced.iter().all(|(id, _)| started.contains(id)) {
+            decode_steps += 1;
+        }
+        started.extend(out.produced.iter().map(|p| p.0));
+    }
+    assert!(t.idle(), "requests did not finish");
+    for (i, want) in f.tokens.iter().enumerate() {
+        assert_eq!(&t.request(i as u64).unwrap().generated, want, "request {i}");
+    }
+    let g = t.graph_stats().expect("a device");
+    let keys = t.graph_keys();
+    eprintln!("{decode_steps} decode steps: {g:?}; graphs kept for {keys:?}");
+    assert!(t.graph_refusals().is_empty(), "{:?}", t.graph_refusals());
+    // Every decode step fits a graph here: each ran as its bucket's warm-up
+    // or as a replay (the recording step replays what it recorded).
+    assert_eq!((g.eager, g.refused), (0, 0), "{g:?}");
+    assert_eq!(g.replayed + g.warmups, decode_steps, "{g:?}");
+    // Both modes' graphs are kept, each (mode, bucket) recorded once, and
+    // reused: more replays than recordings, some after a later switch.
+    assert!(keys.iter().any(|k| k.0 == Mode::Tp) && keys.iter().any(|k| k.0 == Mode::Ep), "{keys:?}");
+    assert_eq!(g.captured, keys.len() as u64, "{g:?}");
+    assert!(g.replayed > g.captured && g.replayed_after_switch > 0, "{g:?}");
+    // Some step was padded up to its bucket (three requests on TP's ranks).
+    assert!(g.padded_rows > 0, "{g:?}");
+}
+
+/// A device that records graphs but cannot keep them (its instantiation
+/// fails, as `cuGraphInstantiate` can): each (mode, bucket)'s recording is
+/// refused once, that step and the key's later ones run call by call, and
+/// the tokens are still transformers'.
+#[test]
+fn a_refused_graph_recording_runs_the_step_call_by_call_on_the_emulated_device() {
+    use moeforge::runtime::device::emu::EmuDevice;
+    use moeforge::runtime::device::GraphId;
+    struct NoGraphs(Box<dyn Device + Send>);
+    impl Device for NoGraphs {
+        fn alloc(&mut self, bytes: u64) -> Result<BufferId, DeviceError> {
+            self.0.alloc(bytes)
+        }
+        fn upload(&mut self, b: BufferId, o: u64, d: &[u8]) -> Result<(), DeviceError> {
+            self.0.upload(b, o, d)
+        }
+        fn fill(&mut self, b: BufferId, o: u64, n: u64, x: u8) -> Result<(), DeviceError> {
+            self.0.fill(b, o, n, x)
+        }
+        fn download(&mut self, b: BufferId, o: u64, n: u64) -> Result<Vec<u8>, DeviceError> {
+            self.0.download(b, o, n)
+        }
+        fn transfer(&mut self, c: &XCode, x: &[XBatch], b: &[BufferId]) -> Result<(), DeviceError> {
+            self.0.transfer(c, x, b)
+        }
+        fn load(&mut self, n: &str, s: &str, c: Option<&[u8]>) -> Result<ModuleId, DeviceError> {
+            self.0.load(n, s, c)
+        }
+        fn captures(&self) -> bool {
+            true
+        }
+        fn begin_capture(&mut self) -> Result<(), DeviceError> {
+            self.0.begin_capture()
+        }
+        fn end_capture(&mut self) -> Result<GraphId, DeviceError> {
+            self.0.end_capture()?;
+            Err(DeviceError::Other("cuGraphInstantiate: out of memory".into()))
+        }
+        fn launch(&mut self, m: ModuleId, e: &str, g: u32, b: u32, a: &[KernelArg]) -> Result<(), DeviceError> {
+            self.0.launch(m, e, g, b, a)
+        }
+    }
+    let Qwen3Moe { f, bound, steps, ck, block } = qwen3_moe();
+    let (cache, tmp) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let b = compile_text(&cpu_cluster_deployment(&block, 1, 2, 0.25, ""), tmp.path());
+    let dev = NoGraphs(Box::new(EmuDevice::start(cache.path()).unwrap()));
+    let mut t = Twin::on_device(&b, &ck, Mode::Ep, Box::new(dev)).unwrap_or_else(|e| panic!("{e}"));
+    let at = |i: usize, s: usize| bound.max(steps[i][s]);
+    check_run_within(&f, &mut t, "graphs refused", &[], &at, &at);
+    let g = t.graph_stats().expect("a device");
+    let refusals = t.graph_refusals();
+    eprintln!("{g:?}; {refusals:?}");
+    assert!(g.refused > 0 && g.captured == 0 && g.replayed == 0, "{g:?}");
+    assert!(t.graph_keys().is_empty());
+    assert_eq!(refusals.len() as u64, g.refused);
+    assert!(refusals.iter().all(|r| r.contains("cuGraphInstantiate: out of memory")), "{refusals:?}");
 }
 
 /// The APK's launch arguments do not change with the batch (the cuda

@@ -61,8 +61,20 @@
 //!   IPC mapping, for the same copies. With one GPU every rank's buffer is
 //!   on it (the test configuration). Every transfer runs on the first
 //!   GPU's SMs, so a copy between two other GPUs crosses the first one's
-//!   links twice. CUDA graphs and one-sided communication (device-side
-//!   dispatch) are not here yet.
+//!   links twice. One-sided communication (device-side dispatch) is not
+//!   here yet.
+//! - CUDA graphs ([`Device::begin_capture`]), when the device drives one GPU
+//!   (every rank's buffer on it, so a step is one work stream's; not with
+//!   `MOEFORGE_CUDA_SYNC=1`): the work stream is captured in relaxed mode
+//!   (`cuStreamBeginCapture`), instantiated (`cuGraphInstantiate`) and
+//!   launched per replay (`cuGraphLaunch`). A recorded APK operation must
+//!   have its templates encoded already (its first run, outside the graph,
+//!   reads them back) and copies its `done` word into the graph's own done
+//!   words, checked at the download after each replay; a recorded transfer's
+//!   tables are the graph's own pinned memory, which every replay copies
+//!   again. An upload, readback, load or side-stream call inside a
+//!   recording drops it. Compile-checked only: no GPU has run it yet
+//!   (`scripts/gpu-check.sh` (d) and (d') do).
 //! - Ordering: a GPU's work stream orders its own work. A plain launch
 //!   returns once queued (every launch waited for with
 //!   `MOEFORGE_CUDA_SYNC=1`); uploads go through two pinned staging chunks
@@ -81,7 +93,7 @@
 
 use cudarc::driver::result;
 use cudarc::driver::sys;
-use moeforge_runtime::device::{Batch, BufferId, Code, Device, DeviceError, KernelArg, ModuleId, SideEvent};
+use moeforge_runtime::device::{Batch, BufferId, Code, Device, DeviceError, GraphId, KernelArg, ModuleId, SideEvent};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::ffi::{c_void, CString};
@@ -480,6 +492,27 @@ struct Pending {
     tables: Vec<Table>,
 }
 
+/// A recorded graph of the first GPU's work stream ([`Device::captures`]:
+/// one GPU), instantiated.
+struct Graph {
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+    /// Its APK operations' `done` words (each replay copies them here
+    /// again, checked at the next download) and their entries.
+    done: sys::CUdeviceptr,
+    entries: Vec<String>,
+    /// The transfer tables its copies read: each replay copies them again
+    /// from their pinned host memory, so they are the graph's alone.
+    tables: Vec<Table>,
+}
+
+/// The graph being recorded: its done words and tables so far.
+struct Recording {
+    done: sys::CUdeviceptr,
+    entries: Vec<String>,
+    tables: Vec<Table>,
+}
+
 pub struct CudaDevice {
     /// The GPUs this process drives, every pair with peer access.
     ctxs: Vec<Ctx>,
@@ -507,6 +540,11 @@ pub struct CudaDevice {
     /// for debugging a fault to the launch that made it, and the GPU
     /// check's comparison).
     sync_launches: bool,
+    /// The graph being recorded, the kept ones by [`GraphId`], and those
+    /// replayed since their done words were last checked.
+    recording: Option<Recording>,
+    graphs: Vec<Graph>,
+    replayed: Vec<usize>,
 }
 
 // SAFETY: the handles are the driver's; every method first makes the
@@ -554,6 +592,9 @@ impl CudaDevice {
             from_bundle: 0,
             built: 0,
             sync_launches: std::env::var("MOEFORGE_CUDA_SYNC").is_ok_and(|v| v == "1"),
+            recording: None,
+            graphs: Vec::new(),
+            replayed: Vec::new(),
         };
         // Each context is pushed as soon as it exists, so Drop releases it if a later one fails.
         for gpu in gpus {
@@ -1230,8 +1271,18 @@ impl CudaDevice {
         let key: Vec<u8> = values.iter().flatten().copied().collect();
         let cached = if keep { apk.encoded.get(&key).map(|e| e.0.clone()) } else { None };
         let name = format!("{entry}_prepare");
+        // A graph cannot wait for `_prepare`: a recorded launch is one whose
+        // templates were encoded before (the step ran once, unrecorded).
+        if self.recording.is_some() && cached.is_none() {
+            return Err(DeviceError::Launch {
+                entry: entry.into(),
+                message: "an APK launch whose templates were never encoded cannot be recorded into a graph (its \
+                          first run reads them back): run the step once before recording it"
+                    .into(),
+            });
+        }
         // The done log (queued launches): created on the first, read when full.
-        if !self.sync_launches {
+        if !self.sync_launches && self.recording.is_none() {
             if self.ctx(g)?.done_log.as_ref().is_some_and(|l| l.entries.len() >= DONE_LOG_WORDS) {
                 self.check_done(g)?;
             }
@@ -1311,7 +1362,21 @@ impl CudaDevice {
                 None => Ok(true),
             };
         }
-        // 4. Its `done` word is logged on the stream, checked at the next download.
+        // 4. Its `done` word is logged on the stream, checked at the next
+        // download: into the graph's own words when recorded.
+        if let Some(rec) = self.recording.as_mut() {
+            if rec.entries.len() >= DONE_LOG_WORDS {
+                return Err(other(format!("a graph of more than {DONE_LOG_WORDS} APK operations")));
+            }
+            let slot = rec.done + 4 * rec.entries.len() as u64;
+            let stream = self.ctxs.get(g).map(|c| c.stream).ok_or_else(|| other(format!("no GPU {g}")))?;
+            // SAFETY: `slot` is inside the graph's words; `at` is the
+            // state's `done` word; both on `g`, ordered after the grid.
+            unsafe { result::memcpy_dtod_async(slot, at, 4, stream) }
+                .map_err(|e| driver(&format!("{entry}: cuMemcpyDtoDAsync (done, recorded)"), e))?;
+            rec.entries.push(entry.to_string());
+            return Ok(true);
+        }
         let c = self.ctxs.get_mut(g).ok_or_else(|| other(format!("no GPU {g} in this device")))?;
         let log = c.done_log.as_mut().ok_or_else(|| other("no done log"))?;
         let slot = log.dev + 4 * log.entries.len() as u64;
@@ -1366,10 +1431,104 @@ impl CudaDevice {
         Ok(templates)
     }
 
-    /// [`CudaDevice::check_done`] on every GPU.
+    /// [`CudaDevice::check_done`] on every GPU, then the replayed graphs'.
     fn check_all_done(&mut self) -> Result<(), DeviceError> {
         for g in 0..self.ctxs.len() {
             self.check_done(g)?;
+        }
+        self.check_graphs()
+    }
+
+    /// Waits for the first GPU and checks the `done` words of every graph
+    /// replayed since the last check, as [`CudaDevice::check_done`] does
+    /// (an unfinished operation stays reported).
+    fn check_graphs(&mut self) -> Result<(), DeviceError> {
+        if self.replayed.is_empty() {
+            return Ok(());
+        }
+        self.current(0)?;
+        for &i in &self.replayed {
+            let Some(g) = self.graphs.get(i).filter(|g| !g.entries.is_empty()) else { continue };
+            let mut done = vec![0u32; g.entries.len()];
+            self.d2h(0, &mut done, g.done, "a decode graph's done words")?;
+            if let Some((e, d)) = unfinished(&done, &g.entries) {
+                return Err(not_finished(&format!("{e} (in decode graph {i})"), d));
+            }
+        }
+        self.replayed.clear();
+        Ok(())
+    }
+
+    /// Refuses a call a graph cannot hold while one is being recorded: the
+    /// recording is ended and dropped.
+    fn outside_recording(&mut self, what: &str) -> Result<(), DeviceError> {
+        if self.recording.is_none() {
+            return Ok(());
+        }
+        self.drop_recording();
+        Err(other(format!(
+            "{what} while a graph is being recorded (a graph holds launches, transfers and fills only); the recording \
+             is dropped"
+        )))
+    }
+
+    /// Ends the stream's capture and frees what the recording held.
+    fn drop_recording(&mut self) {
+        let Some(rec) = self.recording.take() else { return };
+        if let Ok(c) = self.ctx(0) {
+            let stream = c.stream;
+            let mut graph: sys::CUgraph = std::ptr::null_mut();
+            // SAFETY: the stream is capturing (or its capture was
+            // invalidated, which this ends too); the graph, if any, is
+            // destroyed at once.
+            unsafe {
+                let _ = sys::cuStreamEndCapture(stream, &raw mut graph);
+                if !graph.is_null() {
+                    let _ = sys::cuGraphDestroy(graph);
+                }
+            }
+        }
+        // Nothing of the recording ran: its tables go back to the pool.
+        self.tables.extend(rec.tables);
+        // SAFETY: allocated in begin_capture; no graph refers to it.
+        let _ = unsafe { result::free_sync(rec.done) };
+    }
+
+    /// A transfer recorded into the graph: each batch's table copied from
+    /// pinned memory (a copy node, which every replay runs again) and its
+    /// launch. The tables are the graph's from now on.
+    fn record_transfer(
+        &mut self,
+        stream: sys::CUstream,
+        f: sys::CUfunction,
+        tables: &[(Vec<u64>, u32)],
+        buffers: usize,
+    ) -> Result<(), DeviceError> {
+        for (words, grid) in tables {
+            let t = self.table(words.len() * 8)?;
+            // SAFETY: `t.host` holds `t.bytes` >= the words' bytes, and no
+            // queued copy or graph reads it (it came from the pool or is new).
+            let chunk = unsafe {
+                std::ptr::copy_nonoverlapping(words.as_ptr().cast::<u8>(), t.host, words.len() * 8);
+                std::slice::from_raw_parts(t.host.cast_const(), words.len() * 8)
+            };
+            let at = t.dev;
+            match self.recording.as_mut() {
+                Some(rec) => rec.tables.push(t),
+                None => {
+                    self.tables.push(t);
+                    return Err(other("no graph is being recorded"));
+                }
+            }
+            // SAFETY: `at` holds the words; the pinned memory is the graph's.
+            unsafe { result::memcpy_htod_async(at, chunk, stream) }
+                .map_err(|e| driver("transfer table (recorded): cuMemcpyHtoDAsync", e))?;
+            let (mut bases, mut table) = (at, at + 8 * buffers as u64);
+            let mut params: [*mut c_void; 2] = [(&raw mut bases).cast(), (&raw mut table).cast()];
+            // SAFETY: `f` is the program's kernel in this context; the
+            // parameters are read when the launch is recorded.
+            unsafe { result::launch_kernel(f, (*grid, 1, 1), (256, 1, 1), 0, stream, &mut params) }
+                .map_err(|e| driver(&format!("{} (recorded)", moeforge_xfer::ENTRY), e))?;
         }
         Ok(())
     }
@@ -1493,6 +1652,7 @@ impl Device for CudaDevice {
     /// its own GPU when there is one per rank.
     fn alloc(&mut self, bytes: u64) -> Result<BufferId, DeviceError> {
         self.live()?;
+        self.outside_recording("an allocation")?;
         let g = gpu_of(self.buffers.len(), self.ctxs.len());
         self.current(g)?;
         let name = self.ctx(g)?.gpu.name.clone();
@@ -1510,6 +1670,7 @@ impl Device for CudaDevice {
     /// Through the GPU's pinned staging, returning once the copy is queued.
     fn upload(&mut self, buffer: BufferId, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
         self.live()?;
+        self.outside_recording("an upload")?;
         let (g, at) = self.address(buffer, offset, data.len() as u64).map_err(|e| other(format!("upload: {e}")))?;
         // A kernel on another GPU may still read these bytes through peer access.
         self.settle_others(g, "upload")?;
@@ -1536,6 +1697,7 @@ impl Device for CudaDevice {
 
     fn download(&mut self, buffer: BufferId, offset: u64, len: u64) -> Result<Vec<u8>, DeviceError> {
         self.live()?;
+        self.outside_recording("a download")?;
         let (g, at) = self.address(buffer, offset, len).map_err(|e| other(format!("download: {e}")))?;
         // A kernel on another GPU may still write these bytes through peer access.
         self.settle_others(g, "download")?;
@@ -1561,6 +1723,9 @@ impl Device for CudaDevice {
         // at the next wait on the first GPU, naming it.
         c.pending.set(true);
         *c.last_launch.borrow_mut() = moeforge_xfer::ENTRY.to_string();
+        if self.recording.is_some() {
+            return self.record_transfer(stream, f, &tables, buffers.len());
+        }
         self.queue_transfer(stream, f, &tables, buffers.len(), 0, false)?;
         if self.sync_launches {
             self.finish(0, "transfer")?;
@@ -1579,6 +1744,7 @@ impl Device for CudaDevice {
         buffers: &[BufferId],
     ) -> Result<SideEvent, DeviceError> {
         self.live()?;
+        self.outside_recording("a side-stream transfer")?;
         self.settle_others(0, "side transfer")?;
         self.finish(0, "side transfer")?;
         let (f, tables) = self.prepare_transfer(code, batches, buffers)?;
@@ -1600,6 +1766,7 @@ impl Device for CudaDevice {
     /// transfer finished too), then returns their tables to the pool.
     fn side_wait(&mut self, event: SideEvent) -> Result<u64, DeviceError> {
         self.live()?;
+        self.outside_recording("a side-stream wait")?;
         let Some(side) = self.side.as_ref() else { return Ok(0) };
         let beside = side.beside;
         let Some(p) = side.pending.iter().rev().find(|p| p.id <= event.0) else { return Ok(beside) };
@@ -1616,6 +1783,7 @@ impl Device for CudaDevice {
     /// for this GPU (cached). Loaded into every GPU's context.
     fn load(&mut self, name: &str, source: &str, cubin: Option<&[u8]>) -> Result<ModuleId, DeviceError> {
         self.live()?;
+        self.outside_recording("a module load")?;
         if let Some(c) = cubin {
             let bundled = match self.load_image(name, source, c) {
                 Ok(id) => {
@@ -1662,6 +1830,95 @@ impl Device for CudaDevice {
             self.from_bundle,
             self.built
         ))
+    }
+
+    /// With one GPU (every rank's buffer on it, so a step's work is its one
+    /// work stream's) and launches not each waited for.
+    fn captures(&self) -> bool {
+        self.ctxs.len() == 1 && !self.sync_launches
+    }
+
+    /// Captures the first GPU's work stream (relaxed mode: the host's own
+    /// calls beside it, such as a transfer table's allocation, are allowed),
+    /// with the graph's done words allocated first.
+    fn begin_capture(&mut self) -> Result<(), DeviceError> {
+        self.live()?;
+        self.outside_recording("a graph recording")?;
+        if !self.captures() {
+            return Err(other("graphs are recorded on one GPU with queued launches (see Device::captures)"));
+        }
+        self.current(0)?;
+        // SAFETY: a plain allocation in the first GPU's context (current),
+        // freed with the graph or the dropped recording.
+        let done = unsafe { result::malloc_sync(DONE_LOG_WORDS * 4) }
+            .map_err(|e| driver("cuMemAlloc (a graph's done words)", e))?;
+        let stream = self.ctx(0)?.stream;
+        // SAFETY: the stream is the first GPU's and not capturing.
+        let r =
+            unsafe { sys::cuStreamBeginCapture_v2(stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED) };
+        if r != sys::cudaError_enum::CUDA_SUCCESS {
+            // SAFETY: allocated above, never used.
+            let _ = unsafe { result::free_sync(done) };
+            return Err(driver("cuStreamBeginCapture", result::DriverError(r)));
+        }
+        self.recording = Some(Recording { done, entries: Vec::new(), tables: Vec::new() });
+        Ok(())
+    }
+
+    fn end_capture(&mut self) -> Result<GraphId, DeviceError> {
+        let Some(rec) = self.recording.take() else { return Err(other("no graph is being recorded")) };
+        let stream = self.ctx(0)?.stream;
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: the stream is capturing; the graph is kept or destroyed below.
+        let r = unsafe { sys::cuStreamEndCapture(stream, &raw mut graph) };
+        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+        let r = if r == sys::cudaError_enum::CUDA_SUCCESS {
+            // SAFETY: `graph` was just captured.
+            unsafe { sys::cuGraphInstantiateWithFlags(&raw mut exec, graph, 0) }
+        } else {
+            r
+        };
+        if r != sys::cudaError_enum::CUDA_SUCCESS {
+            // SAFETY: nothing launched the graph; destroyed once.
+            unsafe {
+                if !graph.is_null() {
+                    let _ = sys::cuGraphDestroy(graph);
+                }
+                let _ = result::free_sync(rec.done);
+            }
+            self.tables.extend(rec.tables);
+            return Err(driver("cuStreamEndCapture / cuGraphInstantiate", result::DriverError(r)));
+        }
+        let id = u32::try_from(self.graphs.len()).map_err(|_| other("too many graphs"))?;
+        self.graphs.push(Graph { graph, exec, done: rec.done, entries: rec.entries, tables: rec.tables });
+        Ok(GraphId(id))
+    }
+
+    /// Launches the graph on the first GPU's work stream and returns; its
+    /// done words are checked at the next download (first, if it already
+    /// ran unchecked, since this replay writes them again).
+    fn replay(&mut self, graph: GraphId) -> Result<(), DeviceError> {
+        self.live()?;
+        self.outside_recording("a graph replay")?;
+        let i = graph.0 as usize;
+        if self.replayed.contains(&i) {
+            self.check_graphs()?;
+        }
+        self.current(0)?;
+        let exec = self.graphs.get(i).map(|g| g.exec).ok_or_else(|| other(format!("no graph {i}")))?;
+        let stream = self.ctx(0)?.stream;
+        // SAFETY: `exec` was instantiated in this context; the buffers,
+        // modules and tables it reads live as long as the device.
+        let r = unsafe { sys::cuGraphLaunch(exec, stream) };
+        if r != sys::cudaError_enum::CUDA_SUCCESS {
+            return Err(driver(&format!("cuGraphLaunch (decode graph {i})"), result::DriverError(r)));
+        }
+        let c = self.ctx(0)?;
+        c.pending.set(true);
+        *c.last_launch.borrow_mut() = format!("decode graph {i}");
+        self.replayed.push(i);
+        self.main_op_done();
+        Ok(())
     }
 
     /// On the GPU of its first pointer argument (the rank whose op it is);
@@ -1740,8 +1997,19 @@ impl Drop for CudaDevice {
             // SAFETY: idle, not used after this.
             let _ = unsafe { result::stream::destroy(stream) };
         }
-        // Every work stream finished: the queued transfers' tables are free.
+        // Every work stream finished: the queued transfers' tables are free,
+        // and no graph runs.
         if self.current(0).is_ok() {
+            self.drop_recording();
+            for g in std::mem::take(&mut self.graphs) {
+                // SAFETY: the stream is idle; each destroyed once, not used after this.
+                unsafe {
+                    let _ = sys::cuGraphExecDestroy(g.exec);
+                    let _ = sys::cuGraphDestroy(g.graph);
+                    let _ = result::free_sync(g.done);
+                }
+                self.tables.extend(g.tables);
+            }
             self.reclaim();
             for t in std::mem::take(&mut self.tables) {
                 // SAFETY: every stream is idle: nothing reads them.

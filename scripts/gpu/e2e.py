@@ -4,7 +4,8 @@ the way a user runs it: import-hf writes the model block, a deployment puts it
 on RANKS ranks, `moeforge compile` emits the bundle, `moeforge run --backend B`
 serves the fixture's prompts greedily. The greedy tokens must be
 transformers' (expected.json) exactly. Prints one JSON object (tokens, match,
-median step milliseconds); exits 1 on a mismatch or a failed command.
+median step milliseconds, the decode graphs the run reports); exits 1 on a mismatch or a failed
+command. With E2E_EAGER=1 the run takes --eager (every decode step call by call, no graphs).
 
 Usage: python3 e2e.py MOEFORGE BACKEND FIXTURE_DIR RANKS START WORKDIR [SWITCH_AT [TILES]]
        python3 e2e.py --compile MOEFORGE FIXTURE_DIR RANKS OUT_BUNDLE [TILES]
@@ -99,6 +100,9 @@ def main() -> int:
             cmd += ["--prompt", " ".join(map(str, r["prompt"]))]
         if switch_at:
             cmd += ["--switch-at", switch_at]
+        if os.environ.get("E2E_EAGER") == "1":
+            cmd += ["--eager"]
+            out["eager"] = True
         text = run(cmd, f"run --backend {backend}")
         got = {int(m.group(1)): [int(t) for t in m.group(2).split()]
                for m in re.finditer(r"^request (\d+): ([\d ]*)$", text, re.M)}
@@ -111,6 +115,16 @@ def main() -> int:
         device = re.search(r"^device: (.*)$", text, re.M)
         if device:
             out["device"] = device.group(1)
+        # The decode graphs (recorded, replayed, warm-up and call-by-call
+        # steps, padding rows) and any recording the device refused.
+        graphs = re.search(r"^decode graphs: (\d+) recorded.*?, (\d+) decode steps replayed one, (\d+) ran as a "
+                           r"bucket's warm-up, (\d+) ran call by call.*?, (\d+) padding rows$", text, re.M)
+        if graphs:
+            out["graphs"] = dict(zip(["recorded", "replayed", "warmups", "eager", "padding_rows"],
+                                     map(int, graphs.groups())))
+        refused = re.findall(r"^decode graph not recorded: (.*)$", text, re.M)
+        if refused:
+            out["graph_refusals"] = refused
     except (RuntimeError, OSError, KeyError, ValueError) as e:
         out.update(match=False, error=str(e))
     print(json.dumps(out))

@@ -90,6 +90,11 @@ pub struct Options {
     /// (a verification mode: each dispatch also routes on the host).
     #[arg(long)]
     verify_routing: bool,
+    /// Run every decode step call by call: no decode graphs (a device that
+    /// records them otherwise pads each decode step to its batch bucket
+    /// and replays that bucket's graph).
+    #[arg(long)]
+    eager: bool,
 }
 
 /// Parses `"1 2 3"` / `"1,2,3"`; `where_` names the source in errors.
@@ -319,6 +324,7 @@ pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
     let ck = prepare(bundle, &a.weights, a.backend)?;
     let (mut driver, calibration) = driver(bundle, &ck, a.backend, start, a.switch_at.is_empty())?;
     driver.engine.verify_device_routing(a.verify_routing);
+    driver.engine.use_device_graphs(!a.eager);
     let n = prompts.len();
     let mut arrivals: Vec<(usize, Request)> = prompts
         .into_iter()
@@ -406,6 +412,16 @@ pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
             "replica routing: {} routed entries routed on the device, each to the slot the host routing gives it",
             driver.engine.device_routing_checked().unwrap_or(0)
         ));
+    }
+    if let Some(g) = driver.engine.graph_stats().filter(|g| g.captured + g.eager + g.warmups + g.refused > 0) {
+        out(&format!(
+            "decode graphs: {} recorded (one per mode and batch bucket), {} decode steps replayed one, {} ran as a \
+             bucket's warm-up, {} ran call by call (not a graph's shape), {} padding rows",
+            g.captured, g.replayed, g.warmups, g.eager, g.padded_rows
+        ));
+        for why in driver.engine.graph_refusals() {
+            out(&format!("decode graph not recorded: {why}"));
+        }
     }
     if let Some(d) = driver.engine.dispatch_traffic().filter(|d| d.rounds > 0) {
         out(&format!(

@@ -45,6 +45,11 @@ pub struct Options {
     /// The model id clients address (default: the model's name).
     #[arg(long)]
     served_model_name: Option<String>,
+    /// Run every decode step call by call: no decode graphs (a device that
+    /// records them otherwise pads each decode step to its batch bucket
+    /// and replays that bucket's graph).
+    #[arg(long)]
+    eager: bool,
 }
 
 pub fn run(a: Args) -> Result<(), ExitCode> {
@@ -62,7 +67,8 @@ pub fn serve_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> 
     let text = Text::load(&a.weights).map_err(|e| {
         error(e, "tokenizer.json must be a Hugging Face tokenizers file (or absent: token-id prompts only)")
     })?;
-    let (driver, calibration) = driver(bundle, &ck, a.backend, start, true)?;
+    let (mut driver, calibration) = driver(bundle, &ck, a.backend, start, true)?;
+    driver.engine.use_device_graphs(!a.eager);
     print_policy(&calibration, driver.policy());
     let name = bundle.plan.model.name.clone();
     let deploy = bundle.spec.deploys.first().map(|d| d.name.clone());

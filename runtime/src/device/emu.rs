@@ -12,12 +12,17 @@
 //! down (the workspace also forbids `unsafe`, which loading a library
 //! in-process would need).
 //!
+//! It records graphs ([`Device::begin_capture`]) as the list of launches,
+//! transfers (checked as they are recorded) and fills, replayed in order;
+//! an upload, readback, load or side-stream call inside a recording is an
+//! error that drops it, as it would break a CUDA stream capture.
+//!
 //! Builds are cached by content (the source, the shim, the flags and the
 //! compiler's version) under `MOEFORGE_EMU_CACHE`, `$XDG_CACHE_HOME/moeforge/emu`
 //! or `~/.cache/moeforge/emu`; entries are renamed into place, so
 //! concurrent builds are safe.
 
-use super::{Batch, BufferId, Code, Device, DeviceError, KernelArg, ModuleId, SideEvent};
+use super::{Batch, BufferId, Code, Device, DeviceError, GraphId, KernelArg, ModuleId, SideEvent};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::io::{BufReader, BufWriter, Read, Write};
@@ -66,6 +71,18 @@ pub struct EmuDevice {
     sizes: Vec<u64>,
     /// Loaded transfer programs by content key.
     transfers: BTreeMap<String, u32>,
+    /// The graph being recorded ([`Device::begin_capture`]), and the kept
+    /// ones by [`GraphId`].
+    capture: Option<Vec<Call>>,
+    graphs: Vec<Vec<Call>>,
+}
+
+/// One recorded call of a graph, with the arguments it was issued with.
+#[derive(Clone, Debug)]
+enum Call {
+    Launch { module: ModuleId, entry: String, grid: u32, block: u32, args: Vec<KernelArg> },
+    Transfer { code: Code, batches: Vec<Batch>, buffers: Vec<BufferId> },
+    Fill { buffer: BufferId, offset: u64, len: u64, byte: u8 },
 }
 
 /// The default build cache.
@@ -187,6 +204,8 @@ impl EmuDevice {
             modules: Vec::new(),
             sizes: Vec::new(),
             transfers: BTreeMap::new(),
+            capture: None,
+            graphs: Vec::new(),
         })
     }
 
@@ -261,6 +280,99 @@ impl EmuDevice {
 }
 
 impl EmuDevice {
+    /// Refuses a call a graph cannot hold while one is being recorded, and
+    /// ends that recording (a CUDA stream capture is invalidated the same way).
+    fn outside_capture(&mut self, what: &str) -> Result<(), DeviceError> {
+        match self.capture.take() {
+            Some(_) => Err(other(format!(
+                "{what} while a graph is being recorded (a graph holds launches, transfers and fills only); the \
+                 recording is dropped"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Checks a transfer's batches against the buffers' sizes.
+    fn check_transfer(&self, code: &Code, batches: &[Batch], buffers: &[BufferId]) -> Result<(), DeviceError> {
+        let sizes = buffers
+            .iter()
+            .map(|b| self.sizes.get(b.0 as usize).copied().ok_or_else(|| other(format!("transfer: no buffer {}", b.0))))
+            .collect::<Result<Vec<u64>, _>>()?;
+        for b in batches {
+            b.check(&code.program, &sizes).map_err(other)?;
+        }
+        Ok(())
+    }
+
+    /// Runs one recorded call.
+    fn run(&mut self, call: &Call) -> Result<(), DeviceError> {
+        match call {
+            Call::Launch { module, entry, grid, block, args } => self.run_launch(*module, entry, *grid, *block, args),
+            Call::Transfer { code, batches, buffers } => self.queue_transfer(code, batches, buffers, false).map(|_| ()),
+            Call::Fill { buffer, offset, len, byte } => {
+                let len = usize::try_from(*len).map_err(|_| other(format!("a fill of {len} bytes")))?;
+                self.run_upload(*buffer, *offset, &vec![*byte; len])
+            }
+        }
+    }
+
+    fn run_upload(&mut self, buffer: BufferId, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+        let mut m = vec![2u8];
+        m.extend(buffer.0.to_le_bytes());
+        m.extend(offset.to_le_bytes());
+        m.extend((data.len() as u64).to_le_bytes());
+        self.send(&m)?;
+        self.send(data)?;
+        self.reply("upload")?.map_err(other)
+    }
+
+    fn run_launch(
+        &mut self,
+        module: ModuleId,
+        entry: &str,
+        grid: u32,
+        block: u32,
+        args: &[KernelArg],
+    ) -> Result<(), DeviceError> {
+        let mut m = vec![5u8];
+        m.extend(module.0.to_le_bytes());
+        m.extend((entry.len() as u32).to_le_bytes());
+        m.extend(entry.as_bytes());
+        m.extend(grid.to_le_bytes());
+        m.extend(block.to_le_bytes());
+        m.extend((args.len() as u32).to_le_bytes());
+        for a in args {
+            match *a {
+                KernelArg::Ptr { buffer, offset } => {
+                    m.push(0);
+                    m.extend(buffer.0.to_le_bytes());
+                    m.extend(offset.to_le_bytes());
+                }
+                KernelArg::Null => m.push(1),
+                KernelArg::I32(v) => {
+                    m.push(2);
+                    m.extend(v.to_le_bytes());
+                }
+                KernelArg::I64(v) => {
+                    m.push(3);
+                    m.extend(v.to_le_bytes());
+                }
+                KernelArg::F32(v) => {
+                    m.push(4);
+                    m.extend(v.to_le_bytes());
+                }
+            }
+        }
+        self.send(&m)?;
+        let module_name = self.modules.get(module.0 as usize).cloned().unwrap_or_default();
+        let what = format!("`{module_name}::{entry}`");
+        match self.reply(&what) {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(message)) => Err(DeviceError::Launch { entry: format!("{module_name}::{entry}"), message }),
+            Err(e) => Err(DeviceError::Launch { entry: format!("{module_name}::{entry}"), message: e.to_string() }),
+        }
+    }
+
     /// Checks a transfer program's batches against the buffers, then runs
     /// them on the main stream, or (`side`) queues them on the side stream
     /// and returns the last one's event (`SideEvent(0)`: nothing queued).
@@ -271,14 +383,7 @@ impl EmuDevice {
         buffers: &[BufferId],
         side: bool,
     ) -> Result<SideEvent, DeviceError> {
-        let program = &code.program;
-        let sizes = buffers
-            .iter()
-            .map(|b| self.sizes.get(b.0 as usize).copied().ok_or_else(|| other(format!("transfer: no buffer {}", b.0))))
-            .collect::<Result<Vec<u64>, _>>()?;
-        for b in batches {
-            b.check(program, &sizes).map_err(other)?;
-        }
+        self.check_transfer(code, batches, buffers)?;
         let id = self.transfer_program(code)?;
         let mut event = SideEvent(0);
         for b in batches.iter().filter(|b| !b.is_empty()) {
@@ -363,6 +468,7 @@ impl EmuDevice {
 
 impl Device for EmuDevice {
     fn alloc(&mut self, bytes: u64) -> Result<BufferId, DeviceError> {
+        self.outside_capture("an allocation")?;
         let mut m = vec![1u8];
         m.extend(bytes.to_le_bytes());
         self.send(&m)?;
@@ -376,16 +482,22 @@ impl Device for EmuDevice {
     }
 
     fn upload(&mut self, buffer: BufferId, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
-        let mut m = vec![2u8];
-        m.extend(buffer.0.to_le_bytes());
-        m.extend(offset.to_le_bytes());
-        m.extend((data.len() as u64).to_le_bytes());
-        self.send(&m)?;
-        self.send(data)?;
-        self.reply("upload")?.map_err(other)
+        self.outside_capture("an upload")?;
+        self.run_upload(buffer, offset, data)
+    }
+
+    fn fill(&mut self, buffer: BufferId, offset: u64, len: u64, byte: u8) -> Result<(), DeviceError> {
+        match self.capture.as_mut() {
+            Some(calls) => {
+                calls.push(Call::Fill { buffer, offset, len, byte });
+                Ok(())
+            }
+            None => self.run(&Call::Fill { buffer, offset, len, byte }),
+        }
     }
 
     fn download(&mut self, buffer: BufferId, offset: u64, len: u64) -> Result<Vec<u8>, DeviceError> {
+        self.outside_capture("a download")?;
         let mut m = vec![3u8];
         m.extend(buffer.0.to_le_bytes());
         m.extend(offset.to_le_bytes());
@@ -396,6 +508,17 @@ impl Device for EmuDevice {
     }
 
     fn transfer(&mut self, code: &Code, batches: &[Batch], buffers: &[BufferId]) -> Result<(), DeviceError> {
+        if self.capture.is_some() {
+            // Checked as it is recorded, as a GPU checks a captured node's
+            // arguments when the graph is built.
+            if let Err(e) = self.check_transfer(code, batches, buffers) {
+                self.capture = None;
+                return Err(e);
+            }
+            let call = Call::Transfer { code: code.clone(), batches: batches.to_vec(), buffers: buffers.to_vec() };
+            self.capture.get_or_insert_with(Vec::new).push(call);
+            return Ok(());
+        }
         self.queue_transfer(code, batches, buffers, false).map(|_| ())
     }
 
@@ -405,10 +528,12 @@ impl Device for EmuDevice {
         batches: &[Batch],
         buffers: &[BufferId],
     ) -> Result<SideEvent, DeviceError> {
+        self.outside_capture("a side-stream transfer")?;
         self.queue_transfer(code, batches, buffers, true)
     }
 
     fn side_wait(&mut self, event: SideEvent) -> Result<u64, DeviceError> {
+        self.outside_capture("a side-stream wait")?;
         if event.0 == 0 {
             return Ok(0);
         }
@@ -421,6 +546,7 @@ impl Device for EmuDevice {
 
     /// Always from the source, built for the host (a cubin is GPU code).
     fn load(&mut self, name: &str, source: &str, _cubin: Option<&[u8]>) -> Result<ModuleId, DeviceError> {
+        self.outside_capture("a module load")?;
         let lib = self.build(name, source)?;
         let path = lib.to_string_lossy().into_owned();
         let mut m = vec![4u8];
@@ -437,6 +563,36 @@ impl Device for EmuDevice {
         Ok(ModuleId(id))
     }
 
+    fn captures(&self) -> bool {
+        true
+    }
+
+    fn begin_capture(&mut self) -> Result<(), DeviceError> {
+        if self.capture.is_some() {
+            self.capture = None;
+            return Err(other("a graph recording began inside another (both dropped)"));
+        }
+        self.capture = Some(Vec::new());
+        Ok(())
+    }
+
+    fn end_capture(&mut self) -> Result<GraphId, DeviceError> {
+        let calls = self.capture.take().ok_or_else(|| other("no graph is being recorded"))?;
+        let id = u32::try_from(self.graphs.len()).map_err(|_| other("too many graphs"))?;
+        self.graphs.push(calls);
+        Ok(GraphId(id))
+    }
+
+    fn replay(&mut self, graph: GraphId) -> Result<(), DeviceError> {
+        self.outside_capture("a graph replay")?;
+        let calls = std::mem::take(
+            self.graphs.get_mut(graph.0 as usize).ok_or_else(|| other(format!("no graph {}", graph.0)))?,
+        );
+        let ran = calls.iter().try_for_each(|c| self.run(c));
+        self.graphs[graph.0 as usize] = calls;
+        ran
+    }
+
     fn launch(
         &mut self,
         module: ModuleId,
@@ -445,42 +601,12 @@ impl Device for EmuDevice {
         block: u32,
         args: &[KernelArg],
     ) -> Result<(), DeviceError> {
-        let mut m = vec![5u8];
-        m.extend(module.0.to_le_bytes());
-        m.extend((entry.len() as u32).to_le_bytes());
-        m.extend(entry.as_bytes());
-        m.extend(grid.to_le_bytes());
-        m.extend(block.to_le_bytes());
-        m.extend((args.len() as u32).to_le_bytes());
-        for a in args {
-            match *a {
-                KernelArg::Ptr { buffer, offset } => {
-                    m.push(0);
-                    m.extend(buffer.0.to_le_bytes());
-                    m.extend(offset.to_le_bytes());
-                }
-                KernelArg::Null => m.push(1),
-                KernelArg::I32(v) => {
-                    m.push(2);
-                    m.extend(v.to_le_bytes());
-                }
-                KernelArg::I64(v) => {
-                    m.push(3);
-                    m.extend(v.to_le_bytes());
-                }
-                KernelArg::F32(v) => {
-                    m.push(4);
-                    m.extend(v.to_le_bytes());
-                }
+        match self.capture.as_mut() {
+            Some(calls) => {
+                calls.push(Call::Launch { module, entry: entry.to_string(), grid, block, args: args.to_vec() });
+                Ok(())
             }
-        }
-        self.send(&m)?;
-        let module_name = self.modules.get(module.0 as usize).cloned().unwrap_or_default();
-        let what = format!("`{module_name}::{entry}`");
-        match self.reply(&what) {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(message)) => Err(DeviceError::Launch { entry: format!("{module_name}::{entry}"), message }),
-            Err(e) => Err(DeviceError::Launch { entry: format!("{module_name}::{entry}"), message: e.to_string() }),
+            None => self.run_launch(module, entry, grid, block, args),
         }
     }
 }

@@ -35,6 +35,20 @@
 //!   the room of its buffers sets its slice's overflow word, which the
 //!   step clears before it and reads once after it.
 //!
+//! - Decode steps run as graphs where the device records them
+//!   ([`Executor::use_graphs`]; CUDA graphs, Moebius §4.3's per-mode graph
+//!   sets): a decode step whose dispatches take fixed slots is padded to its
+//!   batch bucket ([`bucket`]: every rank that takes requests to the bucket of
+//!   the most any has; a padding request is one token whose KV slot is -1,
+//!   which the KV writes skip, and whose sample is dropped), so its
+//!   launches, transfers and fills are the bucket's whatever the batch. A
+//!   (mode, bucket)'s first step runs call by call (the warm-up a GPU needs:
+//!   the APK's templates are encoded on a launch's first run), its second is
+//!   recorded between the step's input uploads and its readbacks and then
+//!   replayed, every later one replays it. Both modes' graphs stay kept, so
+//!   a step after a live switch replays the graph recorded before it (the
+//!   reshard moves weights, never addresses). A recording the device refuses
+//!   leaves that (mode, bucket) call by call.
 //! - A live switch runs here too: the weight reshard's descriptors as one
 //!   transfer program between the ranks' buffers ([`Executor::reshard`]), and
 //!   the KV cache's pages by the layer kernels' `kv_migrate`, which reads the
@@ -53,7 +67,9 @@
 //! the compiled `kv_handoff` program ([`Executor::hand_off_pages`]).
 
 use super::bind::{self, Counts, Site};
-use super::{BufferId, Code, Device, DeviceError, Elem, KernelArg, ModuleId, SideEvent, StridedCopy, Sum, Transfer};
+use super::{
+    BufferId, Code, Device, DeviceError, Elem, GraphId, KernelArg, ModuleId, SideEvent, StridedCopy, Sum, Transfer,
+};
 use moeforge_plan::memory::{
     BufferName, MemoryPlan, Mode, RouteIndexParts, TensorPart, TensorRole, WeightReshard, ZeppRouteParts,
     KV_MOVE_CHUNK, STEP_SAMPLED, STEP_TOKENS,
@@ -127,6 +143,9 @@ pub struct KvMigration {
 /// rank, token row).
 type Routes = Vec<Vec<(u64, usize, usize)>>;
 
+/// A decode step padded to its bucket: the bucket and each rank's work.
+type Bucketed = (u32, Vec<Vec<Work>>);
+
 /// Where each (source rank, entry) of a dispatch goes: (destination rank,
 /// the id its permutation matches).
 type Assigned = BTreeMap<(usize, usize), (usize, i32)>;
@@ -175,6 +194,84 @@ pub struct Executor {
     /// Whether decode steps route their dispatch as prefill does instead
     /// of taking fixed slots ([`Executor::route_decode`]).
     route_decode: bool,
+    /// Whether decode steps run as graphs ([`Executor::use_graphs`]), the
+    /// graphs by (mode, bucket), and what they did.
+    graphs_on: bool,
+    graphs: BTreeMap<(Mode, u32), Graph>,
+    graph_stats: GraphStats,
+    /// Weight reshards (live switches) so far.
+    reshards: u64,
+}
+
+/// A (mode, bucket)'s decode graph: warmed up (one step ran call by call),
+/// or recorded, with the traffic its step counts (a replay moves what the
+/// recorded step moved, and counts it again).
+#[derive(Clone, Debug)]
+enum Graph {
+    Warm,
+    /// Recorded after `reshards` weight reshards.
+    Kept {
+        graph: GraphId,
+        counted: Counted,
+        reshards: u64,
+    },
+    /// The device refused to record it (why): its steps run call by call.
+    Refused(String),
+}
+
+/// What one step adds to the executor's counters.
+#[derive(Clone, Copy, Debug, Default)]
+struct Counted {
+    dispatch: DispatchTraffic,
+    combine: CombineTraffic,
+    main_ops: u64,
+}
+
+/// How a step's launches, transfers and fills are issued.
+#[derive(Clone, Copy, Debug)]
+enum Body {
+    /// Call by call.
+    Eager,
+    /// Recorded as (mode, bucket)'s graph, which then runs.
+    Capture(Mode, u32),
+    /// As (mode, bucket)'s kept graph.
+    Replay(GraphId, Counted),
+}
+
+/// Decode steps as graphs (issue 12; Moebius §4.3 keeps both modes' graph
+/// sets): `captured` graphs recorded, one per (mode, batch bucket);
+/// `replayed` decode steps that ran as one (their capturing step
+/// included); `warmups` steps run call by call, padded to their bucket,
+/// before their key's capture (the warm-up a GPU needs before it records:
+/// the APK's tensor-map templates are encoded on a launch's first run);
+/// `eager` decode steps no graph can hold (their dispatch is routed, their
+/// rows need rounds, or they pass the largest bucket); `padded_rows` the
+/// padding rows the bucketed steps carried; `refused` recordings the
+/// device refused (that step, and its key's later ones, ran call by call);
+/// `replayed_after_switch` replays of a graph recorded before a later live
+/// switch (its weights resharded in between, at the same addresses: the
+/// graph is still the step's, Moebius §4.3's two resident graph sets).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GraphStats {
+    pub refused: u64,
+    pub replayed_after_switch: u64,
+    pub captured: u64,
+    pub replayed: u64,
+    pub warmups: u64,
+    pub eager: u64,
+    pub padded_rows: u64,
+}
+
+/// The batch bucket a decode step of `n` requests per rank is padded to:
+/// powers of two to 8, multiples of 8 to 256, then multiples of 64 (the
+/// captured batch sizes serving engines use: few graphs at small batches,
+/// where padding would cost most).
+pub fn bucket(n: u32) -> u32 {
+    match n {
+        0..=8 => n.max(1).next_power_of_two(),
+        9..=256 => n.div_ceil(8) * 8,
+        _ => n.div_ceil(64).saturating_mul(64),
+    }
 }
 
 /// The routing kernel of a replicated placement (`kernels/zepp_route.cu`)
@@ -248,6 +345,65 @@ pub struct CombineTraffic {
     pub relayed_rows: u64,
     pub relay_rows: u64,
     pub scale_out_rows: u64,
+}
+
+impl DispatchTraffic {
+    fn plus(self, o: DispatchTraffic) -> DispatchTraffic {
+        DispatchTraffic {
+            node_rows: self.node_rows + o.node_rows,
+            remote_rows: self.remote_rows + o.remote_rows,
+            scale_out_rows: self.scale_out_rows + o.scale_out_rows,
+            forwarded_rows: self.forwarded_rows + o.forwarded_rows,
+            split_rows: self.split_rows + o.split_rows,
+            busiest_nic_rows: self.busiest_nic_rows + o.busiest_nic_rows,
+            busiest_nic_rows_unsplit: self.busiest_nic_rows_unsplit + o.busiest_nic_rows_unsplit,
+            rounds: self.rounds + o.rounds,
+            fixed: self.fixed + o.fixed,
+        }
+    }
+    fn minus(self, o: DispatchTraffic) -> DispatchTraffic {
+        DispatchTraffic {
+            node_rows: self.node_rows - o.node_rows,
+            remote_rows: self.remote_rows - o.remote_rows,
+            scale_out_rows: self.scale_out_rows - o.scale_out_rows,
+            forwarded_rows: self.forwarded_rows - o.forwarded_rows,
+            split_rows: self.split_rows - o.split_rows,
+            busiest_nic_rows: self.busiest_nic_rows - o.busiest_nic_rows,
+            busiest_nic_rows_unsplit: self.busiest_nic_rows_unsplit - o.busiest_nic_rows_unsplit,
+            rounds: self.rounds - o.rounds,
+            fixed: self.fixed - o.fixed,
+        }
+    }
+}
+
+impl CombineTraffic {
+    fn plus(self, o: CombineTraffic) -> CombineTraffic {
+        CombineTraffic {
+            node_rows: self.node_rows + o.node_rows,
+            relayed_rows: self.relayed_rows + o.relayed_rows,
+            relay_rows: self.relay_rows + o.relay_rows,
+            scale_out_rows: self.scale_out_rows + o.scale_out_rows,
+        }
+    }
+    fn minus(self, o: CombineTraffic) -> CombineTraffic {
+        CombineTraffic {
+            node_rows: self.node_rows - o.node_rows,
+            relayed_rows: self.relayed_rows - o.relayed_rows,
+            relay_rows: self.relay_rows - o.relay_rows,
+            scale_out_rows: self.scale_out_rows - o.scale_out_rows,
+        }
+    }
+}
+
+impl Counted {
+    /// What was counted since `before`.
+    fn since(self, before: Counted) -> Counted {
+        Counted {
+            dispatch: self.dispatch.minus(before.dispatch),
+            combine: self.combine.minus(before.combine),
+            main_ops: self.main_ops - before.main_ops,
+        }
+    }
 }
 
 fn le32(v: &[i32]) -> Vec<u8> {
@@ -404,7 +560,12 @@ impl Executor {
             verify_routing: false,
             routing_checked: 0,
             route_decode: false,
+            graphs_on: false,
+            graphs: BTreeMap::new(),
+            graph_stats: GraphStats::default(),
+            reshards: 0,
         };
+        ex.graphs_on = ex.dev.captures();
         for l in 0..layers {
             ex.store_replica_table(l)?;
         }
@@ -534,6 +695,7 @@ impl Executor {
             .as_ref()
             .ok_or_else(|| ExecError::Plan("the bundle holds no compiled reshard (kernels/xfer_reshard.*)".into()))?;
         self.dev.transfer(code, t.batches(w.from), &self.buffers)?;
+        self.reshards += 1;
         Ok(w.schedule(&plan.memory.slots).filter(|(c, ..)| c.src_rank != c.dst_rank).map(|(c, ..)| c.bytes()).sum())
     }
 
@@ -616,6 +778,35 @@ impl Executor {
     /// are the same) or to count routed traffic alone.
     pub fn route_decode(&mut self, on: bool) {
         self.route_decode = on;
+    }
+
+    /// Runs decode steps as graphs where the device records them (the
+    /// default there): each step padded to its batch bucket, the second
+    /// step of a (mode, bucket) recorded, every later one replayed. Off,
+    /// every step runs call by call at its own size.
+    pub fn use_graphs(&mut self, on: bool) {
+        self.graphs_on = on && self.dev.captures();
+    }
+
+    /// What the decode graphs did so far.
+    pub fn graph_stats(&self) -> GraphStats {
+        self.graph_stats
+    }
+
+    /// The (mode, bucket)s whose decode graph is kept, in order.
+    pub fn graph_keys(&self) -> Vec<(Mode, u32)> {
+        self.graphs.iter().filter(|(_, g)| matches!(g, Graph::Kept { .. })).map(|(k, _)| *k).collect()
+    }
+
+    /// Each (mode, bucket) whose recording the device refused, and why.
+    pub fn graph_refusals(&self) -> Vec<String> {
+        self.graphs
+            .iter()
+            .filter_map(|((mode, size), g)| match g {
+                Graph::Refused(why) => Some(format!("{} decode, bucket {size}: {why}", mode.name())),
+                _ => None,
+            })
+            .collect()
     }
 
     /// Routed entries whose device routing [`Executor::verify_routing`] checked.
@@ -711,15 +902,46 @@ impl Executor {
         work: &[Vec<Work>],
     ) -> Result<Vec<Vec<Option<Sampled>>>, ExecError> {
         let plan = std::sync::Arc::clone(&self.plan);
+        if self.graphs_on && phase == Phase::Decode {
+            match self.bucketed(&plan, mode, work)? {
+                Some((size, padded)) => {
+                    let real: Vec<usize> = work.iter().map(Vec::len).collect();
+                    self.graph_stats.padded_rows +=
+                        padded.iter().zip(&real).map(|(p, &n)| (p.len() - n) as u64).sum::<u64>();
+                    let body = match self.graphs.get(&(mode, size)) {
+                        None | Some(Graph::Refused(_)) => Body::Eager,
+                        Some(Graph::Warm) => Body::Capture(mode, size),
+                        Some(&Graph::Kept { graph, counted, reshards }) => {
+                            if reshards < self.reshards {
+                                self.graph_stats.replayed_after_switch += 1;
+                            }
+                            Body::Replay(graph, counted)
+                        }
+                    };
+                    let mut out = self.step_with(&plan, mode, phase, &padded, &real, body)?;
+                    if let std::collections::btree_map::Entry::Vacant(e) = self.graphs.entry((mode, size)) {
+                        e.insert(Graph::Warm);
+                        self.graph_stats.warmups += 1;
+                    }
+                    for (o, &n) in out.iter_mut().zip(&real) {
+                        o.truncate(n);
+                    }
+                    return Ok(out);
+                }
+                None => self.graph_stats.eager += 1,
+            }
+        }
         let rounds = post_rounds(&plan, mode, phase, work)?;
         if rounds.len() <= 1 {
-            return self.step_with(&plan, mode, phase, work);
+            let real: Vec<usize> = work.iter().map(Vec::len).collect();
+            return self.step_with(&plan, mode, phase, work, &real, Body::Eager);
         }
         let mut out: Vec<Vec<Option<Sampled>>> = work.iter().map(|w| vec![None; w.len()]).collect();
         for round in &rounds {
             let part: Vec<Vec<Work>> =
                 round.iter().zip(work).map(|(ix, w)| ix.iter().map(|&i| w[i].clone()).collect()).collect();
-            let got = self.step_with(&plan, mode, phase, &part)?;
+            let real: Vec<usize> = part.iter().map(Vec::len).collect();
+            let got = self.step_with(&plan, mode, phase, &part, &real, Body::Eager)?;
             for ((ix, o), g) in round.iter().zip(out.iter_mut()).zip(got) {
                 for (&i, s) in ix.iter().zip(g) {
                     o[i] = s;
@@ -730,12 +952,17 @@ impl Executor {
         Ok(out)
     }
 
+    /// One step over `work`, of which each rank's first `real` requests
+    /// are requests and the rest padding (no KV written, nothing returned),
+    /// its device work issued as `body` says.
     fn step_with(
         &mut self,
         plan: &Plan,
         mode: Mode,
         phase: Phase,
         work: &[Vec<Work>],
+        real: &[usize],
+        body: Body,
     ) -> Result<Vec<Vec<Option<Sampled>>>, ExecError> {
         let mem = &plan.memory;
         let p = self.buffers.len();
@@ -797,7 +1024,8 @@ impl Executor {
                 Mode::Ep => plan.local_experts(r),
             };
             for (m, range) in split[r].iter().enumerate() {
-                let c = self.write_inputs(mem, mode, mbs as u32, r, m as u32, &work[r][range.clone()])?;
+                let reqs = real[r].saturating_sub(range.start).min(range.len());
+                let c = self.write_inputs(mem, mode, mbs as u32, r, m as u32, &work[r][range.clone()], reqs)?;
                 counts[r][m] = Counts {
                     tokens: c.0,
                     entries: c.0 * top_k,
@@ -836,32 +1064,46 @@ impl Executor {
         // counted (expert loads for Zepp's drift window, traffic) is put
         // back then, as if it had not run.
         let counted = (self.expert_loads.clone(), self.traffic, self.dispatch_traffic);
-        let mut routes: Vec<Routes> = vec![vec![]; mbs];
-        for (bi, block) in first.blocks.iter().enumerate() {
-            for layer in block.layers.map_or(0..1, |[a, e]| a..e) {
-                // The ranks meet at communication ops: each runs its ops up
-                // to the next one, then every group moves its rows.
-                let meets = rendezvous(&running, bi, mode, phase)?;
-                for (j, meet) in meets.iter().enumerate() {
-                    for &(r, g) in &running {
-                        for op in chunk(&g.blocks[bi].ops, j) {
-                            let m = op.micro_batch.unwrap_or(0) as usize;
-                            let site = Site {
-                                mem,
-                                mode,
-                                micro_batches: mbs as u32,
-                                rank: r as u32,
-                                layer,
-                                buffer: self.buffers[r],
-                            };
-                            self.run_op(plan, &site, op, phase, &mut counts[r][m])?;
-                        }
+        match body {
+            Body::Eager => self.run_blocks(plan, mode, phase, &running, &mut counts)?,
+            Body::Capture(mode, size) => {
+                let before = self.counted();
+                let kept = counts.clone();
+                let recorded = self.dev.begin_capture().map_err(ExecError::from).and_then(|()| {
+                    let ran = self.run_blocks(plan, mode, phase, &running, &mut counts);
+                    // The recording ends whatever happened, so the device
+                    // is never left recording.
+                    let graph = self.dev.end_capture();
+                    ran?;
+                    Ok(graph?)
+                });
+                match recorded {
+                    Ok(graph) => {
+                        let counted = self.counted().since(before);
+                        self.graphs.insert((mode, size), Graph::Kept { graph, counted, reshards: self.reshards });
+                        self.graph_stats.captured += 1;
+                        self.dev.replay(graph)?;
+                        self.graph_stats.replayed += 1;
                     }
-                    for op in meet {
-                        let m = op.micro_batch.unwrap_or(0) as usize;
-                        self.comm(plan, mode, phase, mbs as u32, op, layer, &mut counts, m, &mut routes[m])?;
+                    Err(e) => {
+                        // Nothing recorded ran: the step runs call by call
+                        // (a real fault shows there again), and the key is
+                        // not recorded again.
+                        self.graphs.insert((mode, size), Graph::Refused(e.to_string()));
+                        self.graph_stats.refused += 1;
+                        (self.dispatch_traffic, self.traffic, self.main_ops) =
+                            (before.dispatch, before.combine, before.main_ops);
+                        counts = kept;
+                        self.run_blocks(plan, mode, phase, &running, &mut counts)?;
                     }
                 }
+            }
+            Body::Replay(graph, counted) => {
+                self.dev.replay(graph)?;
+                self.dispatch_traffic = self.dispatch_traffic.plus(counted.dispatch);
+                self.traffic = self.traffic.plus(counted.combine);
+                self.main_ops += counted.main_ops;
+                self.graph_stats.replayed += 1;
             }
         }
         for &(r, m, at, room) in &overflow {
@@ -898,7 +1140,7 @@ impl Executor {
                 let all = f32s(&self.fetch(r, logits, rows * vocab * 4)?);
                 let mut j = 0usize;
                 for (i, w) in work[r][range.clone()].iter().enumerate() {
-                    if !w.sample {
+                    if !w.sample || range.start + i >= real[r] {
                         continue;
                     }
                     let hdr = i32s(&self.fetch(r, meta + i as u64 * words * 4, 32)?);
@@ -911,6 +1153,155 @@ impl Executor {
             out.push(per);
         }
         Ok(out)
+    }
+
+    /// Issues the step's ops over every block and layer: the ranks meet at
+    /// communication ops (each runs its ops up to the next one, then every
+    /// group moves its rows).
+    fn run_blocks(
+        &mut self,
+        plan: &Plan,
+        mode: Mode,
+        phase: Phase,
+        running: &[(usize, &Program)],
+        counts: &mut [Vec<Counts>],
+    ) -> Result<(), ExecError> {
+        let Some(&(_, first)) = running.first() else { return Ok(()) };
+        let mbs = first.micro_batches.max(1);
+        let mut routes: Vec<Routes> = vec![vec![]; mbs as usize];
+        for (bi, block) in first.blocks.iter().enumerate() {
+            for layer in block.layers.map_or(0..1, |[a, e]| a..e) {
+                let meets = rendezvous(running, bi, mode, phase)?;
+                for (j, meet) in meets.iter().enumerate() {
+                    for &(r, g) in running {
+                        for op in chunk(&g.blocks[bi].ops, j) {
+                            let m = op.micro_batch.unwrap_or(0) as usize;
+                            let site = Site {
+                                mem: &plan.memory,
+                                mode,
+                                micro_batches: mbs,
+                                rank: r as u32,
+                                layer,
+                                buffer: self.buffers[r],
+                            };
+                            self.run_op(plan, &site, op, phase, &mut counts[r][m])?;
+                        }
+                    }
+                    for op in meet {
+                        let m = op.micro_batch.unwrap_or(0) as usize;
+                        self.comm(plan, mode, phase, mbs, op, layer, counts, m, &mut routes[m])?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The counters a step adds to.
+    fn counted(&self) -> Counted {
+        Counted { dispatch: self.dispatch_traffic, combine: self.traffic, main_ops: self.main_ops }
+    }
+
+    /// `work` padded to its batch bucket, where the step is one a graph
+    /// holds: a decode step (one token per request) of a plan whose
+    /// dispatches take fixed slots (no replicated placement, not routed on
+    /// request), every rank that takes requests (all of a colocated plan's;
+    /// a role plan's decode servers) padded to the bucket of the most
+    /// requests any of them has, so the step's launches, transfers and
+    /// fills are the bucket's whatever the batch; padding requests are one
+    /// token each, write no KV and are not returned. `None` (run it call by
+    /// call) where the padded step would not fit one step's inputs, would
+    /// need dispatch rounds, or a dispatch of it would be routed.
+    fn bucketed(&self, plan: &Plan, mode: Mode, work: &[Vec<Work>]) -> Result<Option<Bucketed>, ExecError> {
+        if self.zepp.is_some() || plan.placement.is_some() || self.route_decode {
+            return Ok(None);
+        }
+        if work.iter().flatten().any(|w| w.tokens.len() != 1) {
+            return Ok(None);
+        }
+        let Some(most) = work.iter().map(Vec::len).max().filter(|&n| n > 0) else { return Ok(None) };
+        let size = bucket(u32::try_from(most).unwrap_or(u32::MAX));
+        let programs: Vec<&Program> =
+            plan.programs.iter().filter(|g| g.mode == mode && g.phase == Phase::Decode).collect();
+        let Some(mbs) = programs.first().map(|g| g.micro_batches.max(1)) else { return Ok(None) };
+        if u64::from(size.div_ceil(mbs)) > self.step_tokens() as u64 {
+            return Ok(None);
+        }
+        use moeforge_plan::roles::Role;
+        let takes = |r: usize| {
+            programs.iter().any(|g| g.ranks.contains(&(r as u32)))
+                && plan.roles.as_ref().is_none_or(|x| x.gpus.get(r) == Some(&Role::Decode))
+        };
+        let pad =
+            Work { cached: 0, tokens: vec![0], pages: vec![], sample: true, temperature: 0.0, top_p: 1.0, rng: 0 };
+        let padded: Vec<Vec<Work>> = work
+            .iter()
+            .enumerate()
+            .map(|(r, w)| {
+                let mut w = w.clone();
+                if takes(r) {
+                    w.resize(size as usize, pad.clone());
+                }
+                w
+            })
+            .collect();
+        if post_rounds(plan, mode, Phase::Decode, &padded)?.len() > 1 {
+            return Ok(None);
+        }
+        // Each rank's tokens in micro-batch m, as the step splits them.
+        let tokens = |s: usize, m: u32| -> u64 {
+            let n = padded.get(s).map_or(0, Vec::len) as u64;
+            let per = n.div_ceil(u64::from(mbs));
+            (u64::from(m + 1) * per).min(n) - (u64::from(m) * per).min(n)
+        };
+        for op in programs.iter().flat_map(|g| g.ops()).map(|(_, op)| op) {
+            let Some(c) = op.comm.as_ref().filter(|c| c.kind == CommKind::AllToAll && !c.with.is_empty()) else {
+                continue;
+            };
+            let m = op.micro_batch.unwrap_or(0);
+            if !self.fixed_slots(plan, mode, Phase::Decode, mbs, c, &|s| tokens(s, m)) {
+                return Ok(None);
+            }
+        }
+        Ok(Some((size, padded)))
+    }
+
+    /// Whether a dispatch takes fixed slots ([`Executor::comm`]'s dispatch
+    /// says when), given each source's tokens in the micro-batch.
+    fn fixed_slots(
+        &self,
+        plan: &Plan,
+        mode: Mode,
+        phase: Phase,
+        mbs: u32,
+        c: &moeforge_plan::program::Comm,
+        tokens: &dyn Fn(usize) -> u64,
+    ) -> bool {
+        let k = plan.model.top_k as usize;
+        let mem = &plan.memory;
+        let holders: Vec<usize> = c.group.iter().map(|&r| r as usize).filter(|&d| plan.local_experts(d) > 0).collect();
+        if phase != Phase::Decode
+            || self.route_decode
+            || plan.placement.is_some()
+            || self.zepp.is_some()
+            || c.relay.is_some()
+            || holders.len() > k
+        {
+            return false;
+        }
+        let row = mem.buffer(mode, c.to).map_or(0, |b| b.row_bytes);
+        let cap = mem.buffer(mode, c.to).map_or(0, |b| b.slice_bytes(mbs)) / row.max(1);
+        let posts = posts_of(plan, mbs);
+        if posts.is_empty() {
+            c.group.iter().map(|&s| tokens(s as usize)).sum::<u64>() <= cap
+        } else {
+            c.group.iter().map(|&s| s as usize).all(|s| {
+                holders.iter().all(|&d| {
+                    tokens(s) == 0
+                        || posts.get(&(s, d)).is_some_and(|&(first, rows)| tokens(s) <= rows && first + rows <= cap)
+                })
+            })
+        }
     }
 
     /// A replicated placement's routing of one dispatch, on the device
@@ -1038,7 +1429,8 @@ impl Executor {
 
     /// Writes one micro-batch's step inputs on rank `r`: token ids,
     /// positions, KV slots, request headers with page tables, each row's
-    /// request and the sampled rows. Returns (tokens, sampled rows).
+    /// request and the sampled rows; `reqs` past the first `real` are
+    /// padding. Returns (tokens, sampled rows).
     #[allow(clippy::too_many_arguments)]
     fn write_inputs(
         &mut self,
@@ -1048,6 +1440,7 @@ impl Executor {
         r: usize,
         m: u32,
         reqs: &[Work],
+        real: usize,
     ) -> Result<(u32, u32), ExecError> {
         let page_tokens = mem.kv.page_tokens.max(1);
         let pages = match (mode, &mem.kv.tp) {
@@ -1061,6 +1454,14 @@ impl Executor {
             let first = ids.len() as i32;
             for (j, &t) in w.tokens.iter().enumerate() {
                 let at = w.cached + j as u32;
+                if i >= real {
+                    // Padding: its KV slot is -1, which the KV writes skip.
+                    ids.push(t as i32);
+                    pos.push(at as i32);
+                    slots.push(-1);
+                    row_req.push(i as i32);
+                    continue;
+                }
                 let page = *w.pages.get((at / page_tokens) as usize).ok_or_else(|| {
                     ExecError::Capacity(format!("request {i} on rank {r} has no KV page for position {at}"))
                 })?;
@@ -1424,14 +1825,7 @@ impl Executor {
                 let k = plan.model.top_k as usize;
                 let ids_name = c.with[0][0];
                 let moe_layer = layer.saturating_sub(plan.memory.slots.first_moe_layer) as usize;
-                let posts: BTreeMap<(usize, usize), (u64, u64)> = plan
-                    .roles
-                    .iter()
-                    .flat_map(|r| &r.posts)
-                    .map(|x| {
-                        ((x.src as usize, x.dst as usize), (x.first_row / u64::from(mbs), x.rows / u64::from(mbs)))
-                    })
-                    .collect();
+                let posts = posts_of(plan, mbs);
                 // A decode step's dispatch on fixed slots (DeepEP's
                 // low-latency layout, ExpertPlex's per-source regions taken
                 // whole): every token row goes to every rank of the group
@@ -1454,28 +1848,7 @@ impl Executor {
                 // the replicas) and a relayed path; so does a decode step
                 // whose group's rows do not all fit a receiver.
                 let holders: Vec<usize> = group.iter().copied().filter(|&d| plan.local_experts(d) > 0).collect();
-                let fixed = phase == Phase::Decode
-                    && !self.route_decode
-                    && plan.placement.is_none()
-                    && self.zepp.is_none()
-                    && c.relay.is_none()
-                    && holders.len() <= k
-                    && {
-                        let cap = mem.buffer(mode, c.to).map_or(0, |b| b.slice_bytes(mbs)) / row(c.to).max(1);
-                        let tokens = |s: usize| u64::from(counts[s][m].tokens);
-                        if posts.is_empty() {
-                            group.iter().map(|&s| tokens(s)).sum::<u64>() <= cap
-                        } else {
-                            group.iter().all(|&s| {
-                                holders.iter().all(|&d| {
-                                    tokens(s) == 0
-                                        || posts
-                                            .get(&(s, d))
-                                            .is_some_and(|&(first, rows)| tokens(s) <= rows && first + rows <= cap)
-                                })
-                            })
-                        }
-                    };
+                let fixed = self.fixed_slots(plan, mode, phase, mbs, c, &|s| u64::from(counts[s][m].tokens));
                 let mut ids_of: BTreeMap<usize, Vec<i32>> = BTreeMap::new();
                 let mut ids_at: BTreeMap<usize, u64> = BTreeMap::new();
                 for &s in group.iter().filter(|_| !fixed) {
@@ -2128,6 +2501,16 @@ pub fn post_rounds(
     }
     let rounds = groups.iter().map(Vec::len).max().unwrap_or(1).max(1);
     Ok((0..rounds).map(|k| groups.iter().map(|g| g.get(k).cloned().unwrap_or_default()).collect()).collect())
+}
+
+/// A role plan's posts as (source, destination) → (first row, rows) of a
+/// micro-batch's share (empty without roles).
+fn posts_of(plan: &Plan, mbs: u32) -> BTreeMap<(usize, usize), (u64, u64)> {
+    plan.roles
+        .iter()
+        .flat_map(|r| &r.posts)
+        .map(|x| ((x.src as usize, x.dst as usize), (x.first_row / u64::from(mbs), x.rows / u64::from(mbs))))
+        .collect()
 }
 
 /// The host's routing of a replicated placement's dispatch, what

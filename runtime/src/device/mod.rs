@@ -19,6 +19,13 @@
 //! which Zepp's slot swaps run while the next step's launches go on; its
 //! [`SideEvent`]s are waited on before anything touches what it moves.
 //! The program's own streams and events do not reach this interface yet.
+//!
+//! A device may record graphs ([`Device::captures`]): between
+//! [`Device::begin_capture`] and [`Device::end_capture`] its launches,
+//! transfers and fills are recorded, not run, and [`Device::replay`] runs
+//! them again with the arguments they were recorded with over what the
+//! buffers hold then (a CUDA graph). The executor records decode steps this
+//! way, per (mode, batch bucket) ([`exec::Executor::use_graphs`]).
 
 pub mod bind;
 pub mod emu;
@@ -33,6 +40,10 @@ pub struct BufferId(pub u32);
 /// A loaded kernel instance.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ModuleId(pub u32);
+
+/// A recorded graph of device work ([`Device::begin_capture`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct GraphId(pub u32);
 
 /// A side-stream transfer's completion: its place in the side stream's
 /// queue (transfers there finish in the order they were queued).
@@ -122,6 +133,29 @@ pub trait Device {
     /// add to the backend's name).
     fn describe(&self) -> Option<String> {
         None
+    }
+    /// Whether this device records graphs ([`Device::begin_capture`]). A
+    /// device without them runs every step's calls as they come (this
+    /// default).
+    fn captures(&self) -> bool {
+        false
+    }
+    /// Starts recording a graph (a CUDA graph's stream capture): the
+    /// launches, transfers and fills issued until [`Device::end_capture`]
+    /// are recorded in order and not run. A graph holds no host data, so
+    /// any other call before the end (an upload, a download, a load, a
+    /// side-stream transfer or wait) is an error that ends the recording.
+    fn begin_capture(&mut self) -> Result<(), DeviceError> {
+        Err(DeviceError::Other("this device records no graphs".into()))
+    }
+    /// Ends the recording and keeps it: [`Device::replay`] runs it.
+    fn end_capture(&mut self) -> Result<GraphId, DeviceError> {
+        Err(DeviceError::Other("this device records no graphs".into()))
+    }
+    /// Runs a recorded graph's calls in their order, with the arguments
+    /// they were recorded with, over what the buffers hold now.
+    fn replay(&mut self, graph: GraphId) -> Result<(), DeviceError> {
+        Err(DeviceError::Other(format!("this device records no graphs (graph {})", graph.0)))
     }
     /// Runs `entry` of `module` over `grid` blocks of `block` threads.
     fn launch(

@@ -317,6 +317,30 @@ impl Twin {
         }
     }
 
+    /// Runs the device's decode steps as graphs where it records them (the
+    /// default there; [`crate::device::exec::Executor::use_graphs`]); no
+    /// effect without a device.
+    pub fn use_device_graphs(&mut self, on: bool) {
+        if let Some(d) = self.device.as_mut() {
+            d.use_graphs(on);
+        }
+    }
+
+    /// What the device's decode graphs did so far (`None` without a device).
+    pub fn graph_stats(&self) -> Option<crate::device::exec::GraphStats> {
+        self.device.as_ref().map(crate::device::exec::Executor::graph_stats)
+    }
+
+    /// The (mode, bucket)s whose decode graph the device keeps.
+    pub fn graph_keys(&self) -> Vec<(Mode, u32)> {
+        self.device.as_ref().map(crate::device::exec::Executor::graph_keys).unwrap_or_default()
+    }
+
+    /// Why the device refused to record a decode graph, per (mode, bucket).
+    pub fn graph_refusals(&self) -> Vec<String> {
+        self.device.as_ref().map(crate::device::exec::Executor::graph_refusals).unwrap_or_default()
+    }
+
     /// Routed entries whose device routing was checked (`None` without a device).
     pub fn device_routing_checked(&self) -> Option<u64> {
         self.device.as_ref().map(crate::device::exec::Executor::routing_checked)
