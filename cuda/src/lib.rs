@@ -497,9 +497,10 @@ struct Pending {
 struct Graph {
     graph: sys::CUgraph,
     exec: sys::CUgraphExec,
-    /// Its APK operations' `done` words (each replay copies them here
-    /// again, checked at the next download) and their entries.
-    done: sys::CUdeviceptr,
+    /// Its APK operations' `done` words, in chunks of [`DONE_LOG_WORDS`]
+    /// (each replay copies them here again, checked at the next download),
+    /// and their entries.
+    done: Vec<sys::CUdeviceptr>,
     entries: Vec<String>,
     /// The transfer tables its copies read: each replay copies them again
     /// from their pinned host memory, so they are the graph's alone.
@@ -508,7 +509,7 @@ struct Graph {
 
 /// The graph being recorded: its done words and tables so far.
 struct Recording {
-    done: sys::CUdeviceptr,
+    done: Vec<sys::CUdeviceptr>,
     entries: Vec<String>,
     tables: Vec<Table>,
 }
@@ -1254,6 +1255,20 @@ impl CudaDevice {
         grid: u32,
         values: &mut [[u8; 8]],
     ) -> Result<bool, DeviceError> {
+        // Setting an APK entry up reads its layout back: never inside a recording.
+        if self.recording.is_some() {
+            let m = self.modules.get(module.0 as usize);
+            let is_apk = m.is_some_and(|m| m.apk_entries.iter().any(|e| e == entry));
+            let ready = m.and_then(|m| m.per_gpu.get(g)).is_some_and(|l| l.apk.contains_key(entry));
+            if is_apk && !ready {
+                return Err(DeviceError::Launch {
+                    entry: entry.into(),
+                    message: "an APK entry's first launch (which reads its layout back) cannot be recorded into a \
+                              graph: run the step once before recording it"
+                        .into(),
+                });
+            }
+        }
         let Some(apk) = self.apk(module, g, entry)? else { return Ok(false) };
         if values.len() != APK_ARGS {
             return Err(DeviceError::Launch {
@@ -1365,10 +1380,15 @@ impl CudaDevice {
         // 4. Its `done` word is logged on the stream, checked at the next
         // download: into the graph's own words when recorded.
         if let Some(rec) = self.recording.as_mut() {
-            if rec.entries.len() >= DONE_LOG_WORDS {
-                return Err(other(format!("a graph of more than {DONE_LOG_WORDS} APK operations")));
+            let n = rec.entries.len();
+            if n == rec.done.len() * DONE_LOG_WORDS {
+                // Another chunk of done words (relaxed capture allows the allocation).
+                // SAFETY: a plain allocation in `g`'s context (current), freed with the graph.
+                let at = unsafe { result::malloc_sync(DONE_LOG_WORDS * 4) }
+                    .map_err(|e| driver("cuMemAlloc (a graph's done words)", e))?;
+                rec.done.push(at);
             }
-            let slot = rec.done + 4 * rec.entries.len() as u64;
+            let slot = rec.done[n / DONE_LOG_WORDS] + 4 * (n % DONE_LOG_WORDS) as u64;
             let stream = self.ctxs.get(g).map(|c| c.stream).ok_or_else(|| other(format!("no GPU {g}")))?;
             // SAFETY: `slot` is inside the graph's words; `at` is the
             // state's `done` word; both on `g`, ordered after the grid.
@@ -1450,7 +1470,9 @@ impl CudaDevice {
         for &i in &self.replayed {
             let Some(g) = self.graphs.get(i).filter(|g| !g.entries.is_empty()) else { continue };
             let mut done = vec![0u32; g.entries.len()];
-            self.d2h(0, &mut done, g.done, "a decode graph's done words")?;
+            for (chunk, &at) in done.chunks_mut(DONE_LOG_WORDS).zip(&g.done) {
+                self.d2h(0, chunk, at, "a decode graph's done words")?;
+            }
             if let Some((e, d)) = unfinished(&done, &g.entries) {
                 return Err(not_finished(&format!("{e} (in decode graph {i})"), d));
             }
@@ -1490,8 +1512,10 @@ impl CudaDevice {
         }
         // Nothing of the recording ran: its tables go back to the pool.
         self.tables.extend(rec.tables);
-        // SAFETY: allocated in begin_capture; no graph refers to it.
-        let _ = unsafe { result::free_sync(rec.done) };
+        for at in rec.done {
+            // SAFETY: allocated for the recording; no graph refers to it.
+            let _ = unsafe { result::free_sync(at) };
+        }
     }
 
     /// A transfer recorded into the graph: each batch's table copied from
@@ -1679,20 +1703,8 @@ impl Device for CudaDevice {
 
     /// A memset queued on the buffer's GPU stream.
     fn fill(&mut self, buffer: BufferId, offset: u64, len: u64, byte: u8) -> Result<(), DeviceError> {
-        self.live()?;
-        let (g, at) = self.address(buffer, offset, len).map_err(|e| other(format!("fill: {e}")))?;
-        // A kernel on another GPU may still read these bytes through peer access.
-        self.settle_others(g, "fill")?;
-        let c = self.ctx(g)?;
-        // SAFETY: `address` checked that `at` holds `len` bytes; the memset
-        // is ordered on `g`'s work stream.
-        unsafe { result::memset_d8_async(at, byte, len as usize, c.stream) }
-            .map_err(|e| driver("fill: cuMemsetD8Async", e))?;
-        c.pending.set(true);
-        if self.sync_launches {
-            self.finish(g, "fill")?;
-        }
-        Ok(())
+        let r = self.fill_now(buffer, offset, len, byte);
+        self.end_recording_on(r)
     }
 
     fn download(&mut self, buffer: BufferId, offset: u64, len: u64) -> Result<Vec<u8>, DeviceError> {
@@ -1711,27 +1723,8 @@ impl Device for CudaDevice {
     /// On the first GPU, which reaches every other's buffers through peer
     /// access: a batch's pieces may read and write any rank's buffer.
     fn transfer(&mut self, code: &Code, batches: &[Batch], buffers: &[BufferId]) -> Result<(), DeviceError> {
-        self.live()?;
-        // Work queued on another GPU may still touch these buffers through
-        // peer access; the first GPU's own stream orders its earlier work.
-        self.settle_others(0, "transfer")?;
-        let (f, tables) = self.prepare_transfer(code, batches, buffers)?;
-        self.reclaim();
-        let stream = self.ctx(0)?.stream;
-        let c = self.ctx(0)?;
-        // Later work on another GPU waits for it; a fault in it is reported
-        // at the next wait on the first GPU, naming it.
-        c.pending.set(true);
-        *c.last_launch.borrow_mut() = moeforge_xfer::ENTRY.to_string();
-        if self.recording.is_some() {
-            return self.record_transfer(stream, f, &tables, buffers.len());
-        }
-        self.queue_transfer(stream, f, &tables, buffers.len(), 0, false)?;
-        if self.sync_launches {
-            self.finish(0, "transfer")?;
-        }
-        self.main_op_done();
-        Ok(())
+        let r = self.transfer_now(code, batches, buffers);
+        self.end_recording_on(r)
     }
 
     /// On the side stream of the first GPU: every batch's table copied into
@@ -1848,20 +1841,15 @@ impl Device for CudaDevice {
             return Err(other("graphs are recorded on one GPU with queued launches (see Device::captures)"));
         }
         self.current(0)?;
-        // SAFETY: a plain allocation in the first GPU's context (current),
-        // freed with the graph or the dropped recording.
-        let done = unsafe { result::malloc_sync(DONE_LOG_WORDS * 4) }
-            .map_err(|e| driver("cuMemAlloc (a graph's done words)", e))?;
         let stream = self.ctx(0)?.stream;
         // SAFETY: the stream is the first GPU's and not capturing.
         let r =
             unsafe { sys::cuStreamBeginCapture_v2(stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED) };
         if r != sys::cudaError_enum::CUDA_SUCCESS {
-            // SAFETY: allocated above, never used.
-            let _ = unsafe { result::free_sync(done) };
             return Err(driver("cuStreamBeginCapture", result::DriverError(r)));
         }
-        self.recording = Some(Recording { done, entries: Vec::new(), tables: Vec::new() });
+        // The done words are allocated as the APK operations are recorded.
+        self.recording = Some(Recording { done: Vec::new(), entries: Vec::new(), tables: Vec::new() });
         Ok(())
     }
 
@@ -1884,7 +1872,9 @@ impl Device for CudaDevice {
                 if !graph.is_null() {
                     let _ = sys::cuGraphDestroy(graph);
                 }
-                let _ = result::free_sync(rec.done);
+                for at in rec.done {
+                    let _ = result::free_sync(at);
+                }
             }
             self.tables.extend(rec.tables);
             return Err(driver("cuStreamEndCapture / cuGraphInstantiate", result::DriverError(r)));
@@ -1922,8 +1912,74 @@ impl Device for CudaDevice {
     }
 
     /// On the GPU of its first pointer argument (the rank whose op it is);
-    /// a launch without one runs on the first GPU.
+    /// a launch without one runs on the first GPU. A failure inside a
+    /// recording ends it.
     fn launch(
+        &mut self,
+        module: ModuleId,
+        entry: &str,
+        grid: u32,
+        block: u32,
+        args: &[KernelArg],
+    ) -> Result<(), DeviceError> {
+        let r = self.launch_now(module, entry, grid, block, args);
+        self.end_recording_on(r)
+    }
+}
+
+impl CudaDevice {
+    /// A call's result; its failure inside a recording ends the recording
+    /// (the graph would lack the call), so the executor runs the step call
+    /// by call instead.
+    fn end_recording_on(&mut self, r: Result<(), DeviceError>) -> Result<(), DeviceError> {
+        if r.is_err() && self.recording.is_some() {
+            self.drop_recording();
+        }
+        r
+    }
+
+    fn transfer_now(&mut self, code: &Code, batches: &[Batch], buffers: &[BufferId]) -> Result<(), DeviceError> {
+        self.live()?;
+        // Work queued on another GPU may still touch these buffers through
+        // peer access; the first GPU's own stream orders its earlier work.
+        self.settle_others(0, "transfer")?;
+        let (f, tables) = self.prepare_transfer(code, batches, buffers)?;
+        self.reclaim();
+        let stream = self.ctx(0)?.stream;
+        let c = self.ctx(0)?;
+        // Later work on another GPU waits for it; a fault in it is reported
+        // at the next wait on the first GPU, naming it.
+        c.pending.set(true);
+        *c.last_launch.borrow_mut() = moeforge_xfer::ENTRY.to_string();
+        if self.recording.is_some() {
+            return self.record_transfer(stream, f, &tables, buffers.len());
+        }
+        self.queue_transfer(stream, f, &tables, buffers.len(), 0, false)?;
+        if self.sync_launches {
+            self.finish(0, "transfer")?;
+        }
+        self.main_op_done();
+        Ok(())
+    }
+
+    fn fill_now(&mut self, buffer: BufferId, offset: u64, len: u64, byte: u8) -> Result<(), DeviceError> {
+        self.live()?;
+        let (g, at) = self.address(buffer, offset, len).map_err(|e| other(format!("fill: {e}")))?;
+        // A kernel on another GPU may still read these bytes through peer access.
+        self.settle_others(g, "fill")?;
+        let c = self.ctx(g)?;
+        // SAFETY: `address` checked that `at` holds `len` bytes; the memset
+        // is ordered on `g`'s work stream.
+        unsafe { result::memset_d8_async(at, byte, len as usize, c.stream) }
+            .map_err(|e| driver("fill: cuMemsetD8Async", e))?;
+        c.pending.set(true);
+        if self.sync_launches {
+            self.finish(g, "fill")?;
+        }
+        Ok(())
+    }
+
+    fn launch_now(
         &mut self,
         module: ModuleId,
         entry: &str,
@@ -1983,6 +2039,10 @@ impl Drop for CudaDevice {
         if self.poisoned.get().is_some() {
             return;
         }
+        // A stream still capturing cannot be waited for: end the capture first.
+        if self.recording.is_some() && self.current(0).is_ok() {
+            self.drop_recording();
+        }
         for g in 0..self.ctxs.len() {
             if self.current(g).is_err() || self.finish(g, "teardown").is_err() {
                 return;
@@ -2006,7 +2066,9 @@ impl Drop for CudaDevice {
                 unsafe {
                     let _ = sys::cuGraphExecDestroy(g.exec);
                     let _ = sys::cuGraphDestroy(g.graph);
-                    let _ = result::free_sync(g.done);
+                    for at in g.done {
+                        let _ = result::free_sync(at);
+                    }
                 }
                 self.tables.extend(g.tables);
             }

@@ -5,7 +5,8 @@ on RANKS ranks, `moeforge compile` emits the bundle, `moeforge run --backend B`
 serves the fixture's prompts greedily. The greedy tokens must be
 transformers' (expected.json) exactly. Prints one JSON object (tokens, match,
 median step milliseconds, the decode graphs the run reports); exits 1 on a mismatch or a failed
-command. With E2E_EAGER=1 the run takes --eager (every decode step call by call, no graphs).
+command. With E2E_EAGER=1 the run takes --eager (every decode step call by call, no graphs);
+with E2E_EXPECT_GRAPHS=1 it fails unless decode graphs were recorded and replayed, none refused.
 
 Usage: python3 e2e.py MOEFORGE BACKEND FIXTURE_DIR RANKS START WORKDIR [SWITCH_AT [TILES]]
        python3 e2e.py --compile MOEFORGE FIXTURE_DIR RANKS OUT_BUNDLE [TILES]
@@ -125,6 +126,13 @@ def main() -> int:
         refused = re.findall(r"^decode graph not recorded: (.*)$", text, re.M)
         if refused:
             out["graph_refusals"] = refused
+        # E2E_EXPECT_GRAPHS=1: the run must have recorded and replayed decode
+        # graphs, none refused (a device that fell back to call-by-call steps
+        # would still give the tokens, and prove nothing about the graphs).
+        if os.environ.get("E2E_EXPECT_GRAPHS") == "1":
+            g = out.get("graphs", {})
+            if not (g.get("recorded", 0) > 0 and g.get("replayed", 0) > 0) or refused:
+                out.update(match=False, error=f"no decode graph recorded and replayed without refusal: {g} {refused}")
     except (RuntimeError, OSError, KeyError, ValueError) as e:
         out.update(match=False, error=str(e))
     print(json.dumps(out))

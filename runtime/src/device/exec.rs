@@ -244,8 +244,10 @@ enum Body {
 /// included); `warmups` steps run call by call, padded to their bucket,
 /// before their key's capture (the warm-up a GPU needs before it records:
 /// the APK's tensor-map templates are encoded on a launch's first run);
-/// `eager` decode steps no graph can hold (their dispatch is routed, their
-/// rows need rounds, or they pass the largest bucket); `padded_rows` the
+/// `eager` decode steps run call by call at their own size: no graph holds
+/// them (their dispatch is routed, their padded rows would need dispatch
+/// rounds or pass a step input's slice), or their key's recording was
+/// refused (that step included); `padded_rows` the
 /// padding rows the bucketed steps carried; `refused` recordings the
 /// device refused (that step, and its key's later ones, ran call by call);
 /// `replayed_after_switch` replays of a graph recorded before a later live
@@ -906,22 +908,27 @@ impl Executor {
             match self.bucketed(&plan, mode, work)? {
                 Some((size, padded)) => {
                     let real: Vec<usize> = work.iter().map(Vec::len).collect();
-                    self.graph_stats.padded_rows +=
-                        padded.iter().zip(&real).map(|(p, &n)| (p.len() - n) as u64).sum::<u64>();
-                    let body = match self.graphs.get(&(mode, size)) {
-                        None | Some(Graph::Refused(_)) => Body::Eager,
-                        Some(Graph::Warm) => Body::Capture(mode, size),
+                    let (body, after_switch) = match self.graphs.get(&(mode, size)) {
+                        None | Some(Graph::Refused(_)) => (Body::Eager, false),
+                        Some(Graph::Warm) => (Body::Capture(mode, size), false),
                         Some(&Graph::Kept { graph, counted, reshards }) => {
-                            if reshards < self.reshards {
-                                self.graph_stats.replayed_after_switch += 1;
-                            }
-                            Body::Replay(graph, counted)
+                            (Body::Replay(graph, counted), reshards < self.reshards)
                         }
                     };
                     let mut out = self.step_with(&plan, mode, phase, &padded, &real, body)?;
-                    if let std::collections::btree_map::Entry::Vacant(e) = self.graphs.entry((mode, size)) {
-                        e.insert(Graph::Warm);
-                        self.graph_stats.warmups += 1;
+                    self.graph_stats.padded_rows +=
+                        padded.iter().zip(&real).map(|(p, &n)| (p.len() - n) as u64).sum::<u64>();
+                    self.graph_stats.replayed_after_switch += u64::from(after_switch);
+                    match self.graphs.entry((mode, size)) {
+                        std::collections::btree_map::Entry::Vacant(e) => {
+                            e.insert(Graph::Warm);
+                            self.graph_stats.warmups += 1;
+                        }
+                        // A refused key's steps (the refused one included) run call by call.
+                        std::collections::btree_map::Entry::Occupied(e) if matches!(e.get(), Graph::Refused(_)) => {
+                            self.graph_stats.eager += 1;
+                        }
+                        std::collections::btree_map::Entry::Occupied(_) => {}
                     }
                     for (o, &n) in out.iter_mut().zip(&real) {
                         o.truncate(n);
@@ -1224,7 +1231,23 @@ impl Executor {
         let programs: Vec<&Program> =
             plan.programs.iter().filter(|g| g.mode == mode && g.phase == Phase::Decode).collect();
         let Some(mbs) = programs.first().map(|g| g.micro_batches.max(1)) else { return Ok(None) };
-        if u64::from(size.div_ceil(mbs)) > self.step_tokens() as u64 {
+        // Every step input's slice holds a micro-batch's padded requests
+        // (one token, one sampled row each).
+        let per = u64::from(size.div_ceil(mbs));
+        let inputs = [
+            BufferName::TokenIds,
+            BufferName::Positions,
+            BufferName::SlotMap,
+            BufferName::RowRequest,
+            BufferName::SampleRows,
+            BufferName::RequestMeta,
+            BufferName::Sampled,
+            BufferName::Logits,
+        ];
+        let fits = inputs.iter().all(|&name| {
+            plan.memory.buffer(mode, name).is_some_and(|b| per <= b.slice_bytes(mbs) / b.row_bytes.max(1))
+        });
+        if !fits {
             return Ok(None);
         }
         use moeforge_plan::roles::Role;

@@ -142,9 +142,11 @@ pub trait Device {
     }
     /// Starts recording a graph (a CUDA graph's stream capture): the
     /// launches, transfers and fills issued until [`Device::end_capture`]
-    /// are recorded in order and not run. A graph holds no host data, so
-    /// any other call before the end (an upload, a download, a load, a
-    /// side-stream transfer or wait) is an error that ends the recording.
+    /// are recorded in order and not run. A recording holds a step's device
+    /// work, not the host's calls around it: any other call before the end
+    /// (an upload, a download, a load, a side-stream transfer or wait) is
+    /// an error that ends the recording, and so is a recorded call that
+    /// fails (the graph would lack it).
     fn begin_capture(&mut self) -> Result<(), DeviceError> {
         Err(DeviceError::Other("this device records no graphs".into()))
     }
