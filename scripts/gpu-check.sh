@@ -454,7 +454,7 @@ steps = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 emu = sys.argv[3] == "1"
 res = lambda s: s.get("result", {})
 missing = {
-    "graphs": "decode graphs are recorded only when the cuda device drives one GPU (with several, each step runs call by call), and only for decode steps whose dispatch takes fixed slots (not wider EP groups than top-k, replicas or relays); prefill is never a graph",
+    "graphs": "decode graphs are recorded only when the cuda device drives one GPU (with several, each step runs call by call), and only for decode steps whose dispatch takes fixed slots (not with replicas or relays); prefill is never a graph",
     "multi_gpu": "one process drives the machine's GPUs with peer access (rank r on the r-th GPU, mod their count), exercised only with two or more GPUs (on one, every rank's buffer is on it); no NCCL or NVSHMEM path across nodes yet",
     "transfer_programs": "every communication op (reshard, dispatch, combine, TP all-reduce) is an inkwell-generated transfer program; only the reshard's is timed here (copy_check), the others run inside the model steps untimed",
     "profile_components": "the profile measures the APK (`moe`) only: attention, dense GEMMs and communication are not measured",

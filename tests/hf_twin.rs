@@ -802,8 +802,8 @@ fn replicated_expert_slots_on_the_emulated_device_give_transformers_tokens() {
     assert!(b.plan.plan().placement.is_some());
     // The relays forward rows whose ids are then rewritten per destination.
     assert!(d.forwarded_rows > 0, "{d:?}");
-    // The stripes' decode steps route too (not fixed slots, which send every
-    // row to every rank): routing against routing.
+    // The stripes' decode steps route too (not fixed slots, whose rows the
+    // host counts on every rank holding experts): routing against routing.
     let (_, _, striped) = on_two_nodes_of_the_emulated_device("", "striped experts on the emulated device", true);
     assert_eq!(striped.fixed, 0, "{striped:?}");
     assert!(d.remote_rows < striped.remote_rows, "Zepp's routing {d:?} against the stripes' {striped:?}");
@@ -913,18 +913,20 @@ fn role_plans_give_transformers_tokens_on_the_emulated_device() {
 
 /// A decode step's dispatch takes fixed slots on the emulated device (what
 /// a CUDA graph of the step needs: nothing the host reads back decides its
-/// copies): every token row goes to every rank holding experts, at the row
-/// its source and index fix, so no decode step reads a rank's top-k ids
-/// back, while prefill steps still route (and read them). Counted by the
-/// device wrapper's record of downloads inside the `TopkIds` buffer (its
-/// range from the memory plan), for a colocated EP plan and an ExpertPlex
-/// role plan with two expert ranks (the fixture's top-k); over four, more
-/// than top-k, decode routes (fixed slots would move more rows than the
-/// routed pairs), and so it does with `route_decode` (so the count can see
-/// the reads); the tokens are transformers' either way. A fixed-slot decode
-/// step's device calls are its input uploads, then launches, transfers and
-/// fills (a role plan's -1 ids are filled on the device), then its
-/// readbacks: the shape a graph capture takes.
+/// copies): every token row has a row on every rank holding experts, at the
+/// row its source and index fix, its ids and weights copied there, and its
+/// hidden row gated on the device by its top-k ids (it moves only to a
+/// rank holding one of its experts), so no decode step reads a rank's top-k
+/// ids back, while prefill steps still route (and read them). Counted by
+/// the device wrapper's record of downloads inside the `TopkIds` buffer
+/// (its range from the memory plan), for a colocated EP plan and an
+/// ExpertPlex role plan with two expert ranks (the fixture's top-k); over
+/// four, more than top-k, a step run call by call (this device records no
+/// graphs) routes, and so does every decode step with `route_decode` (so
+/// the count can see the reads); the tokens are transformers' either way. A fixed-slot
+/// decode step's device calls are its input uploads, then launches,
+/// transfers and fills (a role plan's -1 ids are filled on the device),
+/// then its readbacks: the shape a graph capture takes.
 #[test]
 fn decode_steps_dispatch_on_fixed_slots_reading_nothing_back_on_the_emulated_device() {
     use moeforge::plan::memory::BufferName;
@@ -993,6 +995,8 @@ fn decode_steps_dispatch_on_fixed_slots_reading_nothing_back_on_the_emulated_dev
             } else {
                 assert_eq!(decode_reads, 0, "{label}: a decode step read top-k ids back");
                 assert!(fixed > 0, "{label}");
+                // Every hidden row of a fixed-slot dispatch waits on its gate.
+                assert!(t.dispatch_traffic().unwrap().gated_rows > 0, "{label}");
             }
         }
     }
@@ -1060,6 +1064,38 @@ fn decode_steps_replay_their_buckets_graph_across_switches_on_the_emulated_devic
     assert!(g.replayed > g.captured && g.replayed_after_switch > 0, "{g:?}");
     // Some step was padded up to its bucket (three requests on TP's ranks).
     assert!(g.padded_rows > 0, "{g:?}");
+}
+
+/// A group wider than top-k (colocated EP over 4 ranks, top-k 2) takes
+/// fixed slots in a graph's decode step: every hidden row a gated copy that
+/// the device runs only for a rank holding one of the token's experts, the
+/// combine summing a row from each of the 4. Every decode step is then a
+/// warm-up or a replay and none reads ids back; with graphs off the same
+/// plan's decode routes. Tokens are transformers' both ways; the gate's
+/// range is the destination's experts (a range one expert short changes
+/// the logits, checked by mutation).
+#[test]
+fn a_group_wider_than_top_k_takes_gated_fixed_slots_in_graph_steps_on_the_emulated_device() {
+    use moeforge::runtime::device::emu::EmuDevice;
+    let Qwen3Moe { f, bound, steps, ck, block } = qwen3_moe();
+    let (cache, tmp) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let b = compile_text(&cpu_cluster_deployment(&block, 1, 4, 0.25, ""), tmp.path());
+    assert!(b.plan.plan().model.top_k < 4);
+    let at = |i: usize, s: usize| bound.max(steps[i][s]);
+    for graphs in [true, false] {
+        let dev = EmuDevice::start(cache.path()).unwrap();
+        let mut t = Twin::on_device(&b, &ck, Mode::Ep, Box::new(dev)).unwrap_or_else(|e| panic!("{e}"));
+        t.use_device_graphs(graphs);
+        check_run_within(&f, &mut t, "a wide group", &[], &at, &at);
+        let (g, d) = (t.graph_stats().unwrap(), t.dispatch_traffic().unwrap());
+        eprintln!("graphs {graphs}: {g:?}; {d:?}");
+        if graphs {
+            assert!(g.replayed > 0 && g.eager == 0 && g.refused == 0, "{g:?}");
+            assert!(d.fixed > 0 && d.gated_rows > 0, "{d:?}");
+        } else {
+            assert_eq!((g.replayed, d.fixed, d.gated_rows), (0, 0, 0), "{g:?} {d:?}");
+        }
+    }
 }
 
 /// A device that records graphs but cannot keep them (its instantiation

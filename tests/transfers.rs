@@ -221,13 +221,19 @@ fn the_transfer_programs_are_ptx_kernels_that_ptxas_assembles_without_spills() {
     let bundle = bundle("qwen3-moe", 4);
     assert_eq!(bundle.transfers.keys().collect::<Vec<_>>(), ["all_reduce", "combine", "dispatch", "reshard"]);
     let sums = |name: &str| bundle.transfers[name].program.sum_shapes().to_vec();
-    // The combine: 0 to top-k (2, below the group's 4 ranks) bf16 rows of the hidden size.
+    // The combine: 0 to top-k (2) bf16 rows of the hidden size, and from
+    // all 4 ranks (a graph's decode dispatch on fixed slots reaches all 4,
+    // more than top-k: its rows gated on the device, one gated shape of a
+    // hidden row on 2 ids).
     let (hidden, k) = (u64::from(bundle.plan.plan().model.hidden), bundle.plan.plan().model.top_k);
     assert_eq!(k, 2);
     assert_eq!(
         sums("combine"),
-        (0..=k).map(|n| SumShape { elems: hidden, sources: n, elem: Elem::Bf16, out: Elem::F32 }).collect::<Vec<_>>()
+        [0, 1, 2, 4].map(|n| SumShape { elems: hidden, sources: n, elem: Elem::Bf16, out: Elem::F32 }).to_vec()
     );
+    let gated = bundle.transfers["dispatch"].program.gated_shapes().to_vec();
+    assert_eq!(gated.len(), 1, "{gated:?}");
+    assert_eq!((gated[0].run_bytes, gated[0].ids), (hidden * 2, k), "{gated:?}");
     assert!(sums("all_reduce").iter().all(|s| s.sources == 4 && s.elem == Elem::F32 && s.out == Elem::F32));
     assert!(sums("all_reduce").iter().any(|s| s.elems == hidden), "the hidden rows' all-reduce");
     for (name, code) in &bundle.transfers {
@@ -323,6 +329,82 @@ fn random_exchanges_trade_bytes_like_a_naive_swap() {
     let runs: Vec<u64> = code.program.exchange_shapes().iter().map(|s| s.run_bytes).collect();
     assert_eq!(runs, [2 * i * h * 2, h * i * 2]);
     check_ptx("expert_swap", &code.program);
+}
+
+/// Random gated copies (a dispatch's token rows that move only to a rank
+/// computing one of their entries) against a naive gated copy: three
+/// buffers, rows of every piece width, gates of 1 to 8 i32 ids (negative
+/// ones, -1, among them) with random ranges; beside ungated copies in the
+/// same batch; on the JIT, and the ptxas check of the GPU code. Some gates
+/// pass and some do not, or the check would prove nothing.
+#[test]
+fn random_gated_copies_move_a_row_only_when_its_gate_passes() {
+    use moeforge::xfer::{Gate, GatedCopy};
+    let mut rng = Rng(0x6a7e_d0c5);
+    let size = 8192u64;
+    let (mut passed, mut stopped) = (0, 0);
+    for case in 0..60 {
+        let ids = 1 + rng.below(8) as u32;
+        let align = [1u64, 2, 4, 8, 16][rng.below(5)];
+        // At most 208 bytes, shifted at most 48: a row stays in its cell.
+        let bytes = align * (1 + rng.below(13) as u64);
+        // Cells of 256 bytes: rows written into distinct cells, gates read
+        // from buffer 2's first 2048 bytes, never written.
+        let mut free: Vec<(u32, u64)> = (0..2).flat_map(|b| (0..size / 256).map(move |c| (b, c * 256))).collect();
+        let mut init: Vec<Vec<u8>> = (0..3).map(|_| random_bytes(&mut rng, size as usize)).collect();
+        let gate_words: Vec<i32> = (0..512).map(|_| rng.below(40) as i32 - 4).collect();
+        for (i, w) in gate_words.iter().enumerate() {
+            init[2][4 * i..4 * i + 4].copy_from_slice(&w.to_le_bytes());
+        }
+        let (mut gated, mut plain) = (vec![], vec![]);
+        for _ in 0..1 + rng.below(12) {
+            let mut take = || free.swap_remove(rng.below(free.len()));
+            let ((sb, so), (db, d_o)) = (take(), take());
+            let shift = align * rng.below(4) as u64;
+            let copy = StridedCopy::one_run(so + shift, d_o + shift, bytes);
+            let transfer = Transfer { src: sb, dst: db, copy };
+            if rng.below(4) == 0 {
+                plain.push(transfer);
+                continue;
+            }
+            let lo = rng.below(40) as i32 - 4;
+            let gate =
+                Gate { buf: 2, offset: 4 * rng.below(512 - ids as usize) as u64, lo, hi: lo + rng.below(10) as i32 };
+            gated.push(GatedCopy { transfer, gate });
+        }
+        let mut want = init.clone();
+        for t in &plain {
+            let (a, b, n) = (t.copy.src_offset as usize, t.copy.dst_offset as usize, bytes as usize);
+            let row = want[t.src as usize][a..a + n].to_vec();
+            want[t.dst as usize][b..b + n].copy_from_slice(&row);
+        }
+        for g in &gated {
+            let at = (g.gate.offset / 4) as usize;
+            let pass = gate_words[at..at + ids as usize].iter().any(|&id| g.gate.lo <= id && id < g.gate.hi);
+            if !pass {
+                stopped += 1;
+                continue;
+            }
+            passed += 1;
+            let t = &g.transfer;
+            let (a, b, n) = (t.copy.src_offset as usize, t.copy.dst_offset as usize, bytes as usize);
+            let row = want[t.src as usize][a..a + n].to_vec();
+            want[t.dst as usize][b..b + n].copy_from_slice(&row);
+        }
+        let offsets = gated.iter().fold(0, |o, g| o | g.transfer.copy.src_offset | g.transfer.copy.dst_offset);
+        let (program, _) = Program::build(&[plain.clone()]).unwrap();
+        let program = program.with_gated([(bytes, offsets, ids)]);
+        let batch = program.batch_gated(&plain, &gated, ids).unwrap();
+        let mut got: Vec<HostBuffer> = init.iter().map(|b| HostBuffer::from_bytes(b)).collect();
+        jit::run(&program, &[batch], &mut got).unwrap();
+        for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+            assert!(w.as_slice() == g.as_bytes(), "case {case}: buffer {i} differs ({gated:?})");
+        }
+        if case == 0 {
+            check_ptx("random gated copies", &program);
+        }
+    }
+    assert!(passed > 50 && stopped > 50, "gates passed {passed}, stopped {stopped}");
 }
 
 #[test]

@@ -7,7 +7,9 @@
 //! - `dispatch`: an EP dispatch's row copies: each token row, with its top-k
 //!   ids and weights, from its source rank's buffer into the next free row of
 //!   every destination rank's receive buffer (one shape per buffer pair: a
-//!   run of the row's bytes). The rows are known only at run time, so the
+//!   run of the row's bytes). A decode dispatch on fixed slots gates each
+//!   token row on its top-k ids ([`gated_rows`]): the row moves only to a
+//!   rank holding one of its experts, decided on the device. The rows are known only at run time, so the
 //!   program's code is fixed here and each step's copies are its batch
 //!   ([`Program::batch`]); its pieces are the widest every row address of
 //!   the pair's buffers allows (a buffer's offset plus whole rows, in every
@@ -64,7 +66,7 @@ pub fn programs(plan: &Plan) -> Result<Vec<(&'static str, Program)>, XferError> 
     }
     let pairs = dispatch_pairs(plan);
     if !pairs.is_empty() {
-        out.push((NAMES[1], row_copies(&pairs)?));
+        out.push((NAMES[1], row_copies(&pairs)?.with_gated(gated_rows(plan))));
     }
     let combines = combine_sums(plan);
     if !combines.is_empty() {
@@ -143,7 +145,8 @@ fn row_copies(pairs: &[(u64, u64, u64)]) -> Result<Program, XferError> {
 }
 
 /// The sums of every EP combine: `hidden` bf16 elements from each of 0 to
-/// min(top-k, group) ranks (or, relayed, ranks of the own node and relays)
+/// min(top-k, group) ranks (and a gated decode dispatch's over more ranks
+/// holding experts than top-k: from every one of them) (or, relayed, ranks of the own node and relays)
 /// into f32; relayed, also the relays' partial sums, from 1 to
 /// min(top-k, node) ranks into bf16 rows.
 fn combine_sums(plan: &Plan) -> Vec<SumShape> {
@@ -159,6 +162,10 @@ fn combine_sums(plan: &Plan) -> Vec<SumShape> {
             out.push(s);
         }
     };
+    // A decode dispatch on fixed slots with gated rows reaches every rank
+    // holding experts, more than top-k in a wider group: its combine pulls
+    // each of them (a rank the gate kept a row from computed +0.0 for it).
+    let gated = !gated_rows(plan).is_empty();
     for p in plan.programs.iter().filter(|p| p.mode == Mode::Ep) {
         for (_, op) in p.ops() {
             let Some(c) = op.comm.as_ref().filter(|c| c.kind == CommKind::AllToAll && c.with.is_empty()) else {
@@ -166,6 +173,10 @@ fn combine_sums(plan: &Plan) -> Vec<SumShape> {
             };
             for sources in 0..=k.min(c.group.len() as u32) {
                 add(SumShape { elems: h, sources, elem: Elem::Bf16, out: Elem::F32 });
+            }
+            let holders = c.group.iter().filter(|&&r| plan.local_experts(r as usize) > 0).count() as u32;
+            if gated && p.phase == crate::program::Phase::Decode && c.relay.is_none() && holders > k {
+                add(SumShape { elems: h, sources: holders, elem: Elem::Bf16, out: Elem::F32 });
             }
             let computing = c.relay.map(|r| r.gpus_per_node).or(moe_per_node);
             if let Some(n) = computing {
@@ -207,6 +218,36 @@ fn all_reduce_shapes(plan: &Plan) -> (Vec<SumShape>, Vec<(u64, u64)>) {
         }
     }
     (sums, pairs)
+}
+
+/// The gated row copies of every decode dispatch that may take fixed slots
+/// (no relay, no replicated placement): its token rows, each gated on the
+/// token's top-k ids, so a row moves only to a rank holding one of its
+/// experts while where it lands stays fixed by the token counts. `(row
+/// bytes, every row address's bits, top-k)`.
+pub fn gated_rows(plan: &Plan) -> Vec<(u64, u64, u32)> {
+    let mem = &plan.memory;
+    if plan.placement.as_ref().is_some_and(|p| p.policy != PlacementPolicy::None) {
+        return vec![];
+    }
+    let mut out = vec![];
+    for p in plan.programs.iter().filter(|p| p.mode == Mode::Ep && p.phase == crate::program::Phase::Decode) {
+        for (_, op) in p.ops() {
+            let Some(c) =
+                op.comm.as_ref().filter(|c| c.kind == CommKind::AllToAll && !c.with.is_empty() && c.relay.is_none())
+            else {
+                continue;
+            };
+            let (Some(s), Some(d)) = (mem.buffer(p.mode, c.from), mem.buffer(p.mode, c.to)) else { continue };
+            if s.row_bytes == d.row_bytes && s.row_bytes > 0 {
+                let run = (s.row_bytes, s.offset | d.offset | s.row_bytes, plan.model.top_k);
+                if !out.contains(&run) {
+                    out.push(run);
+                }
+            }
+        }
+    }
+    out
 }
 
 /// Each distinct (source buffer offset, destination buffer offset, row

@@ -14,8 +14,10 @@
 //! - its **data** is a [`Batch`]: which buffers and offsets each instance of
 //!   a shape reads and writes, a table of 64-bit words the code walks.
 //!
-//! A program's loops are of three kinds: a [`Shape`] copies strided runs of
-//! bytes, a [`SumShape`] sums rows of bf16 or f32 elements from several
+//! A program's loops are of four kinds: a [`Shape`] copies strided runs of
+//! bytes, a [`GatedShape`] copies a run only when one of a few i32 ids it
+//! reads on the device lies in a range (a dispatch's token row to a rank
+//! holding one of its experts: [`GatedCopy`]), a [`SumShape`] sums rows of bf16 or f32 elements from several
 //! buffers into one f32 row, in source order from +0.0 (what the combine's
 //! gather and the all-reduce compute: the same additions in the same order
 //! on every device, so every device gives the same bits), and an exchange
@@ -259,13 +261,47 @@ pub struct Exchange {
     pub bytes: u64,
 }
 
-/// A program's code: its copy shapes, its sum shapes, then its exchange
-/// shapes, in order.
+/// What decides whether a gated copy runs: the `ids` i32 ids at `offset`
+/// of buffer `buf` (a token's top-k expert ids); the copy runs when one of
+/// them lies in `[lo, hi)` (the experts its destination holds). Read on the
+/// device, so the host need not know the ids to lay out the copies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Gate {
+    pub buf: u32,
+    pub offset: u64,
+    pub lo: i32,
+    pub hi: i32,
+}
+
+/// A one-run copy that runs only when its gate passes (a dispatch's token
+/// row to a rank that computes one of its entries).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GatedCopy {
+    pub transfer: Transfer,
+    pub gate: Gate,
+}
+
+/// The constants of a gated copy's loop: a run of `run_bytes` in `piece`s,
+/// gated on `ids` ids.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct GatedShape {
+    pub run_bytes: u64,
+    pub piece: u64,
+    pub ids: u32,
+}
+
+/// Words of one gated instance in a batch's table: an instance's four,
+/// then `[gate buffer, gate offset, lo, hi]`.
+pub const GATED_WORDS: usize = 8;
+
+/// A program's code: its copy shapes, its sum shapes, its exchange shapes,
+/// then its gated copy shapes, in order.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Program {
     shapes: Vec<Shape>,
     sums: Vec<SumShape>,
     swaps: Vec<Shape>,
+    gated: Vec<GatedShape>,
 }
 
 /// A program's data for one run: the instances of each of its shapes.
@@ -274,6 +310,7 @@ pub struct Batch {
     per_shape: Vec<Vec<Instance>>,
     per_sum: Vec<Vec<SumInstance>>,
     per_swap: Vec<Vec<Instance>>,
+    per_gated: Vec<Vec<(Instance, Gate)>>,
 }
 
 /// Refuses one-run copies of one batch that race: two destinations that
@@ -394,10 +431,10 @@ impl Program {
                         });
                     }
                 }
-                Batch { per_shape, per_sum: vec![], per_swap: vec![] }
+                Batch { per_shape, per_sum: vec![], per_swap: vec![], per_gated: vec![] }
             })
             .collect();
-        Ok((Program { shapes, sums: vec![], swaps: vec![] }, out))
+        Ok((Program { shapes, sums: vec![], swaps: vec![], gated: vec![] }, out))
     }
 
     /// This program with `sums` as its reduction loops too (each distinct
@@ -435,8 +472,28 @@ impl Program {
         self
     }
 
+    /// This program with gated copies of each `(bytes, offsets, ids)` as
+    /// its gated loops too: one shape per distinct (byte count, id count),
+    /// in order of first appearance, its piece the widest that divides the
+    /// count and `offsets` (the OR of every offset an instance may take).
+    /// Batches built before belong to the program without them.
+    pub fn with_gated(mut self, runs: impl IntoIterator<Item = (u64, u64, u32)>) -> Program {
+        for (bytes, offsets, ids) in runs.into_iter().filter(|r| r.0 > 0 && r.2 > 0) {
+            let bits = bytes | offsets;
+            match self.gated.iter_mut().find(|s| s.run_bytes == bytes && s.ids == ids) {
+                Some(s) => s.piece = s.piece.min(widest_piece(bits)),
+                None => self.gated.push(GatedShape { run_bytes: bytes, piece: widest_piece(bits), ids }),
+            }
+        }
+        self
+    }
+
     pub fn shapes(&self) -> &[Shape] {
         &self.shapes
+    }
+
+    pub fn gated_shapes(&self) -> &[GatedShape] {
+        &self.gated
     }
 
     pub fn sum_shapes(&self) -> &[SumShape] {
@@ -487,7 +544,12 @@ impl Program {
                 });
             }
         }
-        Ok(Batch { per_shape: vec![vec![]; self.shapes.len()], per_sum: vec![vec![]; self.sums.len()], per_swap })
+        Ok(Batch {
+            per_shape: vec![vec![]; self.shapes.len()],
+            per_sum: vec![vec![]; self.sums.len()],
+            per_swap,
+            per_gated: vec![vec![]; self.gated.len()],
+        })
     }
 
     /// A batch of this program's code for copies made at run time (the
@@ -507,6 +569,48 @@ impl Program {
     /// parallel pieces would race on: two writing the same bytes, or one
     /// writing bytes another (or itself, elsewhere) reads.
     pub fn batch_with_sums(&self, transfers: &[Transfer], sums: &[Sum]) -> Result<Batch, XferError> {
+        self.batch_of(transfers, sums)
+    }
+
+    /// A batch of copies and gated copies made at run time (a dispatch
+    /// whose destinations' rows move only where the device's gate passes):
+    /// each gated copy an instance of the gated shape with its run and its
+    /// gate's id count. Refuses a gated copy no shape has, offsets that are
+    /// not multiples of its piece, a gate offset not a multiple of 4, and
+    /// one-run copies (gated or not) that race.
+    pub fn batch_gated(&self, transfers: &[Transfer], gated: &[GatedCopy], ids: u32) -> Result<Batch, XferError> {
+        let mut b = self.batch_of(transfers, &[])?;
+        for (index, g) in gated.iter().enumerate() {
+            let c = &g.transfer.copy;
+            if c.run_bytes == 0 {
+                continue;
+            }
+            let bad = |message: String| XferError::Copy { index, message };
+            if c.counts != [1, 1] {
+                return Err(bad("a gated copy is one run".into()));
+            }
+            let i = self.gated.iter().position(|s| s.run_bytes == c.run_bytes && s.ids == ids).ok_or_else(|| {
+                bad(format!("no gated shape of this program copies runs of {} bytes on {ids} ids", c.run_bytes))
+            })?;
+            let piece = self.gated[i].piece;
+            if !(c.src_offset | c.dst_offset).is_multiple_of(piece) || !g.gate.offset.is_multiple_of(4) {
+                return Err(bad(format!(
+                    "offsets {} and {} (gate {}) are not multiples of the shape's {piece}-byte piece (and 4)",
+                    c.src_offset, c.dst_offset, g.gate.offset
+                )));
+            }
+            let t = &g.transfer;
+            b.per_gated[i].push((
+                Instance { src: t.src, dst: t.dst, src_offset: c.src_offset, dst_offset: c.dst_offset },
+                g.gate,
+            ));
+        }
+        let all: Vec<Transfer> = transfers.iter().copied().chain(gated.iter().map(|g| g.transfer)).collect();
+        races(&all)?;
+        Ok(b)
+    }
+
+    fn batch_of(&self, transfers: &[Transfer], sums: &[Sum]) -> Result<Batch, XferError> {
         let mut per_shape = vec![vec![]; self.shapes.len()];
         for (index, t) in transfers.iter().enumerate() {
             let c = &t.copy;
@@ -557,7 +661,12 @@ impl Program {
             }
             per_sum[i].push(SumInstance { dst: s.dst, dst_offset: s.dst_offset, sources: s.sources.clone() });
         }
-        Ok(Batch { per_shape, per_sum, per_swap: vec![vec![]; self.swaps.len()] })
+        Ok(Batch {
+            per_shape,
+            per_sum,
+            per_swap: vec![vec![]; self.swaps.len()],
+            per_gated: vec![vec![]; self.gated.len()],
+        })
     }
 
     /// A content key (hex SHA-256 of the shapes) for caches of compiled code.
@@ -590,6 +699,14 @@ impl Program {
                 h.update(s.piece.to_le_bytes());
             }
         }
+        if !self.gated.is_empty() {
+            h.update(b"gated");
+            for s in &self.gated {
+                h.update(s.run_bytes.to_le_bytes());
+                h.update(s.piece.to_le_bytes());
+                h.update(u64::from(s.ids).to_le_bytes());
+            }
+        }
         h.finalize().iter().map(|b| format!("{b:02x}")).collect()
     }
 }
@@ -599,11 +716,15 @@ impl Batch {
     /// shape's, each exchange shape's, then every copy instance as `[src,
     /// dst, src_offset, dst_offset]`, shape by shape, then every sum
     /// instance as `[dst, dst_offset, src, src_offset, …]`, shape by shape,
-    /// then every exchange as `[a, b, a_offset, b_offset]`, shape by shape.
+    /// then every exchange as `[a, b, a_offset, b_offset]`, shape by shape,
+    /// then every gated copy as `[src, dst, src_offset, dst_offset, gate
+    /// buffer, gate offset, lo, hi]` (lo and hi sign-extended), shape by
+    /// shape (the gated shapes' counts after the exchanges').
     pub fn words(&self) -> Vec<u64> {
         let mut w: Vec<u64> = self.per_shape.iter().map(|v| v.len() as u64).collect();
         w.extend(self.per_sum.iter().map(|v| v.len() as u64));
         w.extend(self.per_swap.iter().map(|v| v.len() as u64));
+        w.extend(self.per_gated.iter().map(|v| v.len() as u64));
         for i in self.per_shape.iter().flatten() {
             w.extend([u64::from(i.src), u64::from(i.dst), i.src_offset, i.dst_offset]);
         }
@@ -615,6 +736,11 @@ impl Batch {
         }
         for i in self.per_swap.iter().flatten() {
             w.extend([u64::from(i.src), u64::from(i.dst), i.src_offset, i.dst_offset]);
+        }
+        for (i, g) in self.per_gated.iter().flatten() {
+            w.extend([u64::from(i.src), u64::from(i.dst), i.src_offset, i.dst_offset]);
+            // The range as the code compares it: sign-extended i32s.
+            w.extend([u64::from(g.buf), g.offset, i64::from(g.lo) as u64, i64::from(g.hi) as u64]);
         }
         w
     }
@@ -631,17 +757,23 @@ impl Batch {
             .iter()
             .zip(&self.per_sum)
             .fold(copies, |n, (s, v)| n.saturating_add(s.elems.saturating_mul(v.len() as u64)));
-        program
+        let swaps = program
             .swaps
             .iter()
             .zip(&self.per_swap)
-            .fold(sums, |n, (s, v)| n.saturating_add(s.pieces().saturating_mul(v.len() as u64)))
+            .fold(sums, |n, (s, v)| n.saturating_add(s.pieces().saturating_mul(v.len() as u64)));
+        program
+            .gated
+            .iter()
+            .zip(&self.per_gated)
+            .fold(swaps, |n, (s, v)| n.saturating_add((s.run_bytes / s.piece).saturating_mul(v.len() as u64)))
     }
 
     pub fn is_empty(&self) -> bool {
         self.per_shape.iter().all(Vec::is_empty)
             && self.per_sum.iter().all(Vec::is_empty)
             && self.per_swap.iter().all(Vec::is_empty)
+            && self.per_gated.iter().all(Vec::is_empty)
     }
 
     /// Every sum instance with its shape, shape by shape (the table's order).
@@ -665,15 +797,19 @@ impl Batch {
         if self.per_shape.len() != program.shapes.len()
             || self.per_sum.len() != program.sums.len()
             || self.per_swap.len() != program.swaps.len()
+            || self.per_gated.len() != program.gated.len()
         {
             return Err(XferError::Bounds(format!(
-                "{} copy shapes, {} sum shapes and {} exchange shapes of instances for a program of {}, {} and {}",
+                "{} copy shapes, {} sum shapes, {} exchange shapes and {} gated shapes of instances for a program of \
+                 {}, {}, {} and {}",
                 self.per_shape.len(),
                 self.per_sum.len(),
                 self.per_swap.len(),
+                self.per_gated.len(),
                 program.shapes.len(),
                 program.sums.len(),
-                program.swaps.len()
+                program.swaps.len(),
+                program.gated.len()
             )));
         }
         for (s, i) in self.sum_instances(program) {
@@ -728,6 +864,27 @@ impl Batch {
                 };
                 side(i.src, i.src_offset, src_end, "source")?;
                 side(i.dst, i.dst_offset, dst_end, "destination")?;
+            }
+        }
+        for (s, v) in program.gated.iter().zip(&self.per_gated) {
+            for (i, g) in v {
+                let side = |buf: u32, off: u64, len: u64, align: u64, what: &str| {
+                    let size = *sizes
+                        .get(buf as usize)
+                        .ok_or_else(|| XferError::Bounds(format!("{what} buffer {buf} of {} buffers", sizes.len())))?;
+                    if !off.is_multiple_of(align) {
+                        return Err(XferError::Bounds(format!("{what} offset {off} is not a multiple of {align}")));
+                    }
+                    match off.checked_add(len) {
+                        Some(e) if e <= size => Ok(()),
+                        _ => Err(XferError::Bounds(format!(
+                            "{what} ends past buffer {buf} ({size} bytes): offset {off} + {len}"
+                        ))),
+                    }
+                };
+                side(i.src, i.src_offset, s.run_bytes, s.piece, "gated source")?;
+                side(i.dst, i.dst_offset, s.run_bytes, s.piece, "gated destination")?;
+                side(g.buf, g.offset, 4 * u64::from(s.ids), 4, "gate")?;
             }
         }
         Ok(())

@@ -12,7 +12,8 @@
 //! reassociation and no contraction on any target), one f32 stored (or
 //! rounded to bf16, to nearest, ties to even). Then each exchange shape as
 //! a copy shape, except that a piece is loaded from both sides before it
-//! is stored into the other. The
+//! is stored into the other. Then each gated shape: a piece of a one-run
+//! copy, moved only when one of its gate's i32 ids lies in `[lo, hi)`. The
 //! targets differ only in the entry that calls the body (inlined):
 //! - GPU: the kernel `moeforge_xfer(bases, table)`, one worker per thread of
 //!   the grid (worker = global thread index, workers = threads in the grid);
@@ -22,7 +23,7 @@
 //!
 //! `bases[i]` is buffer i's address; `table` is [`crate::Batch::words`].
 
-use crate::{header, Elem, Program, Shape, SumShape, XferError, ENTRY, INSTANCE_WORDS};
+use crate::{header, Elem, GatedShape, Program, Shape, SumShape, XferError, ENTRY, GATED_WORDS, INSTANCE_WORDS};
 use inkwell::attributes::{Attribute, AttributeLoc};
 use inkwell::builder::Builder;
 use inkwell::context::Context;
@@ -52,6 +53,18 @@ fn gep<'c>(
     // defined for any index. What the code later dereferences is bounded by
     // `Batch::check` before any device runs it.
     unsafe { b.build_gep(ty, ptr, &[index], "") }.map_err(llvm)
+}
+
+/// The integer (or, for 16 bytes, vector) type one piece of `bytes` is
+/// loaded and stored as.
+fn piece_type(ctx: &Context, bytes: u64) -> BasicTypeEnum<'_> {
+    match bytes {
+        16 => ctx.i32_type().vec_type(4).into(),
+        8 => ctx.i64_type().into(),
+        4 => ctx.i32_type().into(),
+        2 => ctx.i16_type().into(),
+        _ => ctx.i8_type().into(),
+    }
 }
 
 fn llvm(e: impl std::fmt::Display) -> XferError {
@@ -126,7 +139,8 @@ fn body<'c>(
     b: &Builder<'c>,
     program: &Program,
 ) -> Result<FunctionValue<'c>, XferError> {
-    let (shapes, sums, swaps) = (program.shapes(), program.sum_shapes(), program.exchange_shapes());
+    let (shapes, sums, swaps, gated) =
+        (program.shapes(), program.sum_shapes(), program.exchange_shapes(), program.gated_shapes());
     let ptr = ctx.ptr_type(AddressSpace::default());
     let i64t = ctx.i64_type();
     let ty = ctx.void_type().fn_type(&[ptr.into(), ptr.into(), i64t.into(), i64t.into()], false);
@@ -154,12 +168,13 @@ fn body<'c>(
     // Each shape's instance count, and where its instances start in the table.
     let mut counts = vec![];
     let mut starts = vec![];
-    let mut at = c((shapes.len() + sums.len() + swaps.len()) as u64);
+    let mut at = c((shapes.len() + sums.len() + swaps.len() + gated.len()) as u64);
     let per: Vec<(u64, u64)> = shapes
         .iter()
         .map(|s| (INSTANCE_WORDS as u64, s.pieces()))
         .chain(sums.iter().map(|s| (s.words() as u64, s.elems)))
         .chain(swaps.iter().map(|s| (INSTANCE_WORDS as u64, s.pieces())))
+        .chain(gated.iter().map(|s| (GATED_WORDS as u64, s.run_bytes / s.piece)))
         .collect();
     for (i, &(words, pieces)) in per.iter().enumerate() {
         let n = word(c(i as u64), "n")?;
@@ -175,12 +190,14 @@ fn body<'c>(
         /// A copy shape, or (`true`) an exchange shape.
         Copy(&'s Shape, bool),
         Sum(&'s SumShape),
+        Gated(&'s GatedShape),
     }
     let loops = shapes
         .iter()
         .map(|s| Loop::Copy(s, false))
         .chain(sums.iter().map(Loop::Sum))
-        .chain(swaps.iter().map(|s| Loop::Copy(s, true)));
+        .chain(swaps.iter().map(|s| Loop::Copy(s, true)))
+        .chain(gated.iter().map(Loop::Gated));
     for (i, l) in loops.enumerate() {
         // One grid-stride loop: pieces (a copy or an exchange) or elements
         // (a sum) `worker`, `worker + workers`, … below `counts[i]`.
@@ -188,6 +205,7 @@ fn body<'c>(
             Loop::Copy(_, false) => (format!("shape{i}"), "piece"),
             Loop::Sum(_) => (format!("sum{}", i - shapes.len()), "element"),
             Loop::Copy(_, true) => (format!("exchange{}", i - shapes.len() - sums.len()), "piece"),
+            Loop::Gated(_) => (format!("gated{}", i - shapes.len() - sums.len() - swaps.len()), "piece"),
         };
         let head = ctx.append_basic_block(f, &label);
         let step = ctx.append_basic_block(f, &format!("{label}.{unit}"));
@@ -232,13 +250,7 @@ fn body<'c>(
                     };
                 let from = address(src, src_off, s.src_strides)?;
                 let to = address(dst, dst_off, s.dst_strides)?;
-                let piece: BasicTypeEnum<'c> = match s.piece {
-                    16 => ctx.i32_type().vec_type(4).into(),
-                    8 => i64t.into(),
-                    4 => ctx.i32_type().into(),
-                    2 => ctx.i16_type().into(),
-                    _ => ctx.i8_type().into(),
-                };
+                let piece = piece_type(ctx, s.piece);
                 let align = s.piece as u32;
                 let load = |at: PointerValue<'c>, name: &str| -> Result<_, XferError> {
                     let v = b.build_load(piece, at, name).map_err(llvm)?;
@@ -256,6 +268,64 @@ fn body<'c>(
                     b.build_store(from, w).map_err(llvm)?.set_alignment(align).map_err(llvm)?;
                 }
                 b.build_store(to, v).map_err(llvm)?.set_alignment(align).map_err(llvm)?;
+            }
+            Loop::Gated(s) => {
+                // A piece of an instance's run, moved only when one of the
+                // gate's ids lies in [lo, hi) (read by every piece: a warp's
+                // pieces of one run read the same words).
+                let per_run = s.run_bytes / s.piece;
+                let inst = b.build_int_unsigned_div(pv, c(per_run), "instance").map_err(llvm)?;
+                let k = b.build_int_unsigned_rem(pv, c(per_run), "k").map_err(llvm)?;
+                let w = b.build_int_mul(inst, c(GATED_WORDS as u64), "").map_err(llvm)?;
+                let w = b.build_int_add(starts[i], w, "").map_err(llvm)?;
+                let field = |j: u64, name: &str| -> Result<IntValue<'c>, XferError> {
+                    let at = b.build_int_add(w, c(j), "").map_err(llvm)?;
+                    word(at, name)
+                };
+                let base_of = |buf: IntValue<'c>| -> Result<PointerValue<'c>, XferError> {
+                    let slot = gep(b, ptr, bases, buf)?;
+                    Ok(aligned(b.build_load(ptr, slot, "base").map_err(llvm)?)?.into_pointer_value())
+                };
+                let (gbuf, goff, lo, hi) =
+                    (field(4, "gate")?, field(5, "gate_offset")?, field(6, "lo")?, field(7, "hi")?);
+                let gbase = base_of(gbuf)?;
+                let i32t = ctx.i32_type();
+                let mut any = ctx.bool_type().const_zero();
+                for j in 0..u64::from(s.ids) {
+                    let o = b.build_int_add(goff, c(4 * j), "").map_err(llvm)?;
+                    let at = gep(b, ctx.i8_type(), gbase, o)?;
+                    let id = b.build_load(i32t, at, "id").map_err(llvm)?;
+                    id.as_instruction_value()
+                        .ok_or_else(|| llvm("a load is not an instruction"))?
+                        .set_alignment(4)
+                        .map_err(llvm)?;
+                    let id = b.build_int_s_extend(id.into_int_value(), i64t, "").map_err(llvm)?;
+                    let above = b.build_int_compare(IntPredicate::SGE, id, lo, "").map_err(llvm)?;
+                    let below = b.build_int_compare(IntPredicate::SLT, id, hi, "").map_err(llvm)?;
+                    let inside = b.build_and(above, below, "").map_err(llvm)?;
+                    any = b.build_or(any, inside, "any").map_err(llvm)?;
+                }
+                let copy = ctx.append_basic_block(f, &format!("{label}.copy"));
+                let skip = ctx.append_basic_block(f, &format!("{label}.next"));
+                b.build_conditional_branch(any, copy, skip).map_err(llvm)?;
+                b.position_at_end(copy);
+                let at = |buf: IntValue<'c>, off: IntValue<'c>| -> Result<PointerValue<'c>, XferError> {
+                    let base = base_of(buf)?;
+                    let t = b.build_int_mul(k, c(s.piece), "").map_err(llvm)?;
+                    let o = b.build_int_add(off, t, "").map_err(llvm)?;
+                    gep(b, ctx.i8_type(), base, o)
+                };
+                let from = at(field(0, "src")?, field(2, "src_offset")?)?;
+                let to = at(field(1, "dst")?, field(3, "dst_offset")?)?;
+                let piece = piece_type(ctx, s.piece);
+                let v = b.build_load(piece, from, "v").map_err(llvm)?;
+                v.as_instruction_value()
+                    .ok_or_else(|| llvm("a load is not an instruction"))?
+                    .set_alignment(s.piece as u32)
+                    .map_err(llvm)?;
+                b.build_store(to, v).map_err(llvm)?.set_alignment(s.piece as u32).map_err(llvm)?;
+                b.build_unconditional_branch(skip).map_err(llvm)?;
+                b.position_at_end(skip);
             }
             Loop::Sum(s) => {
                 let inst = b.build_int_unsigned_div(pv, c(s.elems), "instance").map_err(llvm)?;
@@ -326,8 +396,9 @@ fn body<'c>(
                 }
             }
         }
+        let latch = b.get_insert_block().ok_or_else(|| llvm("no block to continue from"))?;
         let n = b.build_int_add(pv, workers, "").map_err(llvm)?;
-        p.add_incoming(&[(&n, step)]);
+        p.add_incoming(&[(&n, latch)]);
         b.build_unconditional_branch(head).map_err(llvm)?;
         pred = next;
     }

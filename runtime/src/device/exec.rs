@@ -13,10 +13,11 @@
 //!   in rank order, tokens in order) with its top-k ids and weights, as one
 //!   batch of the bundle's compiled dispatch program (`kernels/xfer_dispatch.*`:
 //!   the host reads only the top-k ids, which fix where every row lands);
-//!   a decode step's dispatch (striped, direct, over at most top-k ranks
-//!   holding experts, whose rows fit) instead takes fixed slots, every
-//!   row to every such rank, so the token counts fix every copy and the
-//!   host reads nothing (a role plan's rows between the posts' used parts
+//!   a decode step's dispatch (striped, direct, whose rows fit) instead
+//!   takes fixed slots, a row on every rank holding experts for every
+//!   token, its hidden bytes gated on the device by its top-k ids (they
+//!   move only to a rank holding one of its experts), so the token counts
+//!   fix every copy and the host reads nothing (a role plan's rows between the posts' used parts
 //!   get -1 ids by a fill on the device, so such a step uploads nothing
 //!   after its inputs either);
 //!   the combine is pulled by each token's source rank, its row the f32 sum
@@ -68,7 +69,8 @@
 
 use super::bind::{self, Counts, Site};
 use super::{
-    BufferId, Code, Device, DeviceError, Elem, GraphId, KernelArg, ModuleId, SideEvent, StridedCopy, Sum, Transfer,
+    BufferId, Code, Device, DeviceError, Elem, Gate, GatedCopy, GraphId, KernelArg, ModuleId, SideEvent, StridedCopy,
+    Sum, Transfer,
 };
 use moeforge_plan::memory::{
     BufferName, MemoryPlan, Mode, RouteIndexParts, TensorPart, TensorRole, WeightReshard, ZeppRouteParts,
@@ -201,6 +203,9 @@ pub struct Executor {
     graph_stats: GraphStats,
     /// Weight reshards (live switches) so far.
     reshards: u64,
+    /// Whether the step running is a graph's (bucketed): its dispatch may
+    /// take fixed slots over more ranks than top-k ([`Executor::fixed_slots`]).
+    graph_step: bool,
 }
 
 /// A (mode, bucket)'s decode graph: warmed up (one step ran call by call),
@@ -320,9 +325,12 @@ pub struct SwapOverlap {
 /// posts reserve ([`post_rounds`]; the CPU twin's `Routed::rounds` counts
 /// rounds per (source, MoE rank) pair of its rows instead, so the two are
 /// not the same count). `fixed`: dispatches (one per op and micro-batch)
-/// that ran on fixed slots, every row to every rank holding experts, with
-/// nothing read back (a decode step's); the others read their sources'
-/// top-k ids.
+/// that ran on fixed slots, a row for every token on every rank holding
+/// experts, with nothing read back (a decode step's); the others read their
+/// sources' top-k ids. `gated_rows`: the (token, rank) hidden rows of those
+/// fixed-slot dispatches, each a gated copy that the device runs only when
+/// the rank holds one of the token's experts (the rows above count them
+/// as placed; the host does not learn which moved).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DispatchTraffic {
     pub node_rows: u64,
@@ -334,6 +342,7 @@ pub struct DispatchTraffic {
     pub busiest_nic_rows_unsplit: u64,
     pub rounds: u64,
     pub fixed: u64,
+    pub gated_rows: u64,
 }
 
 /// Where the combines' rows went so far, counted per (token, computing
@@ -361,6 +370,7 @@ impl DispatchTraffic {
             busiest_nic_rows_unsplit: self.busiest_nic_rows_unsplit + o.busiest_nic_rows_unsplit,
             rounds: self.rounds + o.rounds,
             fixed: self.fixed + o.fixed,
+            gated_rows: self.gated_rows + o.gated_rows,
         }
     }
     fn minus(self, o: DispatchTraffic) -> DispatchTraffic {
@@ -374,6 +384,7 @@ impl DispatchTraffic {
             busiest_nic_rows_unsplit: self.busiest_nic_rows_unsplit - o.busiest_nic_rows_unsplit,
             rounds: self.rounds - o.rounds,
             fixed: self.fixed - o.fixed,
+            gated_rows: self.gated_rows - o.gated_rows,
         }
     }
 }
@@ -566,6 +577,7 @@ impl Executor {
             graphs: BTreeMap::new(),
             graph_stats: GraphStats::default(),
             reshards: 0,
+            graph_step: false,
         };
         ex.graphs_on = ex.dev.captures();
         for l in 0..layers {
@@ -915,7 +927,10 @@ impl Executor {
                             (Body::Replay(graph, counted), reshards < self.reshards)
                         }
                     };
-                    let mut out = self.step_with(&plan, mode, phase, &padded, &real, body)?;
+                    self.graph_step = true;
+                    let ran = self.step_with(&plan, mode, phase, &padded, &real, body);
+                    self.graph_step = false;
+                    let mut out = ran?;
                     self.graph_stats.padded_rows +=
                         padded.iter().zip(&real).map(|(p, &n)| (p.len() - n) as u64).sum::<u64>();
                     self.graph_stats.replayed_after_switch += u64::from(after_switch);
@@ -1282,7 +1297,7 @@ impl Executor {
                 continue;
             };
             let m = op.micro_batch.unwrap_or(0);
-            if !self.fixed_slots(plan, mode, Phase::Decode, mbs, c, &|s| tokens(s, m)) {
+            if !self.fixed_slots(plan, mode, Phase::Decode, mbs, c, &|s| tokens(s, m), true) {
                 return Ok(None);
             }
         }
@@ -1290,7 +1305,9 @@ impl Executor {
     }
 
     /// Whether a dispatch takes fixed slots ([`Executor::comm`]'s dispatch
-    /// says when), given each source's tokens in the micro-batch.
+    /// says when), given each source's tokens in the micro-batch; `wide`:
+    /// in a graph's step (a group wider than top-k may then take them).
+    #[allow(clippy::too_many_arguments)]
     fn fixed_slots(
         &self,
         plan: &Plan,
@@ -1299,20 +1316,27 @@ impl Executor {
         mbs: u32,
         c: &moeforge_plan::program::Comm,
         tokens: &dyn Fn(usize) -> u64,
+        wide: bool,
     ) -> bool {
         let k = plan.model.top_k as usize;
         let mem = &plan.memory;
         let holders: Vec<usize> = c.group.iter().map(|&r| r as usize).filter(|&d| plan.local_experts(d) > 0).collect();
+        let row = mem.buffer(mode, c.to).map_or(0, |b| b.row_bytes);
+        // More ranks than top-k: only in a graph's step (`wide`), with the
+        // rows gated on the device (a row to every rank would move more than
+        // the routed pairs). Its combine still pulls a row from every rank
+        // holding experts (+0.0 where the rank served none of the token's
+        // entries): the price of reading nothing back, paid only where the
+        // step is a graph; a step run call by call routes instead.
         if phase != Phase::Decode
             || self.route_decode
             || plan.placement.is_some()
             || self.zepp.is_some()
             || c.relay.is_some()
-            || holders.len() > k
+            || (holders.len() > k && !(wide && self.gates_rows(row, k)))
         {
             return false;
         }
-        let row = mem.buffer(mode, c.to).map_or(0, |b| b.row_bytes);
         let cap = mem.buffer(mode, c.to).map_or(0, |b| b.slice_bytes(mbs)) / row.max(1);
         let posts = posts_of(plan, mbs);
         if posts.is_empty() {
@@ -1325,6 +1349,14 @@ impl Executor {
                 })
             })
         }
+    }
+
+    /// Whether the bundle's dispatch program gates rows of `row` bytes on
+    /// `k` ids ([`moeforge_plan::transfers::gated_rows`]).
+    fn gates_rows(&self, row: u64, k: usize) -> bool {
+        self.dispatch
+            .as_ref()
+            .is_some_and(|code| code.program.gated_shapes().iter().any(|g| g.run_bytes == row && g.ids as usize == k))
     }
 
     /// A replicated placement's routing of one dispatch, on the device
@@ -1861,17 +1893,18 @@ impl Executor {
                 // then follow from the token counts alone: the host reads
                 // nothing, so the step's launches and copies are the same
                 // for every step of its batch shape (what a CUDA graph
-                // captures). It moves a row per rank holding experts, at
-                // most top-k of them (a group of more ranks would move more
-                // rows than the routed dispatch's pairs, which the cost
-                // model charges; it routes until the device skips the
-                // rows a rank does not need). Prefill keeps the routed
+                // captures). Each hidden row is gated on the device by the
+                // token's ids (`GatedCopy`: it moves only to a rank holding
+                // one of its experts), so a group wider than top-k moves no
+                // more hidden rows than the routed pairs; the ids and
+                // weights move to every rank. Prefill keeps the routed
                 // dispatch (each row only where its entries go, in fewer
                 // bytes), as do a replicated placement (its routing picks
                 // the replicas) and a relayed path; so does a decode step
                 // whose group's rows do not all fit a receiver.
                 let holders: Vec<usize> = group.iter().copied().filter(|&d| plan.local_experts(d) > 0).collect();
-                let fixed = self.fixed_slots(plan, mode, phase, mbs, c, &|s| u64::from(counts[s][m].tokens));
+                let fixed =
+                    self.fixed_slots(plan, mode, phase, mbs, c, &|s| u64::from(counts[s][m].tokens), self.graph_step);
                 let mut ids_of: BTreeMap<usize, Vec<i32>> = BTreeMap::new();
                 let mut ids_at: BTreeMap<usize, u64> = BTreeMap::new();
                 for &s in group.iter().filter(|_| !fixed) {
@@ -2023,9 +2056,18 @@ impl Executor {
                 // every row's hop (straight from its source, or from the GPU
                 // it was handed to), then the relays' forwards over NVLink.
                 let (mut handed, mut hops, mut forwards) = (vec![], vec![], vec![]);
+                // On fixed slots, a token's row moves only to a rank holding
+                // one of its experts, which the device decides from the
+                // token's top-k ids (its ids and weights always move, so the
+                // rank's permutation sees them and takes none of a skipped
+                // row's entries).
+                let gate = fixed && self.gates_rows(row(c.to), k);
+                let ids_from = c.with[0][0];
+                let ids_row = row(ids_from);
+                let mut gated = vec![];
                 let t = &mut self.dispatch_traffic;
                 for &d in &group {
-                    for [src, dst] in &pairs {
+                    for (pair, [src, dst]) in pairs.iter().enumerate() {
                         let (rs, rd) = (row(*src), row(*dst));
                         if rd != rs {
                             return Err(ExecError::Plan(format!(
@@ -2068,6 +2110,13 @@ impl Executor {
                             }
                             let copy =
                                 Transfer { src: s as u32, dst: d as u32, copy: StridedCopy::one_run(from, into, rs) };
+                            if gate && pair == 0 {
+                                let [lo, hi] = plan.ep_ids(d).map(|x| i32::try_from(x).unwrap_or(i32::MAX));
+                                let offset = row_at(at(s, ids_from)?, tok as u64, ids_row)?;
+                                gated.push(GatedCopy { transfer: copy, gate: Gate { buf: s as u32, offset, lo, hi } });
+                                t.gated_rows += 1;
+                                continue;
+                            }
                             match staged.contains(&(s, tok, d)) {
                                 true => handed.push(copy),
                                 false => hops.push(copy),
@@ -2108,7 +2157,7 @@ impl Executor {
                 }
                 let batches = [
                     code.program.batch(&handed).map_err(bad)?,
-                    code.program.batch(&hops).map_err(bad)?,
+                    code.program.batch_gated(&hops, &gated, k as u32).map_err(bad)?,
                     code.program.batch(&forwards).map_err(bad)?,
                 ];
                 self.dev.transfer(&code, &batches, &self.buffers)?;
