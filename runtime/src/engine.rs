@@ -78,6 +78,10 @@ pub struct Stats {
     /// KV pages in use and in total, over every rank.
     pub kv_pages_used: u64,
     pub kv_pages_total: u64,
+    /// Decode graphs the device keeps (one per mode and batch bucket), and
+    /// decode steps that replayed one so far (0 on a backend without them).
+    pub decode_graphs: u64,
+    pub graph_replays: u64,
 }
 
 impl Stats {

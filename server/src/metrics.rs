@@ -34,6 +34,9 @@ pub struct Metrics {
     /// (commands, token dispatch, HTTP handling).
     pub step_seconds: prometheus::Counter,
     pub overhead: prometheus::Counter,
+    /// Decode graphs kept, and decode steps that replayed one.
+    pub decode_graphs: IntGauge,
+    pub graph_replays: IntCounter,
 }
 
 fn buckets() -> Vec<f64> {
@@ -73,16 +76,33 @@ impl Metrics {
                 "moeforge_server_seconds_total",
                 "seconds the server spent outside engine steps (commands, dispatch, HTTP)",
             )?,
+            decode_graphs: IntGauge::new(
+                "moeforge_decode_graphs",
+                "decode graphs the device keeps (one per mode and batch bucket; 0 with --eager or no graphs)",
+            )?,
+            graph_replays: IntCounter::new(
+                "moeforge_decode_graph_replays_total",
+                "decode steps that ran as a replay of their bucket's graph",
+            )?,
             registry,
         };
         for c in [&m.ttft, &m.tpot, &m.e2e, &m.switch_seconds] {
             m.registry.register(Box::new(c.clone()))?;
         }
-        for g in [&m.running, &m.waiting, &m.kv_used, &m.kv_free, &m.out_of_service] {
+        for g in [&m.running, &m.waiting, &m.kv_used, &m.kv_free, &m.out_of_service, &m.decode_graphs] {
             m.registry.register(Box::new(g.clone()))?;
         }
         m.registry.register(Box::new(m.mode.clone()))?;
-        for c in [&m.switches, &m.tokens_in, &m.tokens_out, &m.requests, &m.rejected, &m.cancelled, &m.step_failures] {
+        for c in [
+            &m.switches,
+            &m.tokens_in,
+            &m.tokens_out,
+            &m.requests,
+            &m.rejected,
+            &m.cancelled,
+            &m.step_failures,
+            &m.graph_replays,
+        ] {
             m.registry.register(Box::new(c.clone()))?;
         }
         m.registry.register(Box::new(m.step_seconds.clone()))?;
@@ -96,6 +116,9 @@ impl Metrics {
         self.waiting.set(s.waiting as i64);
         self.kv_used.set(s.kv_pages_used as i64);
         self.kv_free.set(s.kv_pages_total.saturating_sub(s.kv_pages_used) as i64);
+        self.decode_graphs.set(s.decode_graphs as i64);
+        // The engine's count is cumulative: the counter takes what it added.
+        self.graph_replays.inc_by(s.graph_replays.saturating_sub(self.graph_replays.get()));
         for m in [Mode::Tp, Mode::Ep] {
             if s.modes.contains(&m) {
                 self.mode.with_label_values(&[m.name()]).set(i64::from(s.mode == Some(m)));

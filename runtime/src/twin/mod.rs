@@ -779,6 +779,7 @@ impl Engine for Twin {
     fn stats(&self) -> Stats {
         let total: u64 = self.ranks.iter().map(|r| u64::from(r.pages.total)).sum();
         let free: u64 = self.ranks.iter().map(|r| r.pages.free.len() as u64).sum();
+        let graphs = self.graph_stats().unwrap_or_default();
         Stats {
             mode: Some(self.mode),
             modes: self.plan.modes.clone(),
@@ -788,6 +789,8 @@ impl Engine for Twin {
             steps: self.step,
             kv_pages_used: total - free,
             kv_pages_total: total,
+            decode_graphs: self.graph_keys().len() as u64,
+            graph_replays: graphs.replayed,
         }
     }
 }
