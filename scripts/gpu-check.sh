@@ -348,46 +348,35 @@ if [[ $have_gpu -eq 1 || $EMU -eq 1 ]]; then
     [[ $EMU -eq 1 ]] && break  # the emulated run: the first case only
   done
 fi
-# (d, peers) With two or more GPUs the runs above spread the ranks over them (rank r on the
-# r-th GPU, mod their count), every transfer reaching the others through peer access; the
-# first case again with every rank on GPU 0.
-if [[ $have_gpu -eq 1 && -n "$MOEFORGE" ]]; then
+# first_case LABEL SUFFIX [VAR=VALUE...]: the first end-to-end case again on the cuda device,
+# from its prepared bundle, with the variables set for that run.
+first_case() {
+  local label="$1" suffix="$2" fixture ranks start switch tiles
+  shift 2
   read -r fixture ranks start switch tiles <<<"${E2E_CASES[0]}"
   [[ "$switch" == - ]] && switch=""
   [[ "$tiles" == - ]] && tiles=""
-  if (( ngpu >= 2 )); then
-    E2E_EXPECT_GRAPHS=1 MOEFORGE_CUDA_DEVICES=0 E2E_BUNDLE="$BUNDLES/e2e/$fixture-$ranks${tiles:+-$tiles}" run_step e2e \
-      "$fixture P=$ranks $start${switch:+ switch@$switch}${tiles:+ $tiles} one GPU" 240 python3 scripts/gpu/e2e.py \
-      "$MOEFORGE" cuda "tests/fixtures/models/$fixture" "$ranks" "$start" \
-      "$BUILD/e2e-$fixture-$ranks-$start-one-gpu" "$switch" "$tiles"
-  fi
-fi
-# (d') The first case again with --eager: every decode step call by call, no decode graphs.
-# The run above (one GPU: every rank's buffer on it) recorded each (mode, batch bucket)'s
-# decode step as a CUDA graph and replayed it (its JSON's "graphs"; a recording the GPU
-# refused is listed under "graph_refusals" and that step ran call by call); its median step
-# beside this one's is what the graphs save, and both must give transformers' tokens.
+  run_step e2e "$fixture P=$ranks $start${switch:+ switch@$switch}${tiles:+ $tiles} $label" 240 \
+    env "$@" E2E_BUNDLE="$BUNDLES/e2e/$fixture-$ranks${tiles:+-$tiles}" python3 scripts/gpu/e2e.py \
+    "$MOEFORGE" cuda "tests/fixtures/models/$fixture" "$ranks" "$start" "$BUILD/e2e-$fixture-$ranks-$start-$suffix" \
+    "$switch" "$tiles"
+}
 if [[ $have_gpu -eq 1 && -n "$MOEFORGE" ]]; then
-  read -r fixture ranks start switch tiles <<<"${E2E_CASES[0]}"
-  [[ "$switch" == - ]] && switch=""
-  [[ "$tiles" == - ]] && tiles=""
-  E2E_EAGER=1 E2E_BUNDLE="$BUNDLES/e2e/$fixture-$ranks${tiles:+-$tiles}" run_step e2e \
-    "$fixture P=$ranks $start${switch:+ switch@$switch}${tiles:+ $tiles} eager" 240 python3 \
-    scripts/gpu/e2e.py "$MOEFORGE" cuda "tests/fixtures/models/$fixture" "$ranks" "$start" \
-    "$BUILD/e2e-$fixture-$ranks-$start-eager" "$switch" "$tiles"
-fi
-# (g') The first case again with every launch waited for (MOEFORGE_CUDA_SYNC=1): its median
-# step beside the queued launches' (the run above), the cost of waiting per launch. It also
-# re-encodes every APK launch's templates and fails if they differ from the ones the cuda
-# device kept for the same arguments (the queued run reads them back only once per launch).
-if [[ $have_gpu -eq 1 && -n "$MOEFORGE" ]]; then
-  read -r fixture ranks start switch tiles <<<"${E2E_CASES[0]}"
-  [[ "$switch" == - ]] && switch=""
-  [[ "$tiles" == - ]] && tiles=""
-  MOEFORGE_CUDA_SYNC=1 E2E_BUNDLE="$BUNDLES/e2e/$fixture-$ranks${tiles:+-$tiles}" run_step e2e \
-    "$fixture P=$ranks $start${switch:+ switch@$switch}${tiles:+ $tiles} launches waited" 240 python3 \
-    scripts/gpu/e2e.py "$MOEFORGE" cuda "tests/fixtures/models/$fixture" "$ranks" "$start" \
-    "$BUILD/e2e-$fixture-$ranks-$start-sync" "$switch" "$tiles"
+  # (d, peers) With two or more GPUs the runs above spread the ranks over them (rank r on the
+  # r-th GPU, mod their count), every transfer reaching the others through peer access; the
+  # first case again with every rank on GPU 0 (where it records its decode graphs).
+  (( ngpu >= 2 )) && first_case "one GPU" one-gpu E2E_EXPECT_GRAPHS=1 MOEFORGE_CUDA_DEVICES=0
+  # (d') The first case again with --eager: every decode step call by call, no decode graphs.
+  # The run on one GPU (every rank's buffer on it) recorded each (mode, batch bucket)'s decode
+  # step as a CUDA graph and replayed it (its JSON's "graphs"; a recording the GPU refused is
+  # listed under "graph_refusals" and that step ran call by call); its median step beside this
+  # one's is what the graphs save, and both must give transformers' tokens.
+  first_case eager eager E2E_EAGER=1
+  # (g') The first case again with every launch waited for (MOEFORGE_CUDA_SYNC=1): its median
+  # step beside the queued launches' (the run above), the cost of waiting per launch. It also
+  # re-encodes every APK launch's templates and fails if they differ from the ones the cuda
+  # device kept for the same arguments (the queued run reads them back only once per launch).
+  first_case "launches waited" sync MOEFORGE_CUDA_SYNC=1
 fi
 # (e) compute-sanitizer memcheck: the first end-to-end run's bundle served again (a few tokens).
 SAN="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"

@@ -1161,33 +1161,12 @@ impl CudaDevice {
         let what = if side { "side stream" } else { "transfer" };
         let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
             .map_err(|e| driver("cuEventCreate", e))?;
-        let mut pending = Pending { id, event, tables: Vec::with_capacity(tables.len()) };
-        let mut queue = || -> Result<(), DeviceError> {
-            for (words, grid) in tables {
-                let t = self.table(words.len() * 8)?;
-                // SAFETY: `t.host` holds `t.bytes` >= the words' bytes, and no
-                // queued copy reads it (it came from the pool or is new).
-                let chunk = unsafe {
-                    std::ptr::copy_nonoverlapping(words.as_ptr().cast::<u8>(), t.host, words.len() * 8);
-                    std::slice::from_raw_parts(t.host.cast_const(), words.len() * 8)
-                };
-                let at = t.dev;
-                pending.tables.push(t);
-                // SAFETY: `at` holds the words; the pinned copy stays in
-                // `pending` until the event completed.
-                unsafe { result::memcpy_htod_async(at, chunk, stream) }
-                    .map_err(|e| driver(&format!("{what} table: cuMemcpyHtoDAsync"), e))?;
-                let (mut bases, mut table) = (at, at + 8 * buffers as u64);
-                let mut params: [*mut c_void; 2] = [(&raw mut bases).cast(), (&raw mut table).cast()];
-                // SAFETY: `f` is the program's kernel in this context; the
-                // parameters are read at launch.
-                unsafe { result::launch_kernel(f, (*grid, 1, 1), (256, 1, 1), 0, stream, &mut params) }
-                    .map_err(|e| driver(&format!("{} ({what})", moeforge_xfer::ENTRY), e))?;
-            }
+        let mut kept = Vec::with_capacity(tables.len());
+        let queued = self.launch_tables(stream, f, tables, buffers, what, &mut kept).and_then(|()| {
             // SAFETY: `event` was just created; `stream` is the first GPU's.
             unsafe { result::event::record(event, stream) }.map_err(|e| driver("cuEventRecord", e))
-        };
-        let queued = queue();
+        });
+        let pending = Pending { id, event, tables: kept };
         let keep = |dev: &mut CudaDevice, p: Pending| match (side, dev.side.as_mut()) {
             (true, Some(x)) => {
                 x.last = x.last.max(p.id);
@@ -1528,6 +1507,32 @@ impl CudaDevice {
         tables: &[(Vec<u64>, u32)],
         buffers: usize,
     ) -> Result<(), DeviceError> {
+        let mut kept = Vec::with_capacity(tables.len());
+        let recorded = self.launch_tables(stream, f, tables, buffers, "transfer (recorded)", &mut kept);
+        match self.recording.as_mut() {
+            Some(rec) => rec.tables.extend(kept),
+            None => {
+                self.tables.extend(kept);
+                return Err(other("no graph is being recorded"));
+            }
+        }
+        recorded
+    }
+
+    /// Each batch's table copied from pinned memory into a pool table on
+    /// `stream`, then the program's launch over it. Every table taken goes
+    /// to `kept` (before its copy is queued), whose owner holds it while
+    /// anything may read it: a queued transfer's record until its event
+    /// completed, or a graph.
+    fn launch_tables(
+        &mut self,
+        stream: sys::CUstream,
+        f: sys::CUfunction,
+        tables: &[(Vec<u64>, u32)],
+        buffers: usize,
+        what: &str,
+        kept: &mut Vec<Table>,
+    ) -> Result<(), DeviceError> {
         for (words, grid) in tables {
             let t = self.table(words.len() * 8)?;
             // SAFETY: `t.host` holds `t.bytes` >= the words' bytes, and no
@@ -1537,22 +1542,17 @@ impl CudaDevice {
                 std::slice::from_raw_parts(t.host.cast_const(), words.len() * 8)
             };
             let at = t.dev;
-            match self.recording.as_mut() {
-                Some(rec) => rec.tables.push(t),
-                None => {
-                    self.tables.push(t);
-                    return Err(other("no graph is being recorded"));
-                }
-            }
-            // SAFETY: `at` holds the words; the pinned memory is the graph's.
+            kept.push(t);
+            // SAFETY: `at` holds the words; the pinned memory stays with
+            // `kept`'s owner while the copy may run.
             unsafe { result::memcpy_htod_async(at, chunk, stream) }
-                .map_err(|e| driver("transfer table (recorded): cuMemcpyHtoDAsync", e))?;
+                .map_err(|e| driver(&format!("{what} table: cuMemcpyHtoDAsync"), e))?;
             let (mut bases, mut table) = (at, at + 8 * buffers as u64);
             let mut params: [*mut c_void; 2] = [(&raw mut bases).cast(), (&raw mut table).cast()];
             // SAFETY: `f` is the program's kernel in this context; the
-            // parameters are read when the launch is recorded.
+            // parameters are read at launch (or when it is recorded).
             unsafe { result::launch_kernel(f, (*grid, 1, 1), (256, 1, 1), 0, stream, &mut params) }
-                .map_err(|e| driver(&format!("{} (recorded)", moeforge_xfer::ENTRY), e))?;
+                .map_err(|e| driver(&format!("{} ({what})", moeforge_xfer::ENTRY), e))?;
         }
         Ok(())
     }

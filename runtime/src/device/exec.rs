@@ -373,20 +373,6 @@ impl DispatchTraffic {
             gated_rows: self.gated_rows + o.gated_rows,
         }
     }
-    fn minus(self, o: DispatchTraffic) -> DispatchTraffic {
-        DispatchTraffic {
-            node_rows: self.node_rows - o.node_rows,
-            remote_rows: self.remote_rows - o.remote_rows,
-            scale_out_rows: self.scale_out_rows - o.scale_out_rows,
-            forwarded_rows: self.forwarded_rows - o.forwarded_rows,
-            split_rows: self.split_rows - o.split_rows,
-            busiest_nic_rows: self.busiest_nic_rows - o.busiest_nic_rows,
-            busiest_nic_rows_unsplit: self.busiest_nic_rows_unsplit - o.busiest_nic_rows_unsplit,
-            rounds: self.rounds - o.rounds,
-            fixed: self.fixed - o.fixed,
-            gated_rows: self.gated_rows - o.gated_rows,
-        }
-    }
 }
 
 impl CombineTraffic {
@@ -398,23 +384,14 @@ impl CombineTraffic {
             scale_out_rows: self.scale_out_rows + o.scale_out_rows,
         }
     }
-    fn minus(self, o: CombineTraffic) -> CombineTraffic {
-        CombineTraffic {
-            node_rows: self.node_rows - o.node_rows,
-            relayed_rows: self.relayed_rows - o.relayed_rows,
-            relay_rows: self.relay_rows - o.relay_rows,
-            scale_out_rows: self.scale_out_rows - o.scale_out_rows,
-        }
-    }
 }
 
 impl Counted {
-    /// What was counted since `before`.
-    fn since(self, before: Counted) -> Counted {
+    fn plus(self, o: Counted) -> Counted {
         Counted {
-            dispatch: self.dispatch.minus(before.dispatch),
-            combine: self.combine.minus(before.combine),
-            main_ops: self.main_ops - before.main_ops,
+            dispatch: self.dispatch.plus(o.dispatch),
+            combine: self.combine.plus(o.combine),
+            main_ops: self.main_ops + o.main_ops,
         }
     }
 }
@@ -1030,15 +1007,7 @@ impl Executor {
         let mbs = first.micro_batches.max(1) as usize;
         let top_k = plan.model.top_k;
         let experts = plan.model.experts;
-        // Each rank's requests split into micro-batches (whole requests, in order).
-        let split: Vec<Vec<std::ops::Range<usize>>> = work
-            .iter()
-            .map(|w| {
-                let n = w.len();
-                let per = n.div_ceil(mbs);
-                (0..mbs).map(|m| (m * per).min(n)..((m + 1) * per).min(n)).collect()
-            })
-            .collect();
+        let split: Vec<Vec<std::ops::Range<usize>>> = work.iter().map(|w| micro_batches(w.len(), mbs)).collect();
         let mut counts = vec![vec![Counts::default(); mbs]; p];
         for &(r, _) in &running {
             let local = match mode {
@@ -1089,7 +1058,9 @@ impl Executor {
         match body {
             Body::Eager => self.run_blocks(plan, mode, phase, &running, &mut counts)?,
             Body::Capture(mode, size) => {
+                // The step counts from zero, so what it counted is its own.
                 let before = self.counted();
+                self.set_counted(Counted::default());
                 let kept = counts.clone();
                 let recorded = self.dev.begin_capture().map_err(ExecError::from).and_then(|()| {
                     let ran = self.run_blocks(plan, mode, phase, &running, &mut counts);
@@ -1101,7 +1072,8 @@ impl Executor {
                 });
                 match recorded {
                     Ok(graph) => {
-                        let counted = self.counted().since(before);
+                        let counted = self.counted();
+                        self.set_counted(before.plus(counted));
                         self.graphs.insert((mode, size), Graph::Kept { graph, counted, reshards: self.reshards });
                         self.graph_stats.captured += 1;
                         self.dev.replay(graph)?;
@@ -1113,8 +1085,7 @@ impl Executor {
                         // not recorded again.
                         self.graphs.insert((mode, size), Graph::Refused(e.to_string()));
                         self.graph_stats.refused += 1;
-                        (self.dispatch_traffic, self.traffic, self.main_ops) =
-                            (before.dispatch, before.combine, before.main_ops);
+                        self.set_counted(before);
                         counts = kept;
                         self.run_blocks(plan, mode, phase, &running, &mut counts)?;
                     }
@@ -1122,9 +1093,7 @@ impl Executor {
             }
             Body::Replay(graph, counted) => {
                 self.dev.replay(graph)?;
-                self.dispatch_traffic = self.dispatch_traffic.plus(counted.dispatch);
-                self.traffic = self.traffic.plus(counted.combine);
-                self.main_ops += counted.main_ops;
+                self.set_counted(self.counted().plus(counted));
                 self.graph_stats.replayed += 1;
             }
         }
@@ -1224,6 +1193,11 @@ impl Executor {
         Counted { dispatch: self.dispatch_traffic, combine: self.traffic, main_ops: self.main_ops }
     }
 
+    /// Sets the counters a step adds to.
+    fn set_counted(&mut self, c: Counted) {
+        (self.dispatch_traffic, self.traffic, self.main_ops) = (c.dispatch, c.combine, c.main_ops);
+    }
+
     /// `work` padded to its batch bucket, where the step is one a graph
     /// holds: a decode step (one token per request) of a plan whose
     /// dispatches take fixed slots (no replicated placement, not routed on
@@ -1288,9 +1262,8 @@ impl Executor {
         }
         // Each rank's tokens in micro-batch m, as the step splits them.
         let tokens = |s: usize, m: u32| -> u64 {
-            let n = padded.get(s).map_or(0, Vec::len) as u64;
-            let per = n.div_ceil(u64::from(mbs));
-            (u64::from(m + 1) * per).min(n) - (u64::from(m) * per).min(n)
+            let n = padded.get(s).map_or(0, Vec::len);
+            micro_batches(n, mbs as usize).get(m as usize).map_or(0, |r| r.len() as u64)
         };
         for op in programs.iter().flat_map(|g| g.ops()).map(|(_, op)| op) {
             let Some(c) = op.comm.as_ref().filter(|c| c.kind == CommKind::AllToAll && !c.with.is_empty()) else {
@@ -2573,6 +2546,13 @@ pub fn post_rounds(
     }
     let rounds = groups.iter().map(Vec::len).max().unwrap_or(1).max(1);
     Ok((0..rounds).map(|k| groups.iter().map(|g| g.get(k).cloned().unwrap_or_default()).collect()).collect())
+}
+
+/// A rank's `n` requests split into `mbs` micro-batches: whole requests, in
+/// order, ⌈n / mbs⌉ to each but the last.
+fn micro_batches(n: usize, mbs: usize) -> Vec<std::ops::Range<usize>> {
+    let per = n.div_ceil(mbs.max(1));
+    (0..mbs.max(1)).map(|m| (m * per).min(n)..((m + 1) * per).min(n)).collect()
 }
 
 /// A role plan's posts as (source, destination) → (first row, rows) of a
