@@ -40,10 +40,16 @@ fn pd_duplicates_experts_and_holds_less_kv_than_sharing() {
     assert!(per_gpu(&pd) < 0.5 * per_gpu(&xp), "{} vs {}", per_gpu(&pd), per_gpu(&xp));
     assert!(per_gpu(&pd) < per_gpu(&co));
     assert!(pd.decode_kv_tokens < co.decode_kv_tokens);
-    // GLM-5 needs a 16-GPU unit; 24 GPUs cannot hold two: PD is refused with the reason.
+    // GLM-5 (746 GB) needs a 32-GPU unit: on 16 H800s each GPU would hold its
+    // 1/16 of the routed experts (45.3 GB) beside all 21.2 GB of the weights
+    // data-parallel attention replicates and the 8.7 GB workspace, past 72 GB. 24 GPUs cannot hold
+    // two instances either way (ExpertPlex §7.1): PD is refused with the reason.
     let g = fixture("glm-5-h800x24");
+    let env = &g.bench().env;
+    assert!(env.usable - env.weights_per_gpu(1, 16) - env.workspace < 0.0);
+    assert!(env.usable - env.weights_per_gpu(1, 32) - env.workspace > 0.0);
     let err = g.bench().deployments(System::PdDisagg).unwrap_err();
-    assert!(err.contains("needs 16 GPUs"), "{err}");
+    assert!(err.contains("needs 32 GPUs"), "{err}");
 }
 
 #[test]

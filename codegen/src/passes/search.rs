@@ -306,7 +306,7 @@ pub fn alternatives(spec: &Spec, d: &Deploy, cm: &CostModel, search: &SearchResu
                 local: (f64::from(c.gpus_per_node) / f64::from(unit)).min(1.0),
                 disaggregated: false,
             };
-            let kv = kv_per_gpu(env.weights / f64::from(unit));
+            let kv = kv_per_gpu(env.weights_per_gpu(1, unit));
             let rp = prefill_rate(np * unit, side(np), kv * f64::from(np * unit));
             let cap = ((kv / (input + output)).floor() * f64::from(nd * unit)).min(f64::from(MAX_DECODE_BATCH)) as u32;
             // The prompt's KV moves to the decode instance before its first
@@ -332,7 +332,7 @@ pub fn alternatives(spec: &Spec, d: &Deploy, cm: &CostModel, search: &SearchResu
         local: f64::from(c.gpus_per_node) / f64::from(world),
         disaggregated: false,
     };
-    let kv = kv_per_gpu(env.nonrouted + (env.weights - env.nonrouted) / f64::from(world)) * f64::from(world);
+    let kv = kv_per_gpu(env.weights_per_gpu(1, world)) * f64::from(world);
     let tau = d.slo.tpot;
     let serves = |lambda: f64| {
         // At arrival rate λ and cycle τ (the TPOT): B_d = λ·τ·Ō requests

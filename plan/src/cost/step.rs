@@ -265,7 +265,7 @@ impl Env {
     pub fn pd_unit(&self) -> Result<u32, u32> {
         let mut unit = 1;
         while unit <= self.world
-            && self.kv_tokens(self.usable - self.weights / f64::from(unit) - self.workspace, 1) < 1.0
+            && self.kv_tokens(self.usable - self.weights_per_gpu(1, unit) - self.workspace, 1) < 1.0
         {
             unit *= 2;
         }
@@ -274,6 +274,17 @@ impl Env {
         } else {
             Err(unit)
         }
+    }
+
+    /// Weight bytes one GPU holds when attention runs `width`-way tensor
+    /// parallel (1: data parallel) and the routed experts spread over `ep`
+    /// GPUs: a 1/`width` share of every weight outside the routed experts
+    /// (attention, embeddings, LM head, dense layers, shared experts; under
+    /// data parallelism all of them on every GPU, as the memory plan's
+    /// `replicated` and `attention_ep` regions hold them) and a 1/`ep`
+    /// share of the routed experts.
+    pub fn weights_per_gpu(&self, width: u32, ep: u32) -> f64 {
+        self.nonrouted / f64::from(width.max(1)) + (self.weights - self.nonrouted) / f64::from(ep.max(1))
     }
 
     /// Tokens of KV a width-`w` group holds with `free` bytes per GPU.

@@ -232,7 +232,7 @@ impl<'a> Bench<'a> {
     /// tuning knob: the best one is reported), or why it cannot run here.
     pub fn deployments(&self, system: System) -> Result<Vec<Deployment>, String> {
         let e = &self.env;
-        let colocated_kv = self.kv_after(e.weights / f64::from(e.world), 1);
+        let colocated_kv = self.kv_after(e.weights_per_gpu(1, e.world), 1);
         let unified = |label: String, chunk, tp: Option<Shape>, ep: Option<Shape>, switch| {
             let kv = ep.or(tp).map_or(0.0, |s| f64::from(s.groups) * s.kv_per_group);
             Deployment {
@@ -346,7 +346,7 @@ impl<'a> Bench<'a> {
                 (kv.ep.pages * u64::from(kv.page_tokens)) as f64
             }
             Some(_) => return Err("the plan's PD instances are not the simulator's".into()),
-            None => self.kv_after(e.weights / f64::from(unit), 1),
+            None => self.kv_after(e.weights_per_gpu(1, unit), 1),
         };
         Ok(Deployment {
             system: System::PdDisagg,
@@ -367,7 +367,7 @@ impl<'a> Bench<'a> {
     fn green(&self) -> Vec<Deployment> {
         let e = &self.env;
         let w = e.gpus_per_node;
-        let kv = self.kv_after(e.weights / f64::from(e.world), w);
+        let kv = self.kv_after(e.weights_per_gpu(w, e.world), w);
         let shape = |kv| Shape {
             groups: e.nodes,
             width: w,

@@ -1073,7 +1073,7 @@ mod tests {
         );
         let table = claims_table(&got, &Calibration::published(), &CLAIM_FACTORS);
         assert!(
-            table.contains("holds at gemm_memory_efficiency ×0.5000 = 0.3564 (outside published 0.5039–0.7964)"),
+            table.contains("holds at gemm_memory_efficiency ×0.5000 = 0.3247 (outside published 0.5039–0.7964)"),
             "{table}"
         );
         assert!(table.contains("holds at comm_floor ×4.000 = 0.00009600 (outside published"), "{table}");
