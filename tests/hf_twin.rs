@@ -920,10 +920,11 @@ fn role_plans_give_transformers_tokens_on_the_emulated_device() {
 /// ids back, while prefill steps still route (and read them). Counted by
 /// the device wrapper's record of downloads inside the `TopkIds` buffer
 /// (its range from the memory plan), for a colocated EP plan and an
-/// ExpertPlex role plan with two expert ranks (the fixture's top-k); over
-/// four, more than top-k, a step run call by call (this device records no
-/// graphs) routes, and so does every decode step with `route_decode` (so
-/// the count can see the reads); the tokens are transformers' either way. A fixed-slot
+/// ExpertPlex role plan with two expert ranks (the fixture's top-k), and a
+/// colocated plan over four, more than top-k (its combine's sums gated
+/// too), each step run call by call (this device records no graphs); every
+/// decode step routes with `route_decode` (so the count can see the
+/// reads); the tokens are transformers' either way. A fixed-slot
 /// decode step's device calls are its input uploads, then launches,
 /// transfers and fills (a role plan's -1 ids are filled on the device),
 /// then its readbacks: the shape a graph capture takes.
@@ -933,18 +934,18 @@ fn decode_steps_dispatch_on_fixed_slots_reading_nothing_back_on_the_emulated_dev
     use moeforge::runtime::device::emu::EmuDevice;
     let Qwen3Moe { f, ck, block, .. } = qwen3_moe();
     let cases = [
-        ("colocated EP", 2, "", true),
-        ("ExpertPlex roles", 4, "strategy = expertplex", true),
-        ("colocated EP over more ranks than top-k", 4, "", false),
+        ("colocated EP", 2, ""),
+        ("ExpertPlex roles", 4, "strategy = expertplex"),
+        ("colocated EP over more ranks than top-k", 4, ""),
     ];
-    for (label, ranks, extra, fixes) in cases {
+    for (label, ranks, extra) in cases {
         let (cache, tmp) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
         let b = compile_text(&cpu_cluster_deployment(&block, 1, ranks, 0.25, extra), tmp.path());
         let plan = b.plan.plan();
         assert_eq!(plan.roles.is_some(), !extra.is_empty(), "{label}");
         let ids = plan.memory.buffers.iter().find(|x| x.name == BufferName::TopkIds).expect("a TopkIds buffer");
         let in_ids = |at: u64| at >= ids.offset && at < ids.offset + ids.bytes();
-        for route in [false, true].into_iter().filter(|&r| fixes || !r) {
+        for route in [false, true] {
             let dev = LazySide::new(Box::new(EmuDevice::start(cache.path()).unwrap()));
             let (downloads, calls) = (dev.downloads.clone(), dev.calls.clone());
             let mut t = Twin::on_device(&b, &ck, Mode::Ep, Box::new(dev)).unwrap_or_else(|e| panic!("{label}: {e}"));
@@ -968,7 +969,7 @@ fn decode_steps_dispatch_on_fixed_slots_reading_nothing_back_on_the_emulated_dev
                     // A step on fixed slots is what a CUDA graph captures: its
                     // inputs uploaded first, then launches, transfers and fills
                     // only, then its outputs read back.
-                    if fixes && !route {
+                    if !route {
                         let seq = calls.lock().unwrap()[first_call..].to_string();
                         let body = seq.trim_start_matches('u').trim_end_matches('d');
                         assert!(
@@ -990,7 +991,7 @@ fn decode_steps_dispatch_on_fixed_slots_reading_nothing_back_on_the_emulated_dev
                  {prefill_reads} in prefill steps; {fixed} fixed-slot dispatches"
             );
             assert!(decode_steps > 0 && prefill_reads > 0, "{label}");
-            if route || !fixes {
+            if route {
                 assert!(decode_reads > 0 && fixed == 0, "{label}: routed decode dispatches read the ids");
             } else {
                 assert_eq!(decode_reads, 0, "{label}: a decode step read top-k ids back");
@@ -1067,15 +1068,18 @@ fn decode_steps_replay_their_buckets_graph_across_switches_on_the_emulated_devic
 }
 
 /// A group wider than top-k (colocated EP over 4 ranks, top-k 2) takes
-/// fixed slots in a graph's decode step: every hidden row a gated copy that
-/// the device runs only for a rank holding one of the token's experts, the
-/// combine summing a row from each of the 4. Every decode step is then a
-/// warm-up or a replay and none reads ids back; with graphs off the same
-/// plan's decode routes. Tokens are transformers' both ways; the gate's
-/// range is the destination's experts (a range one expert short changes
-/// the logits, checked by mutation).
+/// fixed slots in its decode steps: every hidden row a gated copy that the
+/// device runs only for a rank holding one of the token's experts, and the
+/// combine a gated sum over the 4 that reads a rank's row only where the
+/// same gate passes (one combine row listed per dispatched row). No decode
+/// step reads ids back, so with graphs on every one is a warm-up or a
+/// replay; with graphs off they run call by call on the same fixed slots.
+/// Tokens are transformers' both ways; the gates' ranges are the ranks'
+/// experts (a dispatch range one expert short changes the logits, checked
+/// by mutation; so does a combine gate that skips a rank holding one of the
+/// token's experts).
 #[test]
-fn a_group_wider_than_top_k_takes_gated_fixed_slots_in_graph_steps_on_the_emulated_device() {
+fn a_group_wider_than_top_k_takes_gated_fixed_slots_on_the_emulated_device() {
     use moeforge::runtime::device::emu::EmuDevice;
     let Qwen3Moe { f, bound, steps, ck, block } = qwen3_moe();
     let (cache, tmp) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
@@ -1088,13 +1092,14 @@ fn a_group_wider_than_top_k_takes_gated_fixed_slots_in_graph_steps_on_the_emulat
         t.use_device_graphs(graphs);
         check_run_within(&f, &mut t, "a wide group", &[], &at, &at);
         let (g, d) = (t.graph_stats().unwrap(), t.dispatch_traffic().unwrap());
-        eprintln!("graphs {graphs}: {g:?}; {d:?}");
-        if graphs {
-            assert!(g.replayed > 0 && g.eager == 0 && g.refused == 0, "{g:?}");
-            assert!(d.fixed > 0 && d.gated_rows > 0, "{d:?}");
-        } else {
-            assert_eq!((g.replayed, d.fixed, d.gated_rows), (0, 0, 0), "{g:?} {d:?}");
+        let c = t.combine_traffic().unwrap();
+        eprintln!("graphs {graphs}: {g:?}; {d:?}; {c:?}");
+        match graphs {
+            true => assert!(g.replayed > 0 && g.eager == 0 && g.refused == 0, "{g:?}"),
+            false => assert_eq!((g.replayed, g.captured), (0, 0), "{g:?}"),
         }
+        assert!(d.fixed > 0 && d.gated_rows > 0, "{d:?}");
+        assert_eq!(c.gated_rows, d.gated_rows, "a gated combine row for every gated dispatch row: {c:?}");
     }
 }
 

@@ -222,15 +222,14 @@ fn the_transfer_programs_are_ptx_kernels_that_ptxas_assembles_without_spills() {
     assert_eq!(bundle.transfers.keys().collect::<Vec<_>>(), ["all_reduce", "combine", "dispatch", "reshard"]);
     let sums = |name: &str| bundle.transfers[name].program.sum_shapes().to_vec();
     // The combine: 0 to top-k (2) bf16 rows of the hidden size, and from
-    // all 4 ranks (a graph's decode dispatch on fixed slots reaches all 4,
-    // more than top-k: its rows gated on the device, one gated shape of a
-    // hidden row on 2 ids).
+    // all 4 ranks gated on the token's 2 ids (a graph's decode dispatch on
+    // fixed slots reaches all 4, more than top-k: its rows gated on the
+    // device, one gated shape of a hidden row on 2 ids; its combine reads a
+    // rank's row only where the same gate passes).
     let (hidden, k) = (u64::from(bundle.plan.plan().model.hidden), bundle.plan.plan().model.top_k);
     assert_eq!(k, 2);
-    assert_eq!(
-        sums("combine"),
-        [0, 1, 2, 4].map(|n| SumShape { elems: hidden, sources: n, elem: Elem::Bf16, out: Elem::F32 }).to_vec()
-    );
+    let sum = |sources, gate| SumShape { elems: hidden, sources, elem: Elem::Bf16, out: Elem::F32, gate };
+    assert_eq!(sums("combine"), [sum(0, 0), sum(1, 0), sum(2, 0), sum(4, k)]);
     let gated = bundle.transfers["dispatch"].program.gated_shapes().to_vec();
     assert_eq!(gated.len(), 1, "{gated:?}");
     assert_eq!((gated[0].run_bytes, gated[0].ids), (hidden * 2, k), "{gated:?}");
@@ -484,9 +483,23 @@ fn nearest_bf16(x: f32) -> u16 {
 /// added in order to an f32 that starts at +0.0.
 fn add_naively(sums: &[Sum], bufs: &mut [Vec<u8>]) {
     for s in sums {
+        // A gated sum's sources whose range holds none of the gate's ids.
+        let skipped: Vec<bool> = match &s.gate {
+            None => vec![false; s.sources.len()],
+            Some(g) => {
+                let b = &bufs[g.buf as usize];
+                let ids: Vec<i32> = (0..g.ids as usize)
+                    .map(|j| {
+                        let at = g.offset as usize + 4 * j;
+                        i32::from_le_bytes(b[at..at + 4].try_into().unwrap())
+                    })
+                    .collect();
+                g.ranges.iter().map(|&(lo, hi)| !ids.iter().any(|&id| lo <= id && id < hi)).collect()
+            }
+        };
         for e in 0..s.elems as usize {
             let mut acc = 0.0f32;
-            for &(src, off) in &s.sources {
+            for (&(src, off), _) in s.sources.iter().zip(&skipped).filter(|(_, &skip)| !skip) {
                 let b = &bufs[src as usize];
                 let at = off as usize;
                 acc += match s.elem {
@@ -561,7 +574,7 @@ fn random_sums(rng: &mut Rng, size: u64) -> Vec<(Vec<Transfer>, Vec<Sum>)> {
                 let at = rng.below(sources.len() + 1);
                 sources.insert(at, (writes[w], dst_offset));
             }
-            sums.push(Sum { dst: writes[w], dst_offset, sources, elems, elem, out: into });
+            sums.push(Sum { dst: writes[w], dst_offset, sources, elems, elem, out: into, gate: None });
         }
         if rng.below(2) == 0 {
             // A copy between two read-side buffers' regions no sum reads is
@@ -591,6 +604,7 @@ fn sum_program(batches: &[(Vec<Transfer>, Vec<Sum>)]) -> Program {
         sources: s.sources.len() as u32,
         elem: s.elem,
         out: s.out,
+        gate: s.gate.as_ref().map_or(0, |g| g.ids),
     }))
 }
 
@@ -628,6 +642,98 @@ fn random_sum_programs_add_like_a_naive_f32_loop_bit_for_bit() {
     }
 }
 
+/// Random gated sums (a fixed-slot combine over more ranks than top-k: a
+/// token's rows from every rank holding experts, each read only where the
+/// rank holds one of the token's top-k ids) against a naive loop that skips
+/// the gated-out sources; and against the same sums ungated with each
+/// gated-out source pointed at a +0.0 row, which must give the same bits
+/// (what the executor relies on: a rank serving none of a token's entries
+/// computes +0.0 for it). Sources of bf16 with ±0 and subnormals among them,
+/// 2 to 6 sources, gates of 1 to 8 i32 ids (negative ones among them), f32
+/// and bf16 outputs; on the JIT, and the ptxas check of the GPU code. Some
+/// sources pass and some do not, or the check would prove nothing.
+#[test]
+fn random_gated_sums_read_a_source_only_where_its_gate_passes() {
+    use moeforge::xfer::SumGate;
+    let mut rng = Rng(0x9a7e_d505);
+    let size = 4096u64;
+    let (mut read, mut skipped) = (0, 0);
+    for case in 0..60 {
+        let ids = 1 + rng.below(8) as u32;
+        let n = 2 + rng.below(5) as u32;
+        let elems = 1 + rng.below(40) as u64;
+        let out = if rng.below(3) == 0 { Elem::Bf16 } else { Elem::F32 };
+        // Buffers 0-1: sources; 2: destinations; 3: the gates' ids (words
+        // of -4..36) and, at its end, a +0.0 row.
+        let mut init: Vec<Vec<u8>> = (0..3).map(|_| finite_bytes(&mut rng, size as usize)).collect();
+        let words: Vec<i32> = (0..512).map(|_| rng.below(40) as i32 - 4).collect();
+        let mut gates: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let zero_row = gates.len() as u64;
+        gates.resize(gates.len() + 2 * elems as usize, 0);
+        init.push(gates);
+        let mut sums = vec![];
+        for row in 0..1 + rng.below(8) as u64 {
+            let span = elems * 2;
+            let sources: Vec<(u32, u64)> =
+                (0..n).map(|_| (rng.below(2) as u32, rng.below((size - span) as usize / 2) as u64 * 2)).collect();
+            let ranges = (0..n)
+                .map(|_| {
+                    let lo = rng.below(40) as i32 - 4;
+                    (lo, lo + rng.below(10) as i32)
+                })
+                .collect();
+            let gate = SumGate { buf: 3, offset: 4 * rng.below(512 - ids as usize) as u64, ids, ranges };
+            let dst_offset = row * 4 * 64;
+            sums.push(Sum { dst: 2, dst_offset, sources, elems, elem: Elem::Bf16, out, gate: Some(gate) });
+        }
+        let mut want = init.clone();
+        add_naively(&sums, &mut want);
+        // The same sums ungated, a gated-out source reading the +0.0 row.
+        let zeroed: Vec<Sum> = sums
+            .iter()
+            .map(|s| {
+                let g = s.gate.as_ref().unwrap();
+                let at = (g.offset / 4) as usize;
+                let held = &words[at..at + ids as usize];
+                let sources = s
+                    .sources
+                    .iter()
+                    .zip(&g.ranges)
+                    .map(|(&x, &(lo, hi))| {
+                        if held.iter().any(|&id| lo <= id && id < hi) {
+                            read += 1;
+                            x
+                        } else {
+                            skipped += 1;
+                            (3, zero_row)
+                        }
+                    })
+                    .collect();
+                Sum { sources, gate: None, ..s.clone() }
+            })
+            .collect();
+        let (program, _) = Program::build(&[]).unwrap();
+        let gated_shape = SumShape { elems, sources: n, elem: Elem::Bf16, out, gate: ids };
+        let program = program.with_sums([gated_shape, SumShape { gate: 0, ..gated_shape }]);
+        let run = |sums: &[Sum]| {
+            let batch = program.batch_with_sums(&[], sums).unwrap();
+            let mut got: Vec<HostBuffer> = init.iter().map(|b| HostBuffer::from_bytes(b)).collect();
+            jit::run(&program, &[batch], &mut got).unwrap();
+            got
+        };
+        let (gated, plain) = (run(&sums), run(&zeroed));
+        for (i, w) in want.iter().enumerate() {
+            let first = w.iter().zip(gated[i].as_bytes()).position(|(a, b)| a != b);
+            assert!(first.is_none(), "case {case}: buffer {i} differs from the naive loop at byte {first:?}");
+            assert!(gated[i].as_bytes() == plain[i].as_bytes(), "case {case}: buffer {i}: skipping is not +0.0");
+        }
+        if case == 0 {
+            check_ptx("random gated sums", &program);
+        }
+    }
+    assert!(read > 100 && skipped > 100, "sources read {read}, skipped {skipped}");
+}
+
 /// The bf16 output's rounding at its edges, on the JIT and through ptxas:
 /// ties to even either way, negative ties, the largest finite values and
 /// the overflow to infinity, infinities, NaNs (kept, quiet) and subnormals,
@@ -652,9 +758,10 @@ fn the_bf16_rounding_matches_a_nearest_value_search_at_its_edges() {
     ];
     let bytes: Vec<u8> = cases.iter().flat_map(|c| c.to_le_bytes()).collect();
     let n = cases.len() as u64;
-    let sum = Sum { dst: 1, dst_offset: 0, sources: vec![(0, 0)], elems: n, elem: Elem::F32, out: Elem::Bf16 };
+    let sum =
+        Sum { dst: 1, dst_offset: 0, sources: vec![(0, 0)], elems: n, elem: Elem::F32, out: Elem::Bf16, gate: None };
     let (program, _) = Program::build(&[]).unwrap();
-    let program = program.with_sums([SumShape { elems: n, sources: 1, elem: Elem::F32, out: Elem::Bf16 }]);
+    let program = program.with_sums([SumShape { elems: n, sources: 1, elem: Elem::F32, out: Elem::Bf16, gate: 0 }]);
     check_ptx("bf16 sums", &program);
     let batch = program.batch_with_sums(&[], std::slice::from_ref(&sum)).unwrap();
     let mut bufs = vec![HostBuffer::from_bytes(&bytes), HostBuffer::zeroed(2 * n as usize)];
@@ -669,7 +776,7 @@ fn the_bf16_rounding_matches_a_nearest_value_search_at_its_edges() {
 
 #[test]
 fn sums_the_code_cannot_run_are_refused_before_anything_runs() {
-    let shape = SumShape { elems: 8, sources: 2, elem: Elem::Bf16, out: Elem::F32 };
+    let shape = SumShape { elems: 8, sources: 2, elem: Elem::Bf16, out: Elem::F32, gate: 0 };
     let (program, _) = Program::build(&[]).unwrap();
     let program = program.with_sums([shape]);
     let sum = |dst_offset: u64, at: u64| Sum {
@@ -679,6 +786,7 @@ fn sums_the_code_cannot_run_are_refused_before_anything_runs() {
         elems: 8,
         elem: Elem::Bf16,
         out: Elem::F32,
+        gate: None,
     };
     let e = program.batch_with_sums(&[], &[Sum { elems: 9, ..sum(0, 16) }]).unwrap_err().to_string();
     assert!(e.starts_with("sum 0:") && e.contains("no sum of this program"), "{e}");

@@ -146,7 +146,8 @@ fn row_copies(pairs: &[(u64, u64, u64)]) -> Result<Program, XferError> {
 
 /// The sums of every EP combine: `hidden` bf16 elements from each of 0 to
 /// min(top-k, group) ranks (and a gated decode dispatch's over more ranks
-/// holding experts than top-k: from every one of them) (or, relayed, ranks of the own node and relays)
+/// holding experts than top-k: from every one of them, each read only where
+/// the token's top-k ids gate it in) (or, relayed, ranks of the own node and relays)
 /// into f32; relayed, also the relays' partial sums, from 1 to
 /// min(top-k, node) ranks into bf16 rows.
 fn combine_sums(plan: &Plan) -> Vec<SumShape> {
@@ -163,8 +164,9 @@ fn combine_sums(plan: &Plan) -> Vec<SumShape> {
         }
     };
     // A decode dispatch on fixed slots with gated rows reaches every rank
-    // holding experts, more than top-k in a wider group: its combine pulls
-    // each of them (a rank the gate kept a row from computed +0.0 for it).
+    // holding experts, more than top-k in a wider group: its combine's sum
+    // lists each of them and reads, on the device, only those holding one of
+    // the token's top-k experts (the others computed +0.0 for it).
     let gated = !gated_rows(plan).is_empty();
     for p in plan.programs.iter().filter(|p| p.mode == Mode::Ep) {
         for (_, op) in p.ops() {
@@ -172,16 +174,16 @@ fn combine_sums(plan: &Plan) -> Vec<SumShape> {
                 continue;
             };
             for sources in 0..=k.min(c.group.len() as u32) {
-                add(SumShape { elems: h, sources, elem: Elem::Bf16, out: Elem::F32 });
+                add(SumShape { elems: h, sources, elem: Elem::Bf16, out: Elem::F32, gate: 0 });
             }
             let holders = c.group.iter().filter(|&&r| plan.local_experts(r as usize) > 0).count() as u32;
             if gated && p.phase == crate::program::Phase::Decode && c.relay.is_none() && holders > k {
-                add(SumShape { elems: h, sources: holders, elem: Elem::Bf16, out: Elem::F32 });
+                add(SumShape { elems: h, sources: holders, elem: Elem::Bf16, out: Elem::F32, gate: k });
             }
             let computing = c.relay.map(|r| r.gpus_per_node).or(moe_per_node);
             if let Some(n) = computing {
                 for sources in 1..=k.min(n) {
-                    add(SumShape { elems: h, sources, elem: Elem::Bf16, out: Elem::Bf16 });
+                    add(SumShape { elems: h, sources, elem: Elem::Bf16, out: Elem::Bf16, gate: 0 });
                 }
             }
         }
@@ -206,8 +208,13 @@ fn all_reduce_shapes(plan: &Plan) -> (Vec<SumShape>, Vec<(u64, u64)>) {
         for (_, op) in p.ops() {
             let Some(c) = op.comm.as_ref().filter(|c| c.kind == CommKind::AllReduce) else { continue };
             let Some(to) = plan.memory.buffer(p.mode, c.to) else { continue };
-            let s =
-                SumShape { elems: to.row_bytes / 4, sources: c.group.len() as u32, elem: Elem::F32, out: Elem::F32 };
+            let s = SumShape {
+                elems: to.row_bytes / 4,
+                sources: c.group.len() as u32,
+                elem: Elem::F32,
+                out: Elem::F32,
+                gate: 0,
+            };
             if s.elems > 0 && !sums.contains(&s) {
                 sums.push(s);
             }

@@ -20,7 +20,9 @@
 //! holding one of its experts: [`GatedCopy`]), a [`SumShape`] sums rows of bf16 or f32 elements from several
 //! buffers into one f32 row, in source order from +0.0 (what the combine's
 //! gather and the all-reduce compute: the same additions in the same order
-//! on every device, so every device gives the same bits), and an exchange
+//! on every device, so every device gives the same bits; a gated sum reads
+//! a source only when one of the token's ids lies in its range, [`SumGate`],
+//! and skips the others, which adds what a +0.0 row would), and an exchange
 //! shape trades two runs of bytes in place ([`Exchange`]: Zepp's swap of
 //! two expert slots' contents), each worker loading a piece of both sides
 //! before it stores either, so no staging buffer is needed.
@@ -210,26 +212,47 @@ impl Elem {
 /// of `elem`, summed element by element in f32, starting from +0.0 and
 /// adding the sources in order, into a row of `elems` elements of `out`
 /// (f32, or bf16 rounded to nearest, ties to even; no source: the row
-/// becomes +0.0). One worker per destination element.
+/// becomes +0.0). One worker per destination element. With `gate` ids (0:
+/// none), each source is read and added only when one of the instance's
+/// `gate` i32 ids lies in the source's range ([`SumGate`]); a skipped
+/// source adds nothing, which is what adding a +0.0 row does (the sum
+/// starts at +0.0 and IEEE addition never makes it -0.0 from there).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SumShape {
     pub elems: u64,
     pub sources: u32,
     pub elem: Elem,
     pub out: Elem,
+    pub gate: u32,
 }
 
 impl SumShape {
     /// Words of one instance in a batch's table: `[dst, dst_offset]`, then
-    /// `[src, src_offset]` per source.
+    /// `[src, src_offset]` per source; gated, `[dst, dst_offset, gate
+    /// buffer, gate offset]`, then `[src, src_offset, lo, hi]` per source.
     pub fn words(&self) -> usize {
-        2 + 2 * self.sources as usize
+        match self.gate {
+            0 => 2 + 2 * self.sources as usize,
+            _ => 4 + 4 * self.sources as usize,
+        }
     }
+}
+
+/// What decides which sources of a gated sum are read: the `ids` i32 ids
+/// at `offset` of buffer `buf` (the token's top-k expert ids, on the rank
+/// the sum writes), and per source the experts `[lo, hi)` its rank holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SumGate {
+    pub buf: u32,
+    pub offset: u64,
+    pub ids: u32,
+    pub ranges: Vec<(i32, i32)>,
 }
 
 /// One reduction made at run time: the row of `out` elements at
 /// `dst_offset` of buffer `dst` becomes the in-order sum of the rows of
-/// `elem` elements at `sources` (buffer, offset).
+/// `elem` elements at `sources` (buffer, offset), each read only where
+/// `gate` (when set) passes for it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Sum {
     pub dst: u32,
@@ -238,6 +261,7 @@ pub struct Sum {
     pub elems: u64,
     pub elem: Elem,
     pub out: Elem,
+    pub gate: Option<SumGate>,
 }
 
 /// Where one instance of a [`SumShape`] reads and writes.
@@ -246,6 +270,7 @@ pub struct SumInstance {
     pub dst: u32,
     pub dst_offset: u64,
     pub sources: Vec<(u32, u64)>,
+    pub gate: Option<SumGate>,
 }
 
 /// An exchange made at run time: the `bytes` at `a_offset` of buffer `a`
@@ -641,13 +666,29 @@ impl Program {
         let mut per_sum = vec![vec![]; self.sums.len()];
         for (index, s) in sums.iter().enumerate() {
             let bad = |message: String| XferError::Sum { index, message };
-            let shape = SumShape { elems: s.elems, sources: s.sources.len() as u32, elem: s.elem, out: s.out };
+            let gate = s.gate.as_ref().map_or(0, |g| g.ids);
+            let shape = SumShape { elems: s.elems, sources: s.sources.len() as u32, elem: s.elem, out: s.out, gate };
             let i = self.sums.iter().position(|x| *x == shape).ok_or_else(|| {
                 bad(format!(
-                    "no sum of this program adds {} rows of {} {:?} elements into {:?}",
-                    shape.sources, shape.elems, shape.elem, shape.out
+                    "no sum of this program adds {} rows of {} {:?} elements into {:?}{}",
+                    shape.sources,
+                    shape.elems,
+                    shape.elem,
+                    shape.out,
+                    if gate > 0 { format!(" gated on {gate} ids") } else { String::new() }
                 ))
             })?;
+            if let Some(g) = &s.gate {
+                if gate == 0 || g.ranges.len() != s.sources.len() || !g.offset.is_multiple_of(4) {
+                    return Err(bad(format!(
+                        "a gate of {} ids at offset {} with {} ranges for {} sources (one range per source, the                          ids 4-byte aligned)",
+                        g.ids,
+                        g.offset,
+                        g.ranges.len(),
+                        s.sources.len()
+                    )));
+                }
+            }
             if !s.dst_offset.is_multiple_of(s.out.bytes()) {
                 return Err(bad(format!(
                     "destination offset {} is not a multiple of {} ({:?})",
@@ -659,7 +700,12 @@ impl Program {
             if let Some(&(_, off)) = s.sources.iter().find(|(_, off)| !off.is_multiple_of(s.elem.bytes())) {
                 return Err(bad(format!("source offset {off} is not a multiple of {} ({:?})", s.elem.bytes(), s.elem)));
             }
-            per_sum[i].push(SumInstance { dst: s.dst, dst_offset: s.dst_offset, sources: s.sources.clone() });
+            per_sum[i].push(SumInstance {
+                dst: s.dst,
+                dst_offset: s.dst_offset,
+                sources: s.sources.clone(),
+                gate: s.gate.clone(),
+            });
         }
         Ok(Batch {
             per_shape,
@@ -690,6 +736,11 @@ impl Program {
                 h.update(u64::from(s.sources).to_le_bytes());
                 h.update(u64::from(s.elem == Elem::F32).to_le_bytes());
                 h.update(u64::from(s.out == Elem::F32).to_le_bytes());
+                // (An ungated sum keeps the key it had before gates existed.)
+                if s.gate > 0 {
+                    h.update(b"gate");
+                    h.update(u64::from(s.gate).to_le_bytes());
+                }
             }
         }
         if !self.swaps.is_empty() {
@@ -715,7 +766,8 @@ impl Batch {
     /// The table the code reads: each copy shape's instance count, each sum
     /// shape's, each exchange shape's, then every copy instance as `[src,
     /// dst, src_offset, dst_offset]`, shape by shape, then every sum
-    /// instance as `[dst, dst_offset, src, src_offset, …]`, shape by shape,
+    /// instance as `[dst, dst_offset, src, src_offset, …]` (gated: `[dst,
+    /// dst_offset, gate buffer, gate offset, src, src_offset, lo, hi, …]`), shape by shape,
     /// then every exchange as `[a, b, a_offset, b_offset]`, shape by shape,
     /// then every gated copy as `[src, dst, src_offset, dst_offset, gate
     /// buffer, gate offset, lo, hi]` (lo and hi sign-extended), shape by
@@ -730,8 +782,18 @@ impl Batch {
         }
         for i in self.per_sum.iter().flatten() {
             w.extend([u64::from(i.dst), i.dst_offset]);
-            for &(src, off) in &i.sources {
-                w.extend([u64::from(src), off]);
+            match &i.gate {
+                None => {
+                    for &(src, off) in &i.sources {
+                        w.extend([u64::from(src), off]);
+                    }
+                }
+                Some(g) => {
+                    w.extend([u64::from(g.buf), g.offset]);
+                    for (&(src, off), &(lo, hi)) in i.sources.iter().zip(&g.ranges) {
+                        w.extend([u64::from(src), off, i64::from(lo) as u64, i64::from(hi) as u64]);
+                    }
+                }
             }
         }
         for i in self.per_swap.iter().flatten() {
@@ -838,6 +900,24 @@ impl Batch {
             side(i.dst, i.dst_offset, s.out.bytes(), "sum destination")?;
             for &(src, off) in &i.sources {
                 side(src, off, s.elem.bytes(), "sum source")?;
+            }
+            match (&i.gate, s.gate) {
+                (None, 0) => {}
+                (Some(g), ids) if g.ids == ids && g.ranges.len() == i.sources.len() => {
+                    let size = *sizes.get(g.buf as usize).ok_or_else(|| {
+                        XferError::Bounds(format!("sum gate buffer {} of {} buffers", g.buf, sizes.len()))
+                    })?;
+                    match g.offset.checked_add(4 * u64::from(ids)) {
+                        Some(e) if e <= size && g.offset.is_multiple_of(4) => {}
+                        _ => {
+                            return Err(XferError::Bounds(format!(
+                                "sum gate: {ids} ids at offset {} of buffer {} ({size} bytes)",
+                                g.offset, g.buf
+                            )))
+                        }
+                    }
+                }
+                _ => return Err(XferError::Bounds(format!("a sum's gate does not match its shape's {} ids", s.gate))),
             }
         }
         let copies = program.shapes.iter().zip(&self.per_shape);

@@ -10,7 +10,9 @@
 //! its sources' elements loaded in order (bf16 widened exactly to f32),
 //! added to +0.0 one by one with IEEE f32 adds (no fast-math flag, so no
 //! reassociation and no contraction on any target), one f32 stored (or
-//! rounded to bf16, to nearest, ties to even). Then each exchange shape as
+//! rounded to bf16, to nearest, ties to even); a gated sum's source is
+//! loaded and added only when one of the gate's ids lies in its range, in a
+//! branch, so a skipped source is never read. Then each exchange shape as
 //! a copy shape, except that a piece is loaded from both sides before it
 //! is stored into the other. Then each gated shape: a piece of a one-run
 //! copy, moved only when one of its gate's i32 ids lies in `[lo, hi)`. The
@@ -345,9 +347,49 @@ fn body<'c>(
                         let o = b.build_int_add(off, t, "").map_err(llvm)?;
                         gep(b, ctx.i8_type(), base, o)
                     };
+                // A gated sum's ids (the token's), read once per element.
+                let gated = s.gate > 0;
+                let mut ids = vec![];
+                if gated {
+                    let slot = gep(b, ptr, bases, field(2, "gate")?)?;
+                    let gbase = aligned(b.build_load(ptr, slot, "gate_base").map_err(llvm)?)?.into_pointer_value();
+                    let goff = field(3, "gate_offset")?;
+                    for j in 0..u64::from(s.gate) {
+                        let o = b.build_int_add(goff, c(4 * j), "").map_err(llvm)?;
+                        let at = gep(b, ctx.i8_type(), gbase, o)?;
+                        let id = b.build_load(ctx.i32_type(), at, "id").map_err(llvm)?;
+                        id.as_instruction_value()
+                            .ok_or_else(|| llvm("a load is not an instruction"))?
+                            .set_alignment(4)
+                            .map_err(llvm)?;
+                        ids.push(b.build_int_s_extend(id.into_int_value(), i64t, "").map_err(llvm)?);
+                    }
+                }
+                let (first, per) = if gated { (4, 4) } else { (2, 2) };
                 let mut acc = f32t.const_float(0.0);
                 for k in 0..u64::from(s.sources) {
-                    let at = element(field(2 + 2 * k, "src")?, field(3 + 2 * k, "src_offset")?, s.elem.bytes())?;
+                    let src = field(first + per * k, "src")?;
+                    let src_off = field(first + per * k + 1, "src_offset")?;
+                    // Gated: read and add the source only when one of the ids
+                    // lies in its [lo, hi); otherwise the sum stays as it was.
+                    let mut skip = None;
+                    if gated {
+                        let (lo, hi) = (field(first + per * k + 2, "lo")?, field(first + per * k + 3, "hi")?);
+                        let mut any = ctx.bool_type().const_zero();
+                        for &id in &ids {
+                            let above = b.build_int_compare(IntPredicate::SGE, id, lo, "").map_err(llvm)?;
+                            let below = b.build_int_compare(IntPredicate::SLT, id, hi, "").map_err(llvm)?;
+                            let inside = b.build_and(above, below, "").map_err(llvm)?;
+                            any = b.build_or(any, inside, "any").map_err(llvm)?;
+                        }
+                        let from = b.get_insert_block().ok_or_else(|| llvm("no block to branch from"))?;
+                        let read = ctx.append_basic_block(f, &format!("{label}.source{k}"));
+                        let join = ctx.append_basic_block(f, &format!("{label}.source{k}.end"));
+                        b.build_conditional_branch(any, read, join).map_err(llvm)?;
+                        b.position_at_end(read);
+                        skip = Some((from, join, acc));
+                    }
+                    let at = element(src, src_off, s.elem.bytes())?;
                     let x = match s.elem {
                         Elem::Bf16 => {
                             let v = b.build_load(ctx.i16_type(), at, "bf16").map_err(llvm)?;
@@ -370,6 +412,14 @@ fn body<'c>(
                         }
                     };
                     acc = b.build_float_add(acc, x, "acc").map_err(llvm)?;
+                    if let Some((from, join, before)) = skip {
+                        let read = b.get_insert_block().ok_or_else(|| llvm("no block to join from"))?;
+                        b.build_unconditional_branch(join).map_err(llvm)?;
+                        b.position_at_end(join);
+                        let phi = b.build_phi(f32t, "acc").map_err(llvm)?;
+                        phi.add_incoming(&[(&before, from), (&acc, read)]);
+                        acc = phi.as_basic_value().into_float_value();
+                    }
                 }
                 let to = element(field(0, "dst")?, field(1, "dst_offset")?, s.out.bytes())?;
                 match s.out {

@@ -22,7 +22,9 @@
 //!   after its inputs either);
 //!   the combine is pulled by each token's source rank, its row the f32 sum
 //!   of the rows the receiving ranks computed, in rank order (the bundle's
-//!   compiled `combine` program: the host reads nothing); the TP all-reduce
+//!   compiled `combine` program: the host reads nothing; after a fixed-slot
+//!   dispatch over more ranks than top-k, a gated sum that reads a rank's
+//!   row only where the token's ids gate it in); the TP all-reduce
 //!   is the compiled `all_reduce` program, a reduce-scatter then an
 //!   all-gather, rows summed in rank order. Every byte a communication op
 //!   moves is moved by a transfer program (on a GPU the same code reads
@@ -70,7 +72,7 @@
 use super::bind::{self, Counts, Site};
 use super::{
     BufferId, Code, Device, DeviceError, Elem, Gate, GatedCopy, GraphId, KernelArg, ModuleId, SideEvent, StridedCopy,
-    Sum, Transfer,
+    Sum, SumGate, Transfer,
 };
 use moeforge_plan::memory::{
     BufferName, MemoryPlan, Mode, RouteIndexParts, TensorPart, TensorRole, WeightReshard, ZeppRouteParts,
@@ -203,9 +205,6 @@ pub struct Executor {
     graph_stats: GraphStats,
     /// Weight reshards (live switches) so far.
     reshards: u64,
-    /// Whether the step running is a graph's (bucketed): its dispatch may
-    /// take fixed slots over more ranks than top-k ([`Executor::fixed_slots`]).
-    graph_step: bool,
 }
 
 /// A (mode, bucket)'s decode graph: warmed up (one step ran call by call),
@@ -349,13 +348,17 @@ pub struct DispatchTraffic {
 /// rank) row: summed inside the source's node (`node_rows`), summed on a
 /// relay of another node (`relayed_rows`), and rows crossing the scale-out
 /// link (`scale_out_rows`: every remote row of a direct combine, and the
-/// `relay_rows`, one per (token, node) of a relayed one).
+/// `relay_rows`, one per (token, node) of a relayed one). `gated_rows`: the
+/// (token, rank) rows of gated sums (a fixed-slot combine over more ranks
+/// than top-k), each read on the device only when the rank holds one of the
+/// token's experts; they are in no other count.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CombineTraffic {
     pub node_rows: u64,
     pub relayed_rows: u64,
     pub relay_rows: u64,
     pub scale_out_rows: u64,
+    pub gated_rows: u64,
 }
 
 impl DispatchTraffic {
@@ -382,6 +385,7 @@ impl CombineTraffic {
             relayed_rows: self.relayed_rows + o.relayed_rows,
             relay_rows: self.relay_rows + o.relay_rows,
             scale_out_rows: self.scale_out_rows + o.scale_out_rows,
+            gated_rows: self.gated_rows + o.gated_rows,
         }
     }
 }
@@ -554,7 +558,6 @@ impl Executor {
             graphs: BTreeMap::new(),
             graph_stats: GraphStats::default(),
             reshards: 0,
-            graph_step: false,
         };
         ex.graphs_on = ex.dev.captures();
         for l in 0..layers {
@@ -904,9 +907,7 @@ impl Executor {
                             (Body::Replay(graph, counted), reshards < self.reshards)
                         }
                     };
-                    self.graph_step = true;
                     let ran = self.step_with(&plan, mode, phase, &padded, &real, body);
-                    self.graph_step = false;
                     let mut out = ran?;
                     self.graph_stats.padded_rows +=
                         padded.iter().zip(&real).map(|(p, &n)| (p.len() - n) as u64).sum::<u64>();
@@ -1270,7 +1271,7 @@ impl Executor {
                 continue;
             };
             let m = op.micro_batch.unwrap_or(0);
-            if !self.fixed_slots(plan, mode, Phase::Decode, mbs, c, &|s| tokens(s, m), true) {
+            if !self.fixed_slots(plan, mode, Phase::Decode, mbs, c, &|s| tokens(s, m)) {
                 return Ok(None);
             }
         }
@@ -1278,9 +1279,7 @@ impl Executor {
     }
 
     /// Whether a dispatch takes fixed slots ([`Executor::comm`]'s dispatch
-    /// says when), given each source's tokens in the micro-batch; `wide`:
-    /// in a graph's step (a group wider than top-k may then take them).
-    #[allow(clippy::too_many_arguments)]
+    /// says when), given each source's tokens in the micro-batch.
     fn fixed_slots(
         &self,
         plan: &Plan,
@@ -1289,24 +1288,21 @@ impl Executor {
         mbs: u32,
         c: &moeforge_plan::program::Comm,
         tokens: &dyn Fn(usize) -> u64,
-        wide: bool,
     ) -> bool {
         let k = plan.model.top_k as usize;
         let mem = &plan.memory;
         let holders: Vec<usize> = c.group.iter().map(|&r| r as usize).filter(|&d| plan.local_experts(d) > 0).collect();
         let row = mem.buffer(mode, c.to).map_or(0, |b| b.row_bytes);
-        // More ranks than top-k: only in a graph's step (`wide`), with the
-        // rows gated on the device (a row to every rank would move more than
-        // the routed pairs). Its combine still pulls a row from every rank
-        // holding experts (+0.0 where the rank served none of the token's
-        // entries): the price of reading nothing back, paid only where the
-        // step is a graph; a step run call by call routes instead.
+        // More ranks than top-k: only with the rows gated on the device (a
+        // row to every rank would move more than the routed pairs); its
+        // combine's sums are gated by the same ids, so it reads no more
+        // rows than the routed pairs either.
         if phase != Phase::Decode
             || self.route_decode
             || plan.placement.is_some()
             || self.zepp.is_some()
             || c.relay.is_some()
-            || (holders.len() > k && !(wide && self.gates_rows(row, k)))
+            || (holders.len() > k && !self.gates_rows(row, k))
         {
             return false;
         }
@@ -1824,6 +1820,7 @@ impl Executor {
                         elems: rt / 4,
                         elem: Elem::F32,
                         out: Elem::F32,
+                        gate: None,
                     });
                     for &r in group.iter().filter(|&&r| r != owner) {
                         copies.push(Transfer {
@@ -1876,8 +1873,7 @@ impl Executor {
                 // the replicas) and a relayed path; so does a decode step
                 // whose group's rows do not all fit a receiver.
                 let holders: Vec<usize> = group.iter().copied().filter(|&d| plan.local_experts(d) > 0).collect();
-                let fixed =
-                    self.fixed_slots(plan, mode, phase, mbs, c, &|s| u64::from(counts[s][m].tokens), self.graph_step);
+                let fixed = self.fixed_slots(plan, mode, phase, mbs, c, &|s| u64::from(counts[s][m].tokens));
                 let mut ids_of: BTreeMap<usize, Vec<i32>> = BTreeMap::new();
                 let mut ids_at: BTreeMap<usize, u64> = BTreeMap::new();
                 for &s in group.iter().filter(|_| !fixed) {
@@ -2194,11 +2190,44 @@ impl Executor {
                 let (mut partials, mut sums) = (vec![], vec![]);
                 let relays = Relays::of(plan, c);
                 let mut relay_rows: BTreeMap<usize, u64> = BTreeMap::new();
+                let k = plan.model.top_k as usize;
+                let ids_row = row(BufferName::TopkIds);
                 for &s in &group {
                     let base = at(s, c.to)?;
                     for tok in 0..counts[s][m].tokens as usize {
                         let rows = from.remove(&(s, tok)).unwrap_or_default();
                         let gpn = plan.cluster.gpus_per_node.max(1) as usize;
+                        // More rows than top-k: a fixed-slot dispatch's over
+                        // a group wider than top-k (no relay: those route).
+                        // The sum reads a rank's row only where the rank
+                        // holds one of the token's experts, which the device
+                        // decides from the token's ids on this rank (the
+                        // others computed +0.0 for it, which skipping adds
+                        // exactly); the host knows only the rows it may read.
+                        if rows.len() > k && rows.iter().all(|x| relays.of_pair(s, x.0 as usize).is_none()) {
+                            self.traffic.gated_rows += rows.len() as u64;
+                            let ranges = rows
+                                .iter()
+                                .map(|&(d, _)| plan.ep_ids(d as usize).map(|x| i32::try_from(x).unwrap_or(i32::MAX)))
+                                .map(|[lo, hi]| (lo, hi))
+                                .collect();
+                            let gate = SumGate {
+                                buf: s as u32,
+                                offset: row_at(at(s, BufferName::TopkIds)?, tok as u64, ids_row)?,
+                                ids: k as u32,
+                                ranges,
+                            };
+                            sums.push(Sum {
+                                dst: s as u32,
+                                dst_offset: row_at(base, tok as u64, rt)?,
+                                sources: rows,
+                                elems: h,
+                                elem: Elem::Bf16,
+                                out: Elem::F32,
+                                gate: Some(gate),
+                            });
+                            continue;
+                        }
                         for &(d, _) in &rows {
                             let t = &mut self.traffic;
                             match (d as usize / gpn == s / gpn, relays.of_pair(s, d as usize).is_some()) {
@@ -2244,6 +2273,7 @@ impl Executor {
                                     elems: h,
                                     elem: Elem::Bf16,
                                     out: Elem::Bf16,
+                                    gate: None,
                                 });
                                 out.push((relay as u32, dst_offset));
                             }
@@ -2256,6 +2286,7 @@ impl Executor {
                             elems: h,
                             elem: Elem::Bf16,
                             out: Elem::F32,
+                            gate: None,
                         });
                     }
                 }

@@ -31,7 +31,7 @@ pub mod bind;
 pub mod emu;
 pub mod exec;
 
-pub use moeforge_xfer::{Batch, Code, Elem, Gate, GatedCopy, Program, StridedCopy, Sum, Transfer};
+pub use moeforge_xfer::{Batch, Code, Elem, Gate, GatedCopy, Program, StridedCopy, Sum, SumGate, Transfer};
 
 /// Device memory: one allocation (a rank's unified buffer).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
