@@ -919,8 +919,8 @@ fn role_plans_give_transformers_tokens_on_the_emulated_device() {
 /// rank holding one of its experts), so no decode step reads a rank's top-k
 /// ids back, while prefill steps still route (and read them). Counted by
 /// the device wrapper's record of downloads inside the `TopkIds` buffer
-/// (its range from the memory plan), for a colocated EP plan and an
-/// ExpertPlex role plan with two expert ranks (the fixture's top-k), and a
+/// (its range from the memory plan), for a colocated EP plan over two ranks
+/// (the fixture's top-k), an ExpertPlex role plan (one MoE server), and a
 /// colocated plan over four, more than top-k (its combine's sums gated
 /// too), each step run call by call (this device records no graphs); every
 /// decode step routes with `route_decode` (so the count can see the

@@ -807,6 +807,29 @@ fn sums_the_code_cannot_run_are_refused_before_anything_runs() {
     let (bare, old) = Program::build(&[vec![]]).unwrap();
     let e = jit::run(&bare.with_sums([shape]), &old, &mut fits).unwrap_err().to_string();
     assert!(e.contains("sum shapes"), "{e}");
+    // Gated sums: a gate the shape does not have (or none where it has one),
+    // a range per source, ids 4-byte aligned and inside their buffer.
+    use moeforge::xfer::SumGate;
+    let gated_shape = SumShape { gate: 2, ..shape };
+    let program = Program::build(&[]).unwrap().0.with_sums([gated_shape]);
+    let gate = |offset: u64, ranges: usize| Some(SumGate { buf: 1, offset, ids: 2, ranges: vec![(0, 4); ranges] });
+    let gated = |offset: u64, ranges: usize| Sum { gate: gate(offset, ranges), ..sum(32, 48) };
+    let e = program.batch_with_sums(&[], &[sum(32, 48)]).unwrap_err().to_string();
+    assert!(e.contains("no sum of this program"), "{e}");
+    let e = program.batch_with_sums(&[], &[gated(0, 1)]).unwrap_err().to_string();
+    assert!(e.contains("1 ranges for 2 sources"), "{e}");
+    let e = program.batch_with_sums(&[], &[gated(2, 2)]).unwrap_err().to_string();
+    assert!(e.contains("4-byte aligned"), "{e}");
+    let three = Sum { gate: Some(SumGate { ids: 3, ..gate(0, 2).unwrap() }), ..sum(32, 48) };
+    let e = program.batch_with_sums(&[], &[three]).unwrap_err().to_string();
+    assert!(e.contains("gated on 3 ids"), "{e}");
+    // Two ids at 56 end at 64; at 60 they end past buffer 1.
+    let batch = program.batch_with_sums(&[], &[gated(56, 2)]).unwrap();
+    let mut fits = vec![HostBuffer::zeroed(64), HostBuffer::zeroed(64)];
+    jit::run(&program, std::slice::from_ref(&batch), &mut fits).unwrap();
+    let batch = program.batch_with_sums(&[], &[gated(60, 2)]).unwrap();
+    let e = jit::run(&program, std::slice::from_ref(&batch), &mut fits).unwrap_err().to_string();
+    assert!(e.contains("sum gate") && e.contains("buffer 1"), "{e}");
 }
 
 #[test]

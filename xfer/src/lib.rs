@@ -681,7 +681,8 @@ impl Program {
             if let Some(g) = &s.gate {
                 if gate == 0 || g.ranges.len() != s.sources.len() || !g.offset.is_multiple_of(4) {
                     return Err(bad(format!(
-                        "a gate of {} ids at offset {} with {} ranges for {} sources (one range per source, the                          ids 4-byte aligned)",
+                        "a gate of {} ids at offset {} with {} ranges for {} sources (one range per source, the ids \
+                         4-byte aligned)",
                         g.ids,
                         g.offset,
                         g.ranges.len(),
@@ -903,7 +904,7 @@ impl Batch {
             }
             match (&i.gate, s.gate) {
                 (None, 0) => {}
-                (Some(g), ids) if g.ids == ids && g.ranges.len() == i.sources.len() => {
+                (Some(g), ids) if ids > 0 && g.ids == ids && g.ranges.len() == i.sources.len() => {
                     let size = *sizes.get(g.buf as usize).ok_or_else(|| {
                         XferError::Bounds(format!("sum gate buffer {} of {} buffers", g.buf, sizes.len()))
                     })?;
