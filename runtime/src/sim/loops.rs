@@ -326,7 +326,7 @@ pub(super) struct Served {
 /// One engine on every GPU: colocated, chunked prefill, static TP/EP, Moebius.
 pub(super) fn unified(
     env: &Env,
-    chunk: Option<f64>,
+    (chunk, chunked_prefill): (Option<f64>, Option<f64>),
     (tp, ep): (Option<Shape>, Option<Shape>),
     switch: Option<&Switching>,
     reqs: &[Req],
@@ -388,9 +388,15 @@ pub(super) fn unified(
         }
         let sh = shape(mode);
         let cap = sh.kv_per_group;
-        let budget = chunk.unwrap_or(MAX_PREFILL_TOKENS);
+        // Prompt tokens a group may take this iteration, and whether a longer
+        // prompt is split (Phases::Unified says which engine is which).
+        let (budget, split) = match (chunk, chunked_prefill) {
+            (Some(c), _) => (c, true),
+            (None, Some(total)) => ((total / groups.len().max(1) as f64).floor().max(1.0), true),
+            (None, None) => (MAX_PREFILL_TOKENS, false),
+        };
         admit_estimated(&mut groups, cap, budget, &mut waiting, &mut resume, reqs);
-        let (loads, takes) = prefill_loads(&groups, budget, chunk.is_some());
+        let (loads, takes) = prefill_loads(&groups, budget, split);
         let prefill = loads.iter().any(Load::has_prefill);
         // Chunked prefill is SGLang's mixed chunking: every iteration decodes
         // each running request and advances at most `chunk` prompt tokens per
@@ -751,7 +757,7 @@ mod tests {
             overlap: moeforge_plan::cost::step::Overlaps::STANDARD,
         };
         let reqs: Vec<Req> = (0..80).map(|_| req(200, 800)).collect();
-        let served = unified(&env, None, (None, Some(shape)), None, &reqs);
+        let served = unified(&env, (None, None), (None, Some(shape)), None, &reqs);
         // Every request finishes with all its outputs (debug builds also
         // check, step by step, that no group's KV overflows).
         assert!(served.out.iter().all(|o| o.ttft.is_some() && o.tpot.is_some() && o.finish.is_some()));
@@ -761,5 +767,39 @@ mod tests {
         assert!(started > whole_output, "{started} started before the first finish, whole-output bound {whole_output}");
         // The estimate overcommits: KV runs out mid-decode and requests are retracted.
         assert!(served.retractions > 0);
+    }
+
+    /// SGLang's default chunked prefill (not mixed): 8 DP groups share an
+    /// 8192-token budget, 1024 tokens each per prefill iteration, so one
+    /// 3000-token prompt takes three prefill iterations (its first token
+    /// comes after the third) where chunking off takes it whole in one; and
+    /// a decode step waits for each.
+    #[test]
+    fn default_chunked_prefill_splits_a_prompt_by_the_dp_share_of_its_budget() {
+        let env = env();
+        let side = MoeSide::Ep { gpus: 8, nodes: 1, replicas: 1, local: 1.0, disaggregated: false };
+        let shape = Shape {
+            groups: 8,
+            width: 1,
+            moe: side,
+            kv_per_group: 1e6,
+            overlap: moeforge_plan::cost::step::Overlaps::STANDARD,
+        };
+        let one = [req(3000, 2)];
+        let whole = unified(&env, (None, None), (None, Some(shape)), None, &one).out[0].ttft.unwrap();
+        let chunked = unified(&env, (None, Some(8192.0)), (None, Some(shape)), None, &one).out[0].ttft.unwrap();
+        // The same step time the engine charges, by hand: a lone group's chunks
+        // of 1024, 1024 and 952 tokens after 0, 1024 and 2048 cached ones.
+        let step = |n: f64, prefix: f64| {
+            let mut l = Load::default();
+            l.add_chunk(n, prefix);
+            let mut loads = vec![Load::default(); 8];
+            loads[0] = l;
+            env.iteration(&loads, 1, 1.0, side, Sms::all(env.cm.sms), 0.0, shape.overlap).seconds
+        };
+        let want = step(1024.0, 0.0) + step(1024.0, 1024.0) + step(952.0, 2048.0);
+        assert!((chunked / want - 1.0).abs() < 1e-9, "chunked TTFT {chunked} vs three chunks {want}");
+        assert!((whole / step(3000.0, 0.0) - 1.0).abs() < 1e-9, "whole TTFT {whole}");
+        assert!(chunked > whole);
     }
 }

@@ -9,8 +9,8 @@
 //! | `green-context` | TP per node on an SM partition | EP, same partition | concurrent on every GPU; fixed split, shared links |
 //! | `colocated` | DP on every GPU | EP on every GPU | one iteration at a time, prefill first |
 //! | `chunked-prefill` | as colocated, prompts split into chunks | | each chunk re-reads weights and its prefix KV |
-//! | `static-tp` / `static-ep` | the dual-mode plan in one mode | | one iteration at a time |
-//! | `moebius` | the dual-mode plan, switching by the §4.5 coordinator | | each switch pays the reshard |
+//! | `static-tp` / `static-ep` | the dual-mode plan in one mode | | one iteration at a time; SGLang's default chunked prefill (its budget split over DP ranks) |
+//! | `moebius` | the dual-mode plan, switching by the §4.5 coordinator | | as static TP/EP; each switch pays the reshard |
 //!
 //! Differences between systems come only from these mechanisms: the same
 //! request stream (seeded), cost model and metrics serve them all. The
@@ -121,8 +121,21 @@ pub struct Switching {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Phases {
     /// Both phases on the same groups, one iteration at a time (prefill
-    /// first); prompts split into `chunk`-token pieces when set.
-    Unified { chunk: Option<f64>, tp: Option<Shape>, ep: Option<Shape>, switch: Option<Switching> },
+    /// first). With `chunk`, SGLang's mixed chunking: every iteration
+    /// decodes and advances at most `chunk` prompt tokens per group. With
+    /// `chunked_prefill`, SGLang's default chunked prefill: a prefill
+    /// iteration takes at most that many prompt tokens over all groups (a
+    /// 1/groups share each, as SGLang divides `--chunked-prefill-size` by
+    /// the DP size under DP attention), splitting longer prompts, and
+    /// decode waits for it. With neither, a group takes whole prompts up to
+    /// [`MAX_PREFILL_TOKENS`] per iteration (chunking off).
+    Unified {
+        chunk: Option<f64>,
+        chunked_prefill: Option<f64>,
+        tp: Option<Shape>,
+        ep: Option<Shape>,
+        switch: Option<Switching>,
+    },
     /// Concurrent prefill and decode sides; `kv_transfer` when a prompt's KV
     /// moves from the prefill GPU to the decode GPU (over RDMA when `remote`).
     Split { prefill: Shape, decode: Shape, sharing: Sharing, kv_transfer: bool },
@@ -233,12 +246,29 @@ impl<'a> Bench<'a> {
     pub fn deployments(&self, system: System) -> Result<Vec<Deployment>, String> {
         let e = &self.env;
         let colocated_kv = self.kv_after(e.weights_per_gpu(1, e.world), 1);
+        // SGLang's default `--chunked-prefill-size` for the GPU's memory
+        // (server_args: 2048 under 35 GiB, 8192 under 160 GiB, else 16384):
+        // the serving engine Moebius modifies runs with it.
+        let hbm_gib = self.spec.cluster(self.spec.deploys[0].cluster).gpu.hbm as f64 / f64::from(1u32 << 30);
+        let sglang_chunk = if hbm_gib < 35.0 {
+            2048.0
+        } else if hbm_gib < 160.0 {
+            8192.0
+        } else {
+            16384.0
+        };
         let unified = |label: String, chunk, tp: Option<Shape>, ep: Option<Shape>, switch| {
             let kv = ep.or(tp).map_or(0.0, |s| f64::from(s.groups) * s.kv_per_group);
+            // The ExpertPlex paper's SGLang baselines run with chunking off
+            // (colocated) or tuned (chunked prefill); Moebius's, SGLang's default.
+            let chunked_prefill = match system {
+                System::StaticTp | System::StaticEp | System::Moebius => Some(sglang_chunk),
+                _ => None,
+            };
             Deployment {
                 system,
                 label,
-                phases: Phases::Unified { chunk, tp, ep, switch },
+                phases: Phases::Unified { chunk, chunked_prefill, tp, ep, switch },
                 expert_copies: 1,
                 decode_kv_tokens: kv,
             }
@@ -480,8 +510,8 @@ impl<'a> Bench<'a> {
     pub fn simulate_traced(&self, dep: &Deployment, reqs: &[Req]) -> Trace {
         let reqs = self.capped(reqs);
         match &dep.phases {
-            Phases::Unified { chunk, tp, ep, switch } => {
-                let served = loops::unified(&self.env, *chunk, (*tp, *ep), switch.as_ref(), &reqs);
+            Phases::Unified { chunk, chunked_prefill, tp, ep, switch } => {
+                let served = loops::unified(&self.env, (*chunk, *chunked_prefill), (*tp, *ep), switch.as_ref(), &reqs);
                 Trace { outcomes: served.out, switches: served.switches, retractions: served.retractions }
             }
             Phases::Split { prefill, decode, sharing, kv_transfer } => Trace {
