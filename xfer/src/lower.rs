@@ -164,6 +164,35 @@ fn body<'c>(
         let p = gep(b, i64t, table, at)?;
         Ok(aligned(b.build_load(i64t, p, name).map_err(llvm)?)?.into_int_value())
     };
+    // A gate's `n` i32 ids at `off` of buffer `buf`, sign-extended (gated
+    // copies and gated sums read a token's top-k ids the same way).
+    let gate_ids = |buf: IntValue<'c>, off: IntValue<'c>, n: u32| -> Result<Vec<IntValue<'c>>, XferError> {
+        let slot = gep(b, ptr, bases, buf)?;
+        let base = aligned(b.build_load(ptr, slot, "gate_base").map_err(llvm)?)?.into_pointer_value();
+        (0..u64::from(n))
+            .map(|j| {
+                let o = b.build_int_add(off, i64t.const_int(4 * j, false), "").map_err(llvm)?;
+                let at = gep(b, ctx.i8_type(), base, o)?;
+                let id = b.build_load(ctx.i32_type(), at, "id").map_err(llvm)?;
+                id.as_instruction_value()
+                    .ok_or_else(|| llvm("a load is not an instruction"))?
+                    .set_alignment(4)
+                    .map_err(llvm)?;
+                b.build_int_s_extend(id.into_int_value(), i64t, "").map_err(llvm)
+            })
+            .collect()
+    };
+    // Whether one of `ids` lies in [lo, hi).
+    let any_inside = |ids: &[IntValue<'c>], lo: IntValue<'c>, hi: IntValue<'c>| -> Result<IntValue<'c>, XferError> {
+        let mut any = ctx.bool_type().const_zero();
+        for &id in ids {
+            let above = b.build_int_compare(IntPredicate::SGE, id, lo, "").map_err(llvm)?;
+            let below = b.build_int_compare(IntPredicate::SLT, id, hi, "").map_err(llvm)?;
+            let inside = b.build_and(above, below, "").map_err(llvm)?;
+            any = b.build_or(any, inside, "any").map_err(llvm)?;
+        }
+        Ok(any)
+    };
 
     let entry = ctx.append_basic_block(f, "entry");
     b.position_at_end(entry);
@@ -288,25 +317,8 @@ fn body<'c>(
                     let slot = gep(b, ptr, bases, buf)?;
                     Ok(aligned(b.build_load(ptr, slot, "base").map_err(llvm)?)?.into_pointer_value())
                 };
-                let (gbuf, goff, lo, hi) =
-                    (field(4, "gate")?, field(5, "gate_offset")?, field(6, "lo")?, field(7, "hi")?);
-                let gbase = base_of(gbuf)?;
-                let i32t = ctx.i32_type();
-                let mut any = ctx.bool_type().const_zero();
-                for j in 0..u64::from(s.ids) {
-                    let o = b.build_int_add(goff, c(4 * j), "").map_err(llvm)?;
-                    let at = gep(b, ctx.i8_type(), gbase, o)?;
-                    let id = b.build_load(i32t, at, "id").map_err(llvm)?;
-                    id.as_instruction_value()
-                        .ok_or_else(|| llvm("a load is not an instruction"))?
-                        .set_alignment(4)
-                        .map_err(llvm)?;
-                    let id = b.build_int_s_extend(id.into_int_value(), i64t, "").map_err(llvm)?;
-                    let above = b.build_int_compare(IntPredicate::SGE, id, lo, "").map_err(llvm)?;
-                    let below = b.build_int_compare(IntPredicate::SLT, id, hi, "").map_err(llvm)?;
-                    let inside = b.build_and(above, below, "").map_err(llvm)?;
-                    any = b.build_or(any, inside, "any").map_err(llvm)?;
-                }
+                let ids = gate_ids(field(4, "gate")?, field(5, "gate_offset")?, s.ids)?;
+                let any = any_inside(&ids, field(6, "lo")?, field(7, "hi")?)?;
                 let copy = ctx.append_basic_block(f, &format!("{label}.copy"));
                 let skip = ctx.append_basic_block(f, &format!("{label}.next"));
                 b.build_conditional_branch(any, copy, skip).map_err(llvm)?;
@@ -349,22 +361,7 @@ fn body<'c>(
                     };
                 // A gated sum's ids (the token's), read once per element.
                 let gated = s.gate > 0;
-                let mut ids = vec![];
-                if gated {
-                    let slot = gep(b, ptr, bases, field(2, "gate")?)?;
-                    let gbase = aligned(b.build_load(ptr, slot, "gate_base").map_err(llvm)?)?.into_pointer_value();
-                    let goff = field(3, "gate_offset")?;
-                    for j in 0..u64::from(s.gate) {
-                        let o = b.build_int_add(goff, c(4 * j), "").map_err(llvm)?;
-                        let at = gep(b, ctx.i8_type(), gbase, o)?;
-                        let id = b.build_load(ctx.i32_type(), at, "id").map_err(llvm)?;
-                        id.as_instruction_value()
-                            .ok_or_else(|| llvm("a load is not an instruction"))?
-                            .set_alignment(4)
-                            .map_err(llvm)?;
-                        ids.push(b.build_int_s_extend(id.into_int_value(), i64t, "").map_err(llvm)?);
-                    }
-                }
+                let ids = if gated { gate_ids(field(2, "gate")?, field(3, "gate_offset")?, s.gate)? } else { vec![] };
                 let (first, per) = if gated { (4, 4) } else { (2, 2) };
                 let mut acc = f32t.const_float(0.0);
                 for k in 0..u64::from(s.sources) {
@@ -374,14 +371,8 @@ fn body<'c>(
                     // lies in its [lo, hi); otherwise the sum stays as it was.
                     let mut skip = None;
                     if gated {
-                        let (lo, hi) = (field(first + per * k + 2, "lo")?, field(first + per * k + 3, "hi")?);
-                        let mut any = ctx.bool_type().const_zero();
-                        for &id in &ids {
-                            let above = b.build_int_compare(IntPredicate::SGE, id, lo, "").map_err(llvm)?;
-                            let below = b.build_int_compare(IntPredicate::SLT, id, hi, "").map_err(llvm)?;
-                            let inside = b.build_and(above, below, "").map_err(llvm)?;
-                            any = b.build_or(any, inside, "any").map_err(llvm)?;
-                        }
+                        let any =
+                            any_inside(&ids, field(first + per * k + 2, "lo")?, field(first + per * k + 3, "hi")?)?;
                         let from = b.get_insert_block().ok_or_else(|| llvm("no block to branch from"))?;
                         let read = ctx.append_basic_block(f, &format!("{label}.source{k}"));
                         let join = ctx.append_basic_block(f, &format!("{label}.source{k}.end"));
