@@ -268,10 +268,11 @@ fn expertplex_over_pd_on_minimax_sharegpt() {
 }
 
 /// ExpertPlex §7.2 (Fig. 8), MiniMax-M2 on LooGLE (TTFT 10 s, TPOT 100 ms):
-/// ExpertPlex's goodput is 1.28× SGLang-PDMux's (Green Context, TP8EP8),
-/// lengths capped at PD's KV capacity (§7.1). 30 s probes; seeds 1–3 give
-/// 1.17×, 1.20× and 1.21×. (On ShareGPT the model still puts Green Context
-/// ahead: README, "Simulate serving".)
+/// ExpertPlex's goodput is 1.28× SGLang-PDMux's (Green Contexts under
+/// SGLang's PD-Multiplexing splits, TP8EP8), lengths capped at PD's KV
+/// capacity (§7.1). 30 s probes; seeds 1–3 give 1.14×, 1.17× and 1.18×. (On
+/// ShareGPT the model puts PDMux slightly ahead, 0.91× against the paper's
+/// 1.41×: README, "Simulate serving".)
 #[test]
 fn expertplex_over_green_context_on_minimax_loogle() {
     let f = paper_fixture("minimax-m2-h800-loogle");

@@ -150,24 +150,38 @@ fn chunked_prefill_pays_for_every_chunk() {
     assert!(chunked[0].1 > whole, "{chunked:?} vs whole {whole}");
 }
 
+/// SGLang-PDMux's Green Contexts: a decode with nothing prefilling runs on
+/// every SM; beside a long prompt's prefill it runs on the split PD-Multiplexing
+/// chose for a decode batch of one, 20 of 132 SMs, and its steps slow.
 #[test]
-fn green_context_never_lends_its_partition() {
+fn pdmux_decode_runs_on_its_split_only_while_a_prefill_is_in_flight() {
     let f = fixture("minimax-m2-h800");
     let b = f.bench();
     let greens = b.deployments(System::GreenContext).unwrap();
-    // A lone decode gets the same TPOT whatever prefill is doing: its share is fixed.
-    let r = [req(0.0, 300, 50)];
-    let mut last = f64::INFINITY;
-    for g in &greens {
-        let Phases::Split { sharing: Sharing::Green { prefill_share }, .. } = g.phases else { panic!() };
-        let tpot = b.simulate(g, &r)[0].tpot.unwrap();
-        // A larger decode share (smaller prefill share) gives a faster lone decode.
-        assert!(prefill_share > 0.0 && prefill_share < 1.0);
-        if last.is_finite() {
-            assert!(tpot > last, "{}: {tpot} vs {last}", g.label);
-        }
-        last = tpot;
-    }
+    assert_eq!(greens.len(), 1);
+    let g = &greens[0];
+    let Phases::Split { sharing: Sharing::PdMux(mux), .. } = g.phases else { panic!("{:?}", g.phases) };
+    assert_eq!(mux.split(1), (112.0, 20.0));
+    let alone = b.simulate(g, &[req(0.0, 300, 200)])[0].tpot.unwrap();
+    // The same request, and a 16k-token prompt arriving once it decodes.
+    let beside = b.simulate(g, &[req(0.0, 300, 200), req(0.5, 16000, 2)])[0].tpot.unwrap();
+    assert!(beside > alone * 1.05, "TPOT beside a prefill {beside} vs alone {alone}");
+    // Alone it is faster than one step on the 20 SMs (at its first token's
+    // context): it held every SM.
+    let Phases::Split { decode, .. } = g.phases else { unreachable!() };
+    let split_step = b
+        .env
+        .iteration(
+            &[Load::decode(1.0, 301.0)],
+            decode.width,
+            20.0 / 132.0,
+            decode.moe,
+            Sms::fixed(20),
+            0.0,
+            decode.overlap,
+        )
+        .seconds;
+    assert!(alone < split_step, "lone TPOT {alone} vs a step on the split's 20 SMs {split_step}");
 }
 
 #[test]

@@ -3,7 +3,7 @@
 //! serving, chunked prefill, static TP, static EP and Moebius switching. A
 //! *split* engine runs a prefill side and a decode side concurrently, each
 //! iterating on its own attention groups: instance-level PD
-//! disaggregation, Green-Context partitioning and ExpertPlex. Admission is
+//! disaggregation, PD-Multiplexing on Green Contexts and ExpertPlex. Admission is
 //! in arrival order ([`crate::batching::admit_fifo`]). The unified engine
 //! admits as SGLang's scheduler does ([`TokenRatio`]): running requests are
 //! charged an estimated share of their remaining outputs, and a decode step
@@ -500,7 +500,7 @@ impl Side {
 }
 
 /// Prefill and decode on separate attention groups that run concurrently:
-/// PD disaggregation, Green Context, ExpertPlex.
+/// PD disaggregation, PD-Multiplexing (Green Contexts), ExpertPlex.
 pub(super) fn split(
     env: &Env,
     ps: &Shape,
@@ -521,6 +521,8 @@ pub(super) fn split(
     // TTFT rather than as a pause after the first token.
     let decode_kv = f64::from(ds.groups) * ds.kv_per_group;
     let mut committed = 0.0;
+    // PD-Multiplexing's (prefill, decode) SMs for the prefill batch in flight.
+    let mut mux_split = (sms, 0.0);
     let mut next = 0usize;
     loop {
         let t = pre.busy_until.min(dec.busy_until);
@@ -578,9 +580,14 @@ pub(super) fn split(
                     Sms { alone: sms, shared: sms - dec.last_q, contention: d_moe, preempt: 0.0 },
                     d_comm * shared,
                 ),
-                Sharing::Green { prefill_share } => {
-                    let q = sms * prefill_share;
-                    (prefill_share, Sms { alone: q, shared: q, contention: 0.0, preempt: 0.0 }, d_comm)
+                Sharing::PdMux(mux) => {
+                    // The split is chosen now, from the decode batch the
+                    // scheduler runs (prompts prefilled by now have merged into it).
+                    let ready = handoff.iter().take_while(|h| h.0 <= t).count();
+                    let decoding = dec.groups.iter().map(|g| g.decode.len()).max().unwrap_or(0) + ready;
+                    mux_split = mux.split(decoding);
+                    let q = mux_split.0;
+                    (q / sms, Sms { alone: q, shared: q, contention: 0.0, preempt: 0.0 }, d_comm)
                 }
                 Sharing::None => (1.0, Sms::all(env.cm.sms), 0.0),
             };
@@ -632,9 +639,10 @@ pub(super) fn split(
                         if lanes { 0.0 } else { p_comm * shared },
                     )
                 }
-                Sharing::Green { prefill_share } => {
-                    let q = sms * (1.0 - prefill_share);
-                    (1.0 - prefill_share, Sms { alone: q, shared: q, contention: 0.0, preempt: 0.0 }, p_comm)
+                Sharing::PdMux(_) => {
+                    // The split held while a prefill batch is in flight, every SM otherwise.
+                    let q = if prefill_busy && mux_split.1 > 0.0 { mux_split.1 } else { sms };
+                    (q / sms, Sms { alone: q, shared: q, contention: 0.0, preempt: 0.0 }, p_comm)
                 }
                 Sharing::None => (1.0, Sms::all(env.cm.sms), 0.0),
             };
@@ -657,9 +665,9 @@ pub(super) fn split(
 pub enum Sharing {
     /// Separate GPUs (PD disaggregation).
     None,
-    /// Every GPU partitioned: prefill holds `prefill_share` of the SMs for
-    /// all its kernels, decode the rest, fixed; their traffic shares links.
-    Green { prefill_share: f64 },
+    /// Every GPU partitioned by Green Contexts under SGLang's
+    /// PD-Multiplexing policy ([`PdMux`]); the phases' traffic shares links.
+    PdMux(PdMux),
     /// Shared MoE GPUs under APK: decode holds q' SMs while prefill has MoE
     /// work, every SM otherwise; prefill takes the rest (§4.3, §6.4).
     /// `shared` is the fraction of prefill's attention→MoE traffic that takes
@@ -670,6 +678,81 @@ pub enum Sharing {
     /// first and only prefill's stretch, by decode's link duty. Without,
     /// the link is FIFO and each phase's transfers stretch by the other's duty.
     Apk { q: u32, x_star: f64, q_max: u32, lanes: bool, shared: f64 },
+}
+
+/// SGLang's PD-Multiplexing (`--enable-pdmux`, `srt/multiplex/`) with its
+/// default configuration: the paper's SGLang-PDMux baseline is "based on the
+/// open-source MuxWise implementation" [ExpertPlex ref. 10] and modified for
+/// MoE (§7.1); this is the PD-multiplexing scheduler SGLang ships, whose
+/// flag the baseline is named after. Each GPU holds Green Contexts of fixed SM counts:
+/// - while a prefill batch is in flight the phases run on one of
+///   `sm_group_num − 2` splits ([`PdMux::splits`]), where prefill never
+///   holds fewer SMs than decode; the split is chosen when the batch starts,
+///   from the running decode batch ([`PdMux::split`]), and held until it ends;
+/// - with no prefill in flight decode runs on every SM, and with nothing
+///   decoding prefill does.
+///
+/// Not modeled: SGLang's scheduler loop also advances a prefill batch only
+/// `split_forward_token_budget / prompt tokens` layers (at least one) per
+/// decode step. With that throttle the model puts ExpertPlex 3.9× ahead on
+/// MiniMax-M2 LooGLE where the paper measured 1.28×, so the paper's modified
+/// baseline cannot pace prefill that way.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PdMux {
+    /// SMs per GPU.
+    pub sms: u32,
+    /// Green Context granularity (`get_arch_constraints`): the smallest
+    /// part and the step between part sizes (8 and 8 on sm_90, 4 and 2 on sm_80).
+    pub min_part: u32,
+    pub step: u32,
+    /// `sm_group_num` (8): the all-prefill group, `sm_group_num − 2` splits,
+    /// the all-decode group.
+    pub groups: u32,
+    /// `decode_bs_divisor` (36).
+    pub decode_bs_divisor: u32,
+}
+
+impl PdMux {
+    /// The defaults of SGLang's `PDMuxConfig` on a GPU of `sms` SMs.
+    pub fn sglang(sms: u32, arch: moeforge_dsl::spec::Arch) -> PdMux {
+        let (min_part, step) = match arch {
+            moeforge_dsl::spec::Arch::Sm90a => (8, 8),
+            moeforge_dsl::spec::Arch::Sm80 => (4, 2),
+        };
+        PdMux { sms, min_part, step, groups: 8, decode_bs_divisor: 36 }
+    }
+
+    /// The (prefill, decode) SM splits, largest prefill first (`divide_sm`):
+    /// prefill never holds fewer SMs than decode, decode at least 16; of the
+    /// `a` prefill sizes allowed, every ⌊a / (groups − 2)⌋-th, at most `groups − 2`.
+    pub fn splits(&self) -> Vec<(u32, u32)> {
+        let n = self.sms;
+        let allowed: Vec<u32> = (self.min_part..=n.saturating_sub(self.min_part))
+            .step_by(self.step.max(1) as usize)
+            .filter(|&x| x >= n - x && n - x >= 16)
+            .collect();
+        let want = self.groups.saturating_sub(2).max(1) as usize;
+        let stride = if allowed.len() >= want { (allowed.len() / want).max(1) } else { 1 };
+        let mut out: Vec<(u32, u32)> = allowed.iter().step_by(stride).take(want).map(|&p| (p, n - p)).collect();
+        out.reverse();
+        out
+    }
+
+    /// The (prefill, decode) SMs a prefill batch runs under beside a decode
+    /// batch of `decode` requests (`adjust_stream_groups`): split
+    /// `clamp(decode · (groups − 2) / decode_bs_divisor, 1, groups − 2)`
+    /// (counted from 1), every SM to prefill when nothing decodes.
+    pub fn split(&self, decode: usize) -> (f64, f64) {
+        let splits = self.splits();
+        if decode == 0 || splits.is_empty() {
+            return (f64::from(self.sms), 0.0);
+        }
+        let last = splits.len();
+        let i =
+            (decode * (self.groups.saturating_sub(2) as usize) / self.decode_bs_divisor.max(1) as usize).clamp(1, last);
+        let (p, d) = splits[i - 1];
+        (f64::from(p), f64::from(d))
+    }
 }
 
 #[cfg(test)]
@@ -691,6 +774,27 @@ mod tests {
         let d = &s.deploys[0];
         let (m, c, t) = (s.model(d.model), s.cluster(d.cluster), s.tile_set(d.tiles));
         Env::new(m, c, t, d, &CostModel::roofline(m, c, t), 0)
+    }
+
+    /// SGLang's `divide_sm` worked by hand. sm_90 (parts of at least 8, in
+    /// steps of 8) on 132 SMs: prefill sizes 72–112 keep prefill ≥ decode and
+    /// decode ≥ 16, exactly the six splits wanted. sm_80 (at least 4, steps
+    /// of 2) on 108 SMs: 54–92 are 20 sizes, every third is taken (54, 60, …, 84).
+    #[test]
+    fn pdmux_splits_are_sglangs_divide_sm_chosen_by_the_decode_batch() {
+        use moeforge_dsl::spec::Arch;
+        let h = PdMux::sglang(132, Arch::Sm90a);
+        assert_eq!(h.splits(), [(112, 20), (104, 28), (96, 36), (88, 44), (80, 52), (72, 60)]);
+        let a = PdMux::sglang(108, Arch::Sm80);
+        assert_eq!(a.splits(), [(84, 24), (78, 30), (72, 36), (66, 42), (60, 48), (54, 54)]);
+        // clamp(bs · 6 / 36, 1, 6)-th split; nothing decoding: every SM to prefill.
+        for (bs, want) in [(0, (132.0, 0.0)), (1, (112.0, 20.0)), (11, (112.0, 20.0)), (12, (104.0, 28.0))] {
+            assert_eq!(h.split(bs), want, "decode batch {bs}");
+        }
+        for bs in [35, 36, 1000] {
+            let want = if bs < 36 { (80.0, 52.0) } else { (72.0, 60.0) };
+            assert_eq!(h.split(bs), want, "decode batch {bs}");
+        }
     }
 
     #[test]

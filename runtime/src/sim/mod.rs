@@ -25,7 +25,7 @@ mod loops;
 pub mod report;
 pub mod workload;
 
-pub use loops::{Sharing, MAX_PREFILL_TOKENS};
+pub use loops::{PdMux, Sharing, MAX_PREFILL_TOKENS};
 use moeforge_dsl::spec::Spec;
 use moeforge_plan::cost::expected_x_moe;
 use moeforge_plan::cost::step::{self as model, Env, MoeSide, Overlaps};
@@ -159,8 +159,6 @@ pub struct Deployment {
 
 /// Prompt-chunk sizes (tokens per DP rank) chunked prefill is tuned over.
 pub const CHUNKS: [f64; 4] = [1024.0, 2048.0, 4096.0, 8192.0];
-/// Prefill SM shares Green-Context partitioning is tuned over.
-pub const GREEN_SHARES: [f64; 5] = [0.25, 1.0 / 3.0, 0.5, 2.0 / 3.0, 0.75];
 
 /// Everything the systems share for one deployment.
 pub struct Bench<'a> {
@@ -392,8 +390,9 @@ impl<'a> Bench<'a> {
         })
     }
 
-    /// Green-Context partitioning: TP attention per node, EP experts, both
-    /// phases on every GPU with a fixed SM split.
+    /// SGLang-PDMux (§7.1): PD-Multiplexing on Green Contexts
+    /// ([`loops::PdMux`], SGLang's defaults), tensor-parallel attention per
+    /// node (its implementation supports no other), EP experts.
     fn green(&self) -> Vec<Deployment> {
         let e = &self.env;
         let w = e.gpus_per_node;
@@ -411,21 +410,21 @@ impl<'a> Bench<'a> {
             kv_per_group: kv,
             overlap: Overlaps::STANDARD,
         };
-        GREEN_SHARES
-            .iter()
-            .map(|&s| Deployment {
-                system: System::GreenContext,
-                label: format!("TP{w}EP{} prefill {:.0}% SMs", e.world, s * 100.0),
-                phases: Phases::Split {
-                    prefill: shape(f64::INFINITY),
-                    decode: shape(kv),
-                    sharing: Sharing::Green { prefill_share: s },
-                    kv_transfer: false,
-                },
-                expert_copies: 1,
-                decode_kv_tokens: f64::from(e.nodes) * kv,
-            })
-            .collect()
+        let d = &self.spec.deploys[0];
+        let mux = loops::PdMux::sglang(e.cm.sms, self.spec.cluster(d.cluster).gpu.arch);
+        let (p, q) = mux.splits().last().copied().unwrap_or((e.cm.sms, 0));
+        vec![Deployment {
+            system: System::GreenContext,
+            label: format!("TP{w}EP{} PDMux {p}/{q} SMs", e.world),
+            phases: Phases::Split {
+                prefill: shape(f64::INFINITY),
+                decode: shape(kv),
+                sharing: Sharing::PdMux(mux),
+                kv_transfer: false,
+            },
+            expert_copies: 1,
+            decode_kv_tokens: f64::from(e.nodes) * kv,
+        }]
     }
 
     /// Virtual lanes of the deployment's scale-out link (1 without one).
