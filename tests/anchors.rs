@@ -254,6 +254,32 @@ fn moebius_bursty_trace() {
     }
 }
 
+/// Moebius §6.3 (Fig. 10): on nine RL rollout steps of 2048 DeepMath prompts
+/// on Qwen3-235B-A22B, 8×H200 (rollout policy: start in EP, T_h = T_l = 256,
+/// W = 1), Moebius is the fastest at every step and beats the better static
+/// layout by 1.16–1.25×, mean 1.22×. Nine seeded steps stand in for the
+/// paper's nine; each must be won, and the mean gain is pinned at ±20%
+/// (1.10× at this commit, per step 1.06–1.15×: the model's EP wins every step,
+/// where the paper's TP won the heaviest-tailed ones).
+#[test]
+fn moebius_rollout_gain_over_the_better_static_layout() {
+    let f = fixture("qwen3-235b-a22b-h200");
+    let b = f.bench();
+    let gains: Vec<f64> = (1..=9)
+        .map(|seed| {
+            let rs = b.rollout(2048, seed);
+            moeforge::runtime::sim::report::rollout_gain(&rs).unwrap_or_else(|| panic!("step {seed}: {rs:?}"))
+        })
+        .collect();
+    assert!(gains.iter().all(|&g| g > 1.0), "Moebius lost a step: {gains:?}");
+    near(
+        "Qwen3-235B rollout: Moebius over the better static layout (mean of 9 steps)",
+        gains.iter().sum::<f64>() / 9.0,
+        1.22,
+        0.2,
+    );
+}
+
 /// ExpertPlex §7.2 (Fig. 7), MiniMax-M2 on ShareGPT, one 8×H800 node:
 /// ExpertPlex's P90 goodput is 2.01× instance-level PD's (1P1D × DP4EP4).
 /// PD loses by duplicating the experts: each decode GPU holds a quarter of
