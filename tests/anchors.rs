@@ -297,7 +297,7 @@ fn expertplex_over_pd_on_minimax_sharegpt() {
 /// ExpertPlex's goodput is 1.28× SGLang-PDMux's (Green Contexts under
 /// SGLang's PD-Multiplexing splits, TP8EP8), lengths capped at PD's KV
 /// capacity (§7.1). 30 s probes; seeds 1–3 give 1.14×, 1.17× and 1.18×. (On
-/// ShareGPT the model puts PDMux slightly ahead, 0.91× against the paper's
+/// ShareGPT the model puts PDMux slightly ahead, 0.86× against the paper's
 /// 1.41×: README, "Simulate serving".)
 #[test]
 fn expertplex_over_green_context_on_minimax_loogle() {

@@ -568,6 +568,8 @@ pub(super) fn split(
                 let freed = if waiting.is_empty() { f64::INFINITY } else { dec.busy_until.max(t + 1e-9) };
                 pre.busy_until = arrival.min(freed);
                 pre.last = Iter::default();
+                // No prefill batch in flight: PD-Multiplexing gives decode every SM.
+                mux_split = (sms, 0.0);
                 if pre.busy_until.is_infinite() && dec.busy_until.is_infinite() {
                     break;
                 }
@@ -581,10 +583,12 @@ pub(super) fn split(
                     d_comm * shared,
                 ),
                 Sharing::PdMux(mux) => {
-                    // The split is chosen now, from the decode batch the
-                    // scheduler runs (prompts prefilled by now have merged into it).
+                    // The split is chosen now, from the decode batch a
+                    // group's scheduler runs (prompts prefilled by now have
+                    // merged into it, spread over the groups).
                     let ready = handoff.iter().take_while(|h| h.0 <= t).count();
-                    let decoding = dec.groups.iter().map(|g| g.decode.len()).max().unwrap_or(0) + ready;
+                    let decoding = dec.groups.iter().map(|g| g.decode.len()).max().unwrap_or(0)
+                        + ready.div_ceil(dec.groups.len().max(1));
                     mux_split = mux.split(decoding);
                     let q = mux_split.0;
                     (q / sms, Sms { alone: q, shared: q, contention: 0.0, preempt: 0.0 }, d_comm)
@@ -739,17 +743,16 @@ impl PdMux {
     }
 
     /// The (prefill, decode) SMs a prefill batch runs under beside a decode
-    /// batch of `decode` requests (`adjust_stream_groups`): split
-    /// `clamp(decode · (groups − 2) / decode_bs_divisor, 1, groups − 2)`
-    /// (counted from 1), every SM to prefill when nothing decodes.
+    /// batch of `decode` requests (`adjust_stream_groups`): of the `n`
+    /// splits, the `clamp(decode · n / decode_bs_divisor, 1, n)`-th (counted
+    /// from 1); every SM to prefill when nothing decodes.
     pub fn split(&self, decode: usize) -> (f64, f64) {
         let splits = self.splits();
-        if decode == 0 || splits.is_empty() {
+        let n = splits.len();
+        if decode == 0 || n == 0 {
             return (f64::from(self.sms), 0.0);
         }
-        let last = splits.len();
-        let i =
-            (decode * (self.groups.saturating_sub(2) as usize) / self.decode_bs_divisor.max(1) as usize).clamp(1, last);
+        let i = (decode * n / self.decode_bs_divisor.max(1) as usize).clamp(1, n);
         let (p, d) = splits[i - 1];
         (f64::from(p), f64::from(d))
     }

@@ -6,7 +6,7 @@
 //! |---|---|---|---|
 //! | `expertplex` | per-phase DP attention servers (the layout search's best) | shared MoE servers | concurrent; decode holds q' SMs under APK, every SM alone |
 //! | `pd-disagg` | whole-model instances (the fewest GPUs holding the weights), half prefill, half decode | one copy per instance | concurrent, separate GPUs; KV moves after prefill |
-//! | `green-context` | TP per node on an SM partition | EP, same partition | concurrent on every GPU; fixed split, shared links |
+//! | `green-context` | SGLang-PDMux: TP per node on Green Context SM partitions | EP, same partitions | concurrent on every GPU: while a prefill batch is in flight, the SGLang PD-Multiplexing split its decode batch picks; otherwise decode on every SM; shared links |
 //! | `colocated` | DP on every GPU | EP on every GPU | one iteration at a time, prefill first |
 //! | `chunked-prefill` | as colocated, prompts split into chunks | | each chunk re-reads weights and its prefix KV |
 //! | `static-tp` / `static-ep` | the dual-mode plan in one mode | | one iteration at a time; SGLang's default chunked prefill (its budget split over DP ranks) |
@@ -412,10 +412,14 @@ impl<'a> Bench<'a> {
         };
         let d = &self.spec.deploys[0];
         let mux = loops::PdMux::sglang(e.cm.sms, self.spec.cluster(d.cluster).gpu.arch);
-        let (p, q) = mux.splits().last().copied().unwrap_or((e.cm.sms, 0));
+        let splits = mux.splits();
+        let range = match (splits.first(), splits.last()) {
+            (Some(a), Some(b)) => format!("{}/{}–{}/{} SMs", a.0, a.1, b.0, b.1),
+            _ => "no splits".into(),
+        };
         vec![Deployment {
             system: System::GreenContext,
-            label: format!("TP{w}EP{} PDMux {p}/{q} SMs", e.world),
+            label: format!("TP{w}EP{} PDMux {range}", e.world),
             phases: Phases::Split {
                 prefill: shape(f64::INFINITY),
                 decode: shape(kv),
