@@ -391,8 +391,10 @@ impl<'a> Bench<'a> {
     }
 
     /// SGLang-PDMux (§7.1): PD-Multiplexing on Green Contexts
-    /// ([`loops::PdMux`], SGLang's defaults), tensor-parallel attention per
-    /// node (its implementation supports no other), EP experts.
+    /// ([`loops::PdMux`], SGLang's defaults), tensor-parallel attention (its
+    /// implementation supports no other) in one group per node, EP experts
+    /// over every GPU. (The paper ran GLM-5's baselines on 16 of the 24 GPUs,
+    /// PDMux as TP16EP16; that is not modeled: README, "Simulate serving".)
     fn green(&self) -> Vec<Deployment> {
         let e = &self.env;
         let w = e.gpus_per_node;
