@@ -363,17 +363,27 @@ fn placement_is_evaluated_under_skewed_loads() {
     let rs = f.bench().placements(probe).unwrap();
     let get =
         |rs: &[moeforge::runtime::sim::report::PlacementResult], p| rs.iter().find(|r| r.policy == p).unwrap().clone();
-    // Zipf popularity without replicas leaves one rank far above the mean; EPLB's replicas even it out.
+    // The replicas sit on the role plan's MoE servers: ExpertPlex is what runs under them.
+    assert!(rs.iter().all(|r| r.system == System::ExpertPlex), "{rs:?}");
+    // Zipf popularity without replicas leaves one MoE server far above the
+    // mean, which costs goodput; EPLB's replicas even it out.
     let (uniform, none, eplb) =
         (get(&rs, None), get(&rs, Some(PlacementPolicy::None)), get(&rs, Some(PlacementPolicy::Eplb)));
     assert_eq!(uniform.busiest, 1.0);
     assert!(none.busiest > 1.5 && eplb.busiest < none.busiest, "{none:?} {eplb:?}");
+    assert!(none.goodput < uniform.goodput && eplb.goodput > none.goodput, "{uniform:?} {none:?} {eplb:?}");
     // Across nodes Zepp serves more rows on the sender's node than EPLB, and that shows in goodput.
     let f = fixture("glm-5-h800x24");
     let rs = f.bench().placements(probe).unwrap();
     let (eplb, zepp) = (get(&rs, Some(PlacementPolicy::Eplb)), get(&rs, Some(PlacementPolicy::Zepp)));
     assert!(zepp.local > eplb.local + 0.1, "{zepp:?} {eplb:?}");
     assert!(zepp.goodput > eplb.goodput, "{zepp:?} {eplb:?}");
+    // A plan without roles places for colocated serving, and is evaluated there.
+    let f = fixture("deepseek-v3-h100x32");
+    let rs = f.bench().placements(probe).unwrap();
+    assert!(rs.iter().all(|r| r.system == System::Colocated), "{rs:?}");
+    let (none, eplb) = (get(&rs, Some(PlacementPolicy::None)), get(&rs, Some(PlacementPolicy::Eplb)));
+    assert!(eplb.busiest < none.busiest && eplb.goodput > none.goodput, "{none:?} {eplb:?}");
 }
 
 /// Virtual-lane priority (ExpertPlex §5): where prefill's rows take a direct

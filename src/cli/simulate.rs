@@ -89,8 +89,11 @@ pub fn run(a: Args) -> Result<(), ExitCode> {
         match bench.placements(probe) {
             Ok(rs) => {
                 let loads = bench.plan.placement.as_ref().map_or("", |p| p.loads.as_str());
-                let _ =
-                    writeln!(text, "\nExpert placement, colocated DP+EP under the placement pass's loads ({loads}):");
+                let on = match rs.first().map(|r| r.system) {
+                    Some(System::ExpertPlex) => "ExpertPlex on its MoE servers",
+                    _ => "colocated DP+EP",
+                };
+                let _ = writeln!(text, "\nExpert placement, {on} under the placement pass's loads ({loads}):");
                 let mut csv = String::from("placement,busiest_over_mean,local_fraction,goodput\n");
                 for r in &rs {
                     let name = r.policy.map_or("uniform popularity", |p| match p {

@@ -944,9 +944,12 @@ impl Bench<'_> {
     }
 }
 
-/// Colocated DP+EP serving under one placement policy's routing.
+/// One system's serving under one placement policy's routing.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PlacementResult {
+    /// The system evaluated: ExpertPlex where the plan's replicas sit on its
+    /// MoE servers, colocated DP+EP otherwise.
+    pub system: System,
     /// `None`: uniform expert popularity (no skew to place against).
     pub policy: Option<moeforge_dsl::spec::PlacementPolicy>,
     pub busiest: f64,
@@ -955,32 +958,54 @@ pub struct PlacementResult {
 }
 
 impl Bench<'_> {
-    /// Colocated DP+EP (the layout the placement pass places for) under
-    /// every placement policy's routing of the plan's expert loads: the
-    /// busiest EP rank's share of rows sets the MoE time of a layer, the
-    /// fraction served on the sender's node sets how much crosses the NICs.
-    /// A first row with uniform popularity shows what the skew costs.
+    /// The layout the placement pass placed for, under every placement
+    /// policy's routing of the plan's expert loads: ExpertPlex (the plan's
+    /// roles) where the replicas sit on its MoE servers, colocated DP+EP
+    /// otherwise. The busiest EP rank's share of rows sets the MoE time of a
+    /// layer, the fraction served on the sender's node sets how much crosses
+    /// the NICs. A first row with uniform popularity shows what the skew costs.
     pub fn placements(&self, probe: Probe) -> Result<Vec<PlacementResult>, String> {
+        use moeforge_plan::cost::step::MoeSide;
         let p =
             self.plan.placement.as_ref().ok_or("the deployment has no expert placement (`placement { policy }`)")?;
         if p.stats.is_empty() {
             return Err("the plan's placement holds no routing statistics (a bundle from an older moeforge)".into());
         }
-        let base = self.deployments(System::Colocated)?.into_iter().next().ok_or("no colocated deployment")?;
-        let e = &self.env;
-        let uniform_local = f64::from(e.gpus_per_node) / f64::from(e.world);
+        let system = if self.plan.roles.as_ref().is_some_and(|r| r.moe_servers()) {
+            System::ExpertPlex
+        } else {
+            System::Colocated
+        };
+        let base = self.deployments(system)?.into_iter().next().ok_or("no deployment to place for")?;
+        let uniform_local = match &base.phases {
+            super::Phases::Unified { ep: Some(shape), .. } | super::Phases::Split { decode: shape, .. } => {
+                match shape.moe {
+                    MoeSide::Ep { local, .. } => local,
+                    MoeSide::Tp { .. } => 1.0,
+                }
+            }
+            super::Phases::Unified { .. } => 1.0,
+        };
         let rows = std::iter::once((None, 1.0, uniform_local))
             .chain(p.stats.iter().map(|s| (Some(s.policy), s.busiest, s.local)));
-        let start = (self.goodputs(&[System::Colocated], probe)[0].1 / 2.0).max(0.05);
+        let start = (self.goodputs(&[system], probe)[0].1 / 2.0).max(0.05);
         Ok(rows
             .map(|(policy, busiest, local)| {
                 let mut env = self.env.clone();
                 env.skew = busiest;
                 let mut dep = base.clone();
-                if let super::Phases::Unified { ep: Some(shape), .. } = &mut dep.phases {
-                    if let moeforge_plan::cost::step::MoeSide::Ep { local: l, .. } = &mut shape.moe {
+                let set = |shape: &mut super::Shape| {
+                    if let MoeSide::Ep { local: l, .. } = &mut shape.moe {
                         *l = local;
                     }
+                };
+                match &mut dep.phases {
+                    super::Phases::Unified { ep: Some(shape), .. } => set(shape),
+                    super::Phases::Split { prefill, decode, .. } => {
+                        set(prefill);
+                        set(decode);
+                    }
+                    super::Phases::Unified { .. } => {}
                 }
                 let bench = Bench {
                     spec: self.spec,
@@ -989,7 +1014,7 @@ impl Bench<'_> {
                     search: self.search.clone(),
                     length_cap: self.length_cap,
                 };
-                PlacementResult { policy, busiest, local, goodput: bench.goodput(&dep, start, probe) }
+                PlacementResult { system, policy, busiest, local, goodput: bench.goodput(&dep, start, probe) }
             })
             .collect())
     }
