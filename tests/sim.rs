@@ -375,8 +375,15 @@ fn placement_is_evaluated_under_skewed_loads() {
     // Across nodes Zepp serves more rows on the sender's node than EPLB, and that shows in goodput.
     let f = fixture("glm-5-h800x24");
     let rs = f.bench().placements(probe).unwrap();
-    let (eplb, zepp) = (get(&rs, Some(PlacementPolicy::Eplb)), get(&rs, Some(PlacementPolicy::Zepp)));
+    let (uniform, eplb, zepp) =
+        (get(&rs, None), get(&rs, Some(PlacementPolicy::Eplb)), get(&rs, Some(PlacementPolicy::Zepp)));
+    // EPLB routes uniformly over replicas spread like the stripes: the
+    // uniform layout's locality, seen from the attention servers.
+    assert!((eplb.local - uniform.local).abs() < 1e-9, "{uniform:?} {eplb:?}");
     assert!(zepp.local > eplb.local + 0.1, "{zepp:?} {eplb:?}");
+    // Zepp's busiest MoE server is no lighter than EPLB's, so its higher
+    // goodput comes from the rows it keeps on the sender's node.
+    assert!(zepp.busiest >= eplb.busiest, "{zepp:?} {eplb:?}");
     assert!(zepp.goodput > eplb.goodput, "{zepp:?} {eplb:?}");
     // A plan without roles places for colocated serving, and is evaluated there.
     let f = fixture("deepseek-v3-h100x32");

@@ -986,8 +986,19 @@ impl Bench<'_> {
             }
             super::Phases::Unified { .. } => 1.0,
         };
+        // The statistics count rows served on the sender's node with the
+        // placed GPUs as the senders, one per GPU; under uniform routing
+        // that is 1/k over the k nodes holding them. ExpertPlex's senders are
+        // its attention servers, and one on a node without MoE servers never
+        // serves a row locally: scale by the uniform layout's locality over 1/k
+        // (1 for colocated serving and for attention on every MoE node).
+        let k = match &self.plan.roles {
+            Some(r) if system == System::ExpertPlex => r.per_node.iter().filter(|n| n[0] > 0).count(),
+            _ => self.env.nodes as usize,
+        };
+        let scale = (uniform_local * k.max(1) as f64).min(1.0);
         let rows = std::iter::once((None, 1.0, uniform_local))
-            .chain(p.stats.iter().map(|s| (Some(s.policy), s.busiest, s.local)));
+            .chain(p.stats.iter().map(|s| (Some(s.policy), s.busiest, (s.local * scale).min(1.0))));
         let start = (self.goodputs(&[system], probe)[0].1 / 2.0).max(0.05);
         Ok(rows
             .map(|(policy, busiest, local)| {
