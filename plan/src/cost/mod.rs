@@ -546,15 +546,13 @@ impl CostModel {
         if tokens <= 0.0 {
             return 0.0;
         }
-        let distinct = |n: f64| n * (1.0 - (1.0 - 1.0 / n.max(1.0)).powf(top_k));
         if !hierarchical {
             let bytes = tokens * top_k * row_bytes;
             return self.nvlink(bytes * local).max(self.rdma(bytes * (1.0 - local)));
         }
-        let per_gpu = tokens * row_bytes * distinct(gpus);
+        let per_gpu = tokens * row_bytes * distinct(gpus, top_k);
         if nodes > 1.0 {
-            let remote_nodes = (distinct(nodes) - local).max(0.0);
-            self.rdma(tokens * row_bytes * remote_nodes) + self.nvlink(per_gpu / nodes)
+            self.rdma(tokens * row_bytes * remote_nodes(top_k, nodes, local)) + self.nvlink(per_gpu / nodes)
         } else {
             self.nvlink(per_gpu)
         }
@@ -578,6 +576,25 @@ impl CostModel {
                 + bytes / (self.links.scale_out_bw * self.calib.rdma_efficiency)
         }
     }
+}
+
+/// Expected remote nodes one token's `top_k` experts reach over `nodes`
+/// nodes when each lies on the sender's node with probability `local` and
+/// on each other node with probability (1 − local)/(nodes − 1): every
+/// remote node is reached unless all k miss it, so
+/// (n − 1)(1 − (1 − (1 − local)/(n − 1))^k). Locality-preferred routing
+/// (Zepp) raises `local` and so lowers the copies that cross nodes.
+pub fn remote_nodes(top_k: f64, nodes: f64, local: f64) -> f64 {
+    if nodes <= 1.0 {
+        return 0.0;
+    }
+    let away = (1.0 - local.clamp(0.0, 1.0)) / (nodes - 1.0);
+    (nodes - 1.0) * (1.0 - (1.0 - away).powf(top_k))
+}
+
+/// Expected distinct places `top_k` picks reach among `n` equally likely ones.
+fn distinct(n: f64, top_k: f64) -> f64 {
+    n * (1.0 - (1.0 - 1.0 / n.max(1.0)).powf(top_k))
 }
 
 pub const COMPONENTS: &[&str] = &["attn_prefill", "attn_decode", "moe", "ffn", "head"];
@@ -687,10 +704,47 @@ mod tests {
         assert!(((direct - floor) * bw / (4096.0 * row * k) - 1.0).abs() < 1e-9);
         assert!(((dedup - floor) * bw / (4096.0 * row * distinct) - 1.0).abs() < 1e-9);
         // Three nodes, a third local: RDMA carries one copy per remote node
-        // (3(1 − (2/3)^8) − 1/3 ≈ 2.54 nodes), far less than the direct path's 2/3 of 8 copies.
+        // (2(1 − (2/3)^8) ≈ 1.92 of the 2 remote nodes), far less than the
+        // direct path's 2/3 of 8 copies.
         let hier = cm.dispatch(4096.0, row, k, 24.0, 3.0, 1.0 / 3.0, true);
         let flat = cm.dispatch(4096.0, row, k, 24.0, 3.0, 1.0 / 3.0, false);
         assert!(hier < flat, "hierarchical {hier} vs direct {flat}");
+        let rdma = cm.rdma(4096.0 * row * 2.0 * (1.0 - (2.0f64 / 3.0).powi(8)));
+        let nvlink = cm.nvlink(4096.0 * row * 24.0 * (1.0 - (23.0f64 / 24.0).powi(8)) / 3.0);
+        assert!((hier / (rdma + nvlink) - 1.0).abs() < 1e-9, "{hier} vs {}", rdma + nvlink);
+    }
+
+    /// The expected remote nodes against every placement of a token's
+    /// experts, enumerated: each of k experts on one of n nodes, the
+    /// sender's with probability `local` and the others evenly otherwise
+    /// (uniform placement is local = 1/n).
+    #[test]
+    fn remote_nodes_match_an_enumeration_of_expert_placements() {
+        fn enumerate(k: u32, n: usize, local: f64) -> f64 {
+            let p = |node: usize| if node == 0 { local } else { (1.0 - local) / (n - 1) as f64 };
+            let mut expected = 0.0;
+            for code in 0..n.pow(k) {
+                let (mut c, mut prob, mut hit) = (code, 1.0, vec![false; n]);
+                for _ in 0..k {
+                    let node = c % n;
+                    c /= n;
+                    prob *= p(node);
+                    hit[node] = true;
+                }
+                expected += prob * hit[1..].iter().filter(|&&h| h).count() as f64;
+            }
+            expected
+        }
+        for (k, n, local) in
+            [(8u32, 3usize, 1.0 / 3.0), (8, 4, 0.25), (2, 2, 0.5), (4, 3, 0.547), (8, 3, 0.9), (3, 4, 0.0)]
+        {
+            let want = enumerate(k, n, local);
+            let got = remote_nodes(f64::from(k), n as f64, local);
+            assert!((got - want).abs() < 1e-9, "k {k} n {n} local {local}: {got} vs {want}");
+        }
+        // More rows served locally, fewer nodes crossed; none on one node.
+        assert!(remote_nodes(8.0, 3.0, 0.55) < remote_nodes(8.0, 3.0, 1.0 / 3.0));
+        assert_eq!(remote_nodes(8.0, 1.0, 1.0), 0.0);
     }
 
     #[test]
