@@ -346,6 +346,14 @@ fn expertplex_roles_with_zepp_replicas_give_transformers_tokens() {
     eprintln!("{} intra-node exchanges between MoE servers mid-run, logits unchanged", s.swaps());
 }
 
+/// Two nodes of five GPUs whose layout search puts a MoE, a prefill and
+/// three decode servers on each: with 512-token prompts (ShareGPT's short
+/// ones need one prefill server for both nodes) each node gets its own, so
+/// a prefill server's rows for the other node relay through that node's.
+fn relay_layout(block: &str, extra: &str) -> String {
+    cpu_cluster_deployment(block, 2, 5, 0.25, extra).replace("input = sharegpt", "input fixed { value = 512 }")
+}
+
 /// The communication schedule at work on the twin: two nodes, each with a
 /// MoE, a prefill and three decode servers. A prefill server's rows for the
 /// other node's MoE server go through that node's prefill server (one
@@ -360,7 +368,7 @@ fn the_dispatch_schedule_relays_prefill_rows_and_rounds_at_the_post_cap() {
     let block = imported_block(&f.dir);
     let tmp = tempfile::tempdir().unwrap();
     let extra = "strategy = expertplex placement { policy = zepp redundant_experts = 4 }";
-    let mut b = compile_text(&cpu_cluster_deployment(&block, 2, 5, 0.25, extra), tmp.path());
+    let mut b = compile_text(&relay_layout(&block, extra), tmp.path());
     let roles = b.plan.plan().roles.clone().expect("roles");
     assert_eq!(roles.per_node, [[1, 1, 3], [1, 1, 3]]);
     assert!(roles.posts.iter().any(|p| matches!(p.path, Path::Relay { .. })));
@@ -1606,7 +1614,7 @@ fn prefill_posts_relay_through_the_other_nodes_prefill_server_on_the_emulated_de
     let Qwen3Moe { f, bound, steps, ck, block } = qwen3_moe();
     let (cache, tmp) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let extra = "strategy = expertplex placement { policy = zepp redundant_experts = 4 }";
-    let b = compile_text(&cpu_cluster_deployment(&block, 2, 5, 0.25, extra), tmp.path());
+    let b = compile_text(&relay_layout(&block, extra), tmp.path());
     let roles = b.plan.plan().roles.clone().expect("roles");
     assert_eq!(roles.per_node, [[1, 1, 3], [1, 1, 3]]);
     assert!(roles.posts.iter().any(|p| matches!(p.path, Path::Relay { .. })));
