@@ -976,15 +976,10 @@ impl Bench<'_> {
         } else {
             System::Colocated
         };
-        let base = self.deployments(system)?.into_iter().next().ok_or("no deployment to place for")?;
-        let uniform_local = match &base.phases {
-            super::Phases::Unified { ep: Some(shape), .. } | super::Phases::Split { decode: shape, .. } => {
-                match shape.moe {
-                    MoeSide::Ep { local, .. } => local,
-                    MoeSide::Tp { .. } => 1.0,
-                }
-            }
-            super::Phases::Unified { .. } => 1.0,
+        let mut base = self.deployments(system)?.into_iter().next().ok_or("no deployment to place for")?;
+        let uniform_local = match moe_shapes(&mut base.phases).last().map(|s| s.moe) {
+            Some(MoeSide::Ep { local, .. }) => local,
+            _ => 1.0,
         };
         // The statistics count rows served on the sender's node with the
         // placed GPUs as the senders, one per GPU; under uniform routing
@@ -1005,18 +1000,10 @@ impl Bench<'_> {
                 let mut env = self.env.clone();
                 env.skew = busiest;
                 let mut dep = base.clone();
-                let set = |shape: &mut super::Shape| {
+                for shape in moe_shapes(&mut dep.phases) {
                     if let MoeSide::Ep { local: l, .. } = &mut shape.moe {
                         *l = local;
                     }
-                };
-                match &mut dep.phases {
-                    super::Phases::Unified { ep: Some(shape), .. } => set(shape),
-                    super::Phases::Split { prefill, decode, .. } => {
-                        set(prefill);
-                        set(decode);
-                    }
-                    super::Phases::Unified { .. } => {}
                 }
                 let bench = Bench {
                     spec: self.spec,
@@ -1028,6 +1015,16 @@ impl Bench<'_> {
                 PlacementResult { system, policy, busiest, local, goodput: bench.goodput(&dep, start, probe) }
             })
             .collect())
+    }
+}
+
+/// The shapes of a deployment whose phases route to the EP MoE side: a
+/// unified engine's EP shape, or both sides of a split one.
+fn moe_shapes(p: &mut super::Phases) -> Vec<&mut super::Shape> {
+    match p {
+        super::Phases::Unified { ep: Some(shape), .. } => vec![shape],
+        super::Phases::Split { prefill, decode, .. } => vec![prefill, decode],
+        super::Phases::Unified { .. } => Vec::new(),
     }
 }
 
