@@ -812,6 +812,20 @@ fn run_verifies_the_device_replica_routing_against_the_host_routing() {
         .and_then(|n| n.parse::<u64>().ok())
         .unwrap_or_else(|| panic!("no routing line: {emu}"));
     assert!(checked > 0, "{emu}");
+    // Unchecked, the decode steps take fixed slots (each row carries the
+    // physical slots the device's routing chose, nothing read back) and
+    // run as graphs, with the same tokens.
+    let o = run("emu", &b, false);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let graphed = text(&o.stdout);
+    assert_eq!(tokens(&graphed), tokens(&cpu));
+    let graphs = graphed.lines().find(|l| l.starts_with("decode graphs: ")).unwrap_or_else(|| panic!("{graphed}"));
+    let replayed = graphs
+        .split(", ")
+        .find_map(|part| part.strip_suffix(" decode steps replayed one"))
+        .and_then(|n| n.parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("{graphs}"));
+    assert!(replayed > 0 && graphs.contains(", 0 ran call by call"), "{graphs}");
     // Refused where it has nothing to check, with a hint.
     let o = run("cpu", &b, true);
     assert!(!o.status.success() && text(&o.stderr).contains("--backend emu"), "{}", text(&o.stderr));

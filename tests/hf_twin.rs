@@ -799,21 +799,26 @@ fn on_the_emulated_device_with(name: &'static str, runs: &[(u32, Mode, &[usize])
 /// tokens. Held to the bounds of `on_the_emulated_device`. Zepp's
 /// locality-preferred routing keeps rows on their node: fewer rows reach
 /// the other node than with the striped experts of the same plan without a
-/// placement.
+/// placement. Unchecked against the host routing, the decode steps take
+/// fixed slots across the nodes instead, with the same tokens.
 #[test]
 fn replicated_expert_slots_on_the_emulated_device_give_transformers_tokens() {
-    let (b, _, d) = on_two_nodes_of_the_emulated_device(
-        "placement { policy = zepp redundant_experts = 4 }",
-        "zepp replicas on the emulated device",
-        false,
-    );
+    let zepp = "placement { policy = zepp redundant_experts = 4 }";
+    let (b, _, d) = on_two_nodes_of_the_emulated_device(zepp, "zepp replicas on the emulated device", false, true);
     assert!(b.plan.plan().placement.is_some());
     // The relays forward rows whose ids are then rewritten per destination.
     assert!(d.forwarded_rows > 0, "{d:?}");
     // The stripes' decode steps route too (not fixed slots, whose rows the
     // host counts on every rank holding experts): routing against routing.
-    let (_, _, striped) = on_two_nodes_of_the_emulated_device("", "striped experts on the emulated device", true);
+    let (_, _, striped) = on_two_nodes_of_the_emulated_device("", "striped experts on the emulated device", true, true);
     assert_eq!(striped.fixed, 0, "{striped:?}");
+    // Unchecked, the replicated decode steps take fixed slots across the
+    // nodes: each row carries its entries' physical slots, its hidden bytes
+    // gated on them, and reads nothing back.
+    let (_, c, fixed) = on_two_nodes_of_the_emulated_device(zepp, "zepp replicas on fixed slots", false, false);
+    assert!(fixed.fixed > 0 && fixed.gated_rows > 0, "{fixed:?}");
+    // Four GPUs hold experts, top-k 2: the combine's sums are gated on the slots too.
+    assert!(c.gated_rows > 0, "{c:?}");
     assert!(d.remote_rows < striped.remote_rows, "Zepp's routing {d:?} against the stripes' {striped:?}");
     eprintln!(
         "rows to the other node: zepp {} of {}, striped {} of {}",
@@ -831,6 +836,7 @@ fn on_two_nodes_of_the_emulated_device(
     placement: &str,
     label: &str,
     route_decode: bool,
+    verify: bool,
 ) -> (
     moeforge::plan::LoadedBundle,
     moeforge::runtime::device::exec::CombineTraffic,
@@ -848,13 +854,13 @@ fn on_two_nodes_of_the_emulated_device(
     let e = t.submit(Request::new(1 << 40, vec![1; 8193], 1)).map(|_| ()).unwrap_err().to_string();
     assert!(e.contains("8193 tokens") && e.contains("one step carries per rank"), "{label}: {e}");
     // Every device routing of a replicated placement is checked against
-    // the host routing of the same counts.
-    t.verify_device_routing(true);
+    // the host routing of the same counts (`verify`).
+    t.verify_device_routing(verify);
     t.route_decode_on_device(route_decode);
     let at = |i: usize, s: usize| bound.max(steps[i][s]);
     let (e, ekv, _) = check_run_within(&f, &mut t, label, &[], &at, &at);
     let checked = t.device_routing_checked().unwrap_or(0);
-    assert_eq!(checked > 0, b.plan.plan().placement.is_some(), "{label}: {checked} entries' routing checked");
+    assert_eq!(checked > 0, verify && b.plan.plan().placement.is_some(), "{label}: {checked} entries' routing checked");
     let c = t.combine_traffic().unwrap_or_else(|| panic!("{label}: no device"));
     let d = t.dispatch_traffic().unwrap_or_else(|| panic!("{label}: no device"));
     eprintln!("{label}: worst logit error {e:.2e} ({ekv:.2e} against a bf16 KV cache); {c:?}; {d:?}");
@@ -1272,7 +1278,8 @@ fn zepp_swaps_exchange_slot_contents_on_the_emulated_device() {
     use moeforge::runtime::device::emu::EmuDevice;
     let cache = tempfile::tempdir().unwrap();
     let dev = EmuDevice::start(cache.path()).unwrap_or_else(|e| panic!("{e}"));
-    let o = zepp_swap_run(Box::new(dev), "zepp swaps on the emulated device");
+    let t = zepp_swap_run(Box::new(dev), "zepp swaps on the emulated device", true);
+    let o = t.swap_overlap().unwrap();
     eprintln!(
         "side stream: {} swaps, {} main-stream ops issued beside them, {} finished on the device while they were queued",
         o.swaps, o.ops_beside, o.device_overlapped
@@ -1291,7 +1298,7 @@ fn a_swap_finishes_before_its_layers_expert_computation_and_not_before() {
     let dev = EmuDevice::start(cache.path()).unwrap_or_else(|e| panic!("{e}"));
     let lazy = LazySide::new(Box::new(dev));
     let waits = lazy.waits.clone();
-    zepp_swap_run(Box::new(lazy), "zepp swaps run as late as their waits");
+    zepp_swap_run(Box::new(lazy), "zepp swaps run as late as their waits", true);
     // Each wait came after the swapped layer's dispatch and permutation
     // (the permutation's last kernel, the gather, ran just before), so it
     // is the expert computation that waited, not the layer's attention.
@@ -1314,6 +1321,9 @@ struct LazySide {
     downloads: std::sync::Arc<std::sync::Mutex<Vec<(u32, u64, u64)>>>,
     launches: Launches,
     calls: std::sync::Arc<std::sync::Mutex<String>>,
+    /// Whether it passes graph recording through to the device (off: it
+    /// records none, so every step's calls reach it).
+    graphs: bool,
 }
 
 /// Every launch a device was asked for: (entry, arguments).
@@ -1336,6 +1346,7 @@ impl LazySide {
             downloads: Default::default(),
             launches: Default::default(),
             calls: Default::default(),
+            graphs: false,
         }
     }
 }
@@ -1399,6 +1410,19 @@ impl Device for LazySide {
         self.calls.lock().unwrap().push('l');
         self.launches.lock().unwrap().push((entry.to_string(), args.to_vec()));
         self.dev.launch(module, entry, grid, block, args)
+    }
+    fn captures(&self) -> bool {
+        self.graphs && self.dev.captures()
+    }
+    fn begin_capture(&mut self) -> Result<(), DeviceError> {
+        self.dev.begin_capture()
+    }
+    fn end_capture(&mut self) -> Result<moeforge::runtime::device::GraphId, DeviceError> {
+        self.dev.end_capture()
+    }
+    fn replay(&mut self, graph: moeforge::runtime::device::GraphId) -> Result<(), DeviceError> {
+        self.last = "a graph".into();
+        self.dev.replay(graph)
     }
 }
 
@@ -1498,12 +1522,56 @@ fn the_permutations_row_count_is_never_read_back_on_the_emulated_device() {
     assert!(e.contains("passed the 0 rows"), "{e}");
 }
 
+/// Replicated decode in graphs (issue 12): the run of
+/// `zepp_swaps_exchange_slot_contents_on_the_emulated_device` with graphs
+/// on and routings unchecked, on a device whose side stream runs a swap
+/// only when it is waited on. The decode dispatches route on the device
+/// and take fixed slots, their rows carrying the physical slots the
+/// routing chose as their ids, so no decode step reads anything back and
+/// every one is a bucket's warm-up or a graph's replay; the graphs replay
+/// across the swaps (which rewrite slot contents and the replica table,
+/// never addresses), each replay after the queued swaps finished (a replay
+/// that ran first would compute with the bytes the swap moves, and the
+/// tokens would not be transformers'). The expert loads behind Zepp's
+/// drift statistics are counted on the device: per MoE layer, top-k
+/// entries for every token the requests ran (prompt + generated − 1, from
+/// the fixture), none for a graph's padding rows and none missed by a
+/// replay.
+#[test]
+fn replicated_decode_steps_replay_graphs_across_zepp_swaps_on_the_emulated_device() {
+    use moeforge::runtime::device::emu::EmuDevice;
+    let cache = tempfile::tempdir().unwrap();
+    let dev = EmuDevice::start(cache.path()).unwrap_or_else(|e| panic!("{e}"));
+    let mut lazy = LazySide::new(Box::new(dev));
+    lazy.graphs = true;
+    let t = zepp_swap_run(Box::new(lazy), "zepp swaps beside decode graphs", false);
+    let (g, d) = (t.graph_stats().unwrap(), t.dispatch_traffic().unwrap());
+    eprintln!("{g:?}; {d:?}; graphs kept for {:?}", t.graph_keys());
+    assert!(t.graph_refusals().is_empty(), "{:?}", t.graph_refusals());
+    assert!(g.replayed > g.captured && g.captured > 0 && g.eager == 0, "{g:?}");
+    assert!(g.replayed_after_swap > 0, "a graph replayed after a swap: {g:?}");
+    assert!(g.padded_rows > 0, "some step was padded to its bucket: {g:?}");
+    assert!(d.fixed > 0, "{d:?}");
+    // The loads (equal to the CPU twin's per layer and expert, checked in
+    // `zepp_swap_run`) are top-k entries of every token the requests ran.
+    let Qwen3Moe { f, .. } = qwen3_moe();
+    let k = t.model.top_k as f64;
+    let ran: usize = f.prompts.iter().zip(&f.tokens).map(|(p, g)| p.len() + g.len() - 1).sum();
+    let loads = t.routed_loads();
+    assert!(!loads.is_empty());
+    for (l, layer) in loads.iter().enumerate() {
+        assert_eq!(layer.iter().sum::<f64>(), ran as f64 * k, "MoE layer {l}: {layer:?}");
+    }
+}
+
 /// ExpertPlex roles with Zepp replicas on 1 node × 4 GPUs (two MoE
 /// servers), swapping on a one-step drift window with no tolerance: tokens
 /// must be transformers', every slot's bytes the expert the tables name,
 /// and every swap must have run on the side stream beside a later step's
-/// ops. Returns how the swaps overlapped.
-fn zepp_swap_run(dev: Box<dyn Device + Send>, label: &str) -> moeforge::runtime::device::exec::SwapOverlap {
+/// ops. With `verify`, every device routing is checked against the host's
+/// (which reads it back, so decode steps route instead of taking fixed
+/// slots). Returns the engine.
+fn zepp_swap_run(dev: Box<dyn Device + Send>, label: &str, verify: bool) -> Twin {
     use moeforge::plan::memory::TensorRole;
     use moeforge::plan::roles::Role;
     let Qwen3Moe { f, bound, steps, ck, block } = qwen3_moe();
@@ -1518,16 +1586,23 @@ fn zepp_swap_run(dev: Box<dyn Device + Send>, label: &str) -> moeforge::runtime:
     t.set_swap_policy(SwapPolicy { window: 1, threshold: 1.0 });
     // The device's routing after each swap rewrote the layer's replica
     // table is the host routing over the swapped slots.
-    t.verify_device_routing(true);
+    t.verify_device_routing(verify);
     let at = |i: usize, s: usize| bound.max(steps[i][s]);
     let (e, _, _) = check_run_within(&f, &mut t, label, &[], &at, &at);
     assert!(t.swaps() > 0, "no swap happened between the MoE servers");
-    assert!(t.device_routing_checked().is_some_and(|n| n > 0), "{label}: no routing checked");
+    assert_eq!(t.device_routing_checked().is_some_and(|n| n > 0), verify, "{label}: routings checked");
     // Every swap queued on the side stream, and some ran beside a later
     // step's ops (the last one may have had no step after it).
     let o = t.swap_overlap().unwrap();
     assert_eq!(o.swaps, t.swaps(), "{o:?}");
     assert!(o.ops_beside > 0, "no swap ran beside a step: {o:?}");
+    // The device counted the loads Zepp's drift window reads as the CPU
+    // twin's routing does (every real row, per layer and expert): the same
+    // requests on the twin, which routes on the host and never swaps here.
+    let mut host = Twin::new(&b, &ck, Mode::Ep).unwrap();
+    host.set_swap_policy(SwapPolicy { window: usize::MAX, threshold: 1.0 });
+    check_run_within(&f, &mut host, "the cpu twin's loads", &[], &at, &at);
+    assert_eq!(t.routed_loads(), host.routed_loads(), "{label}: the device's expert loads against the host's");
     // The reference: each expert's bytes where the plan's placement put them.
     let reference = Twin::new(&b, &ck, Mode::Ep).unwrap();
     let first = plan.memory.slots.first_moe_layer as usize;
@@ -1562,7 +1637,7 @@ fn zepp_swap_run(dev: Box<dyn Device + Send>, label: &str) -> moeforge::runtime:
     }
     assert!(moved > 0, "no slot holds another slot's expert after {} swaps", t.swaps());
     eprintln!("{label}: {} swaps, worst logit error {e:.2e}; {moved} of {checked} slot views moved", t.swaps());
-    t.swap_overlap().unwrap()
+    t
 }
 
 /// The hierarchical prefill path on the emulated device (ExpertPlex §5,
@@ -1581,7 +1656,7 @@ fn zepp_swap_run(dev: Box<dyn Device + Send>, label: &str) -> moeforge::runtime:
 fn the_prefill_dispatch_and_combine_relay_across_nodes_on_the_emulated_device() {
     use moeforge::plan::program::Phase;
     let (b, c, d) =
-        on_two_nodes_of_the_emulated_device("", "relayed dispatch and combine on the emulated device", false);
+        on_two_nodes_of_the_emulated_device("", "relayed dispatch and combine on the emulated device", false, true);
     let relayed = |phase, name: &str| {
         b.plan.plan().programs.iter().filter(|p| p.phase == phase && p.mode == Mode::Ep).all(|p| {
             p.ops().any(|(_, o)| o.name.starts_with(name) && o.comm.as_ref().is_some_and(|c| c.relay.is_some()))

@@ -935,7 +935,15 @@ fn emitted_replica_routing_matches_the_host_routing() {
                     "zepp_count",
                     experts.div_ceil(256) as u32,
                     256,
-                    &[ptr(g, 0), int(ids.len()), int(experts), ptr(g, row(g))],
+                    &[
+                        ptr(g, 0),
+                        int(ids.len()),
+                        int(experts),
+                        ptr(g, row(g)),
+                        KernelArg::Null,
+                        KernelArg::Null,
+                        int(1),
+                    ],
                 )
                 .unwrap();
             }
@@ -1044,8 +1052,14 @@ fn emitted_zepp_routing_matches_the_host_routing_at_deepseek_v3_scale() {
         dev.upload(buf, ids(s), &le(mine)).unwrap();
         let row = route + parts.demand + (s * experts * 4) as u64;
         let blocks = experts.div_ceil(threads as usize) as u32;
-        dev.launch(module, "zepp_count", blocks, threads, &[ptr(ids(s)), int(mine.len()), int(experts), ptr(row)])
-            .unwrap();
+        dev.launch(
+            module,
+            "zepp_count",
+            blocks,
+            threads,
+            &[ptr(ids(s)), int(mine.len()), int(experts), ptr(row), KernelArg::Null, KernelArg::Null, int(1)],
+        )
+        .unwrap();
     }
     let (mut entries, mut remote) = (0, 0);
     for (s, mine) in r.ids.iter().enumerate() {

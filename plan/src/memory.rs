@@ -128,6 +128,11 @@ pub enum BufferName {
     /// A replicated placement: the routing kernel's demand matrix, group,
     /// work and per-entry destinations ([`ZeppRouteParts`]).
     ZeppRoute,
+    /// A replicated placement: i32 `[moe layer][expert]` entries this rank
+    /// routed since the host last read them (`zepp_count` adds its counts;
+    /// the runtime reads and zeroes them between steps for Zepp's per-window
+    /// drift statistics, so no step reads its ids back).
+    ExpertLoads,
     /// Dual plans: a live switch's KV page moves into this rank, i32
     /// (source page, destination page, tokens) per row, read by the
     /// migration kernel (Moebius §4.3), [`KV_MOVE_CHUNK`] rows at a time.
@@ -230,7 +235,7 @@ impl RouteIndexParts {
 /// Where the routing kernel's arrays lie in a `ZeppRoute` buffer (byte
 /// offsets): every source's counts per expert (`[world][experts]`), the
 /// dispatch group's membership (`[world]`), the kernel's work area and the
-/// physical slot of each of this source's entries.
+/// physical slot of each of this source's entries (16-byte aligned).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ZeppRouteParts {
     pub demand: u64,
@@ -253,7 +258,10 @@ impl ZeppRouteParts {
         let demand = 0;
         let member = demand + 4 * w * e;
         let work = member + 4 * w;
-        let dest = work + 4 * work_words;
+        // 16-byte aligned, so a token's slots (`4 × top-k` bytes from
+        // here, a fixed-slot decode dispatch's ids row) are as aligned as
+        // the ids rows the dispatch program's copies were compiled for.
+        let dest = (work + 4 * work_words).next_multiple_of(16);
         ZeppRouteParts { demand, member, work, bounds: work + 4 * (e + e * r), dest, bytes: dest + 4 * entries }
     }
 }
@@ -417,6 +425,7 @@ impl Workspace {
         vec![
             b(BufferName::ReplicaTable, u64::from(m.moe_layers()) * e, 4 * reps),
             b(BufferName::ZeppRoute, 1, parts.bytes),
+            b(BufferName::ExpertLoads, u64::from(m.moe_layers()), 4 * e),
         ]
     }
 
@@ -980,7 +989,26 @@ pub fn align(x: u64) -> u64 {
 
 #[cfg(test)]
 mod tests {
-    use super::RouteIndexParts;
+    use super::{RouteIndexParts, ZeppRouteParts};
+
+    /// The routing's per-entry slots start 16-byte aligned past the work
+    /// area (a fixed-slot dispatch copies a token's `4 × top-k` bytes of them
+    /// with the ids rows' 16-byte pieces), whatever the sizes that come
+    /// before them: `4·W·E` demand, `4·W` member and the work words.
+    #[test]
+    fn the_routings_slots_are_16_byte_aligned_after_its_work_area() {
+        for world in [1u64, 2, 3, 5, 8, 24, 32] {
+            for experts in [2u64, 7, 16, 61, 256, 384] {
+                for reps in [1u64, 2, 3, 4] {
+                    let p = ZeppRouteParts::of(world, experts, reps, 8192 * 8);
+                    assert!(p.dest.is_multiple_of(16), "{world} × {experts} × {reps}: {p:?}");
+                    assert!(p.dest > p.bounds && p.bounds > p.work);
+                    assert!(p.work >= p.member + 4 * world && p.member >= 4 * world * experts);
+                    assert_eq!(p.bytes, p.dest + 4 * 8192 * 8);
+                }
+            }
+        }
+    }
 
     /// The overflow word lies after the last offset and before the first
     /// map, for every expert count and slice size (against the layout's

@@ -228,15 +228,13 @@ fn all_reduce_shapes(plan: &Plan) -> (Vec<SumShape>, Vec<(u64, u64)>) {
 }
 
 /// The gated row copies of every decode dispatch that may take fixed slots
-/// (no relay, no replicated placement): its token rows, each gated on the
-/// token's top-k ids, so a row moves only to a rank holding one of its
-/// experts while where it lands stays fixed by the token counts. `(row
-/// bytes, every row address's bits, top-k)`.
+/// (no relay): its token rows, each gated on the token's top-k ids (a
+/// replicated placement's: the physical slots its routing chose), so a row
+/// moves only to a rank holding one of its experts while where it lands
+/// stays fixed by the token counts. `(row bytes, every row address's bits,
+/// top-k)`.
 pub fn gated_rows(plan: &Plan) -> Vec<(u64, u64, u32)> {
     let mem = &plan.memory;
-    if plan.placement.as_ref().is_some_and(|p| p.policy != PlacementPolicy::None) {
-        return vec![];
-    }
     let mut out = vec![];
     for p in plan.programs.iter().filter(|p| p.mode == Mode::Ep && p.phase == crate::program::Phase::Decode) {
         for (_, op) in p.ops() {

@@ -748,7 +748,9 @@ fn kernels(c: &mut Check, p: &Plan) {
                     );
                     let table = buffer(BufferName::ReplicaTable)
                         .is_some_and(|b| b.row_bytes == 4 * r && b.rows >= u64::from(p.model.moe_layers) * e);
-                    table && buffer(BufferName::ZeppRoute).is_some_and(|b| b.bytes() >= route.bytes)
+                    let loads = buffer(BufferName::ExpertLoads)
+                        .is_some_and(|b| b.row_bytes == 4 * e && b.rows >= u64::from(p.model.moe_layers));
+                    table && loads && buffer(BufferName::ZeppRoute).is_some_and(|b| b.bytes() >= route.bytes)
                 });
                 let ok = p.placement.as_ref().is_some_and(|pl| {
                     pl.policy == z.policy && pl.slack == z.slack && pl.policy != PlacementPolicy::None

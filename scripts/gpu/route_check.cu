@@ -98,7 +98,8 @@ int main(int argc, char** argv) {
   }
   const unsigned count_blocks = unsigned((experts + kThreads - 1) / kThreads);
   auto count = [&](long long s) {
-    zepp_count<<<count_blocks, kThreads>>>(d_ids + s * most, int(ids[s].size()), int(experts), d_demand + s * experts);
+    zepp_count<<<count_blocks, kThreads>>>(d_ids + s * most, int(ids[s].size()), int(experts), d_demand + s * experts,
+                                            nullptr, nullptr, 1);
   };
   auto route = [&](long long s) {
     zepp_route<<<1, kThreads>>>(d_ids + s * most, int(ids[s].size()), d_demand, d_table, d_member, int(experts),

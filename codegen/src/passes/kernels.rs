@@ -302,6 +302,9 @@ fn zepp_route(cx: &Ctx<'_>, p: &PlacementPlan) -> KernelInstance {
                     p_("int entries"),
                     p_("int experts"),
                     p_("int32_t* counts"),
+                    p_("int32_t* totals"),
+                    p_("const int32_t* kv_slots"),
+                    p_("int top_k"),
                 ],
             },
             EntryPoint {

@@ -13,10 +13,12 @@
 //!   in rank order, tokens in order) with its top-k ids and weights, as one
 //!   batch of the bundle's compiled dispatch program (`kernels/xfer_dispatch.*`:
 //!   the host reads only the top-k ids, which fix where every row lands);
-//!   a decode step's dispatch (striped, direct, whose rows fit) instead
+//!   a decode step's dispatch (direct, whose rows fit) instead
 //!   takes fixed slots, a row on every rank holding experts for every
 //!   token, its hidden bytes gated on the device by its top-k ids (they
-//!   move only to a rank holding one of its experts), so the token counts
+//!   move only to a rank holding one of its experts; with replicas, by the
+//!   physical slots the device's routing chose, which the row carries as
+//!   its ids), so the token counts
 //!   fix every copy and the host reads nothing (a role plan's rows between the posts' used parts
 //!   get -1 ids by a fill on the device, so such a step uploads nothing
 //!   after its inputs either);
@@ -29,14 +31,17 @@
 //!   all-gather, rows summed in rank order. Every byte a communication op
 //!   moves is moved by a transfer program (on a GPU the same code reads
 //!   peers' buffers through their pointers); the host reads only a
-//!   routed dispatch's top-k ids, and writes the ids each destination
+//!   routed dispatch's top-k ids (and a replicated placement's routing of
+//!   them), and writes the ids each destination
 //!   sees where the plan needs them (a replicated placement's rewritten
 //!   ids, a role plan's per-destination ids, -1 in rows no source used).
 //! - Counts the device computes stay there: the permutation's padded rows
 //!   (`offsets[num_local]`) are read by the scatter, the gather (a fixed
 //!   grid striding over them) and the experts on the device; a layout past
 //!   the room of its buffers sets its slice's overflow word, which the
-//!   step clears before it and reads once after it.
+//!   step clears before it and reads once after it; a replicated
+//!   placement's expert loads, which `zepp_count` adds up per layer, are
+//!   read (and zeroed) once after the step.
 //!
 //! - Decode steps run as graphs where the device records them
 //!   ([`Executor::use_graphs`]; CUDA graphs, Moebius §4.3's per-mode graph
@@ -154,6 +159,21 @@ type Bucketed = (u32, Vec<Vec<Work>>);
 /// the id its permutation matches).
 type Assigned = BTreeMap<(usize, usize), (usize, i32)>;
 
+/// One source's part of a replicated placement's routing of one dispatch
+/// ([`Executor::route`]): its top-k ids' address, its entries (tokens ×
+/// top-k) and where the routing writes each entry's physical slot, one
+/// i32 per entry like the ids' rows: micro-batch m's at the entries of the
+/// step's earlier micro-batches, so each micro-batch's stay until its
+/// combine.
+#[derive(Clone, Copy, Debug)]
+struct Source {
+    ids: u64,
+    entries: usize,
+    dest: u64,
+    /// Its rows' KV slots (`SlotMap`): a padding row's −1 is no load.
+    kv_slots: u64,
+}
+
 pub struct Executor {
     dev: Box<dyn Device + Send>,
     plan: std::sync::Arc<Plan>,
@@ -174,10 +194,16 @@ pub struct Executor {
     /// order (the plan's placement, then every swap since).
     slots: Vec<Vec<Vec<u32>>>,
     /// Routed entries per MoE layer and expert since the last
-    /// [`Executor::take_expert_loads`], counted from the ids a routed
-    /// dispatch reads (a fixed-slot decode dispatch reads none; it runs
-    /// only without replicas, where nothing uses the loads).
+    /// [`Executor::take_expert_loads`]: a replicated placement's routing
+    /// counts them on the device (`zepp_count`, into each source's
+    /// `expert_loads`), read and zeroed after each step (Zepp's drift
+    /// statistics; without replicas nothing uses them).
     expert_loads: Vec<Vec<f64>>,
+    /// The group membership each rank's routing last wrote (`ZeppRoute`'s
+    /// `member`), so a step writes it only when it changes (never, after a
+    /// rank's first routing: a rank dispatches within one group, its EP
+    /// group, in every program, so a graph's routing reads the right one).
+    members: BTreeMap<usize, Vec<i32>>,
     traffic: CombineTraffic,
     dispatch_traffic: DispatchTraffic,
     /// Slot swaps queued on the device's side stream and not yet waited
@@ -213,11 +239,12 @@ pub struct Executor {
 #[derive(Clone, Debug)]
 enum Graph {
     Warm,
-    /// Recorded after `reshards` weight reshards.
+    /// Recorded after `reshards` weight reshards and `swaps` slot swaps.
     Kept {
         graph: GraphId,
         counted: Counted,
         reshards: u64,
+        swaps: u64,
     },
     /// The device refused to record it (why): its steps run call by call.
     Refused(String),
@@ -256,11 +283,15 @@ enum Body {
 /// device refused (that step, and its key's later ones, ran call by call);
 /// `replayed_after_switch` replays of a graph recorded before a later live
 /// switch (its weights resharded in between, at the same addresses: the
-/// graph is still the step's, Moebius §4.3's two resident graph sets).
+/// graph is still the step's, Moebius §4.3's two resident graph sets);
+/// `replayed_after_swap` replays of a graph recorded before a later Zepp
+/// slot swap (slot contents and the replica table rewritten in between,
+/// never an address).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GraphStats {
     pub refused: u64,
     pub replayed_after_switch: u64,
+    pub replayed_after_swap: u64,
     pub captured: u64,
     pub replayed: u64,
     pub warmups: u64,
@@ -291,6 +322,8 @@ struct ZeppRouting {
     /// `ZeppRoute`'s offset, and its parts.
     route: u64,
     parts: ZeppRouteParts,
+    /// `ExpertLoads`'s offset: `[moe layer][expert]` i32 entries routed.
+    loads: u64,
     slots_per_gpu: usize,
     count_blocks: u32,
     threads: u32,
@@ -513,6 +546,7 @@ impl Executor {
                     table: at(BufferName::ReplicaTable)?,
                     width,
                     route: at(BufferName::ZeppRoute)?,
+                    loads: at(BufferName::ExpertLoads)?,
                     parts: ZeppRouteParts::of(
                         plan.ranks.len() as u64,
                         experts,
@@ -544,6 +578,7 @@ impl Executor {
             expert_swap,
             slots,
             expert_loads: vec![vec![0.0; plan.model.experts as usize]; layers],
+            members: BTreeMap::new(),
             traffic: CombineTraffic::default(),
             dispatch_traffic: DispatchTraffic::default(),
             side: Vec::new(),
@@ -900,11 +935,11 @@ impl Executor {
             match self.bucketed(&plan, mode, work)? {
                 Some((size, padded)) => {
                     let real: Vec<usize> = work.iter().map(Vec::len).collect();
-                    let (body, after_switch) = match self.graphs.get(&(mode, size)) {
-                        None | Some(Graph::Refused(_)) => (Body::Eager, false),
-                        Some(Graph::Warm) => (Body::Capture(mode, size), false),
-                        Some(&Graph::Kept { graph, counted, reshards }) => {
-                            (Body::Replay(graph, counted), reshards < self.reshards)
+                    let (body, after_switch, after_swap) = match self.graphs.get(&(mode, size)) {
+                        None | Some(Graph::Refused(_)) => (Body::Eager, false, false),
+                        Some(Graph::Warm) => (Body::Capture(mode, size), false, false),
+                        Some(&Graph::Kept { graph, counted, reshards, swaps }) => {
+                            (Body::Replay(graph, counted), reshards < self.reshards, swaps < self.swap_overlap.swaps)
                         }
                     };
                     let ran = self.step_with(&plan, mode, phase, &padded, &real, body);
@@ -912,6 +947,7 @@ impl Executor {
                     self.graph_stats.padded_rows +=
                         padded.iter().zip(&real).map(|(p, &n)| (p.len() - n) as u64).sum::<u64>();
                     self.graph_stats.replayed_after_switch += u64::from(after_switch);
+                    self.graph_stats.replayed_after_swap += u64::from(after_swap);
                     match self.graphs.entry((mode, size)) {
                         std::collections::btree_map::Entry::Vacant(e) => {
                             e.insert(Graph::Warm);
@@ -1056,6 +1092,13 @@ impl Executor {
         // counted (expert loads for Zepp's drift window, traffic) is put
         // back then, as if it had not run.
         let counted = (self.expert_loads.clone(), self.traffic, self.dispatch_traffic);
+        // A graph holds no wait for a queued slot swap (a step run call by
+        // call waits just before the swapped layer's experts): the swaps
+        // finish before a graph is recorded or replayed, so its expert
+        // computations never read a slot an exchange is moving.
+        if !matches!(body, Body::Eager) {
+            self.settle(None)?;
+        }
         match body {
             Body::Eager => self.run_blocks(plan, mode, phase, &running, &mut counts)?,
             Body::Capture(mode, size) => {
@@ -1075,7 +1118,10 @@ impl Executor {
                     Ok(graph) => {
                         let counted = self.counted();
                         self.set_counted(before.plus(counted));
-                        self.graphs.insert((mode, size), Graph::Kept { graph, counted, reshards: self.reshards });
+                        self.graphs.insert(
+                            (mode, size),
+                            Graph::Kept { graph, counted, reshards: self.reshards, swaps: self.swap_overlap.swaps },
+                        );
                         self.graph_stats.captured += 1;
                         self.dev.replay(graph)?;
                         self.graph_stats.replayed += 1;
@@ -1098,15 +1144,21 @@ impl Executor {
                 self.graph_stats.replayed += 1;
             }
         }
+        // The ranks whose dispatches routed this step (a replicated
+        // placement's counted their loads on the device).
+        let sources: Vec<usize> =
+            running.iter().map(|&(r, _)| r).filter(|&r| counts[r].iter().any(|c| c.tokens > 0)).collect();
         for &(r, m, at, room) in &overflow {
             if i32s(&self.fetch(r, at, 4)?).first().is_some_and(|&x| x != 0) {
                 (self.expert_loads, self.traffic, self.dispatch_traffic) = counted;
+                self.collect_loads(&sources, false)?;
                 return Err(ExecError::Capacity(format!(
                     "rank {r}, micro-batch {m}: a layer's routed rows, each expert's padded to its tile, passed the \
                      {room} rows its permutation is given (the step's outputs are not used)"
                 )));
             }
         }
+        self.collect_loads(&sources, true)?;
         // Read back what was sampled.
         let vocab = mem.buffer(mode, BufferName::Logits).map_or(0, |b| b.row_bytes / 4);
         let mut out = Vec::with_capacity(p);
@@ -1201,8 +1253,8 @@ impl Executor {
 
     /// `work` padded to its batch bucket, where the step is one a graph
     /// holds: a decode step (one token per request) of a plan whose
-    /// dispatches take fixed slots (no replicated placement, not routed on
-    /// request), every rank that takes requests (all of a colocated plan's;
+    /// dispatches take fixed slots (not routed on request, a replicated
+    /// placement's routed on the device), every rank that takes requests (all of a colocated plan's;
     /// a role plan's decode servers) padded to the bucket of the most
     /// requests any of them has, so the step's launches, transfers and
     /// fills are the bucket's whatever the batch; padding requests are one
@@ -1210,7 +1262,7 @@ impl Executor {
     /// call) where the padded step would not fit one step's inputs, would
     /// need dispatch rounds, or a dispatch of it would be routed.
     fn bucketed(&self, plan: &Plan, mode: Mode, work: &[Vec<Work>]) -> Result<Option<Bucketed>, ExecError> {
-        if self.zepp.is_some() || plan.placement.is_some() || self.route_decode {
+        if self.route_decode {
             return Ok(None);
         }
         if work.iter().flatten().any(|w| w.tokens.len() != 1) {
@@ -1297,10 +1349,17 @@ impl Executor {
         // row to every rank would move more than the routed pairs); its
         // combine's sums are gated by the same ids, so it reads no more
         // rows than the routed pairs either.
+        // A replicated placement's dispatch takes fixed slots where its
+        // routing runs on the device and the rows can carry its slots (one
+        // i32 per entry, as the ids' rows), unless each routing is checked
+        // against the host's (which reads the slots back).
+        let replicated = plan.placement.is_some() || self.zepp.is_some();
+        let slots_as_ids = self.zepp.is_some()
+            && !self.verify_routing
+            && c.with.first().and_then(|w| mem.buffer(mode, w[0])).is_some_and(|b| b.row_bytes == 4 * k as u64);
         if phase != Phase::Decode
             || self.route_decode
-            || plan.placement.is_some()
-            || self.zepp.is_some()
+            || (replicated && !slots_as_ids)
             || c.relay.is_some()
             || (holders.len() > k && !self.gates_rows(row, k))
         {
@@ -1330,18 +1389,23 @@ impl Executor {
 
     /// A replicated placement's routing of one dispatch, on the device
     /// (Zepp §5): each source counts its entries per expert (`zepp_count`,
-    /// its row of the demand matrix), the rows are exchanged among the
-    /// group (one batch of the compiled dispatch program), and every source
-    /// with entries runs `zepp_route` over MoE layer `moe_layer`'s replica
-    /// table, reading back only the physical slot of each of its entries:
-    /// `(source, entry) → (destination rank, physical slot id)`.
+    /// its row of the demand matrix, also added to its `expert_loads` row
+    /// of the layer), the rows are exchanged among the group (one batch of
+    /// the compiled dispatch program), and every source with entries runs
+    /// `zepp_route` over MoE layer `moe_layer`'s replica table, writing the
+    /// physical slot of each of its entries at its [`Source::dest`]. With
+    /// `ids` (the host read the sources' top-k ids: a routed dispatch) it
+    /// reads those back: `(source, entry) → (destination rank, physical
+    /// slot id)`; without (a fixed-slot dispatch, which moves the slots
+    /// themselves as the rows' ids) it reads nothing, so a graph can hold
+    /// it, and returns no assignment.
     fn route(
         &mut self,
         plan: &Plan,
         z: ZeppRouting,
         moe_layer: usize,
-        ids_of: &BTreeMap<usize, Vec<i32>>,
-        ids_at: &BTreeMap<usize, u64>,
+        sources: &BTreeMap<usize, Source>,
+        ids: Option<&BTreeMap<usize, Vec<i32>>>,
         group: &[usize],
     ) -> Result<Assigned, ExecError> {
         let (world, experts) = (self.buffers.len(), plan.model.experts as usize);
@@ -1359,33 +1423,39 @@ impl Executor {
                 z.slots_per_gpu
             )));
         }
-        let capacity = (z.parts.bytes - z.parts.dest) / 4;
+        let end = z.route + z.parts.bytes;
         let row = |s: usize| z.route + z.parts.demand + (s * experts * 4) as u64;
         let buffers = self.buffers.clone();
         let ptr = |s: usize, offset: u64| KernelArg::Ptr { buffer: buffers[s], offset };
         let int = |x: usize| i32::try_from(x).map(KernelArg::I32);
         let too_big = |what: &str| ExecError::Capacity(format!("the replica routing: {what} past an i32"));
-        for (&s, ids) in ids_of {
-            if ids.len() as u64 > capacity {
+        let totals = z.loads + (moe_layer * experts * 4) as u64;
+        let k = plan.model.top_k as usize;
+        for (&s, src) in sources {
+            if src.dest + 4 * src.entries as u64 > end {
                 return Err(ExecError::Capacity(format!(
-                    "rank {s}: {} routed entries for a routing of {capacity}",
-                    ids.len()
+                    "rank {s}: {} routed entries past the routing's {} (a step's entries)",
+                    src.entries,
+                    (z.parts.bytes - z.parts.dest) / 4
                 )));
             }
             let args = [
-                ptr(s, ids_at[&s]),
-                int(ids.len()).map_err(|_| too_big("entries"))?,
+                ptr(s, src.ids),
+                int(src.entries).map_err(|_| too_big("entries"))?,
                 int(experts).map_err(|_| too_big("experts"))?,
                 ptr(s, row(s)),
+                ptr(s, totals),
+                ptr(s, src.kv_slots),
+                int(k).map_err(|_| too_big("top-k"))?,
             ];
             self.dev.launch(z.module, "zepp_count", z.count_blocks, z.threads, &args)?;
         }
         // Every source's row to every source that routes (the counts
         // exchange: ExpertPlex's metadata before the rows, Zepp's "metadata
         // exchange"), rows of ranks outside the group masked by `member`.
-        let routing: Vec<usize> = ids_of.iter().filter(|(_, ids)| !ids.is_empty()).map(|(&s, _)| s).collect();
+        let routing: Vec<usize> = sources.iter().filter(|(_, x)| x.entries > 0).map(|(&s, _)| s).collect();
         let mut copies = Vec::new();
-        for &s in ids_of.keys() {
+        for &s in sources.keys() {
             for &d in routing.iter().filter(|&&d| d != s) {
                 copies.push(Transfer {
                     src: s as u32,
@@ -1404,11 +1474,17 @@ impl Executor {
         let table = z.table + (moe_layer * experts * z.width * 4) as u64;
         let mut out = BTreeMap::new();
         for s in routing {
-            let ids = &ids_of[&s];
-            self.store(s, z.route + z.parts.member, &le32(&member))?;
+            let src = sources[&s];
+            // The group's membership is the same at every dispatch of this
+            // source, so it is written once, by the first step (a graph's
+            // warm-up runs call by call), and never inside a recording.
+            if self.members.get(&s) != Some(&member) {
+                self.store(s, z.route + z.parts.member, &le32(&member))?;
+                self.members.insert(s, member.clone());
+            }
             let args = [
-                ptr(s, ids_at[&s]),
-                int(ids.len()).map_err(|_| too_big("entries"))?,
+                ptr(s, src.ids),
+                int(src.entries).map_err(|_| too_big("entries"))?,
                 ptr(s, z.route + z.parts.demand),
                 ptr(s, table),
                 ptr(s, z.route + z.parts.member),
@@ -1419,10 +1495,13 @@ impl Executor {
                 int(z.slots_per_gpu).map_err(|_| too_big("slots"))?,
                 int(s).map_err(|_| too_big("ranks"))?,
                 ptr(s, z.route + z.parts.work),
-                ptr(s, z.route + z.parts.dest),
+                ptr(s, src.dest),
             ];
             self.dev.launch(z.module, "zepp_route", 1, z.threads, &args)?;
-            let dest = i32s(&self.fetch(s, z.route + z.parts.dest, (ids.len() * 4) as u64)?);
+            if ids.is_none() {
+                continue;
+            }
+            let dest = i32s(&self.fetch(s, src.dest, (src.entries * 4) as u64)?);
             for (i, &p) in dest.iter().enumerate() {
                 let Ok(p) = usize::try_from(p) else { continue };
                 let g = p / z.slots_per_gpu;
@@ -1432,6 +1511,7 @@ impl Executor {
                 out.insert((s, i), (g, p as i32));
             }
         }
+        let Some(ids_of) = ids else { return Ok(out) };
         if self.verify_routing {
             let slots = self.slots.get(moe_layer).map_or(&[][..], Vec::as_slice);
             let want = host_routing(plan, slots, ids_of, group);
@@ -1449,6 +1529,31 @@ impl Executor {
             self.routing_checked += out.len() as u64;
         }
         Ok(out)
+    }
+
+    /// Adds the expert loads a step's routings counted on the device
+    /// (`zepp_count`, into each source's `expert_loads`) to
+    /// [`Executor::take_expert_loads`]'s (`keep`), or drops them (a step
+    /// whose outputs are not used), and zeroes them there: one readback
+    /// per source after the step, none inside it.
+    fn collect_loads(&mut self, sources: &[usize], keep: bool) -> Result<(), ExecError> {
+        let Some(z) = self.zepp else { return Ok(()) };
+        let experts = self.expert_loads.first().map_or(0, Vec::len);
+        let bytes = (self.expert_loads.len() * experts * 4) as u64;
+        if bytes == 0 {
+            return Ok(());
+        }
+        for &r in sources {
+            if keep {
+                let counted = i32s(&self.fetch(r, z.loads, bytes)?);
+                for (loads, row) in self.expert_loads.iter_mut().zip(counted.chunks(experts)) {
+                    loads.iter_mut().zip(row).for_each(|(x, &c)| *x += f64::from(c));
+                }
+            }
+            let b = self.buffer(r as u32)?;
+            self.dev.fill(b, z.loads, bytes, 0)?;
+        }
+        Ok(())
     }
 
     /// Writes one micro-batch's step inputs on rank `r`: token ids,
@@ -1844,9 +1949,8 @@ impl Executor {
                 // `moeforge_plan::placement::route` on the same counts; over
                 // this micro-batch's rows, where the twin routes the whole
                 // step, so the replicas chosen can differ, never the
-                // tokens), and the row's ids are rewritten per destination:
-                // the entries it serves carry their physical slot id
-                // (`Plan::ep_ids`), the others -1.
+                // tokens), each entry's physical slot id (`Plan::ep_ids`)
+                // written on the source.
                 let k = plan.model.top_k as usize;
                 let ids_name = c.with[0][0];
                 let moe_layer = layer.saturating_sub(plan.memory.slots.first_moe_layer) as usize;
@@ -1855,44 +1959,54 @@ impl Executor {
                 // low-latency layout, ExpertPlex's per-source regions taken
                 // whole): every token row goes to every rank of the group
                 // that holds experts, to the row its source and its index
-                // fix, with its top-k ids as they are (a striped rank's
-                // permutation takes the entries of its own experts and
-                // leaves the others; its combine row for a token it serves
-                // none of is +0.0, which the source's in-order f32 sum adds
-                // exactly). Where every row lands and what the combine pulls
+                // fix, with its top-k ids as they are, or a replicated
+                // placement's physical slot ids (a rank's permutation takes
+                // the entries of its own experts or slots and leaves the
+                // others; its combine row for a token it serves none of is
+                // +0.0, which the source's in-order f32 sum adds exactly).
+                // The replicas' routing runs on the device and its slots stay
+                // there. Where every row lands and what the combine pulls
                 // then follow from the token counts alone: the host reads
                 // nothing, so the step's launches and copies are the same
                 // for every step of its batch shape (what a CUDA graph
                 // captures). Each hidden row is gated on the device by the
-                // token's ids (`GatedCopy`: it moves only to a rank holding
-                // one of its experts), so a group wider than top-k moves no
+                // token's ids or slots (`GatedCopy`: it moves only to a rank
+                // holding one of them), so a group wider than top-k moves no
                 // more hidden rows than the routed pairs; the ids and
                 // weights move to every rank. Prefill keeps the routed
                 // dispatch (each row only where its entries go, in fewer
-                // bytes), as do a replicated placement (its routing picks
-                // the replicas) and a relayed path; so does a decode step
+                // bytes), as does a relayed path; so does a decode step
                 // whose group's rows do not all fit a receiver.
                 let holders: Vec<usize> = group.iter().copied().filter(|&d| plan.local_experts(d) > 0).collect();
                 let fixed = self.fixed_slots(plan, mode, phase, mbs, c, &|s| u64::from(counts[s][m].tokens));
                 let mut ids_of: BTreeMap<usize, Vec<i32>> = BTreeMap::new();
-                let mut ids_at: BTreeMap<usize, u64> = BTreeMap::new();
                 for &s in group.iter().filter(|_| !fixed) {
                     let t = counts[s][m].tokens as usize;
-                    ids_at.insert(s, at(s, ids_name)?);
                     ids_of.insert(s, i32s(&self.fetch(s, at(s, ids_name)?, (t * k * 4) as u64)?));
                 }
-                if let Some(loads) = self.expert_loads.get_mut(moe_layer) {
-                    for ids in ids_of.values() {
-                        for &e in ids {
-                            if let Some(x) = usize::try_from(e).ok().and_then(|e| loads.get_mut(e)) {
-                                *x += 1.0;
-                            }
-                        }
-                    }
-                }
+                // Where a replicated placement's routing writes each
+                // source's slots for this micro-batch.
+                let sources: BTreeMap<usize, Source> = match self.zepp {
+                    Some(z) => group
+                        .iter()
+                        .map(|&s| {
+                            let before: u64 = counts[s][..m].iter().map(|c| u64::from(c.tokens)).sum();
+                            let dest = z.route + z.parts.dest + 4 * k as u64 * before;
+                            let entries = counts[s][m].tokens as usize * k;
+                            let kv_slots = at(s, BufferName::SlotMap)?;
+                            Ok((s, Source { ids: at(s, ids_name)?, entries, dest, kv_slots }))
+                        })
+                        .collect::<Result<_, ExecError>>()?,
+                    None => BTreeMap::new(),
+                };
                 let assigned = match self.zepp {
-                    Some(z) => self.route(plan, z, moe_layer, &ids_of, &ids_at, &group)?,
+                    Some(z) => self.route(plan, z, moe_layer, &sources, Some(&ids_of).filter(|_| !fixed), &group)?,
                     None => stripe_entries(plan, &ids_of, &group),
+                };
+                // On fixed slots a replicated placement's rows carry their
+                // entries' physical slots (the routing's `dest`) as their ids.
+                let slot_ids = |s: usize, tok: usize| -> Option<u64> {
+                    sources.get(&s).filter(|_| fixed).map(|x| x.dest + 4 * (k * tok) as u64)
                 };
                 if fixed {
                     self.dispatch_traffic.fixed += 1;
@@ -2066,7 +2180,10 @@ impl Executor {
                                     });
                                     continue;
                                 }
-                                None => row_at(at(s, *src)?, tok as u64, rs)?,
+                                None => match slot_ids(s, tok).filter(|_| pair == 1) {
+                                    Some(at_slots) => at_slots,
+                                    None => row_at(at(s, *src)?, tok as u64, rs)?,
+                                },
                             };
                             if let Some(&p) = sent_by.get(&(s, tok, d)) {
                                 let at_p = landed.get(&(s, tok, p)).copied().ok_or_else(|| {
@@ -2081,7 +2198,10 @@ impl Executor {
                                 Transfer { src: s as u32, dst: d as u32, copy: StridedCopy::one_run(from, into, rs) };
                             if gate && pair == 0 {
                                 let [lo, hi] = plan.ep_ids(d).map(|x| i32::try_from(x).unwrap_or(i32::MAX));
-                                let offset = row_at(at(s, ids_from)?, tok as u64, ids_row)?;
+                                let offset = match slot_ids(s, tok) {
+                                    Some(at_slots) => at_slots,
+                                    None => row_at(at(s, ids_from)?, tok as u64, ids_row)?,
+                                };
                                 gated.push(GatedCopy { transfer: copy, gate: Gate { buf: s as u32, offset, lo, hi } });
                                 t.gated_rows += 1;
                                 continue;
@@ -2211,12 +2331,17 @@ impl Executor {
                                 .map(|&(d, _)| plan.ep_ids(d as usize).map(|x| i32::try_from(x).unwrap_or(i32::MAX)))
                                 .map(|[lo, hi]| (lo, hi))
                                 .collect();
-                            let gate = SumGate {
-                                buf: s as u32,
-                                offset: row_at(at(s, BufferName::TopkIds)?, tok as u64, ids_row)?,
-                                ids: k as u32,
-                                ranges,
+                            // A replicated placement's rows carried their
+                            // physical slots, which the routing left on the
+                            // source ([`Source::dest`]).
+                            let offset = match self.zepp {
+                                Some(z) => {
+                                    let before: u64 = counts[s][..m].iter().map(|c| u64::from(c.tokens)).sum();
+                                    z.route + z.parts.dest + 4 * k as u64 * (before + tok as u64)
+                                }
+                                None => row_at(at(s, BufferName::TopkIds)?, tok as u64, ids_row)?,
                             };
+                            let gate = SumGate { buf: s as u32, offset, ids: k as u32, ranges };
                             sums.push(Sum {
                                 dst: s as u32,
                                 dst_offset: row_at(base, tok as u64, rt)?,

@@ -357,6 +357,13 @@ impl Twin {
         self.device.as_ref().map(crate::device::exec::Executor::swap_overlap)
     }
 
+    /// Routed (token, expert) entries per MoE layer and expert since the
+    /// engine started, as Zepp's drift statistics count them (on a device,
+    /// what its routing counted; a graph's padding rows are none).
+    pub fn routed_loads(&self) -> Vec<Vec<f64>> {
+        self.slots.total()
+    }
+
     pub fn swaps(&self) -> u64 {
         self.slots.swaps
     }

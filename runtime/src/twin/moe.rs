@@ -38,8 +38,10 @@ pub(super) struct Slots {
     holders: Vec<usize>,
     holder_topo: Topology,
     slack: f64,
-    /// Routed rows per MoE layer and expert in the current window.
+    /// Routed rows per MoE layer and expert in the current window, and
+    /// since the engine started.
     window: std::sync::Mutex<Vec<Vec<f64>>>,
+    total: std::sync::Mutex<Vec<Vec<f64>>>,
     steps: usize,
     pub(super) policy_swap: SwapPolicy,
     /// Slot exchanges executed so far.
@@ -70,6 +72,7 @@ impl Slots {
             holder_topo,
             slack: plan.placement.as_ref().map_or(0.0, |p| p.slack),
             window: std::sync::Mutex::new(vec![vec![0.0; plan.model.experts as usize]; layers]),
+            total: std::sync::Mutex::new(vec![vec![0.0; plan.model.experts as usize]; layers]),
             steps: 0,
             policy_swap: SwapPolicy::default_for(plan.placement.as_ref().map_or(0.0, |p| p.slack)),
             swaps: 0,
@@ -108,11 +111,23 @@ impl Slots {
     /// Adds a step's routed rows per MoE layer and expert (counted where
     /// the rows were routed, e.g. by the device's dispatch) to the window.
     pub(super) fn record(&self, loads: Vec<Vec<f64>>) {
-        if let Ok(mut w) = self.window.lock() {
-            for (w, l) in w.iter_mut().zip(loads) {
-                w.iter_mut().zip(l).for_each(|(a, b)| *a += b);
+        for (l, rows) in loads.iter().enumerate() {
+            self.add(l, rows);
+        }
+    }
+
+    /// Adds routed rows per expert of MoE layer `l` to the window and the total.
+    fn add(&self, l: usize, rows: &[f64]) {
+        for m in [&self.window, &self.total] {
+            if let Some(w) = m.lock().ok().as_mut().and_then(|w| w.get_mut(l)) {
+                w.iter_mut().zip(rows).for_each(|(a, b)| *a += b);
             }
         }
+    }
+
+    /// Routed rows per MoE layer and expert since the engine started.
+    pub(super) fn total(&self) -> Vec<Vec<f64>> {
+        self.total.lock().map(|t| t.clone()).unwrap_or_default()
     }
 
     /// Model layer of MoE layer 0.
@@ -295,12 +310,8 @@ impl Twin {
                         out
                     }
                 };
-                if let Ok(mut w) = self.slots.window.lock() {
-                    if let Some(w) = w.get_mut(l.wrapping_sub(self.slots.first_moe_layer)) {
-                        for d in &demand {
-                            w.iter_mut().zip(d).for_each(|(a, b)| *a += b);
-                        }
-                    }
+                for d in &demand {
+                    self.slots.add(l.wrapping_sub(self.slots.first_moe_layer), d);
                 }
                 let topo = self.slots.topo;
                 let mut counted = Routed::default();
