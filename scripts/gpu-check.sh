@@ -30,7 +30,9 @@
 #               and GPT-OSS fixtures end to end with `moeforge run --backend
 #               cuda`, live switches included; greedy tokens = transformers'.
 #               Decode steps run as CUDA graphs (one per mode and batch bucket,
-#               one GPU); (d') the first case again with --eager beside it.
+#               one GPU), a Zepp placement's too (Qwen3-MoE on 4 ranks with
+#               replicas: its decode dispatch routes on the device and takes
+#               fixed slots); (d') the first case again with --eager beside it.
 #   (e) sanitizer  compute-sanitizer memcheck on one end-to-end run and
 #               racecheck on a small APK run.
 #   (j) route   the replica routing (GLM-5's kernels/zepp_route.cu) on the
@@ -45,18 +47,20 @@ cd "$(dirname "$0")/.."
 # The bundles the check runs, tiny first: the issue's expert shapes (Qwen3-30B-A3B;
 # MiniMax-M2, GLM-5 and DeepSeek-V3 with fp8 experts) and the portable path (Mixtral on A100 tiles).
 EXAMPLES=(tiny-qwen3-cpu4 qwen3-30b-a3b-h200 minimax-m2-h800 glm-5-h800x24 deepseek-v3-h100x32 mixtral-8x7b-a100)
-# The end-to-end runs (d): FIXTURE RANKS START SWITCH_AT TILES ("-": none).
+# The end-to-end runs (d): FIXTURE RANKS START SWITCH_AT TILES PLACEMENT ("-": none;
+# PLACEMENT `zepp`: Zepp replicas, no switch, as e2e.py's deployment says).
 # --prepare compiles their bundles here (the GPU machine's runner links no
 # LLVM, so it compiles no plan); the GPU run serves them.
 E2E_CASES=(
-  "qwen3-moe 2 ep 3 -"
-  "qwen3-moe 4 ep 2,4,6 -"
-  "mixtral 2 tp 2,5 -"
-  "deepseek-v3 2 ep 2,5 -"
-  "deepseek-v3-fp8 2 ep - -"
-  "minimax-m2 4 ep 2,5 -"
-  "gpt-oss 2 ep - -"
-  "qwen3-moe 2 tp 3 hopper-bf16"
+  "qwen3-moe 2 ep 3 - -"
+  "qwen3-moe 4 ep - - zepp"
+  "qwen3-moe 4 ep 2,4,6 - -"
+  "mixtral 2 tp 2,5 - -"
+  "deepseek-v3 2 ep 2,5 - -"
+  "deepseek-v3-fp8 2 ep - - -"
+  "minimax-m2 4 ep 2,5 - -"
+  "gpt-oss 2 ep - - -"
+  "qwen3-moe 2 tp 3 hopper-bf16 -"
 )
 
 if [[ "${1:-}" == "--prepare" ]]; then
@@ -74,10 +78,11 @@ if [[ "${1:-}" == "--prepare" ]]; then
     done
   fi
   for c in "${E2E_CASES[@]}"; do
-    read -r fixture ranks _ _ tiles <<<"$c"
+    read -r fixture ranks _ _ tiles placement <<<"$c"
     [[ "$tiles" == - ]] && tiles=""
+    [[ "$placement" == - ]] && placement=""
     python3 scripts/gpu/e2e.py --compile ./target/release/moeforge "tests/fixtures/models/$fixture" "$ranks" \
-      "gpu-bundles.tmp/e2e/$fixture-$ranks${tiles:+-$tiles}" "$tiles"
+      "gpu-bundles.tmp/e2e/$fixture-$ranks${tiles:+-$tiles}${placement:+-$placement}" "$tiles" "$placement"
   done
   # The routing cases (j): the host routing's answers beside their inputs.
   MOEFORGE_ROUTING_CASES="$PWD/gpu-bundles.tmp/routing" cargo bench --quiet --bench routing
@@ -299,13 +304,14 @@ PY
 backend=cuda
 [[ $EMU -eq 1 ]] && backend=emu
 export MOEFORGE_NVCC="$NVCC"
-e2e() {  # e2e FIXTURE RANKS START [SWITCH_AT [TILES]]
+e2e() {  # e2e FIXTURE RANKS START [SWITCH_AT [TILES [PLACEMENT]]]
   [[ -n "$MOEFORGE" ]] || return 0
   # The bundle --prepare compiled for this case; the emulated run compiles its own.
-  local prepared=""
-  [[ $EMU -eq 0 ]] && prepared="$BUNDLES/e2e/$1-$2${5:+-$5}"
-  E2E_BUNDLE="$prepared" run_step e2e "$1 P=$2 $3${4:+ switch@$4}${5:+ $5}" 240 python3 scripts/gpu/e2e.py \
-    "$MOEFORGE" "$backend" "tests/fixtures/models/$1" "$2" "$3" "$BUILD/e2e-$1-$2-$3${5:+-$5}" "${4:-}" "${5:-}"
+  local prepared="" variant="${5:+-$5}${6:+-$6}"
+  [[ $EMU -eq 0 ]] && prepared="$BUNDLES/e2e/$1-$2$variant"
+  E2E_BUNDLE="$prepared" run_step e2e "$1 P=$2 $3${4:+ switch@$4}${5:+ $5}${6:+ $6}" 240 python3 scripts/gpu/e2e.py \
+    "$MOEFORGE" "$backend" "tests/fixtures/models/$1" "$2" "$3" "$BUILD/e2e-$1-$2-$3$variant" "${4:-}" "${5:-}" \
+    "${6:-}"
 }
 
 # Tiny first, then the model end to end, then the large shapes.
@@ -336,24 +342,27 @@ fi
 if [[ $have_gpu -eq 1 || $EMU -eq 1 ]]; then
   first=1
   for c in "${E2E_CASES[@]}"; do
-    read -r fixture ranks start switch tiles <<<"$c"
+    read -r fixture ranks start switch tiles placement <<<"$c"
     [[ "$switch" == - ]] && switch=""
     [[ "$tiles" == - ]] && tiles=""
-    # The first case (EP over 2 ranks: its decode dispatch takes fixed slots) must run its
-    # decode steps as graphs where the device records them: emulated, or one GPU.
+    [[ "$placement" == - ]] && placement=""
+    # The emulated run: the first case and the replicated one only.
+    [[ $EMU -eq 1 && $first -eq 0 && -z "$placement" ]] && continue
+    # The first case (EP over 2 ranks: its decode dispatch takes fixed slots) and the
+    # replicated one (the same, routed on the device) must run their decode steps as graphs
+    # where the device records them: emulated, or one GPU.
     expect=0
-    [[ $first -eq 1 && ( $EMU -eq 1 || $ngpu -eq 1 ) ]] && expect=1
-    E2E_EXPECT_GRAPHS=$expect e2e "$fixture" "$ranks" "$start" "$switch" "$tiles"
+    [[ ( $first -eq 1 || -n "$placement" ) && ( $EMU -eq 1 || $ngpu -eq 1 ) ]] && expect=1
+    E2E_EXPECT_GRAPHS=$expect e2e "$fixture" "$ranks" "$start" "$switch" "$tiles" "$placement"
     first=0
-    [[ $EMU -eq 1 ]] && break  # the emulated run: the first case only
   done
 fi
 # first_case LABEL SUFFIX [VAR=VALUE...]: the first end-to-end case again on the cuda device,
 # from its prepared bundle, with the variables set for that run.
 first_case() {
-  local label="$1" suffix="$2" fixture ranks start switch tiles
+  local label="$1" suffix="$2" fixture ranks start switch tiles placement
   shift 2
-  read -r fixture ranks start switch tiles <<<"${E2E_CASES[0]}"
+  read -r fixture ranks start switch tiles placement <<<"${E2E_CASES[0]}"
   [[ "$switch" == - ]] && switch=""
   [[ "$tiles" == - ]] && tiles=""
   run_step e2e "$fixture P=$ranks $start${switch:+ switch@$switch}${tiles:+ $tiles} $label" 240 \

@@ -2,7 +2,8 @@
 //! GPU, so it is not dead code waiting for one: `--emu` builds the tiny
 //! bundle's APK drivers with nvcc (spills fail the step) and runs the tiny
 //! Qwen3-MoE fixture end to end on the emulated device across a live switch,
-//! to transformers' tokens; a run without bundles fails and says why,
+//! and again with Zepp's replicas, to transformers' tokens; a run without
+//! bundles fails and says why,
 //! instead of skipping.
 
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
@@ -48,9 +49,10 @@ fn the_gpu_check_runs_on_the_emulated_device_and_reports() {
         assert_eq!(b["result"]["spills"], serde_json::json!({}), "{b}");
         assert!(b["result"]["functions"]["moe_apk"].is_object(), "{b}");
     }
-    // The model end to end on the emulated device, switching mode live.
+    // The model end to end on the emulated device, switching mode live,
+    // then with Zepp's replicas.
     let e2e = steps(&report, "e2e");
-    assert_eq!(e2e.len(), 1, "{stdout}");
+    assert_eq!(e2e.len(), 2, "{stdout}");
     let r = &e2e[0]["result"];
     assert_eq!(r["match"], true, "{r}");
     assert_eq!(r["switches"], 1, "{r}");
@@ -59,9 +61,16 @@ fn the_gpu_check_runs_on_the_emulated_device_and_reports() {
     // the report reads them from the run's output.
     assert!(r["graphs"]["recorded"].as_u64().unwrap() > 0 && r["graphs"]["replayed"].as_u64().unwrap() > 0, "{r}");
     assert!(r.get("graph_refusals").is_none(), "{r}");
+    // The replicated plan's decode steps route on the device and replay
+    // graphs too, with transformers' tokens.
+    let z = &e2e[1]["result"];
+    assert_eq!((&z["placement"], &z["match"]), (&serde_json::json!("zepp"), &serde_json::json!(true)), "{z}");
+    assert_eq!(z["tokens"], z["expected"]);
+    assert!(z["graphs"]["recorded"].as_u64().unwrap() > 0 && z["graphs"]["replayed"].as_u64().unwrap() > 0, "{z}");
+    assert!(z.get("graph_refusals").is_none(), "{z}");
     // The steps it cannot run here are listed, not skipped silently.
     assert!(report["missing"]["gpu_steps"].as_str().unwrap().contains("need a GPU"));
-    assert!(stdout.contains("end-to-end tokens = transformers': 1/1 runs"), "{stdout}");
+    assert!(stdout.contains("end-to-end tokens = transformers': 2/2 runs"), "{stdout}");
 }
 
 #[test]

@@ -8,9 +8,11 @@ median step milliseconds, the decode graphs the run reports); exits 1 on a misma
 command. With E2E_EAGER=1 the run takes --eager (every decode step call by call, no graphs);
 with E2E_EXPECT_GRAPHS=1 it fails unless decode graphs were recorded and replayed, none refused.
 
-Usage: python3 e2e.py MOEFORGE BACKEND FIXTURE_DIR RANKS START WORKDIR [SWITCH_AT [TILES]]
-       python3 e2e.py --compile MOEFORGE FIXTURE_DIR RANKS OUT_BUNDLE [TILES]
+Usage: python3 e2e.py MOEFORGE BACKEND FIXTURE_DIR RANKS START WORKDIR [SWITCH_AT [TILES [PLACEMENT]]]
+       python3 e2e.py --compile MOEFORGE FIXTURE_DIR RANKS OUT_BUNDLE [TILES [PLACEMENT]]
 TILES names a tile set of models/tiles.moe (default: 64×64 tiles sized for the tiny models).
+PLACEMENT `zepp` gives the deployment Zepp's replicas (4 redundant experts) in place of its
+switch policy (replicas and TP<->EP switching do not combine).
 The second form only compiles the bundle (scripts/gpu-check.sh --prepare, where moeforge
 links LLVM), with nvcc when it finds one (MOEFORGE_NVCC or the PATH), so the bundle carries
 the cubins the GPU run loads; with E2E_BUNDLE set to such a bundle, the first form serves it instead of
@@ -25,7 +27,7 @@ import subprocess
 import sys
 
 
-def deployment(model_block: str, ranks: int, tiles: str = "") -> str:
+def deployment(model_block: str, ranks: int, tiles: str = "", placement: str = "") -> str:
     # The tests' CPU cluster (tests/common/cpu_spec.rs): small "GPUs" whose
     # plan fits every rank's buffer on one real GPU; fp8 checkpoints take
     # 128-deep K blocks (their scale blocks) and more of the buffer.
@@ -35,6 +37,10 @@ def deployment(model_block: str, ranks: int, tiles: str = "") -> str:
     tile = f"block_m = 64 block_n = 64 block_k = {k} stages = 2"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     using = f'use "{root}/models/tiles.moe"\n' if tiles else ""
+    if placement not in ("", "zepp"):
+        raise ValueError(f"unknown placement {placement!r} (zepp, or none)")
+    policy = ("placement { policy = zepp redundant_experts = 4 }" if placement
+              else "switch { t_high = 4 t_low = 2 window = 2 cooldown = 0s }")
     return using + f"""{model_block}
 cluster cpu {{ nodes = 1 gpus_per_node = {ranks}
   gpu cpu {{ arch = sm_90a sms = 4 hbm = 256MB hbm_bandwidth = 1TB/s bf16 = 100TFLOP/s smem_per_sm = 228KiB smem_per_block = 227KiB }}
@@ -43,7 +49,7 @@ tiles t {{ prefill {{ gate_up {{ {tile} }} down {{ {tile} }} }}
   decode {{ gate_up {{ {tile} }} down {{ {tile} }} }} }}
 deploy tiny {{ model = tiny cluster = cpu tiles = {tiles or "t"} slo {{ ttft = 1s tpot = 50ms }}
   workload {{ input = sharegpt output = sharegpt arrival poisson {{ rate = 1req/s }} }}
-  switch {{ t_high = 4 t_low = 2 window = 2 cooldown = 0s }} memory_fraction = {fraction} }}
+  {policy} memory_fraction = {fraction} }}
 """
 
 
@@ -55,13 +61,13 @@ def run(cmd: list, what: str) -> str:
 
 
 def compile_bundle(moeforge: str, fixture: str, ranks: int, bundle: str, tiles: str, work: str,
-                   nvcc: str = "off") -> None:
+                   nvcc: str = "off", placement: str = "") -> None:
     """import-hf, the deployment on RANKS ranks, `moeforge compile --nvcc NVCC` into BUNDLE."""
     model = os.path.join(work, "model.moe")
     run([moeforge, "import-hf", fixture, "-o", model, "--name", "tiny"], "import-hf")
     spec = os.path.join(work, "tiny.moe")
     with open(spec, "w") as f:
-        f.write(deployment(open(model).read(), ranks, tiles))
+        f.write(deployment(open(model).read(), ranks, tiles, placement))
     run([moeforge, "compile", spec, "-o", bundle, "--nvcc", nvcc], "compile")
 
 
@@ -69,20 +75,22 @@ def main() -> int:
     if sys.argv[1:2] == ["--compile"]:
         moeforge, fixture, ranks, out_bundle = sys.argv[2:6]
         tiles = sys.argv[6] if len(sys.argv) > 6 else ""
+        placement = sys.argv[7] if len(sys.argv) > 7 else ""
         work = out_bundle + ".work"
         os.makedirs(work, exist_ok=True)
         # With nvcc where --prepare runs: the bundle carries cubins, which the
         # GPU machine's run loads without building (its device line says so).
-        compile_bundle(moeforge, fixture, int(ranks), out_bundle, tiles, work, nvcc="auto")
+        compile_bundle(moeforge, fixture, int(ranks), out_bundle, tiles, work, nvcc="auto", placement=placement)
         shutil.rmtree(work, ignore_errors=True)
         return 0
     moeforge, backend, fixture, ranks, start, work = sys.argv[1:7]
     switch_at = sys.argv[7] if len(sys.argv) > 7 else ""
     tiles = sys.argv[8] if len(sys.argv) > 8 else ""
+    placement = sys.argv[9] if len(sys.argv) > 9 else ""
     os.makedirs(work, exist_ok=True)
     name = os.path.basename(os.path.normpath(fixture))
     out = {"fixture": name, "backend": backend, "ranks": int(ranks), "start": start, "switch_at": switch_at,
-           "tiles": tiles or "t"}
+           "tiles": tiles or "t", "placement": placement or "none"}
     try:
         expected = json.load(open(os.path.join(fixture, "expected.json")))
         reqs = expected["requests"]
@@ -94,7 +102,7 @@ def main() -> int:
             shutil.rmtree(bundle, ignore_errors=True)
             shutil.copytree(prepared, bundle)
         else:
-            compile_bundle(moeforge, fixture, int(ranks), bundle, tiles, work)
+            compile_bundle(moeforge, fixture, int(ranks), bundle, tiles, work, placement=placement)
         cmd = [moeforge, "run", bundle, "--backend", backend, "--weights", fixture, "--start", start,
                "--max-new", str(max(len(r["tokens"]) for r in reqs))]
         for r in reqs:

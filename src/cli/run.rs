@@ -416,8 +416,18 @@ pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
     if let Some(g) = driver.engine.graph_stats().filter(|g| g.captured + g.eager + g.warmups + g.refused > 0) {
         out(&format!(
             "decode graphs: {} recorded (one per mode and batch bucket), {} decode steps replayed one, {} ran as a \
-             bucket's warm-up, {} ran call by call (not a graph's shape), {} padding rows",
-            g.captured, g.replayed, g.warmups, g.eager, g.padded_rows
+             bucket's warm-up, {} ran call by call (not a graph's shape), {} padding rows{}",
+            g.captured,
+            g.replayed,
+            g.warmups,
+            g.eager,
+            g.padded_rows,
+            match (g.replayed_after_switch, g.replayed_after_swap) {
+                (0, 0) => String::new(),
+                (switch, swap) => format!(
+                    "; replays of a graph recorded before a later live switch: {switch}, before a later slot swap: {swap}"
+                ),
+            }
         ));
         for why in driver.engine.graph_refusals() {
             out(&format!("decode graph not recorded: {why}"));
