@@ -361,7 +361,8 @@ pub struct SwapOverlap {
 /// experts, with nothing read back (a decode step's); the others read their
 /// sources' top-k ids. `gated_rows`: the (token, rank) hidden rows of those
 /// fixed-slot dispatches, each a gated copy that the device runs only when
-/// the rank holds one of the token's experts (the rows above count them
+/// the rank holds one of the token's experts (replicated: one of the
+/// physical slots the routing chose for it) (the rows above count them
 /// as placed; the host does not learn which moved).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DispatchTraffic {
