@@ -329,6 +329,20 @@ struct ZeppRouting {
     threads: u32,
 }
 
+impl ZeppRouting {
+    /// Where a source's routing writes the physical slots of its `token`-th
+    /// token of the step (`top_k` i32 each; the step's earlier
+    /// micro-batches' tokens first, [`tokens_before`]).
+    fn slots_at(&self, top_k: usize, token: u64) -> u64 {
+        self.route + self.parts.dest + 4 * top_k as u64 * token
+    }
+}
+
+/// A rank's tokens in the step's micro-batches before `m`.
+fn tokens_before(counts: &[Counts], m: usize) -> u64 {
+    counts[..m].iter().map(|c| u64::from(c.tokens)).sum()
+}
+
 /// How Zepp's swaps overlapped serving: `swaps` exchanges queued on the
 /// side stream; `ops_beside`, the main-stream kernel and communication ops
 /// the executor issued while at least one swap was queued and not yet
@@ -1991,8 +2005,7 @@ impl Executor {
                     Some(z) => group
                         .iter()
                         .map(|&s| {
-                            let before: u64 = counts[s][..m].iter().map(|c| u64::from(c.tokens)).sum();
-                            let dest = z.route + z.parts.dest + 4 * k as u64 * before;
+                            let dest = z.slots_at(k, tokens_before(&counts[s], m));
                             let entries = counts[s][m].tokens as usize * k;
                             let kv_slots = at(s, BufferName::SlotMap)?;
                             Ok((s, Source { ids: at(s, ids_name)?, entries, dest, kv_slots }))
@@ -2336,10 +2349,7 @@ impl Executor {
                             // physical slots, which the routing left on the
                             // source ([`Source::dest`]).
                             let offset = match self.zepp {
-                                Some(z) => {
-                                    let before: u64 = counts[s][..m].iter().map(|c| u64::from(c.tokens)).sum();
-                                    z.route + z.parts.dest + 4 * k as u64 * (before + tok as u64)
-                                }
+                                Some(z) => z.slots_at(k, tokens_before(&counts[s], m) + tok as u64),
                                 None => row_at(at(s, BufferName::TopkIds)?, tok as u64, ids_row)?,
                             };
                             let gate = SumGate { buf: s as u32, offset, ids: k as u32, ranges };
