@@ -32,7 +32,9 @@
 #               Decode steps run as CUDA graphs (one per mode and batch bucket,
 #               one GPU), a Zepp placement's too (Qwen3-MoE on 4 ranks with
 #               replicas: its decode dispatch routes on the device and takes
-#               fixed slots); (d') the first case again with --eager beside it.
+#               fixed slots; slots swapped after every step, each swap held
+#               20 ms on the side stream, which the graphs' event-wait nodes
+#               must wait for); (d') the first case again with --eager beside it.
 #   (e) sanitizer  compute-sanitizer memcheck on one end-to-end run and
 #               racecheck on a small APK run.
 #   (j) route   the replica routing (GLM-5's kernels/zepp_route.cu) on the
@@ -353,7 +355,14 @@ if [[ $have_gpu -eq 1 || $EMU -eq 1 ]]; then
     # where the device records them: emulated, or one GPU.
     expect=0
     [[ ( $first -eq 1 || -n "$placement" ) && ( $EMU -eq 1 || $ngpu -eq 1 ) ]] && expect=1
-    E2E_EXPECT_GRAPHS=$expect e2e "$fixture" "$ranks" "$start" "$switch" "$tiles" "$placement"
+    # The replicated case swaps slots after every step (e2e.py); on the GPU each swap is held
+    # 20 ms on the side stream, so a step (or a graph) that did not wait for its layer's swap
+    # before the experts would compute with the old bytes and miss transformers' tokens (its
+    # median step includes those holds).
+    delay=0
+    [[ -n "$placement" ]] && delay=20
+    MOEFORGE_CUDA_SIDE_DELAY_MS=$delay E2E_EXPECT_GRAPHS=$expect e2e "$fixture" "$ranks" "$start" "$switch" "$tiles" \
+      "$placement"
     first=0
   done
 fi
@@ -452,7 +461,7 @@ steps = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 emu = sys.argv[3] == "1"
 res = lambda s: s.get("result", {})
 missing = {
-    "graphs": "decode graphs are recorded only when the cuda device drives one GPU (with several, each step runs call by call), and only for decode steps whose dispatch takes fixed slots (not with replicas or relays); prefill is never a graph",
+    "graphs": "decode graphs are recorded only when the cuda device drives one GPU (with several, each step runs call by call), and only for decode steps whose dispatch takes fixed slots (replicated ones included, not relayed ones or --verify-routing runs); prefill is never a graph",
     "multi_gpu": "one process drives the machine's GPUs with peer access (rank r on the r-th GPU, mod their count), exercised only with two or more GPUs (on one, every rank's buffer is on it); no NCCL or NVSHMEM path across nodes yet",
     "transfer_programs": "every communication op (reshard, dispatch, combine, TP all-reduce) is an inkwell-generated transfer program; only the reshard's is timed here (copy_check), the others run inside the model steps untimed",
     "profile_components": "the profile measures the APK (`moe`) only: attention, dense GEMMs and communication are not measured",

@@ -836,3 +836,73 @@ fn run_verifies_the_device_replica_routing_against_the_host_routing() {
     let o = run("emu", &plain, true);
     assert!(!o.status.success() && text(&o.stderr).contains("no replicated placement"), "{}", text(&o.stderr));
 }
+
+/// `run --swap-window 1 --swap-threshold 1` on the emulated device: the
+/// tiny Qwen3 model's ExpertPlex roles with a Zepp placement, re-planned
+/// after every step, so slot swaps run on the device's side stream while
+/// the decode steps replay their graphs (a graph waits for a queued swap
+/// just before that layer's experts). Decode runs two micro-batches (the
+/// search's TBO), so the fixed-slot dispatch's routed slots of micro-batch
+/// 1 lie after micro-batch 0's. The device's side stream is lazy
+/// (`MOEFORGE_EMU_LAZY_SIDE=1`). The tokens are the CPU twin's run with the same window (which
+/// swaps its host slots), the run reports its swaps and graphs replayed
+/// after them; the options are refused without replicas or with a window
+/// or threshold the policy cannot take, with a hint.
+#[test]
+fn run_swaps_slots_on_its_drift_window_beside_decode_graphs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (w, b) = tiny_qwen3_with(tmp.path(), "strategy = expertplex placement { policy = zepp redundant_experts = 4 }");
+    let plan = load_bundle(&b).unwrap().plan;
+    let decode: Vec<_> = plan.programs.iter().filter(|g| g.phase == moeforge::plan::program::Phase::Decode).collect();
+    assert!(plan.roles.is_some() && !decode.is_empty() && decode.iter().all(|g| g.micro_batches == 2), "{decode:?}");
+    // The emulated device's side stream runs a swap only when a wait asks
+    // for it, so a step or graph that did not wait would compute with the
+    // bytes the swap has not moved.
+    let run = |backend: &str, bundle: &std::path::Path, swap: &[&str]| {
+        let mut args = vec!["run", bundle.to_str().unwrap(), "--backend", backend, "--weights", w.to_str().unwrap()];
+        args.extend(["--max-new", "8", "--prompt", "3 17 42 99 5 64 7", "--prompt", "120 1", "--prompt", "9 8 7 6"]);
+        args.extend(swap);
+        moeforge_with_env(&args, &[("MOEFORGE_EMU_LAZY_SIDE", "1")])
+    };
+    let swap = ["--swap-window", "1", "--swap-threshold", "1"];
+    let (emu, cpu) = (run("emu", &b, &swap), run("cpu", &b, &swap));
+    assert!(emu.status.success() && cpu.status.success(), "{}{}", text(&emu.stderr), text(&cpu.stderr));
+    let (emu, cpu) = (text(&emu.stdout), text(&cpu.stdout));
+    let tokens = |s: &str| s.lines().filter(|l| l.starts_with("request ")).map(String::from).collect::<Vec<_>>();
+    assert_eq!(tokens(&emu).len(), 3, "{emu}");
+    assert_eq!(tokens(&emu), tokens(&cpu));
+    let number_after = |s: &str, prefix: &str| {
+        s.split(prefix)
+            .nth(1)
+            .and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next())
+            .and_then(|n| n.parse::<u64>().ok())
+    };
+    let swaps = number_after(&emu, "slot swaps: ").unwrap_or_else(|| panic!("no swaps line: {emu}"));
+    assert!(swaps > 0, "{emu}");
+    // The ops issued call by call beside a queued swap: a count of this
+    // run's ops (some, every swap's step joins it), not a wrapped difference.
+    let beside = number_after(&emu, "on the device's side stream: ").unwrap_or_else(|| panic!("{emu}"));
+    assert!(beside > 0 && beside < 1_000_000, "{emu}");
+    let graphs = emu.lines().find(|l| l.starts_with("decode graphs: ")).unwrap_or_else(|| panic!("{emu}"));
+    let after = number_after(graphs, "before a later slot swap: ").unwrap_or_else(|| panic!("{graphs}"));
+    assert!(after > 0 && graphs.contains(", 0 ran call by call"), "{graphs}");
+    let beside =
+        number_after(graphs, &format!("before a later slot swap: {after} (")).unwrap_or_else(|| panic!("{graphs}"));
+    assert!(beside > 0 && beside <= after, "{graphs}");
+    // Refused where there is nothing to swap, or a value the policy cannot take.
+    for (bad, why) in [
+        (["--swap-window", "0"], "at least one step"),
+        (["--swap-threshold", "0.5"], "at least 1"),
+        (["--swap-threshold", "NaN"], "at least 1"),
+    ] {
+        let o = run("emu", &b, &bad);
+        assert!(!o.status.success() && text(&o.stderr).contains(why), "{bad:?}: {}", text(&o.stderr));
+        assert!(text(&o.stderr).contains("help:"), "{}", text(&o.stderr));
+    }
+    let plain = tmp.path().join("plain");
+    let o =
+        moeforge(&["compile", "examples/tiny-qwen3-cpu4.moe", "-o", plain.to_str().unwrap(), "--nvcc", "off"], None);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let o = run("emu", &plain, &["--swap-window", "4"]);
+    assert!(!o.status.success() && text(&o.stderr).contains("no replicated placement"), "{}", text(&o.stderr));
+}

@@ -960,7 +960,7 @@ fn decode_steps_dispatch_on_fixed_slots_reading_nothing_back_on_the_emulated_dev
         let ids = plan.memory.buffers.iter().find(|x| x.name == BufferName::TopkIds).expect("a TopkIds buffer");
         let in_ids = |at: u64| at >= ids.offset && at < ids.offset + ids.bytes();
         for route in [false, true] {
-            let dev = LazySide::new(Box::new(EmuDevice::start(cache.path()).unwrap()));
+            let dev = LazySide::new(EmuDevice::start(cache.path()).unwrap());
             let (downloads, calls) = (dev.downloads.clone(), dev.calls.clone());
             let mut t = Twin::on_device(&b, &ck, Mode::Ep, Box::new(dev)).unwrap_or_else(|e| panic!("{label}: {e}"));
             t.route_decode_on_device(route);
@@ -1200,7 +1200,7 @@ fn apk_launch_arguments_do_not_change_with_the_decode_batch_on_the_emulated_devi
         .flat_map(|k| k.entries.iter().map(|e| e.symbol.clone()))
         .collect();
     assert!(!apk.is_empty());
-    let dev = LazySide::new(Box::new(EmuDevice::start(cache.path()).unwrap()));
+    let dev = LazySide::new(EmuDevice::start(cache.path()).unwrap());
     let launches = dev.launches.clone();
     let mut t = Twin::on_device(&b, &ck, Mode::Ep, Box::new(dev)).unwrap_or_else(|e| panic!("{e}"));
     for i in 0..2 {
@@ -1296,7 +1296,7 @@ fn a_swap_finishes_before_its_layers_expert_computation_and_not_before() {
     use moeforge::runtime::device::emu::EmuDevice;
     let cache = tempfile::tempdir().unwrap();
     let dev = EmuDevice::start(cache.path()).unwrap_or_else(|e| panic!("{e}"));
-    let lazy = LazySide::new(Box::new(dev));
+    let lazy = LazySide::new(dev);
     let waits = lazy.waits.clone();
     zepp_swap_run(Box::new(lazy), "zepp swaps run as late as their waits", true);
     // Each wait came after the swapped layer's dispatch and permutation
@@ -1307,15 +1307,21 @@ fn a_swap_finishes_before_its_layers_expert_computation_and_not_before() {
     assert!(waits.iter().all(|w| w == "moe_gather"), "the launches just before each wait: {waits:?}");
 }
 
-/// A device whose side stream runs nothing until it is waited on, and
-/// which records the launch just before each wait, every readback
+/// The emulated device with its side stream lazy (`EmuDevice::lazy_side`:
+/// it runs nothing until a wait or a step's join asks for it), which
+/// records the launch just before each join that waited for a swap not
+/// waited for before (outside recordings), every readback
 /// (buffer, offset, bytes), every launch (entry, arguments) and the kind of
 /// every call in order (`u`pload, `f`ill, `l`aunch, `t`ransfer, `d`ownload).
 struct LazySide {
     dev: Box<dyn moeforge::runtime::device::Device + Send>,
-    queued: Vec<(u64, moeforge::runtime::device::Code, Vec<moeforge::runtime::device::Batch>, Vec<BufferId>)>,
-    next: u64,
+    /// The last side event queued, each key's mark (the side event it
+    /// covers), the last side event waited or joined, whether a graph is
+    /// being recorded.
+    queued: u64,
+    marks: std::collections::BTreeMap<u32, u64>,
     ran: u64,
+    recording: bool,
     last: String,
     waits: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
     downloads: std::sync::Arc<std::sync::Mutex<Vec<(u32, u64, u64)>>>,
@@ -1334,13 +1340,24 @@ use moeforge::runtime::device::{
 };
 
 impl LazySide {
-    /// Wraps `dev`, nothing queued or recorded yet.
-    fn new(dev: Box<dyn moeforge::runtime::device::Device + Send>) -> LazySide {
+    /// Notes a wait for side event `event`: the launch before it, when it
+    /// is the first wait to run that event.
+    fn waited(&mut self, event: u64) {
+        if event > self.ran {
+            self.waits.lock().unwrap().push(self.last.clone());
+            self.ran = event;
+        }
+    }
+
+    /// Wraps `dev`, its side stream made lazy, nothing queued or recorded yet.
+    fn new(mut dev: moeforge::runtime::device::emu::EmuDevice) -> LazySide {
+        dev.lazy_side().unwrap();
         LazySide {
-            dev,
-            queued: Vec::new(),
-            next: 0,
+            dev: Box::new(dev),
+            queued: 0,
+            marks: Default::default(),
             ran: 0,
+            recording: false,
             last: String::new(),
             waits: Default::default(),
             downloads: Default::default(),
@@ -1378,22 +1395,23 @@ impl Device for LazySide {
         batches: &[XBatch],
         buffers: &[BufferId],
     ) -> Result<SideEvent, DeviceError> {
-        self.next += 1;
-        self.queued.push((self.next, code.clone(), batches.to_vec(), buffers.to_vec()));
-        Ok(SideEvent(self.next))
+        let event = self.dev.side_transfer(code, batches, buffers)?;
+        self.queued = event.0;
+        Ok(event)
     }
     fn side_wait(&mut self, event: SideEvent) -> Result<u64, DeviceError> {
-        assert!(event.0 > self.ran, "waited twice for side transfer {}", event.0);
-        self.waits.lock().unwrap().push(self.last.clone());
-        for (n, code, batches, buffers) in std::mem::take(&mut self.queued) {
-            if n <= event.0 {
-                self.dev.transfer(&code, &batches, &buffers)?;
-                self.ran = n;
-            } else {
-                self.queued.push((n, code, batches, buffers));
-            }
+        self.waited(event.0);
+        self.dev.side_wait(event)
+    }
+    fn side_mark(&mut self, key: u32) -> Result<(), DeviceError> {
+        self.marks.insert(key, self.queued);
+        self.dev.side_mark(key)
+    }
+    fn side_join(&mut self, key: u32) -> Result<(), DeviceError> {
+        if !self.recording {
+            self.waited(self.marks.get(&key).copied().unwrap_or(0));
         }
-        Ok(0)
+        self.dev.side_join(key)
     }
     fn load(&mut self, name: &str, source: &str, cubin: Option<&[u8]>) -> Result<ModuleId, DeviceError> {
         self.dev.load(name, source, cubin)
@@ -1415,9 +1433,12 @@ impl Device for LazySide {
         self.graphs && self.dev.captures()
     }
     fn begin_capture(&mut self) -> Result<(), DeviceError> {
-        self.dev.begin_capture()
+        self.dev.begin_capture()?;
+        self.recording = true;
+        Ok(())
     }
     fn end_capture(&mut self) -> Result<moeforge::runtime::device::GraphId, DeviceError> {
+        self.recording = false;
         self.dev.end_capture()
     }
     fn replay(&mut self, graph: moeforge::runtime::device::GraphId) -> Result<(), DeviceError> {
@@ -1442,7 +1463,7 @@ fn the_permutations_row_count_is_never_read_back_on_the_emulated_device() {
     let b = compile_text(&cpu_cluster_deployment(&block, 1, 2, 0.25, ""), tmp.path());
     let plan = b.plan.plan();
     // A plan without replicas has no side transfers: the lazy side stream changes nothing here.
-    let dev = LazySide::new(Box::new(EmuDevice::start(cache.path()).unwrap()));
+    let dev = LazySide::new(EmuDevice::start(cache.path()).unwrap());
     let downloads = dev.downloads.clone();
     let mut t = Twin::on_device(&b, &ck, Mode::Ep, Box::new(dev)).unwrap_or_else(|e| panic!("{e}"));
     let at = |i: usize, s: usize| bound.max(steps[i][s]);
@@ -1530,8 +1551,10 @@ fn the_permutations_row_count_is_never_read_back_on_the_emulated_device() {
 /// routing chose as their ids, so no decode step reads anything back and
 /// every one is a bucket's warm-up or a graph's replay; the graphs replay
 /// across the swaps (which rewrite slot contents and the replica table,
-/// never addresses), each replay after the queued swaps finished (a replay
-/// that ran first would compute with the bytes the swap moves, and the
+/// never addresses), and some replay is issued while a swap is still
+/// queued: the graph itself waits for it, on the device, just before the
+/// swapped layer's expert computation (a graph without that wait would
+/// compute with the bytes the lazy side stream has not moved yet, and the
 /// tokens would not be transformers'). The expert loads behind Zepp's
 /// drift statistics are counted on the device: per MoE layer, top-k
 /// entries for every token the requests ran (prompt + generated − 1, from
@@ -1542,7 +1565,7 @@ fn replicated_decode_steps_replay_graphs_across_zepp_swaps_on_the_emulated_devic
     use moeforge::runtime::device::emu::EmuDevice;
     let cache = tempfile::tempdir().unwrap();
     let dev = EmuDevice::start(cache.path()).unwrap_or_else(|e| panic!("{e}"));
-    let mut lazy = LazySide::new(Box::new(dev));
+    let mut lazy = LazySide::new(dev);
     lazy.graphs = true;
     let t = zepp_swap_run(Box::new(lazy), "zepp swaps beside decode graphs", false);
     let (g, d) = (t.graph_stats().unwrap(), t.dispatch_traffic().unwrap());
@@ -1550,6 +1573,9 @@ fn replicated_decode_steps_replay_graphs_across_zepp_swaps_on_the_emulated_devic
     assert!(t.graph_refusals().is_empty(), "{:?}", t.graph_refusals());
     assert!(g.replayed > g.captured && g.captured > 0 && g.eager == 0, "{g:?}");
     assert!(g.replayed_after_swap > 0, "a graph replayed after a swap: {g:?}");
+    // A graph recorded before a swap, replayed while it was still queued
+    // (on this side stream, not yet run): only the graph's own wait runs it.
+    assert!(g.replayed_beside_swap > 0, "a graph replayed beside a queued swap: {g:?}");
     assert!(g.padded_rows > 0, "some step was padded to its bucket: {g:?}");
     assert!(d.fixed > 0, "{d:?}");
     // The loads (equal to the CPU twin's per layer and expert, checked in

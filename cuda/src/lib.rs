@@ -41,7 +41,12 @@
 //!   event recorded after the swap; [`Device::side_wait`] polls that event
 //!   under the watchdog and returns the swaps' tables to the pool. The
 //!   launches and transfers issued while a swap still runs are counted
-//!   (the overlap `side_wait` reports).
+//!   (the overlap `side_wait` reports). A step's expert computation waits
+//!   for its layer's swaps on the GPU ([`Device::side_join`] on the event
+//!   each swap records as its layer's mark). `MOEFORGE_CUDA_SIDE_DELAY_MS=N`
+//!   holds the side stream N ms before each swap (a host function on it), so
+//!   a step that did not wait would compute with the bytes the swap has not
+//!   moved yet: the GPU check's test of those waits.
 //! - Every wait polls the stream: work still running after
 //!   `MOEFORGE_CUDA_WATCHDOG_S` seconds (60) is an error naming the last
 //!   launch queued there (the [`Device`] contract lets a call return once
@@ -72,8 +77,10 @@
 //!   reads them back) and copies its `done` word into the graph's own done
 //!   words, checked at the download after each replay; a recorded transfer's
 //!   tables are the graph's own pinned memory, which every replay copies
-//!   again. An upload, readback, load or side-stream call inside a
-//!   recording drops it. Compile-checked only: no GPU has run it yet
+//!   again. A side join is recorded as an external event-wait node on
+//!   its key's mark event, re-recorded by every mark, so a replay waits for
+//!   the swaps queued before it. An upload, readback, load or other
+//!   side-stream call inside a recording drops it. Compile-checked only: no GPU has run it yet
 //!   (`scripts/gpu-check.sh` (d) and (d') do).
 //! - Ordering: a GPU's work stream orders its own work. A plain launch
 //!   returns once queued (every launch waited for with
@@ -519,6 +526,11 @@ pub struct CudaDevice {
     ctxs: Vec<Ctx>,
     /// Created on the first side transfer.
     side: Option<Side>,
+    /// Each key's mark on the side stream ([`Device::side_mark`]): an event
+    /// in the first GPU's context, created at its first mark or join and
+    /// re-recorded by every mark, so a graph's wait node on it waits for
+    /// the mark as it stands when the graph is launched.
+    marks: BTreeMap<u32, sys::CUevent>,
     /// Transfers queued on the first GPU's work stream, not yet seen
     /// finished (their tables stay out of the pool until then).
     queued: Vec<Pending>,
@@ -541,6 +553,9 @@ pub struct CudaDevice {
     /// for debugging a fault to the launch that made it, and the GPU
     /// check's comparison).
     sync_launches: bool,
+    /// `MOEFORGE_CUDA_SIDE_DELAY_MS`: milliseconds the side stream is held
+    /// before each side transfer (0: none).
+    side_delay_ms: u64,
     /// The graph being recorded, the kept ones by [`GraphId`], and those
     /// replayed since their done words were last checked.
     recording: Option<Recording>,
@@ -552,6 +567,12 @@ pub struct CudaDevice {
 // context it uses current on the calling thread, and `&mut self` keeps
 // calls from two threads apart.
 unsafe impl Send for CudaDevice {}
+
+/// `MOEFORGE_CUDA_SIDE_DELAY_MS`'s host function on the side stream: holds
+/// it for the milliseconds its argument's address encodes.
+extern "C" fn hold_side_stream(ms: *mut c_void) {
+    std::thread::sleep(Duration::from_millis(ms.addr() as u64));
+}
 
 fn arch_of(capability: (u32, u32)) -> String {
     match capability {
@@ -582,6 +603,7 @@ impl CudaDevice {
         let mut dev = CudaDevice {
             ctxs: Vec::with_capacity(gpus.len()),
             side: None,
+            marks: BTreeMap::new(),
             queued: Vec::new(),
             tables: Vec::new(),
             buffers: Vec::new(),
@@ -593,6 +615,10 @@ impl CudaDevice {
             from_bundle: 0,
             built: 0,
             sync_launches: std::env::var("MOEFORGE_CUDA_SYNC").is_ok_and(|v| v == "1"),
+            side_delay_ms: std::env::var("MOEFORGE_CUDA_SIDE_DELAY_MS")
+                .ok()
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0),
             recording: None,
             graphs: Vec::new(),
             replayed: Vec::new(),
@@ -1468,9 +1494,21 @@ impl CudaDevice {
         }
         self.drop_recording();
         Err(other(format!(
-            "{what} while a graph is being recorded (a graph holds launches, transfers and fills only); the recording \
+            "{what} while a graph is being recorded (a graph holds launches, transfers, fills and side joins only); the recording \
              is dropped"
         )))
+    }
+
+    /// Key `key`'s mark event (the first GPU's context must be current),
+    /// created at first use.
+    fn mark(&mut self, key: u32) -> Result<sys::CUevent, DeviceError> {
+        if let Some(&e) = self.marks.get(&key) {
+            return Ok(e);
+        }
+        let e = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| driver("cuEventCreate (side-stream mark)", e))?;
+        self.marks.insert(key, e);
+        Ok(e)
     }
 
     /// Ends the stream's capture and frees what the recording held.
@@ -1729,7 +1767,8 @@ impl Device for CudaDevice {
 
     /// On the side stream of the first GPU: every batch's table copied into
     /// a pool table (kept until the wait), the launches queued, one event
-    /// recorded after them. Nothing on the work streams waits for it.
+    /// recorded after them (the host's wait). The work streams wait for it
+    /// only through a later mark's join ([`Device::side_join`]).
     fn side_transfer(
         &mut self,
         code: &Code,
@@ -1747,6 +1786,15 @@ impl Device for CudaDevice {
             self.side = Some(Side { stream, last: 0, pending: Vec::new(), beside: 0 });
         }
         let stream = self.side.as_ref().map(|x| x.stream).ok_or_else(|| other("no side stream"))?;
+        if self.side_delay_ms > 0 {
+            let ms = std::ptr::without_provenance_mut(usize::try_from(self.side_delay_ms).unwrap_or(usize::MAX));
+            // SAFETY: the side stream is the first GPU's; the host function
+            // makes no CUDA call and its argument is a number, not a pointer.
+            let r = unsafe { sys::cuLaunchHostFunc(stream, Some(hold_side_stream), ms) };
+            if r != sys::cudaError_enum::CUDA_SUCCESS {
+                return Err(driver("cuLaunchHostFunc (MOEFORGE_CUDA_SIDE_DELAY_MS)", result::DriverError(r)));
+            }
+        }
         let id = self.side.as_ref().map_or(0, |x| x.last) + 1;
         // A failed queue keeps its record under this id (handed to no one):
         // the next wait for a later event, which the side stream reaches
@@ -1769,6 +1817,54 @@ impl Device for CudaDevice {
         self.poll("a side-stream transfer (slot swap)", || unsafe { sys::cuEventQuery(e) })?;
         self.retire(event.0);
         Ok(beside)
+    }
+
+    /// Records the key's event on the side stream, after what is queued there.
+    fn side_mark(&mut self, key: u32) -> Result<(), DeviceError> {
+        self.live()?;
+        self.outside_recording("a side-stream mark")?;
+        let Some(stream) = self.side.as_ref().map(|x| x.stream) else { return Ok(()) };
+        self.current(0)?;
+        let event = self.mark(key)?;
+        // SAFETY: the event and the side stream are the first GPU's and live
+        // until Drop.
+        unsafe { result::event::record(event, stream) }.map_err(|e| driver("cuEventRecord (side-stream mark)", e))
+    }
+
+    /// Every work stream waits for the key's event (`cuStreamWaitEvent`);
+    /// inside a recording, as an external event-wait node of the graph
+    /// (`CU_EVENT_WAIT_EXTERNAL`), on the event whether or not it has been
+    /// recorded yet (a never-recorded event is waited for at once).
+    fn side_join(&mut self, key: u32) -> Result<(), DeviceError> {
+        self.live()?;
+        if self.recording.is_some() {
+            let r = self.current(0).and_then(|()| {
+                let event = self.mark(key)?;
+                let stream = self.ctx(0)?.stream;
+                let flags = sys::CUevent_wait_flags_enum::CU_EVENT_WAIT_EXTERNAL as u32;
+                // SAFETY: the stream is capturing; the event lives until Drop,
+                // after every graph that waits on it.
+                let r = unsafe { sys::cuStreamWaitEvent(stream, event, flags) };
+                if r == sys::cudaError_enum::CUDA_SUCCESS {
+                    Ok(())
+                } else {
+                    Err(driver("cuStreamWaitEvent (a graph's wait for a side-stream mark)", result::DriverError(r)))
+                }
+            });
+            return self.end_recording_on(r);
+        }
+        let Some(&event) = self.marks.get(&key) else { return Ok(()) };
+        for g in 0..self.ctxs.len() {
+            self.current(g)?;
+            let stream = self.ctx(g)?.stream;
+            // SAFETY: both live until Drop; an event of another context is
+            // allowed.
+            let r = unsafe { sys::cuStreamWaitEvent(stream, event, 0) };
+            if r != sys::cudaError_enum::CUDA_SUCCESS {
+                return Err(driver("cuStreamWaitEvent (a side-stream mark)", result::DriverError(r)));
+            }
+        }
+        Ok(())
     }
 
     /// The bundle's cubin where the driver takes it (no nvcc needed on a
@@ -2071,6 +2167,11 @@ impl Drop for CudaDevice {
                     }
                 }
                 self.tables.extend(g.tables);
+            }
+            // After the graphs that wait on them; both streams are idle.
+            for (_, e) in std::mem::take(&mut self.marks) {
+                // SAFETY: destroyed once, not used after this.
+                let _ = unsafe { result::event::destroy(e) };
             }
             self.reclaim();
             for t in std::mem::take(&mut self.tables) {

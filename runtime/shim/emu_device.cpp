@@ -19,6 +19,10 @@
 //              LLVM's host code for its IR               -> u32 program
 //     8 side transfer: as 6, queued on the side stream  -> u64 event
 //     9 wait   u64 event                                -> u64 overlapped
+//    10 lazy side stream: from now on it starts a transfer only once a
+//              wait asks for it (or at quit), as late as the runtime's
+//              waits allow: a legal schedule that makes every main-stream
+//              launch and transfer before the wait overlap it -> nothing
 //     0 quit (after the side stream drained)
 //   reply: u8 0 and the result, or u8 1, u32 len and a message.
 //
@@ -78,13 +82,18 @@ std::deque<SideJob>& side_queue = *new std::deque<SideJob>;
 uint64_t side_queued = 0, side_done = 0;
 std::thread* side_worker = nullptr;
 bool side_quit = false;
+// Op 10: the side stream starts a job only once a wait wants it.
+bool side_lazy = false;
+uint64_t side_wanted = 0;
 // Main-stream launches and transfers that finished while side work was queued.
 uint64_t overlapped = 0;
 
 void side_loop() {
   std::unique_lock<std::mutex> lock(side_mu);
   for (;;) {
-    side_cv.wait(lock, [] { return side_quit || !side_queue.empty(); });
+    side_cv.wait(lock, [] {
+      return side_quit || (!side_queue.empty() && (!side_lazy || side_wanted > side_done));
+    });
     if (side_queue.empty()) return;
     SideJob job = std::move(side_queue.front());
     side_queue.pop_front();
@@ -239,6 +248,8 @@ void wait_side() {
       lock.unlock();
       return fail("no side transfer " + std::to_string(event));
     }
+    if (event > side_wanted) side_wanted = event;
+    side_cv.notify_all();
     side_cv.wait(lock, [event] { return side_done >= event; });
     n = overlapped;
   }
@@ -339,6 +350,12 @@ int main() {
       case 9:
         wait_side();
         break;
+      case 10: {
+        std::lock_guard<std::mutex> lock(side_mu);
+        side_lazy = true;
+        ok();
+        break;
+      }
       default:
         stop_side();
         return 2;

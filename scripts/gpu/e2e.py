@@ -12,7 +12,9 @@ Usage: python3 e2e.py MOEFORGE BACKEND FIXTURE_DIR RANKS START WORKDIR [SWITCH_A
        python3 e2e.py --compile MOEFORGE FIXTURE_DIR RANKS OUT_BUNDLE [TILES [PLACEMENT]]
 TILES names a tile set of models/tiles.moe (default: 64×64 tiles sized for the tiny models).
 PLACEMENT `zepp` gives the deployment Zepp's replicas (4 redundant experts) in place of its
-switch policy (replicas and TP<->EP switching do not combine).
+switch policy (replicas and TP<->EP switching do not combine), and runs it with a one-step
+drift window swapping on any imbalance (--swap-window 1 --swap-threshold 1), so slot swaps
+run on the side stream beside the decode steps; with E2E_EXPECT_GRAPHS=1 some must.
 The second form only compiles the bundle (scripts/gpu-check.sh --prepare, where moeforge
 links LLVM), with nvcc when it finds one (MOEFORGE_NVCC or the PATH), so the bundle carries
 the cubins the GPU run loads; with E2E_BUNDLE set to such a bundle, the first form serves it instead of
@@ -109,6 +111,8 @@ def main() -> int:
             cmd += ["--prompt", " ".join(map(str, r["prompt"]))]
         if switch_at:
             cmd += ["--switch-at", switch_at]
+        if placement:
+            cmd += ["--swap-window", "1", "--swap-threshold", "1"]
         if os.environ.get("E2E_EAGER") == "1":
             cmd += ["--eager"]
             out["eager"] = True
@@ -127,10 +131,16 @@ def main() -> int:
         # The decode graphs (recorded, replayed, warm-up and call-by-call
         # steps, padding rows) and any recording the device refused.
         graphs = re.search(r"^decode graphs: (\d+) recorded.*?, (\d+) decode steps replayed one, (\d+) ran as a "
-                           r"bucket's warm-up, (\d+) ran call by call.*?, (\d+) padding rows$", text, re.M)
+                           r"bucket's warm-up, (\d+) ran call by call.*?, (\d+) padding rows(;.*)?$", text, re.M)
         if graphs:
             out["graphs"] = dict(zip(["recorded", "replayed", "warmups", "eager", "padding_rows"],
-                                     map(int, graphs.groups())))
+                                     map(int, graphs.groups()[:5])))
+            after = re.search(r"before a later slot swap: (\d+) \((\d+) issued while a swap was still queued",
+                              graphs.group(6) or "")
+            if after:
+                out["graphs"].update(after_swap=int(after.group(1)), beside_swap=int(after.group(2)))
+        swaps = re.search(r"^slot swaps: (\d+)", text, re.M)
+        out["swaps"] = int(swaps.group(1)) if swaps else 0
         refused = re.findall(r"^decode graph not recorded: (.*)$", text, re.M)
         if refused:
             out["graph_refusals"] = refused
@@ -141,6 +151,12 @@ def main() -> int:
             g = out.get("graphs", {})
             if not (g.get("recorded", 0) > 0 and g.get("replayed", 0) > 0) or refused:
                 out.update(match=False, error=f"no decode graph recorded and replayed without refusal: {g} {refused}")
+            # With replicas, graphs replayed across the slot swaps, some issued
+            # while a swap was still queued (the graph's event-wait node held
+            # that layer's experts until it finished), so the tokens above also
+            # say each graph waited for the bytes its swap moved.
+            elif placement and not (out["swaps"] > 0 and g.get("after_swap", 0) > 0 and g.get("beside_swap", 0) > 0):
+                out.update(match=False, error=f"no graph replayed beside a slot swap: {out['swaps']} swaps, {g}")
     except (RuntimeError, OSError, KeyError, ValueError) as e:
         out.update(match=False, error=str(e))
     print(json.dumps(out))

@@ -8,6 +8,7 @@ use moeforge::plan::bundle::LoadedBundle;
 use moeforge::plan::memory::Mode;
 use moeforge::runtime::engine::{Engine, EngineError, Request, StepOutput};
 use moeforge::runtime::policy::{self, Calibration, Driver, Policy};
+use moeforge::runtime::twin::moe::SwapPolicy;
 use moeforge::runtime::twin::weights::Checkpoint;
 use moeforge::runtime::{machine, twin};
 use std::collections::BTreeMap;
@@ -90,6 +91,8 @@ pub struct Options {
     /// (a verification mode: each dispatch also routes on the host).
     #[arg(long)]
     verify_routing: bool,
+    #[command(flatten)]
+    swap: SwapArgs,
     /// Run every decode step call by call: no decode graphs (a device that
     /// records them otherwise pads each decode step to its batch bucket
     /// and replays that bucket's graph).
@@ -252,8 +255,14 @@ pub fn driver(
     let make = |mode| match backend {
         Backend::Cpu => twin::Twin::new(bundle, ck, mode).map_err(Into::into),
         Backend::Emu => {
-            let dev = moeforge::runtime::device::emu::EmuDevice::start(&cache)
+            let mut dev = moeforge::runtime::device::emu::EmuDevice::start(&cache)
                 .map_err(|e| EngineError::Backend(format!("the emulated device: {e}")))?;
+            // MOEFORGE_EMU_LAZY_SIDE=1: side transfers (Zepp's swaps) run only
+            // when a wait asks for them, so a step that did not wait for one
+            // computes with the bytes it has not moved (a check of the waits).
+            if std::env::var("MOEFORGE_EMU_LAZY_SIDE").is_ok_and(|v| v == "1") {
+                dev.lazy_side().map_err(|e| EngineError::Backend(format!("the emulated device: {e}")))?;
+            }
             twin::Twin::on_device(bundle, ck, mode, Box::new(dev)).map_err(Into::into)
         }
         Backend::Cuda => {
@@ -287,6 +296,52 @@ pub fn run(a: Args) -> Result<(), ExitCode> {
     run_bundle(&a.opts, &bundle)
 }
 
+/// When a replicated placement's slots are swapped (`run` and `serve`).
+#[derive(clap::Args)]
+pub struct SwapArgs {
+    /// Zepp's drift window for a replicated placement: every this many
+    /// steps, each MoE layer's routed loads since the last window decide
+    /// whether intra-node slot swaps run (default 64).
+    #[arg(long)]
+    swap_window: Option<usize>,
+    /// Swap when a layer's busiest GPU would carry more than this × the
+    /// mean load (at least 1; default 1 + 2 × the placement's slack).
+    #[arg(long)]
+    swap_threshold: Option<f64>,
+}
+
+/// The drift window and threshold the options ask for (`None`: the plan's
+/// defaults); an error for a plan without replicas or a value the policy
+/// cannot take.
+pub fn swap_policy(a: &SwapArgs, bundle: &LoadedBundle) -> Result<Option<SwapPolicy>, ExitCode> {
+    if a.swap_window.is_none() && a.swap_threshold.is_none() {
+        return Ok(None);
+    }
+    let Some(placement) = bundle.plan.placement.as_ref() else {
+        return Err(error(
+            "--swap-window / --swap-threshold: the plan has no replicated placement, so there are no slots to swap",
+            "compile a deployment with `placement { policy = zepp }` (or `eplb`)",
+        ));
+    };
+    let default = SwapPolicy::default_for(placement.slack);
+    if a.swap_window == Some(0) {
+        return Err(error("--swap-window 0: a drift window is at least one step", "give 1 or more steps"));
+    }
+    if let Some(t) = a.swap_threshold.filter(|t| !(t.is_finite() && *t >= 1.0)) {
+        return Err(error(
+            format!("--swap-threshold {t}: the busiest GPU's load over the mean is at least 1"),
+            &format!(
+                "give a ratio of 1 or more (1: swap on any imbalance; the plan's default is {})",
+                default.threshold
+            ),
+        ));
+    }
+    Ok(Some(SwapPolicy {
+        window: a.swap_window.unwrap_or(default.window),
+        threshold: a.swap_threshold.unwrap_or(default.threshold),
+    }))
+}
+
 /// `run` on a loaded bundle.
 pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
     let start = match a.start {
@@ -306,6 +361,7 @@ pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
             "compile a deployment with `placement { policy = zepp }` (or `eplb`)",
         ));
     }
+    let swap = swap_policy(&a.swap, bundle)?;
     // The last request must arrive within the run's steps.
     let last = prompts.len().saturating_sub(1).checked_mul(a.arrive_every).filter(|&at| at < MAX_STEPS);
     if last.is_none() {
@@ -325,6 +381,9 @@ pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
     let (mut driver, calibration) = driver(bundle, &ck, a.backend, start, a.switch_at.is_empty())?;
     driver.engine.verify_device_routing(a.verify_routing);
     driver.engine.use_device_graphs(!a.eager);
+    if let Some(policy) = swap {
+        driver.engine.set_swap_policy(policy);
+    }
     let n = prompts.len();
     let mut arrivals: Vec<(usize, Request)> = prompts
         .into_iter()
@@ -413,6 +472,22 @@ pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
             driver.engine.device_routing_checked().unwrap_or(0)
         ));
     }
+    if driver.engine.swaps() > 0 {
+        let o = driver.engine.swap_overlap().unwrap_or_default();
+        out(&format!(
+            "slot swaps: {} (Zepp's drift re-plans, exchanged in place{})",
+            driver.engine.swaps(),
+            if o.swaps > 0 {
+                format!(
+                    " on the device's side stream: {} main-stream ops issued beside them, {} finished on the device \
+                     while they were queued",
+                    o.ops_beside, o.device_overlapped
+                )
+            } else {
+                String::new()
+            }
+        ));
+    }
     if let Some(g) = driver.engine.graph_stats().filter(|g| g.captured + g.eager + g.warmups + g.refused > 0) {
         out(&format!(
             "decode graphs: {} recorded (one per mode and batch bucket), {} decode steps replayed one, {} ran as a \
@@ -425,7 +500,10 @@ pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
             match (g.replayed_after_switch, g.replayed_after_swap) {
                 (0, 0) => String::new(),
                 (switch, swap) => format!(
-                    "; replays of a graph recorded before a later live switch: {switch}, before a later slot swap: {swap}"
+                    "; replays of a graph recorded before a later live switch: {switch}, before a later slot swap: \
+                     {swap} ({} issued while a swap was still queued, which the graph waits for before that layer's \
+                     experts)",
+                    g.replayed_beside_swap
                 ),
             }
         ));

@@ -3,7 +3,7 @@
 //! policy. Prints `listening on http://ADDR` once bound; Ctrl-C or SIGTERM
 //! stops accepting and drains what is in flight.
 
-use super::run::{driver, load_dir, prepare, print_policy, Backend, Start};
+use super::run::{driver, load_dir, prepare, print_policy, swap_policy, Backend, Start, SwapArgs};
 use super::{error, out};
 use moeforge::plan::bundle::LoadedBundle;
 use moeforge::plan::memory::Mode;
@@ -50,6 +50,8 @@ pub struct Options {
     /// and replays that bucket's graph).
     #[arg(long)]
     eager: bool,
+    #[command(flatten)]
+    swap: SwapArgs,
 }
 
 pub fn run(a: Args) -> Result<(), ExitCode> {
@@ -63,12 +65,16 @@ pub fn serve_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> 
         Start::Tp => Mode::Tp,
         Start::Ep => Mode::Ep,
     };
+    let swap = swap_policy(&a.swap, bundle)?;
     let ck = prepare(bundle, &a.weights, a.backend)?;
     let text = Text::load(&a.weights).map_err(|e| {
         error(e, "tokenizer.json must be a Hugging Face tokenizers file (or absent: token-id prompts only)")
     })?;
     let (mut driver, calibration) = driver(bundle, &ck, a.backend, start, true)?;
     driver.engine.use_device_graphs(!a.eager);
+    if let Some(policy) = swap {
+        driver.engine.set_swap_policy(policy);
+    }
     print_policy(&calibration, driver.policy());
     let name = bundle.plan.model.name.clone();
     let deploy = bundle.spec.deploys.first().map(|d| d.name.clone());

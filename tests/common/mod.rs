@@ -44,8 +44,21 @@ pub fn moeforge(args: &[&str], nvcc: Option<&Path>) -> Output {
     moeforge_with_cache(args, nvcc, cache.path())
 }
 
+/// [`moeforge`] with environment variables `vars` set.
+pub fn moeforge_with_env(args: &[&str], vars: &[(&str, &str)]) -> Output {
+    let cache = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let mut cmd = command(args, None, cache.path());
+    cmd.envs(vars.iter().copied());
+    cmd.output().unwrap_or_else(|e| panic!("cannot run moeforge: {e}"))
+}
+
 /// [`moeforge`] with the kernel cache at `cache`.
 pub fn moeforge_with_cache(args: &[&str], nvcc: Option<&Path>, cache: &Path) -> Output {
+    command(args, nvcc, cache).output().unwrap_or_else(|e| panic!("cannot run moeforge: {e}"))
+}
+
+/// The command [`moeforge_with_cache`] runs.
+fn command(args: &[&str], nvcc: Option<&Path>, cache: &Path) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_moeforge"));
     cmd.args(args)
         .current_dir(root())
@@ -57,7 +70,7 @@ pub fn moeforge_with_cache(args: &[&str], nvcc: Option<&Path>, cache: &Path) -> 
     if let Some(n) = nvcc {
         cmd.env("MOEFORGE_NVCC", n);
     }
-    cmd.output().unwrap_or_else(|e| panic!("cannot run moeforge: {e}"))
+    cmd
 }
 
 pub fn text(b: &[u8]) -> String {

@@ -13,7 +13,8 @@
 //! in-process would need).
 //!
 //! It records graphs ([`Device::begin_capture`]) as the list of launches,
-//! transfers (checked as they are recorded) and fills, replayed in order;
+//! transfers (checked as they are recorded), fills and side joins (each
+//! looking up its key's mark as it runs), replayed in order;
 //! an upload, readback, load or side-stream call inside a recording is an
 //! error that drops it, as it would break a CUDA stream capture.
 //!
@@ -75,14 +76,37 @@ pub struct EmuDevice {
     /// ones by [`GraphId`].
     capture: Option<Vec<Call>>,
     graphs: Vec<Vec<Call>>,
+    /// The side stream's last event, and each key's mark
+    /// ([`Device::side_mark`]).
+    side_last: SideEvent,
+    marks: BTreeMap<u32, SideEvent>,
 }
 
 /// One recorded call of a graph, with the arguments it was issued with.
 #[derive(Clone, Debug)]
 enum Call {
-    Launch { module: ModuleId, entry: String, grid: u32, block: u32, args: Vec<KernelArg> },
-    Transfer { code: Code, batches: Vec<Batch>, buffers: Vec<BufferId> },
-    Fill { buffer: BufferId, offset: u64, len: u64, byte: u8 },
+    Launch {
+        module: ModuleId,
+        entry: String,
+        grid: u32,
+        block: u32,
+        args: Vec<KernelArg>,
+    },
+    Transfer {
+        code: Code,
+        batches: Vec<Batch>,
+        buffers: Vec<BufferId>,
+    },
+    Fill {
+        buffer: BufferId,
+        offset: u64,
+        len: u64,
+        byte: u8,
+    },
+    /// [`Device::side_join`]: the key's mark is looked up when it runs.
+    Join {
+        key: u32,
+    },
 }
 
 /// The default build cache.
@@ -206,7 +230,35 @@ impl EmuDevice {
             transfers: BTreeMap::new(),
             capture: None,
             graphs: Vec::new(),
+            side_last: SideEvent(0),
+            marks: BTreeMap::new(),
         })
+    }
+
+    /// From now on the side stream starts a transfer only when a wait
+    /// ([`Device::side_wait`], or a [`Device::side_join`] as it runs) asks
+    /// for it: as late as the runtime's waits allow, a legal schedule of
+    /// the same program in which every main-stream call before the wait
+    /// runs beside the queued side work. Tests use it to see that a step
+    /// waits where it must (a wait placed too late computes with the bytes
+    /// a swap has not moved yet) and to count the overlap without timing.
+    pub fn lazy_side(&mut self) -> Result<(), DeviceError> {
+        self.outside_capture("a side-stream setting")?;
+        self.send(&[10u8])?;
+        self.reply("a side-stream setting")?.map_err(other)
+    }
+
+    /// Blocks the main stream (the device process's request loop) until
+    /// side transfer `event` finished; returns the overlap count.
+    fn wait_event(&mut self, event: SideEvent) -> Result<u64, DeviceError> {
+        if event.0 == 0 {
+            return Ok(0);
+        }
+        let mut m = vec![9u8];
+        m.extend(event.0.to_le_bytes());
+        self.send(&m)?;
+        self.reply("a side-stream wait")?.map_err(other)?;
+        Ok(u64::from_le_bytes(self.read_n(8, "a side-stream wait")?.try_into().unwrap_or_default()))
     }
 
     fn send(&mut self, bytes: &[u8]) -> Result<(), DeviceError> {
@@ -285,7 +337,7 @@ impl EmuDevice {
     fn outside_capture(&mut self, what: &str) -> Result<(), DeviceError> {
         match self.capture.take() {
             Some(_) => Err(other(format!(
-                "{what} while a graph is being recorded (a graph holds launches, transfers and fills only); the \
+                "{what} while a graph is being recorded (a graph holds launches, transfers, fills and side joins only); the \
                  recording is dropped"
             ))),
             None => Ok(()),
@@ -312,6 +364,10 @@ impl EmuDevice {
             Call::Fill { buffer, offset, len, byte } => {
                 let len = usize::try_from(*len).map_err(|_| other(format!("a fill of {len} bytes")))?;
                 self.run_upload(*buffer, *offset, &vec![*byte; len])
+            }
+            Call::Join { key } => {
+                let event = self.marks.get(key).copied().unwrap_or(SideEvent(0));
+                self.wait_event(event).map(|_| ())
             }
         }
     }
@@ -529,19 +585,36 @@ impl Device for EmuDevice {
         buffers: &[BufferId],
     ) -> Result<SideEvent, DeviceError> {
         self.outside_capture("a side-stream transfer")?;
-        self.queue_transfer(code, batches, buffers, true)
+        let event = self.queue_transfer(code, batches, buffers, true)?;
+        self.side_last = self.side_last.max(event);
+        Ok(event)
     }
 
     fn side_wait(&mut self, event: SideEvent) -> Result<u64, DeviceError> {
         self.outside_capture("a side-stream wait")?;
-        if event.0 == 0 {
-            return Ok(0);
+        self.wait_event(event)
+    }
+
+    fn side_mark(&mut self, key: u32) -> Result<(), DeviceError> {
+        self.outside_capture("a side-stream mark")?;
+        if self.side_last.0 > 0 {
+            self.marks.insert(key, self.side_last);
         }
-        let mut m = vec![9u8];
-        m.extend(event.0.to_le_bytes());
-        self.send(&m)?;
-        self.reply("a side-stream wait")?.map_err(other)?;
-        Ok(u64::from_le_bytes(self.read_n(8, "a side-stream wait")?.try_into().unwrap_or_default()))
+        Ok(())
+    }
+
+    /// The device process runs the main stream's calls one at a time, so
+    /// the main stream's wait is the process's: it blocks there until the
+    /// mark's transfer finished (the host waits for the reply, as it does
+    /// for every call).
+    fn side_join(&mut self, key: u32) -> Result<(), DeviceError> {
+        match self.capture.as_mut() {
+            Some(calls) => {
+                calls.push(Call::Join { key });
+                Ok(())
+            }
+            None => self.run(&Call::Join { key }),
+        }
     }
 
     /// Always from the source, built for the host (a cubin is GPU code).

@@ -207,10 +207,13 @@ pub struct Executor {
     traffic: CombineTraffic,
     dispatch_traffic: DispatchTraffic,
     /// Slot swaps queued on the device's side stream and not yet waited
-    /// on: (model layer, event).
-    side: Vec<(u32, SideEvent)>,
+    /// on by the host: (model layer, event, whether a step's work has
+    /// joined it on the device since).
+    side: Vec<(u32, SideEvent, bool)>,
     /// `main_ops` when the side queue last went from empty to busy.
     side_since: Option<u64>,
+    /// Whether a step's graph is being recorded (its calls do not run).
+    capturing: bool,
     /// Kernel and communication ops issued on the main stream so far.
     main_ops: u64,
     swap_overlap: SwapOverlap,
@@ -286,12 +289,16 @@ enum Body {
 /// graph is still the step's, Moebius §4.3's two resident graph sets);
 /// `replayed_after_swap` replays of a graph recorded before a later Zepp
 /// slot swap (slot contents and the replica table rewritten in between,
-/// never an address).
+/// never an address); `replayed_beside_swap` those of them issued while
+/// such a swap was still queued on the side stream, which the graph (its
+/// recording older than the swap) waits for on the device just before the
+/// swapped layer's expert computation.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GraphStats {
     pub refused: u64,
     pub replayed_after_switch: u64,
     pub replayed_after_swap: u64,
+    pub replayed_beside_swap: u64,
     pub captured: u64,
     pub replayed: u64,
     pub warmups: u64,
@@ -345,12 +352,13 @@ fn tokens_before(counts: &[Counts], m: usize) -> u64 {
 
 /// How Zepp's swaps overlapped serving: `swaps` exchanges queued on the
 /// side stream; `ops_beside`, the main-stream kernel and communication ops
-/// the executor issued while at least one swap was queued and not yet
-/// waited on (each op once: the next step's ops up to the swapped layer's
-/// expert computation, what the schedule lets the swaps run beside,
-/// whatever the timing); `device_overlapped`, the main-stream launches and
-/// transfers the device reports finished while side work was queued (as
-/// timed on it; 0 on a device that runs side transfers at once).
+/// the executor issued call by call while at least one swap was queued and
+/// not yet joined (each op once: the next step's ops up to the swapped
+/// layer's expert computation, what the schedule lets the swaps run beside,
+/// whatever the timing; a graph's replay adds none);
+/// `device_overlapped`, the main-stream launches and transfers the device
+/// reports finished while side work was queued (as timed on it, graphs'
+/// included; 0 on a device that runs side transfers at once).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SwapOverlap {
     pub swaps: u64,
@@ -598,6 +606,7 @@ impl Executor {
             dispatch_traffic: DispatchTraffic::default(),
             side: Vec::new(),
             side_since: None,
+            capturing: false,
             main_ops: 0,
             swap_overlap: SwapOverlap::default(),
             zepp,
@@ -673,7 +682,7 @@ impl Executor {
 
     /// Writes `data` at `offset` of rank `rank`'s buffer (weights).
     pub fn upload(&mut self, rank: usize, offset: u64, data: &[u8]) -> Result<(), ExecError> {
-        self.settle(None)?;
+        self.settle()?;
         self.store(rank, offset, data)
     }
 
@@ -686,7 +695,7 @@ impl Executor {
     /// Reads `len` bytes at `offset` of rank `rank`'s buffer, after every
     /// queued slot swap finished (a swap's slots may be among them).
     pub fn download(&mut self, rank: usize, offset: u64, len: u64) -> Result<Vec<u8>, ExecError> {
-        self.settle(None)?;
+        self.settle()?;
         self.fetch(rank, offset, len)
     }
 
@@ -697,24 +706,60 @@ impl Executor {
         Ok(self.dev.download(b, offset, len)?)
     }
 
-    /// Waits for the queued slot swaps of model layer `layer` (every queued
-    /// one with `None`), and for the side stream's earlier ones, which
-    /// finish first.
-    fn settle(&mut self, layer: Option<u32>) -> Result<(), ExecError> {
-        let Some(last) = self.side.iter().filter(|x| layer.is_none_or(|l| x.0 == l)).map(|x| x.1).max() else {
+    /// Blocks the host until every queued slot swap finished (before it
+    /// reads or writes device memory a swap may move).
+    fn settle(&mut self) -> Result<(), ExecError> {
+        let Some(last) = self.side.iter().map(|x| x.1).max() else {
             return Ok(());
         };
         let overlapped = self.dev.side_wait(last)?;
         if last.0 > 0 {
             self.swap_overlap.device_overlapped = overlapped;
         }
-        self.side.retain(|&(_, event)| event > last);
-        if self.side.is_empty() {
-            if let Some(since) = self.side_since.take() {
-                self.swap_overlap.ops_beside += self.main_ops - since;
-            }
+        self.side.clear();
+        self.end_beside();
+        Ok(())
+    }
+
+    /// The step's wait for model layer `layer`'s queued slot swaps, on the
+    /// device and not on the host, just before the layer's expert
+    /// computation reads its slots (Zepp's overlapped swap: nothing else of
+    /// the step waits for it). With a slot exchange in the bundle every
+    /// expert computation joins, swap queued or not, so a graph holds the
+    /// wait and each replay waits for the swaps queued before it.
+    fn join_side(&mut self, layer: u32) -> Result<(), ExecError> {
+        if self.expert_swap.is_none() {
+            return Ok(());
+        }
+        self.dev.side_join(layer)?;
+        // A recording's join waits when its graph runs (`replay_graph`).
+        if !self.capturing {
+            self.joined(Some(layer));
         }
         Ok(())
+    }
+
+    /// Notes that a step's work joined the queued swaps of model layer
+    /// `layer` (every layer's with `None`), and so every swap queued before
+    /// them, which the side stream finished first.
+    fn joined(&mut self, layer: Option<u32>) {
+        let Some(last) = self.side.iter().filter(|x| layer.is_none_or(|l| x.0 == l)).map(|x| x.1).max() else {
+            return;
+        };
+        for x in self.side.iter_mut().filter(|x| x.1 <= last) {
+            x.2 = true;
+        }
+        if self.side.iter().all(|x| x.2) {
+            self.end_beside();
+        }
+    }
+
+    /// The main-stream ops issued beside the queued swaps end here (every
+    /// one joined or waited for).
+    fn end_beside(&mut self) {
+        if let Some(since) = self.side_since.take() {
+            self.swap_overlap.ops_beside += self.main_ops - since;
+        }
     }
 
     /// How the swaps so far overlapped serving.
@@ -732,7 +777,7 @@ impl Executor {
     /// a peer copy between GPUs). Returns the bytes that crossed between ranks.
     pub fn reshard(&mut self, w: &WeightReshard) -> Result<u64, ExecError> {
         // The reshard moves expert slots: queued swaps finish first.
-        self.settle(None)?;
+        self.settle()?;
         let plan = self.plan.clone();
         let (code, t) = self
             .reshard
@@ -748,7 +793,7 @@ impl Executor {
     /// destination page)` each, one batch of the bundle's compiled
     /// `kv_handoff` program. Returns the bytes moved.
     pub fn hand_off_pages(&mut self, src: usize, dst: usize, pages: &[(u32, u32)]) -> Result<u64, ExecError> {
-        self.settle(None)?;
+        self.settle()?;
         let code = self.code(&self.kv_handoff, "kv_handoff")?;
         let plan = std::sync::Arc::clone(&self.plan);
         let (base, page) = moeforge_plan::transfers::kv_pages(&plan)
@@ -795,8 +840,9 @@ impl Executor {
         let exchanges = moeforge_plan::transfers::slot_exchanges(&self.plan.memory, layer, s);
         let batch = code.program.exchange_batch(&exchanges).map_err(|e| ExecError::Plan(format!("swap {s:?}: {e}")))?;
         let event = self.dev.side_transfer(&code, &[batch], &self.buffers)?;
+        self.dev.side_mark(layer)?;
         self.side_since.get_or_insert(self.main_ops);
-        self.side.push((layer, event));
+        self.side.push((layer, event, false));
         self.swap_overlap.swaps += 1;
         if let Some(l) = moe.and_then(|l| self.slots.get_mut(l)) {
             l[s.a][s.slot_a] = y;
@@ -883,7 +929,7 @@ impl Executor {
         dst: usize,
         moves: &[[i32; 3]],
     ) -> Result<u64, ExecError> {
-        self.settle(None)?;
+        self.settle()?;
         let plan = self.plan.clone();
         let mem = &plan.memory;
         let bad = |what: &str| ExecError::Plan(format!("KV migration: {what}"));
@@ -1107,13 +1153,6 @@ impl Executor {
         // counted (expert loads for Zepp's drift window, traffic) is put
         // back then, as if it had not run.
         let counted = (self.expert_loads.clone(), self.traffic, self.dispatch_traffic);
-        // A graph holds no wait for a queued slot swap (a step run call by
-        // call waits just before the swapped layer's experts): the swaps
-        // finish before a graph is recorded or replayed, so its expert
-        // computations never read a slot an exchange is moving.
-        if !matches!(body, Body::Eager) {
-            self.settle(None)?;
-        }
         match body {
             Body::Eager => self.run_blocks(plan, mode, phase, &running, &mut counts)?,
             Body::Capture(mode, size) => {
@@ -1122,7 +1161,9 @@ impl Executor {
                 self.set_counted(Counted::default());
                 let kept = counts.clone();
                 let recorded = self.dev.begin_capture().map_err(ExecError::from).and_then(|()| {
+                    self.capturing = true;
                     let ran = self.run_blocks(plan, mode, phase, &running, &mut counts);
+                    self.capturing = false;
                     // The recording ends whatever happened, so the device
                     // is never left recording.
                     let graph = self.dev.end_capture();
@@ -1132,14 +1173,13 @@ impl Executor {
                 match recorded {
                     Ok(graph) => {
                         let counted = self.counted();
-                        self.set_counted(before.plus(counted));
+                        self.set_counted(before);
                         self.graphs.insert(
                             (mode, size),
                             Graph::Kept { graph, counted, reshards: self.reshards, swaps: self.swap_overlap.swaps },
                         );
                         self.graph_stats.captured += 1;
-                        self.dev.replay(graph)?;
-                        self.graph_stats.replayed += 1;
+                        self.replay_graph(graph, counted, false)?;
                     }
                     Err(e) => {
                         // Nothing recorded ran: the step runs call by call
@@ -1153,11 +1193,13 @@ impl Executor {
                     }
                 }
             }
-            Body::Replay(graph, counted) => {
-                self.dev.replay(graph)?;
-                self.set_counted(self.counted().plus(counted));
-                self.graph_stats.replayed += 1;
-            }
+            Body::Replay(graph, counted) => self.replay_graph(graph, counted, true)?,
+        }
+        // Every queued swap the step's work joined finished before the
+        // step's last work did: the host's wait returns at once and hands
+        // their resources back (a swap no step joined yet goes on).
+        if !self.side.is_empty() && self.side.iter().all(|x| x.2) {
+            self.settle()?;
         }
         // The ranks whose dispatches routed this step (a replicated
         // placement's counted their loads on the device).
@@ -1253,6 +1295,24 @@ impl Executor {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Runs a kept graph as the step, adding what its recording counted.
+    /// Its expert computations join their layers' queued swaps on the
+    /// device (the recorded [`Executor::join_side`]s), so the swaps queued
+    /// now run beside the replay up to each layer's experts. Its ops are
+    /// not counted in `SwapOverlap::ops_beside` (only those up to a join
+    /// ran beside a swap; the device's own count times them).
+    /// `kept`: a graph recorded at an earlier step (not this step's own
+    /// recording), so a swap queued now was queued after it was recorded.
+    fn replay_graph(&mut self, graph: GraphId, counted: Counted, kept: bool) -> Result<(), ExecError> {
+        let beside = kept && self.side.iter().any(|x| !x.2);
+        self.dev.replay(graph)?;
+        self.graph_stats.replayed_beside_swap += u64::from(beside);
+        self.joined(None);
+        self.set_counted(self.counted().plus(counted));
+        self.graph_stats.replayed += 1;
         Ok(())
     }
 
@@ -1674,7 +1734,7 @@ impl Executor {
         // The routed experts' computation reads the layer's slots: a swap
         // queued for them finishes first (nothing else of the layer waits).
         if op.kind == OpKind::Experts {
-            self.settle(Some(site.layer))?;
+            self.join_side(site.layer)?;
         }
         if matches!(op.kernel, KernelRef::Post { .. } | KernelRef::Launch { .. }) {
             self.main_ops += 1;

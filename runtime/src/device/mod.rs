@@ -16,8 +16,11 @@
 //! call, at the latest the next download), so issuing a program's ops in program order is a
 //! legal execution of its streams and events. One stream of its own
 //! exists beside them: the side stream ([`Device::side_transfer`]), on
-//! which Zepp's slot swaps run while the next step's launches go on; its
-//! [`SideEvent`]s are waited on before anything touches what it moves.
+//! which Zepp's slot swaps run while the next step's launches go on. The
+//! host waits for its [`SideEvent`]s ([`Device::side_wait`]) before it
+//! reads or writes what they move; a step's own work waits on the device
+//! ([`Device::side_join`] on a layer's [`Device::side_mark`]), just before
+//! the work that reads it, which a graph records too.
 //! The program's own streams and events do not reach this interface yet.
 //!
 //! A device may record graphs ([`Device::captures`]): between
@@ -102,7 +105,8 @@ pub trait Device {
     /// Queues a transfer on the side stream, behind the side stream's
     /// earlier transfers and beside the launches and transfers that follow,
     /// and returns its event. Nothing may touch the bytes it reads or
-    /// writes before [`Device::side_wait`] on that event returned. A device
+    /// writes before [`Device::side_wait`] on that event returned, or be
+    /// issued before a [`Device::side_join`] on a mark made after it. A device
     /// without a side stream runs it at once (this default), which is a
     /// legal schedule of the same program.
     fn side_transfer(
@@ -123,6 +127,26 @@ pub trait Device {
         let _ = event;
         Ok(0)
     }
+    /// Marks the side work queued so far as `key`'s (the executor's keys
+    /// are model layers, whose slot swaps the mark covers), in place of the
+    /// key's earlier mark: what [`Device::side_join`] on `key` waits for. A
+    /// device that runs side transfers at once has nothing to mark (this
+    /// default); a device that wraps another and passes its side transfers
+    /// on must pass its marks and joins on too, or the step's waits are lost.
+    fn side_mark(&mut self, key: u32) -> Result<(), DeviceError> {
+        let _ = key;
+        Ok(())
+    }
+    /// Makes the work issued after it wait, on the device, for the side work
+    /// marked as `key`'s, without blocking the host (a stream's wait on an
+    /// event); nothing marked, nothing to wait for. Inside a recording it is
+    /// recorded, and each replay waits for the key's mark as it stands when
+    /// the replay is issued (a CUDA graph's external event-wait node): a
+    /// graph recorded before a swap waits for it when replayed after.
+    fn side_join(&mut self, key: u32) -> Result<(), DeviceError> {
+        let _ = key;
+        Ok(())
+    }
     /// Loads kernel instance `name`: `cubin` is the bundle's build of its
     /// `source` for the plan's architecture (when the compile ran nvcc),
     /// which a device that runs that architecture loads as it is; otherwise
@@ -141,10 +165,11 @@ pub trait Device {
         false
     }
     /// Starts recording a graph (a CUDA graph's stream capture): the
-    /// launches, transfers and fills issued until [`Device::end_capture`]
-    /// are recorded in order and not run. A recording holds a step's device
-    /// work, not the host's calls around it: any other call before the end
-    /// (an upload, a download, a load, a side-stream transfer or wait) is
+    /// launches, transfers, fills and side joins issued until
+    /// [`Device::end_capture`] are recorded in order and not run. A recording
+    /// holds a step's device work, not the host's calls around it: any other
+    /// call before the end (an upload, a download, a load, a side-stream
+    /// transfer, wait or mark) is
     /// an error that ends the recording, and so is a recorded call that
     /// fails (the graph would lack it).
     fn begin_capture(&mut self) -> Result<(), DeviceError> {
