@@ -905,4 +905,10 @@ fn run_swaps_slots_on_its_drift_window_beside_decode_graphs() {
     assert!(o.status.success(), "{}", text(&o.stderr));
     let o = run("emu", &plain, &["--swap-window", "4"]);
     assert!(!o.status.success() && text(&o.stderr).contains("no replicated placement"), "{}", text(&o.stderr));
+    // `serve` takes the same options, checked before it loads weights or binds.
+    let o =
+        moeforge(&["serve", b.to_str().unwrap(), "--weights", w.to_str().unwrap(), "--swap-threshold", "0.9"], None);
+    assert!(!o.status.success() && text(&o.stderr).contains("at least 1"), "{}", text(&o.stderr));
+    let o = moeforge(&["serve", plain.to_str().unwrap(), "--weights", w.to_str().unwrap(), "--swap-window", "4"], None);
+    assert!(!o.status.success() && text(&o.stderr).contains("no replicated placement"), "{}", text(&o.stderr));
 }
