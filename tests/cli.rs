@@ -912,3 +912,52 @@ fn run_swaps_slots_on_its_drift_window_beside_decode_graphs() {
     let o = moeforge(&["serve", plain.to_str().unwrap(), "--weights", w.to_str().unwrap(), "--swap-window", "4"], None);
     assert!(!o.status.success() && text(&o.stderr).contains("no replicated placement"), "{}", text(&o.stderr));
 }
+
+/// `run --capture-graphs 4` on the emulated device: the tiny Qwen3 model's
+/// dual-mode plan records EP's and TP's decode graphs for buckets 1, 2 and
+/// 4 before the first request (a weight-only warm-up switch enters TP and
+/// comes back), so the serving run with two live switches warms up and
+/// records nothing more: its recordings are the six made before serving,
+/// and it ran no warm-up. Its tokens are the CPU twin's. Refused on the CPU twin
+/// and beside --eager (for `serve` too), with a hint.
+#[test]
+fn run_records_both_modes_graphs_before_serving() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (w, b) = (tmp.path().join("w"), tmp.path().join("b"));
+    let spec = "examples/tiny-qwen3-cpu4.moe";
+    let o = moeforge(&["init-weights", spec, "-o", w.to_str().unwrap()], None);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let o = moeforge(&["compile", spec, "-o", b.to_str().unwrap(), "--nvcc", "off"], None);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let run = |backend: &str, extra: &[&str]| {
+        let mut args = vec!["run", b.to_str().unwrap(), "--backend", backend, "--weights", w.to_str().unwrap()];
+        args.extend(["--max-new", "8", "--prompt", "1 2 3", "--prompt", "4 5 6 7", "--prompt", "9 9 1"]);
+        args.extend(["--switch-at", "3,6"]);
+        args.extend(extra);
+        moeforge(&args, None)
+    };
+    let (emu, cpu) = (run("emu", &["--capture-graphs", "4"]), run("cpu", &[]));
+    assert!(emu.status.success() && cpu.status.success(), "{}{}", text(&emu.stderr), text(&cpu.stderr));
+    let (emu, cpu) = (text(&emu.stdout), text(&cpu.stdout));
+    let tokens = |s: &str| s.lines().filter(|l| l.starts_with("request ")).map(String::from).collect::<Vec<_>>();
+    assert_eq!(tokens(&emu).len(), 3, "{emu}");
+    assert_eq!(tokens(&emu), tokens(&cpu));
+    assert_eq!(emu.matches("\nswitch before step").count(), 2, "{emu}");
+    assert!(emu.contains("decode graphs recorded before serving: ep buckets 1, 2, 4; tp buckets 1, 2, 4"), "{emu}");
+    let graphs = emu.lines().find(|l| l.starts_with("decode graphs: ")).unwrap_or_else(|| panic!("{emu}"));
+    assert!(
+        graphs.starts_with("decode graphs: 6 recorded (one per mode and batch bucket, 6 before serving)")
+            && graphs.contains(", 0 ran as a bucket's warm-up, 0 ran call by call"),
+        "{graphs}"
+    );
+    for (backend, extra, why) in [
+        ("cpu", &["--capture-graphs", "4"][..], "records no graphs"),
+        ("emu", &["--capture-graphs", "4", "--eager"][..], "--eager"),
+    ] {
+        let o = run(backend, extra);
+        assert!(!o.status.success() && text(&o.stderr).contains(why), "{}", text(&o.stderr));
+        assert!(text(&o.stderr).contains("help:"), "{}", text(&o.stderr));
+    }
+    let o = moeforge(&["serve", b.to_str().unwrap(), "--weights", w.to_str().unwrap(), "--capture-graphs", "2"], None);
+    assert!(!o.status.success() && text(&o.stderr).contains("records no graphs"), "{}", text(&o.stderr));
+}

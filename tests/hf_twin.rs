@@ -1032,38 +1032,9 @@ fn decode_steps_dispatch_on_fixed_slots_reading_nothing_back_on_the_emulated_dev
 /// would change them.
 #[test]
 fn decode_steps_replay_their_buckets_graph_across_switches_on_the_emulated_device() {
-    use moeforge::runtime::device::emu::EmuDevice;
-    let Qwen3Moe { f, ck, block, .. } = qwen3_moe();
-    let (cache, tmp) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let b = compile_text(&cpu_cluster_deployment(&block, 1, 2, 0.25, ""), tmp.path());
-    assert_eq!(b.plan.plan().memory.modes, [Mode::Tp, Mode::Ep], "a dual-mode plan");
-    let dev = EmuDevice::start(cache.path()).unwrap();
-    let mut t = Twin::on_device(&b, &ck, Mode::Ep, Box::new(dev)).unwrap_or_else(|e| panic!("{e}"));
-    for i in 0..2 {
-        t.submit(Request::new(i as u64, f.prompts[i].clone(), f.tokens[i].len())).unwrap();
-    }
-    let (mut decode_steps, mut started) = (0u64, std::collections::BTreeSet::new());
-    for step in 0..100 {
-        if step == 3 {
-            t.submit(Request::new(2, f.prompts[2].clone(), f.tokens[2].len())).unwrap();
-        }
-        if t.idle() {
-            break;
-        }
-        if [4, 7, 10].contains(&step) {
-            let to = if t.mode() == Mode::Ep { Mode::Tp } else { Mode::Ep };
-            t.switch(to).unwrap_or_else(|e| panic!("switch before step {step}: {e}"));
-        }
-        let out = t.step().unwrap_or_else(|e| panic!("step {step}: {e}"));
-        if !out.produced.is_empty() && out.produced.iter().all(|(id, _)| started.contains(id)) {
-            decode_steps += 1;
-        }
-        started.extend(out.produced.iter().map(|p| p.0));
-    }
-    assert!(t.idle(), "requests did not finish");
-    for (i, want) in f.tokens.iter().enumerate() {
-        assert_eq!(&t.request(i as u64).unwrap().generated, want, "request {i}");
-    }
+    let cache = tempfile::tempdir().unwrap();
+    let (mut t, f) = dual_mode_on_the_emulated_device(cache.path());
+    let decode_steps = serve_three_with_switches(&mut t, &f, |_, _| {});
     let g = t.graph_stats().expect("a device");
     let keys = t.graph_keys();
     eprintln!("{decode_steps} decode steps: {g:?}; graphs kept for {keys:?}");
@@ -1079,6 +1050,97 @@ fn decode_steps_replay_their_buckets_graph_across_switches_on_the_emulated_devic
     assert!(g.replayed > g.captured && g.replayed_after_switch > 0, "{g:?}");
     // Some step was padded up to its bucket (three requests on TP's ranks).
     assert!(g.padded_rows > 0, "{g:?}");
+}
+
+/// The Qwen3-MoE fixture's dual-mode plan over 2 ranks of the emulated
+/// device (kernels cached under `cache`), started in EP, and the fixture.
+fn dual_mode_on_the_emulated_device(cache: &std::path::Path) -> (Twin, Fixture) {
+    use moeforge::runtime::device::emu::EmuDevice;
+    let Qwen3Moe { f, ck, block, .. } = qwen3_moe();
+    let tmp = tempfile::tempdir().unwrap();
+    let b = compile_text(&cpu_cluster_deployment(&block, 1, 2, 0.25, ""), tmp.path());
+    assert_eq!(b.plan.plan().memory.modes, [Mode::Tp, Mode::Ep], "a dual-mode plan");
+    let dev = EmuDevice::start(cache).unwrap();
+    (Twin::on_device(&b, &ck, Mode::Ep, Box::new(dev)).unwrap_or_else(|e| panic!("{e}")), f)
+}
+
+/// Serves the fixture's three requests (two at once, the third before step
+/// 3) with live switches before steps 4, 7 and 10, `before(t, step)` called
+/// before each step; checks they finish with transformers' tokens and
+/// returns the decode steps (every request in them had produced a token).
+fn serve_three_with_switches(t: &mut Twin, f: &Fixture, mut before: impl FnMut(&mut Twin, usize)) -> u64 {
+    for i in 0..2 {
+        t.submit(Request::new(i as u64, f.prompts[i].clone(), f.tokens[i].len())).unwrap();
+    }
+    let (mut decode_steps, mut started) = (0u64, std::collections::BTreeSet::new());
+    for step in 0..100 {
+        if step == 3 {
+            t.submit(Request::new(2, f.prompts[2].clone(), f.tokens[2].len())).unwrap();
+        }
+        if t.idle() {
+            break;
+        }
+        if [4, 7, 10].contains(&step) {
+            let to = if t.mode() == Mode::Ep { Mode::Tp } else { Mode::Ep };
+            t.switch(to).unwrap_or_else(|e| panic!("switch before step {step}: {e}"));
+        }
+        before(t, step);
+        let out = t.step().unwrap_or_else(|e| panic!("step {step}: {e}"));
+        if !out.produced.is_empty() && out.produced.iter().all(|(id, _)| started.contains(id)) {
+            decode_steps += 1;
+        }
+        started.extend(out.produced.iter().map(|p| p.0));
+    }
+    assert!(t.idle(), "requests did not finish");
+    for (i, want) in f.tokens.iter().enumerate() {
+        assert_eq!(&t.request(i as u64).unwrap().generated, want, "request {i}");
+    }
+    decode_steps
+}
+
+/// Both modes' decode graphs recorded before serving (Moebius §4.3): on a
+/// dual-mode plan over 2 ranks of the emulated device, `capture_graphs(3)`
+/// records EP's buckets 1, 2 and 4 (those that hold up to 3 requests), enters TP by a weight-only warm-up
+/// switch, records TP's, and switches back, every step of it padding
+/// requests only. The serving run after it (three requests, live switches
+/// before steps 4, 7 and 10) then records nothing and warms nothing up:
+/// every decode step replays a graph recorded before the first request,
+/// and the tokens are transformers' (a recording step that wrote a
+/// request's state, or a warm-up switch that left a weight in the wrong
+/// place, would change them).
+#[test]
+fn both_modes_graphs_are_recorded_before_serving_on_the_emulated_device() {
+    let cache = tempfile::tempdir().unwrap();
+    let (mut t, f) = dual_mode_on_the_emulated_device(cache.path());
+    // The buckets that hold up to 3 requests a rank: 1, 2 and 4.
+    let kept = t.capture_graphs(3).unwrap_or_else(|e| panic!("{e}"));
+    let want: Vec<(Mode, u32)> = [Mode::Ep, Mode::Tp].iter().flat_map(|&m| [1, 2, 4].map(|n| (m, n))).collect();
+    assert_eq!(kept, want);
+    assert_eq!(t.mode(), Mode::Ep, "the warm-up switch came back");
+    // The recording steps are not serving's: only the recordings count.
+    let before = t.graph_stats().unwrap();
+    assert_eq!(
+        (before.captured, before.recorded_before_serving, before.warmups, before.replayed, before.padded_rows),
+        (6, 6, 0, 0, 0),
+        "{before:?}"
+    );
+    let decode_steps = serve_three_with_switches(&mut t, &f, |t, step| {
+        if step == 5 {
+            // Refused with requests in flight (the warm-up switch would move
+            // their KV), the twin left as it was.
+            let mode = t.mode();
+            let e = t.capture_graphs(4).map(|_| ()).unwrap_err().to_string();
+            assert!(e.contains("in flight") && t.mode() == mode, "{e}");
+        }
+    });
+    let g = t.graph_stats().unwrap();
+    eprintln!("{decode_steps} decode steps after recording {kept:?}: {g:?}");
+    assert!(decode_steps > 0);
+    assert_eq!((g.captured, g.warmups, g.eager, g.refused), (6, 0, 0, 0), "nothing recorded while serving: {g:?}");
+    assert_eq!(g.replayed, decode_steps, "every decode step replayed: {g:?}");
+    // The warm-up switches are not live ones: a replay counts as after a
+    // switch only after the first live switch (before step 4), so not all do.
+    assert!(g.replayed_after_switch > 0 && g.replayed_after_switch < decode_steps, "{g:?}");
 }
 
 /// A group wider than top-k (colocated EP over 4 ranks, top-k 2) takes

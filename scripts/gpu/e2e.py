@@ -6,7 +6,9 @@ serves the fixture's prompts greedily. The greedy tokens must be
 transformers' (expected.json) exactly. Prints one JSON object (tokens, match,
 median step milliseconds, the decode graphs the run reports); exits 1 on a mismatch or a failed
 command. With E2E_EAGER=1 the run takes --eager (every decode step call by call, no graphs);
-with E2E_EXPECT_GRAPHS=1 it fails unless decode graphs were recorded and replayed, none refused.
+with E2E_EXPECT_GRAPHS=1 it fails unless decode graphs were recorded and replayed, none refused;
+with E2E_CAPTURE=N the run records both modes' graphs for buckets up to N before serving
+(--capture-graphs N), and with E2E_EXPECT_GRAPHS=1 then fails if serving recorded any more.
 
 Usage: python3 e2e.py MOEFORGE BACKEND FIXTURE_DIR RANKS START WORKDIR [SWITCH_AT [TILES [PLACEMENT]]]
        python3 e2e.py --compile MOEFORGE FIXTURE_DIR RANKS OUT_BUNDLE [TILES [PLACEMENT]]
@@ -116,6 +118,9 @@ def main() -> int:
         if os.environ.get("E2E_EAGER") == "1":
             cmd += ["--eager"]
             out["eager"] = True
+        capture = os.environ.get("E2E_CAPTURE", "")
+        if capture:
+            cmd += ["--capture-graphs", capture]
         text = run(cmd, f"run --backend {backend}")
         got = {int(m.group(1)): [int(t) for t in m.group(2).split()]
                for m in re.finditer(r"^request (\d+): ([\d ]*)$", text, re.M)}
@@ -135,12 +140,17 @@ def main() -> int:
         if graphs:
             out["graphs"] = dict(zip(["recorded", "replayed", "warmups", "eager", "padding_rows"],
                                      map(int, graphs.groups()[:5])))
+            early = re.search(r"^decode graphs: \d+ recorded \([^)]*?, (\d+) before serving\)", text, re.M)
+            out["graphs"]["before_serving"] = int(early.group(1)) if early else 0
             after = re.search(r"before a later slot swap: (\d+) \((\d+) issued while a swap was still queued",
                               graphs.group(6) or "")
             if after:
                 out["graphs"].update(after_swap=int(after.group(1)), beside_swap=int(after.group(2)))
         swaps = re.search(r"^slot swaps: (\d+)", text, re.M)
         out["swaps"] = int(swaps.group(1)) if swaps else 0
+        before = re.search(r"^decode graphs recorded before serving: (.*?) \(", text, re.M)
+        if before:
+            out["recorded_before_serving"] = before.group(1)
         refused = re.findall(r"^decode graph not recorded: (.*)$", text, re.M)
         if refused:
             out["graph_refusals"] = refused
@@ -151,6 +161,10 @@ def main() -> int:
             g = out.get("graphs", {})
             if not (g.get("recorded", 0) > 0 and g.get("replayed", 0) > 0) or refused:
                 out.update(match=False, error=f"no decode graph recorded and replayed without refusal: {g} {refused}")
+            # Recorded before serving: every recording was one of those, and no
+            # serving step was a bucket's warm-up (one first met while serving is).
+            elif capture and not (g.get("before_serving", 0) == g.get("recorded") and g.get("warmups") == 0):
+                out.update(match=False, error=f"graphs recorded while serving after --capture-graphs: {g}")
             # With replicas, graphs replayed across the slot swaps, some issued
             # while a swap was still queued (the graph's event-wait node held
             # that layer's experts until it finished), so the tokens above also

@@ -98,6 +98,12 @@ pub struct Options {
     /// and replays that bucket's graph).
     #[arg(long)]
     eager: bool,
+    /// Record both modes' decode graphs for the batch buckets that hold up
+    /// to N requests a rank before the first request (a weight-only warm-up
+    /// switch enters the other mode and comes back, Moebius §4.3), instead
+    /// of each bucket's on its first use (0, the default).
+    #[arg(long, default_value_t = 0)]
+    capture_graphs: u32,
 }
 
 /// Parses `"1 2 3"` / `"1,2,3"`; `where_` names the source in errors.
@@ -310,6 +316,50 @@ pub struct SwapArgs {
     swap_threshold: Option<f64>,
 }
 
+/// `--capture-graphs N` where graphs can be recorded: a device backend,
+/// graphs on.
+pub fn check_capture(n: u32, backend: Backend, eager: bool) -> Result<(), ExitCode> {
+    if n > 0 && matches!(backend, Backend::Cpu) {
+        return Err(error(
+            "--capture-graphs: the cpu twin records no graphs",
+            "run with --backend emu or cuda, or drop --capture-graphs",
+        ));
+    }
+    if n > 0 && eager {
+        return Err(error("--capture-graphs records graphs and --eager runs without them", "give one of the two"));
+    }
+    Ok(())
+}
+
+/// Records the decode graphs `--capture-graphs N` asks for before serving
+/// and says which.
+pub fn capture_graphs(engine: &mut twin::Twin, n: u32) -> Result<(), ExitCode> {
+    if n == 0 {
+        return Ok(());
+    }
+    let kept =
+        engine.capture_graphs(n).map_err(|e| error(e, "run without --capture-graphs to record graphs on first use"))?;
+    let modes = engine.plan().modes.len();
+    let per_mode: Vec<String> = [Mode::Ep, Mode::Tp]
+        .iter()
+        .filter_map(|&m| {
+            let sizes: Vec<String> = kept.iter().filter(|k| k.0 == m).map(|k| k.1.to_string()).collect();
+            (!sizes.is_empty()).then(|| format!("{} buckets {}", m.name(), sizes.join(", ")))
+        })
+        .collect();
+    out(&format!(
+        "decode graphs recorded before serving: {} (each from a warm-up and a recorded step of padding requests \
+         only{})",
+        if per_mode.is_empty() {
+            "none (no bucket fits one step's inputs, or the device records no graphs here)".to_string()
+        } else {
+            per_mode.join("; ")
+        },
+        if modes > 1 { "; the other mode entered by a weight-only warm-up switch and left" } else { "" }
+    ));
+    Ok(())
+}
+
 /// The drift window and threshold the options ask for (`None`: the plan's
 /// defaults); an error for a plan without replicas or a value the policy
 /// cannot take.
@@ -377,6 +427,7 @@ pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
             ),
         ));
     }
+    check_capture(a.capture_graphs, a.backend, a.eager)?;
     let ck = prepare(bundle, &a.weights, a.backend)?;
     let (mut driver, calibration) = driver(bundle, &ck, a.backend, start, a.switch_at.is_empty())?;
     driver.engine.verify_device_routing(a.verify_routing);
@@ -384,6 +435,7 @@ pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
     if let Some(policy) = swap {
         driver.engine.set_swap_policy(policy);
     }
+    capture_graphs(&mut driver.engine, a.capture_graphs)?;
     let n = prompts.len();
     let mut arrivals: Vec<(usize, Request)> = prompts
         .into_iter()
@@ -490,9 +542,13 @@ pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
     }
     if let Some(g) = driver.engine.graph_stats().filter(|g| g.captured + g.eager + g.warmups + g.refused > 0) {
         out(&format!(
-            "decode graphs: {} recorded (one per mode and batch bucket), {} decode steps replayed one, {} ran as a \
+            "decode graphs: {} recorded (one per mode and batch bucket{}), {} decode steps replayed one, {} ran as a \
              bucket's warm-up, {} ran call by call (not a graph's shape), {} padding rows{}",
             g.captured,
+            match g.recorded_before_serving {
+                0 => String::new(),
+                n => format!(", {n} before serving"),
+            },
             g.replayed,
             g.warmups,
             g.eager,

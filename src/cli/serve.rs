@@ -3,7 +3,9 @@
 //! policy. Prints `listening on http://ADDR` once bound; Ctrl-C or SIGTERM
 //! stops accepting and drains what is in flight.
 
-use super::run::{driver, load_dir, prepare, print_policy, swap_policy, Backend, Start, SwapArgs};
+use super::run::{
+    capture_graphs, check_capture, driver, load_dir, prepare, print_policy, swap_policy, Backend, Start, SwapArgs,
+};
 use super::{error, out};
 use moeforge::plan::bundle::LoadedBundle;
 use moeforge::plan::memory::Mode;
@@ -52,6 +54,12 @@ pub struct Options {
     eager: bool,
     #[command(flatten)]
     swap: SwapArgs,
+    /// Record both modes' decode graphs for the batch buckets that hold up
+    /// to N requests a rank before listening (a weight-only warm-up switch
+    /// enters the other mode and comes back, Moebius §4.3), instead of each
+    /// bucket's on its first use (0, the default).
+    #[arg(long, default_value_t = 0)]
+    capture_graphs: u32,
 }
 
 pub fn run(a: Args) -> Result<(), ExitCode> {
@@ -66,6 +74,7 @@ pub fn serve_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> 
         Start::Ep => Mode::Ep,
     };
     let swap = swap_policy(&a.swap, bundle)?;
+    check_capture(a.capture_graphs, a.backend, a.eager)?;
     let ck = prepare(bundle, &a.weights, a.backend)?;
     let text = Text::load(&a.weights).map_err(|e| {
         error(e, "tokenizer.json must be a Hugging Face tokenizers file (or absent: token-id prompts only)")
@@ -75,6 +84,7 @@ pub fn serve_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> 
     if let Some(policy) = swap {
         driver.engine.set_swap_policy(policy);
     }
+    capture_graphs(&mut driver.engine, a.capture_graphs)?;
     print_policy(&calibration, driver.policy());
     let name = bundle.plan.model.name.clone();
     let deploy = bundle.spec.deploys.first().map(|d| d.name.clone());

@@ -120,6 +120,15 @@ pub struct Work {
     pub rng: u64,
 }
 
+impl Work {
+    /// A padding request of a bucketed decode step: one token at position
+    /// 0 and no KV page (its KV slot is −1, so it writes no KV), sampled
+    /// into a row nobody reads.
+    pub fn padding() -> Work {
+        Work { cached: 0, tokens: vec![0], pages: vec![], sample: true, temperature: 0.0, top_p: 1.0, rng: 0 }
+    }
+}
+
 /// The sampled token of one request, its generator's state after the draw,
 /// and the logits it was drawn from.
 #[derive(Clone, Debug, PartialEq)]
@@ -292,7 +301,9 @@ enum Body {
 /// never an address); `replayed_beside_swap` those of them issued while
 /// such a swap was still queued on the side stream, which the graph (its
 /// recording older than the swap) waits for on the device just before the
-/// swapped layer's expert computation.
+/// swapped layer's expert computation; `recorded_before_serving` those of
+/// the `captured` recorded by [`Executor::capture_decode_graphs`], whose
+/// padding-only steps no other count includes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GraphStats {
     pub refused: u64,
@@ -300,10 +311,19 @@ pub struct GraphStats {
     pub replayed_after_swap: u64,
     pub replayed_beside_swap: u64,
     pub captured: u64,
+    pub recorded_before_serving: u64,
     pub replayed: u64,
     pub warmups: u64,
     pub eager: u64,
     pub padded_rows: u64,
+}
+
+/// Whether rank `r` takes decode requests in `mode`: it runs a decode
+/// program of the mode and, in a role plan, is a decode server.
+fn takes_decode(plan: &Plan, mode: Mode, r: usize) -> bool {
+    use moeforge_plan::roles::Role;
+    plan.programs.iter().any(|g| g.mode == mode && g.phase == Phase::Decode && g.ranks.contains(&(r as u32)))
+        && plan.roles.as_ref().is_none_or(|x| x.gpus.get(r) == Some(&Role::Decode))
 }
 
 /// The batch bucket a decode step of `n` requests per rank is padded to:
@@ -870,6 +890,78 @@ impl Executor {
         self.route_decode = on;
     }
 
+    /// Records `mode`'s decode graphs now, for every batch bucket up to
+    /// `max_bucket`, before any request arrives: Moebius §4.3 captures both
+    /// modes' graph sets at startup, so no live step pays a warm-up or a
+    /// recording. The buckets are those that hold up to `most` requests
+    /// per rank. Each takes its warm-up step and its recorded one, every
+    /// request a padding one ([`Work::padding`]: no KV written, the sample
+    /// dropped), so no request's state changes; nor do the statistics, but
+    /// for `captured` and `recorded_before_serving` (the steps are not
+    /// serving's). Stops at the first bucket the step inputs or the posts
+    /// cannot hold. Returns the buckets whose graph is kept (one the device
+    /// refused is not).
+    pub fn capture_decode_graphs(&mut self, mode: Mode, most: u32) -> Result<Vec<u32>, ExecError> {
+        let mut kept = Vec::new();
+        if !self.graphs_on || most == 0 {
+            return Ok(kept);
+        }
+        let plan = std::sync::Arc::clone(&self.plan);
+        let (stats, counted) = (self.graph_stats, self.counted());
+        let ran = self.capture_buckets(&plan, mode, bucket(most), &mut kept);
+        self.graph_stats = GraphStats {
+            captured: self.graph_stats.captured,
+            refused: self.graph_stats.refused,
+            recorded_before_serving: stats.recorded_before_serving + kept.len() as u64,
+            ..stats
+        };
+        self.set_counted(counted);
+        ran.map(|()| kept)
+    }
+
+    /// [`Executor::capture_decode_graphs`]'s steps, bucket by bucket up to
+    /// `last`, the kept ones into `kept`.
+    fn capture_buckets(&mut self, plan: &Plan, mode: Mode, last: u32, kept: &mut Vec<u32>) -> Result<(), ExecError> {
+        let mut size = 1;
+        while size <= last {
+            // No request: the bucket's rows are all padding.
+            let work = vec![Vec::new(); self.buffers.len()];
+            // A warm-up, then the recording (twice at most: a key is kept or
+            // refused after its second step).
+            for _ in 0..2 {
+                if matches!(self.graphs.get(&(mode, size)), Some(Graph::Kept { .. } | Graph::Refused(_))) {
+                    break;
+                }
+                if self.graphed_step(plan, mode, &work, size)?.is_none() {
+                    return Ok(());
+                }
+            }
+            if matches!(self.graphs.get(&(mode, size)), Some(Graph::Kept { .. })) {
+                kept.push(size);
+            }
+            size = bucket(size + 1);
+        }
+        Ok(())
+    }
+
+    /// Whether decode steps run as graphs ([`Executor::use_graphs`]).
+    pub fn records_graphs(&self) -> bool {
+        self.graphs_on
+    }
+
+    /// Counts the kept graphs as recorded now: a live switch or swap after
+    /// this is one after their recording (what `replayed_after_switch` and
+    /// `replayed_after_swap` count), the warm-up switches of
+    /// [`Executor::capture_decode_graphs`]'s callers before it are not.
+    pub fn rebase_graphs(&mut self) {
+        let (now, swaps) = (self.reshards, self.swap_overlap.swaps);
+        for g in self.graphs.values_mut() {
+            if let Graph::Kept { reshards, swaps: s, .. } = g {
+                (*reshards, *s) = (now, swaps);
+            }
+        }
+    }
+
     /// Runs decode steps as graphs where the device records them (the
     /// default there): each step padded to its batch bucket, the second
     /// step of a (mode, bucket) recorded, every later one replayed. Off,
@@ -993,38 +1085,8 @@ impl Executor {
     ) -> Result<Vec<Vec<Option<Sampled>>>, ExecError> {
         let plan = std::sync::Arc::clone(&self.plan);
         if self.graphs_on && phase == Phase::Decode {
-            match self.bucketed(&plan, mode, work)? {
-                Some((size, padded)) => {
-                    let real: Vec<usize> = work.iter().map(Vec::len).collect();
-                    let (body, after_switch, after_swap) = match self.graphs.get(&(mode, size)) {
-                        None | Some(Graph::Refused(_)) => (Body::Eager, false, false),
-                        Some(Graph::Warm) => (Body::Capture(mode, size), false, false),
-                        Some(&Graph::Kept { graph, counted, reshards, swaps }) => {
-                            (Body::Replay(graph, counted), reshards < self.reshards, swaps < self.swap_overlap.swaps)
-                        }
-                    };
-                    let ran = self.step_with(&plan, mode, phase, &padded, &real, body);
-                    let mut out = ran?;
-                    self.graph_stats.padded_rows +=
-                        padded.iter().zip(&real).map(|(p, &n)| (p.len() - n) as u64).sum::<u64>();
-                    self.graph_stats.replayed_after_switch += u64::from(after_switch);
-                    self.graph_stats.replayed_after_swap += u64::from(after_swap);
-                    match self.graphs.entry((mode, size)) {
-                        std::collections::btree_map::Entry::Vacant(e) => {
-                            e.insert(Graph::Warm);
-                            self.graph_stats.warmups += 1;
-                        }
-                        // A refused key's steps (the refused one included) run call by call.
-                        std::collections::btree_map::Entry::Occupied(e) if matches!(e.get(), Graph::Refused(_)) => {
-                            self.graph_stats.eager += 1;
-                        }
-                        std::collections::btree_map::Entry::Occupied(_) => {}
-                    }
-                    for (o, &n) in out.iter_mut().zip(&real) {
-                        o.truncate(n);
-                    }
-                    return Ok(out);
-                }
+            match self.graphed_step(&plan, mode, work, 0)? {
+                Some(out) => return Ok(out),
                 None => self.graph_stats.eager += 1,
             }
         }
@@ -1326,24 +1388,70 @@ impl Executor {
         (self.dispatch_traffic, self.traffic, self.main_ops) = (c.dispatch, c.combine, c.main_ops);
     }
 
+    /// A decode step as its batch bucket's graph (a warm-up, the recording
+    /// or a replay), the bucket at least `least` requests (the most any
+    /// rank takes otherwise); `None` where no graph holds the step (it then
+    /// runs call by call).
+    fn graphed_step(
+        &mut self,
+        plan: &Plan,
+        mode: Mode,
+        work: &[Vec<Work>],
+        least: u32,
+    ) -> Result<Option<Vec<Vec<Option<Sampled>>>>, ExecError> {
+        let phase = Phase::Decode;
+        let Some((size, padded)) = self.bucketed(plan, mode, work, least)? else { return Ok(None) };
+        let real: Vec<usize> = work.iter().map(Vec::len).collect();
+        let (body, after_switch, after_swap) = match self.graphs.get(&(mode, size)) {
+            None | Some(Graph::Refused(_)) => (Body::Eager, false, false),
+            Some(Graph::Warm) => (Body::Capture(mode, size), false, false),
+            Some(&Graph::Kept { graph, counted, reshards, swaps }) => {
+                (Body::Replay(graph, counted), reshards < self.reshards, swaps < self.swap_overlap.swaps)
+            }
+        };
+        let ran = self.step_with(plan, mode, phase, &padded, &real, body);
+        let mut out = ran?;
+        self.graph_stats.padded_rows += padded.iter().zip(&real).map(|(p, &n)| (p.len() - n) as u64).sum::<u64>();
+        self.graph_stats.replayed_after_switch += u64::from(after_switch);
+        self.graph_stats.replayed_after_swap += u64::from(after_swap);
+        match self.graphs.entry((mode, size)) {
+            std::collections::btree_map::Entry::Vacant(e) => {
+                e.insert(Graph::Warm);
+                self.graph_stats.warmups += 1;
+            }
+            // A refused key's steps (the refused one included) run call by call.
+            std::collections::btree_map::Entry::Occupied(e) if matches!(e.get(), Graph::Refused(_)) => {
+                self.graph_stats.eager += 1;
+            }
+            std::collections::btree_map::Entry::Occupied(_) => {}
+        }
+        for (o, &n) in out.iter_mut().zip(&real) {
+            o.truncate(n);
+        }
+        Ok(Some(out))
+    }
+
     /// `work` padded to its batch bucket, where the step is one a graph
     /// holds: a decode step (one token per request) of a plan whose
     /// dispatches take fixed slots (not routed on request, a replicated
     /// placement's routed on the device), every rank that takes requests (all of a colocated plan's;
     /// a role plan's decode servers) padded to the bucket of the most
-    /// requests any of them has, so the step's launches, transfers and
+    /// requests any of them has (at least `least`), so the step's launches, transfers and
     /// fills are the bucket's whatever the batch; padding requests are one
     /// token each, write no KV and are not returned. `None` (run it call by
     /// call) where the padded step would not fit one step's inputs, would
     /// need dispatch rounds, or a dispatch of it would be routed.
-    fn bucketed(&self, plan: &Plan, mode: Mode, work: &[Vec<Work>]) -> Result<Option<Bucketed>, ExecError> {
+    fn bucketed(&self, plan: &Plan, mode: Mode, work: &[Vec<Work>], least: u32) -> Result<Option<Bucketed>, ExecError> {
         if self.route_decode {
             return Ok(None);
         }
         if work.iter().flatten().any(|w| w.tokens.len() != 1) {
             return Ok(None);
         }
-        let Some(most) = work.iter().map(Vec::len).max().filter(|&n| n > 0) else { return Ok(None) };
+        let most = work.iter().map(Vec::len).max().unwrap_or(0).max(least as usize);
+        if most == 0 {
+            return Ok(None);
+        }
         let size = bucket(u32::try_from(most).unwrap_or(u32::MAX));
         let programs: Vec<&Program> =
             plan.programs.iter().filter(|g| g.mode == mode && g.phase == Phase::Decode).collect();
@@ -1367,20 +1475,13 @@ impl Executor {
         if !fits {
             return Ok(None);
         }
-        use moeforge_plan::roles::Role;
-        let takes = |r: usize| {
-            programs.iter().any(|g| g.ranks.contains(&(r as u32)))
-                && plan.roles.as_ref().is_none_or(|x| x.gpus.get(r) == Some(&Role::Decode))
-        };
-        let pad =
-            Work { cached: 0, tokens: vec![0], pages: vec![], sample: true, temperature: 0.0, top_p: 1.0, rng: 0 };
         let padded: Vec<Vec<Work>> = work
             .iter()
             .enumerate()
             .map(|(r, w)| {
                 let mut w = w.clone();
-                if takes(r) {
-                    w.resize(size as usize, pad.clone());
+                if takes_decode(plan, mode, r) {
+                    w.resize(size as usize, Work::padding());
                 }
                 w
             })

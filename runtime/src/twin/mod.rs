@@ -326,6 +326,68 @@ impl Twin {
         }
     }
 
+    /// Records the device's decode graphs of both modes now, for the batch
+    /// buckets that hold up to `most` requests a rank, as Moebius §4.3 does
+    /// at startup: the current mode's first, then (in a dual-mode plan) a
+    /// weight-only warm-up switch into the other mode while no request is
+    /// active, its graphs, and the switch back. Neither switch is a serving
+    /// event (no switch record is kept for them, and a replay counts as
+    /// after a switch only after a later live one). Returns the (mode,
+    /// bucket)s recorded; nothing without a device that records graphs.
+    /// Refused while a request is in flight (the warm-up switch would move
+    /// its KV). Whatever happens, the twin ends in the mode it started in.
+    pub fn capture_graphs(&mut self, most: u32) -> Result<Vec<(Mode, u32)>, EngineError> {
+        if self.inflight() > 0 {
+            return Err(EngineError::Capacity(format!(
+                "graphs are recorded before serving: {} requests are in flight",
+                self.inflight()
+            )));
+        }
+        if !self.device.as_ref().is_some_and(crate::device::exec::Executor::records_graphs) {
+            return Ok(Vec::new());
+        }
+        let start = self.mode;
+        let events = self.events.len();
+        let mut kept = Vec::new();
+        let ran = self.capture_each_mode(most, &mut kept);
+        // Back to the starting mode whatever happened (a weight-only switch:
+        // nothing is in flight), and no serving switch recorded.
+        let back = if self.mode == start { Ok(true) } else { self.switch_to(start) };
+        self.events.truncate(events);
+        ran?;
+        if !back? {
+            return Err(EngineError::Backend(format!(
+                "recording decode graphs: the switch back to {} was refused",
+                start.name()
+            )));
+        }
+        if let Some(d) = self.device.as_mut() {
+            d.rebase_graphs();
+        }
+        Ok(kept)
+    }
+
+    /// [`Twin::capture_graphs`]'s recordings: the current mode's, then each
+    /// other mode's after a weight-only switch into it.
+    fn capture_each_mode(&mut self, most: u32, kept: &mut Vec<(Mode, u32)>) -> Result<(), EngineError> {
+        let err = |e: crate::device::exec::ExecError| EngineError::Backend(format!("recording decode graphs: {e}"));
+        let start = self.mode;
+        let modes: Vec<Mode> =
+            std::iter::once(start).chain(self.plan.modes.iter().copied().filter(|&m| m != start)).collect();
+        for mode in modes {
+            if mode != self.mode && !self.switch_to(mode)? {
+                return Err(EngineError::Backend(format!(
+                    "recording decode graphs: the warm-up switch into {} was refused",
+                    mode.name()
+                )));
+            }
+            if let Some(d) = self.device.as_mut() {
+                kept.extend(d.capture_decode_graphs(mode, most).map_err(err)?.into_iter().map(|b| (mode, b)));
+            }
+        }
+        Ok(())
+    }
+
     /// What the device's decode graphs did so far (`None` without a device).
     pub fn graph_stats(&self) -> Option<crate::device::exec::GraphStats> {
         self.device.as_ref().map(crate::device::exec::Executor::graph_stats)
