@@ -93,17 +93,8 @@ pub struct Options {
     verify_routing: bool,
     #[command(flatten)]
     swap: SwapArgs,
-    /// Run every decode step call by call: no decode graphs (a device that
-    /// records them otherwise pads each decode step to its batch bucket
-    /// and replays that bucket's graph).
-    #[arg(long)]
-    eager: bool,
-    /// Record both modes' decode graphs for the batch buckets that hold up
-    /// to N requests a rank before the first request (a weight-only warm-up
-    /// switch enters the other mode and comes back, Moebius §4.3), instead
-    /// of each bucket's on its first use (0, the default).
-    #[arg(long, default_value_t = 0)]
-    capture_graphs: u32,
+    #[command(flatten)]
+    graphs: GraphArgs,
 }
 
 /// Parses `"1 2 3"` / `"1,2,3"`; `where_` names the source in errors.
@@ -316,27 +307,52 @@ pub struct SwapArgs {
     swap_threshold: Option<f64>,
 }
 
-/// `--capture-graphs N` where graphs can be recorded: a device backend,
-/// graphs on.
-pub fn check_capture(n: u32, backend: Backend, eager: bool) -> Result<(), ExitCode> {
-    if n > 0 && matches!(backend, Backend::Cpu) {
-        return Err(error(
-            "--capture-graphs: the cpu twin records no graphs",
-            "run with --backend emu or cuda, or drop --capture-graphs",
-        ));
-    }
-    if n > 0 && eager {
-        return Err(error("--capture-graphs records graphs and --eager runs without them", "give one of the two"));
-    }
-    Ok(())
+/// How decode steps run as graphs (`run` and `serve`).
+#[derive(clap::Args)]
+pub struct GraphArgs {
+    /// Run every decode step call by call: no decode graphs (a device that
+    /// records them otherwise pads each decode step to its batch bucket
+    /// and replays that bucket's graph).
+    #[arg(long)]
+    eager: bool,
+    /// Record both modes' decode graphs for the batch buckets that hold up
+    /// to N requests a rank before serving (a weight-only warm-up switch
+    /// enters the other mode and comes back, Moebius §4.3), instead of each
+    /// bucket's on its first use (0, the default).
+    #[arg(long, default_value_t = 0)]
+    capture_graphs: u32,
 }
 
-/// Records the decode graphs `--capture-graphs N` asks for before serving
-/// and says which.
-pub fn capture_graphs(engine: &mut twin::Twin, n: u32) -> Result<(), ExitCode> {
-    if n == 0 {
-        return Ok(());
+impl GraphArgs {
+    /// Refuses `--capture-graphs N` where nothing records graphs: the CPU
+    /// twin, or beside `--eager`.
+    pub fn check(&self, backend: Backend) -> Result<(), ExitCode> {
+        if self.capture_graphs > 0 && matches!(backend, Backend::Cpu) {
+            return Err(error(
+                "--capture-graphs: the cpu twin records no graphs",
+                "run with --backend emu or cuda, or drop --capture-graphs",
+            ));
+        }
+        if self.capture_graphs > 0 && self.eager {
+            return Err(error("--capture-graphs records graphs and --eager runs without them", "give one of the two"));
+        }
+        Ok(())
     }
+
+    /// Turns the engine's graphs on or off and records those
+    /// `--capture-graphs N` asks for, saying which.
+    pub fn apply(&self, engine: &mut twin::Twin) -> Result<(), ExitCode> {
+        engine.use_device_graphs(!self.eager);
+        if self.capture_graphs > 0 {
+            capture_graphs(engine, self.capture_graphs)?;
+        }
+        Ok(())
+    }
+}
+
+/// Records the decode graphs `--capture-graphs n` asks for before serving
+/// and says which.
+fn capture_graphs(engine: &mut twin::Twin, n: u32) -> Result<(), ExitCode> {
     let kept =
         engine.capture_graphs(n).map_err(|e| error(e, "run without --capture-graphs to record graphs on first use"))?;
     let modes = engine.plan().modes.len();
@@ -427,15 +443,14 @@ pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
             ),
         ));
     }
-    check_capture(a.capture_graphs, a.backend, a.eager)?;
+    a.graphs.check(a.backend)?;
     let ck = prepare(bundle, &a.weights, a.backend)?;
     let (mut driver, calibration) = driver(bundle, &ck, a.backend, start, a.switch_at.is_empty())?;
     driver.engine.verify_device_routing(a.verify_routing);
-    driver.engine.use_device_graphs(!a.eager);
     if let Some(policy) = swap {
         driver.engine.set_swap_policy(policy);
     }
-    capture_graphs(&mut driver.engine, a.capture_graphs)?;
+    a.graphs.apply(&mut driver.engine)?;
     let n = prompts.len();
     let mut arrivals: Vec<(usize, Request)> = prompts
         .into_iter()

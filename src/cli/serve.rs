@@ -3,9 +3,7 @@
 //! policy. Prints `listening on http://ADDR` once bound; Ctrl-C or SIGTERM
 //! stops accepting and drains what is in flight.
 
-use super::run::{
-    capture_graphs, check_capture, driver, load_dir, prepare, print_policy, swap_policy, Backend, Start, SwapArgs,
-};
+use super::run::{driver, load_dir, prepare, print_policy, swap_policy, Backend, GraphArgs, Start, SwapArgs};
 use super::{error, out};
 use moeforge::plan::bundle::LoadedBundle;
 use moeforge::plan::memory::Mode;
@@ -47,19 +45,10 @@ pub struct Options {
     /// The model id clients address (default: the model's name).
     #[arg(long)]
     served_model_name: Option<String>,
-    /// Run every decode step call by call: no decode graphs (a device that
-    /// records them otherwise pads each decode step to its batch bucket
-    /// and replays that bucket's graph).
-    #[arg(long)]
-    eager: bool,
+    #[command(flatten)]
+    graphs: GraphArgs,
     #[command(flatten)]
     swap: SwapArgs,
-    /// Record both modes' decode graphs for the batch buckets that hold up
-    /// to N requests a rank before listening (a weight-only warm-up switch
-    /// enters the other mode and comes back, Moebius §4.3), instead of each
-    /// bucket's on its first use (0, the default).
-    #[arg(long, default_value_t = 0)]
-    capture_graphs: u32,
 }
 
 pub fn run(a: Args) -> Result<(), ExitCode> {
@@ -74,17 +63,16 @@ pub fn serve_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> 
         Start::Ep => Mode::Ep,
     };
     let swap = swap_policy(&a.swap, bundle)?;
-    check_capture(a.capture_graphs, a.backend, a.eager)?;
+    a.graphs.check(a.backend)?;
     let ck = prepare(bundle, &a.weights, a.backend)?;
     let text = Text::load(&a.weights).map_err(|e| {
         error(e, "tokenizer.json must be a Hugging Face tokenizers file (or absent: token-id prompts only)")
     })?;
     let (mut driver, calibration) = driver(bundle, &ck, a.backend, start, true)?;
-    driver.engine.use_device_graphs(!a.eager);
     if let Some(policy) = swap {
         driver.engine.set_swap_policy(policy);
     }
-    capture_graphs(&mut driver.engine, a.capture_graphs)?;
+    a.graphs.apply(&mut driver.engine)?;
     print_policy(&calibration, driver.policy());
     let name = bundle.plan.model.name.clone();
     let deploy = bundle.spec.deploys.first().map(|d| d.name.clone());

@@ -82,31 +82,14 @@ pub struct EmuDevice {
     marks: BTreeMap<u32, SideEvent>,
 }
 
-/// One recorded call of a graph, with the arguments it was issued with.
+/// One recorded call of a graph, with the arguments it was issued with (a
+/// `Join`'s key's mark is looked up when it runs, [`Device::side_join`]).
 #[derive(Clone, Debug)]
 enum Call {
-    Launch {
-        module: ModuleId,
-        entry: String,
-        grid: u32,
-        block: u32,
-        args: Vec<KernelArg>,
-    },
-    Transfer {
-        code: Code,
-        batches: Vec<Batch>,
-        buffers: Vec<BufferId>,
-    },
-    Fill {
-        buffer: BufferId,
-        offset: u64,
-        len: u64,
-        byte: u8,
-    },
-    /// [`Device::side_join`]: the key's mark is looked up when it runs.
-    Join {
-        key: u32,
-    },
+    Launch { module: ModuleId, entry: String, grid: u32, block: u32, args: Vec<KernelArg> },
+    Transfer { code: Code, batches: Vec<Batch>, buffers: Vec<BufferId> },
+    Fill { buffer: BufferId, offset: u64, len: u64, byte: u8 },
+    Join { key: u32 },
 }
 
 /// The default build cache.

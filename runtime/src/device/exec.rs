@@ -890,11 +890,10 @@ impl Executor {
         self.route_decode = on;
     }
 
-    /// Records `mode`'s decode graphs now, for every batch bucket up to
-    /// `max_bucket`, before any request arrives: Moebius §4.3 captures both
-    /// modes' graph sets at startup, so no live step pays a warm-up or a
-    /// recording. The buckets are those that hold up to `most` requests
-    /// per rank. Each takes its warm-up step and its recorded one, every
+    /// Records `mode`'s decode graphs now, for the batch buckets that hold
+    /// up to `most` requests a rank, before any request arrives: Moebius
+    /// §4.3 captures both modes' graph sets at startup, so no live step pays
+    /// a warm-up or a recording. Each bucket takes its warm-up step and its recorded one, every
     /// request a padding one ([`Work::padding`]: no KV written, the sample
     /// dropped), so no request's state changes; nor do the statistics, but
     /// for `captured` and `recorded_before_serving` (the steps are not
