@@ -458,8 +458,32 @@ fn init_weights_compile_and_run_on_the_cpu_twin() {
         .collect();
     let o3 = moeforge(&emu.iter().map(String::as_str).collect::<Vec<_>>(), None);
     assert!(o3.status.success(), "{}", text(&o3.stderr));
-    assert!(text(&o3.stdout).starts_with("emulated device: "), "{}", text(&o3.stdout));
-    assert_eq!(tokens(&s), tokens(&text(&o3.stdout)));
+    let s3 = text(&o3.stdout);
+    assert!(s3.starts_with("emulated device: "), "{s3}");
+    assert_eq!(tokens(&s), tokens(&s3));
+    // `t_high = auto` was measured on the emulated device's decode graphs of
+    // both modes; the CPU twin, which has no device steps, takes the
+    // modeled crossover.
+    assert!(
+        s3.contains(
+            "calibration, measured on this engine's decode steps (graph replays, the median of 5 each, until EP is \
+             no slower): B=1: tp "
+        ),
+        "{s3}"
+    );
+    assert!(s3.contains("policy: T_h = "), "{s3}");
+    let cpu_policy = args(&["--arrive-every", "1"]);
+    let o = moeforge(&cpu_policy.iter().map(String::as_str).collect::<Vec<_>>(), None);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let s5 = text(&o.stdout);
+    assert!(
+        s5.contains(
+            "calibration, modeled (this engine measured no decode step; the cost model's decode iterations at \
+             1024 cached tokens each): B=1: tp "
+        ) && s5.contains("B=2048: "),
+        "{s5}"
+    );
+    assert_eq!(tokens(&s), tokens(&s5));
     let mut switching = emu.clone();
     switching.extend(["--switch-at".to_string(), "1,3".to_string()]);
     let o = moeforge(&switching.iter().map(String::as_str).collect::<Vec<_>>(), None);

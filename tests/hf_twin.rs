@@ -1143,6 +1143,68 @@ fn both_modes_graphs_are_recorded_before_serving_on_the_emulated_device() {
     assert!(g.replayed_after_switch > 0 && g.replayed_after_switch < decode_steps, "{g:?}");
 }
 
+/// `t_high = auto` measured as Moebius §4.5 measures it, on a dual-mode
+/// plan over 2 ranks of the emulated device whose buckets 1 and 2 were
+/// recorded before serving: batches 1, 2, 4, 8 are timed in increasing
+/// order in both modes, zig-zagging between them, until EP is no slower
+/// (the crossover; timings decide where, so the test derives what must
+/// have been recorded from the batches returned). Each timed batch's
+/// bucket was recorded in both modes (TP holds every request on each rank:
+/// bucket(b); EP's data-parallel attention ⌈b/2⌉: bucket(⌈b/2⌉)), and no
+/// other; every recording counts as before serving, and no other
+/// statistic moved. The twin is back in EP, and the three requests served
+/// after it (live switches included) get transformers' tokens. With
+/// graphs off the steps are timed call by call and nothing is recorded.
+#[test]
+fn t_high_auto_is_measured_on_the_decode_graphs_of_both_modes_on_the_emulated_device() {
+    use moeforge::runtime::device::exec::bucket;
+    let cache = tempfile::tempdir().unwrap();
+    let (mut t, f) = dual_mode_on_the_emulated_device(cache.path());
+    let before = t.capture_graphs(2).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(before.len(), 4, "{before:?}");
+    let batches = [1, 2, 4, 8];
+    let m = t.probe_decode_steps(&batches, 3).unwrap_or_else(|e| panic!("{e}")).expect("measured");
+    eprintln!("measured: {m:?}");
+    assert_eq!(m.unfit, None, "batches to 8 fit the fixture's steps");
+    let timed = m.costs;
+    // A prefix of the batches, ended at the first crossover if any.
+    let n = timed.len();
+    assert_eq!(timed.iter().map(|c| c.0).collect::<Vec<_>>(), batches[..n]);
+    let crossed: Vec<usize> = timed.iter().filter(|c| c.2 <= c.1).map(|c| c.0).collect();
+    assert!(crossed.is_empty() && n == batches.len() || crossed == [batches[n - 1]], "{timed:?}");
+    assert!(timed.iter().all(|&(_, tp, ep)| tp > 0.0 && ep > 0.0), "{timed:?}");
+    let mut want: std::collections::BTreeSet<(Mode, u32)> = before.into_iter().collect();
+    for &(b, _, _) in &timed {
+        want.insert((Mode::Tp, bucket(b as u32)));
+        want.insert((Mode::Ep, bucket((b as u32).div_ceil(2))));
+    }
+    assert_eq!(t.graph_keys().into_iter().collect::<std::collections::BTreeSet<_>>(), want);
+    assert_eq!(t.mode(), Mode::Ep, "the warm-up switches came back");
+    let g = t.graph_stats().unwrap();
+    assert_eq!(
+        (g.captured, g.recorded_before_serving, g.warmups, g.replayed, g.padded_rows, g.eager),
+        (want.len() as u64, want.len() as u64, 0, 0, 0, 0),
+        "{g:?}"
+    );
+    let decode_steps = serve_three_with_switches(&mut t, &f, |_, _| {});
+    let g = t.graph_stats().unwrap();
+    assert!(decode_steps > 0);
+    assert_eq!(g.refused, 0, "{g:?}");
+    // Graphs off: the steps are timed call by call, nothing is recorded;
+    // refused (the twin left as it was) while a request is in flight.
+    let (mut eager, _) = dual_mode_on_the_emulated_device(cache.path());
+    eager.use_device_graphs(false);
+    eager.submit(Request::new(9, f.prompts[0].clone(), 2)).unwrap();
+    eager.step().unwrap();
+    let e = eager.probe_decode_steps(&[1, 2], 2).unwrap_err().to_string();
+    assert!(e.contains("in flight") && eager.mode() == Mode::Ep, "{e}");
+    eager.run_to_completion(10).unwrap();
+    let timed = eager.probe_decode_steps(&[1, 2], 2).unwrap().expect("measured call by call").costs;
+    assert_eq!(timed.iter().map(|c| c.0).collect::<Vec<_>>(), [1, 2][..timed.len()]);
+    assert_eq!(eager.graph_stats().unwrap(), Default::default());
+    assert_eq!(eager.mode(), Mode::Ep);
+}
+
 /// A group wider than top-k (colocated EP over 4 ranks, top-k 2) takes
 /// fixed slots in its decode steps: every hidden row a gated copy that the
 /// device runs only for a rank holding one of the token's experts, and the

@@ -10,6 +10,7 @@
 //! between steps (or says why it cannot), and [`Engine::stats`] is what a
 //! policy or a metrics endpoint reads.
 
+use crate::policy::Measured;
 pub use crate::sampling::Sampling;
 use moeforge_plan::memory::Mode;
 
@@ -121,6 +122,16 @@ pub trait Engine {
     /// Drops what the engine keeps of a finished request (its tokens, for
     /// inspection); a long-running server calls it once it has delivered them.
     fn forget(&mut self, id: RequestId);
+    /// Measures this engine's decode step cost in TP and in EP at each
+    /// batch (requests in flight) before serving, for `t_high = auto`
+    /// (Moebius §4.5: on the decode graphs it will serve with; the median
+    /// of `steps` each), `batches` in order until the crossover. `None` where
+    /// the engine has no such steps to measure (the caller then takes the
+    /// cost model's crossover); nothing it serves changes.
+    fn probe_decode_costs(&mut self, batches: &[usize], steps: usize) -> Result<Option<Measured>, EngineError> {
+        let _ = (batches, steps);
+        Ok(None)
+    }
 }
 
 /// A boxed engine is an engine (servers hold `Box<dyn Engine + Send>`).
@@ -142,5 +153,8 @@ impl<E: Engine + ?Sized> Engine for Box<E> {
     }
     fn forget(&mut self, id: RequestId) {
         (**self).forget(id)
+    }
+    fn probe_decode_costs(&mut self, batches: &[usize], steps: usize) -> Result<Option<Measured>, EngineError> {
+        (**self).probe_decode_costs(batches, steps)
     }
 }

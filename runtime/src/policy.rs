@@ -5,11 +5,12 @@
 //! count exceeds T_h; in EP it switches back when the mean count over the
 //! last W iterations (all spent in EP) is below T_ℓ ≤ T_h. After every
 //! switch, or a switch cancelled by the KV capacity check, nothing happens
-//! for the cooldown C. T_h = auto is calibrated at the TP/EP crossover from
-//! measured step costs ([`calibrate`], [`crossover`]); T_ℓ = auto is 0.8·T_h.
+//! for the cooldown C. T_h = auto is calibrated at the TP/EP crossover of the
+//! serving engine's measured decode steps ([`driver`], [`crossover`]);
+//! T_ℓ = auto is 0.8·T_h.
 //! The simulator runs the same coordinator on modeled iterations.
 
-use crate::engine::{Engine, EngineError, Request, StepOutput, SwitchEvent};
+use crate::engine::{Engine, EngineError, StepOutput, SwitchEvent};
 use moeforge_dsl::spec::SwitchPolicy;
 use moeforge_plan::memory::Mode;
 use std::collections::VecDeque;
@@ -100,63 +101,83 @@ pub fn crossover(costs: &[(usize, f64, f64)]) -> u32 {
     costs.iter().find(|(_, tp, ep)| ep <= tp).map_or(u32::MAX, |(b, _, _)| *b as u32)
 }
 
-/// Measures decode step cost in TP and EP for each batch size (median of
-/// `steps` decode steps after the prefill step) on engines from `make`, for
-/// T_h calibration at the crossover (Moebius §4.5). Returns
-/// `(batch, tp seconds, ep seconds)`.
-pub fn calibrate<E: Engine>(
-    mut make: impl FnMut(Mode) -> Result<E, EngineError>,
-    vocab: usize,
-    batches: &[usize],
-    steps: usize,
-) -> Result<Vec<(usize, f64, f64)>, EngineError> {
-    let mut out = Vec::new();
-    for &b in batches {
-        let mut cost = [0f64; 2];
-        for (i, mode) in [Mode::Tp, Mode::Ep].into_iter().enumerate() {
-            let mut e = make(mode)?;
-            for id in 0..b {
-                e.submit(Request::new(id as u64, vec![(id % vocab.max(1)) as u32], steps + 1))?;
-            }
-            e.step()?; // prefill
-            let mut times: Vec<f64> = (0..steps).map(|_| e.step().map(|s| s.seconds)).collect::<Result<_, _>>()?;
-            times.sort_by(f64::total_cmp);
-            cost[i] = times.get(times.len() / 2).copied().unwrap_or(0.0);
-        }
-        out.push((b, cost[0], cost[1]));
-    }
-    Ok(out)
-}
-
-/// Costs a calibration measured: (batch, TP seconds, EP seconds).
+/// Costs a calibration measured or modeled: (batch, TP seconds, EP seconds).
 pub type Calibration = Vec<(usize, f64, f64)>;
 
-/// The batches calibration probes.
-pub const CALIBRATION_BATCHES: [usize; 6] = [1, 2, 4, 8, 16, 32];
+/// The batches (requests in flight) the serving engine's calibration
+/// probes, in order, until the first at which EP is no slower than TP: to
+/// 256, the batch Moebius caps a rank's graphs at (§6.5: a TP rank holds
+/// every request; its measured crossover on 8×H200 is 128–256).
+pub const CALIBRATION_BATCHES: [usize; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
 
-/// An engine from `make` starting in `start`, under the deployment's switch
-/// policy when `use_policy`, the spec enables switching and the plan holds
-/// both modes; `t_high = auto` is first calibrated at the measured TP/EP
-/// crossover (then the costs are returned too). Time is the wall clock.
+/// Decode steps timed per batch and mode (their median is the cost).
+pub const CALIBRATION_STEPS: usize = 5;
+
+/// What an engine measured for `t_high = auto` ([`Engine::probe_decode_costs`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Measured {
+    /// The batches timed in both modes, in order, up to the crossover.
+    pub costs: Calibration,
+    /// The batch whose step did not fit the engine (its step inputs or its
+    /// posts), where that ended the walk first.
+    pub unfit: Option<usize>,
+}
+
+impl Measured {
+    /// T_h: the crossover; where the walk ended first at a batch TP could
+    /// not run in one step, that batch (EP's ranks each hold a share of it:
+    /// TP is the first mode a batch outgrows); `u32::MAX` where EP was
+    /// slower at every batch probed.
+    pub fn t_high(&self) -> u32 {
+        match (crossover(&self.costs), self.unfit) {
+            (u32::MAX, Some(b)) => u32::try_from(b).unwrap_or(u32::MAX),
+            (t, _) => t,
+        }
+    }
+}
+
+/// How `t_high = auto` was set.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Calibrated {
+    /// Measured on the serving engine's own decode steps.
+    Measured(Measured),
+    /// The cost model's crossover, where the engine measures nothing.
+    Modeled(Calibration),
+    /// Neither could be had (the reason): T_h is [`DEFAULT_T_HIGH`].
+    Default(String),
+}
+
+/// `engine` under the deployment's switch policy when `use_policy`, the
+/// spec enables switching and the plan holds both modes. `t_high = auto`
+/// is set at the TP/EP crossover first (Moebius §4.5): measured on the
+/// engine itself, both modes at [`CALIBRATION_BATCHES`] until the
+/// crossover, as it serves them (its decode graphs where it records
+/// them); where it measures nothing (the CPU twin), the cost model's from
+/// `modeled`; where that fails too, [`DEFAULT_T_HIGH`], and the reason is
+/// returned. Time is the wall clock.
 pub fn driver<E: Engine>(
     switch: Option<&SwitchPolicy>,
     modes: &[Mode],
-    start: Mode,
     use_policy: bool,
-    vocab: usize,
-    mut make: impl FnMut(Mode) -> Result<E, EngineError>,
-) -> Result<(Driver<E>, Option<Calibration>), EngineError> {
+    mut engine: E,
+    modeled: impl FnOnce() -> Result<Calibration, String>,
+) -> Result<(Driver<E>, Option<Calibrated>), EngineError> {
     let mut chosen = switch.filter(|s| use_policy && s.enabled && modes.len() == 2).map(Policy::from_spec);
-    let mut calibration = None;
-    // Calibration first: its engines are gone before the serving one exists
-    // (a device backend then never holds two engines' buffers at once).
+    let mut calibrated = None;
     if let Some(p) = chosen.clone().filter(|p| p.calibrate) {
-        let costs = calibrate(&mut make, vocab, &CALIBRATION_BATCHES, 3)?;
-        chosen = Some(p.with_t_high(crossover(&costs), switch.and_then(|s| s.t_low)));
-        calibration = Some(costs);
+        let c = match engine.probe_decode_costs(&CALIBRATION_BATCHES, CALIBRATION_STEPS)? {
+            Some(costs) => Calibrated::Measured(costs),
+            None => modeled().map_or_else(Calibrated::Default, Calibrated::Modeled),
+        };
+        let t_high = match &c {
+            Calibrated::Measured(m) => m.t_high(),
+            Calibrated::Modeled(costs) => crossover(costs),
+            Calibrated::Default(_) => DEFAULT_T_HIGH,
+        };
+        chosen = Some(p.with_t_high(t_high, switch.and_then(|s| s.t_low)));
+        calibrated = Some(c);
     }
-    let engine = make(start)?;
-    Ok((Driver::new(engine, chosen).with_clock(Clock::Wall(Instant::now())), calibration))
+    Ok((Driver::new(engine, chosen).with_clock(Clock::Wall(Instant::now())), calibrated))
 }
 
 /// Time as the switch policy sees it.
@@ -276,5 +297,11 @@ mod tests {
         assert_eq!((p.t_high, p.t_low, p.calibrate), (32, 25, false));
         assert_eq!(crossover(&[(1, 1.0, 2.0), (4, 2.0, 2.5), (16, 4.0, 3.0), (64, 9.0, 5.0)]), 16);
         assert_eq!(crossover(&[(1, 1.0, 2.0), (4, 2.0, 2.5)]), u32::MAX);
+        // A walk that ended at a batch TP could not run puts T_h there; a
+        // crossover before it, or none and nothing unfit, as before.
+        let m = |costs: &[(usize, f64, f64)], unfit| Measured { costs: costs.to_vec(), unfit };
+        assert_eq!(m(&[(1, 1.0, 2.0), (4, 2.0, 2.5)], Some(16)).t_high(), 16);
+        assert_eq!(m(&[(1, 1.0, 2.0), (4, 2.0, 1.5)], None).t_high(), 4);
+        assert_eq!(m(&[(1, 1.0, 2.0)], None).t_high(), u32::MAX);
     }
 }

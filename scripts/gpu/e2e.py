@@ -9,6 +9,9 @@ command. With E2E_EAGER=1 the run takes --eager (every decode step call by call,
 with E2E_EXPECT_GRAPHS=1 it fails unless decode graphs were recorded and replayed, none refused;
 with E2E_CAPTURE=N the run records both modes' graphs for buckets up to N before serving
 (--capture-graphs N), and with E2E_EXPECT_GRAPHS=1 then fails if serving recorded any more.
+The deployment's switch policy has t_high = auto, so a dual-mode run without SWITCH_AT first
+measures TP and EP decode steps on its own graphs (Moebius §4.5); the JSON's "calibration" holds
+them and the T_h they gave.
 
 Usage: python3 e2e.py MOEFORGE BACKEND FIXTURE_DIR RANKS START WORKDIR [SWITCH_AT [TILES [PLACEMENT]]]
        python3 e2e.py --compile MOEFORGE FIXTURE_DIR RANKS OUT_BUNDLE [TILES [PLACEMENT]]
@@ -44,7 +47,7 @@ def deployment(model_block: str, ranks: int, tiles: str = "", placement: str = "
     if placement not in ("", "zepp"):
         raise ValueError(f"unknown placement {placement!r} (zepp, or none)")
     policy = ("placement { policy = zepp redundant_experts = 4 }" if placement
-              else "switch { t_high = 4 t_low = 2 window = 2 cooldown = 0s }")
+              else "switch { t_high = auto t_low = 2 window = 2 cooldown = 0s }")
     return using + f"""{model_block}
 cluster cpu {{ nodes = 1 gpus_per_node = {ranks}
   gpu cpu {{ arch = sm_90a sms = 4 hbm = 256MB hbm_bandwidth = 1TB/s bf16 = 100TFLOP/s smem_per_sm = 228KiB smem_per_block = 227KiB }}
@@ -146,6 +149,17 @@ def main() -> int:
                               graphs.group(6) or "")
             if after:
                 out["graphs"].update(after_swap=int(after.group(1)), beside_swap=int(after.group(2)))
+        # t_high = auto (a dual-mode run without --switch-at): the TP and EP
+        # decode costs the run measured on its own steps (or modeled).
+        cal = re.search(r"^calibration, (measured|modeled)[^(]*\([^)]*\): (.*)$", text, re.M)
+        if cal:
+            costs = [[int(b), float(tp), float(ep)] for b, tp, ep in
+                     re.findall(r"B=(\d+): tp ([\d.]+) ms, ep ([\d.]+) ms", cal.group(2))]
+            th = re.search(r"^policy: T_h = (\d+|never)", text, re.M)
+            unfit = re.search(r"B=(\d+) does not fit one step", cal.group(2))
+            out["calibration"] = {"measured": cal.group(1) == "measured", "batch_tp_ep_ms": costs,
+                                  "unfit": int(unfit.group(1)) if unfit else None,
+                                  "t_high": th.group(1) if th else None}
         swaps = re.search(r"^slot swaps: (\d+)", text, re.M)
         out["swaps"] = int(swaps.group(1)) if swaps else 0
         before = re.search(r"^decode graphs recorded before serving: (.*?) \(", text, re.M)

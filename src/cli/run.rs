@@ -7,7 +7,7 @@ use clap::ValueEnum;
 use moeforge::plan::bundle::LoadedBundle;
 use moeforge::plan::memory::Mode;
 use moeforge::runtime::engine::{Engine, EngineError, Request, StepOutput};
-use moeforge::runtime::policy::{self, Calibration, Driver, Policy};
+use moeforge::runtime::policy::{self, Calibrated, Driver, Policy};
 use moeforge::runtime::twin::moe::SwapPolicy;
 use moeforge::runtime::twin::weights::Checkpoint;
 use moeforge::runtime::{machine, twin};
@@ -231,56 +231,85 @@ pub fn prepare(bundle: &LoadedBundle, weights: &Path, backend: Backend) -> Resul
 }
 
 /// The twin on `backend` under the switch-policy driver, starting in
-/// `start`; with `policy`, the spec's switch policy decides (calibrated when
-/// `t_high = auto`, on the backend the run uses: the emulated device's
-/// crossover is its own).
+/// `start`, its decode graphs as `graphs` says (recorded before serving
+/// where it asks); with `policy`, the spec's switch policy decides,
+/// `t_high = auto` set at the TP/EP crossover of this engine's own decode
+/// graphs (the emulated device's crossover is its own), or at the cost
+/// model's where it runs none (the CPU twin, `--eager`).
 pub fn driver(
     bundle: &LoadedBundle,
     ck: &Checkpoint,
     backend: Backend,
     start: Mode,
     policy: bool,
-) -> Result<(Driver<twin::Twin>, Option<Calibration>), ExitCode> {
+    graphs: &GraphArgs,
+    configure: impl FnOnce(&mut twin::Twin),
+) -> Result<(Driver<twin::Twin>, Option<Calibrated>), ExitCode> {
     let deploy = bundle.spec.deploys.first();
-    let vocab = deploy.map_or(1, |d| bundle.spec.model(d.model).vocab as usize);
     let switch = deploy.map(|d| &d.switch);
-    let cache = moeforge::runtime::device::emu::default_cache();
-    let ordinals: Vec<usize> = match backend {
-        Backend::Cuda => cuda_gpus(bundle)?.iter().map(|g| g.ordinal).collect(),
-        Backend::Cpu | Backend::Emu => vec![],
-    };
-    let make = |mode| match backend {
-        Backend::Cpu => twin::Twin::new(bundle, ck, mode).map_err(Into::into),
+    let mut engine = match backend {
+        Backend::Cpu => twin::Twin::new(bundle, ck, start).map_err(EngineError::from),
         Backend::Emu => {
-            let mut dev = moeforge::runtime::device::emu::EmuDevice::start(&cache)
-                .map_err(|e| EngineError::Backend(format!("the emulated device: {e}")))?;
-            // MOEFORGE_EMU_LAZY_SIDE=1: side transfers (Zepp's swaps) run only
-            // when a wait asks for them, so a step that did not wait for one
-            // computes with the bytes it has not moved (a check of the waits).
-            if std::env::var("MOEFORGE_EMU_LAZY_SIDE").is_ok_and(|v| v == "1") {
-                dev.lazy_side().map_err(|e| EngineError::Backend(format!("the emulated device: {e}")))?;
-            }
-            twin::Twin::on_device(bundle, ck, mode, Box::new(dev)).map_err(Into::into)
+            moeforge::runtime::device::emu::EmuDevice::start(&moeforge::runtime::device::emu::default_cache())
+                .and_then(|mut dev| {
+                    // MOEFORGE_EMU_LAZY_SIDE=1: side transfers (Zepp's swaps) run
+                    // only when a wait asks for them, so a step that did not wait
+                    // for one computes with the bytes it has not moved (a check of
+                    // the waits).
+                    if std::env::var("MOEFORGE_EMU_LAZY_SIDE").is_ok_and(|v| v == "1") {
+                        dev.lazy_side()?;
+                    }
+                    Ok(dev)
+                })
+                .map_err(|e| EngineError::Backend(format!("the emulated device: {e}")))
+                .and_then(|dev| twin::Twin::on_device(bundle, ck, start, Box::new(dev)).map_err(Into::into))
         }
         Backend::Cuda => {
-            let dev = moeforge_cuda::CudaDevice::open(&ordinals, &moeforge_cuda::default_cache())
-                .map_err(|e| EngineError::Backend(format!("the cuda device: {e}")))?;
-            twin::Twin::on_device(bundle, ck, mode, Box::new(dev)).map_err(Into::into)
+            let ordinals: Vec<usize> = cuda_gpus(bundle)?.iter().map(|g| g.ordinal).collect();
+            moeforge_cuda::CudaDevice::open(&ordinals, &moeforge_cuda::default_cache())
+                .map_err(|e| EngineError::Backend(format!("the cuda device: {e}")))
+                .and_then(|dev| twin::Twin::on_device(bundle, ck, start, Box::new(dev)).map_err(Into::into))
         }
-    };
-    policy::driver(switch, &bundle.plan.memory.modes, start, policy, vocab, make).map_err(|e| error(e, ""))
+    }
+    .map_err(|e| error(e, ""))?;
+    // What serving runs with is set before graphs are recorded or timed.
+    configure(&mut engine);
+    graphs.apply(&mut engine)?;
+    let modeled = || moeforge::runtime::sim::Bench::new(&bundle.spec, &bundle.plan)?.decode_costs();
+    policy::driver(switch, &bundle.plan.memory.modes, policy, engine, modeled).map_err(|e| error(e, ""))
 }
 
-/// Prints the calibration and the policy in force.
-pub fn print_policy(calibration: &Option<Calibration>, policy: Option<&Policy>) {
-    if let Some(costs) = calibration {
+/// Prints the calibration and the policy in force; `graphs`: whether the
+/// engine's decode steps (those calibration timed) are graph replays.
+pub fn print_policy(calibration: &Option<Calibrated>, policy: Option<&Policy>, graphs: bool) {
+    let rows = |costs: &policy::Calibration| {
         let rows: Vec<String> =
             costs.iter().map(|(b, tp, ep)| format!("B={b}: tp {:.2} ms, ep {:.2} ms", tp * 1e3, ep * 1e3)).collect();
-        out(&format!("calibration: {}", rows.join("; ")));
+        rows.join("; ")
+    };
+    match calibration {
+        Some(Calibrated::Measured(m)) => out(&format!(
+            "calibration, measured on this engine's decode steps ({}, the median of {} each, until EP is no \
+             slower): {}{}",
+            if graphs { "graph replays" } else { "call by call" },
+            policy::CALIBRATION_STEPS,
+            rows(&m.costs),
+            m.unfit.map_or_else(String::new, |b| format!("; B={b} does not fit one step"))
+        )),
+        Some(Calibrated::Modeled(costs)) => out(&format!(
+            "calibration, modeled (this engine measured no decode step; the cost model's decode iterations at 1024 \
+             cached tokens each): {}",
+            rows(costs)
+        )),
+        Some(Calibrated::Default(why)) => out(&format!(
+            "calibration: none ({why}); T_h is {}, Moebius's measured crossover on 8×H200",
+            policy::DEFAULT_T_HIGH
+        )),
+        None => {}
     }
     if let Some(p) = policy {
         let th = if p.t_high == u32::MAX {
-            "never (EP was not faster at any probed batch)".to_string()
+            "never (EP was not faster at any calibrated batch)".to_string()
         } else {
             p.t_high.to_string()
         };
@@ -445,12 +474,13 @@ pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
     }
     a.graphs.check(a.backend)?;
     let ck = prepare(bundle, &a.weights, a.backend)?;
-    let (mut driver, calibration) = driver(bundle, &ck, a.backend, start, a.switch_at.is_empty())?;
-    driver.engine.verify_device_routing(a.verify_routing);
-    if let Some(policy) = swap {
-        driver.engine.set_swap_policy(policy);
-    }
-    a.graphs.apply(&mut driver.engine)?;
+    let (mut driver, calibration) =
+        driver(bundle, &ck, a.backend, start, a.switch_at.is_empty(), &a.graphs, |engine| {
+            engine.verify_device_routing(a.verify_routing);
+            if let Some(policy) = swap {
+                engine.set_swap_policy(policy);
+            }
+        })?;
     let n = prompts.len();
     let mut arrivals: Vec<(usize, Request)> = prompts
         .into_iter()
@@ -505,7 +535,7 @@ pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
             of(Role::Moe)
         ));
     }
-    print_policy(&calibration, driver.policy());
+    print_policy(&calibration, driver.policy(), driver.engine.records_graphs());
     for id in 0..n as u64 {
         let toks: Vec<String> = tokens.get(&id).into_iter().flatten().map(u32::to_string).collect();
         out(&format!("request {id}: {}", toks.join(" ")));

@@ -68,12 +68,12 @@ pub fn serve_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> 
     let text = Text::load(&a.weights).map_err(|e| {
         error(e, "tokenizer.json must be a Hugging Face tokenizers file (or absent: token-id prompts only)")
     })?;
-    let (mut driver, calibration) = driver(bundle, &ck, a.backend, start, true)?;
-    if let Some(policy) = swap {
-        driver.engine.set_swap_policy(policy);
-    }
-    a.graphs.apply(&mut driver.engine)?;
-    print_policy(&calibration, driver.policy());
+    let (driver, calibration) = driver(bundle, &ck, a.backend, start, true, &a.graphs, |engine| {
+        if let Some(policy) = swap {
+            engine.set_swap_policy(policy);
+        }
+    })?;
+    print_policy(&calibration, driver.policy(), driver.engine.records_graphs());
     let name = bundle.plan.model.name.clone();
     let deploy = bundle.spec.deploys.first().map(|d| d.name.clone());
     let model = a.served_model_name.clone().unwrap_or_else(|| name.clone());

@@ -37,17 +37,13 @@ fn main() -> Result<(), Box<dyn Error>> {
     compiled.bundle.write(&dir)?;
     let bundle = moeforge::runtime::load_bundle(&dir)?;
 
-    // Serve: the twin under the deployment's switch policy.
+    // Serve: the twin under the deployment's switch policy (`t_high = auto`
+    // at the cost model's crossover: the CPU twin has no decode graphs to time).
     let ck = Checkpoint::load(&weights)?;
-    let make = |mode| Twin::new(&bundle, &ck, mode).map_err(Into::into);
-    let (driver, _) = moeforge::runtime::policy::driver(
-        Some(&deploy.switch),
-        &bundle.plan.memory.modes,
-        Mode::Ep,
-        true,
-        model.vocab as usize,
-        make,
-    )?;
+    let twin = Twin::new(&bundle, &ck, Mode::Ep)?;
+    let modeled = || moeforge::runtime::sim::Bench::new(&bundle.spec, &bundle.plan)?.decode_costs();
+    let (driver, _) =
+        moeforge::runtime::policy::driver(Some(&deploy.switch), &bundle.plan.memory.modes, true, twin, modeled)?;
     let cfg = Config { model: model.name.clone(), aliases: vec![], max_queue: 256, text: Text::load(&weights)? };
     let name = deploy.name.clone();
     serve_blocking(&format!("127.0.0.1:{port}"), driver, cfg, |addr| {

@@ -302,8 +302,8 @@ enum Body {
 /// such a swap was still queued on the side stream, which the graph (its
 /// recording older than the swap) waits for on the device just before the
 /// swapped layer's expert computation; `recorded_before_serving` those of
-/// the `captured` recorded by [`Executor::capture_decode_graphs`], whose
-/// padding-only steps no other count includes.
+/// the `captured` recorded before serving, by [`Executor::capture_decode_graphs`]
+/// or [`Executor::probe_decode`], whose steps no other count includes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GraphStats {
     pub refused: u64,
@@ -905,17 +905,120 @@ impl Executor {
         if !self.graphs_on || most == 0 {
             return Ok(kept);
         }
+        self.before_serving(|x, plan| x.capture_buckets(plan, mode, bucket(most), &mut kept))?;
+        Ok(kept)
+    }
+
+    /// Times decode steps of `batch` requests in `mode` as serving runs
+    /// them, for `t_high = auto`: Moebius §4.5 probes both modes' decode
+    /// cost over a few batch sizes once both graph sets are recorded, and
+    /// puts T_h at the crossover. `batch` counts the requests in flight, as
+    /// the switch policy does: every rank that takes requests holds all of
+    /// them in TP and `⌈batch / ranks⌉` in EP (data-parallel attention).
+    /// Its rows are padding ones ([`Work::padding`]: no cached context, no
+    /// KV written, the sample dropped), each with its own token so that
+    /// their routing spreads over the experts as a batch's does; no
+    /// request's state changes.
+    /// Each step runs as [`Executor::step`] would run it: a replay of its
+    /// bucket's graph where it has one (recorded first if it is not kept
+    /// yet, counted as recorded before serving), else call by call (after
+    /// one untimed warm-up). Each of the `steps` timed ones (at least one)
+    /// runs from its issue until every rank's stream has finished it (a
+    /// readback from each). The timing is of steps over no cached context:
+    /// attention over a long context is not in it. No statistic changes
+    /// but `captured`, `refused` and `recorded_before_serving`. `None` where
+    /// the step does not fit the engine (a capacity error: its inputs or
+    /// its posts cannot hold the batch).
+    pub fn probe_decode(&mut self, mode: Mode, batch: u32, steps: usize) -> Result<Option<Vec<f64>>, ExecError> {
         let plan = std::sync::Arc::clone(&self.plan);
-        let (stats, counted) = (self.graph_stats, self.counted());
-        let ran = self.capture_buckets(&plan, mode, bucket(most), &mut kept);
+        let ranks: Vec<usize> = (0..self.buffers.len()).filter(|&r| takes_decode(&plan, mode, r)).collect();
+        let rows = match mode {
+            Mode::Tp => batch,
+            Mode::Ep => batch.div_ceil(ranks.len().max(1) as u32),
+        } as usize;
+        let vocab = plan.memory.buffer(mode, BufferName::Logits).map_or(1, |b| (b.row_bytes / 4).max(1)) as usize;
+        let mut work = vec![Vec::new(); self.buffers.len()];
+        for (i, &r) in ranks.iter().enumerate() {
+            // TP's ranks all hold the same requests; EP's each its own.
+            let first = if mode == Mode::Ep { i * rows } else { 0 };
+            work[r] = (first..first + rows)
+                .map(|q| Work { tokens: vec![((q * 7919 + 1) % vocab) as u32], ..Work::padding() })
+                .collect();
+        }
+        self.before_serving(|x, plan| x.time_steps(plan, mode, &work, steps))
+    }
+
+    /// [`Executor::probe_decode`]'s steps, each run as [`Executor::step`]
+    /// runs a decode step of that shape, its rows all padding.
+    fn time_steps(
+        &mut self,
+        plan: &Plan,
+        mode: Mode,
+        work: &[Vec<Work>],
+        steps: usize,
+    ) -> Result<Option<Vec<f64>>, ExecError> {
+        let real = vec![0; work.len()];
+        let graph = match self.graphs_on {
+            true => self.bucketed(plan, mode, work, 0)?.map(|(size, _)| (mode, size)),
+            false => None,
+        };
+        let mut times = Vec::with_capacity(steps);
+        // A graph's bucket is kept or refused after its second step; a
+        // call-by-call step is timed after one warm-up.
+        let mut untimed = 0;
+        while times.len() < steps.max(1) {
+            let (timed, bucketed) = match graph.map(|k| self.graphs.get(&k)) {
+                Some(Some(Graph::Kept { .. })) => (true, true),
+                Some(None | Some(Graph::Warm)) if untimed < 2 => (false, true),
+                Some(None | Some(Graph::Warm)) => return Ok(None),
+                // A refused bucket runs padded to it, call by call.
+                Some(Some(Graph::Refused(_))) => (untimed > 0, true),
+                // Not a graph's shape: call by call at its own size.
+                None => (untimed > 0, false),
+            };
+            let start = std::time::Instant::now();
+            let ran = match bucketed {
+                true => self.graphed_step_of(plan, mode, work, &real, 0).map(|_| ()),
+                false => self.step_in_rounds(plan, mode, Phase::Decode, work, false).map(|_| ()),
+            };
+            match ran {
+                Ok(()) => {}
+                // The step does not fit the engine (its inputs, its posts).
+                Err(ExecError::Capacity(_)) => return Ok(None),
+                Err(e) => return Err(e),
+            }
+            if timed {
+                for r in 0..self.buffers.len() {
+                    self.fetch(r, 0, 4)?;
+                }
+                times.push(start.elapsed().as_secs_f64());
+            } else {
+                untimed += 1;
+            }
+        }
+        Ok(Some(times))
+    }
+
+    /// Runs steps before serving (recording graphs, probing step costs) of
+    /// padding or probe requests: no statistic they change is serving's,
+    /// so every one is put back but `captured` and `refused`, and each
+    /// graph they recorded counts as recorded before serving.
+    fn before_serving<T>(
+        &mut self,
+        steps: impl FnOnce(&mut Self, &Plan) -> Result<T, ExecError>,
+    ) -> Result<T, ExecError> {
+        let plan = std::sync::Arc::clone(&self.plan);
+        let (stats, counted, loads) = (self.graph_stats, self.counted(), self.expert_loads.clone());
+        let ran = steps(self, &plan);
+        self.expert_loads = loads;
         self.graph_stats = GraphStats {
             captured: self.graph_stats.captured,
             refused: self.graph_stats.refused,
-            recorded_before_serving: stats.recorded_before_serving + kept.len() as u64,
+            recorded_before_serving: stats.recorded_before_serving + (self.graph_stats.captured - stats.captured),
             ..stats
         };
         self.set_counted(counted);
-        ran.map(|()| kept)
+        ran
     }
 
     /// [`Executor::capture_decode_graphs`]'s steps, bucket by bucket up to
@@ -950,8 +1053,8 @@ impl Executor {
 
     /// Counts the kept graphs as recorded now: a live switch or swap after
     /// this is one after their recording (what `replayed_after_switch` and
-    /// `replayed_after_swap` count), the warm-up switches of
-    /// [`Executor::capture_decode_graphs`]'s callers before it are not.
+    /// `replayed_after_swap` count), the warm-up switches that recorded or
+    /// probed them before serving are not.
     pub fn rebase_graphs(&mut self) {
         let (now, swaps) = (self.reshards, self.swap_overlap.swaps);
         for g in self.graphs.values_mut() {
@@ -1089,17 +1192,31 @@ impl Executor {
                 None => self.graph_stats.eager += 1,
             }
         }
-        let rounds = post_rounds(&plan, mode, phase, work)?;
+        self.step_in_rounds(&plan, mode, phase, work, true)
+    }
+
+    /// A step run call by call, in as many steps as its posts need (each
+    /// round's requests fit the rows every post reserves). `real`: the
+    /// requests are requests; otherwise all padding (no KV, nothing
+    /// returned).
+    fn step_in_rounds(
+        &mut self,
+        plan: &Plan,
+        mode: Mode,
+        phase: Phase,
+        work: &[Vec<Work>],
+        real: bool,
+    ) -> Result<Vec<Vec<Option<Sampled>>>, ExecError> {
+        let count = |w: &[Vec<Work>]| -> Vec<usize> { w.iter().map(|x| if real { x.len() } else { 0 }).collect() };
+        let rounds = post_rounds(plan, mode, phase, work)?;
         if rounds.len() <= 1 {
-            let real: Vec<usize> = work.iter().map(Vec::len).collect();
-            return self.step_with(&plan, mode, phase, work, &real, Body::Eager);
+            return self.step_with(plan, mode, phase, work, &count(work), Body::Eager);
         }
         let mut out: Vec<Vec<Option<Sampled>>> = work.iter().map(|w| vec![None; w.len()]).collect();
         for round in &rounds {
             let part: Vec<Vec<Work>> =
                 round.iter().zip(work).map(|(ix, w)| ix.iter().map(|&i| w[i].clone()).collect()).collect();
-            let real: Vec<usize> = part.iter().map(Vec::len).collect();
-            let got = self.step_with(&plan, mode, phase, &part, &real, Body::Eager)?;
+            let got = self.step_with(plan, mode, phase, &part, &count(&part), Body::Eager)?;
             for ((ix, o), g) in round.iter().zip(out.iter_mut()).zip(got) {
                 for (&i, s) in ix.iter().zip(g) {
                     o[i] = s;
@@ -1398,9 +1515,22 @@ impl Executor {
         work: &[Vec<Work>],
         least: u32,
     ) -> Result<Option<Vec<Vec<Option<Sampled>>>>, ExecError> {
+        let real: Vec<usize> = work.iter().map(Vec::len).collect();
+        self.graphed_step_of(plan, mode, work, &real, least)
+    }
+
+    /// [`Executor::graphed_step`] whose first `real[r]` requests of rank r
+    /// are requests and the rest padding (a probe's rows are all padding).
+    fn graphed_step_of(
+        &mut self,
+        plan: &Plan,
+        mode: Mode,
+        work: &[Vec<Work>],
+        real: &[usize],
+        least: u32,
+    ) -> Result<Option<Vec<Vec<Option<Sampled>>>>, ExecError> {
         let phase = Phase::Decode;
         let Some((size, padded)) = self.bucketed(plan, mode, work, least)? else { return Ok(None) };
-        let real: Vec<usize> = work.iter().map(Vec::len).collect();
         let (body, after_switch, after_swap) = match self.graphs.get(&(mode, size)) {
             None | Some(Graph::Refused(_)) => (Body::Eager, false, false),
             Some(Graph::Warm) => (Body::Capture(mode, size), false, false),
@@ -1408,9 +1538,9 @@ impl Executor {
                 (Body::Replay(graph, counted), reshards < self.reshards, swaps < self.swap_overlap.swaps)
             }
         };
-        let ran = self.step_with(plan, mode, phase, &padded, &real, body);
+        let ran = self.step_with(plan, mode, phase, &padded, real, body);
         let mut out = ran?;
-        self.graph_stats.padded_rows += padded.iter().zip(&real).map(|(p, &n)| (p.len() - n) as u64).sum::<u64>();
+        self.graph_stats.padded_rows += padded.iter().zip(real).map(|(p, &n)| (p.len() - n) as u64).sum::<u64>();
         self.graph_stats.replayed_after_switch += u64::from(after_switch);
         self.graph_stats.replayed_after_swap += u64::from(after_swap);
         match self.graphs.entry((mode, size)) {
@@ -1424,7 +1554,7 @@ impl Executor {
             }
             std::collections::btree_map::Entry::Occupied(_) => {}
         }
-        for (o, &n) in out.iter_mut().zip(&real) {
+        for (o, &n) in out.iter_mut().zip(real) {
             o.truncate(n);
         }
         Ok(Some(out))

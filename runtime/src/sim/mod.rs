@@ -35,7 +35,7 @@ use moeforge_plan::search::SearchResult;
 use moeforge_plan::Plan;
 use workload::Req;
 
-use crate::policy::{crossover, Policy};
+use crate::policy::{crossover, Calibration, Policy};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum System {
@@ -221,6 +221,25 @@ impl<'a> Bench<'a> {
         self.env.kv_tokens(self.env.usable - weights - self.env.workspace, width)
     }
 
+    /// The modeled decode iteration in TP and in EP at batches 1 to 2048
+    /// (requests in flight, 1024 cached tokens each): `t_high = auto`'s
+    /// crossover where the serving engine has no device steps to measure.
+    pub fn decode_costs(&self) -> Result<Calibration, String> {
+        let (tp, ep) = self.dual()?;
+        Ok(self.shape_costs(&tp, &ep))
+    }
+
+    fn shape_costs(&self, tp: &Shape, ep: &Shape) -> Calibration {
+        let step = |shape: &Shape, b: usize| {
+            let per = b as f64 / f64::from(shape.groups);
+            let loads: Vec<model::Load> = (0..shape.groups).map(|_| model::Load::decode(per, per * 1024.0)).collect();
+            self.env
+                .iteration(&loads, shape.width, 1.0, shape.moe, model::Sms::all(self.env.cm.sms), 0.0, shape.overlap)
+                .seconds
+        };
+        (0..12).map(|i| 1usize << i).map(|b| (b, step(tp, b), step(ep, b))).collect()
+    }
+
     /// The dual-mode plan's shapes: (TP, EP), or why the plan has no TP mode.
     fn dual(&self) -> Result<(Shape, Shape), String> {
         let mem = &self.plan.memory;
@@ -308,31 +327,14 @@ impl<'a> Bench<'a> {
         })
     }
 
-    /// Moebius's policy from the spec; `t_high = auto` is calibrated at the
-    /// modeled TP/EP decode crossover exactly as the twin calibrates on measured steps.
+    /// Moebius's policy from the spec; `t_high = auto` is set at the
+    /// modeled TP/EP decode crossover ([`Bench::decode_costs`]), as the
+    /// serving engine sets it at its measured one.
     fn switching(&self, tp: &Shape, ep: &Shape) -> Switching {
         let d = &self.spec.deploys[0];
         let mut policy = Policy::from_spec(&d.switch);
         if policy.calibrate {
-            let step = |shape: &Shape, b: usize| {
-                let per = b as f64 / f64::from(shape.groups);
-                let loads: Vec<model::Load> =
-                    (0..shape.groups).map(|_| model::Load::decode(per, per * 1024.0)).collect();
-                self.env
-                    .iteration(
-                        &loads,
-                        shape.width,
-                        1.0,
-                        shape.moe,
-                        model::Sms::all(self.env.cm.sms),
-                        0.0,
-                        shape.overlap,
-                    )
-                    .seconds
-            };
-            let costs: Vec<(usize, f64, f64)> =
-                (0..12).map(|i| 1usize << i).map(|b| (b, step(tp, b), step(ep, b))).collect();
-            policy = policy.with_t_high(crossover(&costs), d.switch.t_low);
+            policy = policy.with_t_high(crossover(&self.shape_costs(tp, ep)), d.switch.t_low);
         }
         let mem = &self.plan.memory;
         let weight_seconds = mem.reshard.as_ref().map_or(0.0, |r| self.env.cm.reshard_seconds(&r.ep_to_tp, mem));

@@ -37,6 +37,7 @@ pub mod weights;
 pub use model::TwinModel;
 
 use crate::engine::{Engine, EngineError, Request, RequestId, Stats, StepOutput, SwitchEvent};
+use crate::policy::{Calibration, Measured};
 use crate::LoadedBundle;
 use moeforge_dsl::spec::DType;
 use moeforge_plan::memory::{MemoryPlan, Mode, TensorPart, TensorRole, View};
@@ -328,62 +329,131 @@ impl Twin {
 
     /// Records the device's decode graphs of both modes now, for the batch
     /// buckets that hold up to `most` requests a rank, as Moebius §4.3 does
-    /// at startup: the current mode's first, then (in a dual-mode plan) a
-    /// weight-only warm-up switch into the other mode while no request is
-    /// active, its graphs, and the switch back. Neither switch is a serving
-    /// event (no switch record is kept for them, and a replay counts as
-    /// after a switch only after a later live one). Returns the (mode,
+    /// at startup ([`Twin::walk_modes`]: the current mode's first, then the
+    /// other mode's after a weight-only warm-up switch). Returns the (mode,
     /// bucket)s recorded; nothing without a device that records graphs.
-    /// Refused while a request is in flight (the warm-up switch would move
-    /// its KV). Whatever happens, the twin ends in the mode it started in.
+    /// Refused while a request is in flight.
     pub fn capture_graphs(&mut self, most: u32) -> Result<Vec<(Mode, u32)>, EngineError> {
-        if self.inflight() > 0 {
-            return Err(EngineError::Capacity(format!(
-                "graphs are recorded before serving: {} requests are in flight",
-                self.inflight()
-            )));
-        }
         if !self.device.as_ref().is_some_and(crate::device::exec::Executor::records_graphs) {
-            return Ok(Vec::new());
+            return self.idle_or("recording decode graphs").map(|()| Vec::new());
         }
-        let start = self.mode;
-        let events = self.events.len();
-        let mut kept = Vec::new();
-        let ran = self.capture_each_mode(most, &mut kept);
+        let (mut kept, mut visited, modes) = (Vec::new(), 0, self.plan.modes.len());
+        self.walk_modes("recording decode graphs", |d, mode| {
+            kept.extend(d.capture_decode_graphs(mode, most)?.into_iter().map(|b| (mode, b)));
+            visited += 1;
+            Ok(visited < modes)
+        })?;
+        Ok(kept)
+    }
+
+    /// Moebius §4.5's startup calibration on this engine's own decode
+    /// steps, as it serves them (graph replays where the device records
+    /// graphs, else call by call): batches in increasing order, each timed
+    /// in both modes ([`crate::device::exec::Executor::probe_decode`], the
+    /// median of `steps`), until the first whose EP step is no slower than
+    /// TP's (the crossover: no later batch changes T_h) or one that does
+    /// not fit the engine. The walk zig-zags between the modes
+    /// ([`Twin::walk_modes`], [`crossover_walk`]: each batch's second mode
+    /// times the next batch before it switches back), so it switches about
+    /// once per batch. Returns the batches timed in both modes, in order (a
+    /// prefix of `batches`), and the one that did not fit if that ended the
+    /// walk; `None` without a device or in a single-mode plan, or where not
+    /// even the first batch could be timed in both modes.
+    pub fn probe_decode_steps(&mut self, batches: &[usize], steps: usize) -> Result<Option<Measured>, EngineError> {
+        if self.plan.modes.len() != 2 || self.device.is_none() || batches.is_empty() {
+            return Ok(None);
+        }
+        let mut cost: BTreeMap<(Mode, usize), f64> = BTreeMap::new();
+        let mut unfit = None;
+        self.walk_modes("calibrating T_h", |d, mode| loop {
+            match crossover_walk(batches.len(), &cost, mode, unfit.is_some()) {
+                Walk::Time(i) => match d.probe_decode(mode, u32::try_from(batches[i]).unwrap_or(u32::MAX), steps)? {
+                    Some(mut t) => {
+                        t.sort_by(f64::total_cmp);
+                        cost.insert((mode, i), t.get(t.len() / 2).copied().unwrap_or(0.0));
+                    }
+                    None => unfit = Some(batches[i]),
+                },
+                Walk::Switch => return Ok(true),
+                Walk::Done => return Ok(false),
+            }
+        })?;
+        let costs: Calibration = (0..batches.len())
+            .map_while(|i| Some((batches[i], *cost.get(&(Mode::Tp, i))?, *cost.get(&(Mode::Ep, i))?)))
+            .collect();
+        Ok((!costs.is_empty()).then_some(Measured { costs, unfit }))
+    }
+
+    /// Whether the device runs decode steps as graphs (`false` without one).
+    pub fn records_graphs(&self) -> bool {
+        self.device.as_ref().is_some_and(crate::device::exec::Executor::records_graphs)
+    }
+
+    /// Refuses work that must run before serving while a request is in
+    /// flight (a warm-up switch would move its KV).
+    fn idle_or(&self, what: &str) -> Result<(), EngineError> {
+        match self.inflight() {
+            0 => Ok(()),
+            n => Err(EngineError::Capacity(format!("{what} happens before serving: {n} requests are in flight"))),
+        }
+    }
+
+    /// Runs `f` on the device before serving, first in the current mode;
+    /// while `f` says to go on, the twin switches to the plan's other mode
+    /// and runs it again there. Each switch is a weight-only warm-up
+    /// switch, taken while no request is active (only the reshard runs, no
+    /// KV moves), and none is a serving event (no switch record is kept,
+    /// and a graph replay counts as after a switch only after a later live
+    /// one). Refused while a request is in flight. Whatever happens, the
+    /// twin ends in the mode it started in. Nothing without a device.
+    fn walk_modes(
+        &mut self,
+        what: &str,
+        mut f: impl FnMut(&mut crate::device::exec::Executor, Mode) -> Result<bool, crate::device::exec::ExecError>,
+    ) -> Result<(), EngineError> {
+        self.idle_or(what)?;
+        if self.device.is_none() {
+            return Ok(());
+        }
+        let (start, events) = (self.mode, self.events.len());
+        let mut ran = Ok(());
+        loop {
+            let mode = self.mode;
+            let Some(d) = self.device.as_mut() else { break };
+            match f(d, mode) {
+                Ok(true) => {}
+                Ok(false) => break,
+                Err(e) => {
+                    ran = Err(EngineError::Backend(format!("{what}: {e}")));
+                    break;
+                }
+            }
+            let Some(&other) = self.plan.modes.iter().find(|&&m| m != mode) else { break };
+            match self.switch_to(other) {
+                Ok(true) => {}
+                Ok(false) => {
+                    ran = Err(EngineError::Backend(format!(
+                        "{what}: the warm-up switch into {} was refused",
+                        other.name()
+                    )));
+                    break;
+                }
+                Err(e) => {
+                    ran = Err(e.into());
+                    break;
+                }
+            }
+        }
         // Back to the starting mode whatever happened (a weight-only switch:
         // nothing is in flight), and no serving switch recorded.
         let back = if self.mode == start { Ok(true) } else { self.switch_to(start) };
         self.events.truncate(events);
         ran?;
         if !back? {
-            return Err(EngineError::Backend(format!(
-                "recording decode graphs: the switch back to {} was refused",
-                start.name()
-            )));
+            return Err(EngineError::Backend(format!("{what}: the switch back to {} was refused", start.name())));
         }
         if let Some(d) = self.device.as_mut() {
             d.rebase_graphs();
-        }
-        Ok(kept)
-    }
-
-    /// [`Twin::capture_graphs`]'s recordings: the current mode's, then each
-    /// other mode's after a weight-only switch into it.
-    fn capture_each_mode(&mut self, most: u32, kept: &mut Vec<(Mode, u32)>) -> Result<(), EngineError> {
-        let err = |e: crate::device::exec::ExecError| EngineError::Backend(format!("recording decode graphs: {e}"));
-        let start = self.mode;
-        let modes: Vec<Mode> =
-            std::iter::once(start).chain(self.plan.modes.iter().copied().filter(|&m| m != start)).collect();
-        for mode in modes {
-            if mode != self.mode && !self.switch_to(mode)? {
-                return Err(EngineError::Backend(format!(
-                    "recording decode graphs: the warm-up switch into {} was refused",
-                    mode.name()
-                )));
-            }
-            if let Some(d) = self.device.as_mut() {
-                kept.extend(d.capture_decode_graphs(mode, most).map_err(err)?.into_iter().map(|b| (mode, b)));
-            }
         }
         Ok(())
     }
@@ -845,6 +915,10 @@ impl Engine for Twin {
         }
     }
 
+    fn probe_decode_costs(&mut self, batches: &[usize], steps: usize) -> Result<Option<Measured>, EngineError> {
+        self.probe_decode_steps(batches, steps)
+    }
+
     fn stats(&self) -> Stats {
         let total: u64 = self.ranks.iter().map(|r| u64::from(r.pages.total)).sum();
         let free: u64 = self.ranks.iter().map(|r| r.pages.free.len() as u64).sum();
@@ -861,6 +935,39 @@ impl Engine for Twin {
             decode_graphs: self.graph_keys().len() as u64,
             graph_replays: graphs.replayed,
         }
+    }
+}
+
+/// What [`Twin::probe_decode_steps`] does next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Walk {
+    /// Time batch `i` in the current mode.
+    Time(usize),
+    /// Switch to the other mode (the current one has timed what it can
+    /// before the other catches up).
+    Switch,
+    Done,
+}
+
+/// The crossover walk over `n` batches in increasing order, given what was
+/// timed so far (`cost[(mode, i)]`) and the mode the twin is in: the first
+/// batch this mode has not timed is timed; once a batch is timed in both
+/// modes, the walk ends if EP's cost is at most TP's (the crossover) and
+/// otherwise goes on in this mode; a batch timed in this mode only waits
+/// for the other (a switch). `ended` (a batch did not fit) ends it.
+fn crossover_walk(n: usize, cost: &BTreeMap<(Mode, usize), f64>, mode: Mode, ended: bool) -> Walk {
+    let pair = |i: usize| Some((*cost.get(&(Mode::Tp, i))?, *cost.get(&(Mode::Ep, i))?));
+    // The batches both modes timed are a prefix; the walk ends at a crossover in it.
+    if ended || (0..n).map_while(pair).any(|(tp, ep)| ep <= tp) {
+        return Walk::Done;
+    }
+    match (0..n).find(|&i| !cost.contains_key(&(mode, i))) {
+        // This mode is ahead of the other: the other's turn.
+        Some(i) if i > 0 && pair(i - 1).is_none() => Walk::Switch,
+        Some(i) => Walk::Time(i),
+        // This mode timed every batch: the other still may not have.
+        None if pair(n.saturating_sub(1)).is_none() && n > 0 => Walk::Switch,
+        None => Walk::Done,
     }
 }
 
@@ -947,4 +1054,53 @@ fn check_views(m: &TwinModel, plan: &MemoryPlan) -> Result<(Views, Views, Views)
         });
     }
     Ok((out, scales, biases))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{crossover_walk, Walk};
+    use moeforge_plan::memory::Mode;
+    use std::collections::BTreeMap;
+
+    /// Runs the walk from `start` on fixed costs (`tp[i]`, `ep[i]`; batch
+    /// `fits` and later ones do not fit): the (mode, batch) timed in order,
+    /// and the switches.
+    fn walk(start: Mode, tp: &[f64], ep: &[f64], fits: usize) -> (Vec<(Mode, usize)>, usize) {
+        let (mut mode, mut cost, mut ended) = (start, BTreeMap::new(), false);
+        let (mut timed, mut switches) = (vec![], 0);
+        for _ in 0..100 {
+            match crossover_walk(tp.len(), &cost, mode, ended) {
+                Walk::Time(i) if i >= fits => ended = true,
+                Walk::Time(i) => {
+                    timed.push((mode, i));
+                    cost.insert((mode, i), if mode == Mode::Tp { tp[i] } else { ep[i] });
+                }
+                Walk::Switch => {
+                    switches += 1;
+                    mode = if mode == Mode::Tp { Mode::Ep } else { Mode::Tp };
+                }
+                Walk::Done => return (timed, switches),
+            }
+        }
+        panic!("the walk did not end: {timed:?}");
+    }
+
+    #[test]
+    fn the_crossover_walk_zig_zags_and_stops_at_the_first_batch_where_ep_is_no_slower() {
+        use Mode::{Ep, Tp};
+        // EP is no slower first at batch 2 (3 ≤ 3): batch 3 is never timed.
+        let (timed, switches) = walk(Ep, &[1.0, 2.0, 3.0, 4.0], &[2.0, 3.0, 3.0, 1.0], 4);
+        assert_eq!(timed, [(Ep, 0), (Tp, 0), (Tp, 1), (Ep, 1), (Ep, 2), (Tp, 2)]);
+        assert_eq!(switches, 3);
+        // Never: every batch in both modes, one switch per batch.
+        let (timed, switches) = walk(Tp, &[1.0, 1.0, 1.0], &[2.0, 2.0, 2.0], 3);
+        assert_eq!(timed, [(Tp, 0), (Ep, 0), (Ep, 1), (Tp, 1), (Tp, 2), (Ep, 2)]);
+        assert_eq!(switches, 3);
+        // A crossover at the first batch.
+        assert_eq!(walk(Tp, &[2.0, 1.0], &[1.0, 9.0], 2), (vec![(Tp, 0), (Ep, 0)], 1));
+        // Batch 1 does not fit (in the first mode to reach it): the walk ends
+        // with batch 0 timed in both modes.
+        assert_eq!(walk(Ep, &[1.0, 1.0, 1.0], &[2.0, 2.0, 2.0], 1), (vec![(Ep, 0), (Tp, 0)], 1));
+        assert_eq!(walk(Ep, &[], &[], 0), (vec![], 0));
+    }
 }
