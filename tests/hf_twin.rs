@@ -1154,7 +1154,9 @@ fn both_modes_graphs_are_recorded_before_serving_on_the_emulated_device() {
 /// other; every recording counts as before serving, and no other
 /// statistic moved. The twin is back in EP, and the three requests served
 /// after it (live switches included) get transformers' tokens. With
-/// graphs off the steps are timed call by call and nothing is recorded.
+/// graphs off the steps are timed call by call and nothing is recorded. A
+/// batch no step of the plan holds (2^16 requests) ends the walk without
+/// an error (here with nothing timed), and a request in flight refuses it.
 #[test]
 fn t_high_auto_is_measured_on_the_decode_graphs_of_both_modes_on_the_emulated_device() {
     use moeforge::runtime::device::exec::bucket;
@@ -1203,6 +1205,10 @@ fn t_high_auto_is_measured_on_the_decode_graphs_of_both_modes_on_the_emulated_de
     assert_eq!(timed.iter().map(|c| c.0).collect::<Vec<_>>(), [1, 2][..timed.len()]);
     assert_eq!(eager.graph_stats().unwrap(), Default::default());
     assert_eq!(eager.mode(), Mode::Ep);
+    assert_eq!(eager.probe_decode_steps(&[1 << 16], 1).unwrap(), None);
+    let mode = t.mode();
+    assert_eq!(t.probe_decode_steps(&[1 << 16], 1).unwrap(), None);
+    assert_eq!((t.mode(), eager.mode()), (mode, Mode::Ep));
 }
 
 /// A group wider than top-k (colocated EP over 4 ranks, top-k 2) takes
