@@ -466,8 +466,8 @@ fn init_weights_compile_and_run_on_the_cpu_twin() {
     // modeled crossover.
     assert!(
         s3.contains(
-            "calibration, measured on this engine's decode steps (graph replays, the median of 5 each, until EP is \
-             no slower): B=1: tp "
+            "calibration, measured on this engine's decode steps (graph replays where a graph holds the step, \
+             the median of 5 each, until EP is no slower): B=1: tp "
         ),
         "{s3}"
     );

@@ -118,19 +118,21 @@ pub const CALIBRATION_STEPS: usize = 5;
 pub struct Measured {
     /// The batches timed in both modes, in order, up to the crossover.
     pub costs: Calibration,
-    /// The batch whose step did not fit the engine (its step inputs or its
-    /// posts), where that ended the walk first.
-    pub unfit: Option<usize>,
+    /// The batch, and the mode, whose step did not fit the engine (a
+    /// capacity error: its step inputs, its posts, its layout's room),
+    /// where that ended the walk first.
+    pub unfit: Option<(usize, Mode)>,
 }
 
 impl Measured {
     /// T_h: the crossover; where the walk ended first at a batch TP could
     /// not run in one step, that batch (EP's ranks each hold a share of it:
     /// TP is the first mode a batch outgrows); `u32::MAX` where EP was
-    /// slower at every batch probed.
+    /// slower at every batch probed (or EP is the mode that stopped fitting:
+    /// it is no place to go then).
     pub fn t_high(&self) -> u32 {
         match (crossover(&self.costs), self.unfit) {
-            (u32::MAX, Some(b)) => u32::try_from(b).unwrap_or(u32::MAX),
+            (u32::MAX, Some((b, Mode::Tp))) => u32::try_from(b).unwrap_or(u32::MAX),
             (t, _) => t,
         }
     }
@@ -300,7 +302,8 @@ mod tests {
         // A walk that ended at a batch TP could not run puts T_h there; a
         // crossover before it, or none and nothing unfit, as before.
         let m = |costs: &[(usize, f64, f64)], unfit| Measured { costs: costs.to_vec(), unfit };
-        assert_eq!(m(&[(1, 1.0, 2.0), (4, 2.0, 2.5)], Some(16)).t_high(), 16);
+        assert_eq!(m(&[(1, 1.0, 2.0), (4, 2.0, 2.5)], Some((16, Mode::Tp))).t_high(), 16);
+        assert_eq!(m(&[(1, 1.0, 2.0), (4, 2.0, 2.5)], Some((16, Mode::Ep))).t_high(), u32::MAX);
         assert_eq!(m(&[(1, 1.0, 2.0), (4, 2.0, 1.5)], None).t_high(), 4);
         assert_eq!(m(&[(1, 1.0, 2.0)], None).t_high(), u32::MAX);
     }

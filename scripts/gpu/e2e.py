@@ -10,8 +10,8 @@ with E2E_EXPECT_GRAPHS=1 it fails unless decode graphs were recorded and replaye
 with E2E_CAPTURE=N the run records both modes' graphs for buckets up to N before serving
 (--capture-graphs N), and with E2E_EXPECT_GRAPHS=1 then fails if serving recorded any more.
 The deployment's switch policy has t_high = auto, so a dual-mode run without SWITCH_AT first
-measures TP and EP decode steps on its own graphs (Moebius §4.5); the JSON's "calibration" holds
-them and the T_h they gave.
+measures TP and EP decode steps as it serves them (Moebius §4.5; graph replays on one GPU);
+the JSON's "calibration" holds them and the T_h they gave.
 
 Usage: python3 e2e.py MOEFORGE BACKEND FIXTURE_DIR RANKS START WORKDIR [SWITCH_AT [TILES [PLACEMENT]]]
        python3 e2e.py --compile MOEFORGE FIXTURE_DIR RANKS OUT_BUNDLE [TILES [PLACEMENT]]
@@ -156,9 +156,9 @@ def main() -> int:
             costs = [[int(b), float(tp), float(ep)] for b, tp, ep in
                      re.findall(r"B=(\d+): tp ([\d.]+) ms, ep ([\d.]+) ms", cal.group(2))]
             th = re.search(r"^policy: T_h = (\d+|never)", text, re.M)
-            unfit = re.search(r"B=(\d+) does not fit one step", cal.group(2))
+            unfit = re.search(r"B=(\d+) does not fit one (tp|ep) step", cal.group(2))
             out["calibration"] = {"measured": cal.group(1) == "measured", "batch_tp_ep_ms": costs,
-                                  "unfit": int(unfit.group(1)) if unfit else None,
+                                  "unfit": [int(unfit.group(1)), unfit.group(2)] if unfit else None,
                                   "t_high": th.group(1) if th else None}
         swaps = re.search(r"^slot swaps: (\d+)", text, re.M)
         out["swaps"] = int(swaps.group(1)) if swaps else 0

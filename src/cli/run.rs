@@ -234,8 +234,9 @@ pub fn prepare(bundle: &LoadedBundle, weights: &Path, backend: Backend) -> Resul
 /// `start`, its decode graphs as `graphs` says (recorded before serving
 /// where it asks); with `policy`, the spec's switch policy decides,
 /// `t_high = auto` set at the TP/EP crossover of this engine's own decode
-/// graphs (the emulated device's crossover is its own), or at the cost
-/// model's where it runs none (the CPU twin, `--eager`).
+/// steps (graph replays where it records graphs; the emulated device's
+/// crossover is its own), or at the cost model's where it has no device
+/// steps (the CPU twin).
 pub fn driver(
     bundle: &LoadedBundle,
     ck: &Checkpoint,
@@ -291,10 +292,10 @@ pub fn print_policy(calibration: &Option<Calibrated>, policy: Option<&Policy>, g
         Some(Calibrated::Measured(m)) => out(&format!(
             "calibration, measured on this engine's decode steps ({}, the median of {} each, until EP is no \
              slower): {}{}",
-            if graphs { "graph replays" } else { "call by call" },
+            if graphs { "graph replays where a graph holds the step" } else { "call by call" },
             policy::CALIBRATION_STEPS,
             rows(&m.costs),
-            m.unfit.map_or_else(String::new, |b| format!("; B={b} does not fit one step"))
+            m.unfit.map_or_else(String::new, |(b, mode)| format!("; B={b} does not fit one {} step", mode.name()))
         )),
         Some(Calibrated::Modeled(costs)) => out(&format!(
             "calibration, modeled (this engine measured no decode step; the cost model's decode iterations at 1024 \

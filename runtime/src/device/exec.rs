@@ -926,7 +926,8 @@ impl Executor {
     /// runs from its issue until every rank's stream has finished it (a
     /// readback from each). The timing is of steps over no cached context:
     /// attention over a long context is not in it. No statistic changes
-    /// but `captured`, `refused` and `recorded_before_serving`. `None` where
+    /// but `captured`, `refused` and `recorded_before_serving` (and the
+    /// routing checks `--verify-routing` counts, where it is on). `None` where
     /// the step does not fit the engine (a capacity error: its inputs or
     /// its posts cannot hold the batch).
     pub fn probe_decode(&mut self, mode: Mode, batch: u32, steps: usize) -> Result<Option<Vec<f64>>, ExecError> {

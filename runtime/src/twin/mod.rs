@@ -334,7 +334,7 @@ impl Twin {
     /// bucket)s recorded; nothing without a device that records graphs.
     /// Refused while a request is in flight.
     pub fn capture_graphs(&mut self, most: u32) -> Result<Vec<(Mode, u32)>, EngineError> {
-        if !self.device.as_ref().is_some_and(crate::device::exec::Executor::records_graphs) {
+        if !self.records_graphs() {
             return self.idle_or("recording decode graphs").map(|()| Vec::new());
         }
         let (mut kept, mut visited, modes) = (Vec::new(), 0, self.plan.modes.len());
@@ -372,7 +372,7 @@ impl Twin {
                         t.sort_by(f64::total_cmp);
                         cost.insert((mode, i), t.get(t.len() / 2).copied().unwrap_or(0.0));
                     }
-                    None => unfit = Some(batches[i]),
+                    None => unfit = Some((batches[i], mode)),
                 },
                 Walk::Switch => return Ok(true),
                 Walk::Done => return Ok(false),
