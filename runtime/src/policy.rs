@@ -149,6 +149,17 @@ pub enum Calibrated {
     Default(String),
 }
 
+impl Calibrated {
+    /// The T_h it gives.
+    pub fn t_high(&self) -> u32 {
+        match self {
+            Calibrated::Measured(m) => m.t_high(),
+            Calibrated::Modeled(costs) => crossover(costs),
+            Calibrated::Default(_) => DEFAULT_T_HIGH,
+        }
+    }
+}
+
 /// `engine` under the deployment's switch policy when `use_policy`, the
 /// spec enables switching and the plan holds both modes. `t_high = auto`
 /// is set at the TP/EP crossover first (Moebius §4.5): measured on the
@@ -171,12 +182,7 @@ pub fn driver<E: Engine>(
             Some(costs) => Calibrated::Measured(costs),
             None => modeled().map_or_else(Calibrated::Default, Calibrated::Modeled),
         };
-        let t_high = match &c {
-            Calibrated::Measured(m) => m.t_high(),
-            Calibrated::Modeled(costs) => crossover(costs),
-            Calibrated::Default(_) => DEFAULT_T_HIGH,
-        };
-        chosen = Some(p.with_t_high(t_high, switch.and_then(|s| s.t_low)));
+        chosen = Some(p.with_t_high(c.t_high(), switch.and_then(|s| s.t_low)));
         calibrated = Some(c);
     }
     Ok((Driver::new(engine, chosen).with_clock(Clock::Wall(Instant::now())), calibrated))

@@ -966,7 +966,7 @@ fn crossover_walk(n: usize, cost: &BTreeMap<(Mode, usize), f64>, mode: Mode, end
         Some(i) if i > 0 && pair(i - 1).is_none() => Walk::Switch,
         Some(i) => Walk::Time(i),
         // This mode timed every batch: the other still may not have.
-        None if pair(n.saturating_sub(1)).is_none() && n > 0 => Walk::Switch,
+        None if n > 0 && pair(n - 1).is_none() => Walk::Switch,
         None => Walk::Done,
     }
 }
