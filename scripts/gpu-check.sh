@@ -520,8 +520,8 @@ if waited:
 for s in e2e:
     c = res(s).get("calibration")
     if c:
-        goals[f"t_high = auto ({s['name']}): T_h, (batch, TP ms, EP ms)" + ("" if c["measured"] else " MODELED, not measured")] = (
-            f"{c['t_high']}; {c['batch_tp_ep_ms']}")
+        goals[f"t_high = auto ({s['name']}): T_h, (batch, TP ms, EP ms) at {c.get('cached_tokens')} cached tokens"
+              + ("" if c["measured"] else " MODELED, not measured")] = f"{c['t_high']}; {c['batch_tp_ep_ms']}"
 goals["end-to-end tokens = transformers'"] = f"{sum(1 for s in e2e if s['ok'])}/{len(e2e)} runs"
 report["goals"] = goals
 report["ok"] = all(s["ok"] for s in steps)

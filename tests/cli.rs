@@ -463,11 +463,12 @@ fn init_weights_compile_and_run_on_the_cpu_twin() {
     assert_eq!(tokens(&s), tokens(&s3));
     // `t_high = auto` was measured on the emulated device's decode graphs of
     // both modes; the CPU twin, which has no device steps, takes the
-    // modeled crossover.
+    // modeled crossover. Both at ShareGPT's mean prompt (215 tokens) plus
+    // half its mean output (197): 314 cached tokens a request.
     assert!(
         s3.contains(
-            "calibration, measured on this engine's decode steps (graph replays where a graph holds the step, \
-             the median of 5 each, until EP is no slower): B=1: tp "
+            "calibration, measured on this engine's decode steps of requests with 314 cached tokens each (graph \
+             replays where a graph holds the step, the median of 5 each, until EP is no slower): B=1: tp "
         ),
         "{s3}"
     );
@@ -478,8 +479,8 @@ fn init_weights_compile_and_run_on_the_cpu_twin() {
     let s5 = text(&o.stdout);
     assert!(
         s5.contains(
-            "calibration, modeled (this engine measured no decode step; the cost model's decode iterations at \
-             1024 cached tokens each): B=1: tp "
+            "calibration, modeled (this engine measured no decode step; the cost model's decode iterations of \
+             requests with 314 cached tokens each): B=1: tp "
         ) && s5.contains("B=2048: "),
         "{s5}"
     );

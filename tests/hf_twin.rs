@@ -1160,12 +1160,13 @@ fn both_modes_graphs_are_recorded_before_serving_on_the_emulated_device() {
 #[test]
 fn t_high_auto_is_measured_on_the_decode_graphs_of_both_modes_on_the_emulated_device() {
     use moeforge::runtime::device::exec::bucket;
+    use moeforge::runtime::policy::Measured;
     let cache = tempfile::tempdir().unwrap();
     let (mut t, f) = dual_mode_on_the_emulated_device(cache.path());
     let before = t.capture_graphs(2).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(before.len(), 4, "{before:?}");
     let batches = [1, 2, 4, 8];
-    let m = t.probe_decode_steps(&batches, 3).unwrap_or_else(|e| panic!("{e}")).expect("measured");
+    let m = t.probe_decode_steps(&batches, 3, 0).unwrap_or_else(|e| panic!("{e}")).expect("measured");
     eprintln!("measured: {m:?}");
     assert_eq!(m.unfit, None, "batches to 8 fit the fixture's steps");
     let timed = m.costs;
@@ -1198,17 +1199,47 @@ fn t_high_auto_is_measured_on_the_decode_graphs_of_both_modes_on_the_emulated_de
     eager.use_device_graphs(false);
     eager.submit(Request::new(9, f.prompts[0].clone(), 2)).unwrap();
     eager.step().unwrap();
-    let e = eager.probe_decode_steps(&[1, 2], 2).unwrap_err().to_string();
+    let e = eager.probe_decode_steps(&[1, 2], 2, 0).unwrap_err().to_string();
     assert!(e.contains("in flight") && eager.mode() == Mode::Ep, "{e}");
     eager.run_to_completion(10).unwrap();
-    let timed = eager.probe_decode_steps(&[1, 2], 2).unwrap().expect("measured call by call").costs;
+    let timed = eager.probe_decode_steps(&[1, 2], 2, 0).unwrap().expect("measured call by call").costs;
     assert_eq!(timed.iter().map(|c| c.0).collect::<Vec<_>>(), [1, 2][..timed.len()]);
     assert_eq!(eager.graph_stats().unwrap(), Default::default());
     assert_eq!(eager.mode(), Mode::Ep);
-    assert_eq!(eager.probe_decode_steps(&[1 << 16], 1).unwrap(), None);
+    assert_eq!(eager.probe_decode_steps(&[1 << 16], 1, 0).unwrap(), None);
     let mode = t.mode();
-    assert_eq!(t.probe_decode_steps(&[1 << 16], 1).unwrap(), None);
+    // From TP, TP is the mode that stops fitting (its measurement: T_h there).
+    let tp_first = (mode == Mode::Tp).then(|| Measured { costs: vec![], unfit: Some((1 << 16, Mode::Tp)), context: 0 });
+    assert_eq!(t.probe_decode_steps(&[1 << 16], 1, 0).unwrap(), tp_first);
     assert_eq!((t.mode(), eager.mode()), (mode, Mode::Ep));
+    // Each probed request has its context cached on pages of its own, which
+    // its attention reads (the steps' cost at 1,000 cached tokens against
+    // none is printed, not pinned).
+    if t.mode() != Mode::Ep {
+        t.switch(Mode::Ep).unwrap();
+    }
+    let cached = t.probe_decode_steps(&[2], 1, 1000).unwrap().expect("two requests at 1,000 tokens fit");
+    assert_eq!((cached.costs.len(), cached.unfit, cached.context), (1, None, 1000), "{cached:?}");
+    let none = t.probe_decode_steps(&[2], 1, 0).unwrap().expect("two requests at no context fit");
+    eprintln!("B=2 (tp, ep) seconds: no context {:?}, 1,000 cached tokens {:?}", none.costs[0], cached.costs[0]);
+    // So a batch fits where its requests' KV fits a rank's pool: 16-token
+    // pages, 7,328 a TP rank (half the heads a page) and 3,664 an EP rank.
+    // At 31,984 cached tokens a request covers 2,000 pages (its position
+    // 31,984 included): four requests fit neither mode (TP 8,000 > 7,328
+    // pages a rank; EP two requests a rank, 4,000 > 3,664).
+    let kv = &t.plan().kv;
+    assert_eq!((kv.page_tokens, kv.tp.as_ref().map(|k| k.pages), kv.ep.pages), (16, Some(7328), 3664));
+    let long = 31_984;
+    // From EP, EP's step stops the walk first: nothing is learned for T_h.
+    assert_eq!(t.probe_decode_steps(&[4], 1, long).unwrap(), None);
+    t.switch(Mode::Tp).unwrap();
+    let four = t.probe_decode_steps(&[4], 1, long).unwrap();
+    assert_eq!(four, Some(Measured { costs: vec![], unfit: Some((4, Mode::Tp)), context: long }));
+    assert_eq!(four.unwrap().t_high(), 4, "TP cannot hold four: T_h is 4");
+    // 32,768 cached tokens (2,049 pages) is past a request's page table
+    // (32,768 tokens): not even one request fits.
+    assert_eq!(t.probe_decode_steps(&[1], 1, 32_768).unwrap().and_then(|m| m.unfit), Some((1, Mode::Tp)));
+    assert_eq!(t.mode(), Mode::Tp);
 }
 
 /// A group wider than top-k (colocated EP over 4 ranks, top-k 2) takes

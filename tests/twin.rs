@@ -513,7 +513,7 @@ fn sampled_tokens_depend_only_on_prompt_and_seed() {
 
 /// `t_high = auto` (Moebius §4.5) on the CPU twin, which has no decode
 /// graphs to measure: the driver sets T_h at the cost model's TP/EP
-/// crossover for the deployment (the simulator's decode iterations at
+/// crossover for the deployment at its workload's context (the simulator's decode iterations at
 /// batches 1 to 2048; T_ℓ = 0.8·T_h) and serves under that policy. The
 /// measured calibration on a device's graphs is in `tests/hf_twin.rs`.
 #[test]
@@ -533,13 +533,20 @@ fn t_high_auto_takes_the_modeled_crossover_on_the_cpu_twin() {
     let sw = b.spec.deploys[0].switch;
     assert_eq!(sw.t_high, None);
     let engine = Twin::new(&b, &ck, Mode::Ep).unwrap();
-    let modeled = || moeforge::runtime::sim::Bench::new(&b.spec, &b.plan)?.decode_costs();
-    let (mut d, cal) = driver(Some(&sw), &b.plan.memory.modes, true, engine, modeled).unwrap();
+    // ShareGPT's mean prompt (215 tokens) plus half its mean output (197).
+    let context = moeforge::runtime::policy::calibration_context(&b.spec.deploys[0].workload);
+    assert_eq!(context, 314);
+    let modeled = |c| moeforge::runtime::sim::Bench::new(&b.spec, &b.plan)?.decode_costs(c);
+    let (mut d, cal) = driver(Some(&sw), &b.plan.memory.modes, true, engine, context, modeled).unwrap();
     // The simulator's own decode iterations for this deployment, batches 1
     // to 2048: T_h is the first at which EP's is no slower than TP's.
-    let model = moeforge::runtime::sim::Bench::new(&b.spec, &b.plan).unwrap().decode_costs().unwrap();
+    let model = moeforge::runtime::sim::Bench::new(&b.spec, &b.plan).unwrap().decode_costs(314).unwrap();
     assert_eq!(model.iter().map(|c| c.0).collect::<Vec<_>>(), (0..12).map(|i| 1 << i).collect::<Vec<_>>());
-    assert_eq!(cal, Some(Calibrated::Modeled(model.clone())), "the CPU twin has no decode steps to measure");
+    assert_eq!(
+        cal,
+        Some(Calibrated::Modeled { costs: model.clone(), context: 314 }),
+        "the CPU twin has no decode steps to measure"
+    );
     let p = d.policy().cloned().unwrap();
     let first = model.iter().find(|c| c.2 <= c.1).map_or(u32::MAX, |c| c.0 as u32);
     assert_eq!(p.t_high, first.max(1), "{model:?}");

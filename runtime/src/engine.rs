@@ -123,13 +123,19 @@ pub trait Engine {
     /// inspection); a long-running server calls it once it has delivered them.
     fn forget(&mut self, id: RequestId);
     /// Measures this engine's decode step cost in TP and in EP at each
-    /// batch (requests in flight) before serving, for `t_high = auto`
-    /// (Moebius §4.5: on the decode graphs it will serve with; the median
-    /// of `steps` each), `batches` in order until the crossover. `None` where
-    /// the engine has no such steps to measure (the caller then takes the
-    /// cost model's crossover); nothing it serves changes.
-    fn probe_decode_costs(&mut self, batches: &[usize], steps: usize) -> Result<Option<Measured>, EngineError> {
-        let _ = (batches, steps);
+    /// batch (requests in flight, each with `context` tokens cached) before
+    /// serving, for `t_high = auto` (Moebius §4.5: on the decode graphs it
+    /// will serve with; the median of `steps` each), `batches` in order
+    /// until the crossover. `None` where the engine has no such steps to
+    /// measure (the caller then takes the cost model's crossover); nothing
+    /// it serves changes.
+    fn probe_decode_costs(
+        &mut self,
+        batches: &[usize],
+        steps: usize,
+        context: u32,
+    ) -> Result<Option<Measured>, EngineError> {
+        let _ = (batches, steps, context);
         Ok(None)
     }
 }
@@ -154,7 +160,12 @@ impl<E: Engine + ?Sized> Engine for Box<E> {
     fn forget(&mut self, id: RequestId) {
         (**self).forget(id)
     }
-    fn probe_decode_costs(&mut self, batches: &[usize], steps: usize) -> Result<Option<Measured>, EngineError> {
-        (**self).probe_decode_costs(batches, steps)
+    fn probe_decode_costs(
+        &mut self,
+        batches: &[usize],
+        steps: usize,
+        context: u32,
+    ) -> Result<Option<Measured>, EngineError> {
+        (**self).probe_decode_costs(batches, steps, context)
     }
 }

@@ -11,7 +11,7 @@
 //! The simulator runs the same coordinator on modeled iterations.
 
 use crate::engine::{Engine, EngineError, StepOutput, SwitchEvent};
-use moeforge_dsl::spec::SwitchPolicy;
+use moeforge_dsl::spec::{SwitchPolicy, Workload};
 use moeforge_plan::memory::Mode;
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -113,6 +113,18 @@ pub const CALIBRATION_BATCHES: [usize; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
 /// Decode steps timed per batch and mode (their median is the cost).
 pub const CALIBRATION_STEPS: usize = 5;
 
+/// The tokens each request of a calibration step has cached: the
+/// workload's mean prompt plus half its mean output, a request halfway
+/// through its decode. A decode step's attention reads every cached token
+/// of every request (TP: each rank its share of the heads for all of them;
+/// EP: all heads for its own), so the crossover moves with the context.
+pub fn calibration_context(w: &Workload) -> u32 {
+    use moeforge_plan::workload::{mean, Side};
+    let tokens = mean(&w.input, Side::Input) + mean(&w.output, Side::Output) / 2.0;
+    // Saturating: lengths are bounded by the model's context far below this.
+    tokens.round().clamp(0.0, f64::from(u32::MAX)) as u32
+}
+
 /// What an engine measured for `t_high = auto` ([`Engine::probe_decode_costs`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Measured {
@@ -122,6 +134,8 @@ pub struct Measured {
     /// capacity error: its step inputs, its posts, its layout's room),
     /// where that ended the walk first.
     pub unfit: Option<(usize, Mode)>,
+    /// The tokens each probed request had cached.
+    pub context: u32,
 }
 
 impl Measured {
@@ -143,8 +157,9 @@ impl Measured {
 pub enum Calibrated {
     /// Measured on the serving engine's own decode steps.
     Measured(Measured),
-    /// The cost model's crossover, where the engine measures nothing.
-    Modeled(Calibration),
+    /// The cost model's crossover, where the engine measures nothing, at
+    /// `context` cached tokens a request.
+    Modeled { costs: Calibration, context: u32 },
     /// Neither could be had (the reason): T_h is [`DEFAULT_T_HIGH`].
     Default(String),
 }
@@ -154,7 +169,7 @@ impl Calibrated {
     pub fn t_high(&self) -> u32 {
         match self {
             Calibrated::Measured(m) => m.t_high(),
-            Calibrated::Modeled(costs) => crossover(costs),
+            Calibrated::Modeled { costs, .. } => crossover(costs),
             Calibrated::Default(_) => DEFAULT_T_HIGH,
         }
     }
@@ -164,23 +179,28 @@ impl Calibrated {
 /// spec enables switching and the plan holds both modes. `t_high = auto`
 /// is set at the TP/EP crossover first (Moebius §4.5): measured on the
 /// engine itself, both modes at [`CALIBRATION_BATCHES`] until the
-/// crossover, as it serves them (its decode graphs where it records
-/// them); where it measures nothing (the CPU twin), the cost model's from
-/// `modeled`; where that fails too, [`DEFAULT_T_HIGH`], and the reason is
-/// returned. Time is the wall clock.
+/// crossover, each request with `context` tokens cached
+/// ([`calibration_context`]), as it serves them (its decode graphs where
+/// it records them); where it measures nothing (the CPU twin), the cost
+/// model's from `modeled` (given the same context); where that fails too,
+/// [`DEFAULT_T_HIGH`], and the reason is returned. Time is the wall clock.
 pub fn driver<E: Engine>(
     switch: Option<&SwitchPolicy>,
     modes: &[Mode],
     use_policy: bool,
     mut engine: E,
-    modeled: impl FnOnce() -> Result<Calibration, String>,
+    context: u32,
+    modeled: impl FnOnce(u32) -> Result<Calibration, String>,
 ) -> Result<(Driver<E>, Option<Calibrated>), EngineError> {
     let mut chosen = switch.filter(|s| use_policy && s.enabled && modes.len() == 2).map(Policy::from_spec);
     let mut calibrated = None;
     if let Some(p) = chosen.clone().filter(|p| p.calibrate) {
-        let c = match engine.probe_decode_costs(&CALIBRATION_BATCHES, CALIBRATION_STEPS)? {
+        let c = match engine.probe_decode_costs(&CALIBRATION_BATCHES, CALIBRATION_STEPS, context)? {
             Some(costs) => Calibrated::Measured(costs),
-            None => modeled().map_or_else(Calibrated::Default, Calibrated::Modeled),
+            None => match modeled(context) {
+                Ok(costs) => Calibrated::Modeled { costs, context },
+                Err(why) => Calibrated::Default(why),
+            },
         };
         chosen = Some(p.with_t_high(c.t_high(), switch.and_then(|s| s.t_low)));
         calibrated = Some(c);
@@ -307,7 +327,7 @@ mod tests {
         assert_eq!(crossover(&[(1, 1.0, 2.0), (4, 2.0, 2.5)]), u32::MAX);
         // A walk that ended at a batch TP could not run puts T_h there; a
         // crossover before it, or none and nothing unfit, as before.
-        let m = |costs: &[(usize, f64, f64)], unfit| Measured { costs: costs.to_vec(), unfit };
+        let m = |costs: &[(usize, f64, f64)], unfit| Measured { costs: costs.to_vec(), unfit, context: 0 };
         assert_eq!(m(&[(1, 1.0, 2.0), (4, 2.0, 2.5)], Some((16, Mode::Tp))).t_high(), 16);
         assert_eq!(m(&[(1, 1.0, 2.0), (4, 2.0, 2.5)], Some((16, Mode::Ep))).t_high(), u32::MAX);
         assert_eq!(m(&[(1, 1.0, 2.0), (4, 2.0, 1.5)], None).t_high(), 4);

@@ -157,7 +157,9 @@ def main() -> int:
                      re.findall(r"B=(\d+): tp ([\d.]+) ms, ep ([\d.]+) ms", cal.group(2))]
             th = re.search(r"^policy: T_h = (\d+|never)", text, re.M)
             unfit = re.search(r"B=(\d+) does not fit one (tp|ep) step", cal.group(2))
+            context = re.search(r"with (\d+) cached tokens each", cal.group(0))
             out["calibration"] = {"measured": cal.group(1) == "measured", "batch_tp_ep_ms": costs,
+                                  "cached_tokens": int(context.group(1)) if context else None,
                                   "unfit": [int(unfit.group(1)), unfit.group(2)] if unfit else None,
                                   "t_high": th.group(1) if th else None}
         swaps = re.search(r"^slot swaps: (\d+)", text, re.M)

@@ -276,8 +276,9 @@ pub fn driver(
     // What serving runs with is set before graphs are recorded or timed.
     configure(&mut engine);
     graphs.apply(&mut engine)?;
-    let modeled = || moeforge::runtime::sim::Bench::new(&bundle.spec, &bundle.plan)?.decode_costs();
-    policy::driver(switch, &bundle.plan.memory.modes, policy, engine, modeled).map_err(|e| error(e, ""))
+    let context = deploy.map_or(0, |d| policy::calibration_context(&d.workload));
+    let modeled = |context| moeforge::runtime::sim::Bench::new(&bundle.spec, &bundle.plan)?.decode_costs(context);
+    policy::driver(switch, &bundle.plan.memory.modes, policy, engine, context, modeled).map_err(|e| error(e, ""))
 }
 
 /// Prints the calibration and the policy in force; `graphs`: whether the
@@ -290,16 +291,20 @@ pub fn print_policy(calibration: &Option<Calibrated>, policy: Option<&Policy>, g
     };
     match calibration {
         Some(Calibrated::Measured(m)) => out(&format!(
-            "calibration, measured on this engine's decode steps ({}, the median of {} each, until EP is no \
-             slower): {}{}",
+            "calibration, measured on this engine's decode steps of requests with {} cached tokens each ({}, the \
+             median of {} each, until EP is no slower): {}{}",
+            m.context,
             if graphs { "graph replays where a graph holds the step" } else { "call by call" },
             policy::CALIBRATION_STEPS,
             rows(&m.costs),
-            m.unfit.map_or_else(String::new, |(b, mode)| format!("; B={b} does not fit one {} step", mode.name()))
+            m.unfit.map_or_else(String::new, |(b, mode)| format!(
+                "; B={b} does not fit one {} step (its requests' KV at that context, or the step's inputs)",
+                mode.name()
+            ))
         )),
-        Some(Calibrated::Modeled(costs)) => out(&format!(
-            "calibration, modeled (this engine measured no decode step; the cost model's decode iterations at 1024 \
-             cached tokens each): {}",
+        Some(Calibrated::Modeled { costs, context }) => out(&format!(
+            "calibration, modeled (this engine measured no decode step; the cost model's decode iterations of \
+             requests with {context} cached tokens each): {}",
             rows(costs)
         )),
         Some(Calibrated::Default(why)) => out(&format!(

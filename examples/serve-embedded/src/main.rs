@@ -41,9 +41,16 @@ fn main() -> Result<(), Box<dyn Error>> {
     // at the cost model's crossover: the CPU twin has no decode graphs to time).
     let ck = Checkpoint::load(&weights)?;
     let twin = Twin::new(&bundle, &ck, Mode::Ep)?;
-    let modeled = || moeforge::runtime::sim::Bench::new(&bundle.spec, &bundle.plan)?.decode_costs();
-    let (driver, _) =
-        moeforge::runtime::policy::driver(Some(&deploy.switch), &bundle.plan.memory.modes, true, twin, modeled)?;
+    let modeled = |context| moeforge::runtime::sim::Bench::new(&bundle.spec, &bundle.plan)?.decode_costs(context);
+    let context = moeforge::runtime::policy::calibration_context(&deploy.workload);
+    let (driver, _) = moeforge::runtime::policy::driver(
+        Some(&deploy.switch),
+        &bundle.plan.memory.modes,
+        true,
+        twin,
+        context,
+        modeled,
+    )?;
     let cfg = Config { model: model.name.clone(), aliases: vec![], max_queue: 256, text: Text::load(&weights)? };
     let name = deploy.name.clone();
     serve_blocking(&format!("127.0.0.1:{port}"), driver, cfg, |addr| {

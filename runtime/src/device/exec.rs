@@ -915,22 +915,30 @@ impl Executor {
     /// puts T_h at the crossover. `batch` counts the requests in flight, as
     /// the switch policy does: every rank that takes requests holds all of
     /// them in TP and `⌈batch / ranks⌉` in EP (data-parallel attention).
-    /// Its rows are padding ones ([`Work::padding`]: no cached context, no
-    /// KV written, the sample dropped), each with its own token so that
-    /// their routing spreads over the experts as a batch's does; no
-    /// request's state changes.
+    /// Its rows are padding ones ([`probe_rows`]): each has `context` tokens
+    /// cached on pages of its own, which its attention reads as a served
+    /// request's would, writes no KV and drops its sample, and carries its
+    /// own token so that the rows' routing spreads over the experts as a
+    /// batch's does; no request's state changes, and nothing is written to
+    /// the pool (no request may be in flight: the pages are any).
     /// Each step runs as [`Executor::step`] would run it: a replay of its
     /// bucket's graph where it has one (recorded first if it is not kept
     /// yet, counted as recorded before serving), else call by call (after
     /// one untimed warm-up). Each of the `steps` timed ones (at least one)
     /// runs from its issue until every rank's stream has finished it (a
-    /// readback from each). The timing is of steps over no cached context:
-    /// attention over a long context is not in it. No statistic changes
-    /// but `captured`, `refused` and `recorded_before_serving` (and the
-    /// routing checks `--verify-routing` counts, where it is on). `None` where
-    /// the step does not fit the engine (a capacity error: its inputs or
-    /// its posts cannot hold the batch).
-    pub fn probe_decode(&mut self, mode: Mode, batch: u32, steps: usize) -> Result<Option<Vec<f64>>, ExecError> {
+    /// readback from each). No statistic changes but `captured`, `refused`
+    /// and `recorded_before_serving` (and the routing checks
+    /// `--verify-routing` counts, where it is on). `None` where the step
+    /// does not fit the engine: its rows' KV the rank's pool, or a capacity
+    /// error (its inputs, a request's page table or its posts cannot hold
+    /// the batch).
+    pub fn probe_decode(
+        &mut self,
+        mode: Mode,
+        batch: u32,
+        steps: usize,
+        context: u32,
+    ) -> Result<Option<Vec<f64>>, ExecError> {
         let plan = std::sync::Arc::clone(&self.plan);
         let ranks: Vec<usize> = (0..self.buffers.len()).filter(|&r| takes_decode(&plan, mode, r)).collect();
         let rows = match mode {
@@ -938,13 +946,19 @@ impl Executor {
             Mode::Ep => batch.div_ceil(ranks.len().max(1) as u32),
         } as usize;
         let vocab = plan.memory.buffer(mode, BufferName::Logits).map_or(1, |b| (b.row_bytes / 4).max(1)) as usize;
+        let kv = &plan.memory.kv;
+        let pool = match (mode, &kv.tp) {
+            (Mode::Tp, Some(tp)) => tp.pages,
+            _ => kv.ep.pages,
+        };
         let mut work = vec![Vec::new(); self.buffers.len()];
         for (i, &r) in ranks.iter().enumerate() {
             // TP's ranks all hold the same requests; EP's each its own.
             let first = if mode == Mode::Ep { i * rows } else { 0 };
-            work[r] = (first..first + rows)
-                .map(|q| Work { tokens: vec![((q * 7919 + 1) % vocab) as u32], ..Work::padding() })
-                .collect();
+            match probe_rows(first, rows, context, kv.page_tokens, pool, vocab) {
+                Some(w) => work[r] = w,
+                None => return Ok(None),
+            }
         }
         self.before_serving(|x, plan| x.time_steps(plan, mode, &work, steps))
     }
@@ -3006,6 +3020,28 @@ pub fn post_rounds(
     Ok((0..rounds).map(|k| groups.iter().map(|g| g.get(k).cloned().unwrap_or_default()).collect()).collect())
 }
 
+/// The padding rows of a calibration step on one rank
+/// ([`Executor::probe_decode`]): requests `first..first + rows`, each with
+/// `context` tokens cached on pages of its own (rows share none, so their
+/// attention reads as much of the pool as served requests' would: the
+/// pages its positions `0..=context` fall on, `page_tokens` each), and its
+/// own token below `vocab`. `None` where their pages outnumber the rank's
+/// `pool`: a batch of that context does not fit the rank.
+fn probe_rows(first: usize, rows: usize, context: u32, page_tokens: u32, pool: u64, vocab: usize) -> Option<Vec<Work>> {
+    let per = context / page_tokens.max(1) + 1;
+    let total = u32::try_from(rows).ok()?.checked_mul(per)?;
+    if u64::from(total) > pool {
+        return None;
+    }
+    let row = |i: u32| Work {
+        cached: context,
+        tokens: vec![(((first + i as usize) * 7919 + 1) % vocab.max(1)) as u32],
+        pages: (i * per..(i + 1) * per).collect(),
+        ..Work::padding()
+    };
+    Some((0..rows as u32).map(row).collect())
+}
+
 /// A rank's `n` requests split into `mbs` micro-batches: whole requests, in
 /// order, ⌈n / mbs⌉ to each but the last.
 fn micro_batches(n: usize, mbs: usize) -> Vec<std::ops::Range<usize>> {
@@ -3085,8 +3121,29 @@ fn stripe_entries(plan: &Plan, ids_of: &BTreeMap<usize, Vec<i32>>, group: &[usiz
 
 #[cfg(test)]
 mod tests {
-    use super::nic_split;
+    use super::{nic_split, probe_rows};
     use std::collections::BTreeMap;
+
+    /// A calibration step's rows: positions 0..=context need
+    /// ⌊context / page_tokens⌋ + 1 pages (16 tokens a page: 1 for contexts
+    /// 0 and 15, 2 for 16 and 31, 3 for 32), no two rows share a page, all
+    /// lie in the pool, and a batch one page short of it does not fit.
+    #[test]
+    fn probe_rows_hold_their_context_on_pages_of_their_own() {
+        for (context, pages) in [(0, 1), (15, 1), (16, 2), (31, 2), (32, 3)] {
+            let rows = probe_rows(10, 4, context, 16, 4 * pages, 1000).expect("fits exactly");
+            assert_eq!(rows.len(), 4);
+            let mut seen = std::collections::BTreeSet::new();
+            for w in &rows {
+                assert_eq!((w.cached, w.pages.len() as u64, w.tokens.len()), (context, pages, 1), "{w:?}");
+                assert!(w.pages.iter().all(|&p| u64::from(p) < 4 * pages && seen.insert(p)), "{rows:?}");
+            }
+            let tokens: std::collections::BTreeSet<u32> = rows.iter().map(|w| w.tokens[0]).collect();
+            assert_eq!(tokens.len(), 4, "each row its own token");
+            assert!(probe_rows(10, 4, context, 16, 4 * pages - 1, 1000).is_none());
+        }
+        assert!(probe_rows(0, 0, 1 << 20, 16, 0, 1).is_some_and(|r| r.is_empty()));
+    }
 
     /// The split on random sends over 2 nodes of 4 GPUs, against its
     /// definition counted per GPU: afterwards no GPU sends more than its

@@ -222,17 +222,19 @@ impl<'a> Bench<'a> {
     }
 
     /// The modeled decode iteration in TP and in EP at batches 1 to 2048
-    /// (requests in flight, 1024 cached tokens each): `t_high = auto`'s
-    /// crossover where the serving engine has no device steps to measure.
-    pub fn decode_costs(&self) -> Result<Calibration, String> {
+    /// (requests in flight, `context` cached tokens each,
+    /// [`crate::policy::calibration_context`]): `t_high = auto`'s crossover
+    /// where the serving engine has no device steps to measure.
+    pub fn decode_costs(&self, context: u32) -> Result<Calibration, String> {
         let (tp, ep) = self.dual()?;
-        Ok(self.shape_costs(&tp, &ep))
+        Ok(self.shape_costs(&tp, &ep, context))
     }
 
-    fn shape_costs(&self, tp: &Shape, ep: &Shape) -> Calibration {
+    fn shape_costs(&self, tp: &Shape, ep: &Shape, context: u32) -> Calibration {
         let step = |shape: &Shape, b: usize| {
             let per = b as f64 / f64::from(shape.groups);
-            let loads: Vec<model::Load> = (0..shape.groups).map(|_| model::Load::decode(per, per * 1024.0)).collect();
+            let cached = per * f64::from(context);
+            let loads: Vec<model::Load> = (0..shape.groups).map(|_| model::Load::decode(per, cached)).collect();
             self.env
                 .iteration(&loads, shape.width, 1.0, shape.moe, model::Sms::all(self.env.cm.sms), 0.0, shape.overlap)
                 .seconds
@@ -334,7 +336,8 @@ impl<'a> Bench<'a> {
         let d = &self.spec.deploys[0];
         let mut policy = Policy::from_spec(&d.switch);
         if policy.calibrate {
-            policy = policy.with_t_high(crossover(&self.shape_costs(tp, ep)), d.switch.t_low);
+            let context = crate::policy::calibration_context(&d.workload);
+            policy = policy.with_t_high(crossover(&self.shape_costs(tp, ep, context)), d.switch.t_low);
         }
         let mem = &self.plan.memory;
         let weight_seconds = mem.reshard.as_ref().map_or(0.0, |r| self.env.cm.reshard_seconds(&r.ep_to_tp, mem));

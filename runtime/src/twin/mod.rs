@@ -350,16 +350,23 @@ impl Twin {
     /// steps, as it serves them (graph replays where the device records
     /// graphs, else call by call): batches in increasing order, each timed
     /// in both modes ([`crate::device::exec::Executor::probe_decode`], the
-    /// median of `steps`), until the first whose EP step is no slower than
+    /// median of `steps`, each request with `context` tokens cached on
+    /// pages of its own), until the first whose EP step is no slower than
     /// TP's (the crossover: no later batch changes T_h) or one that does
-    /// not fit the engine. The walk zig-zags between the modes
-    /// ([`Twin::walk_modes`], [`crossover_walk`]: each batch's second mode
-    /// times the next batch before it switches back), so it switches about
-    /// once per batch. Returns the batches timed in both modes, in order (a
-    /// prefix of `batches`), and the one that did not fit if that ended the
-    /// walk; `None` without a device or in a single-mode plan, or where not
-    /// even the first batch could be timed in both modes.
-    pub fn probe_decode_steps(&mut self, batches: &[usize], steps: usize) -> Result<Option<Measured>, EngineError> {
+    /// not fit the engine (its KV the pool, or its inputs the step). The
+    /// walk zig-zags between the modes ([`Twin::walk_modes`],
+    /// [`crossover_walk`]: each batch's second mode times the next batch
+    /// before it switches back), so it switches about once per batch.
+    /// Returns the batches timed in both modes, in order (a prefix of
+    /// `batches`), and the one that did not fit if that ended the walk;
+    /// `None` without a device or in a single-mode plan, or where nothing
+    /// sets T_h: no batch timed in both modes, and no batch TP outgrew.
+    pub fn probe_decode_steps(
+        &mut self,
+        batches: &[usize],
+        steps: usize,
+        context: u32,
+    ) -> Result<Option<Measured>, EngineError> {
         if self.plan.modes.len() != 2 || self.device.is_none() || batches.is_empty() {
             return Ok(None);
         }
@@ -367,13 +374,15 @@ impl Twin {
         let mut unfit = None;
         self.walk_modes("calibrating T_h", |d, mode| loop {
             match crossover_walk(batches.len(), &cost, mode, unfit.is_some()) {
-                Walk::Time(i) => match d.probe_decode(mode, u32::try_from(batches[i]).unwrap_or(u32::MAX), steps)? {
-                    Some(mut t) => {
-                        t.sort_by(f64::total_cmp);
-                        cost.insert((mode, i), t.get(t.len() / 2).copied().unwrap_or(0.0));
+                Walk::Time(i) => {
+                    match d.probe_decode(mode, u32::try_from(batches[i]).unwrap_or(u32::MAX), steps, context)? {
+                        Some(mut t) => {
+                            t.sort_by(f64::total_cmp);
+                            cost.insert((mode, i), t.get(t.len() / 2).copied().unwrap_or(0.0));
+                        }
+                        None => unfit = Some((batches[i], mode)),
                     }
-                    None => unfit = Some((batches[i], mode)),
-                },
+                }
                 Walk::Switch => return Ok(true),
                 Walk::Done => return Ok(false),
             }
@@ -381,7 +390,9 @@ impl Twin {
         let costs: Calibration = (0..batches.len())
             .map_while(|i| Some((batches[i], *cost.get(&(Mode::Tp, i))?, *cost.get(&(Mode::Ep, i))?)))
             .collect();
-        Ok((!costs.is_empty()).then_some(Measured { costs, unfit }))
+        // TP outgrowing a batch sets T_h there, even with nothing timed before.
+        let learned = !costs.is_empty() || matches!(unfit, Some((_, Mode::Tp)));
+        Ok(learned.then_some(Measured { costs, unfit, context }))
     }
 
     /// Whether the device runs decode steps as graphs (`false` without one).
@@ -915,8 +926,13 @@ impl Engine for Twin {
         }
     }
 
-    fn probe_decode_costs(&mut self, batches: &[usize], steps: usize) -> Result<Option<Measured>, EngineError> {
-        self.probe_decode_steps(batches, steps)
+    fn probe_decode_costs(
+        &mut self,
+        batches: &[usize],
+        steps: usize,
+        context: u32,
+    ) -> Result<Option<Measured>, EngineError> {
+        self.probe_decode_steps(batches, steps, context)
     }
 
     fn stats(&self) -> Stats {
