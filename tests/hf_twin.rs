@@ -1157,6 +1157,9 @@ fn both_modes_graphs_are_recorded_before_serving_on_the_emulated_device() {
 /// graphs off the steps are timed call by call and nothing is recorded. A
 /// batch no step of the plan holds (2^16 requests) ends the walk without
 /// an error (here with nothing timed), and a request in flight refuses it.
+/// Then the probed requests' context: a batch whose KV fits no rank's pool
+/// sets no T_h from either mode, and one TP outgrows while EP's KV holds it
+/// (more requests than a TP rank's headers) is T_h.
 #[test]
 fn t_high_auto_is_measured_on_the_decode_graphs_of_both_modes_on_the_emulated_device() {
     use moeforge::runtime::device::exec::bucket;
@@ -1208,9 +1211,7 @@ fn t_high_auto_is_measured_on_the_decode_graphs_of_both_modes_on_the_emulated_de
     assert_eq!(eager.mode(), Mode::Ep);
     assert_eq!(eager.probe_decode_steps(&[1 << 16], 1, 0).unwrap(), None);
     let mode = t.mode();
-    // From TP, TP is the mode that stops fitting (its measurement: T_h there).
-    let tp_first = (mode == Mode::Tp).then(|| Measured { costs: vec![], unfit: Some((1 << 16, Mode::Tp)), context: 0 });
-    assert_eq!(t.probe_decode_steps(&[1 << 16], 1, 0).unwrap(), tp_first);
+    assert_eq!(t.probe_decode_steps(&[1 << 16], 1, 0).unwrap(), None);
     assert_eq!((t.mode(), eager.mode()), (mode, Mode::Ep));
     // Each probed request has its context cached on pages of its own, which
     // its attention reads (the steps' cost at 1,000 cached tokens against
@@ -1226,19 +1227,24 @@ fn t_high_auto_is_measured_on_the_decode_graphs_of_both_modes_on_the_emulated_de
     // pages, 7,328 a TP rank (half the heads a page) and 3,664 an EP rank.
     // At 31,984 cached tokens a request covers 2,000 pages (its position
     // 31,984 included): four requests fit neither mode (TP 8,000 > 7,328
-    // pages a rank; EP two requests a rank, 4,000 > 3,664).
+    // pages a rank; EP two requests a rank, 4,000 > 3,664). Nothing sets T_h
+    // then, whichever mode the walk starts in.
     let kv = &t.plan().kv;
     assert_eq!((kv.page_tokens, kv.tp.as_ref().map(|k| k.pages), kv.ep.pages), (16, Some(7328), 3664));
     let long = 31_984;
-    // From EP, EP's step stops the walk first: nothing is learned for T_h.
-    assert_eq!(t.probe_decode_steps(&[4], 1, long).unwrap(), None);
+    assert_eq!(t.probe_decode_steps(&[4], 1, long).unwrap(), None, "from EP");
     t.switch(Mode::Tp).unwrap();
-    let four = t.probe_decode_steps(&[4], 1, long).unwrap();
-    assert_eq!(four, Some(Measured { costs: vec![], unfit: Some((4, Mode::Tp)), context: long }));
-    assert_eq!(four.unwrap().t_high(), 4, "TP cannot hold four: T_h is 4");
+    assert_eq!(t.probe_decode_steps(&[4], 1, long).unwrap(), None, "from TP");
     // 32,768 cached tokens (2,049 pages) is past a request's page table
-    // (32,768 tokens): not even one request fits.
-    assert_eq!(t.probe_decode_steps(&[1], 1, 32_768).unwrap().and_then(|m| m.unfit), Some((1, Mode::Tp)));
+    // (32,768 tokens) in both modes: not even one request fits.
+    assert_eq!(t.probe_decode_steps(&[1], 1, 32_768).unwrap(), None);
+    // TP outgrows a batch first where its ranks hold every request: 4,096
+    // requests exceed a rank's 2,048 request headers in TP, while EP's ranks
+    // hold 2,048 each (one page each of 3,664). T_h is then that batch, with
+    // nothing timed.
+    let m = t.probe_decode_steps(&[4096], 1, 0).unwrap();
+    assert_eq!(m, Some(Measured { costs: vec![], unfit: Some((4096, Mode::Tp)), context: 0 }));
+    assert_eq!(m.unwrap().t_high(), 4096);
     assert_eq!(t.mode(), Mode::Tp);
 }
 

@@ -130,9 +130,11 @@ pub fn calibration_context(w: &Workload) -> u32 {
 pub struct Measured {
     /// The batches timed in both modes, in order, up to the crossover.
     pub costs: Calibration,
-    /// The batch, and the mode, whose step did not fit the engine (a
-    /// capacity error: its step inputs, its posts, its layout's room),
-    /// where that ended the walk first.
+    /// The batch that did not fit the engine, where that ended the walk
+    /// first: its requests' KV at `context` (a rank's pool, a request's page
+    /// table) or a capacity error (its step inputs, its posts, its layout's
+    /// room). The mode is TP's only where TP could not run it and EP's KV
+    /// holds it; EP's otherwise (no mode can run it, or EP cannot).
     pub unfit: Option<(usize, Mode)>,
     /// The tokens each probed request had cached.
     pub context: u32,
@@ -140,10 +142,9 @@ pub struct Measured {
 
 impl Measured {
     /// T_h: the crossover; where the walk ended first at a batch TP could
-    /// not run in one step, that batch (EP's ranks each hold a share of it:
-    /// TP is the first mode a batch outgrows); `u32::MAX` where EP was
-    /// slower at every batch probed (or EP is the mode that stopped fitting:
-    /// it is no place to go then).
+    /// not run in one step and EP could hold, that batch; `u32::MAX` where
+    /// EP was slower at every batch probed (or EP could not hold the batch
+    /// either: it is no place to go then).
     pub fn t_high(&self) -> u32 {
         match (crossover(&self.costs), self.unfit) {
             (u32::MAX, Some((b, Mode::Tp))) => u32::try_from(b).unwrap_or(u32::MAX),

@@ -298,7 +298,8 @@ pub fn print_policy(calibration: &Option<Calibrated>, policy: Option<&Policy>, g
             policy::CALIBRATION_STEPS,
             rows(&m.costs),
             m.unfit.map_or_else(String::new, |(b, mode)| format!(
-                "; B={b} does not fit one {} step (its requests' KV at that context, or the step's inputs)",
+                "{}B={b} does not fit one {} step (its requests' KV at that context, or the step's inputs)",
+                if m.costs.is_empty() { "" } else { "; " },
                 mode.name()
             ))
         )),

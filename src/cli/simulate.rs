@@ -123,7 +123,7 @@ pub fn run(a: Args) -> Result<(), ExitCode> {
             "\nMoebius bursty trace (§6.2: 375 s, bursts peaking at 80 and 120 req/s around a quiet 1–5 req/s)\n",
         );
         let mut csv = String::from(
-            "system,deployment,switches,burst1_ttft_mean_s,burst2_ttft_mean_s,burst1_ttft_p99_s,burst2_ttft_p99_s,\
+            "system,deployment,switches,burst1_ttft_peak_s,burst2_ttft_peak_s,burst1_ttft_p99_s,burst2_ttft_p99_s,\
              quiet_tpot_s,unserved,retractions\n",
         );
         for r in &rs {
@@ -131,12 +131,12 @@ pub fn run(a: Args) -> Result<(), ExitCode> {
                 Ok(dep) => {
                     let _ = writeln!(
                         text,
-                        "{:<12} {:<28} {} switches, burst TTFT mean {:>5.2} / {:>5.2} s, p99 {:>6.2} / {:>6.2} s, quiet TPOT {:>5.1} ms, {} unserved, {} retractions",
+                        "{:<12} {:<28} {} switches, burst TTFT peak {:>5.2} / {:>5.2} s, p99 {:>6.2} / {:>6.2} s, quiet TPOT {:>5.1} ms, {} unserved, {} retractions",
                         r.system.name(),
                         dep.label,
                         r.switches,
-                        r.burst_mean[0],
-                        r.burst_mean[1],
+                        r.burst_peak[0],
+                        r.burst_peak[1],
                         r.burst_p99[0],
                         r.burst_p99[1],
                         r.quiet_tpot * 1e3,
@@ -149,8 +149,8 @@ pub fn run(a: Args) -> Result<(), ExitCode> {
                         r.system.name(),
                         dep.label,
                         r.switches,
-                        r.burst_mean[0],
-                        r.burst_mean[1],
+                        r.burst_peak[0],
+                        r.burst_peak[1],
                         r.burst_p99[0],
                         r.burst_p99[1],
                         r.quiet_tpot,

@@ -940,27 +940,51 @@ impl Executor {
         context: u32,
     ) -> Result<Option<Vec<f64>>, ExecError> {
         let plan = std::sync::Arc::clone(&self.plan);
-        let ranks: Vec<usize> = (0..self.buffers.len()).filter(|&r| takes_decode(&plan, mode, r)).collect();
-        let rows = match mode {
-            Mode::Tp => batch,
-            Mode::Ep => batch.div_ceil(ranks.len().max(1) as u32),
-        } as usize;
+        let (ranks, rows) = self.probe_shape(mode, batch);
         let vocab = plan.memory.buffer(mode, BufferName::Logits).map_or(1, |b| (b.row_bytes / 4).max(1)) as usize;
-        let kv = &plan.memory.kv;
-        let pool = match (mode, &kv.tp) {
-            (Mode::Tp, Some(tp)) => tp.pages,
-            _ => kv.ep.pages,
-        };
+        let kv = self.probe_kv(mode);
         let mut work = vec![Vec::new(); self.buffers.len()];
         for (i, &r) in ranks.iter().enumerate() {
             // TP's ranks all hold the same requests; EP's each its own.
             let first = if mode == Mode::Ep { i * rows } else { 0 };
-            match probe_rows(first, rows, context, kv.page_tokens, pool, vocab) {
+            match probe_rows(first, rows, context, kv, vocab) {
                 Some(w) => work[r] = w,
                 None => return Ok(None),
             }
         }
         self.before_serving(|x, plan| x.time_steps(plan, mode, &work, steps))
+    }
+
+    /// Whether `batch` requests with `context` tokens cached each fit
+    /// `mode`'s KV: each rank's share of them on pages of their own in its
+    /// pool, each one's pages in its page table ([`probe_rows`]).
+    pub fn probe_kv_fits(&self, mode: Mode, batch: u32, context: u32) -> bool {
+        let (_, rows) = self.probe_shape(mode, batch);
+        probe_rows(0, rows, context, self.probe_kv(mode), 1).is_some()
+    }
+
+    /// The ranks a decode step of `batch` requests in flight runs on in
+    /// `mode`, and the requests each holds: all of them in TP, `⌈batch /
+    /// ranks⌉` in EP (data-parallel attention).
+    fn probe_shape(&self, mode: Mode, batch: u32) -> (Vec<usize>, usize) {
+        let ranks: Vec<usize> = (0..self.buffers.len()).filter(|&r| takes_decode(&self.plan, mode, r)).collect();
+        let rows = match mode {
+            Mode::Tp => batch,
+            Mode::Ep => batch.div_ceil(ranks.len().max(1) as u32),
+        };
+        (ranks, rows as usize)
+    }
+
+    /// `mode`'s KV as a calibration step's rows take it.
+    fn probe_kv(&self, mode: Mode) -> ProbeKv {
+        let mem = &self.plan.memory;
+        let pool = match (mode, &mem.kv.tp) {
+            (Mode::Tp, Some(tp)) => tp.pages,
+            _ => mem.kv.ep.pages,
+        };
+        // A request's header is 8 words before its page table (`write_inputs`).
+        let words = mem.buffer(mode, BufferName::RequestMeta).map_or(0, |b| b.row_bytes / 4);
+        ProbeKv { page_tokens: mem.kv.page_tokens, pool, table: words.saturating_sub(8) }
     }
 
     /// [`Executor::probe_decode`]'s steps, each run as [`Executor::step`]
@@ -1891,55 +1915,13 @@ impl Executor {
         reqs: &[Work],
         real: usize,
     ) -> Result<(u32, u32), ExecError> {
-        let page_tokens = mem.kv.page_tokens.max(1);
         let pages = match (mode, &mem.kv.tp) {
             (Mode::Tp, Some(tp)) => tp.pages,
             _ => mem.kv.ep.pages,
         };
-        let (mut ids, mut pos, mut slots, mut row_req, mut sample) = (vec![], vec![], vec![], vec![], vec![]);
         let words = mem.buffer(mode, BufferName::RequestMeta).map_or(0, |b| b.row_bytes / 4) as usize;
-        let mut meta = vec![0i32; words * reqs.len()];
-        for (i, w) in reqs.iter().enumerate() {
-            let first = ids.len() as i32;
-            for (j, &t) in w.tokens.iter().enumerate() {
-                let at = w.cached + j as u32;
-                if i >= real {
-                    // Padding: its KV slot is -1, which the KV writes skip.
-                    ids.push(t as i32);
-                    pos.push(at as i32);
-                    slots.push(-1);
-                    row_req.push(i as i32);
-                    continue;
-                }
-                let page = *w.pages.get((at / page_tokens) as usize).ok_or_else(|| {
-                    ExecError::Capacity(format!("request {i} on rank {r} has no KV page for position {at}"))
-                })?;
-                if page as u64 >= pages {
-                    return Err(ExecError::Capacity(format!("KV page {page} is outside the pool of {pages}")));
-                }
-                ids.push(t as i32);
-                pos.push(at as i32);
-                slots.push((page * page_tokens + at % page_tokens) as i32);
-                row_req.push(i as i32);
-            }
-            if w.sample && !w.tokens.is_empty() {
-                sample.push(ids.len() as i32 - 1);
-            }
-            if w.pages.len() + 8 > words {
-                return Err(ExecError::Capacity(format!("{} KV pages exceed the page table", w.pages.len())));
-            }
-            let h = &mut meta[i * words..(i + 1) * words];
-            h[0] = w.cached as i32;
-            h[1] = first;
-            h[2] = w.tokens.len() as i32;
-            h[4] = w.temperature.to_bits() as i32;
-            h[5] = w.top_p.to_bits() as i32;
-            h[6] = w.rng as u32 as i32;
-            h[7] = (w.rng >> 32) as u32 as i32;
-            for (k, &pg) in w.pages.iter().enumerate() {
-                h[8 + k] = pg as i32;
-            }
-        }
+        let StepInputs { ids, pos, slots, row_req, sample, meta } =
+            step_inputs(reqs, real, mem.kv.page_tokens, pages, words, r)?;
         let mb = Some(m).filter(|_| mbs > 1);
         for (name, data) in [
             (BufferName::TokenIds, le32(&ids)),
@@ -3020,17 +3002,96 @@ pub fn post_rounds(
     Ok((0..rounds).map(|k| groups.iter().map(|g| g.get(k).cloned().unwrap_or_default()).collect()).collect())
 }
 
+/// One micro-batch's step inputs on a rank, as `write_inputs` uploads them.
+#[derive(Debug, Default, PartialEq)]
+struct StepInputs {
+    ids: Vec<i32>,
+    pos: Vec<i32>,
+    slots: Vec<i32>,
+    row_req: Vec<i32>,
+    sample: Vec<i32>,
+    /// `words` per request: cached tokens, first row, rows, 0, temperature,
+    /// top-p, the generator's state (two words), then its page table.
+    meta: Vec<i32>,
+}
+
+/// The step inputs of `reqs` on rank `r` (its pool of `pages` pages of
+/// `page_tokens` tokens, `words` a request's header): every token a row at
+/// its position with its KV slot, -1 for the padding requests past the
+/// first `real` (which the KV writes skip), and each request's header.
+fn step_inputs(
+    reqs: &[Work],
+    real: usize,
+    page_tokens: u32,
+    pages: u64,
+    words: usize,
+    r: usize,
+) -> Result<StepInputs, ExecError> {
+    let page_tokens = page_tokens.max(1);
+    let mut x = StepInputs { meta: vec![0i32; words * reqs.len()], ..StepInputs::default() };
+    for (i, w) in reqs.iter().enumerate() {
+        let first = x.ids.len() as i32;
+        for (j, &t) in w.tokens.iter().enumerate() {
+            let at = w.cached + j as u32;
+            let slot = if i >= real {
+                // Padding: its KV slot is -1, which the KV writes skip.
+                -1
+            } else {
+                let page = *w.pages.get((at / page_tokens) as usize).ok_or_else(|| {
+                    ExecError::Capacity(format!("request {i} on rank {r} has no KV page for position {at}"))
+                })?;
+                if page as u64 >= pages {
+                    return Err(ExecError::Capacity(format!("KV page {page} is outside the pool of {pages}")));
+                }
+                (page * page_tokens + at % page_tokens) as i32
+            };
+            x.ids.push(t as i32);
+            x.pos.push(at as i32);
+            x.slots.push(slot);
+            x.row_req.push(i as i32);
+        }
+        if w.sample && !w.tokens.is_empty() {
+            x.sample.push(x.ids.len() as i32 - 1);
+        }
+        if w.pages.len() + 8 > words {
+            return Err(ExecError::Capacity(format!("{} KV pages exceed the page table", w.pages.len())));
+        }
+        let h = &mut x.meta[i * words..(i + 1) * words];
+        h[0] = w.cached as i32;
+        h[1] = first;
+        h[2] = w.tokens.len() as i32;
+        h[4] = w.temperature.to_bits() as i32;
+        h[5] = w.top_p.to_bits() as i32;
+        h[6] = w.rng as u32 as i32;
+        h[7] = (w.rng >> 32) as u32 as i32;
+        for (k, &pg) in w.pages.iter().enumerate() {
+            h[8 + k] = pg as i32;
+        }
+    }
+    Ok(x)
+}
+
+/// A rank's KV as a calibration step's rows take it: tokens a page, pages
+/// in its pool, pages a request's page table holds.
+#[derive(Clone, Copy, Debug)]
+struct ProbeKv {
+    page_tokens: u32,
+    pool: u64,
+    table: u64,
+}
+
 /// The padding rows of a calibration step on one rank
 /// ([`Executor::probe_decode`]): requests `first..first + rows`, each with
 /// `context` tokens cached on pages of its own (rows share none, so their
 /// attention reads as much of the pool as served requests' would: the
 /// pages its positions `0..=context` fall on, `page_tokens` each), and its
 /// own token below `vocab`. `None` where their pages outnumber the rank's
-/// `pool`: a batch of that context does not fit the rank.
-fn probe_rows(first: usize, rows: usize, context: u32, page_tokens: u32, pool: u64, vocab: usize) -> Option<Vec<Work>> {
-    let per = context / page_tokens.max(1) + 1;
+/// pool, or one request's its page table: a batch of that context does not
+/// fit the rank.
+fn probe_rows(first: usize, rows: usize, context: u32, kv: ProbeKv, vocab: usize) -> Option<Vec<Work>> {
+    let per = context / kv.page_tokens.max(1) + 1;
     let total = u32::try_from(rows).ok()?.checked_mul(per)?;
-    if u64::from(total) > pool {
+    if u64::from(total) > kv.pool || u64::from(per) > kv.table {
         return None;
     }
     let row = |i: u32| Work {
@@ -3121,17 +3182,19 @@ fn stripe_entries(plan: &Plan, ids_of: &BTreeMap<usize, Vec<i32>>, group: &[usiz
 
 #[cfg(test)]
 mod tests {
-    use super::{nic_split, probe_rows};
+    use super::{nic_split, probe_rows, step_inputs, ProbeKv};
     use std::collections::BTreeMap;
 
     /// A calibration step's rows: positions 0..=context need
     /// ⌊context / page_tokens⌋ + 1 pages (16 tokens a page: 1 for contexts
     /// 0 and 15, 2 for 16 and 31, 3 for 32), no two rows share a page, all
-    /// lie in the pool, and a batch one page short of it does not fit.
+    /// lie in the pool, and a batch one page short of it does not fit, nor
+    /// a request one page past its page table.
     #[test]
     fn probe_rows_hold_their_context_on_pages_of_their_own() {
+        let kv = |pool: u64, table: u64| ProbeKv { page_tokens: 16, pool, table };
         for (context, pages) in [(0, 1), (15, 1), (16, 2), (31, 2), (32, 3)] {
-            let rows = probe_rows(10, 4, context, 16, 4 * pages, 1000).expect("fits exactly");
+            let rows = probe_rows(10, 4, context, kv(4 * pages, pages), 1000).expect("fits exactly");
             assert_eq!(rows.len(), 4);
             let mut seen = std::collections::BTreeSet::new();
             for w in &rows {
@@ -3140,9 +3203,31 @@ mod tests {
             }
             let tokens: std::collections::BTreeSet<u32> = rows.iter().map(|w| w.tokens[0]).collect();
             assert_eq!(tokens.len(), 4, "each row its own token");
-            assert!(probe_rows(10, 4, context, 16, 4 * pages - 1, 1000).is_none());
+            assert!(probe_rows(10, 4, context, kv(4 * pages - 1, pages), 1000).is_none());
+            assert!(probe_rows(10, 4, context, kv(4 * pages, pages - 1), 1000).is_none());
         }
-        assert!(probe_rows(0, 0, 1 << 20, 16, 0, 1).is_some_and(|r| r.is_empty()));
+        assert!(probe_rows(0, 0, 1 << 20, kv(0, 1 << 17), 1).is_some_and(|r| r.is_empty()));
+    }
+
+    /// What the kernels read of a calibration row is a served request's:
+    /// two rows at 40 cached tokens (pages 0..3 and 3..6 of 16 tokens) sit
+    /// at position 40 (the attention's keys 0..=40) and their headers hold
+    /// 40 and their pages; only their KV slots differ, -1 (written by no
+    /// one) where the same requests served would write slots 2·16 + 8 = 40
+    /// and 5·16 + 8 = 88.
+    #[test]
+    fn a_calibration_row_reads_its_context_as_a_served_request_and_writes_no_kv() {
+        let rows = probe_rows(0, 2, 40, ProbeKv { page_tokens: 16, pool: 6, table: 8 }, 100).unwrap();
+        let probe = step_inputs(&rows, 0, 16, 6, 16, 0).unwrap();
+        let served = step_inputs(&rows, rows.len(), 16, 6, 16, 0).unwrap();
+        assert_eq!((probe.pos.as_slice(), probe.slots.as_slice()), (&[40, 40][..], &[-1, -1][..]));
+        assert_eq!(served.slots, [40, 88]);
+        assert_eq!(
+            (&probe.ids, &probe.pos, &probe.row_req, &probe.meta),
+            (&served.ids, &served.pos, &served.row_req, &served.meta)
+        );
+        assert_eq!((probe.meta[0], &probe.meta[8..11]), (40, &[0, 1, 2][..]));
+        assert_eq!((probe.meta[16], &probe.meta[16 + 8..16 + 11]), (40, &[3, 4, 5][..]));
     }
 
     /// The split on random sends over 2 nodes of 4 GPUs, against its

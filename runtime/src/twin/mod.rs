@@ -375,12 +375,23 @@ impl Twin {
         self.walk_modes("calibrating T_h", |d, mode| loop {
             match crossover_walk(batches.len(), &cost, mode, unfit.is_some()) {
                 Walk::Time(i) => {
-                    match d.probe_decode(mode, u32::try_from(batches[i]).unwrap_or(u32::MAX), steps, context)? {
+                    let b = u32::try_from(batches[i]).unwrap_or(u32::MAX);
+                    match d.probe_decode(mode, b, steps, context)? {
                         Some(mut t) => {
                             t.sort_by(f64::total_cmp);
                             cost.insert((mode, i), t.get(t.len() / 2).copied().unwrap_or(0.0));
                         }
-                        None => unfit = Some((batches[i], mode)),
+                        // TP outgrew the batch only where EP's KV holds it. Where
+                        // TP splits the KV heads both pools hold the same tokens
+                        // and EP's ranks round their share up, so a batch whose
+                        // KV overflows TP's pool overflows EP's too (named EP's:
+                        // T_h stays). TP outgrows first where it replicates KV
+                        // heads, or where its ranks hold every request in inputs
+                        // of which EP's hold a share.
+                        None if mode == Mode::Tp && d.probe_kv_fits(Mode::Ep, b, context) => {
+                            unfit = Some((batches[i], Mode::Tp))
+                        }
+                        None => unfit = Some((batches[i], Mode::Ep)),
                     }
                 }
                 Walk::Switch => return Ok(true),
