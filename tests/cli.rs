@@ -890,7 +890,11 @@ fn run_swaps_slots_on_its_drift_window_beside_decode_graphs() {
         moeforge_with_env(&args, &[("MOEFORGE_EMU_LAZY_SIDE", "1")])
     };
     let swap = ["--swap-window", "1", "--swap-threshold", "1"];
-    let (emu, cpu) = (run("emu", &b, &swap), run("cpu", &b, &swap));
+    // Graphs recorded on first use: their warm-up steps run call by call
+    // beside queued swaps too (recorded before serving, every decode step
+    // would be a replay).
+    let emu_swap = [&swap[..], &["--capture-graphs", "0"]].concat();
+    let (emu, cpu) = (run("emu", &b, &emu_swap), run("cpu", &b, &swap));
     assert!(emu.status.success() && cpu.status.success(), "{}{}", text(&emu.stderr), text(&cpu.stderr));
     let (emu, cpu) = (text(&emu.stdout), text(&cpu.stdout));
     let tokens = |s: &str| s.lines().filter(|l| l.starts_with("request ")).map(String::from).collect::<Vec<_>>();
@@ -943,8 +947,11 @@ fn run_swaps_slots_on_its_drift_window_beside_decode_graphs() {
 /// 4 before the first request (a weight-only warm-up switch enters TP and
 /// comes back), so the serving run with two live switches warms up and
 /// records nothing more: its recordings are the six made before serving,
-/// and it ran no warm-up. Its tokens are the CPU twin's. Refused on the CPU twin
-/// and beside --eager (for `serve` too), with a hint.
+/// and it ran no warm-up. Its tokens are the CPU twin's. Without the option
+/// `run` records the buckets its three requests can fill (bucket 4: the
+/// same six); with `--capture-graphs 0`, none before serving, so serving
+/// warms up and records each bucket on its first use in each mode. Refused on
+/// the CPU twin and beside --eager (for `serve` too), with a hint.
 #[test]
 fn run_records_both_modes_graphs_before_serving() {
     let tmp = tempfile::tempdir().unwrap();
@@ -973,6 +980,27 @@ fn run_records_both_modes_graphs_before_serving() {
     assert!(
         graphs.starts_with("decode graphs: 6 recorded (one per mode and batch bucket, 6 before serving)")
             && graphs.contains(", 0 ran as a bucket's warm-up, 0 ran call by call"),
+        "{graphs}"
+    );
+    let default = run("emu", &[]);
+    assert!(default.status.success(), "{}", text(&default.stderr));
+    let default = text(&default.stdout);
+    assert_eq!(tokens(&default), tokens(&cpu));
+    let line = |s: &str, prefix: &str| s.lines().find(|l| l.starts_with(prefix)).map(String::from);
+    assert_eq!(
+        line(&default, "decode graphs recorded before serving: "),
+        line(&emu, "decode graphs recorded before serving: ")
+    );
+    assert_eq!(line(&default, "decode graphs: "), Some(graphs.to_string()));
+    let lazy = run("emu", &["--capture-graphs", "0"]);
+    assert!(lazy.status.success(), "{}", text(&lazy.stderr));
+    let lazy = text(&lazy.stdout);
+    assert_eq!(tokens(&lazy), tokens(&cpu));
+    assert_eq!(line(&lazy, "decode graphs recorded before serving: "), None, "{lazy}");
+    let graphs = line(&lazy, "decode graphs: ").unwrap_or_else(|| panic!("{lazy}"));
+    assert!(
+        graphs.contains(" recorded (one per mode and batch bucket), ")
+            && !graphs.contains(", 0 ran as a bucket's warm-up"),
         "{graphs}"
     );
     for (backend, extra, why) in [

@@ -231,8 +231,8 @@ pub fn prepare(bundle: &LoadedBundle, weights: &Path, backend: Backend) -> Resul
 }
 
 /// The twin on `backend` under the switch-policy driver, starting in
-/// `start`, its decode graphs as `graphs` says (recorded before serving
-/// where it asks); with `policy`, the spec's switch policy decides,
+/// `start`, its decode graphs as `graphs` says (the options, and the
+/// buckets recorded before serving without `--capture-graphs`); with `policy`, the spec's switch policy decides,
 /// `t_high = auto` set at the TP/EP crossover of this engine's own decode
 /// steps (graph replays where it records graphs; the emulated device's
 /// crossover is its own), or at the cost model's where it has no device
@@ -243,9 +243,9 @@ pub fn driver(
     backend: Backend,
     start: Mode,
     policy: bool,
-    graphs: &GraphArgs,
+    graphs: (&GraphArgs, u32),
     configure: impl FnOnce(&mut twin::Twin),
-) -> Result<(Driver<twin::Twin>, Option<Calibrated>), ExitCode> {
+) -> Result<(Driver<twin::Twin>, Startup), ExitCode> {
     let deploy = bundle.spec.deploys.first();
     let switch = deploy.map(|d| &d.switch);
     let mut engine = match backend {
@@ -275,15 +275,26 @@ pub fn driver(
     .map_err(|e| error(e, ""))?;
     // What serving runs with is set before graphs are recorded or timed.
     configure(&mut engine);
-    graphs.apply(&mut engine)?;
+    let recorded = graphs.0.apply(&mut engine, graphs.1)?;
     let context = deploy.map_or(0, |d| policy::calibration_context(&d.workload));
     let modeled = |context| moeforge::runtime::sim::Bench::new(&bundle.spec, &bundle.plan)?.decode_costs(context);
-    policy::driver(switch, &bundle.plan.memory.modes, policy, engine, context, modeled).map_err(|e| error(e, ""))
+    let (driver, calibration) = policy::driver(switch, &bundle.plan.memory.modes, policy, engine, context, modeled)
+        .map_err(|e| error(e, ""))?;
+    Ok((driver, Startup { recorded, calibration }))
+}
+
+/// Prints what ran before serving (the decode graphs recorded, the
+/// calibration) and the policy in force.
+pub fn print_startup(startup: &Startup, driver: &Driver<twin::Twin>) {
+    if let Some(kept) = &startup.recorded {
+        print_recorded(kept, driver.engine.plan().modes.len());
+    }
+    print_policy(&startup.calibration, driver.policy(), driver.engine.records_graphs());
 }
 
 /// Prints the calibration and the policy in force; `graphs`: whether the
 /// engine's decode steps (those calibration timed) are graph replays.
-pub fn print_policy(calibration: &Option<Calibrated>, policy: Option<&Policy>, graphs: bool) {
+fn print_policy(calibration: &Option<Calibrated>, policy: Option<&Policy>, graphs: bool) {
     let rows = |costs: &policy::Calibration| {
         let rows: Vec<String> =
             costs.iter().map(|(b, tp, ep)| format!("B={b}: tp {:.2} ms, ep {:.2} ms", tp * 1e3, ep * 1e3)).collect();
@@ -353,45 +364,61 @@ pub struct GraphArgs {
     eager: bool,
     /// Record both modes' decode graphs for the batch buckets that hold up
     /// to N requests a rank before serving (a weight-only warm-up switch
-    /// enters the other mode and comes back, Moebius §4.3), instead of each
-    /// bucket's on its first use (0, the default).
-    #[arg(long, default_value_t = 0)]
-    capture_graphs: u32,
+    /// enters the other mode and comes back, Moebius §4.3), so that no
+    /// serving step, after a switch either, records one; 0: each bucket's
+    /// on its first use. Default where the device records graphs: `run`,
+    /// as many as it has requests (all may be in flight at once); `serve`,
+    /// 256 on a GPU (Moebius §6.5's per-rank cap) and 8 on the emulated
+    /// device (whose steps of 256 rows take seconds: both modes' buckets
+    /// to 256 would take minutes).
+    #[arg(long)]
+    capture_graphs: Option<u32>,
 }
 
 impl GraphArgs {
     /// Refuses `--capture-graphs N` where nothing records graphs: the CPU
     /// twin, or beside `--eager`.
     pub fn check(&self, backend: Backend) -> Result<(), ExitCode> {
-        if self.capture_graphs > 0 && matches!(backend, Backend::Cpu) {
+        let asked = self.capture_graphs.is_some_and(|n| n > 0);
+        if asked && matches!(backend, Backend::Cpu) {
             return Err(error(
                 "--capture-graphs: the cpu twin records no graphs",
                 "run with --backend emu or cuda, or drop --capture-graphs",
             ));
         }
-        if self.capture_graphs > 0 && self.eager {
+        if asked && self.eager {
             return Err(error("--capture-graphs records graphs and --eager runs without them", "give one of the two"));
         }
         Ok(())
     }
 
     /// Turns the engine's graphs on or off and records those
-    /// `--capture-graphs N` asks for, saying which.
-    pub fn apply(&self, engine: &mut twin::Twin) -> Result<(), ExitCode> {
+    /// `--capture-graphs N` asks for (`default` without it, where the
+    /// engine records graphs). Returns the (mode, bucket) graphs kept,
+    /// `None` where none were asked for.
+    pub fn apply(&self, engine: &mut twin::Twin, default: u32) -> Result<Option<Vec<(Mode, u32)>>, ExitCode> {
         engine.use_device_graphs(!self.eager);
-        if self.capture_graphs > 0 {
-            capture_graphs(engine, self.capture_graphs)?;
+        let n = self.capture_graphs.unwrap_or(if engine.records_graphs() { default } else { 0 });
+        if n == 0 {
+            return Ok(None);
         }
-        Ok(())
+        let kept = engine
+            .capture_graphs(n)
+            .map_err(|e| error(e, "give --capture-graphs 0 to record each graph on its first use"))?;
+        Ok(Some(kept))
     }
 }
 
-/// Records the decode graphs `--capture-graphs n` asks for before serving
-/// and says which.
-fn capture_graphs(engine: &mut twin::Twin, n: u32) -> Result<(), ExitCode> {
-    let kept =
-        engine.capture_graphs(n).map_err(|e| error(e, "run without --capture-graphs to record graphs on first use"))?;
-    let modes = engine.plan().modes.len();
+/// What `run` and `serve` did before serving: the decode graphs recorded
+/// ([`GraphArgs::apply`]) and the calibration of `t_high = auto`.
+pub struct Startup {
+    pub recorded: Option<Vec<(Mode, u32)>>,
+    pub calibration: Option<Calibrated>,
+}
+
+/// Says which decode graphs were recorded before serving, over `modes`
+/// modes.
+fn print_recorded(kept: &[(Mode, u32)], modes: usize) {
     let per_mode: Vec<String> = [Mode::Ep, Mode::Tp]
         .iter()
         .filter_map(|&m| {
@@ -409,7 +436,6 @@ fn capture_graphs(engine: &mut twin::Twin, n: u32) -> Result<(), ExitCode> {
         },
         if modes > 1 { "; the other mode entered by a weight-only warm-up switch and left" } else { "" }
     ));
-    Ok(())
 }
 
 /// The drift window and threshold the options ask for (`None`: the plan's
@@ -481,8 +507,8 @@ pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
     }
     a.graphs.check(a.backend)?;
     let ck = prepare(bundle, &a.weights, a.backend)?;
-    let (mut driver, calibration) =
-        driver(bundle, &ck, a.backend, start, a.switch_at.is_empty(), &a.graphs, |engine| {
+    let (mut driver, startup) =
+        driver(bundle, &ck, a.backend, start, a.switch_at.is_empty(), (&a.graphs, prompts.len() as u32), |engine| {
             engine.verify_device_routing(a.verify_routing);
             if let Some(policy) = swap {
                 engine.set_swap_policy(policy);
@@ -542,7 +568,7 @@ pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
             of(Role::Moe)
         ));
     }
-    print_policy(&calibration, driver.policy(), driver.engine.records_graphs());
+    print_startup(&startup, &driver);
     for id in 0..n as u64 {
         let toks: Vec<String> = tokens.get(&id).into_iter().flatten().map(u32::to_string).collect();
         out(&format!("request {id}: {}", toks.join(" ")));

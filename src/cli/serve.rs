@@ -3,7 +3,7 @@
 //! policy. Prints `listening on http://ADDR` once bound; Ctrl-C or SIGTERM
 //! stops accepting and drains what is in flight.
 
-use super::run::{driver, load_dir, prepare, print_policy, swap_policy, Backend, GraphArgs, Start, SwapArgs};
+use super::run::{driver, load_dir, prepare, print_startup, swap_policy, Backend, GraphArgs, Start, SwapArgs};
 use super::{error, out};
 use moeforge::plan::bundle::LoadedBundle;
 use moeforge::plan::memory::Mode;
@@ -68,12 +68,19 @@ pub fn serve_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> 
     let text = Text::load(&a.weights).map_err(|e| {
         error(e, "tokenizer.json must be a Hugging Face tokenizers file (or absent: token-id prompts only)")
     })?;
-    let (driver, calibration) = driver(bundle, &ck, a.backend, start, true, &a.graphs, |engine| {
+    // Serving's concurrency is not known before it: Moebius's cap on a GPU,
+    // what the emulated device records in seconds there (GraphArgs).
+    let capture = match a.backend {
+        Backend::Cuda => 256,
+        Backend::Emu => 8,
+        Backend::Cpu => 0,
+    };
+    let (driver, startup) = driver(bundle, &ck, a.backend, start, true, (&a.graphs, capture), |engine| {
         if let Some(policy) = swap {
             engine.set_swap_policy(policy);
         }
     })?;
-    print_policy(&calibration, driver.policy(), driver.engine.records_graphs());
+    print_startup(&startup, &driver);
     let name = bundle.plan.model.name.clone();
     let deploy = bundle.spec.deploys.first().map(|d| d.name.clone());
     let model = a.served_model_name.clone().unwrap_or_else(|| name.clone());
