@@ -362,7 +362,7 @@ if [[ $have_gpu -eq 1 || $EMU -eq 1 ]]; then
     delay=0
     [[ -n "$placement" ]] && delay=20
     # The first case records both modes' graphs before serving (a weight-only warm-up switch
-    # into TP and back, Moebius §4.3) and must then record none while serving.
+    # into TP and back, Moebius §4.4) and must then record none while serving.
     capture=""
     [[ $first -eq 1 ]] && capture=8
     MOEFORGE_CUDA_SIDE_DELAY_MS=$delay E2E_CAPTURE=$capture E2E_EXPECT_GRAPHS=$expect e2e "$fixture" "$ranks" "$start" \

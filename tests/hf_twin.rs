@@ -1098,7 +1098,7 @@ fn serve_three_with_switches(t: &mut Twin, f: &Fixture, mut before: impl FnMut(&
     decode_steps
 }
 
-/// Both modes' decode graphs recorded before serving (Moebius §4.3): on a
+/// Both modes' decode graphs recorded before serving (Moebius §4.4): on a
 /// dual-mode plan over 2 ranks of the emulated device, `capture_graphs(3)`
 /// records EP's buckets 1, 2 and 4 (those that hold up to 3 requests), enters TP by a weight-only warm-up
 /// switch, records TP's, and switches back, every step of it padding
@@ -1158,7 +1158,7 @@ fn both_modes_graphs_are_recorded_before_serving_on_the_emulated_device() {
 /// batch no step of the plan holds (2^16 requests) ends the walk without
 /// an error (here with nothing timed), and a request in flight refuses it.
 /// Then the probed requests' context: a batch whose KV fits no rank's pool
-/// sets no T_h from either mode, and one TP outgrows while EP's KV holds it
+/// sets no T_h from either mode, and one TP outgrows while EP's ranks hold it
 /// (more requests than a TP rank's headers) is T_h.
 #[test]
 fn t_high_auto_is_measured_on_the_decode_graphs_of_both_modes_on_the_emulated_device() {

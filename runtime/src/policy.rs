@@ -133,8 +133,9 @@ pub struct Measured {
     /// The batch that did not fit the engine, where that ended the walk
     /// first: its requests' KV at `context` (a rank's pool, a request's page
     /// table) or a capacity error (its step inputs, its posts, its layout's
-    /// room). The mode is TP's only where TP could not run it and EP's KV
-    /// holds it; EP's otherwise (no mode can run it, or EP cannot).
+    /// room). The mode is TP's only where TP could not run it and EP's
+    /// ranks hold it (its KV, its request headers and rows); EP's otherwise
+    /// (EP's ranks cannot hold it either, or EP could not run it).
     pub unfit: Option<(usize, Mode)>,
     /// The tokens each probed request had cached.
     pub context: u32,

@@ -8,7 +8,8 @@ median step milliseconds, the decode graphs the run reports); exits 1 on a misma
 command. With E2E_EAGER=1 the run takes --eager (every decode step call by call, no graphs);
 with E2E_EXPECT_GRAPHS=1 it fails unless decode graphs were recorded and replayed, none refused;
 with E2E_CAPTURE=N the run records both modes' graphs for buckets up to N before serving
-(--capture-graphs N), and with E2E_EXPECT_GRAPHS=1 then fails if serving recorded any more.
+(--capture-graphs N; without it `run` records those its prompts can fill, its default), and
+with E2E_EXPECT_GRAPHS=1 then fails if serving recorded any more.
 The deployment's switch policy has t_high = auto, so a dual-mode run without SWITCH_AT first
 measures TP and EP decode steps as it serves them (Moebius §4.5; graph replays on one GPU);
 the JSON's "calibration" holds them and the T_h they gave.

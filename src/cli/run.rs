@@ -364,13 +364,13 @@ pub struct GraphArgs {
     eager: bool,
     /// Record both modes' decode graphs for the batch buckets that hold up
     /// to N requests a rank before serving (a weight-only warm-up switch
-    /// enters the other mode and comes back, Moebius §4.3), so that no
+    /// enters the other mode and comes back, Moebius §4.4), so that no
     /// serving step, after a switch either, records one; 0: each bucket's
-    /// on its first use. Default where the device records graphs: `run`,
-    /// as many as it has requests (all may be in flight at once); `serve`,
-    /// 256 on a GPU (Moebius §6.5's per-rank cap) and 8 on the emulated
-    /// device (whose steps of 256 rows take seconds: both modes' buckets
-    /// to 256 would take minutes).
+    /// on its first use. Default where the device records graphs (one GPU,
+    /// the emulated device): `run`, as many as it has requests (all may be
+    /// in flight at once), at most 256; `serve`, 256 on a GPU (Moebius
+    /// §6.5's per-rank cap) and 8 on the emulated device (whose steps of 256
+    /// rows take seconds: both modes' buckets to 256 would take minutes).
     #[arg(long)]
     capture_graphs: Option<u32>,
 }
@@ -430,7 +430,9 @@ fn print_recorded(kept: &[(Mode, u32)], modes: usize) {
         "decode graphs recorded before serving: {} (each from a warm-up and a recorded step of padding requests \
          only{})",
         if per_mode.is_empty() {
-            "none (no bucket fits one step's inputs, or the device records no graphs here)".to_string()
+            "none (no decode step of this plan runs as a graph here: its dispatch is routed, or no bucket fits \
+             one step's inputs)"
+                .to_string()
         } else {
             per_mode.join("; ")
         },
@@ -507,13 +509,20 @@ pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
     }
     a.graphs.check(a.backend)?;
     let ck = prepare(bundle, &a.weights, a.backend)?;
-    let (mut driver, startup) =
-        driver(bundle, &ck, a.backend, start, a.switch_at.is_empty(), (&a.graphs, prompts.len() as u32), |engine| {
+    let (mut driver, startup) = driver(
+        bundle,
+        &ck,
+        a.backend,
+        start,
+        a.switch_at.is_empty(),
+        (&a.graphs, prompts.len().min(256) as u32),
+        |engine| {
             engine.verify_device_routing(a.verify_routing);
             if let Some(policy) = swap {
                 engine.set_swap_policy(policy);
             }
-        })?;
+        },
+    )?;
     let n = prompts.len();
     let mut arrivals: Vec<(usize, Request)> = prompts
         .into_iter()

@@ -44,7 +44,7 @@
 //!   read (and zeroed) once after the step.
 //!
 //! - Decode steps run as graphs where the device records them
-//!   ([`Executor::use_graphs`]; CUDA graphs, Moebius §4.3's per-mode graph
+//!   ([`Executor::use_graphs`]; CUDA graphs, Moebius §4.4's per-mode graph
 //!   sets): a decode step whose dispatches take fixed slots is padded to its
 //!   batch bucket ([`bucket`]: every rank that takes requests to the bucket of
 //!   the most any has; a padding request is one token whose KV slot is -1,
@@ -281,7 +281,7 @@ enum Body {
     Replay(GraphId, Counted),
 }
 
-/// Decode steps as graphs (issue 12; Moebius §4.3 keeps both modes' graph
+/// Decode steps as graphs (issue 12; Moebius §4.4 keeps both modes' graph
 /// sets): `captured` graphs recorded, one per (mode, batch bucket);
 /// `replayed` decode steps that ran as one (their capturing step
 /// included); `warmups` steps run call by call, padded to their bucket,
@@ -295,7 +295,7 @@ enum Body {
 /// device refused (that step, and its key's later ones, ran call by call);
 /// `replayed_after_switch` replays of a graph recorded before a later live
 /// switch (its weights resharded in between, at the same addresses: the
-/// graph is still the step's, Moebius §4.3's two resident graph sets);
+/// graph is still the step's, Moebius §4.4's two resident graph sets);
 /// `replayed_after_swap` replays of a graph recorded before a later Zepp
 /// slot swap (slot contents and the replica table rewritten in between,
 /// never an address); `replayed_beside_swap` those of them issued while
@@ -892,7 +892,7 @@ impl Executor {
 
     /// Records `mode`'s decode graphs now, for the batch buckets that hold
     /// up to `most` requests a rank, before any request arrives: Moebius
-    /// §4.3 captures both modes' graph sets at startup, so no live step pays
+    /// §4.4 captures both modes' graph sets at startup, so no live step pays
     /// a warm-up or a recording. Each bucket takes its warm-up step and its recorded one, every
     /// request a padding one ([`Work::padding`]: no KV written, the sample
     /// dropped), so no request's state changes; nor do the statistics, but
@@ -955,12 +955,17 @@ impl Executor {
         self.before_serving(|x, plan| x.time_steps(plan, mode, &work, steps))
     }
 
-    /// Whether `batch` requests with `context` tokens cached each fit
-    /// `mode`'s KV: each rank's share of them on pages of their own in its
-    /// pool, each one's pages in its page table ([`probe_rows`]).
-    pub fn probe_kv_fits(&self, mode: Mode, batch: u32, context: u32) -> bool {
+    /// Whether a rank of `mode` holds its share of `batch` requests with
+    /// `context` tokens cached each: their KV on pages of their own in its
+    /// pool, each one's pages in its page table ([`probe_rows`]), and their
+    /// request headers and decode rows in its step inputs. (Not whether
+    /// its posts hold the step: that only running it tells.)
+    pub fn probe_holds(&self, mode: Mode, batch: u32, context: u32) -> bool {
         let (_, rows) = self.probe_shape(mode, batch);
-        probe_rows(0, rows, context, self.probe_kv(mode), 1).is_some()
+        let inputs = [BufferName::RequestMeta, BufferName::TokenIds]
+            .iter()
+            .all(|&name| self.plan.memory.buffer(mode, name).is_some_and(|b| rows as u64 <= b.rows));
+        inputs && probe_rows(0, rows, context, self.probe_kv(mode), 1).is_some()
     }
 
     /// The ranks a decode step of `batch` requests in flight runs on in

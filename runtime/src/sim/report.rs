@@ -879,7 +879,7 @@ pub struct BurstyResult {
     /// Each burst's peak TTFT as Moebius §6.2 reports it ("mean TTFT over
     /// arrivals in 10 s bins": TP's reaching 9.9 s, Moebius's peaking at
     /// 3.1 s): the highest mean over the 10 s bins of arrivals in the
-    /// burst's half of the trace (split mid-quiet, so the bins its backlog
+    /// burst's half of the trace (split mid-quiet at a bin's edge, so the bins its backlog
     /// spills into count), served requests only.
     pub burst_peak: [f64; 2],
     /// p99 TTFT of the requests arriving in each burst (its 20 s of
@@ -934,7 +934,8 @@ impl Bench<'_> {
                         .filter_map(|(_, o)| o.ttft)
                 };
                 let bursts = [(0.0, q0), (q1, f64::INFINITY)];
-                let mid = (q0 + q1) / 2.0;
+                // Mid-quiet, on a bin's edge (no bin is split between the bursts).
+                let mid = ((q0 + q1) / 20.0).floor() * 10.0;
                 let burst_peak = [(0.0, mid), (mid, f64::INFINITY)].map(|(a, b)| {
                     let served = reqs.iter().zip(out).filter(|(r, _)| r.arrival >= a && r.arrival < b);
                     peak_bin_mean(served.filter_map(|(r, o)| Some((r.arrival, o.ttft?))), 10.0)

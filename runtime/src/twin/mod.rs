@@ -328,7 +328,7 @@ impl Twin {
     }
 
     /// Records the device's decode graphs of both modes now, for the batch
-    /// buckets that hold up to `most` requests a rank, as Moebius §4.3 does
+    /// buckets that hold up to `most` requests a rank, as Moebius §4.4 does
     /// at startup ([`Twin::walk_modes`]: the current mode's first, then the
     /// other mode's after a weight-only warm-up switch). Returns the (mode,
     /// bucket)s recorded; nothing without a device that records graphs.
@@ -381,14 +381,14 @@ impl Twin {
                             t.sort_by(f64::total_cmp);
                             cost.insert((mode, i), t.get(t.len() / 2).copied().unwrap_or(0.0));
                         }
-                        // TP outgrew the batch only where EP's KV holds it. Where
-                        // TP splits the KV heads both pools hold the same tokens
-                        // and EP's ranks round their share up, so a batch whose
-                        // KV overflows TP's pool overflows EP's too (named EP's:
-                        // T_h stays). TP outgrows first where it replicates KV
-                        // heads, or where its ranks hold every request in inputs
-                        // of which EP's hold a share.
-                        None if mode == Mode::Tp && d.probe_kv_fits(Mode::Ep, b, context) => {
+                        // TP outgrew the batch only where EP's ranks hold it (its
+                        // KV, its headers and rows). Where TP splits the KV heads
+                        // both pools hold the same tokens and EP's ranks round
+                        // their share up, so a batch whose KV overflows TP's pool
+                        // overflows EP's too (named EP's: T_h stays). TP outgrows
+                        // first where it replicates KV heads, or where its ranks
+                        // hold every request in inputs of which EP's hold a share.
+                        None if mode == Mode::Tp && d.probe_holds(Mode::Ep, b, context) => {
                             unfit = Some((batches[i], Mode::Tp))
                         }
                         None => unfit = Some((batches[i], Mode::Ep)),
