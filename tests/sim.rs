@@ -141,13 +141,30 @@ fn chunked_prefill_pays_for_every_chunk() {
     let long = [req(0.0, 16000, 2)];
     let ttft = |d: &Deployment| b.simulate(d, &long)[0].ttft.unwrap();
     let whole = ttft(&one(&b, System::Colocated));
-    let chunked: Vec<(String, f64)> =
-        b.deployments(System::ChunkedPrefill).unwrap().iter().map(|d| (d.label.clone(), ttft(d))).collect();
-    // Each chunk re-reads the weights and its prefix KV: smaller chunks, longer prefill.
+    // The ExpertPlex evaluation's configuration: `--chunked-prefill-size 2048`
+    // over DP8, which SGLang divides into 256 tokens a rank.
+    let paper = one(&b, System::ChunkedPrefill);
+    assert_eq!(paper.label, "DP8EP8 chunk 2048 (256 a rank)");
+    let Phases::Unified { chunked_prefill: Some(total), .. } = paper.phases else { panic!("{:?}", paper.phases) };
+    assert_eq!(total, 2048.0);
+    let at = |total: f64| {
+        let mut d = paper.clone();
+        if let Phases::Unified { chunked_prefill, .. } = &mut d.phases {
+            *chunked_prefill = Some(total);
+        }
+        ttft(&d)
+    };
+    let chunked: Vec<(f64, f64)> = [2048.0, 8192.0, 32768.0].iter().map(|&c| (c, at(c))).collect();
+    // Each chunk re-reads the weights and its prefix KV, and each prefill
+    // iteration runs eagerly: smaller chunks, longer prefill.
     for w in chunked.windows(2) {
         assert!(w[0].1 > w[1].1, "{chunked:?}");
     }
     assert!(chunked[0].1 > whole, "{chunked:?} vs whole {whole}");
+    // A prompt of 16000 tokens at 256 a step takes 63 eager prefill iterations.
+    let e = &b.env;
+    let host = (e.moe_layers + e.dense_layers) * e.cm.calib.eager_layer;
+    assert!(chunked[0].1 >= 63.0 * host, "{chunked:?}, host floor {host}");
 }
 
 /// SGLang-PDMux's Green Contexts: a decode with nothing prefilling runs on
@@ -335,24 +352,18 @@ fn the_sensitivity_sweep_replays_the_bursty_trace_on_every_rows_constants() {
 }
 
 #[test]
-fn a_step_with_prompt_tokens_runs_eagerly_and_mixed_chunks_keep_decoding() {
+fn a_step_with_prompt_tokens_runs_eagerly() {
     let f = fixture("minimax-m2-h800");
     let b = f.bench();
     let e = &b.env;
     let side = MoeSide::Ep { gpus: 8, nodes: 1, replicas: 1, local: 1.0, disaggregated: false };
     let sms = Sms::all(e.cm.sms);
     let decode = Load::decode(4.0, 4000.0);
-    let mixed = decode.mixed(Load::prompts(1.0, 512.0));
-    assert_eq!((mixed.decode, mixed.ctx, mixed.prompts, mixed.prompt_tokens), (4.0, 4000.0, 1.0, 512.0));
+    let prompt = Load::prompts(1.0, 512.0);
     let graph = e.iteration(&[decode], 1, 1.0, side, sms, 0.0, Overlaps::STANDARD).seconds;
-    let eager = e.iteration(&[mixed], 1, 1.0, side, sms, 0.0, Overlaps::STANDARD).seconds;
+    let eager = e.iteration(&[prompt], 1, 1.0, side, sms, 0.0, Overlaps::STANDARD).seconds;
     let host = (e.moe_layers + e.dense_layers) * e.cm.calib.eager_layer;
     assert!(eager >= host && graph < host, "graph {graph}, eager {eager}, host floor {host}");
-    // A prompt of eight chunks takes eight eager iterations before its first token.
-    let chunked = b.deployments(System::ChunkedPrefill).unwrap().remove(0);
-    let Phases::Unified { chunk: Some(c), .. } = chunked.phases else { panic!() };
-    let out = b.simulate(&chunked, &[req(0.0, 8 * c as u32, 2)]);
-    assert!(out[0].ttft.unwrap() >= 8.0 * host, "{:?}", out[0]);
 }
 
 #[test]

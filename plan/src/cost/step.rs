@@ -103,19 +103,6 @@ impl Load {
             copies: self.copies,
         }
     }
-    /// One batch holding both loads (SGLang's mixed chunked prefill).
-    pub fn mixed(self, other: Load) -> Load {
-        Load {
-            decode: self.decode + other.decode,
-            ctx: self.ctx + other.ctx,
-            ctx_sq: self.ctx_sq + other.ctx_sq,
-            prompts: self.prompts + other.prompts,
-            prompt_tokens: self.prompt_tokens + other.prompt_tokens,
-            pairs: self.pairs + other.pairs,
-            prefix: self.prefix + other.prefix,
-            copies: self.copies,
-        }
-    }
 }
 
 /// Σ_{j = prefix+1}^{prefix+n} min(j, k): the keys the `n` new queries of a

@@ -167,11 +167,12 @@ fn admit_estimated(
     });
 }
 
-/// Before a step that decodes: while a group's KV cannot take every
-/// decoding request's next token, retracts the request SGLang's
-/// `retract_decode` picks (the fewest generated tokens, then the longest
-/// prompt) to the back of the queue, and resets that group's estimate.
-/// Returns how many were retracted.
+/// Before a step that decodes (SGLang's `update_running_batch`): while a
+/// group's KV cannot take every decoding request's next token, retracts the
+/// request SGLang's `retract_decode` picks (the fewest generated tokens,
+/// then the longest prompt) to the back of the queue, and resets that
+/// group's estimate; a group that decodes and retracts nothing decays its
+/// estimate one step. Returns how many were retracted.
 fn retract(
     groups: &mut [Group],
     cap: f64,
@@ -198,6 +199,8 @@ fn retract(
         }
         if any {
             g.ratio = TokenRatio::after_retraction(g, reqs);
+        } else if !g.decode.is_empty() {
+            g.ratio = g.ratio.decayed();
         }
     }
     n
@@ -326,7 +329,7 @@ pub(super) struct Served {
 /// One engine on every GPU: colocated, chunked prefill, static TP/EP, Moebius.
 pub(super) fn unified(
     env: &Env,
-    (chunk, chunked_prefill): (Option<f64>, Option<f64>),
+    chunked_prefill: Option<f64>,
     (tp, ep): (Option<Shape>, Option<Shape>),
     switch: Option<&Switching>,
     reqs: &[Req],
@@ -390,38 +393,25 @@ pub(super) fn unified(
         let cap = sh.kv_per_group;
         // Prompt tokens a group may take this iteration, and whether a longer
         // prompt is split (Phases::Unified says which engine is which).
-        let (budget, split) = match (chunk, chunked_prefill) {
-            (Some(c), _) => (c, true),
-            (None, Some(total)) => ((total / groups.len().max(1) as f64).floor().max(1.0), true),
-            (None, None) => (MAX_PREFILL_TOKENS, false),
+        let (budget, split) = match chunked_prefill {
+            Some(total) => ((total / groups.len().max(1) as f64).floor().max(1.0), true),
+            None => (MAX_PREFILL_TOKENS, false),
         };
         admit_estimated(&mut groups, cap, budget, &mut waiting, &mut resume, reqs);
         let (loads, takes) = prefill_loads(&groups, budget, split);
         let prefill = loads.iter().any(Load::has_prefill);
-        // Chunked prefill is SGLang's mixed chunking: every iteration decodes
-        // each running request and advances at most `chunk` prompt tokens per
-        // group in the same batch. Otherwise an iteration with prompts is
-        // prefill-only (prefill first) and decode waits for it.
-        let mixed = chunk.is_some();
-        let decoding = mixed || !prefill;
+        // An iteration with prompts is prefill-only (prefill first, SGLang's
+        // scheduler; it does not mix chunks into decode batches by default)
+        // and decode waits for it.
+        let decoding = !prefill;
         if decoding {
             // The step writes every decoding request's next token: make room
-            // first. A group's estimate decays on its decode-only steps
-            // (SGLang's `update_running_batch`; a batch carrying prompt
-            // tokens does not decay it).
+            // first. A group's estimate decays on these decode-only steps
+            // (a batch carrying prompt tokens does not decay it).
             retractions += retract(&mut groups, cap, &mut waiting, &mut resume, reqs);
-            for (g, l) in groups.iter_mut().zip(&loads) {
-                if !l.has_prefill() && l.decode > 0.0 {
-                    g.ratio = g.ratio.decayed();
-                }
-            }
         }
         debug_assert!(groups.iter().all(|g| g.used(reqs) <= cap), "a group's KV overflows");
-        let loads = match (mixed, prefill) {
-            (true, _) => decode_loads(&groups, reqs).into_iter().zip(loads).map(|(d, p)| d.mixed(p)).collect(),
-            (false, true) => loads,
-            (false, false) => decode_loads(&groups, reqs),
-        };
+        let loads = if prefill { loads } else { decode_loads(&groups, reqs) };
         let it = env.iteration(&loads, sh.width, 1.0, sh.moe, Sms::all(env.cm.sms), 0.0, sh.overlap);
         if it.seconds <= 0.0 || loads.iter().all(Load::is_empty) {
             // Nothing runnable: KV is full of nothing (cannot happen with the
@@ -821,8 +811,11 @@ mod tests {
         // The group's estimate resets to (Σ outputs so far + 20 each) / Σ outputs:
         // (11 + 6 + 31 + 60) / 150.
         assert!((groups[0].ratio.0 - 108.0 / 150.0).abs() < 1e-12, "{:?}", groups[0].ratio);
-        // Room to spare: nothing moves.
+        // Room to spare: nothing moves, and the estimate decays one step.
         assert_eq!(retract(&mut groups, 1e9, &mut waiting, &mut resume, &reqs), 0);
+        assert_eq!(groups[0].decode.len(), 3);
+        assert!((groups[0].ratio.0 - TokenRatio(108.0 / 150.0).decayed().0).abs() < 1e-12, "{:?}", groups[0].ratio);
+        assert!(groups[0].ratio.0 < 108.0 / 150.0);
     }
 
     #[test]
@@ -864,7 +857,7 @@ mod tests {
             overlap: moeforge_plan::cost::step::Overlaps::STANDARD,
         };
         let reqs: Vec<Req> = (0..80).map(|_| req(200, 800)).collect();
-        let served = unified(&env, (None, None), (None, Some(shape)), None, &reqs);
+        let served = unified(&env, None, (None, Some(shape)), None, &reqs);
         // Every request finishes with all its outputs (debug builds also
         // check, step by step, that no group's KV overflows).
         assert!(served.out.iter().all(|o| o.ttft.is_some() && o.tpot.is_some() && o.finish.is_some()));
@@ -893,8 +886,8 @@ mod tests {
             overlap: moeforge_plan::cost::step::Overlaps::STANDARD,
         };
         let one = [req(3000, 2)];
-        let whole = unified(&env, (None, None), (None, Some(shape)), None, &one).out[0].ttft.unwrap();
-        let chunked = unified(&env, (None, Some(8192.0)), (None, Some(shape)), None, &one).out[0].ttft.unwrap();
+        let whole = unified(&env, None, (None, Some(shape)), None, &one).out[0].ttft.unwrap();
+        let chunked = unified(&env, Some(8192.0), (None, Some(shape)), None, &one).out[0].ttft.unwrap();
         // The same step time the engine charges, by hand: a lone group's chunks
         // of 1024, 1024 and 952 tokens after 0, 1024 and 2048 cached ones.
         let step = |n: f64, prefix: f64| {

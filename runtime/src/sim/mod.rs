@@ -8,7 +8,7 @@
 //! | `pd-disagg` | whole-model instances (the fewest GPUs holding the weights), half prefill, half decode | one copy per instance | concurrent, separate GPUs; KV moves after prefill |
 //! | `green-context` | SGLang-PDMux: TP per node on Green Context SM partitions | EP, same partitions | concurrent on every GPU: while a prefill batch is in flight, the SGLang PD-Multiplexing split its decode batch picks; otherwise decode on every SM; shared links |
 //! | `colocated` | DP on every GPU | EP on every GPU | one iteration at a time, prefill first |
-//! | `chunked-prefill` | as colocated, prompts split into chunks | | each chunk re-reads weights and its prefix KV |
+//! | `chunked-prefill` | as colocated, with SGLang's chunked prefill at the ExpertPlex evaluation's 256 tokens a DP rank | | each chunk re-reads weights and its prefix KV |
 //! | `static-tp` / `static-ep` | the dual-mode plan in one mode | | one iteration at a time; SGLang's default chunked prefill (its budget split over DP ranks) |
 //! | `moebius` | the dual-mode plan, switching by the §4.5 coordinator | | as static TP/EP; each switch pays the reshard |
 //!
@@ -121,21 +121,14 @@ pub struct Switching {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Phases {
     /// Both phases on the same groups, one iteration at a time (prefill
-    /// first). With `chunk`, SGLang's mixed chunking: every iteration
-    /// decodes and advances at most `chunk` prompt tokens per group. With
-    /// `chunked_prefill`, SGLang's default chunked prefill: a prefill
-    /// iteration takes at most that many prompt tokens over all groups (a
-    /// 1/groups share each, as SGLang divides `--chunked-prefill-size` by
-    /// the DP size under DP attention), splitting longer prompts, and
-    /// decode waits for it. With neither, a group takes whole prompts up to
-    /// [`MAX_PREFILL_TOKENS`] per iteration (chunking off).
-    Unified {
-        chunk: Option<f64>,
-        chunked_prefill: Option<f64>,
-        tp: Option<Shape>,
-        ep: Option<Shape>,
-        switch: Option<Switching>,
-    },
+    /// first). With `chunked_prefill`, SGLang's chunked prefill (not mixed
+    /// with decode, SGLang's default): a prefill iteration takes at most
+    /// that many prompt tokens over all groups (a 1/groups share each, as
+    /// SGLang divides `--chunked-prefill-size` by the DP size under DP
+    /// attention), splitting longer prompts, and decode waits for it.
+    /// Without, a group takes whole prompts up to [`MAX_PREFILL_TOKENS`] per
+    /// iteration (chunking off).
+    Unified { chunked_prefill: Option<f64>, tp: Option<Shape>, ep: Option<Shape>, switch: Option<Switching> },
     /// Concurrent prefill and decode sides; `kv_transfer` when a prompt's KV
     /// moves from the prefill GPU to the decode GPU (over RDMA when `remote`).
     Split { prefill: Shape, decode: Shape, sharing: Sharing, kv_transfer: bool },
@@ -157,8 +150,13 @@ pub struct Deployment {
     pub decode_kv_tokens: f64,
 }
 
-/// Prompt-chunk sizes (tokens per DP rank) chunked prefill is tuned over.
-pub const CHUNKS: [f64; 4] = [1024.0, 2048.0, 4096.0, 8192.0];
+/// Prompt tokens a DP rank's iteration takes in the chunked-prefill
+/// baseline: ExpertPlex Figs. 7–10 run SGLang-ChunkedPrefill with
+/// `--chunked-prefill-size` 2048 on DP8EP8 (MiniMax-M2) and 4096 on
+/// DP16EP16 (GLM-5), and SGLang divides that flag by the DP size under DP
+/// attention (`server_args`: "DP attention is enabled. The chunked prefill
+/// size is adjusted to …"), so each rank takes 256 in both settings.
+pub const CHUNK_PER_RANK: f64 = 256.0;
 
 /// Everything the systems share for one deployment.
 pub struct Bench<'a> {
@@ -276,52 +274,52 @@ impl<'a> Bench<'a> {
         } else {
             16384.0
         };
-        let unified = |label: String, chunk, tp: Option<Shape>, ep: Option<Shape>, switch| {
+        let unified = |label: String, tp: Option<Shape>, ep: Option<Shape>, switch| {
             let kv = ep.or(tp).map_or(0.0, |s| f64::from(s.groups) * s.kv_per_group);
             // The ExpertPlex paper's SGLang baselines run with chunking off
-            // (colocated) or tuned (chunked prefill); Moebius's, SGLang's default.
+            // (colocated) or at its chunk ([`CHUNK_PER_RANK`]); Moebius's, SGLang's default.
             let chunked_prefill = match system {
                 System::StaticTp | System::StaticEp | System::Moebius => Some(sglang_chunk),
+                System::ChunkedPrefill => Some(CHUNK_PER_RANK * f64::from(e.world)),
                 _ => None,
             };
             Deployment {
                 system,
                 label,
-                phases: Phases::Unified { chunk, chunked_prefill, tp, ep, switch },
+                phases: Phases::Unified { chunked_prefill, tp, ep, switch },
                 expert_copies: 1,
                 decode_kv_tokens: kv,
             }
         };
         Ok(match system {
             System::Colocated => {
-                vec![unified(format!("DP{0}EP{0}", e.world), None, None, Some(self.ep_shape(colocated_kv)), None)]
+                vec![unified(format!("DP{0}EP{0}", e.world), None, Some(self.ep_shape(colocated_kv)), None)]
             }
-            System::ChunkedPrefill => CHUNKS
-                .iter()
-                .map(|&c| {
-                    unified(
-                        format!("DP{0}EP{0} chunk {c}", e.world),
-                        Some(c),
-                        None,
-                        Some(self.ep_shape(colocated_kv)),
-                        None,
-                    )
-                })
-                .collect(),
+            System::ChunkedPrefill => vec![unified(
+                format!(
+                    "DP{0}EP{0} chunk {1} ({2} a rank)",
+                    e.world,
+                    CHUNK_PER_RANK * f64::from(e.world),
+                    CHUNK_PER_RANK
+                ),
+                None,
+                Some(self.ep_shape(colocated_kv)),
+                None,
+            )],
             System::StaticTp => {
                 let (tp, _) = self.dual()?;
-                vec![unified(format!("TP{}", tp.width), None, Some(tp), None, None)]
+                vec![unified(format!("TP{}", tp.width), Some(tp), None, None)]
             }
             System::StaticEp => {
                 let (_, ep) = self.dual()?;
-                vec![unified(format!("DP{0}EP{0} (dual-mode buffer)", e.world), None, None, Some(ep), None)]
+                vec![unified(format!("DP{0}EP{0} (dual-mode buffer)", e.world), None, Some(ep), None)]
             }
             System::Moebius => {
                 let (tp, ep) = self.dual()?;
                 let switch = self.switching(&tp, &ep);
                 let label =
                     format!("TP{}↔EP{} T_h={} T_l={}", tp.width, ep.groups, switch.policy.t_high, switch.policy.t_low);
-                vec![unified(label, None, Some(tp), Some(ep), Some(switch))]
+                vec![unified(label, Some(tp), Some(ep), Some(switch))]
             }
             System::PdDisagg => vec![self.pd()?],
             System::GreenContext => self.green(),
@@ -520,8 +518,8 @@ impl<'a> Bench<'a> {
     pub fn simulate_traced(&self, dep: &Deployment, reqs: &[Req]) -> Trace {
         let reqs = self.capped(reqs);
         match &dep.phases {
-            Phases::Unified { chunk, chunked_prefill, tp, ep, switch } => {
-                let served = loops::unified(&self.env, (*chunk, *chunked_prefill), (*tp, *ep), switch.as_ref(), &reqs);
+            Phases::Unified { chunked_prefill, tp, ep, switch } => {
+                let served = loops::unified(&self.env, *chunked_prefill, (*tp, *ep), switch.as_ref(), &reqs);
                 Trace { outcomes: served.out, switches: served.switches, retractions: served.retractions }
             }
             Phases::Split { prefill, decode, sharing, kv_transfer } => Trace {
