@@ -1112,11 +1112,18 @@ fn serve_three_with_switches(t: &mut Twin, f: &Fixture, mut before: impl FnMut(&
 fn both_modes_graphs_are_recorded_before_serving_on_the_emulated_device() {
     let cache = tempfile::tempdir().unwrap();
     let (mut t, f) = dual_mode_on_the_emulated_device(cache.path());
+    // Decode dispatches routed on request hold no graph in either mode:
+    // nothing is recorded, and no warm-up switch is taken for nothing.
+    t.route_decode_on_device(true);
+    assert_eq!(t.capture_graphs(3).unwrap_or_else(|e| panic!("{e}")), []);
+    assert_eq!((t.device_reshards(), t.graph_stats().unwrap().captured), (Some(0), 0));
+    t.route_decode_on_device(false);
     // The buckets that hold up to 3 requests a rank: 1, 2 and 4.
     let kept = t.capture_graphs(3).unwrap_or_else(|e| panic!("{e}"));
     let want: Vec<(Mode, u32)> = [Mode::Ep, Mode::Tp].iter().flat_map(|&m| [1, 2, 4].map(|n| (m, n))).collect();
     assert_eq!(kept, want);
     assert_eq!(t.mode(), Mode::Ep, "the warm-up switch came back");
+    assert_eq!(t.device_reshards(), Some(2), "one warm-up switch into TP and one back");
     // The recording steps are not serving's: only the recordings count.
     let before = t.graph_stats().unwrap();
     assert_eq!(

@@ -275,26 +275,30 @@ pub fn driver(
     .map_err(|e| error(e, ""))?;
     // What serving runs with is set before graphs are recorded or timed.
     configure(&mut engine);
+    let start = engine.mode();
     let recorded = graphs.0.apply(&mut engine, graphs.1)?;
     let context = deploy.map_or(0, |d| policy::calibration_context(&d.workload));
     let modeled = |context| moeforge::runtime::sim::Bench::new(&bundle.spec, &bundle.plan)?.decode_costs(context);
     let (driver, calibration) = policy::driver(switch, &bundle.plan.memory.modes, policy, engine, context, modeled)
         .map_err(|e| error(e, ""))?;
-    Ok((driver, Startup { recorded, calibration }))
+    Ok((driver, Startup { start, recorded, calibration }))
 }
 
-/// Prints what ran before serving (the decode graphs recorded, the
-/// calibration) and the policy in force.
-pub fn print_startup(startup: &Startup, driver: &Driver<twin::Twin>) {
+/// What ran before serving (the decode graphs recorded, the calibration)
+/// and the policy in force, a line each.
+pub fn startup_lines(startup: &Startup, driver: &Driver<twin::Twin>) -> Vec<String> {
+    let mut lines = Vec::new();
     if let Some(kept) = &startup.recorded {
-        print_recorded(kept, driver.engine.plan().modes.len());
+        lines.push(recorded_line(kept, startup.start));
     }
-    print_policy(&startup.calibration, driver.policy(), driver.engine.records_graphs());
+    policy_lines(&startup.calibration, driver.policy(), driver.engine.records_graphs(), &mut lines);
+    lines
 }
 
-/// Prints the calibration and the policy in force; `graphs`: whether the
-/// engine's decode steps (those calibration timed) are graph replays.
-fn print_policy(calibration: &Option<Calibrated>, policy: Option<&Policy>, graphs: bool) {
+/// The calibration and the policy in force; `graphs`: whether the engine's
+/// decode steps (those calibration timed) are graph replays.
+fn policy_lines(calibration: &Option<Calibrated>, policy: Option<&Policy>, graphs: bool, lines: &mut Vec<String>) {
+    let mut out = |s: &str| lines.push(s.to_string());
     let rows = |costs: &policy::Calibration| {
         let rows: Vec<String> =
             costs.iter().map(|(b, tp, ep)| format!("B={b}: tp {:.2} ms, ep {:.2} ms", tp * 1e3, ep * 1e3)).collect();
@@ -410,15 +414,18 @@ impl GraphArgs {
 }
 
 /// What `run` and `serve` did before serving: the decode graphs recorded
-/// ([`GraphArgs::apply`]) and the calibration of `t_high = auto`.
+/// ([`GraphArgs::apply`]) from the engine's starting mode `start`, and the
+/// calibration of `t_high = auto`.
 pub struct Startup {
+    pub start: Mode,
     pub recorded: Option<Vec<(Mode, u32)>>,
     pub calibration: Option<Calibrated>,
 }
 
-/// Says which decode graphs were recorded before serving, over `modes`
-/// modes.
-fn print_recorded(kept: &[(Mode, u32)], modes: usize) {
+/// Says which decode graphs were recorded before serving, from the
+/// starting mode `start` (and the other mode, where a warm-up switch
+/// recorded some there).
+fn recorded_line(kept: &[(Mode, u32)], start: Mode) -> String {
     let per_mode: Vec<String> = [Mode::Ep, Mode::Tp]
         .iter()
         .filter_map(|&m| {
@@ -426,7 +433,7 @@ fn print_recorded(kept: &[(Mode, u32)], modes: usize) {
             (!sizes.is_empty()).then(|| format!("{} buckets {}", m.name(), sizes.join(", ")))
         })
         .collect();
-    out(&format!(
+    format!(
         "decode graphs recorded before serving: {} (each from a warm-up and a recorded step of padding requests \
          only{})",
         if per_mode.is_empty() {
@@ -436,8 +443,12 @@ fn print_recorded(kept: &[(Mode, u32)], modes: usize) {
         } else {
             per_mode.join("; ")
         },
-        if modes > 1 { "; the other mode entered by a weight-only warm-up switch and left" } else { "" }
-    ));
+        if kept.iter().any(|k| k.0 != start) {
+            "; the other mode entered by a weight-only warm-up switch and left"
+        } else {
+            ""
+        }
+    )
 }
 
 /// The drift window and threshold the options ask for (`None`: the plan's
@@ -577,7 +588,9 @@ pub fn run_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> {
             of(Role::Moe)
         ));
     }
-    print_startup(&startup, &driver);
+    for line in startup_lines(&startup, &driver) {
+        out(&line);
+    }
     for id in 0..n as u64 {
         let toks: Vec<String> = tokens.get(&id).into_iter().flatten().map(u32::to_string).collect();
         out(&format!("request {id}: {}", toks.join(" ")));

@@ -3,7 +3,7 @@
 //! policy. Prints `listening on http://ADDR` once bound; Ctrl-C or SIGTERM
 //! stops accepting and drains what is in flight.
 
-use super::run::{driver, load_dir, prepare, print_startup, swap_policy, Backend, GraphArgs, Start, SwapArgs};
+use super::run::{driver, load_dir, prepare, startup_lines, swap_policy, Backend, GraphArgs, Start, SwapArgs};
 use super::{error, out};
 use moeforge::plan::bundle::LoadedBundle;
 use moeforge::plan::memory::Mode;
@@ -80,7 +80,9 @@ pub fn serve_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> 
             engine.set_swap_policy(policy);
         }
     })?;
-    print_startup(&startup, &driver);
+    // Printed under the serving line, once the server is bound.
+    let device = driver.engine.device_description();
+    let startup = startup_lines(&startup, &driver);
     let name = bundle.plan.model.name.clone();
     let deploy = bundle.spec.deploys.first().map(|d| d.name.clone());
     let model = a.served_model_name.clone().unwrap_or_else(|| name.clone());
@@ -94,6 +96,12 @@ pub fn serve_bundle(a: &Options, bundle: &LoadedBundle) -> Result<(), ExitCode> 
     let backend = a.backend.describe();
     serve_blocking(&addr, driver, cfg, |bound| {
         out(&format!("serving {model} on the {backend} ({group} ranks, modes [{modes}], {tokenizer})"));
+        if let Some(d) = &device {
+            out(&format!("device: {d}"));
+        }
+        for line in &startup {
+            out(line);
+        }
         out(&format!("listening on http://{bound}"));
     })
     .map_err(|e| error(format!("{addr}: {e}"), "is the port in use? --port 0 picks a free one"))

@@ -1095,6 +1095,21 @@ impl Executor {
         self.graphs_on
     }
 
+    /// Weight reshards so far: live switches and warm-up ones.
+    pub fn reshards(&self) -> u64 {
+        self.reshards
+    }
+
+    /// Whether a graph would hold `mode`'s decode step of one request a
+    /// rank, the smallest bucket (what [`Executor::capture_decode_graphs`]
+    /// records first): graphs on, the dispatch on fixed slots, the bucket
+    /// within the step's inputs and one post round. `false` says recording
+    /// that mode's graphs would keep none, before any step runs.
+    pub fn graphs_hold(&self, mode: Mode) -> bool {
+        let work = vec![Vec::new(); self.buffers.len()];
+        self.graphs_on && matches!(self.bucketed(&self.plan, mode, &work, 1), Ok(Some(_)))
+    }
+
     /// Counts the kept graphs as recorded now: a live switch or swap after
     /// this is one after their recording (what `replayed_after_switch` and
     /// `replayed_after_swap` count), the warm-up switches that recorded or

@@ -330,18 +330,27 @@ impl Twin {
     /// Records the device's decode graphs of both modes now, for the batch
     /// buckets that hold up to `most` requests a rank, as Moebius §4.4 does
     /// at startup ([`Twin::walk_modes`]: the current mode's first, then the
-    /// other mode's after a weight-only warm-up switch). Returns the (mode,
+    /// other mode's after a weight-only warm-up switch, taken only where a
+    /// graph holds that mode's smallest bucket,
+    /// [`crate::device::exec::Executor::graphs_hold`]). Returns the (mode,
     /// bucket)s recorded; nothing without a device that records graphs.
     /// Refused while a request is in flight.
     pub fn capture_graphs(&mut self, most: u32) -> Result<Vec<(Mode, u32)>, EngineError> {
-        if !self.records_graphs() {
+        let Some(d) = self.device.as_ref().filter(|d| d.records_graphs() && most > 0) else {
+            return self.idle_or("recording decode graphs").map(|()| Vec::new());
+        };
+        let held: Vec<Mode> = self.plan.modes.iter().copied().filter(|&m| d.graphs_hold(m)).collect();
+        if held.is_empty() {
             return self.idle_or("recording decode graphs").map(|()| Vec::new());
         }
-        let (mut kept, mut visited, modes) = (Vec::new(), 0, self.plan.modes.len());
+        let (mut kept, mut visited) = (Vec::new(), Vec::new());
         self.walk_modes("recording decode graphs", |d, mode| {
-            kept.extend(d.capture_decode_graphs(mode, most)?.into_iter().map(|b| (mode, b)));
-            visited += 1;
-            Ok(visited < modes)
+            if held.contains(&mode) {
+                kept.extend(d.capture_decode_graphs(mode, most)?.into_iter().map(|b| (mode, b)));
+            }
+            visited.push(mode);
+            // On to the other mode only where it has a graph to record.
+            Ok(held.iter().any(|m| !visited.contains(m)))
         })?;
         Ok(kept)
     }
@@ -483,6 +492,12 @@ impl Twin {
     /// What the device's decode graphs did so far (`None` without a device).
     pub fn graph_stats(&self) -> Option<crate::device::exec::GraphStats> {
         self.device.as_ref().map(crate::device::exec::Executor::graph_stats)
+    }
+
+    /// The device's weight reshards so far, warm-up switches included
+    /// (`None` without a device).
+    pub fn device_reshards(&self) -> Option<u64> {
+        self.device.as_ref().map(crate::device::exec::Executor::reshards)
     }
 
     /// The (mode, bucket)s whose decode graph the device keeps.
