@@ -14,7 +14,7 @@ use moeforge::runtime::sim::workload::Req;
 use moeforge::runtime::sim::{Bench, Deployment, Phases, Sharing, System};
 
 fn one(b: &Bench, s: System) -> Deployment {
-    b.deployments(s).unwrap_or_else(|e| panic!("{s:?}: {e}")).remove(0)
+    b.deployment(s).unwrap_or_else(|e| panic!("{s:?}: {e}"))
 }
 
 fn req(arrival: f64, input: u32, output: u32) -> Req {
@@ -48,7 +48,7 @@ fn pd_duplicates_experts_and_holds_less_kv_than_sharing() {
     let env = &g.bench().env;
     assert!(env.usable - env.weights_per_gpu(1, 16) - env.workspace < 0.0);
     assert!(env.usable - env.weights_per_gpu(1, 32) - env.workspace > 0.0);
-    let err = g.bench().deployments(System::PdDisagg).unwrap_err();
+    let err = g.bench().deployment(System::PdDisagg).unwrap_err();
     assert!(err.contains("needs 32 GPUs"), "{err}");
 }
 
@@ -64,7 +64,7 @@ fn tp_replicates_kv_heads_and_the_dual_plan_gives_both_capacities() {
     assert!((ep.decode_kv_tokens / tp.decode_kv_tokens - 2.0).abs() < 0.01);
     // A plan without `switch` has no TP mode: the systems needing one say why.
     let m = fixture("minimax-m2-h800");
-    let err = m.bench().deployments(System::Moebius).unwrap_err();
+    let err = m.bench().deployment(System::Moebius).unwrap_err();
     assert!(err.contains("EP-only"), "{err}");
 }
 
@@ -175,9 +175,7 @@ fn chunked_prefill_pays_for_every_chunk() {
 fn pdmux_decode_runs_on_its_split_only_while_a_prefill_is_in_flight() {
     let f = fixture("minimax-m2-h800");
     let b = f.bench();
-    let greens = b.deployments(System::GreenContext).unwrap();
-    assert_eq!(greens.len(), 1);
-    let g = &greens[0];
+    let g = &one(&b, System::GreenContext);
     let Phases::Split { sharing: Sharing::PdMux(mux), decode, .. } = g.phases else { panic!("{:?}", g.phases) };
     assert_eq!(mux.split(1), (112.0, 20.0));
     // One step on the split's 20 SMs at the request's first context.
@@ -222,8 +220,8 @@ fn every_request_is_served_once_and_in_order_of_its_own_timeline() {
         let b = f.bench();
         let reqs = moeforge::runtime::sim::workload::requests(&f.spec.deploys[0].workload, 300, 20.0, 3);
         for s in System::ALL {
-            let Ok(deps) = b.deployments(s) else { continue };
-            let out = b.simulate(&deps[0], &reqs);
+            let Ok(dep) = b.deployment(s) else { continue };
+            let out = b.simulate(&dep, &reqs);
             for (r, o) in reqs.iter().zip(&out) {
                 let (Some(ttft), Some(tpot), Some(fin)) = (o.ttft, o.tpot, o.finish) else {
                     panic!("{name} {s:?}: request {r:?} unserved: {o:?}")
@@ -448,8 +446,7 @@ fn the_simulated_expertplex_system_is_the_compiled_role_plan() {
     let f = fixture("glm-5-h800x24");
     let plan = f.planned.plan();
     let roles = plan.roles.as_ref().expect("glm-5-h800x24 realizes ExpertPlex roles");
-    let deps = f.bench().deployments(System::ExpertPlex).unwrap();
-    let d = deps.first().unwrap();
+    let d = one(&f.bench(), System::ExpertPlex);
     let n = |r: Role| roles.ranks(r).len();
     let o = roles.overlap;
     assert_eq!(
@@ -472,13 +469,13 @@ fn the_simulated_expertplex_system_is_the_compiled_role_plan() {
     let other = plan.search.as_ref().unwrap().ranked.iter().find(|c| c.per_node != roles.per_node).unwrap();
     let mut edited = plan.clone();
     edited.roles.as_mut().unwrap().per_node = other.per_node.clone();
-    let err = Bench::new(&f.spec, &edited).unwrap().deployments(System::ExpertPlex).unwrap_err();
+    let err = Bench::new(&f.spec, &edited).unwrap().deployment(System::ExpertPlex).unwrap_err();
     assert!(err.contains("not the layout search's best"), "{err}");
     // So is a plan whose schedule overlaps otherwise than the search chose.
     let mut edited = plan.clone();
     let r = edited.roles.as_mut().unwrap();
     r.overlap.decode = if r.overlap.decode == Overlap::Tbo { Overlap::Sbo } else { Overlap::Tbo };
-    let err = Bench::new(&f.spec, &edited).unwrap().deployments(System::ExpertPlex).unwrap_err();
+    let err = Bench::new(&f.spec, &edited).unwrap().deployment(System::ExpertPlex).unwrap_err();
     assert!(err.contains("not the layout search's best"), "{err}");
 }
 
@@ -490,8 +487,7 @@ fn the_simulated_pd_system_is_the_compiled_pd_plan() {
     let f = fixture("glm-4.5-air-h200");
     let plan = f.planned.plan();
     let roles = plan.roles.as_ref().expect("glm-4.5-air-h200 realizes PD instances");
-    let deps = f.bench().deployments(System::PdDisagg).unwrap();
-    let d = deps.first().unwrap();
+    let d = one(&f.bench(), System::PdDisagg);
     let unit = roles.ep_groups[0].len();
     let of = |r: Role| roles.ep_groups.iter().filter(|g| roles.gpus[g[0] as usize] == r).count();
     assert_eq!(d.label, format!("{}P{}D × DP{unit}EP{unit}", of(Role::Prefill), of(Role::Decode)));

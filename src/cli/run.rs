@@ -275,13 +275,14 @@ pub fn driver(
     .map_err(|e| error(e, ""))?;
     // What serving runs with is set before graphs are recorded or timed.
     configure(&mut engine);
-    let start = engine.mode();
+    let reshards = engine.device_reshards();
     let recorded = graphs.0.apply(&mut engine, graphs.1)?;
+    let warmup_switch = engine.device_reshards() != reshards;
     let context = deploy.map_or(0, |d| policy::calibration_context(&d.workload));
     let modeled = |context| moeforge::runtime::sim::Bench::new(&bundle.spec, &bundle.plan)?.decode_costs(context);
     let (driver, calibration) = policy::driver(switch, &bundle.plan.memory.modes, policy, engine, context, modeled)
         .map_err(|e| error(e, ""))?;
-    Ok((driver, Startup { start, recorded, calibration }))
+    Ok((driver, Startup { warmup_switch, recorded, calibration }))
 }
 
 /// What ran before serving (the decode graphs recorded, the calibration)
@@ -289,7 +290,7 @@ pub fn driver(
 pub fn startup_lines(startup: &Startup, driver: &Driver<twin::Twin>) -> Vec<String> {
     let mut lines = Vec::new();
     if let Some(kept) = &startup.recorded {
-        lines.push(recorded_line(kept, startup.start));
+        lines.push(recorded_line(kept, startup.warmup_switch));
     }
     policy_lines(&startup.calibration, driver.policy(), driver.engine.records_graphs(), &mut lines);
     lines
@@ -414,18 +415,17 @@ impl GraphArgs {
 }
 
 /// What `run` and `serve` did before serving: the decode graphs recorded
-/// ([`GraphArgs::apply`]) from the engine's starting mode `start`, and the
-/// calibration of `t_high = auto`.
+/// ([`GraphArgs::apply`]), whether that took a weight-only warm-up switch
+/// into the other mode, and the calibration of `t_high = auto`.
 pub struct Startup {
-    pub start: Mode,
+    pub warmup_switch: bool,
     pub recorded: Option<Vec<(Mode, u32)>>,
     pub calibration: Option<Calibrated>,
 }
 
-/// Says which decode graphs were recorded before serving, from the
-/// starting mode `start` (and the other mode, where a warm-up switch
-/// recorded some there).
-fn recorded_line(kept: &[(Mode, u32)], start: Mode) -> String {
+/// Says which decode graphs were recorded before serving, and whether a
+/// warm-up switch entered the other mode to record its own.
+fn recorded_line(kept: &[(Mode, u32)], warmup_switch: bool) -> String {
     let per_mode: Vec<String> = [Mode::Ep, Mode::Tp]
         .iter()
         .filter_map(|&m| {
@@ -438,16 +438,12 @@ fn recorded_line(kept: &[(Mode, u32)], start: Mode) -> String {
          only{})",
         if per_mode.is_empty() {
             "none (no decode step of this plan runs as a graph here: its dispatch is routed, or no bucket fits \
-             one step's inputs)"
+             one step's inputs or one post round)"
                 .to_string()
         } else {
             per_mode.join("; ")
         },
-        if kept.iter().any(|k| k.0 != start) {
-            "; the other mode entered by a weight-only warm-up switch and left"
-        } else {
-            ""
-        }
+        if warmup_switch { "; the other mode entered by a weight-only warm-up switch and left" } else { "" }
     )
 }
 

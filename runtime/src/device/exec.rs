@@ -1104,10 +1104,12 @@ impl Executor {
     /// rank, the smallest bucket (what [`Executor::capture_decode_graphs`]
     /// records first): graphs on, the dispatch on fixed slots, the bucket
     /// within the step's inputs and one post round. `false` says recording
-    /// that mode's graphs would keep none, before any step runs.
-    pub fn graphs_hold(&self, mode: Mode) -> bool {
+    /// that mode's graphs would keep none, before any step runs (a larger
+    /// bucket asks more of each check); an error, that the step itself
+    /// cannot be laid out (as recording it would fail).
+    pub fn graphs_hold(&self, mode: Mode) -> Result<bool, ExecError> {
         let work = vec![Vec::new(); self.buffers.len()];
-        self.graphs_on && matches!(self.bucketed(&self.plan, mode, &work, 1), Ok(Some(_)))
+        Ok(self.graphs_on && self.bucketed(&self.plan, mode, &work, 1)?.is_some())
     }
 
     /// Counts the kept graphs as recorded now: a live switch or swap after

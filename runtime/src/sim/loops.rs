@@ -35,35 +35,63 @@ struct Run {
 }
 
 /// SGLang's admission estimate (`global_config.py`, `scheduler.py`,
-/// `schedule_policy.py`): a running request is charged `ratio` × its
+/// `schedule_policy.py`): a running request is charged `now` × its
 /// remaining outputs (at most [`CLIP_MAX_NEW_TOKENS`]); a request admitted in
 /// this round is charged its prompt and whole output. The ratio starts at
-/// 0.7, decays linearly to 0.7 × 0.14 over 600 decode steps, and after a
+/// `init` = 0.7 × `--schedule-conservativeness` (1, or 0.3 under DP
+/// attention, [`DP_ATTENTION_CONSERVATIVENESS`]), decays linearly to
+/// `init` × 0.14 over 600 decode steps that retract nothing, and after a
 /// retraction is reset to (tokens decoded + 20 per running request) / their
 /// outputs, at most 1.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct TokenRatio(pub f64);
+pub struct TokenRatio {
+    pub now: f64,
+    pub init: f64,
+}
 
 impl Default for TokenRatio {
+    /// SGLang's default conservativeness (1).
     fn default() -> TokenRatio {
-        TokenRatio(INIT_NEW_TOKEN_RATIO)
+        TokenRatio::new(1.0)
     }
 }
 
 pub const INIT_NEW_TOKEN_RATIO: f64 = 0.7;
-pub const MIN_NEW_TOKEN_RATIO: f64 = INIT_NEW_TOKEN_RATIO * 0.14;
+pub const MIN_NEW_TOKEN_RATIO_FACTOR: f64 = 0.14;
 pub const NEW_TOKEN_RATIO_DECAY_STEPS: f64 = 600.0;
 pub const RETRACT_DECODE_STEPS: f64 = 20.0;
 pub const CLIP_MAX_NEW_TOKENS: f64 = 4096.0;
+/// SGLang's `server_args` multiplies `--schedule-conservativeness` by 0.3
+/// when DP attention is enabled (the same block that divides
+/// `--chunked-prefill-size` by the DP size), so each DP rank's scheduler
+/// starts its estimate at 0.21 and floors it at 0.0294.
+pub const DP_ATTENTION_CONSERVATIVENESS: f64 = 0.3;
 
 impl TokenRatio {
+    /// A fresh estimate at `conservativeness` (SGLang's `init_new_token_ratio`).
+    pub fn new(conservativeness: f64) -> TokenRatio {
+        let init = (INIT_NEW_TOKEN_RATIO * conservativeness).min(1.0);
+        TokenRatio { now: init, init }
+    }
+    /// The estimate of an engine whose attention runs as `groups` groups:
+    /// DP attention where there are several.
+    fn of_groups(groups: usize) -> TokenRatio {
+        TokenRatio::new(if groups > 1 { DP_ATTENTION_CONSERVATIVENESS } else { 1.0 })
+    }
+    fn floor(self) -> f64 {
+        (self.init * MIN_NEW_TOKEN_RATIO_FACTOR).min(1.0)
+    }
+    /// Started over (an idle scheduler).
+    fn reset(self) -> TokenRatio {
+        TokenRatio { now: self.init, ..self }
+    }
     fn decayed(self) -> TokenRatio {
-        let step = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / NEW_TOKEN_RATIO_DECAY_STEPS;
-        TokenRatio((self.0 - step).max(MIN_NEW_TOKEN_RATIO))
+        let step = (self.init - self.floor()) / NEW_TOKEN_RATIO_DECAY_STEPS;
+        TokenRatio { now: (self.now - step).max(self.floor()), ..self }
     }
     /// After a retraction on a group: its running requests' decoded share,
     /// padded: (Σ len(output_ids) + 20 per request) / Σ max_new_tokens, at most 1.
-    fn after_retraction(g: &Group, reqs: &[Req]) -> TokenRatio {
+    fn after_retraction(self, g: &Group, reqs: &[Req]) -> TokenRatio {
         let (mut decoded, mut outputs) = (0.0, 0.0);
         for r in &g.decode {
             let out = f64::from(reqs[r.id].output);
@@ -71,10 +99,10 @@ impl TokenRatio {
             outputs += out;
         }
         if outputs <= 0.0 {
-            return TokenRatio(INIT_NEW_TOKEN_RATIO);
+            return self.reset();
         }
         let n = g.decode.len() as f64;
-        TokenRatio(((decoded + RETRACT_DECODE_STEPS * n) / outputs).min(1.0))
+        TokenRatio { now: ((decoded + RETRACT_DECODE_STEPS * n) / outputs).min(1.0), ..self }
     }
 }
 
@@ -106,8 +134,15 @@ impl Group {
     /// SGLang's charge for the running requests' future outputs.
     fn future(&self) -> f64 {
         self.prefill.iter().chain(&self.decode).map(|r| f64::from(r.left).min(CLIP_MAX_NEW_TOKENS)).sum::<f64>()
-            * self.ratio.0
+            * self.ratio.now
     }
+}
+
+/// `n` empty attention groups, one SGLang scheduler each with its own
+/// admission estimate (DP attention's conservativeness where there are
+/// several).
+fn schedulers(n: usize) -> Vec<Group> {
+    vec![Group { ratio: TokenRatio::of_groups(n), ..Group::default() }; n]
 }
 
 /// Tokens one request's KV holds after its group's next step: a prompt
@@ -198,7 +233,7 @@ fn retract(
             n += 1;
         }
         if any {
-            g.ratio = TokenRatio::after_retraction(g, reqs);
+            g.ratio = g.ratio.after_retraction(g, reqs);
         } else if !g.decode.is_empty() {
             g.ratio = g.ratio.decayed();
         }
@@ -344,7 +379,7 @@ pub(super) fn unified(
         if tp.is_some() && (ep.is_none() || switch.is_some_and(|s| s.start == Mode::Tp)) { Mode::Tp } else { Mode::Ep };
     let shape = |mode: Mode| if mode == Mode::Tp { tp_shape } else { ep_shape };
     let mut coordinator = switch.map(|s| Coordinator::new(s.policy.clone()));
-    let mut groups = vec![Group::default(); shape(mode).groups as usize];
+    let mut groups = schedulers(shape(mode).groups as usize);
     // A request must fit a group in every mode the engine may be in (Moebius
     // switches), or it could block the queue in the mode it does not fit.
     let max_cap = [tp, ep].iter().filter_map(|s| s.map(|s| s.kv_per_group)).fold(f64::INFINITY, f64::min);
@@ -364,7 +399,7 @@ pub(super) fn unified(
         if inflight == 0 {
             // An idle scheduler starts its estimate over (SGLang resets it with no batch to run).
             for g in groups.iter_mut() {
-                g.ratio = TokenRatio::default();
+                g.ratio = g.ratio.reset();
             }
             if next == reqs.len() {
                 break;
@@ -438,15 +473,17 @@ pub(super) fn unified(
 
 /// Redistributes requests over `n` groups of capacity `cap` (Moebius §3.2:
 /// all onto every rank for TP; largest first to the least-loaded group for
-/// EP) by the KV they hold; `None` when they do not fit (the switch is
-/// cancelled). Later outputs are the admission estimate's and retraction's business.
+/// EP) by the KV they hold, under new schedulers whose estimates start over
+/// at the new mode's ([`schedulers`]); `None` when they do not fit (the
+/// switch is cancelled). Later outputs are the admission estimate's and
+/// retraction's business.
 fn regroup(groups: &[Group], n: usize, cap: f64, reqs: &[Req]) -> Option<Vec<Group>> {
     let mut runs: Vec<(bool, Run)> = groups
         .iter()
         .flat_map(|g| g.prefill.iter().map(|r| (true, *r)).chain(g.decode.iter().map(|r| (false, *r))))
         .collect();
     runs.sort_by(|a, b| held(&b.1, b.0, reqs).total_cmp(&held(&a.1, a.0, reqs)).then(a.1.id.cmp(&b.1.id)));
-    let mut out = vec![Group::default(); n];
+    let mut out = schedulers(n);
     let mut used = vec![0.0; n];
     for (pre, r) in runs {
         let need = held(&r, pre, reqs);
@@ -810,23 +847,24 @@ mod tests {
         assert_eq!(waiting, [7, 1]);
         // The group's estimate resets to (Σ outputs so far + 20 each) / Σ outputs:
         // (11 + 6 + 31 + 60) / 150.
-        assert!((groups[0].ratio.0 - 108.0 / 150.0).abs() < 1e-12, "{:?}", groups[0].ratio);
+        assert!((groups[0].ratio.now - 108.0 / 150.0).abs() < 1e-12, "{:?}", groups[0].ratio);
         // Room to spare: nothing moves, and the estimate decays one step.
         assert_eq!(retract(&mut groups, 1e9, &mut waiting, &mut resume, &reqs), 0);
         assert_eq!(groups[0].decode.len(), 3);
-        assert!((groups[0].ratio.0 - TokenRatio(108.0 / 150.0).decayed().0).abs() < 1e-12, "{:?}", groups[0].ratio);
-        assert!(groups[0].ratio.0 < 108.0 / 150.0);
+        let step = (0.7 - 0.098) / 600.0;
+        assert!((groups[0].ratio.now - (108.0 / 150.0 - step)).abs() < 1e-12, "{:?}", groups[0].ratio);
     }
 
     #[test]
     fn the_ratio_decays_to_its_floor_in_600_steps_and_is_reset_by_a_retraction() {
-        let mut r = TokenRatio(INIT_NEW_TOKEN_RATIO);
+        let mut r = TokenRatio::default();
+        assert_eq!(r.now, INIT_NEW_TOKEN_RATIO);
         for _ in 0..599 {
             r = r.decayed();
         }
-        assert!(r.0 > MIN_NEW_TOKEN_RATIO + 1e-9);
+        assert!(r.now > 0.098 + 1e-9);
         r = r.decayed();
-        assert!((r.0 - 0.098).abs() < 1e-9, "{}", r.0);
+        assert!((r.now - 0.098).abs() < 1e-9, "{}", r.now);
         assert_eq!(r.decayed(), r);
         // Two running requests with 11 and 31 of 100 and 200 outputs so far:
         // (42 + 20·2) / 300.
@@ -838,8 +876,17 @@ mod tests {
             ],
             ..Group::default()
         };
-        assert!((TokenRatio::after_retraction(&group, &reqs).0 - 82.0 / 300.0).abs() < 1e-12);
-        assert_eq!(Group::default().ratio, TokenRatio(0.7));
+        assert!((TokenRatio::default().after_retraction(&group, &reqs).now - 82.0 / 300.0).abs() < 1e-12);
+        assert_eq!(Group::default().ratio.now, 0.7);
+        // DP attention's schedulers start at 0.7 × 0.3 and floor at 0.21 × 0.14.
+        assert_eq!(schedulers(1)[0].ratio, TokenRatio::default());
+        let mut dp = schedulers(8)[7].ratio;
+        assert!((dp.now - 0.21).abs() < 1e-12, "{dp:?}");
+        for _ in 0..600 {
+            dp = dp.decayed();
+        }
+        assert!((dp.now - 0.0294).abs() < 1e-12, "{dp:?}");
+        assert_eq!(dp.reset().now, dp.init);
     }
 
     #[test]

@@ -151,11 +151,15 @@ pub struct Deployment {
 }
 
 /// Prompt tokens a DP rank's iteration takes in the chunked-prefill
-/// baseline: ExpertPlex Figs. 7–10 run SGLang-ChunkedPrefill with
-/// `--chunked-prefill-size` 2048 on DP8EP8 (MiniMax-M2) and 4096 on
-/// DP16EP16 (GLM-5), and SGLang divides that flag by the DP size under DP
-/// attention (`server_args`: "DP attention is enabled. The chunked prefill
-/// size is adjusted to …"), so each rank takes 256 in both settings.
+/// baseline. ExpertPlex Figs. 7–10 label SGLang-ChunkedPrefill Chunk=2048
+/// on DP8EP8 (MiniMax-M2) and 4096 on DP16EP16 (GLM-5); read as
+/// `--chunked-prefill-size` (our reading: the label is the flag's value),
+/// which SGLang divides by the DP size under DP attention (`server_args`:
+/// "DP attention is enabled. The chunked prefill size is adjusted to …"),
+/// each rank takes 256 in both settings. (2048 a rank would split no
+/// ShareGPT prompt, which is at most 1024 tokens, and chunked prefill would
+/// serve as colocated does; the paper measured it at half colocated's
+/// goodput.)
 pub const CHUNK_PER_RANK: f64 = 256.0;
 
 /// Everything the systems share for one deployment.
@@ -258,9 +262,8 @@ impl<'a> Bench<'a> {
         Ok((tp_shape, ep_shape))
     }
 
-    /// The deployments a system is evaluated in (several when it has a
-    /// tuning knob: the best one is reported), or why it cannot run here.
-    pub fn deployments(&self, system: System) -> Result<Vec<Deployment>, String> {
+    /// The deployment a system is evaluated in, or why it cannot run here.
+    pub fn deployment(&self, system: System) -> Result<Deployment, String> {
         let e = &self.env;
         let colocated_kv = self.kv_after(e.weights_per_gpu(1, e.world), 1);
         // SGLang's default `--chunked-prefill-size` for the GPU's memory
@@ -292,10 +295,8 @@ impl<'a> Bench<'a> {
             }
         };
         Ok(match system {
-            System::Colocated => {
-                vec![unified(format!("DP{0}EP{0}", e.world), None, Some(self.ep_shape(colocated_kv)), None)]
-            }
-            System::ChunkedPrefill => vec![unified(
+            System::Colocated => unified(format!("DP{0}EP{0}", e.world), None, Some(self.ep_shape(colocated_kv)), None),
+            System::ChunkedPrefill => unified(
                 format!(
                     "DP{0}EP{0} chunk {1} ({2} a rank)",
                     e.world,
@@ -305,25 +306,25 @@ impl<'a> Bench<'a> {
                 None,
                 Some(self.ep_shape(colocated_kv)),
                 None,
-            )],
+            ),
             System::StaticTp => {
                 let (tp, _) = self.dual()?;
-                vec![unified(format!("TP{}", tp.width), Some(tp), None, None)]
+                unified(format!("TP{}", tp.width), Some(tp), None, None)
             }
             System::StaticEp => {
                 let (_, ep) = self.dual()?;
-                vec![unified(format!("DP{0}EP{0} (dual-mode buffer)", e.world), None, Some(ep), None)]
+                unified(format!("DP{0}EP{0} (dual-mode buffer)", e.world), None, Some(ep), None)
             }
             System::Moebius => {
                 let (tp, ep) = self.dual()?;
                 let switch = self.switching(&tp, &ep);
                 let label =
                     format!("TP{}↔EP{} T_h={} T_l={}", tp.width, ep.groups, switch.policy.t_high, switch.policy.t_low);
-                vec![unified(label, Some(tp), Some(ep), Some(switch))]
+                unified(label, Some(tp), Some(ep), Some(switch))
             }
-            System::PdDisagg => vec![self.pd()?],
+            System::PdDisagg => self.pd()?,
             System::GreenContext => self.green(),
-            System::ExpertPlex => vec![self.expertplex()?],
+            System::ExpertPlex => self.expertplex()?,
         })
     }
 
@@ -398,7 +399,7 @@ impl<'a> Bench<'a> {
     /// implementation supports no other) in one group per node, EP experts
     /// over every GPU. (The paper ran GLM-5's baselines on 16 of the 24 GPUs,
     /// PDMux as TP16EP16; that is not modeled: README, "Simulate serving".)
-    fn green(&self) -> Vec<Deployment> {
+    fn green(&self) -> Deployment {
         let e = &self.env;
         let w = e.gpus_per_node;
         let kv = self.kv_after(e.weights_per_gpu(w, e.world), w);
@@ -422,7 +423,7 @@ impl<'a> Bench<'a> {
             (Some(a), Some(b)) => format!("{}/{}–{}/{} SMs", a.0, a.1, b.0, b.1),
             _ => "no splits".into(),
         };
-        vec![Deployment {
+        Deployment {
             system: System::GreenContext,
             label: format!("TP{w}EP{} PDMux {range}", e.world),
             phases: Phases::Split {
@@ -433,7 +434,7 @@ impl<'a> Bench<'a> {
             },
             expert_copies: 1,
             decode_kv_tokens: f64::from(e.nodes) * kv,
-        }]
+        }
     }
 
     /// Virtual lanes of the deployment's scale-out link (1 without one).

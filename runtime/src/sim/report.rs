@@ -129,26 +129,20 @@ impl Bench<'_> {
         self.plan.search.as_ref().and_then(|s| s.ranked.first()).map_or(1.0, |c| (c.goodput / 4.0).max(0.05))
     }
 
-    /// A system's best tuned deployment and its goodput, or why it cannot run here.
-    pub fn best(&self, system: System, start: f64, probe: Probe) -> Result<(f64, Deployment), String> {
-        let mut best: Option<(f64, Deployment)> = None;
-        for dep in self.deployments(system)? {
-            let g = self.goodput(&dep, start, probe);
-            if best.as_ref().is_none_or(|b| g > b.0) {
-                best = Some((g, dep));
-            }
-        }
-        best.ok_or_else(|| "no deployment".into())
+    /// A system's deployment and its goodput, or why it cannot run here.
+    pub fn evaluated(&self, system: System, start: f64, probe: Probe) -> Result<(f64, Deployment), String> {
+        let dep = self.deployment(system)?;
+        Ok((self.goodput(&dep, start, probe), dep))
     }
 
-    /// Evaluates systems: each system's best tuned deployment by goodput,
-    /// then every system's attainment at `rates` points up to 1.5× the best
+    /// Evaluates systems: each system's deployment by goodput, then every
+    /// system's attainment at `rates` points up to 1.5× the best
     /// goodput found.
     pub fn compare(&self, systems: &[System], rates: usize, probe: Probe) -> Vec<SystemResult> {
         let start = self.start_rate();
         let mut results: Vec<SystemResult> = systems
             .iter()
-            .map(|&system| match self.best(system, start, probe) {
+            .map(|&system| match self.evaluated(system, start, probe) {
                 Err(why) => SystemResult { system, deployment: Err(why), goodput: 0.0, curve: Vec::new() },
                 Ok((goodput, dep)) => SystemResult { system, deployment: Ok(dep), goodput, curve: Vec::new() },
             })
@@ -447,7 +441,7 @@ impl Bench<'_> {
         [System::StaticTp, System::StaticEp, System::Moebius]
             .into_iter()
             .map(|system| {
-                let dep = self.deployments(system).and_then(|d| d.into_iter().next().ok_or("no deployment".into()));
+                let dep = self.deployment(system);
                 match dep {
                     Ok(mut dep) => {
                         if let super::Phases::Unified { switch: Some(s), .. } = &mut dep.phases {
@@ -548,11 +542,11 @@ impl Bench<'_> {
 }
 
 impl Bench<'_> {
-    /// The best goodput of each system (over its tuned deployments; 0 where
-    /// it cannot run) without attainment curves.
+    /// The goodput of each system (0 where it cannot run) without
+    /// attainment curves.
     pub fn goodputs(&self, systems: &[System], probe: Probe) -> Vec<(System, f64)> {
         let start = self.start_rate();
-        systems.iter().map(|&s| (s, self.best(s, start, probe).map_or(0.0, |b| b.0))).collect()
+        systems.iter().map(|&s| (s, self.evaluated(s, start, probe).map_or(0.0, |b| b.0))).collect()
     }
 
     /// `moeforge simulate --sensitivity`: every calibrated constant scaled
@@ -579,7 +573,7 @@ impl Bench<'_> {
         let d = self.spec.deploys.first().ok_or("the bundle's spec holds no deployment")?;
         let (m, c, t) = (self.spec.model(d.model), self.spec.cluster(d.cluster), self.spec.tile_set(d.tiles));
         let base = self.plan.cost.calib;
-        let systems: Vec<System> = systems.iter().copied().filter(|&s| self.deployments(s).is_ok()).collect();
+        let systems: Vec<System> = systems.iter().copied().filter(|&s| self.deployment(s).is_ok()).collect();
         let systems = &systems[..];
         let mut rows = vec![SensitivityRow {
             constant: None,
@@ -911,7 +905,7 @@ impl Bench<'_> {
         [System::StaticTp, System::StaticEp, System::Moebius]
             .into_iter()
             .map(|system| {
-                let dep = self.deployments(system).and_then(|d| d.into_iter().next().ok_or("no deployment".into()));
+                let dep = self.deployment(system);
                 let Ok(d) = &dep else {
                     return BurstyResult {
                         system,
@@ -996,7 +990,7 @@ impl Bench<'_> {
         } else {
             System::Colocated
         };
-        let mut base = self.deployments(system)?.into_iter().next().ok_or("no deployment to place for")?;
+        let mut base = self.deployment(system)?;
         let uniform_local = match moe_shapes(&mut base.phases).last().map(|s| s.moe) {
             Some(MoeSide::Ep { local, .. }) => local,
             _ => 1.0,

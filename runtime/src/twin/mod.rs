@@ -339,7 +339,14 @@ impl Twin {
         let Some(d) = self.device.as_ref().filter(|d| d.records_graphs() && most > 0) else {
             return self.idle_or("recording decode graphs").map(|()| Vec::new());
         };
-        let held: Vec<Mode> = self.plan.modes.iter().copied().filter(|&m| d.graphs_hold(m)).collect();
+        let mut held = Vec::new();
+        for &m in &self.plan.modes {
+            match d.graphs_hold(m) {
+                Ok(true) => held.push(m),
+                Ok(false) => {}
+                Err(e) => return Err(EngineError::Backend(format!("recording decode graphs: {e}"))),
+            }
+        }
         if held.is_empty() {
             return self.idle_or("recording decode graphs").map(|()| Vec::new());
         }
