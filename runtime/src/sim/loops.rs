@@ -131,6 +131,13 @@ impl Group {
         self.prefill.iter().map(|r| held(r, true, reqs)).sum::<f64>()
             + self.decode.iter().map(|r| held(r, false, reqs)).sum::<f64>()
     }
+    /// KV tokens the group holds after this iteration (its prompts being
+    /// prefilled counted whole): a decoding request gains its next token
+    /// only on a decode step, so a prefill step may follow a decode step
+    /// that filled the KV to the last token.
+    fn after_step(&self, reqs: &[Req], decoding: bool) -> f64 {
+        self.used(reqs) - if decoding { 0.0 } else { self.decode.len() as f64 }
+    }
     /// SGLang's charge for the running requests' future outputs.
     fn future(&self) -> f64 {
         self.prefill.iter().chain(&self.decode).map(|r| f64::from(r.left).min(CLIP_MAX_NEW_TOKENS)).sum::<f64>()
@@ -445,7 +452,7 @@ pub(super) fn unified(
             // (a batch carrying prompt tokens does not decay it).
             retractions += retract(&mut groups, cap, &mut waiting, &mut resume, reqs);
         }
-        debug_assert!(groups.iter().all(|g| g.used(reqs) <= cap), "a group's KV overflows");
+        debug_assert!(groups.iter().all(|g| g.after_step(reqs, decoding) <= cap), "a group's KV overflows");
         let loads = if prefill { loads } else { decode_loads(&groups, reqs) };
         let it = env.iteration(&loads, sh.width, 1.0, sh.moe, Sms::all(env.cm.sms), 0.0, sh.overlap);
         if it.seconds <= 0.0 || loads.iter().all(Load::is_empty) {
